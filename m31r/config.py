@@ -1,0 +1,104 @@
+"""The model configuration: a typed, validated Struct read from YAML.
+
+msgspec rejects unknown fields and wrong types with a message that names the field, which is the error
+a user needs when a hand-edited config.yaml is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file that cannot describe a valid model."""
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    name: str = "m31r"
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    ffn_hidden: int
+    vocab_size: int
+    max_context: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    eos_token: str = "<|endoftext|>"
+    fim_prefix_token: str = "<|fim_prefix|>"
+    fim_suffix_token: str = "<|fim_suffix|>"
+    fim_middle_token: str = "<|fim_middle|>"
+    pad_token: str = "<|pad|>"
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "d_model", "n_heads", "ffn_hidden", "vocab_size", "max_context"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"`{field}` must be positive, got {getattr(self, field)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"`d_model` ({self.d_model}) must be divisible by `n_heads` ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"`n_kv_heads` ({self.n_kv_heads}) must divide `n_heads` ({self.n_heads})")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("`rope_theta` and `norm_eps` must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        return {
+            "eos_token": self.eos_token,
+            "fim_prefix_token": self.fim_prefix_token,
+            "fim_suffix_token": self.fim_suffix_token,
+            "fim_middle_token": self.fim_middle_token,
+            "pad_token": self.pad_token,
+        }
+
+    def param_count(self) -> int:
+        """Parameters with the embedding counted once (it is tied with the LM head)."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * (self.n_heads + 2 * self.kv_heads) * hd + self.n_heads * hd * d
+        ffn = 3 * d * self.ffn_hidden
+        return self.vocab_size * d + self.n_layers * (attn + ffn + 2 * d) + d
+
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def parse_config(data: dict, source: str = "config") -> ModelConfig:
+    try:
+        return msgspec.convert(data, ModelConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
+    return parse_config(data, str(path))

@@ -1,0 +1,70 @@
+"""Next-token selection: greedy unless sampling is asked for, and then reproducible from a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (17_SERVING §12: deterministic by default)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Per-request state: its own generator, so concurrent requests never share randomness."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: Tensor, history: Tensor | None = None) -> int:
+        """Pick a token from fp32 `logits` [vocab]; `history` holds the ids seen so far for the penalty."""
+        p = self.params
+        if p.repetition_penalty != 1.0 and history is not None and history.numel():
+            seen = logits.index_select(0, history)
+            seen = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            logits = logits.index_copy(0, history, seen)
+        if p.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(filtered_probs(logits, p), 1, generator=self.generator))
+
+
+def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
+    """Temperature, then top-k, then top-p (nucleus); the most likely token always survives."""
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Drop a token when the mass before it already reaches top_p; the first is never dropped.
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs

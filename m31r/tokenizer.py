@@ -1,0 +1,84 @@
+"""Tokenizer wrapper: user text never becomes control tokens, and decoding streams safely.
+
+Special tokens are matched only when prompts are built from ids; `encode` runs with
+`encode_special_tokens = True`, so source code containing `<|fim_prefix|>` stays plain text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|pad|>")
+
+
+class Tokenizer:
+    def __init__(self, hf: HFTokenizer, special: dict[str, str]):
+        self.hf = hf
+        self.hf.encode_special_tokens = True
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        ids = {}
+        for role, text in special.items():
+            tid = hf.token_to_id(text)
+            if tid is None:
+                raise KeyError(f"special token {text!r} ({role}) is not in the tokenizer")
+            ids[role] = tid
+        self.eos_id = ids["eos_token"]
+        self.fim_prefix_id = ids["fim_prefix_token"]
+        self.fim_suffix_id = ids["fim_suffix_token"]
+        self.fim_middle_id = ids["fim_middle_token"]
+        self.pad_id = ids["pad_token"]
+        self.special_ids = frozenset(ids.values())
+
+    @classmethod
+    def from_file(cls, path: str | Path, special: dict[str, str]) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)), special)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def stream(self, context: list[int] | None = None) -> TextStream:
+        return TextStream(self, context)
+
+
+class TextStream:
+    """Incremental detokenisation: partial UTF-8 characters are held back until they complete."""
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None):
+        self._tok = tokenizer
+        # Priming with the last few prompt ids lets decoders that depend on context decode correctly.
+        self._ds = DecodeStream(ids=list(context[-8:]) if context else None, skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._ds.step(self._tok.hf, token_id) or ""
+
+
+def build_byte_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A byte-level tokenizer padded with unused reserved entries to exactly `vocab_size`.
+
+    Used by `m31r bundle init` for random-weight bundles (tests, benchmarks): it can encode any text,
+    and its size matches the config so the bundle validates like a trained one.
+    """
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    n_fixed = len(SPECIAL_TOKENS) + len(byte_chars)
+    if vocab_size < n_fixed:
+        raise ValueError(f"vocab_size {vocab_size} is below the {n_fixed} entries a byte tokenizer needs")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    for i in range(vocab_size - n_fixed):
+        vocab[f"<|reserved_{i}|>"] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
