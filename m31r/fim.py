@@ -1,0 +1,101 @@
+"""The fill-in-the-middle prompt layout, shared by serving and training so both see the same tokens.
+
+    <|fim_suffix|> S <|fim_prefix|> P_above <|fim_middle|> P_line  →  model writes the rest of the middle
+
+Suffix first, so typing only appends: while the user types on a line only P_line (the cursor line's text
+before the cursor) changes, and Enter moves that line into P_above, again an append. Each part is
+tokenised on its own, so an edit in one part never changes the tokens of another.
+
+Truncation keeps the sequence stable too: S keeps whole lines forward from the cursor up to a token
+budget; P_above starts at a line whose index is a multiple of `line_step`, the first that fits its budget,
+so its start moves only every few lines of growth, never with each keystroke.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from m31r.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class FimBudget:
+    suffix: int  # tokens of S
+    line: int  # tokens of P_line
+    above: int  # tokens of P_above
+    reserve: int  # tokens left for the completion
+    line_step: int = 16  # P_above may start only at line indices that are multiples of this
+
+    @classmethod
+    def for_context(cls, max_context: int, line_step: int = 16) -> FimBudget:
+        suffix, line, reserve = max_context // 8, max_context // 16, max_context // 8
+        return cls(suffix, line, max_context - suffix - line - reserve - 3, reserve, line_step)
+
+
+@dataclass(frozen=True)
+class FimPrompt:
+    ids: list[int]
+    suffix_tokens: int
+    above_tokens: int
+    line_tokens: int
+    above_start_line: int  # index of the first line of P_above kept
+
+
+def split_prefix(prefix: str) -> tuple[str, str]:
+    """(P_above, P_line): the complete lines above the cursor, and the cursor line's text before it."""
+    cut = prefix.rfind("\n") + 1
+    return prefix[:cut], prefix[cut:]
+
+
+def _token_counts(tok: Tokenizer, lines: list[str]) -> list[int]:
+    return [len(ids) for ids in tok.encode_batch(lines)] if lines else []
+
+
+def cut_suffix(tok: Tokenizer, suffix: str, budget: int) -> str:
+    """Whole lines forward from the cursor while they fit; the first line is cut by tokens if it alone
+    is too long."""
+    lines = suffix.splitlines(keepends=True)
+    kept, used = 0, 0
+    # Count lazily in small batches: a long file's suffix is mostly beyond the budget.
+    while kept < len(lines):
+        batch = lines[kept : kept + 32]
+        for n in _token_counts(tok, batch):
+            if used + n > budget:
+                break
+            used += n
+            kept += 1
+        else:
+            continue
+        break
+    if kept == 0 and lines:
+        return tok.decode(tok.encode(lines[0])[:budget]) if budget > 0 else ""
+    return "".join(lines[:kept])
+
+
+def cut_above(tok: Tokenizer, above: str, budget: int, line_step: int) -> tuple[str, int]:
+    """The tail of `above` that fits `budget`, starting at a line index that is a multiple of `line_step`."""
+    lines = above.splitlines(keepends=True)
+    n = len(lines)
+    total = 0
+    start = n
+    # Walk up from the cursor, a block of `line_step`-aligned lines at a time.
+    while start > 0:
+        block_start = (start - 1) // line_step * line_step
+        block = sum(_token_counts(tok, lines[block_start:start]))
+        if total + block > budget:
+            break
+        total += block
+        start = block_start
+    return "".join(lines[start:]), start
+
+
+def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget) -> FimPrompt:
+    above, line = split_prefix(prefix)
+    s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))
+    above_text, start_line = cut_above(tok, above, budget.above, budget.line_step)
+    a_ids = tok.encode(above_text)
+    l_ids = tok.encode(line)
+    if len(l_ids) > budget.line:  # a very long cursor line: keep its end, nearest the cursor
+        l_ids = l_ids[len(l_ids) - budget.line :]
+    ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_ids, tok.fim_middle_id, *l_ids]
+    return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line)

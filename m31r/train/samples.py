@@ -1,0 +1,134 @@
+"""Training rows: plain next-token text and FIM samples in the exact serving layout, with loss categories.
+
+Every target token carries a category that decides which loss term it feeds (06 §20):
+  NEXT  next-token prediction on ordinary code,
+  FIM   the middle of a FIM sample and its closing <|endoftext|>,
+  COT   "reasoning comments": a block of `//` line comments (not `///` or `//!` docs) directly followed by
+        the code it explains. The model learns to state intent in a short comment, then write the code.
+  IGNORE  control tokens that are given, never predicted.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from m31r.fim import FimBudget, build_fim_prompt
+from m31r.tokenizer import Tokenizer
+
+IGNORE, NEXT, FIM, COT = -1, 0, 1, 2
+
+_COMMENT = re.compile(r"^[ \t]*//(?![/!])")
+
+
+def cot_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of `//` comment blocks that are directly followed by a line of code."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    block_start: int | None = None
+    for line in text.splitlines(keepends=True):
+        if _COMMENT.match(line):
+            if block_start is None:
+                block_start = pos
+        else:
+            stripped = line.strip()
+            if block_start is not None and stripped and not stripped.startswith("//"):
+                spans.append((block_start, pos))
+            block_start = None
+        pos += len(line)
+    return spans
+
+
+def tokenize_document(tok: Tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Token ids of a whole file and each token's loss category (NEXT or COT)."""
+    enc = tok.hf.encode(text, add_special_tokens=False)
+    cats = [NEXT] * len(enc.ids)
+    spans = cot_spans(text)
+    if spans:
+        j = 0
+        for i, (start, _) in enumerate(enc.offsets):
+            while j < len(spans) and spans[j][1] <= start:
+                j += 1
+            if j < len(spans) and spans[j][0] <= start < spans[j][1]:
+                cats[i] = COT
+    return enc.ids, cats
+
+
+@dataclass(frozen=True)
+class FimSample:
+    ids: list[int]
+    cats: list[int]
+
+
+def choose_middle(text: str, rng: random.Random) -> tuple[int, int]:
+    """Character span of the middle. Mostly starting at a line start (the cursor-line text becomes the
+    start of the middle when serving) and ending anywhere: the rest of one line, a block, or nothing."""
+    line_starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
+    if rng.random() < 0.85:
+        a = rng.choice(line_starts)
+    else:
+        a = rng.randrange(len(text) + 1)
+    kind = rng.random()
+    if kind < 0.05:  # empty middle: the model must learn to stop at once
+        return a, a
+    if kind < 0.45:  # the rest of the current line (single-line infill)
+        nl = text.find("\n", a)
+        b = len(text) if nl < 0 else nl + (1 if rng.random() < 0.5 else 0)
+    elif kind < 0.55:  # to the end of the file: an empty suffix
+        b = len(text)
+    else:  # several lines, ending at a random character
+        n_lines = rng.randint(1, 12)
+        b = a
+        for _ in range(n_lines):
+            nl = text.find("\n", b)
+            b = len(text) if nl < 0 else nl + 1
+        if rng.random() < 0.3 and b > a:
+            b = rng.randint(a, b)
+    return a, min(b, len(text))
+
+
+def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget) -> FimSample:
+    a, b = choose_middle(text, rng)
+    middle = text[a:b]
+    prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
+    m_ids = tok.encode(middle)[: budget.reserve - 1] + [tok.eos_id]
+    # Prompt tokens are context, learned as ordinary text except the control tokens; the cursor-line
+    # text after <|fim_middle|> is already part of the middle.
+    p_cats = [NEXT] * len(prompt.ids)
+    n_s = prompt.suffix_tokens
+    p_cats[0] = p_cats[n_s + 1] = p_cats[len(prompt.ids) - prompt.line_tokens - 1] = IGNORE
+    for i in range(len(prompt.ids) - prompt.line_tokens, len(prompt.ids)):
+        p_cats[i] = FIM
+    return FimSample(prompt.ids + m_ids, p_cats + [FIM] * len(m_ids))
+
+
+def pack_fim_row(
+    tok: Tokenizer, texts: list[str], rng: random.Random, seq_len: int, budget: FimBudget
+) -> tuple[np.ndarray, np.ndarray]:
+    """One row of seq_len + 1 tokens filled with whole-or-cut FIM samples; categories are per *target*.
+
+    The category of position i describes token i; the trainer predicts token i+1 from i, so the row's
+    targets are ids[1:] with categories cats[1:].
+    """
+    ids: list[int] = []
+    cats: list[int] = []
+    while len(ids) < seq_len + 1:
+        text = texts[rng.randrange(len(texts))]
+        if not text:
+            continue
+        s = fim_sample(tok, text, rng, budget)
+        ids += s.ids
+        cats += s.cats
+    return np.asarray(ids[: seq_len + 1], dtype=np.int64), np.asarray(cats[: seq_len + 1], dtype=np.int64)
+
+
+def lm_row(
+    stream: np.ndarray, stream_cats: np.ndarray, rng: random.Random, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A random window of the concatenated corpus (files separated by <|endoftext|>)."""
+    start = rng.randrange(len(stream) - seq_len - 1)
+    end = start + seq_len + 1
+    return stream[start:end].astype(np.int64), stream_cats[start:end].astype(np.int64)

@@ -1,0 +1,250 @@
+"""Training loop: L = L_next + α·L_fim + β·L_cot (06 §16–23), resumable, deterministic, exported as a bundle.
+
+Rows are drawn from a RNG seeded by (seed, step), so a resumed run sees exactly the batches an
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from tqdm import tqdm
+
+from m31r.bundle import Bundle, sha256_file, write_bundle
+from m31r.config import ModelConfig, load_config
+from m31r.fim import FimBudget
+from m31r.model import Transformer, init_weights
+from m31r.tokenizer import Tokenizer
+from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_document
+
+
+class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str  # path of the model config, relative to the train config's folder
+    micro_batch: int = 4
+    grad_accum: int = 4
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    fim_rate: float = 0.5  # share of rows made of FIM samples
+    alpha: float = 0.3  # weight of L_fim
+    beta: float = 0.2  # weight of L_cot
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_batches: int = 8
+    ckpt_interval: int = 100
+    threads: int = 0  # 0 = torch default
+
+
+def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
+    path = Path(path)
+    tc = msgspec.convert(yaml.safe_load(path.read_text()), TrainConfig)
+    return tc, load_config((path.parent / tc.model).resolve())
+
+
+def read_jsonl(path: Path) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def token_stream(tok: Tokenizer, texts: list[str], cache: Path) -> tuple[np.ndarray, np.ndarray]:
+    """All files tokenised and concatenated with <|endoftext|>, cached beside the corpus."""
+    if cache.exists():
+        z = np.load(cache)
+        return z["ids"], z["cats"]
+    ids: list[int] = []
+    cats: list[int] = []
+    for text in tqdm(texts, desc=f"tokenising {cache.stem}", unit="file", mininterval=2):
+        i, c = tokenize_document(tok, text)
+        ids += i + [tok.eos_id]
+        cats += c + [NEXT]
+    arr, carr = np.asarray(ids, dtype=np.uint16), np.asarray(cats, dtype=np.int8)
+    np.savez(cache, ids=arr, cats=carr)
+    return arr, carr
+
+
+class Data:
+    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float):
+        self.tok, self.seq_len, self.fim_rate = tok, seq_len, fim_rate
+        self.budget = FimBudget.for_context(seq_len)
+        tag = sha256_file(data_dir / "tokenizer.json")[:12]
+        self.texts = {s: [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t] for s in ("train", "val")}
+        self.streams = {s: token_stream(tok, self.texts[s], data_dir / f"{s}-{tag}.npz") for s in self.texts}
+
+    def batch(self, split: str, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cats = [], []
+        for _ in range(n):
+            if rng.random() < self.fim_rate:
+                r, c = pack_fim_row(self.tok, self.texts[split], rng, self.seq_len, self.budget)
+            else:
+                r, c = lm_row(*self.streams[split], rng, self.seq_len)
+            rows.append(r)
+            cats.append(c)
+        return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(cats))
+
+
+def loss_terms(model: Transformer, rows: torch.Tensor, cats: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean cross-entropy per category; a category absent from the batch contributes zero."""
+    x, y, c = rows[:, :-1], rows[:, 1:], cats[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    c = c.reshape(-1)
+    out = {}
+    for name, cat in (("next", NEXT), ("fim", FIM), ("cot", COT)):
+        m = c == cat
+        out[name] = (ce * m).sum() / m.sum().clamp(min=1)
+    return out
+
+
+def total_loss(terms: dict[str, torch.Tensor], tc: TrainConfig) -> torch.Tensor:
+    return terms["next"] + tc.alpha * terms["fim"] + tc.beta * terms["cot"]
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: Transformer, tc: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, data: Data, tc: TrainConfig) -> dict[str, float]:
+    """Validation losses on fixed batches (same seed every time, so figures are comparable)."""
+    model.eval()
+    rng = random.Random(tc.seed ^ 0x5EED)
+    sums = {"next": 0.0, "fim": 0.0, "cot": 0.0}
+    for _ in range(tc.eval_batches):
+        rows, cats = data.batch("val", rng, tc.micro_batch)
+        for k, v in loss_terms(model, rows, cats).items():
+            sums[k] += float(v)
+    model.train()
+    return {k: v / tc.eval_batches for k, v in sums.items()}
+
+
+def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, tmp)
+    os.replace(tmp, path)
+
+
+def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *, max_minutes: float | None = None,
+          log=print) -> dict:
+    """Train (or resume) a run; returns its state. Checkpoints land in run_dir/ckpt.pt."""
+    tc, mc = load_train_config(config_path)
+    data_dir, run_dir = Path(data_dir), Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
+    if tok.vocab_size != mc.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
+    data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
+    model = Transformer(mc)
+    init_weights(model, tc.seed)
+    opt = make_optimizer(model, tc)
+    ckpt = run_dir / "ckpt.pt"
+    state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "train_config": msgspec.to_builtins(tc),
+             "model_config": mc.to_dict()}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        log(f"resumed {ckpt} at step {state['step']}")
+    (run_dir / "train.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(tc)))
+    (run_dir / "model.yaml").write_text(mc.to_yaml())
+    model.train()
+    tokens_per_step = tc.micro_batch * tc.grad_accum * mc.max_context
+    t_start = time.time()
+    bar = tqdm(total=tc.max_steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    while state["step"] < tc.max_steps:
+        step = state["step"]
+        t0 = time.perf_counter()
+        lr = lr_at(step, tc)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = random.Random(tc.seed * 1_000_003 + step)
+        parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
+        for _ in range(tc.grad_accum):
+            rows, cats = data.batch("train", rng, tc.micro_batch)
+            terms = loss_terms(model, rows, cats)
+            (total_loss(terms, tc) / tc.grad_accum).backward()
+            for k, v in terms.items():
+                parts[k] += float(v) / tc.grad_accum
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        state["step"] = step + 1
+        state["tokens"] += tokens_per_step
+        state["seconds"] += dt
+        bar.update(1)
+        bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}",
+                        tok_s=f"{tokens_per_step / dt:.0f}")
+        record = {"step": step + 1, "lr": lr, "gnorm": gnorm, **{f"train_{k}": v for k, v in parts.items()}}
+        last = state["step"] == tc.max_steps
+        out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
+        if state["step"] % tc.eval_interval == 0 or last or out_of_time:
+            val = evaluate(model, data, tc)
+            record.update({f"val_{k}": v for k, v in val.items()})
+            log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
+                f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
+        state["history"].append(record)
+        with open(run_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if state["step"] % tc.ckpt_interval == 0 or last or out_of_time:
+            save_checkpoint(ckpt, model, opt, state)
+        if out_of_time:
+            log(f"stopping at step {state['step']}: time budget of {max_minutes} min spent")
+            break
+    bar.close()
+    return state
+
+
+def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0") -> Bundle:
+    """Write the run's latest checkpoint as a release bundle (16-bit weights)."""
+    run_dir, data_dir = Path(run_dir), Path(data_dir)
+    saved = torch.load(run_dir / "ckpt.pt", weights_only=False)
+    state = saved["state"]
+    mc = msgspec.convert(state["model_config"], ModelConfig)
+    evals = [h for h in state["history"] if "val_next" in h]
+    manifest_path = data_dir / "corpus" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    extra = {
+        "steps": state["step"],
+        "tokens_seen": state["tokens"],
+        "train_seconds": round(state["seconds"]),
+        "train_config": state["train_config"],
+        "hardware": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
+    }
+    if evals:
+        v = evals[-1]
+        extra.update({"val_loss_next": round(v["val_next"], 4), "val_perplexity": round(math.exp(v["val_next"]), 3),
+                      "val_loss_fim": round(v["val_fim"], 4), "val_loss_cot": round(v["val_cot"], 4)})
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(data_dir / "tokenizer.json"))
+    return write_bundle(out, mc, saved["model"], tok, dtype=torch.bfloat16, seed=state["train_config"]["seed"],
+                        dataset_version=manifest.get("dataset_version", "unknown"), model_version=model_version,
+                        extra=extra)
