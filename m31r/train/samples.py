@@ -67,10 +67,7 @@ def choose_middle(text: str, rng: random.Random) -> tuple[int, int]:
     """Character span of the middle. Mostly starting at a line start (the cursor-line text becomes the
     start of the middle when serving) and ending anywhere: the rest of one line, a block, or nothing."""
     line_starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
-    if rng.random() < 0.85:
-        a = rng.choice(line_starts)
-    else:
-        a = rng.randrange(len(text) + 1)
+    a = rng.choice(line_starts) if rng.random() < 0.85 else rng.randrange(len(text) + 1)
     kind = rng.random()
     if kind < 0.05:  # empty middle: the model must learn to stop at once
         return a, a

@@ -1,0 +1,262 @@
+"""The async client every front end (CLI, LSP, HTTP) uses. It never imports torch.
+
+One connection multiplexes many requests: a reader task routes each event to its request's Stream by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from m31r_protocol.framing import pack, read_frame
+from m31r_protocol.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Done,
+    Error,
+    Fim,
+    Generate,
+    Hello,
+    Sampling,
+    ServerMessage,
+    Shutdown,
+    ShutdownReply,
+    Status,
+    StatusReply,
+    Token,
+    Welcome,
+    encoder,
+    server_decoder,
+)
+from m31r_protocol.paths import default_socket_path, state_dir
+
+
+class DaemonError(Exception):
+    """The daemon answered a request with an Error."""
+
+    def __init__(self, code: str, message: str):
+        self.code, self.message = code, message
+        super().__init__(f"{code}: {message}")
+
+
+class DaemonUnavailable(ConnectionError):
+    """No daemon answers on the socket, or the connection was lost."""
+
+
+class Stream:
+    """One request's events: iterate for Token events; `done` is set when it ends normally."""
+
+    def __init__(self, client: Client, rid: int):
+        self.client, self.id = client, rid
+        self.queue: asyncio.Queue[ServerMessage | BaseException] = asyncio.Queue()
+        self.done: Done | None = None
+        self.tokens: list[int] = []
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Token:
+        if self.done is not None:
+            raise StopAsyncIteration
+        msg = await self.queue.get()
+        if isinstance(msg, Token):
+            if msg.token is not None:
+                self.tokens.append(msg.token)
+            return msg
+        self.client._streams.pop(self.id, None)
+        if isinstance(msg, Done):
+            self.done = msg
+            raise StopAsyncIteration
+        if isinstance(msg, Error):
+            raise DaemonError(msg.code, msg.message)
+        if isinstance(msg, BaseException):
+            raise msg
+        raise DaemonError("internal", f"unexpected {type(msg).__name__} for request {self.id}")
+
+    async def collect(self) -> tuple[str, Done]:
+        text = "".join([t.text async for t in self])
+        assert self.done is not None
+        return text, self.done
+
+    async def cancel(self) -> None:
+        if self.done is None and self.id in self.client._streams:
+            await self.client._send(Cancel(id=self.id))
+
+
+class Client:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, welcome: Welcome):
+        self._reader, self._writer = reader, writer
+        self.welcome = welcome
+        self._enc = encoder()
+        self._dec = server_decoder()
+        self._ids = itertools.count(1)
+        self._streams: dict[int, Stream] = {}
+        self._lock = asyncio.Lock()
+        self._reader_task = asyncio.create_task(self._read_loop())
+        self.closed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, path: str | Path | None = None, *, client: str = "m31r", timeout: float = 5.0) -> Client:
+        path = Path(path or default_socket_path())
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(str(path))
+                writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
+                await writer.drain()
+                body = await read_frame(reader)
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
+            raise DaemonUnavailable(f"no daemon answers on {path}: {e.__class__.__name__}") from None
+        except asyncio.IncompleteReadError:
+            raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake") from None
+        if body is None:
+            raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake")
+        msg = server_decoder().decode(body)
+        if isinstance(msg, Error):
+            writer.close()
+            raise DaemonError(msg.code, msg.message)
+        if not isinstance(msg, Welcome):
+            writer.close()
+            raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
+        return cls(reader, writer, msg)
+
+    async def _read_loop(self) -> None:
+        error: BaseException = DaemonUnavailable("the daemon closed the connection")
+        try:
+            while (body := await read_frame(self._reader)) is not None:
+                msg = self._dec.decode(body)
+                rid = getattr(msg, "id", None)
+                stream = self._streams.get(rid) if rid is not None else None
+                if stream is not None:
+                    stream.queue.put_nowait(msg)
+                elif isinstance(msg, Error) and rid is None:
+                    error = DaemonError(msg.code, msg.message)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as e:
+            error = DaemonUnavailable(f"connection to the daemon lost: {e}")
+        finally:
+            for stream in self._streams.values():
+                stream.queue.put_nowait(error)
+            self._streams.clear()
+            self.closed.set()
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        if self.closed.is_set():
+            raise DaemonUnavailable("the connection to the daemon is closed")
+        async with self._lock:
+            self._writer.write(pack(self._enc.encode(msg)))
+            await self._writer.drain()
+
+    async def _request(self, make: Callable[[int], msgspec.Struct]) -> Stream:
+        rid = next(self._ids)
+        stream = Stream(self, rid)
+        self._streams[rid] = stream
+        try:
+            await self._send(make(rid))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
+        seed: int | None = None, truncate: bool = False,
+    ) -> Stream:
+        return await self._request(lambda rid: Generate(
+            id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
+            seed=seed, truncate=truncate))
+
+    async def fim(
+        self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
+        sampling: Sampling | None = None, stop: list[str] | None = None, seed: int | None = None,
+        deadline_ms: int | None = None,
+    ) -> Stream:
+        return await self._request(lambda rid: Fim(
+            id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
+            sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms))
+
+    async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
+        stream = await self._request(make)
+        msg = await stream.queue.get()
+        self._streams.pop(stream.id, None)
+        if isinstance(msg, Error):
+            raise DaemonError(msg.code, msg.message)
+        if isinstance(msg, BaseException):
+            raise msg
+        return msg
+
+    async def status(self) -> StatusReply:
+        reply = await self._single(lambda rid: Status(id=rid))
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    async def shutdown(self) -> None:
+        reply = await self._single(lambda rid: Shutdown(id=rid))
+        assert isinstance(reply, ShutdownReply)
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(ConnectionError, BrokenPipeError):
+            await self._writer.wait_closed()
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader_task
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def daemon_log_path() -> Path:
+    return state_dir() / "m31rd.log"
+
+
+async def connect_or_start(
+    path: str | Path | None = None,
+    *,
+    autostart: bool = True,
+    daemon_args: list[str] | None = None,
+    client: str = "m31r",
+    progress: Callable[[str], None] | None = None,
+    timeout: float = 120.0,
+) -> Client:
+    """Connect to the daemon, starting one in the background first if none answers (and autostart is on)."""
+    path = Path(path or default_socket_path())
+    try:
+        return await Client.connect(path, client=client)
+    except DaemonUnavailable:
+        if not autostart:
+            raise
+    log = daemon_log_path()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        progress(f"starting the m31r daemon on {path} (log: {log})")
+    cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--socket", str(path), *(daemon_args or [])]
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        await asyncio.sleep(0.1)
+        try:
+            c = await Client.connect(path, client=client)
+            if progress:
+                progress(f"daemon ready after {time.monotonic() - t0:.1f}s")
+            return c
+        except DaemonUnavailable:
+            if proc.poll() is not None:
+                # Another client may have won the race to start it: its daemon is then the one to use.
+                with contextlib.suppress(DaemonUnavailable):
+                    return await Client.connect(path, client=client)
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise DaemonUnavailable(f"the daemon exited with code {proc.returncode}: {' / '.join(tail)}") from None
+    raise DaemonUnavailable(f"the daemon did not become ready within {timeout:.0f}s (log: {log})")

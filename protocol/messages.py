@@ -1,0 +1,170 @@
+"""The socket protocol's messages: msgspec tagged unions, one Struct per message kind.
+
+Every frame carries exactly one message; the `type` tag picks the Struct. Requests carry a client-chosen
+`id`, unique per connection, so many requests can be in flight on one connection and the events that
+answer them can interleave. `schema.json` beside this file is generated from these Structs
+(`python -m m31r_protocol.schema`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import Struct
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 * 1024 * 1024  # a whole large source file fits; anything bigger is refused unread
+
+ErrorCode = Literal[
+    "bad_request",  # the message is malformed or a field is out of range
+    "unsupported_version",  # the Hello's protocol version is not this daemon's
+    "frame_too_large",  # the frame's length prefix exceeds MAX_FRAME_BYTES (the connection is closed)
+    "busy",  # the request queue is full; retry later
+    "context_overflow",  # prompt + max_tokens exceed the model's context and truncation was not asked for
+    "cancelled",  # Cancel, client disconnect, or superseded by a newer Fim for the same document
+    "shutting_down",  # the daemon is stopping and takes no new work
+    "internal",  # a bug: the daemon logs it and keeps serving
+]
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
+FinishReason = Literal["stop", "length", "deadline"]
+
+
+class Sampling(Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    temperature: float = 0.0  # 0 = greedy, the default: same input, same output
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+
+# -- client → daemon --------------------------------------------------------------------------------------
+
+
+class Hello(Struct, tag="hello", forbid_unknown_fields=True):
+    protocol: int
+    client: str = ""
+
+
+class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
+    id: int
+    prompt: str
+    max_tokens: int = 64
+    sampling: Sampling = Sampling()
+    stop: list[str] = []
+    seed: int | None = None
+    truncate: bool = False  # keep the prompt's end instead of failing with context_overflow
+
+
+class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
+    id: int
+    prefix: str
+    suffix: str = ""
+    document: str = ""  # a key per open document: newest request wins, and its cache slot is kept warm
+    max_tokens: int = 64
+    sampling: Sampling = Sampling()
+    stop: list[str] = []
+    seed: int | None = None
+    deadline_ms: int | None = None  # once spent, generation ends at the next line end
+
+
+class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):
+    id: int
+
+
+class Status(Struct, tag="status", forbid_unknown_fields=True):
+    id: int
+
+
+class Shutdown(Struct, tag="shutdown", forbid_unknown_fields=True):
+    id: int
+
+
+ClientMessage = Hello | Generate | Fim | Cancel | Status | Shutdown
+
+
+# -- daemon → client --------------------------------------------------------------------------------------
+
+
+class Welcome(Struct, tag="welcome"):
+    protocol: int
+    model: str
+    fingerprint: str
+    max_context: int
+    capabilities: list[str]
+    daemon_version: str
+
+
+class Token(Struct, tag="token"):
+    id: int
+    text: str
+    token: int | None = None  # the token id; None for held-back text released at the end
+
+
+class Usage(Struct):
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(Struct):
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    first_token_ms: float | None = None
+    total_ms: float = 0.0
+
+
+class Done(Struct, tag="done"):
+    id: int
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    source: Literal["model", "typed_through"] = "model"
+
+
+class Error(Struct, tag="error"):
+    id: int | None
+    code: ErrorCode
+    message: str
+
+
+class StatusReply(Struct, tag="status_reply"):
+    id: int
+    model: str
+    fingerprint: str
+    bundle: str
+    device: str
+    dtype: str
+    pid: int
+    uptime_s: float
+    queue: int
+    active: int
+    requests: int
+    cache_slots: int
+    cache_slots_used: int
+    cache_mb: float
+    cache_budget_mb: float
+    cache_hit_rate: float  # share of prompt tokens served from the prefix cache
+    rss_mb: float
+
+
+class ShutdownReply(Struct, tag="shutdown_reply"):
+    id: int
+
+
+ServerMessage = Welcome | Token | Done | Error | StatusReply | ShutdownReply
+
+CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline"]
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what a client sends: the daemon's side."""
+    return msgspec.msgpack.Decoder(ClientMessage)
+
+
+def server_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the daemon sends: a client's side."""
+    return msgspec.msgpack.Decoder(ServerMessage)
