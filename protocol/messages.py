@@ -18,6 +18,7 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024  # a whole large source file fits; anything bi
 
 ErrorCode = Literal[
     "bad_request",  # the message is malformed or a field is out of range
+    "forbidden",  # the connecting process belongs to another user
     "unsupported_version",  # the Hello's protocol version is not this daemon's
     "frame_too_large",  # the frame's length prefix exceeds MAX_FRAME_BYTES (the connection is closed)
     "busy",  # the request queue is full; retry later

@@ -1,0 +1,336 @@
+"""The `m31r` console script.
+
+Startup cost matters: daemon clients (`status`, `stop`, completions from an editor) must answer in well under
+50 ms, so this module imports only the standard library and click. torch and everything that imports it
+(m31r.bundle, m31r.engine, m31r.hf_import) are imported inside the commands that need them.
+
+Layout: shared helpers first, then one section per command group. Add a command by adding a section;
+keep its heavy imports inside the function body.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# ------------------------------------------------------------------------------------------------------------
+# Shared helpers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """One line on stderr and a non-zero exit: users see what is wrong, not a traceback."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors that describe bad input (a bundle, a config, an argument), as opposed to bugs.
+
+    Checked through sys.modules so that catching BundleError never forces an import of torch.
+    """
+    if isinstance(e, ValueError | OSError):  # ConfigError and ContextOverflowError are ValueErrors
+        return True
+    bundle = sys.modules.get("m31r.bundle")
+    return bundle is not None and isinstance(e, bundle.BundleError)
+
+
+def user_errors(fn: F) -> F:
+    """Turn user-facing errors raised by a command into `error: <message>` + exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if not _is_user_error(e):
+                raise
+            fail(str(e) or type(e).__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _require_empty_dir(out: Path) -> None:
+    """Writers never mix a new bundle into an existing directory's files."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: already exists and is not an empty directory")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="m31r", prog_name="m31r")
+def main() -> None:
+    """M31R: local, offline Rust code completion."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bundle: create, import and verify release bundles (17_SERVING §5-8)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@main.group()
+def bundle() -> None:
+    """Create, import and verify model bundles."""
+
+
+@bundle.command("init")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--seed", type=int, required=True, help="Init seed: the same seed gives the same weight bytes.")
+@click.option("--tokenizer", "tokenizer_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="tokenizer.json to ship (default: a byte-level tokenizer padded to vocab_size).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
+              show_default=True, help="Storage dtype of model.safetensors.")
+@user_errors
+def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None, dtype: str) -> None:
+    """Write a random-weight bundle for CONFIG into OUT (tests, benchmarks)."""
+    import torch
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from m31r.bundle import init_bundle
+    from m31r.config import load_config
+
+    cfg = load_config(config)
+    _require_empty_dir(out)
+    tok = None
+    if tokenizer_file is not None:
+        try:
+            tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise ValueError(f"{tokenizer_file}: cannot be loaded as a tokenizer: {e}") from None
+    b = init_bundle(cfg, out, seed=seed, tokenizer=tok, dtype=getattr(torch, dtype))
+    click.echo(_summary(b))
+
+
+@bundle.command("verify")
+@click.argument("path", metavar="DIR", type=click.Path(path_type=Path))
+@user_errors
+def bundle_verify(path: Path) -> None:
+    """Check DIR end to end (checksums, config, tokenizer, tensor shapes) without loading the weights."""
+    from m31r.bundle import open_bundle
+
+    click.echo(_summary(open_bundle(path)))
+
+
+@bundle.command("import-hf")
+@click.argument("hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dataset-version", default="unknown (imported)", show_default=True,
+              help="Recorded in metadata.json for traceability.")
+@user_errors
+def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
+    """Convert a tied-embedding Llama checkpoint in HF_DIR into a bundle in OUT."""
+    from m31r.hf_import import import_hf
+
+    _require_empty_dir(out)
+    click.echo(_summary(import_hf(hf_dir, out, dataset_version=dataset_version)))
+
+
+def _summary(b: Any) -> str:
+    """One line identifying a bundle: what scripts and humans need to know it is the right one."""
+    meta = b.metadata
+    return (f"ok {b.model_id}: {meta['parameter_count']:,} params, {meta['dtype']}, "
+            f"fingerprint {b.fingerprint}, {b.path}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# daemon: the long-lived process that owns the model
+# ------------------------------------------------------------------------------------------------------------
+
+socket_option = click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+                             help="Daemon socket (default: $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
+
+
+@main.command()
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+              help="Model bundle directory (default: $M31R_BUNDLE or the bundled release/).")
+@socket_option
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--cache-mb", type=float, default=512, show_default=True,
+              help="Memory for prefix-cache KV slots; 0 disables reuse across requests.")
+@click.option("--max-queue", type=int, default=32, show_default=True,
+              help="Requests in flight before new ones are answered `busy`.")
+@click.option("--max-active", type=int, default=4, show_default=True, help="Requests advanced in turn at once.")
+@click.option("--chunk-size", type=int, default=32, show_default=True,
+              help="Prefill chunk; cache reuse happens at multiples of it.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,
+           cache_mb: float, max_queue: int, max_active: int, chunk_size: int, log_level: str) -> None:
+    """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
+    from m31r_protocol.paths import default_socket_path
+    from m31rd.main import DaemonOptions, default_bundle, run
+
+    opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
+                         device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
+                         max_active=max_active, chunk_size=chunk_size, log_level=log_level)
+    sys.exit(run(opts))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# generate / fim / status / stop: thin clients of the daemon socket (never import torch)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def sampling_options(fn: F) -> F:
+    for opt in reversed([
+        click.option("--max-tokens", type=int, default=64, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Makes sampling reproducible."),
+        click.option("--stop", multiple=True, help="Stop sequence (repeatable); not included in the output."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print one JSON object {text, tokens, finish_reason, usage, timings} at the end."),
+        socket_option,
+        click.option("--no-autostart", is_flag=True, help="Fail instead of starting a daemon when none runs."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
+    import asyncio
+
+    from m31r_protocol import DaemonError, DaemonUnavailable
+
+    try:
+        return asyncio.run(coro_fn(*args))
+    except DaemonUnavailable as e:
+        fail(str(e))
+    except DaemonError as e:
+        fail(f"{e.code}: {e.message}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+async def _stream(kind: str, payload: dict, opts: dict) -> None:
+    import json
+
+    from m31r_protocol import Sampling, connect_or_start
+
+    client = await connect_or_start(opts["socket_path"], autostart=not opts["no_autostart"],
+                                    progress=lambda msg: click.echo(msg, err=True))
+    async with client:
+        sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
+        common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"])
+        stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
+                        else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
+                                        **common))
+        text = []
+        try:
+            async for tok in stream:
+                text.append(tok.text)
+                if not opts["as_json"]:
+                    sys.stdout.write(tok.text)
+                    sys.stdout.flush()
+        except BaseException:
+            await stream.cancel()
+            raise
+        done = stream.done
+        assert done is not None
+        if opts["as_json"]:
+            import msgspec
+
+            click.echo(json.dumps({"text": "".join(text), "tokens": stream.tokens, "finish_reason": done.finish_reason,
+                                   "usage": msgspec.to_builtins(done.usage),
+                                   "timings": msgspec.to_builtins(done.timings), "source": done.source}))
+        elif text and not "".join(text).endswith("\n") and sys.stdout.isatty():
+            sys.stdout.write("\n")
+
+
+@main.command()
+@click.argument("prompt", required=False, default="-")
+@sampling_options
+def generate(prompt: str, **opts: Any) -> None:
+    """Continue PROMPT (or stdin with `-`), streaming text to stdout."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        fail("empty prompt: pass text or pipe it on stdin")
+    _run_client(_stream, "generate", {"prompt": prompt}, opts)
+
+
+@main.command()
+@click.option("--prefix", default=None, help="Text before the cursor.")
+@click.option("--suffix", default="", help="Text after the cursor.")
+@click.option("--file", "file_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Complete inside this file at --line/--column instead.")
+@click.option("--line", type=int, default=None, help="1-based cursor line in --file.")
+@click.option("--column", type=int, default=None, help="1-based cursor column (characters) in --file.")
+@sampling_options
+def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | None, column: int | None,
+        **opts: Any) -> None:
+    """Fill in the middle: complete at a cursor, given the text before and after it."""
+    document = ""
+    if file_path is not None:
+        if prefix is not None or line is None or column is None:
+            fail("use either --prefix/--suffix or --file with --line and --column")
+        text = file_path.read_text()
+        lines = text.splitlines(keepends=True)
+        if not 1 <= line <= len(lines) + 1:
+            fail(f"--line {line} is outside {file_path} ({len(lines)} lines)")
+        row = lines[line - 1] if line <= len(lines) else ""
+        if not 1 <= column <= len(row.rstrip("\r\n")) + 1:
+            fail(f"--column {column} is outside line {line} ({len(row.rstrip(chr(10)))} characters)")
+        offset = sum(len(x) for x in lines[: line - 1]) + column - 1
+        prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
+    elif prefix is None:
+        fail("give --prefix (and optionally --suffix), or --file with --line and --column")
+    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document}, opts)
+
+
+async def _status(socket_path: Path | None) -> None:
+    import json
+
+    import msgspec
+
+    from m31r_protocol import Client
+
+    async with await Client.connect(socket_path) as client:
+        reply = msgspec.to_builtins(await client.status())
+        reply.pop("type", None)
+        reply.pop("id", None)
+        click.echo(json.dumps(reply, indent=2))
+
+
+@main.command()
+@socket_option
+def status(socket_path: Path | None) -> None:
+    """Print the running daemon's state as JSON (model, device, queue, cache, memory)."""
+    _run_client(_status, socket_path)
+
+
+async def _stop(socket_path: Path | None) -> None:
+    import asyncio
+
+    from m31r_protocol import Client
+
+    async with await Client.connect(socket_path) as client:
+        await client.shutdown()
+        await asyncio.wait_for(client.closed.wait(), 30)
+
+
+@main.command()
+@socket_option
+def stop(socket_path: Path | None) -> None:
+    """Ask the running daemon to finish in-flight work and exit."""
+    _run_client(_stop, socket_path)
+    click.echo("daemon stopped", err=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (serve, lsp, train, service: added in their own sections below)
+# ------------------------------------------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    main()

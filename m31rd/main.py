@@ -1,0 +1,129 @@
+"""`m31r daemon`: load the bundle, warm up, listen, serve until SIGTERM/SIGINT or a Shutdown request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("m31rd")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line on stderr: journald and `jq` friendly. Prompt text is never logged."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
+               **getattr(record, "fields", {})}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("m31rd")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def default_bundle() -> Path:
+    """$M31R_BUNDLE, else the release/ bundle that ships beside the package."""
+    env = os.environ.get("M31R_BUNDLE")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "release"
+
+
+@dataclass
+class DaemonOptions:
+    bundle: Path
+    socket: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    cache_mb: float = 512
+    max_queue: int = 32
+    max_active: int = 4
+    chunk_size: int = 32
+    grace_s: float = 5.0
+    log_level: str = "info"
+
+
+def run(opts: DaemonOptions) -> int:
+    setup_logging(opts.log_level)
+    from m31rd.sockets import SocketInUse, activated_socket, bind_unix, sd_notify
+
+    t0 = time.perf_counter()
+    sock = activated_socket()
+    owned: Path | None = None
+    if sock is None:
+        try:
+            # Fail fast before loading the model if another daemon is live; bind for real afterwards.
+            bind_unix(opts.socket).close()
+            opts.socket.unlink(missing_ok=True)
+        except (SocketInUse, OSError) as e:
+            log.error("cannot listen: %s", e)
+            print(f"m31rd: {e}", file=sys.stderr)
+            return 1
+    from m31r.bundle import BundleError
+    from m31r.engine import Engine
+
+    try:
+        engine = Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
+                        chunk_size=opts.chunk_size)
+    except (BundleError, ValueError, OSError) as e:
+        log.error("cannot load the model: %s", e)
+        print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    load_ms = (time.perf_counter() - t0) * 1000
+    from m31rd.server import Daemon
+
+    daemon = Daemon(engine, cache_mb=opts.cache_mb, max_queue=opts.max_queue, max_active=opts.max_active,
+                    grace_s=opts.grace_s)
+    _warm_up(daemon)
+    if sock is None:
+        try:
+            sock = bind_unix(opts.socket)
+        except (SocketInUse, OSError) as e:
+            print(f"m31rd: {e}", file=sys.stderr)
+            return 1
+        owned = opts.socket
+
+    def on_ready() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.request_stop, f"signal {signal.Signals(sig).name}")
+        sd_notify("READY=1")
+        log.info("ready", extra={"fields": {
+            "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
+            "dtype": opts.dtype, "socket": str(owned or "systemd-activated"), "load_ms": round(load_ms, 1),
+            "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
+            "pid": os.getpid()}})
+
+    try:
+        import uvloop
+
+        uvloop.run(daemon.serve(sock, owned, on_ready))
+    except ImportError:
+        asyncio.run(daemon.serve(sock, owned, on_ready))
+    sd_notify("STOPPING=1")
+    log.info("stopped", extra={"fields": {"reason": daemon.stop_reason}})
+    return 0
+
+
+def _warm_up(daemon) -> None:
+    """One short generation through a cache slot, so the first real request pays no first-call costs."""
+    engine = daemon.engine
+    ids = engine.tokenizer.encode("fn main() {\n    let x = 1;\n")
+    slot = daemon.cache.acquire(ids, "")
+    for _ in engine.generate(ids, max_tokens=2, cache=slot.cache):
+        pass
+    slot.cache.reset()
+    daemon.cache.release(slot, 0, 0)

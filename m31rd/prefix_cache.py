@@ -1,0 +1,80 @@
+"""KV-cache slots kept across requests, so a new prompt prefills only what the last one did not.
+
+Each slot is a static KV buffer plus the ids it holds. A request takes the free slot with the longest
+reusable prefix (its document's slot on a tie), else a fresh slot while the budget allows, else the least
+recently used one. A running request holds its slot exclusively; only this class's owner, the inference
+thread, touches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from m31r.engine import Engine
+from m31r.model import KVCache
+
+
+@dataclass
+class Slot:
+    cache: KVCache
+    document: str = ""
+    last_used: int = 0
+    busy: bool = False
+
+
+class PrefixCache:
+    def __init__(self, engine: Engine, budget_mb: float):
+        self.engine = engine
+        self.fingerprint = engine.bundle.fingerprint  # one model per daemon: every entry belongs to it
+        self.reuse = budget_mb > 0
+        self.slot_bytes = engine.cache_bytes()
+        self.budget_bytes = int(budget_mb * 2**20)
+        # Without reuse one working buffer remains; with it, as many slots as the budget holds (at least one).
+        self.max_slots = max(1, self.budget_bytes // self.slot_bytes) if self.reuse else 1
+        self.slots: list[Slot] = []
+        self._tick = itertools.count(1)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self.slots) * self.slot_bytes
+
+    def has_free(self) -> bool:
+        return len(self.slots) < self.max_slots or any(not s.busy for s in self.slots)
+
+    def acquire(self, ids: list[int], document: str) -> Slot | None:
+        """A slot for `ids`, or None when every slot is busy (the caller waits for one)."""
+        free = [s for s in self.slots if not s.busy]
+        slot: Slot | None = None
+        if self.reuse and free:
+            scored = [(self.engine.reusable(s.cache, ids), bool(document) and s.document == document, s.last_used, s)
+                      for s in free]
+            best = max(scored, key=lambda t: t[:3])
+            if best[0] > 0:
+                slot = best[3]
+        if slot is None and len(self.slots) < self.max_slots:
+            slot = Slot(self.engine.new_cache())
+            self.slots.append(slot)
+        if slot is None and free:
+            slot = min(free, key=lambda s: s.last_used)  # evict the least recently used
+        if slot is None:
+            return None
+        if not self.reuse:
+            slot.cache.reset()
+        slot.busy = True
+        slot.document = document
+        return slot
+
+    def release(self, slot: Slot, prompt_tokens: int, cached_tokens: int, ok: bool = True) -> None:
+        slot.busy = False
+        slot.last_used = next(self._tick)
+        if not ok:  # an error mid-step may leave the buffer half-written: never reuse it
+            slot.cache.reset()
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -1,0 +1,191 @@
+"""The one inference thread: the only code in the daemon that touches torch.
+
+The asyncio side hands jobs over through a queue; results go back with `loop.call_soon_threadsafe`. Active
+jobs advance one step at a time in turn (a prefill chunk or a token), so a short request is never stuck
+behind a long prefill, and every step boundary is a point where cancellation takes effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from m31r.engine import ContextOverflowError, Engine, Generation, Token
+from m31r.fim import FimBudget, build_fim_prompt
+from m31r.sampling import SamplingParams
+from m31r_protocol import messages as m
+from m31rd.prefix_cache import PrefixCache, Slot
+
+log = logging.getLogger("m31rd")
+
+Post = Callable[["Job", msgspec.Struct, bool], None]  # (job, message, final) — runs on the event loop
+
+
+@dataclass(eq=False)
+class Job:
+    rid: int
+    request: m.Generate | m.Fim
+    sampling: SamplingParams
+    conn: Any = None  # the connection that asked; only the event loop uses it
+    document: str = ""
+    received: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
+    cancel_reason: str | None = None  # set from the event loop; read between steps
+    # Inference-thread state.
+    ids: list[int] | None = None
+    max_tokens: int = 0
+    slot: Slot | None = None
+    gen: Iterator[Token | None] | None = None
+    result: Generation | None = None
+    started: float = 0.0
+    text: str = ""  # what was sent so far (typed-through reuses it)
+
+    def cancel(self, reason: str) -> None:
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cache: PrefixCache, post: Post, call_soon: Callable, max_active: int = 4):
+        self.engine, self.cache = engine, cache
+        self._post, self._call_soon = post, call_soon
+        self.max_active = max(1, max_active)
+        self.budget = FimBudget.for_context(engine.config.max_context)
+        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.active = 0
+        self.thread = threading.Thread(target=self._run, name="m31r-inference", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+    # -- thread side ------------------------------------------------------------------------------------
+
+    def _send(self, job: Job, msg: msgspec.Struct, final: bool = False) -> None:
+        self._call_soon(self._post, job, msg, final)
+
+    def _run(self) -> None:
+        pending: deque[Job] = deque()
+        active: list[Job] = []
+        stopping = False
+        while not (stopping and not active and not pending):
+            block = not active and not pending and not stopping
+            try:
+                item = self.inbox.get(block=block)
+                while True:
+                    if item is None:
+                        stopping = True
+                    else:
+                        pending.append(item)
+                    item = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            while pending and len(active) < self.max_active:
+                job = pending[0]
+                if job.cancel_reason:
+                    pending.popleft()
+                    self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
+                    continue
+                started = self._start(job)
+                if started is None:
+                    break  # every slot is busy: wait for a running job to finish
+                pending.popleft()
+                if started:
+                    active.append(job)
+            for job in list(active):
+                if self._step(job):
+                    active.remove(job)
+            self.active = len(active)
+
+    def _prompt(self, job: Job) -> tuple[list[int], int]:
+        req = job.request
+        if isinstance(req, m.Fim):
+            prompt = build_fim_prompt(self.engine.tokenizer, req.prefix, req.suffix, self.budget)
+            return prompt.ids, min(req.max_tokens, self.budget.reserve)
+        ids = self.engine.tokenizer.encode(req.prompt)
+        if not ids:
+            raise ValueError("empty prompt: nothing to continue from")
+        return self.engine.fit_prompt(ids, req.max_tokens, req.truncate), req.max_tokens
+
+    def _start(self, job: Job) -> bool | None:
+        """True: running; False: answered already (bad input); None: no free slot yet."""
+        try:
+            if job.ids is None:
+                job.ids, job.max_tokens = self._prompt(job)
+        except ContextOverflowError as e:
+            self._send(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
+            return False
+        except ValueError as e:
+            self._send(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
+            return False
+        slot = self.cache.acquire(job.ids, job.document)
+        if slot is None:
+            return None
+        job.slot = slot
+        job.started = time.perf_counter()
+        job.result = Generation(prompt_tokens=len(job.ids))
+        job.gen = self.engine.generate(
+            job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
+            result=job.result, ticks=True)
+        return True
+
+    def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:
+        if job.gen is not None:
+            job.gen.close()
+        assert job.slot is not None and job.result is not None
+        self.cache.release(job.slot, job.result.prompt_tokens, job.result.cached_tokens, ok)
+        self._send(job, msg, True)
+        return True
+
+    def _done(self, job: Job) -> m.Done:
+        r = job.result
+        assert r is not None
+        queue_ms = (job.started - job.received) * 1000
+        first = None if r.first_token_ms is None else round(queue_ms + r.first_token_ms, 2)
+        return m.Done(
+            id=job.rid, finish_reason=r.finish_reason or "length",
+            usage=m.Usage(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                          completion_tokens=r.completion_tokens),
+            timings=m.Timings(queue_ms=round(queue_ms, 2), prefill_ms=round(r.prefill_ms, 2),
+                              first_token_ms=first,
+                              total_ms=round((time.perf_counter() - job.received) * 1000, 2)))
+
+    def _step(self, job: Job) -> bool:
+        """Advance a job by one step; True when it has finished (and its answer is posted)."""
+        if job.cancel_reason:
+            return self._finish(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason))
+        assert job.gen is not None and job.result is not None
+        try:
+            ev = next(job.gen)
+        except StopIteration:
+            return self._finish(job, self._done(job))
+        except Exception as e:
+            log.error("inference failed: %s", traceback.format_exc())
+            return self._finish(job, m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}"), False)
+        if ev is None:
+            return False
+        text = ev.text
+        if job.deadline is not None and "\n" in text and time.perf_counter() >= job.deadline:
+            text = text[: text.index("\n")]
+            if text:
+                job.text += text
+                self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
+            job.result.finish_reason = "deadline"
+            return self._finish(job, self._done(job))
+        job.text += text
+        self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
+        return False

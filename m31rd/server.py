@@ -1,0 +1,305 @@
+"""The event-loop side of the daemon: connections, request validation, newest-wins, typed-through.
+
+Data path: socket frame → protocol Struct (here) → Job → scheduler (inference thread) → engine → model →
+tokens → `post` (back on the loop) → frame to the client. Nothing a client sends can stop the daemon:
+a bad frame costs that client its connection, a bad request gets an Error, and everyone else is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import psutil
+
+from m31r.engine import Engine
+from m31r.sampling import SamplingParams
+from m31r_protocol import messages as m
+from m31r_protocol.framing import FrameTooLarge, pack, read_frame
+from m31rd.prefix_cache import PrefixCache
+from m31rd.scheduler import Job, Scheduler
+from m31rd.sockets import peer_uid
+
+log = logging.getLogger("m31rd")
+VERSION = "0.1.0"
+
+
+@dataclass
+class Typed:
+    """The last finished greedy Fim of a document: what typed-through answers from."""
+
+    prefix: str
+    suffix: str
+    text: str
+    finish_reason: str
+
+
+def typed_through(last: Typed | None, req: m.Fim) -> str | None:
+    """The rest of the last suggestion if the user typed its beginning, else None."""
+    if last is None or req.suffix != last.suffix or not req.prefix.startswith(last.prefix):
+        return None
+    typed = req.prefix[len(last.prefix) :]
+    if typed and last.text.startswith(typed) and len(last.text) > len(typed):
+        return last.text[len(typed) :]
+    return None
+
+
+class Connection:
+    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.daemon, self.reader, self.writer = daemon, reader, writer
+        self.jobs: dict[int, Job] = {}
+        self.client = "?"
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(pack(self.daemon.enc.encode(msg)))
+
+    async def serve(self) -> None:
+        try:
+            sock = self.writer.get_extra_info("socket")
+            uid = peer_uid(sock) if sock is not None and sock.family == socket.AF_UNIX else None
+            if uid is not None and uid != os.getuid():
+                log.warning("refused a connection from uid %s", uid)
+                self.send(m.Error(id=None, code="forbidden", message="this daemon serves only its own user"))
+                return
+            if await self._handshake():
+                while (body := await read_frame(self.reader)) is not None:
+                    if not self._handle(body):
+                        break
+                    await self.writer.drain()
+        except FrameTooLarge as e:
+            self.send(m.Error(id=None, code="frame_too_large", message=str(e)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away mid-frame: its jobs are cancelled below
+        except Exception:
+            log.exception("connection handler failed")
+            self.send(m.Error(id=None, code="internal", message="the daemon hit an internal error on this connection"))
+        finally:
+            for job in self.jobs.values():
+                job.cancel("client disconnected")
+            with contextlib.suppress(ConnectionError):
+                await self.writer.drain()
+            self.writer.close()
+
+    async def _handshake(self) -> bool:
+        body = await read_frame(self.reader)
+        if body is None:
+            return False
+        try:
+            hello = self.daemon.dec.decode(body)
+        except msgspec.MsgspecError as e:
+            self.send(m.Error(id=None, code="bad_request", message=f"undecodable handshake: {e}"))
+            return False
+        if not isinstance(hello, m.Hello):
+            self.send(m.Error(id=None, code="bad_request", message=f"expected hello first, got {type(hello).__name__}"))
+            return False
+        if hello.protocol != m.PROTOCOL_VERSION:
+            self.send(m.Error(id=None, code="unsupported_version", message=(
+                f"client speaks protocol {hello.protocol}, this daemon speaks {m.PROTOCOL_VERSION}; "
+                f"upgrade the older side")))
+            return False
+        self.client = hello.client[:64]
+        self.send(self.daemon.welcome())
+        return True
+
+    def _handle(self, body: bytes) -> bool:
+        """Handle one message; False closes the connection."""
+        try:
+            msg = self.daemon.dec.decode(body)
+        except msgspec.ValidationError as e:
+            rid = _salvage_id(body)
+            self.send(m.Error(id=rid, code="bad_request", message=f"invalid message: {e}"))
+            return True
+        except msgspec.DecodeError as e:
+            self.send(m.Error(id=None, code="bad_request", message=f"undecodable frame: {e}"))
+            return False
+        if isinstance(msg, m.Generate | m.Fim):
+            self.daemon.submit(self, msg)
+        elif isinstance(msg, m.Cancel):
+            if job := self.jobs.get(msg.id):
+                job.cancel("cancelled by the client")
+        elif isinstance(msg, m.Status):
+            self.send(self.daemon.status(msg.id))
+        elif isinstance(msg, m.Shutdown):
+            self.send(m.ShutdownReply(id=msg.id))
+            self.daemon.request_stop("shutdown requested by a client")
+        else:
+            self.send(m.Error(id=None, code="bad_request", message=f"unexpected {type(msg).__name__} after handshake"))
+        return True
+
+
+def _salvage_id(body: bytes) -> int | None:
+    with contextlib.suppress(Exception):
+        rid = msgspec.msgpack.decode(body).get("id")
+        return rid if isinstance(rid, int) else None
+    return None
+
+
+class Daemon:
+    def __init__(self, engine: Engine, *, cache_mb: float, max_queue: int = 32, max_active: int = 4,
+                 grace_s: float = 5.0):
+        self.engine = engine
+        self.cache = PrefixCache(engine, cache_mb)
+        self.max_queue, self.grace_s = max_queue, grace_s
+        self.enc, self.dec = m.encoder(), m.client_decoder()
+        self.max_active = max_active
+        self.in_flight: set[Job] = set()
+        self.by_document: dict[str, Job] = {}
+        self.typed: OrderedDict[str, Typed] = OrderedDict()
+        self.requests = 0
+        self.started = time.time()
+        self.stopping: asyncio.Event | None = None
+        self.stop_reason = ""
+        self.process = psutil.Process()
+
+    def welcome(self) -> m.Welcome:
+        b = self.engine.bundle
+        return m.Welcome(protocol=m.PROTOCOL_VERSION, model=b.model_id, fingerprint=b.fingerprint,
+                         max_context=b.config.max_context, capabilities=list(m.CAPABILITIES), daemon_version=VERSION)
+
+    def status(self, rid: int) -> m.StatusReply:
+        b, c = self.engine.bundle, self.cache
+        return m.StatusReply(
+            id=rid, model=b.model_id, fingerprint=b.fingerprint, bundle=str(b.path), device=str(self.engine.device),
+            dtype=str(self.engine.dtype).removeprefix("torch."), pid=os.getpid(),
+            uptime_s=round(time.time() - self.started, 1), queue=len(self.in_flight) - self.scheduler.active,
+            active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
+            cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
+            cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
+            rss_mb=round(self.process.memory_info().rss / 2**20, 1))
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def submit(self, conn: Connection, req: m.Generate | m.Fim) -> None:
+        def refuse(code: str, message: str) -> None:
+            conn.send(m.Error(id=req.id, code=code, message=message))  # type: ignore[arg-type]
+            log.info("request refused", extra={"fields": {"id": req.id, "code": code, "client": conn.client}})
+
+        if self.stopping is not None and self.stopping.is_set():
+            return refuse("shutting_down", "the daemon is shutting down")
+        if req.id in conn.jobs:
+            return refuse("bad_request", f"request id {req.id} is already in flight on this connection")
+        limit = self.engine.config.max_context
+        if not 0 <= req.max_tokens <= limit:
+            return refuse("bad_request", f"max_tokens must be between 0 and {limit}, got {req.max_tokens}")
+        try:
+            s = req.sampling
+            sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.repetition_penalty, req.seed)
+        except ValueError as e:
+            return refuse("bad_request", str(e))
+        if isinstance(req, m.Fim) and req.deadline_ms is not None and req.deadline_ms < 0:
+            return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
+        if len(self.in_flight) >= self.max_queue:
+            return refuse("busy", f"{len(self.in_flight)} requests in flight (limit {self.max_queue}); retry shortly")
+        self.requests += 1
+        job = Job(rid=req.id, request=req, sampling=sampling, conn=conn)
+        if isinstance(req, m.Fim):
+            job.document = req.document
+            if req.deadline_ms is not None:
+                job.deadline = job.received + req.deadline_ms / 1000
+            if req.document:
+                if old := self.by_document.get(req.document):
+                    old.cancel("superseded by a newer request for the same document")
+                self.by_document[req.document] = job
+                if self.cache.reuse and sampling.greedy and self._answer_typed_through(conn, job):
+                    return
+        conn.jobs[req.id] = job
+        self.in_flight.add(job)
+        self.scheduler.submit(job)
+
+    def _answer_typed_through(self, conn: Connection, job: Job) -> bool:
+        req = job.request
+        assert isinstance(req, m.Fim)
+        rest = typed_through(self.typed.get(req.document), req)
+        if rest is None:
+            return False
+        last = self.typed[req.document]
+        self.typed[req.document] = Typed(req.prefix, req.suffix, rest, last.finish_reason)
+        self.typed.move_to_end(req.document)
+        del self.by_document[req.document]
+        ms = round((time.perf_counter() - job.received) * 1000, 3)
+        conn.send(m.Token(id=req.id, text=rest))
+        conn.send(m.Done(id=req.id, finish_reason=last.finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
+                         timings=m.Timings(first_token_ms=ms, total_ms=ms), source="typed_through"))
+        log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
+                                              "source": "typed_through", "total_ms": ms}})
+        return True
+
+    def post(self, job: Job, msg: msgspec.Struct, final: bool) -> None:
+        """Deliver a message from the inference thread (runs on the event loop)."""
+        conn: Connection = job.conn
+        conn.send(msg)
+        if not final:
+            return
+        conn.jobs.pop(job.rid, None)
+        self.in_flight.discard(job)
+        req = job.request
+        if isinstance(req, m.Fim) and req.document and self.by_document.get(req.document) is job:
+            del self.by_document[req.document]
+        fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
+        if isinstance(msg, m.Done):
+            if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
+                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason)
+                self.typed.move_to_end(req.document)
+                while len(self.typed) > 256:
+                    self.typed.popitem(last=False)
+            fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),
+                          finish_reason=msg.finish_reason)
+        elif isinstance(msg, m.Error):
+            fields.update(code=msg.code)
+        fields["rss_mb"] = round(self.process.memory_info().rss / 2**20, 1)
+        log.info("request", extra={"fields": fields})
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if self.stopping is not None and not self.stopping.is_set():
+            self.stop_reason = reason
+            self.stopping.set()
+
+    async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None) -> None:
+        loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        self.scheduler = Scheduler(self.engine, self.cache, self.post, loop.call_soon_threadsafe, self.max_active)
+        self.scheduler.start()
+        conns: set[asyncio.Task] = set()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            conns.add(task)
+            try:
+                await Connection(self, reader, writer).serve()
+            finally:
+                conns.discard(task)
+
+        server = await asyncio.start_unix_server(on_connect, sock=sock, limit=2**16)
+        if on_ready:
+            on_ready()
+        await self.stopping.wait()
+        log.info("stopping", extra={"fields": {"reason": self.stop_reason, "in_flight": len(self.in_flight)}})
+        server.close()  # stop accepting; connections already open keep being served
+        deadline = time.monotonic() + self.grace_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for job in list(self.in_flight):
+            job.cancel("the daemon is shutting down")
+        t_cancel = time.monotonic()
+        while self.in_flight and time.monotonic() - t_cancel < 2.0:
+            await asyncio.sleep(0.01)
+        self.scheduler.stop()
+        await asyncio.to_thread(self.scheduler.thread.join, 5.0)
+        for task in list(conns):
+            task.cancel()
+        await asyncio.gather(*conns, return_exceptions=True)
+        if owned_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                owned_path.unlink()

@@ -1,0 +1,42 @@
+"""Shared fixtures. torch is imported lazily so tests of torch-free code (daemon clients) stay fast."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tiny test models gain nothing from intra-op threads, and on a busy machine OpenMP spin-waiting makes them
+# up to 100x slower. Set before torch is first imported (test modules import it after conftest); an explicit
+# OMP_NUM_THREADS in the environment wins. Subprocesses (daemons under test) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs" / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """configs/model/tiny.yaml: 2 layers, d_model 64, byte-level vocab of 384, context 512."""
+    from m31r.config import load_config
+
+    return load_config(CONFIGS / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_config, tmp_path_factory: pytest.TempPathFactory):
+    """A random-weight fp32 bundle (seed 0) of the tiny config. Read-only: copy it before corrupting it."""
+    import torch
+
+    from m31r.bundle import init_bundle
+
+    return init_bundle(tiny_config, tmp_path_factory.mktemp("tiny") / "bundle", seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_bundle):
+    """An fp32 Engine on the tiny bundle, shared: callers pass their own caches (the default is a fresh one)."""
+    from m31r.engine import Engine
+
+    return Engine(tiny_bundle, dtype="float32")

@@ -1,0 +1,241 @@
+"""The release bundle: every fault is refused with an error naming the file, and `bundle init` is reproducible."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, load_weights, open_bundle, sha256_file
+from m31r.cli import main
+from m31r.model import Transformer, init_weights
+from m31r.tokenizer import build_byte_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "model" / "tiny.yaml"
+
+
+@pytest.fixture
+def bundle_dir(tiny_bundle: Bundle, tmp_path: Path) -> Path:
+    """A private copy of the session's tiny bundle, free to corrupt."""
+    return Path(shutil.copytree(tiny_bundle.path, tmp_path / "bundle"))
+
+
+def _rewrite_checksums(d: Path) -> None:
+    """What a careless hand edit followed by a checksum refresh produces: checksums pass, content is wrong."""
+    (d / CHECKSUM_FILE).write_text("".join(f"{sha256_file(d / n)}  {n}\n" for n in CONTENT_FILES))
+
+
+def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _sha256sum_ok(d: Path) -> bool:
+    return subprocess.run(["sha256sum", "--quiet", "-c", CHECKSUM_FILE], cwd=d, capture_output=True).returncode == 0
+
+
+def test_good_bundle_opens_and_passes_coreutils(bundle_dir: Path) -> None:
+    b = open_bundle(bundle_dir)
+    assert b.config.name == "m31r-tiny" and b.model_id == "m31r-tiny@0.0.0-random"
+    assert b.metadata["parameter_count"] == b.config.param_count() == 106_816
+    assert b.metadata["config_hash"] == b.config.config_hash()
+    assert b.metadata["tokenizer_hash"] == sha256_file(bundle_dir / "tokenizer.json")
+    assert re.fullmatch(r"[0-9a-f]{16}", b.fingerprint)
+    assert sorted(p.name for p in bundle_dir.iterdir()) == sorted((*CONTENT_FILES, CHECKSUM_FILE))
+    assert _sha256sum_ok(bundle_dir)
+
+
+@pytest.mark.parametrize("name", CONTENT_FILES)
+def test_flipped_byte_in_a_content_file(bundle_dir: Path, name: str) -> None:
+    f = bundle_dir / name
+    _flip(f, f.stat().st_size // 2)
+    with pytest.raises(BundleError, match=rf"{re.escape(str(f))}: checksum mismatch"):
+        open_bundle(bundle_dir)
+    assert not _sha256sum_ok(bundle_dir)  # coreutils agrees
+
+
+def test_flipped_byte_in_checksum_file(bundle_dir: Path) -> None:
+    f = bundle_dir / CHECKSUM_FILE
+    _flip(f, 0, 0x20)  # a hex digit becomes a non-hex character
+    with pytest.raises(BundleError, match=rf"{re.escape(str(f))}: line 1 is not"):
+        open_bundle(bundle_dir)
+    _flip(f, 0, 0x20)
+    _flip(f, f.read_text().index("config.yaml"))  # the file name itself
+    with pytest.raises(BundleError, match=rf"{re.escape(str(f))}: must list exactly"):
+        open_bundle(bundle_dir)
+
+
+def test_checksum_digit_changed_names_the_listed_file(bundle_dir: Path) -> None:
+    f = bundle_dir / CHECKSUM_FILE
+    line = f.read_text().splitlines()[2]
+    assert line.endswith("config.yaml")
+    digit = line[5]
+    f.write_text(f.read_text().replace(line, line[:5] + ("0" if digit != "0" else "1") + line[6:]))
+    with pytest.raises(BundleError, match=r"config\.yaml: checksum mismatch"):
+        open_bundle(bundle_dir)
+
+
+@pytest.mark.parametrize("name", [*CONTENT_FILES, CHECKSUM_FILE])
+def test_missing_file(bundle_dir: Path, name: str) -> None:
+    (bundle_dir / name).unlink()
+    with pytest.raises(BundleError, match=rf"{re.escape(name)}: missing"):
+        open_bundle(bundle_dir)
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match="not a bundle directory"):
+        open_bundle(tmp_path / "nope")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("n_layers: 2", "n_layers: 3", r"6 tensors missing for config\.yaml, e\.g\. layers\.2\."),
+        ("n_layers: 2", "n_layers: 1", r"unexpected tensor layers\.1\."),
+        ("ffn_hidden: 128", "ffn_hidden: 96",
+         r"tensor layers\.0\.feed_forward\.w13\.weight has shape \[256, 64\], config\.yaml implies \[192, 64\]"),
+    ],
+)
+def test_config_weights_mismatch_names_the_tensor(bundle_dir: Path, old: str, new: str, expected: str) -> None:
+    cfg = bundle_dir / "config.yaml"
+    cfg.write_text(cfg.read_text().replace(old, new))
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=rf"model\.safetensors: {expected}"):
+        open_bundle(bundle_dir)
+
+
+def test_invalid_config_names_the_field(bundle_dir: Path) -> None:
+    cfg = bundle_dir / "config.yaml"
+    cfg.write_text(cfg.read_text() + "dropout: 0.1\n")
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"config\.yaml.*dropout"):
+        open_bundle(bundle_dir)
+
+
+def test_tokenizer_size_differs_from_vocab_size(bundle_dir: Path) -> None:
+    build_byte_tokenizer(400).save(str(bundle_dir / "tokenizer.json"))
+    _rewrite_checksums(bundle_dir)
+    expected = r"tokenizer\.json: tokenizer has 400 tokens but config\.yaml vocab_size is 384"
+    with pytest.raises(BundleError, match=expected):
+        open_bundle(bundle_dir)
+
+
+def test_tokenizer_missing_a_special_token(bundle_dir: Path) -> None:
+    f = bundle_dir / "tokenizer.json"
+    f.write_text(f.read_text().replace("<|fim_middle|>", "<|fim_mid|>"))  # same size, one special renamed
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"tokenizer\.json: special token '<\|fim_middle\|>' \(fim_middle_token"):
+        open_bundle(bundle_dir)
+
+
+def test_metadata_missing_keys(bundle_dir: Path) -> None:
+    f = bundle_dir / "metadata.json"
+    meta = json.loads(f.read_text())
+    del meta["training_seed"], meta["config_hash"]
+    f.write_text(json.dumps(meta))
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"metadata\.json: missing keys config_hash, training_seed"):
+        open_bundle(bundle_dir)
+
+
+def test_weights_round_trip_in_bf16(tiny_config, tmp_path: Path) -> None:
+    """load_weights maps exactly what init wrote, in the storage dtype."""
+    from m31r.bundle import init_bundle
+
+    b = init_bundle(tiny_config, tmp_path / "b", seed=4, dtype=torch.bfloat16)
+    model = Transformer(tiny_config)
+    init_weights(model, 4)
+    loaded = load_weights(b)
+    assert set(loaded) == set(model.state_dict())
+    for name, t in model.state_dict().items():
+        assert loaded[name].dtype == torch.bfloat16
+        assert torch.equal(loaded[name], t.to(torch.bfloat16)), name
+
+
+# -- the CLI --------------------------------------------------------------------------------------------------
+
+
+def test_cli_verify_ok(tiny_bundle: Bundle) -> None:
+    result = CliRunner().invoke(main, ["bundle", "verify", str(tiny_bundle.path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("\n") == 1
+    assert "m31r-tiny@0.0.0-random" in result.stdout and "float32" in result.stdout
+    assert tiny_bundle.fingerprint in result.stdout
+
+
+def test_cli_verify_failure_is_one_line_on_stderr(bundle_dir: Path) -> None:
+    """A real process: exit status 1, one `error:` line on stderr, no traceback, nothing on stdout."""
+    _flip(bundle_dir / "model.safetensors", 100)
+    proc = subprocess.run([sys.executable, "-m", "m31r.cli", "bundle", "verify", str(bundle_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+    assert "model.safetensors: checksum mismatch" in proc.stderr
+
+
+def test_cli_init_is_deterministic(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        result = runner.invoke(main, ["bundle", "init", str(TINY), str(tmp_path / name), "--seed", str(seed),
+                                      "--dtype", "float32"])
+        assert result.exit_code == 0, result.output
+    weights = {n: (tmp_path / n / "model.safetensors").read_bytes() for n in "abc"}
+    assert weights["a"] == weights["b"] != weights["c"]
+    for f in ("tokenizer.json", "config.yaml"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "c" / f).read_bytes()
+    meta = json.loads((tmp_path / "a" / "metadata.json").read_text())
+    assert meta["dtype"] == "float32" and meta["training_seed"] == 7
+
+
+def test_cli_init_defaults_to_bf16_and_takes_a_tokenizer(tmp_path: Path) -> None:
+    tok = tmp_path / "tok.json"
+    build_byte_tokenizer(384).save(str(tok))
+    result = CliRunner().invoke(main, ["bundle", "init", str(TINY), str(tmp_path / "b"), "--seed", "0",
+                                       "--tokenizer", str(tok)])
+    assert result.exit_code == 0, result.output
+    assert open_bundle(tmp_path / "b").metadata["dtype"] == "bfloat16"
+
+
+def _init_fails(tmp_path: Path, *args: str) -> str:
+    """Run `bundle init` expecting a one-line user error; return stderr."""
+    result = CliRunner().invoke(main, ["bundle", "init", *args])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    return result.stderr
+
+
+def test_cli_init_refuses_wrong_size_tokenizer(tmp_path: Path) -> None:
+    tok = tmp_path / "tok400.json"
+    build_byte_tokenizer(400).save(str(tok))
+    assert "tokenizer has 400 tokens" in _init_fails(tmp_path, str(TINY), str(tmp_path / "o"), "--seed", "0",
+                                                     "--tokenizer", str(tok))
+
+
+def test_cli_init_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("not a bundle")
+    assert "already exists" in _init_fails(tmp_path, str(TINY), str(tmp_path), "--seed", "0")
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_cli_init_bad_config_names_the_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(TINY.read_text().replace("n_heads: 4", "n_heads: 5"))
+    err = _init_fails(tmp_path, str(cfg), str(tmp_path / "out"), "--seed", "0")
+    assert "d_model" in err and "n_heads" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_module_does_not_import_torch() -> None:
+    """Daemon clients share this entry point and must start in milliseconds."""
+    code = "import sys, m31r.cli; assert not {'torch', 'm31r.bundle', 'm31r.engine'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

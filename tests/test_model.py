@@ -1,0 +1,184 @@
+"""The transformer: cached inference must compute what a full recomputation computes, for MHA and GQA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from m31r.bundle import init_bundle
+from m31r.config import ConfigError, ModelConfig, load_config, parse_config
+from m31r.engine import Engine
+from m31r.model import KVCache, Transformer, init_weights
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
+ATOL = 1e-5
+
+
+def _gqa(config: ModelConfig) -> ModelConfig:
+    return msgspec.structs.replace(config, n_kv_heads=2, name="m31r-tiny-gqa")
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa"])
+def engine(request: pytest.FixtureRequest, tiny_config: ModelConfig, tmp_path_factory: pytest.TempPathFactory):
+    config = tiny_config if request.param == "mha" else _gqa(tiny_config)
+    b = init_bundle(config, tmp_path_factory.mktemp(request.param) / "b", seed=1, dtype=torch.float32)
+    return Engine(b, dtype="float32")
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
+    # Ids above the 5 special tokens: any id is a valid model input, but keep prompts realistic.
+    return torch.randint(5, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return engine.model(torch.tensor([ids]))[0]
+
+
+def _last(gen) -> torch.Tensor:
+    return [x for x in gen if x is not None][-1]
+
+
+def test_kv_cache_decode_equals_full_recomputation(engine: Engine) -> None:
+    ids = _ids(60)
+    full = _full_logits(engine, ids)
+    cache = engine.new_cache()
+    first = _last(engine.prefill(cache, ids[:20], 0))
+    torch.testing.assert_close(first, full[19], atol=ATOL, rtol=0)
+    for pos in range(20, 60):
+        step = engine.decode_step(cache, ids[pos])
+        torch.testing.assert_close(step, full[pos], atol=ATOL, rtol=0, msg=lambda m, p=pos: f"position {p}: {m}")
+    assert cache.tokens == ids
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 32])
+def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
+    ids = _ids(77, seed=chunk)
+    one_shot = _full_logits(engine, ids)[-1]
+    chunked = Engine(engine.bundle, dtype="float32", chunk_size=chunk)
+    cache = chunked.new_cache()
+    logits = _last(chunked.prefill(cache, ids, 0))
+    torch.testing.assert_close(logits, one_shot, atol=ATOL, rtol=0)
+    assert cache.tokens == ids
+    assert cache.aligned == len(ids) - len(ids) % chunk
+    # The cache holds the keys/values a single pass writes.
+    ref = engine.new_cache()
+    with torch.inference_mode():
+        engine.model(torch.tensor([ids]), start=0, cache=ref)
+    n = len(ids)
+    torch.testing.assert_close(cache.k[..., :n, :], ref.k[..., :n, :], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.v[..., :n, :], ref.v[..., :n, :], atol=ATOL, rtol=0)
+
+
+def test_prefill_continues_from_a_cached_prefix(engine: Engine) -> None:
+    """A second prefill that reuses aligned cached positions gives the logits of a cold one."""
+    ids = _ids(90, seed=7)
+    cache = engine.new_cache()
+    _last(engine.prefill(cache, ids[:70], 0))
+    start = engine.reusable(cache, ids)
+    assert start == 64  # two full 32-token chunks of the shared prefix
+    warm = _last(engine.prefill(cache, ids, start))
+    torch.testing.assert_close(warm, _full_logits(engine, ids)[-1], atol=ATOL, rtol=0)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(tiny_config: ModelConfig) -> None:
+    """GQA must share each k/v head across its group of query heads, exactly as repeated heads would."""
+    gqa_cfg = _gqa(tiny_config)
+    mha_cfg = msgspec.structs.replace(tiny_config, n_kv_heads=None)
+    gqa, mha = Transformer(gqa_cfg), Transformer(mha_cfg)
+    init_weights(gqa, seed=3)
+    group, hd, d = gqa_cfg.n_heads // gqa_cfg.kv_heads, gqa_cfg.head_dim, gqa_cfg.d_model
+    sd = gqa.state_dict()
+    for name in [k for k in sd if k.endswith("wqkv.weight")]:
+        q, k, v = sd[name].split([gqa_cfg.n_heads * hd, gqa_cfg.kv_heads * hd, gqa_cfg.kv_heads * hd])
+        k, v = (t.view(gqa_cfg.kv_heads, hd, d).repeat_interleave(group, 0).reshape(-1, d) for t in (k, v))
+        sd[name] = torch.cat([q, k, v])
+    mha.load_state_dict(sd)
+    tokens = torch.tensor([_ids(40, seed=5)])
+    with torch.inference_mode():
+        torch.testing.assert_close(gqa(tokens), mha(tokens), atol=ATOL, rtol=0)
+
+
+def test_positions_past_max_context_are_refused(tiny_config: ModelConfig) -> None:
+    model = Transformer(tiny_config)
+    cache = KVCache(tiny_config, tiny_config.max_context, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="exceed max_context 512"), torch.inference_mode():
+        model(torch.tensor([[5, 6]]), start=511, cache=cache)
+
+
+# -- initialisation and parameter counts -----------------------------------------------------------------
+
+
+def _init_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    model = Transformer(config)
+    init_weights(model, seed)
+    return model.state_dict()
+
+
+def test_init_is_deterministic(tiny_config: ModelConfig) -> None:
+    a, b, c = (_init_state(tiny_config, s) for s in (0, 0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["tok_embeddings.weight"], c["tok_embeddings.weight"])
+    assert all(torch.equal(a[k], c[k]) for k in a if k.endswith("norm.weight"))  # norms start at 1
+    assert all(not torch.equal(a[k], c[k]) for k in a if not k.endswith("norm.weight"))
+
+
+def test_init_scales_residual_outputs(tiny_config: ModelConfig) -> None:
+    sd = _init_state(tiny_config, 0)
+    assert sd["tok_embeddings.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert sd["layers.0.attention.wo.weight"].std().item() == pytest.approx(0.02 / 2, rel=0.1)  # 1/sqrt(2*2)
+    assert torch.equal(sd["norm.weight"], torch.ones(tiny_config.d_model))
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_param_count_matches_the_allocated_model(tiny_config: ModelConfig, n_kv_heads: int | None) -> None:
+    config = msgspec.structs.replace(tiny_config, n_kv_heads=n_kv_heads)
+    assert config.param_count() == sum(p.numel() for p in Transformer(config).parameters())
+
+
+@pytest.mark.parametrize(("name", "millions"), [("small", 61.0), ("medium", 205.5), ("large", 461.0)])
+def test_spec_param_counts(name: str, millions: float) -> None:
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert config.param_count() / 1e6 == pytest.approx(millions, rel=0.01)
+    assert config.head_dim == 64 and config.max_context == 2048
+
+
+# -- config validation -------------------------------------------------------------------------------------
+
+BASE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "ffn_hidden": 128, "vocab_size": 384}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"n_layer": 2}, "n_layer"),  # typo: unknown field
+        ({"n_layers": "two"}, "n_layers"),
+        ({"rope_theta": "big"}, "rope_theta"),
+        ({"d_model": 66}, "d_model"),
+        ({"n_kv_heads": 3}, "n_kv_heads"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
+)
+def test_config_errors_name_the_field(change: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_config({**BASE, **change})
+
+
+def test_config_file_errors_name_file_and_field(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("n_layers: 2\nd_model: 64\nn_heads: 4\nffn_hidden: 128\nvocab_size: 384\ncolour: red\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*colour"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_round_trips_through_yaml(tiny_config: ModelConfig, tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(_gqa(tiny_config).to_yaml())
+    again = load_config(f)
+    assert again == _gqa(tiny_config) and again.config_hash() == _gqa(tiny_config).config_hash()
+    assert again.config_hash() != tiny_config.config_hash()

@@ -1,0 +1,228 @@
+"""Token selection, stop sequences and context limits: greedy by default, reproducible when sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m31r.engine import ContextOverflowError, Engine, Generation, Token
+from m31r.sampling import Sampler, SamplingParams, filtered_probs
+from m31r.stops import StopMatcher
+
+PROMPT = "fn fibonacci(n: u64) -> u64 {\n    match n {\n"
+
+
+def ordinary_ids(n: int) -> list[int]:
+    """n valid non-special ids of the tiny byte vocabulary (384 entries, 5 of them special)."""
+    return [5 + i % 379 for i in range(n)]
+
+
+def run(engine: Engine, prompt: str | list[int] = PROMPT, **kw) -> tuple[list[Token], Generation]:
+    res = Generation(prompt_tokens=0)
+    out = [t for t in engine.generate(prompt, result=res, **kw) if t is not None]
+    return out, res
+
+
+def sample(engine: Engine, max_tokens: int = 24, **params) -> list[int]:
+    return run(engine, max_tokens=max_tokens, sampling=SamplingParams(**params))[1].tokens
+
+
+# -- engine-level sampling -----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_tokens_different_seed_different(tiny_engine: Engine) -> None:
+    a, b = sample(tiny_engine, temperature=1.0, seed=11), sample(tiny_engine, temperature=1.0, seed=11)
+    assert a == b and len(a) >= 8
+    others = [sample(tiny_engine, temperature=1.0, seed=s) for s in (12, 13)]
+    assert len({tuple(a), *map(tuple, others)}) == 3
+
+
+def test_greedy_ignores_seed(tiny_engine: Engine) -> None:
+    runs = [sample(tiny_engine, temperature=0.0, seed=s) for s in (None, 1, 2)]
+    assert runs[0] == runs[1] == runs[2] and runs[0]
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(tiny_engine: Engine) -> None:
+    greedy = sample(tiny_engine)
+    assert sample(tiny_engine, temperature=1.5, top_k=1, seed=3) == greedy
+    assert sample(tiny_engine, temperature=1.5, top_p=1e-6, seed=3) == greedy
+
+
+def test_top_k_larger_than_vocab(tiny_engine: Engine) -> None:
+    big = sample(tiny_engine, temperature=1.0, top_k=100_000, seed=5)
+    assert big == sample(tiny_engine, temperature=1.0, seed=5)  # no filtering at all
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, top_k=51)
+    torch.testing.assert_close(filtered_probs(logits, p), torch.softmax(logits, -1))
+
+
+def test_repetition_penalty_runs_in_the_engine(tiny_engine: Engine) -> None:
+    plain = sample(tiny_engine, max_tokens=40)
+    penalised = sample(tiny_engine, max_tokens=40, repetition_penalty=5.0)
+    assert len(penalised) > 0 and penalised != plain
+
+
+# -- the sampler on constructed logits ------------------------------------------------------------------------
+
+
+def test_top_p_tiny_keeps_only_the_argmax() -> None:
+    logits = torch.tensor([0.1, 2.0, 1.9, -3.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=1e-6))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    torch.testing.assert_close(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]))
+
+
+def test_top_k_samples_only_from_the_k_best() -> None:
+    logits = torch.tensor([1.0, 3.0, 0.0, 2.9, -1.0])
+    sampler = Sampler(SamplingParams(temperature=5.0, top_k=2, seed=0))
+    drawn = {sampler(logits) for _ in range(200)}
+    assert drawn == {1, 3}
+
+
+def test_repetition_penalty_changes_the_choice() -> None:
+    logits = torch.tensor([2.0, 1.9, -1.0, -1.05])
+    greedy = Sampler(SamplingParams())
+    assert greedy(logits, torch.tensor([0])) == 0  # penalty off: history does not matter
+    penalised = Sampler(SamplingParams(repetition_penalty=1.5))
+    assert penalised(logits, torch.tensor([0])) == 1  # 2.0 / 1.5 < 1.9
+    assert penalised(logits, torch.tensor([2, 3])) == 0
+    # Negative logits are multiplied, so a seen token always becomes less likely, never more.
+    only_neg = torch.tensor([-1.0, -1.2])
+    assert penalised(only_neg, torch.tensor([0])) == 1  # -1.5 < -1.2
+
+
+def test_unseeded_sampling_still_works() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    assert 0 <= sampler(torch.zeros(10)) < 10
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_invalid_params_raise(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_invalid_requests_raise(tiny_engine: Engine) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        run(tiny_engine, max_tokens=-1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        run(tiny_engine, "")
+
+
+# -- stop sequences -------------------------------------------------------------------------------------------
+
+
+def feed_all(m: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = ""
+    for p in pieces:
+        text, hit = m.feed(p)
+        out += text
+        if hit:
+            return out, True
+    return out + m.flush(), False
+
+
+def test_stop_across_token_boundaries() -> None:
+    m = StopMatcher(["o\nba"])
+    assert m.feed("fo") == ("f", False)  # "o" might start the stop sequence
+    assert m.feed("o\nb") == ("o", False)  # "o\nb" might too
+    assert m.feed("ar") == ("", True)  # the stop is not part of the output
+    assert feed_all(StopMatcher(["o\nba"]), ["fo", "o\nb", "ar"]) == ("fo", True)
+
+
+def test_held_text_is_released_by_flush() -> None:
+    m = StopMatcher(["o\nba"])
+    assert m.feed("x o\n") == ("x ", False)
+    assert m.feed("") == ("", False)
+    assert m.flush() == "o\n"
+    assert m.flush() == ""
+    assert feed_all(StopMatcher(["o\nbar"]), ["fo", "o\nb", "az"]) == ("foo\nbaz", False)
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    for stops in (["}", "\n\n"], ["\n\n", "}"]):
+        assert feed_all(StopMatcher(stops), ["let a = 1;\n", "\nb}"]) == ("let a = 1;", True)
+        assert feed_all(StopMatcher(stops), ["a}", "\n\nb"]) == ("a", True)
+
+
+def test_overlapping_partial_matches() -> None:
+    assert feed_all(StopMatcher(["aab"]), list("aaab")) == ("a", True)
+    assert feed_all(StopMatcher(["aab"]), list("aaac")) == ("aaac", False)
+
+
+def test_no_stops_passes_text_through() -> None:
+    m = StopMatcher(["", ""])
+    assert m.feed("abc") == ("abc", False) and m.flush() == ""
+
+
+def test_engine_stops_on_a_stop_sequence(tiny_engine: Engine) -> None:
+    _, free = run(tiny_engine, max_tokens=48)
+    assert len(free.text) >= 24, free.text
+    stop = free.text[12:15]
+    expected = free.text[: free.text.find(stop)]
+    tokens, res = run(tiny_engine, max_tokens=48, stop=[stop])
+    assert res.finish_reason == "stop"
+    assert res.text == expected == "".join(t.text for t in tokens)
+    assert stop not in res.text
+    assert res.completion_tokens < free.completion_tokens
+    assert res.tokens == free.tokens[: res.completion_tokens]  # the same greedy path, cut short
+
+
+def test_engine_flushes_held_text_when_no_stop_hits(tiny_engine: Engine) -> None:
+    _, free = run(tiny_engine, max_tokens=16)
+    last = free.text[-1]
+    # A stop sequence that starts with the final character but never completes: that character is held back
+    # until the end and must still come out.
+    tokens, res = run(tiny_engine, max_tokens=16, stop=[last + "\x00never"])
+    assert res.text == free.text and res.finish_reason == free.finish_reason
+    assert tokens[-1].id is None and tokens[-1].text.startswith(last)
+
+
+# -- context limits -------------------------------------------------------------------------------------------
+
+
+def test_context_overflow_names_the_numbers(tiny_engine: Engine) -> None:
+    ids = ordinary_ids(500)  # 500 prompt tokens in a 512-token context
+    with pytest.raises(ContextOverflowError) as e:
+        run(tiny_engine, ids, max_tokens=20)
+    msg = str(e.value)
+    for number in ("500 tokens", "20", "520", "512 tokens"):
+        assert number in msg
+    assert (e.value.prompt_tokens, e.value.max_tokens, e.value.max_context) == (500, 20, 512)
+    assert isinstance(e.value, ValueError)
+
+
+def test_truncate_keeps_the_end_of_the_prompt(tiny_engine: Engine) -> None:
+    ids = ordinary_ids(500)
+    _, res = run(tiny_engine, ids, max_tokens=20, truncate=True)
+    assert res.prompt_tokens == 492 and res.completion_tokens > 0
+    _, direct = run(tiny_engine, ids[-492:], max_tokens=20)
+    assert res.tokens == direct.tokens
+    with pytest.raises(ContextOverflowError):
+        run(tiny_engine, ids, max_tokens=512, truncate=True)  # nothing of the prompt would fit
+
+
+def test_prompt_that_exactly_fills_the_context(tiny_engine: Engine) -> None:
+    _, res = run(tiny_engine, ordinary_ids(492), max_tokens=20)
+    assert res.prompt_tokens + res.completion_tokens <= 512
+
+
+def test_out_of_vocabulary_prompt_ids_are_refused(tiny_engine: Engine) -> None:
+    """Token-id prompts come from clients: a bad id is a request error, not an IndexError inside the model."""
+    for bad in ([5, 384], [-1, 5]):
+        with pytest.raises(ValueError, match=r"\[0, 384\)"):
+            run(tiny_engine, bad)
