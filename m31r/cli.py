@@ -328,6 +328,79 @@ def stop(socket_path: Path | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# train: corpus → tokenizer → model → release bundle (README "The default model")
+# ------------------------------------------------------------------------------------------------------------
+
+DEFAULT_SOURCE_ROOTS = ("/usr/lib/rustlib/src/rust", "/usr/share/cargo/registry")
+
+
+@main.group()
+def train() -> None:
+    """Build the corpus and tokenizer, train the model, export a release bundle."""
+
+
+@train.command("corpus")
+@click.argument("data_dir", type=click.Path(path_type=Path))
+@click.option("--source", "sources", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where present).")
+@click.option("--val-fraction", type=float, default=0.02, show_default=True)
+@user_errors
+def train_corpus(data_dir: Path, sources: tuple[Path, ...], val_fraction: float) -> None:
+    """Filter, deduplicate and split Rust sources into DATA_DIR/corpus (run scripts/get-corpus.sh first)."""
+    from m31r.train.corpus import build_corpus
+
+    roots = list(sources) or [Path(p) for p in DEFAULT_SOURCE_ROOTS if Path(p).is_dir()]
+    if not roots:
+        fail("no Rust sources found: run scripts/get-corpus.sh (Debian's rust-src) or pass --source")
+    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction)
+    click.echo(f"dataset {manifest['dataset_version']} written to {data_dir / 'corpus'}")
+
+
+@train.command("tokenizer")
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--vocab-size", type=int, default=16384, show_default=True)
+@user_errors
+def train_tokenizer_cmd(data_dir: Path, vocab_size: int) -> None:
+    """Train the byte-level Rust BPE on DATA_DIR/corpus/train.jsonl into DATA_DIR/tokenizer.json."""
+    from m31r.train.tokenizer import bytes_per_token, train_tokenizer
+
+    tok = train_tokenizer(data_dir / "corpus" / "train.jsonl", data_dir / "tokenizer.json", vocab_size)
+    bpt = bytes_per_token(tok, data_dir / "corpus" / "val.jsonl")
+    click.echo(f"tokenizer: {vocab_size} tokens, {bpt:.3f} bytes/token on the validation split")
+
+
+@train.command("model")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--run", "run_dir", type=click.Path(path_type=Path), required=True,
+              help="Checkpoints and logs; an existing run is resumed.")
+@click.option("--max-minutes", type=float, default=None, help="Stop (with a checkpoint) after this long.")
+@user_errors
+def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None) -> None:
+    """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml)."""
+    from m31r.train.trainer import train as run_training
+
+    state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, log=lambda s: click.echo(s, err=True))
+    click.echo(f"trained to step {state['step']} ({state['tokens']:,} tokens) in {run_dir}")
+
+
+@train.command("export")
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--model-version", default="0.1.0", show_default=True)
+@user_errors
+def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -> None:
+    """Write the run's latest checkpoint as a release bundle (bf16 weights, full metadata)."""
+    from m31r.train.trainer import export
+
+    if out.exists():
+        for name in ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json", "checksum.txt"):
+            (out / name).unlink(missing_ok=True)
+    click.echo(_summary(export(run_dir, data_dir, out, model_version=model_version)))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # (serve, lsp, train, service: added in their own sections below)
 # ------------------------------------------------------------------------------------------------------------
 

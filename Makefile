@@ -1,0 +1,65 @@
+# One entry point: `make run` (a completion from the bundled model, through the daemon) and `make test`.
+# Every target installs what it needs into .venv first.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
+RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
+
+.PHONY: install run test test-python test-vscode lint bench train-data train export eval clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned: an open torch range on a machine without torch pulls gigabytes of CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	@echo "--- m31r fim: complete the body of a Rust function (the daemon starts in the background if needed)" >&2
+	$(BIN)/m31r fim --file benchmarks/data/example.rs --line 5 --column 9 --max-tokens 48
+	@echo >&2
+	@echo "--- m31r generate" >&2
+	$(BIN)/m31r generate 'pub fn is_power_of_two(n: u64) -> bool {' --max-tokens 48
+	@echo >&2
+	@echo "(the daemon keeps running for the next request; \`$(BIN)/m31r stop\` ends it)" >&2
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m m31r_protocol.schema --check
+
+test-python: install
+	$(BIN)/python -m pytest -q
+
+test-vscode:
+	@if command -v npm >/dev/null 2>&1; then \
+		cd editors/vscode && npm ci --no-audit --no-fund && npm test && npm run package; \
+	else echo "npm not found: skipping the VS Code extension build" >&2; fi
+
+test: lint test-python test-vscode
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+# Training the default model (see README "The default model").
+train-data: install
+	bash scripts/get-corpus.sh
+	$(BIN)/m31r train corpus $(DATA)
+	$(BIN)/m31r train tokenizer $(DATA)
+
+train: install
+	$(BIN)/m31r train model configs/train/mini.yaml --data $(DATA) --run $(RUN)
+
+export: install
+	$(BIN)/m31r train export --run $(RUN) --data $(DATA) --out release
+
+eval: install
+	$(BIN)/python benchmarks/eval_fim.py --bundle release --data $(DATA)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
