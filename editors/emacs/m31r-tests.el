@@ -1,0 +1,102 @@
+;;; m31r-tests.el --- ERT tests for m31r.el  -*- lexical-binding: t; -*-
+
+;; Run from the repository root:
+;;
+;;   emacs -batch -L editors/emacs -l editors/emacs/m31r-tests.el -f ert-run-tests-batch-and-exit
+;;
+;; With M31R_LSP_CMD set (e.g. "m31r lsp --socket /path") and eglot
+;; available, `m31r-eglot-roundtrip' also talks to that server.
+
+;;; Code:
+
+(require 'ert)
+(require 'm31r)
+
+(ert-deftest m31r-settings-defaults ()
+  (should (equal (m31r-settings)
+                 '(:enable t :debounceMs 75 :debounceMode "adaptive"
+                   :multiline "auto" :deadlineMs 800 :maxTokens 64
+                   :socket ""))))
+
+(ert-deftest m31r-settings-false-and-socket ()
+  (let ((m31r-enable nil) (m31r-socket "/tmp/d.sock"))
+    (should (eq (plist-get (m31r-settings) :enable) :json-false))
+    (should (equal (plist-get (m31r-settings) :socket) "/tmp/d.sock"))
+    (should (equal (m31r-command) '("m31r" "lsp" "--socket" "/tmp/d.sock"))))
+  (should (equal (m31r-command) '("m31r" "lsp"))))
+
+(ert-deftest m31r-modes ()
+  (should (m31r--wanted-mode-p 'rust-mode))
+  (should-not (m31r--wanted-mode-p 'python-mode))
+  (let ((m31r-major-modes t))
+    (should (m31r--wanted-mode-p 'emacs-lisp-mode))))
+
+(ert-deftest m31r-mode-line-strings ()
+  (let ((m31r-status nil) (m31r-enable t))
+    (should (equal (m31r-mode-line) ""))
+    (m31r--set-status "ready" "tiny" 41.6)
+    (should (equal (m31r-mode-line) "M31R 42ms"))
+    (m31r--set-status "starting" nil nil)
+    (should (equal (m31r-mode-line) "M31R starting"))
+    (m31r--set-status "unavailable" nil nil)
+    (should (equal (m31r-mode-line) "M31R unavailable"))
+    (let ((m31r-enable nil))
+      (should (equal (m31r-mode-line) "M31R off")))))
+
+(ert-deftest m31r-json-getter ()
+  (let ((h (make-hash-table :test 'equal)))
+    (puthash "state" "ready" h)
+    (should (equal (m31r--get h "state") "ready")))
+  (should (equal (m31r--get '(:state "ready") "state") "ready")))
+
+(ert-deftest m31r-eglot-registration ()
+  (skip-unless (require 'eglot nil t))
+  (let ((eglot-server-programs '((rust-mode . ("rust-analyzer")))))
+    (m31r-eglot-setup)
+    (m31r-eglot-setup)                  ; idempotent
+    (should (equal (length eglot-server-programs) 2))
+    (let ((entry (car eglot-server-programs)))
+      (should (equal (car entry) m31r-major-modes))
+      (let ((contact (funcall (cdr entry) nil)))
+        (should (eq (car contact) 'm31r-eglot-server))
+        (should (equal (seq-take (cdr contact) 2) '("m31r" "lsp")))
+        (should (functionp (plist-get (cdddr contact) :initializationOptions)))))))
+
+(ert-deftest m31r-eglot-roundtrip ()
+  (let ((cmd (getenv "M31R_LSP_CMD")))
+    (skip-unless (and cmd (not (string-empty-p cmd)) (require 'eglot nil t)))
+    (let* ((dir (make-temp-file "m31r-eglot" t))
+           (file (expand-file-name "lib.rs" dir))
+           (m31r-major-modes '(m31r-test-rust-mode))
+           (eglot-server-programs nil)
+           (m31r-status nil))
+      (define-derived-mode m31r-test-rust-mode prog-mode "Rust")
+      (with-temp-file file
+        (insert "fn main() {\n    let counts = 1;\n    \n}\n"))
+      (cl-letf (((symbol-function 'm31r-command)
+                 (lambda () (split-string-and-unquote cmd))))
+        (m31r-eglot-setup)
+        (with-current-buffer (find-file-noselect file)
+          (m31r-test-rust-mode)
+          (apply #'eglot (eglot--guess-contact))
+          ;; eglot may finish connecting asynchronously.
+          (dotimes (_ 300)
+            (unless (eglot-current-server) (accept-process-output nil 0.1)))
+          (let ((server (eglot-current-server)))
+            (should server)
+            (should (object-of-class-p server 'm31r-eglot-server))
+            (should (member server (m31r--eglot-servers)))
+            (goto-char (point-min))
+            (forward-line 2)
+            (end-of-line)
+            (let ((res (jsonrpc-request
+                        server :textDocument/inlineCompletion
+                        (append (eglot--TextDocumentPositionParams)
+                                (list :context (list :triggerKind 1))))))
+              (should (vectorp (plist-get res :items))))
+            (m31r-toggle -1)
+            (m31r-toggle 1)
+            (eglot-shutdown server)))))))
+
+(provide 'm31r-tests)
+;;; m31r-tests.el ends here

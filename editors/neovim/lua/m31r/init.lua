@@ -1,0 +1,447 @@
+-- M31R: offline Rust code completion for Neovim through the built-in LSP client.
+--
+--   require("m31r").setup({
+--     cmd = { "m31r", "lsp" },      -- the language server (LSP over stdio)
+--     socket = nil,                  -- daemon socket: adds `--socket PATH` and settings.socket
+--     filetypes = nil,               -- nil = every filetype; e.g. { "rust" }
+--     settings = { maxTokens = 64 }, -- server settings (camelCase, see README)
+--   })
+--
+-- Neovim >= 0.12: native inline completion (ghost text, LSP 3.18
+-- textDocument/inlineCompletion). Older versions: the server's
+-- textDocument/completion fallback (vim.lsp.completion on 0.11, omnifunc on 0.10).
+
+local M = {}
+
+local has_011 = vim.fn.has("nvim-0.11") == 1
+
+--- Server settings: exactly what `m31r lsp` reads from initializationOptions
+--- and from workspace/didChangeConfiguration (settings.m31r).
+M.server_defaults = {
+  enable = true,
+  debounceMs = 75,
+  debounceMode = "adaptive", -- "adaptive" | "fixed"
+  multiline = "auto", -- "auto" | "always" | "never"
+  deadlineMs = 800,
+  maxTokens = 64,
+  socket = "", -- "" = the daemon's default socket
+}
+
+M.defaults = {
+  name = "m31r",
+  cmd = { "m31r", "lsp" },
+  socket = nil,
+  filetypes = nil,
+  settings = {},
+  root_markers = { "Cargo.toml", ".git" },
+  -- Neovim >= 0.12 inline completion. Keys may be false to leave them unmapped.
+  inline = {
+    enabled = true,
+    accept = "<Tab>", -- accepts the ghost text, otherwise behaves as the key itself
+    next = "<M-]>",
+    prev = "<M-[>",
+  },
+  -- textDocument/completion fallback, used when inline completion is unavailable.
+  completion = {
+    enabled = true,
+    autotrigger = false, -- 0.11+: pop up on the server's trigger characters
+  },
+  on_attach = nil, -- function(client, bufnr)
+  capabilities = nil, -- extra client capabilities, deep-merged
+}
+
+M.config = vim.deepcopy(M.defaults)
+
+--- Last `m31r/status` from the server: { state, model, lastLatencyMs } or nil.
+M.status = nil
+
+local group = nil
+local warned = {}
+
+local function notify_once(key, msg, level)
+  if warned[key] then
+    return
+  end
+  warned[key] = true
+  vim.schedule(function()
+    vim.notify("m31r: " .. msg, level or vim.log.levels.WARN)
+  end)
+end
+
+-- 0.10 clients have dot-methods (closures), 0.11+ colon-methods.
+local function client_call(client, method, ...)
+  if has_011 then
+    return client[method](client, ...)
+  end
+  return client[method](...)
+end
+
+local function supports(client, method, bufnr)
+  if has_011 then
+    return client:supports_method(method, bufnr)
+  end
+  return client.supports_method(method, { bufnr = bufnr })
+end
+
+local valid = {
+  enable = "boolean",
+  debounceMs = "number",
+  debounceMode = { adaptive = true, fixed = true },
+  multiline = { auto = true, always = true, never = true },
+  deadlineMs = "number",
+  maxTokens = "number",
+  socket = "string",
+}
+
+--- The full settings object sent to the server (all keys present, invalid values replaced).
+function M.server_settings(user)
+  local out = vim.deepcopy(M.server_defaults)
+  for key, value in pairs(user or {}) do
+    local want = valid[key]
+    if want == nil then
+      notify_once("key:" .. key, ("unknown setting %q ignored"):format(key))
+    elseif type(want) == "table" then
+      if type(value) == "string" and want[value] then
+        out[key] = value
+      else
+        notify_once("bad:" .. key, ("invalid value for %s: %s"):format(key, vim.inspect(value)))
+      end
+    elseif type(value) ~= want then
+      notify_once("bad:" .. key, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
+    elseif want == "number" then
+      if value < 0 or value ~= value then
+        notify_once("bad:" .. key, ("%s must be >= 0"):format(key))
+      else
+        out[key] = math.floor(value + 0.5)
+      end
+    else
+      out[key] = value
+    end
+  end
+  return out
+end
+
+local function server_cmd(cfg, settings)
+  local cmd = vim.deepcopy(cfg.cmd)
+  if type(cmd) == "string" then
+    cmd = { cmd }
+  end
+  if settings.socket ~= "" and not vim.tbl_contains(cmd, "--socket") then
+    vim.list_extend(cmd, { "--socket", settings.socket })
+  end
+  return cmd
+end
+
+local function clients()
+  return vim.lsp.get_clients({ name = M.config.name })
+end
+
+local function statusline_text(s)
+  if not (M.config.settings_resolved or M.server_defaults).enable then
+    return "M31R off"
+  end
+  if #clients() == 0 then
+    return ""
+  end
+  if not s then
+    return "M31R"
+  end
+  if s.state == "ready" then
+    if type(s.lastLatencyMs) == "number" then
+      return ("M31R %dms"):format(math.floor(s.lastLatencyMs + 0.5))
+    end
+    return "M31R"
+  elseif s.state == "starting" then
+    return "M31R starting"
+  end
+  return "M31R unavailable"
+end
+
+--- A short string for your statusline, e.g. `%{v:lua.require'm31r'.statusline()}`.
+--- Redraw on `User M31rStatus` events.
+function M.statusline()
+  return statusline_text(M.status)
+end
+
+local function on_status(_, result, ctx)
+  if type(result) ~= "table" or type(result.state) ~= "string" then
+    return
+  end
+  M.status = {
+    state = result.state,
+    model = type(result.model) == "string" and result.model or nil,
+    lastLatencyMs = type(result.lastLatencyMs) == "number" and result.lastLatencyMs or nil,
+    client_id = ctx and ctx.client_id,
+  }
+  vim.schedule(function()
+    vim.api.nvim_exec_autocmds("User", { pattern = "M31rStatus", modeline = false, data = M.status })
+    pcall(vim.cmd.redrawstatus)
+  end)
+end
+
+local function map(bufnr, lhs, rhs, desc, expr)
+  if not lhs or lhs == "" then
+    return
+  end
+  vim.keymap.set("i", lhs, rhs, { buffer = bufnr, expr = expr or false, silent = true, desc = desc })
+end
+
+local function setup_inline(client, bufnr)
+  local ic = vim.lsp.inline_completion
+  ic.enable(true, { bufnr = bufnr })
+  local keys = M.config.inline
+  map(bufnr, keys.accept, function()
+    if ic.get() then
+      return ""
+    end
+    return keys.accept
+  end, "M31R: accept the inline completion", true)
+  if ic.select then
+    map(bufnr, keys.next, function()
+      ic.select({ count = 1 })
+    end, "M31R: next inline completion")
+    map(bufnr, keys.prev, function()
+      ic.select({ count = -1 })
+    end, "M31R: previous inline completion")
+  end
+end
+
+local function on_attach(client, bufnr)
+  local cfg = M.config
+  local inline_ok = cfg.inline.enabled
+    and vim.lsp.inline_completion ~= nil
+    and supports(client, "textDocument/inlineCompletion", bufnr)
+  if inline_ok then
+    setup_inline(client, bufnr)
+  elseif cfg.completion.enabled and supports(client, "textDocument/completion", bufnr) then
+    if vim.lsp.completion and vim.lsp.completion.enable then
+      -- 0.11+: completion through vim.lsp.completion (also sets omnifunc-like behaviour).
+      vim.lsp.completion.enable(true, client.id, bufnr, { autotrigger = cfg.completion.autotrigger })
+    else
+      -- 0.10: <C-x><C-o> through the LSP omnifunc.
+      vim.bo[bufnr].omnifunc = "v:lua.vim.lsp.omnifunc"
+    end
+  end
+  if cfg.on_attach then
+    cfg.on_attach(client, bufnr)
+  end
+end
+
+local function root_dir(bufnr)
+  if vim.fs.root then
+    local root = vim.fs.root(bufnr, M.config.root_markers)
+    if root then
+      return root
+    end
+  end
+  return vim.fn.getcwd()
+end
+
+local function wanted(bufnr)
+  if not vim.api.nvim_buf_is_valid(bufnr) or not vim.api.nvim_buf_is_loaded(bufnr) then
+    return false
+  end
+  if vim.bo[bufnr].buftype ~= "" then
+    return false
+  end
+  local name = vim.api.nvim_buf_get_name(bufnr)
+  if name == "" or name:match("^%a[%w+.-]*://") then
+    return false -- unnamed or non-file buffers (fugitive://, oil://, …)
+  end
+  local fts = M.config.filetypes
+  if fts ~= nil then
+    return vim.tbl_contains(fts, vim.bo[bufnr].filetype)
+  end
+  return true
+end
+
+--- Attach the M31R client to a buffer (started on first use, shared by all buffers).
+function M.attach(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if not wanted(bufnr) then
+    return nil
+  end
+  local cfg = M.config
+  local settings = cfg.settings_resolved
+  local cmd = server_cmd(cfg, settings)
+  if vim.fn.executable(cmd[1]) ~= 1 then
+    notify_once("exe", ("%q is not executable: install it (make install) or set cmd"):format(cmd[1]))
+    return nil
+  end
+  local capabilities = vim.lsp.protocol.make_client_capabilities()
+  if cfg.capabilities then
+    capabilities = vim.tbl_deep_extend("force", capabilities, cfg.capabilities)
+  end
+  return vim.lsp.start({
+    name = cfg.name,
+    cmd = cmd,
+    root_dir = root_dir(bufnr),
+    init_options = vim.deepcopy(settings),
+    settings = { m31r = vim.deepcopy(settings) },
+    capabilities = capabilities,
+    handlers = { ["m31r/status"] = on_status },
+    on_attach = on_attach,
+  }, {
+    bufnr = bufnr,
+    -- One server for every buffer: it holds a single daemon connection.
+    reuse_client = function(client, config)
+      return client.name == config.name and not (client.is_stopped and client_call(client, "is_stopped"))
+    end,
+  })
+end
+
+local function push_settings()
+  local settings = M.config.settings_resolved
+  for _, client in ipairs(clients()) do
+    client.settings = { m31r = vim.deepcopy(settings) }
+    client_call(client, "notify", "workspace/didChangeConfiguration", { settings = client.settings })
+  end
+end
+
+--- Change server settings at run time, e.g. `require("m31r").set({ multiline = "never" })`.
+function M.set(settings)
+  M.config.settings = vim.tbl_extend("force", M.config.settings or {}, settings or {})
+  M.config.settings_resolved = M.server_settings(M.config.settings)
+  push_settings()
+end
+
+--- Turn completions on/off (the server is told through settings.m31r.enable).
+function M.toggle(enable)
+  if enable == nil then
+    enable = not M.config.settings_resolved.enable
+  end
+  M.set({ enable = enable })
+  if vim.lsp.inline_completion and M.config.inline.enabled then
+    for _, client in ipairs(clients()) do
+      for bufnr in pairs(client.attached_buffers or {}) do
+        pcall(vim.lsp.inline_completion.enable, enable, { bufnr = bufnr })
+      end
+    end
+  end
+  vim.notify("m31r: completions " .. (enable and "enabled" or "disabled"))
+  pcall(vim.cmd.redrawstatus)
+end
+
+--- Stop the server and start it again for every buffer that should have it.
+function M.restart()
+  local old = clients()
+  for _, client in ipairs(old) do
+    client_call(client, "stop")
+  end
+  M.status = nil
+  local tries = 0
+  local function again()
+    tries = tries + 1
+    local alive = vim.tbl_filter(function(c)
+      return not client_call(c, "is_stopped")
+    end, old)
+    if #alive > 0 and tries < 40 then
+      vim.defer_fn(again, 50)
+      return
+    end
+    for _, bufnr in ipairs(vim.api.nvim_list_bufs()) do
+      M.attach(bufnr)
+    end
+  end
+  vim.defer_fn(again, 50)
+end
+
+local function describe()
+  local lines = {}
+  local cs = clients()
+  table.insert(lines, ("clients: %d"):format(#cs))
+  for _, c in ipairs(cs) do
+    local caps = c.server_capabilities or {}
+    table.insert(
+      lines,
+      ("  id %d, cmd %s, inlineCompletion %s, completion %s"):format(
+        c.id,
+        table.concat(c.config.cmd or {}, " "),
+        tostring(caps.inlineCompletionProvider ~= nil),
+        tostring(caps.completionProvider ~= nil)
+      )
+    )
+  end
+  table.insert(lines, "status: " .. vim.inspect(M.status))
+  table.insert(lines, "settings: " .. vim.inspect(M.config.settings_resolved))
+  table.insert(lines, "native inline completion: " .. tostring(vim.lsp.inline_completion ~= nil))
+  return table.concat(lines, "\n")
+end
+
+function M.setup(opts)
+  opts = opts or {}
+  local cfg = vim.tbl_deep_extend("force", vim.deepcopy(M.defaults), opts)
+  -- Lists replace rather than merge.
+  if opts.cmd ~= nil then
+    cfg.cmd = opts.cmd
+  end
+  if opts.filetypes ~= nil then
+    cfg.filetypes = opts.filetypes
+  end
+  if opts.root_markers ~= nil then
+    cfg.root_markers = opts.root_markers
+  end
+  if type(cfg.filetypes) == "string" then
+    cfg.filetypes = { cfg.filetypes }
+  end
+  local settings = vim.deepcopy(cfg.settings or {})
+  if cfg.socket and cfg.socket ~= "" then
+    settings.socket = cfg.socket
+  elseif settings.socket == nil and type(cfg.cmd) == "table" then
+    -- `cmd = { "m31r", "lsp", "--socket", PATH }`: tell the server the same socket,
+    -- since an empty `socket` setting means "the default socket".
+    for i, arg in ipairs(cfg.cmd) do
+      if arg == "--socket" and type(cfg.cmd[i + 1]) == "string" then
+        settings.socket = cfg.cmd[i + 1]
+      end
+    end
+  end
+  cfg.settings = settings
+  cfg.settings_resolved = M.server_settings(settings)
+  M.config = cfg
+
+  group = vim.api.nvim_create_augroup("m31r", { clear = true })
+  vim.api.nvim_create_autocmd("FileType", {
+    group = group,
+    pattern = cfg.filetypes or "*",
+    desc = "M31R: attach the language server",
+    callback = function(args)
+      M.attach(args.buf)
+    end,
+  })
+  vim.api.nvim_create_autocmd("BufEnter", {
+    group = group,
+    desc = "M31R: attach buffers without a filetype",
+    callback = function(args)
+      if cfg.filetypes == nil and vim.bo[args.buf].filetype == "" then
+        M.attach(args.buf)
+      end
+    end,
+  })
+
+  vim.api.nvim_create_user_command("M31rToggle", function()
+    M.toggle()
+  end, { desc = "M31R: toggle completions", force = true })
+  vim.api.nvim_create_user_command("M31rEnable", function()
+    M.toggle(true)
+  end, { desc = "M31R: enable completions", force = true })
+  vim.api.nvim_create_user_command("M31rDisable", function()
+    M.toggle(false)
+  end, { desc = "M31R: disable completions", force = true })
+  vim.api.nvim_create_user_command("M31rRestart", function()
+    M.restart()
+  end, { desc = "M31R: restart the language server", force = true })
+  vim.api.nvim_create_user_command("M31rInfo", function()
+    vim.notify(describe())
+  end, { desc = "M31R: show client, status and settings", force = true })
+
+  -- Buffers that were opened before setup() ran (lazy loading).
+  for _, bufnr in ipairs(vim.api.nvim_list_bufs()) do
+    if vim.api.nvim_buf_is_loaded(bufnr) then
+      M.attach(bufnr)
+    end
+  end
+  return M
+end
+
+return M

@@ -1,0 +1,234 @@
+-- Headless checks of the M31R Neovim plugin. From the repository root:
+--
+--   nvim --clean --headless --cmd "set rtp+=editors/neovim" -l editors/neovim/tests/smoke.lua
+--
+-- With M31R_LSP_CMD set (e.g. "m31r lsp --socket /path"), it also attaches
+-- to that server and asks it for completions. Exits non-zero on failure.
+
+local passed, failed, skipped = 0, 0, 0
+
+local function check(name, fn)
+  local ok, err = pcall(fn)
+  if ok then
+    passed = passed + 1
+    print("ok - " .. name)
+  else
+    failed = failed + 1
+    print("not ok - " .. name .. ": " .. tostring(err))
+  end
+end
+
+local function skip(name, why)
+  skipped = skipped + 1
+  print("ok - " .. name .. " # SKIP " .. why)
+end
+
+local function eq(a, b, what)
+  if not vim.deep_equal(a, b) then
+    error(("%s: expected %s, got %s"):format(what or "value", vim.inspect(b), vim.inspect(a)), 2)
+  end
+end
+
+local m31r = require("m31r")
+
+check("setup({}) loads and defines the commands", function()
+  m31r.setup({})
+  for _, cmd in ipairs({ "M31rToggle", "M31rEnable", "M31rDisable", "M31rRestart", "M31rInfo" }) do
+    assert(vim.fn.exists(":" .. cmd) == 2, cmd .. " missing")
+  end
+  eq(m31r.config.cmd, { "m31r", "lsp" }, "default cmd")
+  eq(m31r.config.filetypes, nil, "default filetypes")
+end)
+
+check("setup() twice is harmless", function()
+  m31r.setup({ filetypes = { "rust" } })
+  m31r.setup({})
+  eq(#vim.api.nvim_get_autocmds({ group = "m31r", event = "FileType" }), 1, "FileType autocmds")
+end)
+
+check("server settings: defaults, validation, socket", function()
+  eq(m31r.server_settings({}), {
+    enable = true,
+    debounceMs = 75,
+    debounceMode = "adaptive",
+    multiline = "auto",
+    deadlineMs = 800,
+    maxTokens = 64,
+    socket = "",
+  }, "defaults")
+  local s = m31r.server_settings({ multiline = "sometimes", maxTokens = 12.4, enable = "yes", debounceMode = "fixed" })
+  eq(s.multiline, "auto", "bad enum")
+  eq(s.maxTokens, 12, "rounded")
+  eq(s.enable, true, "bad bool")
+  eq(s.debounceMode, "fixed", "good enum")
+  m31r.setup({ socket = "/tmp/m31rd-test.sock", settings = { maxTokens = 8 } })
+  eq(m31r.config.settings_resolved.socket, "/tmp/m31rd-test.sock", "socket in settings")
+  eq(m31r.config.settings_resolved.maxTokens, 8, "maxTokens")
+  m31r.setup({ cmd = { "m31r", "lsp", "--socket", "/tmp/from-cmd.sock" } })
+  eq(m31r.config.settings_resolved.socket, "/tmp/from-cmd.sock", "socket taken from cmd")
+  m31r.setup({})
+  eq(m31r.config.settings_resolved.socket, "", "default socket")
+end)
+
+check("statusline before any server", function()
+  eq(m31r.statusline(), "", "no client")
+end)
+
+local cmd_env = os.getenv("M31R_LSP_CMD")
+if not cmd_env or cmd_env == "" then
+  skip("attach to a real server", "M31R_LSP_CMD is not set")
+else
+  local cmd = vim.split(vim.trim(cmd_env), "%s+")
+  local dir = vim.fn.tempname()
+  vim.fn.mkdir(dir .. "/src", "p")
+  vim.fn.writefile({ "[package]", 'name = "t"' }, dir .. "/Cargo.toml")
+  vim.fn.writefile({
+    "pub fn word_counts(text: &str) -> std::collections::HashMap<String, usize> {",
+    "    let mut counts = std::collections::HashMap::new();",
+    "    for word in text.split_whitespace() {",
+    "        ",
+    "    }",
+    "    counts",
+    "}",
+  }, dir .. "/src/lib.rs")
+
+  local client
+  check("attaches to a Rust buffer and gets the capabilities", function()
+    m31r.setup({ cmd = cmd, settings = { maxTokens = 16, debounceMs = 0 }, inline = { accept = "<C-l>" } })
+    vim.cmd.edit(dir .. "/src/lib.rs")
+    vim.bo.filetype = "rust"
+    assert(
+      vim.wait(15000, function()
+        local cs = vim.lsp.get_clients({ name = "m31r", bufnr = 0 })
+        client = cs[1]
+        return client ~= nil and client.initialized
+      end, 50),
+      "no m31r client attached"
+    )
+    assert(client.server_capabilities.inlineCompletionProvider, "inlineCompletionProvider missing")
+    assert(client.server_capabilities.completionProvider, "completionProvider missing")
+    eq(client.config.init_options.maxTokens, 16, "init_options")
+    eq(client.config.root_dir, dir, "root_dir from Cargo.toml")
+  end)
+
+  local function request(method, params)
+    local res = vim.lsp.buf_request_sync(0, method, params, 30000)
+    assert(res, method .. ": no answer")
+    local r = res[client.id]
+    assert(r and not r.err, method .. ": " .. vim.inspect(r and r.err))
+    return r.result
+  end
+
+  check("textDocument/inlineCompletion answers with items", function()
+    local result = request("textDocument/inlineCompletion", {
+      textDocument = { uri = vim.uri_from_bufnr(0) },
+      position = { line = 3, character = 8 },
+      context = { triggerKind = 1 },
+    })
+    local items = result and (result.items or result)
+    assert(type(items) == "table", "no items: " .. vim.inspect(result))
+    for _, item in ipairs(items) do
+      assert(item.insertText ~= nil, "insertText missing")
+    end
+  end)
+
+  check("textDocument/completion fallback answers", function()
+    local result = request("textDocument/completion", {
+      textDocument = { uri = vim.uri_from_bufnr(0) },
+      position = { line = 3, character = 8 },
+    })
+    assert(result == nil or type(result) == "table", vim.inspect(result))
+  end)
+
+  check("m31r/status is recorded (if the server sent one)", function()
+    vim.wait(2000, function()
+      return m31r.status ~= nil
+    end, 50)
+    if m31r.status then
+      assert(vim.tbl_contains({ "ready", "starting", "unavailable" }, m31r.status.state), vim.inspect(m31r.status))
+      assert(m31r.statusline():match("^M31R"), m31r.statusline())
+    end
+  end)
+
+  check("completion wiring for this Neovim version", function()
+    if vim.lsp.inline_completion then
+      assert(vim.lsp.inline_completion.is_enabled({ bufnr = 0 }), "inline completion not enabled")
+      assert(vim.fn.maparg("<C-l>", "i", false, true).buffer == 1, "accept key not mapped")
+    elseif vim.lsp.completion then
+      -- 0.11: vim.lsp.completion.enable() was called; omnifunc is the LSP one.
+      assert(vim.bo.omnifunc == "v:lua.vim.lsp.omnifunc", "omnifunc: " .. vim.bo.omnifunc)
+    end
+  end)
+
+  check("toggle sends settings.m31r.enable = false", function()
+    m31r.toggle(false)
+    eq(client.settings.m31r.enable, false, "client.settings")
+    eq(m31r.statusline(), "M31R off", "statusline")
+    m31r.toggle(true)
+    eq(client.settings.m31r.enable, true, "client.settings")
+  end)
+
+  check("Neovim 0.12 inline completion path (stubbed API)", function()
+    local real = vim.lsp.inline_completion
+    local calls = {}
+    local accepted = false
+    vim.lsp.inline_completion = {
+      enable = function(enable, filter)
+        table.insert(calls, { enable, filter })
+      end,
+      is_enabled = function()
+        return true
+      end,
+      get = function()
+        return accepted
+      end,
+      select = function() end,
+    }
+    local ok, err = pcall(function()
+      vim.cmd.edit(dir .. "/src/main.rs")
+      vim.bo.filetype = "rust"
+      local buf = vim.api.nvim_get_current_buf()
+      assert(
+        vim.wait(5000, function()
+          return #vim.lsp.get_clients({ name = "m31r", bufnr = buf }) == 1
+        end, 20),
+        "second buffer not attached"
+      )
+      eq(#vim.lsp.get_clients({ name = "m31r" }), 1, "one shared client")
+      eq(calls[#calls], { true, { bufnr = buf } }, "inline_completion.enable call")
+      local map = vim.fn.maparg("<C-l>", "i", false, true)
+      assert(map.buffer == 1 and map.expr == 1 and map.callback, "accept mapping")
+      eq(map.callback(), "<C-l>", "falls back to the key when nothing is shown")
+      accepted = true
+      eq(map.callback(), "", "accepts when a suggestion is shown")
+      assert(vim.fn.maparg("<M-]>", "i", false, true).buffer == 1, "next mapping")
+    end)
+    vim.lsp.inline_completion = real
+    assert(ok, err)
+  end)
+
+  check("restart starts a new client", function()
+    local old = client.id
+    m31r.restart()
+    assert(
+      vim.wait(15000, function()
+        local cs = vim.lsp.get_clients({ name = "m31r" })
+        return #cs == 1 and cs[1].id ~= old and cs[1].initialized
+      end, 50),
+      "no new client after restart"
+    )
+  end)
+
+  for _, c in ipairs(vim.lsp.get_clients({ name = "m31r" })) do
+    if vim.fn.has("nvim-0.11") == 1 then
+      c:stop(true)
+    else
+      c.stop(true)
+    end
+  end
+end
+
+print(("%d passed, %d failed, %d skipped"):format(passed, failed, skipped))
+if failed > 0 then
+  os.exit(1)
+end

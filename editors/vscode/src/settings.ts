@@ -1,0 +1,247 @@
+// Pure settings logic: no `vscode` import, so it is unit-tested with plain Node.
+//
+// The language server (`m31r lsp`) reads exactly these camelCase keys, both from
+// `initializationOptions` (a flat object) and from
+// `workspace/didChangeConfiguration` (`settings.m31r`). Client-only keys
+// (`path`, `languages`, `trace`) are never sent to the server.
+
+export type DebounceMode = 'adaptive' | 'fixed';
+export type Multiline = 'auto' | 'always' | 'never';
+
+export interface ServerSettings {
+  enable: boolean;
+  debounceMs: number;
+  debounceMode: DebounceMode;
+  multiline: Multiline;
+  deadlineMs: number;
+  maxTokens: number;
+  /** Daemon socket path; "" means the daemon's default socket. */
+  socket: string;
+}
+
+export interface IntRange {
+  minimum: number;
+  maximum: number;
+}
+
+export const DEFAULTS: Readonly<ServerSettings> = Object.freeze({
+  enable: true,
+  debounceMs: 75,
+  debounceMode: 'adaptive',
+  multiline: 'auto',
+  deadlineMs: 800,
+  maxTokens: 64,
+  socket: '',
+});
+
+/** Accepted ranges; package.json's `minimum`/`maximum` mirror these (a test checks it). */
+export const RANGES: Readonly<Record<'debounceMs' | 'deadlineMs' | 'maxTokens', IntRange>> = Object.freeze({
+  debounceMs: { minimum: 0, maximum: 5000 },
+  deadlineMs: { minimum: 1, maximum: 60000 },
+  maxTokens: { minimum: 1, maximum: 4096 },
+});
+
+export const DEBOUNCE_MODES: readonly DebounceMode[] = ['adaptive', 'fixed'];
+export const MULTILINE_MODES: readonly Multiline[] = ['auto', 'always', 'never'];
+
+/** Client-side settings (not sent to the server). */
+export interface ClientSettings {
+  /** Executable to run as `<path> lsp [--socket S]`. */
+  path: string;
+  /** VS Code language ids to attach to; `["*"]` means every language. */
+  languages: string[];
+}
+
+export const CLIENT_DEFAULTS: Readonly<ClientSettings> = Object.freeze({
+  path: 'm31r',
+  languages: ['*'],
+});
+
+/** The subset of `vscode.WorkspaceConfiguration` this module needs. */
+export interface ConfigLike {
+  get<T>(key: string): T | undefined;
+}
+
+/** Either a `vscode.WorkspaceConfiguration` for section "m31r" or a plain object. */
+export type ConfigSource = ConfigLike | Record<string, unknown> | null | undefined;
+
+export interface Validated<T> {
+  value: T;
+  /** Human-readable problems; invalid values were replaced by defaults. */
+  warnings: string[];
+}
+
+function reader(source: ConfigSource): (key: string) => unknown {
+  if (source && typeof (source as ConfigLike).get === 'function') {
+    const cfg = source as ConfigLike;
+    return (key) => cfg.get<unknown>(key);
+  }
+  const obj = (source ?? {}) as Record<string, unknown>;
+  return (key) => (Object.prototype.hasOwnProperty.call(obj, key) ? obj[key] : undefined);
+}
+
+function readBool(get: (k: string) => unknown, key: keyof ServerSettings, warnings: string[]): boolean {
+  const raw = get(key);
+  const fallback = DEFAULTS[key] as boolean;
+  if (raw === undefined || raw === null) return fallback;
+  if (typeof raw === 'boolean') return raw;
+  if (raw === 'true' || raw === 'false') return raw === 'true';
+  warnings.push(`m31r.${key}: expected true or false, got ${JSON.stringify(raw)}; using ${fallback}`);
+  return fallback;
+}
+
+function readInt(
+  get: (k: string) => unknown,
+  key: 'debounceMs' | 'deadlineMs' | 'maxTokens',
+  warnings: string[],
+): number {
+  const raw = get(key);
+  const fallback = DEFAULTS[key];
+  if (raw === undefined || raw === null || raw === '') return fallback;
+  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  if (!Number.isFinite(n)) {
+    warnings.push(`m31r.${key}: expected an integer, got ${JSON.stringify(raw)}; using ${fallback}`);
+    return fallback;
+  }
+  const { minimum, maximum } = RANGES[key];
+  const rounded = Math.round(n);
+  const clamped = Math.min(maximum, Math.max(minimum, rounded));
+  if (clamped !== rounded) {
+    warnings.push(`m31r.${key}: ${n} is outside ${minimum}..${maximum}; using ${clamped}`);
+  }
+  return clamped;
+}
+
+function readEnum<T extends string>(
+  get: (k: string) => unknown,
+  key: 'debounceMode' | 'multiline',
+  allowed: readonly T[],
+  warnings: string[],
+): T {
+  const raw = get(key);
+  const fallback = DEFAULTS[key] as T;
+  if (raw === undefined || raw === null || raw === '') return fallback;
+  if (typeof raw === 'string') {
+    const lowered = raw.trim().toLowerCase();
+    const hit = allowed.find((a) => a === lowered);
+    if (hit) return hit;
+  }
+  warnings.push(`m31r.${key}: expected one of ${allowed.join(', ')}, got ${JSON.stringify(raw)}; using ${fallback}`);
+  return fallback;
+}
+
+function readString(get: (k: string) => unknown, key: string, fallback: string, warnings: string[]): string {
+  const raw = get(key);
+  if (raw === undefined || raw === null) return fallback;
+  if (typeof raw === 'string') return raw.trim();
+  warnings.push(`m31r.${key}: expected a string, got ${JSON.stringify(raw)}; using ${JSON.stringify(fallback)}`);
+  return fallback;
+}
+
+/**
+ * Turn a configuration (VS Code's `m31r` section or a plain object) into the
+ * exact object the server expects as `initializationOptions` and as
+ * `settings.m31r`. Every key is always present, so a setting that the user
+ * removes is reset on the server too.
+ */
+export function toServerSettings(source: ConfigSource, homeDir?: string): Validated<ServerSettings> {
+  const get = reader(source);
+  const warnings: string[] = [];
+  const value: ServerSettings = {
+    enable: readBool(get, 'enable', warnings),
+    debounceMs: readInt(get, 'debounceMs', warnings),
+    debounceMode: readEnum(get, 'debounceMode', DEBOUNCE_MODES, warnings),
+    multiline: readEnum(get, 'multiline', MULTILINE_MODES, warnings),
+    deadlineMs: readInt(get, 'deadlineMs', warnings),
+    maxTokens: readInt(get, 'maxTokens', warnings),
+    socket: expandHome(readString(get, 'socket', DEFAULTS.socket, warnings), homeDir),
+  };
+  return { value, warnings };
+}
+
+export function toClientSettings(source: ConfigSource, homeDir?: string): Validated<ClientSettings> {
+  const get = reader(source);
+  const warnings: string[] = [];
+  let path = readString(get, 'path', CLIENT_DEFAULTS.path, warnings);
+  if (path === '') path = CLIENT_DEFAULTS.path;
+  path = expandHome(path, homeDir);
+
+  const rawLanguages = get('languages');
+  let languages: string[] = [...CLIENT_DEFAULTS.languages];
+  if (Array.isArray(rawLanguages)) {
+    const cleaned = rawLanguages
+      .filter((l): l is string => typeof l === 'string')
+      .map((l) => l.trim())
+      .filter((l) => l !== '');
+    if (cleaned.length !== rawLanguages.length) {
+      warnings.push('m31r.languages: ignoring entries that are not non-empty strings');
+    }
+    languages = cleaned.length > 0 ? Array.from(new Set(cleaned)) : [...CLIENT_DEFAULTS.languages];
+  } else if (typeof rawLanguages === 'string' && rawLanguages.trim() !== '') {
+    languages = [rawLanguages.trim()];
+  } else if (rawLanguages !== undefined && rawLanguages !== null) {
+    warnings.push(`m31r.languages: expected an array of language ids, got ${JSON.stringify(rawLanguages)}`);
+  }
+  return { value: { path, languages }, warnings };
+}
+
+/** `~/x` → `<home>/x` (only when a home directory is given). */
+export function expandHome(p: string, homeDir?: string): string {
+  if (!homeDir) return p;
+  if (p === '~') return homeDir;
+  if (p.startsWith('~/')) return homeDir.replace(/\/+$/, '') + p.slice(1);
+  return p;
+}
+
+/** Arguments for the server process: `lsp [--socket PATH]`. */
+export function serverArgs(settings: Pick<ServerSettings, 'socket'>): string[] {
+  return settings.socket ? ['lsp', '--socket', settings.socket] : ['lsp'];
+}
+
+export interface DocumentFilterLike {
+  scheme: string;
+  language?: string;
+}
+
+export const SCHEMES: readonly string[] = ['file', 'untitled'];
+
+/** `["*"]` (or any list containing "*") → every language on file/untitled documents. */
+export function documentSelector(languages: readonly string[]): DocumentFilterLike[] {
+  if (languages.length === 0 || languages.includes('*')) {
+    return SCHEMES.map((scheme) => ({ scheme }));
+  }
+  const out: DocumentFilterLike[] = [];
+  for (const language of languages) {
+    for (const scheme of SCHEMES) out.push({ scheme, language });
+  }
+  return out;
+}
+
+/** Keys whose change needs a new server process (command line or document selector). */
+export const RESTART_KEYS: readonly string[] = ['path', 'languages', 'socket'];
+
+/** True when the client must be recreated to apply the new configuration. */
+export function needsRestart(
+  before: { client: ClientSettings; server: ServerSettings },
+  after: { client: ClientSettings; server: ServerSettings },
+): boolean {
+  return (
+    before.client.path !== after.client.path ||
+    before.server.socket !== after.server.socket ||
+    JSON.stringify(before.client.languages) !== JSON.stringify(after.client.languages)
+  );
+}
+
+/**
+ * Answer one `workspace/configuration` item for the server from the validated
+ * settings: section "m31r" → the whole object, "m31r.<key>" → that value.
+ * Returns undefined for sections that are not ours.
+ */
+export function configurationItem(section: string | undefined | null, settings: ServerSettings): unknown {
+  if (section === 'm31r') return { ...settings };
+  if (section && section.startsWith('m31r.')) {
+    const key = section.slice('m31r.'.length);
+    if (Object.prototype.hasOwnProperty.call(settings, key)) return settings[key as keyof ServerSettings];
+  }
+  return undefined;
+}

@@ -1,0 +1,211 @@
+// Drives out/extension.js with fake `vscode` and `vscode-languageclient/node`
+// modules (see support/): checks how the client is built, that settings are
+// validated before they reach the server, the status bar, and the commands.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { createRequire } from 'node:module';
+
+const require = createRequire(import.meta.url);
+require('./support/hook.cjs');
+const vscode = require('vscode');
+const lc = require('vscode-languageclient/node');
+const ext = require('../out/extension.js');
+
+const fake = vscode.__fake.state;
+const clients = lc.__fake.instances;
+let controller;
+
+function resetFakes() {
+  fake.user = {};
+  fake.workspace = {};
+  fake.updates.length = 0;
+  fake.messages.length = 0;
+  fake.statusItems.length = 0;
+  fake.outputs.length = 0;
+  clients.length = 0;
+  lc.__fake.behaviour.failStart = false;
+}
+
+async function activate(user = {}) {
+  if (controller) {
+    controller.dispose();
+    await controller.whenIdle();
+  }
+  resetFakes();
+  Object.assign(fake.user, user);
+  const context = { subscriptions: [] };
+  controller = ext.activate(context);
+  await controller.whenIdle();
+  return { context, item: fake.statusItems[0], client: clients.at(-1) };
+}
+
+const tick = () => new Promise((r) => setImmediate(r));
+
+test('starts `m31r lsp` over stdio with defaults', async () => {
+  const { client, context } = await activate();
+  assert.equal(clients.length, 1);
+  assert.equal(client.id, 'm31r');
+  assert.deepEqual(client.serverOptions, { command: 'm31r', args: ['lsp'] });
+  assert.equal(client.serverOptions.transport, undefined, 'stdio transport');
+  assert.deepEqual(client.clientOptions.documentSelector, [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  assert.deepEqual(client.clientOptions.synchronize, { configurationSection: 'm31r' });
+  assert.deepEqual(client.clientOptions.initializationOptions(), {
+    enable: true,
+    debounceMs: 75,
+    debounceMode: 'adaptive',
+    multiline: 'auto',
+    deadlineMs: 800,
+    maxTokens: 64,
+    socket: '',
+  });
+  assert.deepEqual([...fake.commands.keys()].sort(), ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);
+  assert.ok(context.subscriptions.length >= 1);
+  assert.equal(controller.state.client, 'running');
+});
+
+test('path, socket and languages shape the command line and selector', async () => {
+  const { client } = await activate({
+    'm31r.path': '/opt/m31r/bin/m31r',
+    'm31r.socket': '/tmp/m31rd.sock',
+    'm31r.languages': ['rust'],
+    'm31r.maxTokens': 99999,
+  });
+  assert.deepEqual(client.serverOptions, { command: '/opt/m31r/bin/m31r', args: ['lsp', '--socket', '/tmp/m31rd.sock'] });
+  assert.deepEqual(client.clientOptions.documentSelector, [
+    { scheme: 'file', language: 'rust' },
+    { scheme: 'untitled', language: 'rust' },
+  ]);
+  const init = client.clientOptions.initializationOptions();
+  assert.equal(init.socket, '/tmp/m31rd.sock');
+  assert.equal(init.maxTokens, 4096, 'clamped');
+  assert.equal('path' in init, false);
+  assert.equal('languages' in init, false);
+  assert.ok(fake.messages.some(([kind, m]) => kind === 'warning' && /maxTokens/.test(m)));
+});
+
+test('didChangeConfiguration sends validated settings.m31r only', async () => {
+  const { client } = await activate({ 'm31r.multiline': 'never', 'm31r.path': 'm31r' });
+  await client.clientOptions.middleware.workspace.didChangeConfiguration(['m31r'], async () => {
+    throw new Error('the raw section must not be sent');
+  });
+  assert.equal(client.sent.length, 1);
+  assert.equal(client.sent[0].method, 'workspace/didChangeConfiguration');
+  const m31r = client.sent[0].params.settings.m31r;
+  assert.equal(m31r.multiline, 'never');
+  assert.equal('path' in m31r, false);
+  assert.deepEqual(Object.keys(client.sent[0].params.settings), ['m31r']);
+});
+
+test('workspace/configuration answers m31r sections from validated settings', async () => {
+  const { client } = await activate({ 'm31r.deadlineMs': 1200 });
+  const next = async (params) => params.items.map(() => 'raw');
+  const res = await client.clientOptions.middleware.workspace.configuration(
+    { items: [{ section: 'm31r' }, { section: 'm31r.deadlineMs' }, { section: 'editor' }] },
+    {},
+    next,
+  );
+  assert.equal(res[0].deadlineMs, 1200);
+  assert.equal(res[1], 1200);
+  assert.equal(res[2], 'raw');
+});
+
+test('m31r/status drives the status bar', async () => {
+  const { client, item } = await activate();
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.ok(item.visible);
+  client.emit('m31r/status', { state: 'unavailable', model: null, lastLatencyMs: null });
+  assert.equal(item.text, '$(warning) M31R unavailable');
+  assert.equal(item.backgroundColor.id, 'statusBarItem.warningBackground');
+  client.emit('m31r/status', { state: 'ready', model: 'tiny', lastLatencyMs: 37 });
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.match(item.tooltip, /tiny/);
+  assert.match(item.tooltip, /37 ms/);
+  assert.equal(item.backgroundColor, undefined);
+  assert.equal(item.command, 'm31r.toggle');
+  // A malformed notification is logged and ignored.
+  client.emit('m31r/status', { state: 'exploded' });
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.ok(fake.outputs[0].lines.some(([lvl, m]) => lvl === 'warn' && /malformed/.test(m)));
+});
+
+test('toggle flips m31r.enable and short-circuits requests while disabled', async () => {
+  const { client, item } = await activate();
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.deepEqual(fake.updates.at(-1), { key: 'm31r.enable', value: false, target: vscode.ConfigurationTarget.Global });
+  assert.equal(item.text, '$(circle-slash) M31R');
+  assert.equal(clients.length, 1, 'enable does not restart the server');
+  const mw = client.clientOptions.middleware;
+  let called = 0;
+  const next = () => {
+    called++;
+    return { items: [] };
+  };
+  assert.equal(mw.provideInlineCompletionItems({}, {}, {}, {}, next), undefined);
+  assert.equal(mw.provideCompletionItem({}, {}, {}, {}, next), undefined);
+  assert.equal(called, 0);
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.equal(fake.user['m31r.enable'], true);
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.deepEqual(mw.provideInlineCompletionItems({}, {}, {}, {}, next), { items: [] });
+  assert.equal(called, 1);
+});
+
+test('toggle writes to the workspace when the workspace sets m31r.enable', async () => {
+  await activate();
+  fake.workspace['m31r.enable'] = true;
+  vscode.__fake.fireChange(['m31r.enable']);
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.deepEqual(fake.updates.at(-1), { key: 'm31r.enable', value: false, target: vscode.ConfigurationTarget.Workspace });
+});
+
+test('changing path/socket/languages restarts the client; other settings do not', async () => {
+  const { client: first } = await activate();
+  await vscode.workspace.getConfiguration('m31r').update('maxTokens', 10, vscode.ConfigurationTarget.Global);
+  await controller.whenIdle();
+  assert.equal(clients.length, 1);
+  await vscode.workspace.getConfiguration('m31r').update('socket', '/tmp/other.sock', vscode.ConfigurationTarget.Global);
+  await tick();
+  await controller.whenIdle();
+  assert.equal(clients.length, 2);
+  assert.ok(first.disposed, 'old client disposed');
+  assert.deepEqual(clients[1].serverOptions.args, ['lsp', '--socket', '/tmp/other.sock']);
+  // Notifications from the old client no longer affect the status bar.
+  first.emit('m31r/status', { state: 'unavailable', model: null, lastLatencyMs: null });
+  assert.equal(fake.statusItems[0].text, '$(sparkle) M31R');
+});
+
+test('restart command creates a fresh client', async () => {
+  await activate();
+  await vscode.commands.executeCommand('m31r.restart');
+  assert.equal(clients.length, 2);
+  assert.ok(clients[0].disposed);
+  assert.equal(controller.state.client, 'running');
+});
+
+test('a server that cannot start shows an error and click restarts', async () => {
+  if (controller) {
+    controller.dispose();
+    await controller.whenIdle();
+  }
+  resetFakes();
+  lc.__fake.behaviour.failStart = true;
+  controller = ext.activate({ subscriptions: [] });
+  await controller.whenIdle();
+  const item = fake.statusItems[0];
+  assert.equal(controller.state.client, 'failed');
+  assert.equal(item.text, '$(error) M31R');
+  assert.match(item.tooltip, /ENOENT/);
+  assert.equal(item.command, 'm31r.restart');
+  assert.equal(item.backgroundColor.id, 'statusBarItem.errorBackground');
+  lc.__fake.behaviour.failStart = false;
+  await vscode.commands.executeCommand('m31r.restart');
+  assert.equal(controller.state.client, 'running');
+  assert.equal(item.text, '$(sparkle) M31R');
+});
+
+test('deactivate stops the client', async () => {
+  const { client } = await activate();
+  await ext.deactivate();
+  assert.ok(client.disposed);
+  controller = undefined;
+});

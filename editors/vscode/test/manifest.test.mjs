@@ -1,0 +1,86 @@
+// package.json's contributes.configuration must agree with src/settings.ts,
+// and the manifest must carry what VS Code needs to load the extension.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { readFileSync, existsSync } from 'node:fs';
+import { createRequire } from 'node:module';
+
+const require = createRequire(import.meta.url);
+const s = require('../out/settings.js');
+const pkg = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8'));
+// vscode-languageclient's `exports` map hides package.json and lib/: read them by path.
+const lcDir = new URL('../node_modules/vscode-languageclient/', import.meta.url);
+const lc = JSON.parse(readFileSync(new URL('package.json', lcDir), 'utf8'));
+const props = pkg.contributes.configuration.properties;
+
+test('every server setting is contributed with the same default', () => {
+  for (const [key, dflt] of Object.entries(s.DEFAULTS)) {
+    const p = props[`m31r.${key}`];
+    assert.ok(p, `m31r.${key} missing from contributes.configuration`);
+    assert.deepEqual(p.default, dflt, `default of m31r.${key}`);
+    assert.ok(p.description || p.markdownDescription, `m31r.${key} has no description`);
+  }
+});
+
+test('client settings are contributed with the same defaults', () => {
+  assert.equal(props['m31r.path'].default, s.CLIENT_DEFAULTS.path);
+  assert.deepEqual(props['m31r.languages'].default, [...s.CLIENT_DEFAULTS.languages]);
+  assert.deepEqual(props['m31r.trace.server'].enum, ['off', 'messages', 'verbose']);
+});
+
+test('enums and ranges agree', () => {
+  assert.deepEqual(props['m31r.debounceMode'].enum, [...s.DEBOUNCE_MODES]);
+  assert.deepEqual(props['m31r.multiline'].enum, [...s.MULTILINE_MODES]);
+  assert.equal(props['m31r.debounceMode'].enumDescriptions.length, s.DEBOUNCE_MODES.length);
+  assert.equal(props['m31r.multiline'].enumDescriptions.length, s.MULTILINE_MODES.length);
+  for (const [key, range] of Object.entries(s.RANGES)) {
+    assert.equal(props[`m31r.${key}`].type, 'integer');
+    assert.equal(props[`m31r.${key}`].minimum, range.minimum, `minimum of m31r.${key}`);
+    assert.equal(props[`m31r.${key}`].maximum, range.maximum, `maximum of m31r.${key}`);
+  }
+});
+
+test('no contributed m31r.* setting is unknown to the code', () => {
+  const known = new Set([
+    ...Object.keys(s.DEFAULTS),
+    ...Object.keys(s.CLIENT_DEFAULTS),
+    'trace.server',
+  ]);
+  for (const key of Object.keys(props)) {
+    assert.ok(key.startsWith('m31r.'), key);
+    assert.ok(known.has(key.slice(5)), `${key} is contributed but not handled`);
+  }
+});
+
+test('commands, activation and engine', () => {
+  const cmds = pkg.contributes.commands.map((c) => c.command).sort();
+  assert.deepEqual(cmds, ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);
+  assert.deepEqual(pkg.activationEvents, ['onStartupFinished']);
+  assert.equal(pkg.main, './out/extension.js');
+  // engines.vscode must be at least the @types/vscode we compile against.
+  const engine = pkg.engines.vscode.replace(/^[\^~>=]+/, '');
+  const types = pkg.devDependencies['@types/vscode'].replace(/^[\^~>=]+/, '');
+  const cmp = (a, b) => {
+    const [x, y] = [a.split('.').map(Number), b.split('.').map(Number)];
+    for (let i = 0; i < 3; i++) if (x[i] !== y[i]) return x[i] - y[i];
+    return 0;
+  };
+  assert.ok(cmp(engine, types) >= 0, `engines.vscode ${engine} < @types/vscode ${types}`);
+  // vscode-languageclient's own engine requirement must be met too.
+  const lcEngine = lc.engines.vscode.replace(/^[\^~>=]+/, '');
+  assert.ok(cmp(engine, lcEngine) >= 0, `engines.vscode ${engine} < vscode-languageclient's ${lcEngine}`);
+});
+
+test('vscode-languageclient registers inline completion as a built-in feature', () => {
+  // LSP 3.18 textDocument/inlineCompletion is part of the default feature set
+  // from vscode-languageclient 10 on; make sure an upgrade/downgrade keeps it.
+  assert.ok(Number(lc.version.split('.')[0]) >= 10, `vscode-languageclient ${lc.version} < 10`);
+  const src = readFileSync(new URL('lib/common/client.js', lcDir), 'utf8');
+  assert.match(src, /registerFeature\(new inlineCompletion_1\.InlineCompletionItemFeature\(this\)\)/);
+});
+
+test('packaging files exist', () => {
+  for (const f of ['README.md', 'LICENSE', '.vscodeignore', 'package-lock.json']) {
+    assert.ok(existsSync(new URL(`../${f}`, import.meta.url)), `${f} missing`);
+  }
+});

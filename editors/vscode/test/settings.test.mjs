@@ -1,0 +1,153 @@
+// Unit tests for src/settings.ts (compiled to out/settings.js).
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { createRequire } from 'node:module';
+
+const require = createRequire(import.meta.url);
+const s = require('../out/settings.js');
+
+const DEFAULT_SERVER = {
+  enable: true,
+  debounceMs: 75,
+  debounceMode: 'adaptive',
+  multiline: 'auto',
+  deadlineMs: 800,
+  maxTokens: 64,
+  socket: '',
+};
+
+test('defaults match the server contract', () => {
+  assert.deepEqual({ ...s.DEFAULTS }, DEFAULT_SERVER);
+  assert.deepEqual(s.toServerSettings(undefined), { value: DEFAULT_SERVER, warnings: [] });
+  assert.deepEqual(s.toServerSettings({}), { value: DEFAULT_SERVER, warnings: [] });
+});
+
+test('valid values pass through unchanged', () => {
+  const cfg = {
+    enable: false,
+    debounceMs: 0,
+    debounceMode: 'fixed',
+    multiline: 'never',
+    deadlineMs: 1500,
+    maxTokens: 128,
+    socket: '/run/user/1000/m31r/m31rd.sock',
+  };
+  assert.deepEqual(s.toServerSettings(cfg), { value: cfg, warnings: [] });
+});
+
+test('client-only keys are never sent to the server', () => {
+  const { value } = s.toServerSettings({ path: '/bin/m31r', languages: ['rust'], trace: { server: 'verbose' } });
+  assert.deepEqual(Object.keys(value).sort(), Object.keys(DEFAULT_SERVER).sort());
+});
+
+test('reads a vscode.WorkspaceConfiguration-like object through get()', () => {
+  const bag = { maxTokens: 32, multiline: 'always' };
+  const cfg = { get: (k) => bag[k], has: () => true };
+  const { value, warnings } = s.toServerSettings(cfg);
+  assert.equal(value.maxTokens, 32);
+  assert.equal(value.multiline, 'always');
+  assert.equal(value.debounceMs, 75);
+  assert.deepEqual(warnings, []);
+});
+
+test('numbers: rounded, clamped, numeric strings accepted, junk replaced by defaults', () => {
+  let r = s.toServerSettings({ debounceMs: 12.6, maxTokens: '16' });
+  assert.equal(r.value.debounceMs, 13);
+  assert.equal(r.value.maxTokens, 16);
+  assert.deepEqual(r.warnings, []);
+
+  r = s.toServerSettings({ debounceMs: -5, deadlineMs: 1e9, maxTokens: 0 });
+  assert.equal(r.value.debounceMs, s.RANGES.debounceMs.minimum);
+  assert.equal(r.value.deadlineMs, s.RANGES.deadlineMs.maximum);
+  assert.equal(r.value.maxTokens, s.RANGES.maxTokens.minimum);
+  assert.equal(r.warnings.length, 3);
+
+  r = s.toServerSettings({ deadlineMs: 'soon', maxTokens: Number.NaN, debounceMs: {} });
+  assert.equal(r.value.deadlineMs, 800);
+  assert.equal(r.value.maxTokens, 64);
+  assert.equal(r.value.debounceMs, 75);
+  assert.equal(r.warnings.length, 3);
+  assert.match(r.warnings[0], /m31r\.debounceMs/);
+});
+
+test('enums: case-insensitive, invalid → default with a warning', () => {
+  let r = s.toServerSettings({ multiline: 'Always', debounceMode: ' FIXED ' });
+  assert.equal(r.value.multiline, 'always');
+  assert.equal(r.value.debounceMode, 'fixed');
+  assert.deepEqual(r.warnings, []);
+  r = s.toServerSettings({ multiline: 'sometimes', debounceMode: 3 });
+  assert.equal(r.value.multiline, 'auto');
+  assert.equal(r.value.debounceMode, 'adaptive');
+  assert.equal(r.warnings.length, 2);
+});
+
+test('booleans: strings "true"/"false" accepted, others → default', () => {
+  assert.equal(s.toServerSettings({ enable: 'false' }).value.enable, false);
+  const r = s.toServerSettings({ enable: 'nope' });
+  assert.equal(r.value.enable, true);
+  assert.equal(r.warnings.length, 1);
+});
+
+test('socket: trimmed, ~ expanded, non-strings rejected', () => {
+  assert.equal(s.toServerSettings({ socket: '  /tmp/x.sock ' }).value.socket, '/tmp/x.sock');
+  assert.equal(s.toServerSettings({ socket: '~/m31r.sock' }, '/home/u').value.socket, '/home/u/m31r.sock');
+  assert.equal(s.toServerSettings({ socket: '~/m31r.sock' }).value.socket, '~/m31r.sock');
+  const r = s.toServerSettings({ socket: 42 });
+  assert.equal(r.value.socket, '');
+  assert.equal(r.warnings.length, 1);
+});
+
+test('client settings: path and languages', () => {
+  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['*'] });
+  assert.deepEqual(s.toClientSettings({ path: '' }).value.path, 'm31r');
+  assert.equal(s.toClientSettings({ path: '~/.local/bin/m31r' }, '/home/u/').value.path, '/home/u/.local/bin/m31r');
+  assert.deepEqual(s.toClientSettings({ languages: ['rust', ' rust ', 'toml'] }).value.languages, ['rust', 'toml']);
+  assert.deepEqual(s.toClientSettings({ languages: [] }).value.languages, ['*']);
+  assert.deepEqual(s.toClientSettings({ languages: 'rust' }).value.languages, ['rust']);
+  const r = s.toClientSettings({ languages: ['rust', 5] });
+  assert.deepEqual(r.value.languages, ['rust']);
+  assert.equal(r.warnings.length, 1);
+});
+
+test('server command line: lsp [--socket PATH]', () => {
+  assert.deepEqual(s.serverArgs({ socket: '' }), ['lsp']);
+  assert.deepEqual(s.serverArgs({ socket: '/tmp/d.sock' }), ['lsp', '--socket', '/tmp/d.sock']);
+});
+
+test('document selector: "*" = every language on file and untitled', () => {
+  assert.deepEqual(s.documentSelector(['*']), [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  assert.deepEqual(s.documentSelector(['rust', '*']), [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  assert.deepEqual(s.documentSelector([]), [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  assert.deepEqual(s.documentSelector(['rust']), [
+    { scheme: 'file', language: 'rust' },
+    { scheme: 'untitled', language: 'rust' },
+  ]);
+});
+
+test('needsRestart only for path, socket and languages', () => {
+  const base = { client: { path: 'm31r', languages: ['*'] }, server: { ...DEFAULT_SERVER } };
+  const clone = () => structuredClone(base);
+  assert.equal(s.needsRestart(base, clone()), false);
+  let n = clone();
+  n.server.maxTokens = 8;
+  n.server.enable = false;
+  assert.equal(s.needsRestart(base, n), false);
+  n = clone();
+  n.client.path = '/opt/m31r';
+  assert.equal(s.needsRestart(base, n), true);
+  n = clone();
+  n.server.socket = '/tmp/s';
+  assert.equal(s.needsRestart(base, n), true);
+  n = clone();
+  n.client.languages = ['rust'];
+  assert.equal(s.needsRestart(base, n), true);
+});
+
+test('workspace/configuration items are answered from the validated settings', () => {
+  const settings = { ...DEFAULT_SERVER, maxTokens: 9 };
+  assert.deepEqual(s.configurationItem('m31r', settings), settings);
+  assert.equal(s.configurationItem('m31r.maxTokens', settings), 9);
+  assert.equal(s.configurationItem('m31r.path', settings), undefined);
+  assert.equal(s.configurationItem('rust-analyzer', settings), undefined);
+  assert.equal(s.configurationItem(undefined, settings), undefined);
+});

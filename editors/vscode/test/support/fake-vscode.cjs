@@ -1,0 +1,177 @@
+'use strict';
+// A tiny stand-in for the `vscode` module: just what src/extension.ts uses.
+// Tests drive it through `__fake`.
+
+class Disposable {
+  constructor(fn) {
+    this._fn = fn;
+  }
+  dispose() {
+    if (this._fn) this._fn();
+    this._fn = undefined;
+  }
+}
+
+class EventEmitter {
+  constructor() {
+    this.listeners = new Set();
+    this.event = (listener) => {
+      this.listeners.add(listener);
+      return new Disposable(() => this.listeners.delete(listener));
+    };
+  }
+  fire(e) {
+    for (const l of [...this.listeners]) l(e);
+  }
+}
+
+class ThemeColor {
+  constructor(id) {
+    this.id = id;
+  }
+}
+
+const ConfigurationTarget = { Global: 1, Workspace: 2, WorkspaceFolder: 3 };
+const StatusBarAlignment = { Left: 1, Right: 2 };
+
+const state = {
+  /** Flat user settings, e.g. {'m31r.path': 'x'}. */
+  user: {},
+  /** Flat workspace settings. */
+  workspace: {},
+  updates: [],
+  commands: new Map(),
+  statusItems: [],
+  outputs: [],
+  messages: [],
+};
+
+const configChanged = new EventEmitter();
+
+function lookup(key) {
+  if (Object.prototype.hasOwnProperty.call(state.workspace, key)) return state.workspace[key];
+  if (Object.prototype.hasOwnProperty.call(state.user, key)) return state.user[key];
+  return undefined;
+}
+
+function fireChange(keys) {
+  configChanged.fire({
+    affectsConfiguration: (section) => keys.some((k) => k === section || k.startsWith(section + '.')),
+  });
+}
+
+const workspace = {
+  getConfiguration(section) {
+    const full = (key) => (section ? `${section}.${key}` : key);
+    return {
+      get: (key, dflt) => {
+        const v = lookup(full(key));
+        return v === undefined ? dflt : v;
+      },
+      has: (key) => lookup(full(key)) !== undefined,
+      inspect: (key) => ({
+        key: full(key),
+        globalValue: state.user[full(key)],
+        workspaceValue: state.workspace[full(key)],
+      }),
+      update: async (key, value, target) => {
+        const bag = target === ConfigurationTarget.Workspace ? state.workspace : state.user;
+        bag[full(key)] = value;
+        state.updates.push({ key: full(key), value, target });
+        fireChange([full(key)]);
+      },
+    };
+  },
+  onDidChangeConfiguration: configChanged.event,
+};
+
+function makeOutput(name) {
+  const lines = [];
+  const out = {
+    name,
+    lines,
+    info: (m) => lines.push(['info', m]),
+    warn: (m) => lines.push(['warn', m]),
+    error: (m) => lines.push(['error', m]),
+    debug: (m) => lines.push(['debug', m]),
+    trace: (m) => lines.push(['trace', m]),
+    append: (m) => lines.push(['append', m]),
+    appendLine: (m) => lines.push(['appendLine', m]),
+    show: () => {
+      out.shown = true;
+    },
+    dispose: () => {
+      out.disposed = true;
+    },
+  };
+  state.outputs.push(out);
+  return out;
+}
+
+const window = {
+  createOutputChannel: (name) => makeOutput(name),
+  createStatusBarItem: (id, alignment, priority) => {
+    const item = {
+      id,
+      alignment,
+      priority,
+      text: '',
+      tooltip: undefined,
+      command: undefined,
+      backgroundColor: undefined,
+      visible: false,
+      show() {
+        this.visible = true;
+      },
+      hide() {
+        this.visible = false;
+      },
+      dispose() {
+        this.disposed = true;
+      },
+    };
+    state.statusItems.push(item);
+    return item;
+  },
+  showWarningMessage: async (msg) => {
+    state.messages.push(['warning', msg]);
+    return undefined;
+  },
+  showErrorMessage: async (msg) => {
+    state.messages.push(['error', msg]);
+    return undefined;
+  },
+  showInformationMessage: async (msg) => {
+    state.messages.push(['info', msg]);
+    return undefined;
+  },
+  setStatusBarMessage: (msg) => {
+    state.messages.push(['statusbar', msg]);
+    return new Disposable();
+  },
+};
+
+const commands = {
+  registerCommand(id, fn) {
+    if (state.commands.has(id)) throw new Error(`command ${id} already registered`);
+    state.commands.set(id, fn);
+    return new Disposable(() => state.commands.delete(id));
+  },
+  async executeCommand(id, ...args) {
+    const fn = state.commands.get(id);
+    if (!fn) throw new Error(`command ${id} not found`);
+    return fn(...args);
+  },
+};
+
+module.exports = {
+  Disposable,
+  EventEmitter,
+  ThemeColor,
+  ConfigurationTarget,
+  StatusBarAlignment,
+  workspace,
+  window,
+  commands,
+  __fake: { state, fireChange },
+};
