@@ -10,9 +10,11 @@ keep its heavy imports inside the function body.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -27,7 +29,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """One line on stderr and a non-zero exit: users see what is wrong, not a traceback."""
-    click.echo(f"error: {message}", err=True)
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    click.echo(f"error: {one_line}", err=True)
     sys.exit(code)
 
 
@@ -57,10 +60,25 @@ def user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _require_empty_dir(out: Path) -> None:
-    """Writers never mix a new bundle into an existing directory's files."""
+@contextlib.contextmanager
+def _new_bundle_dir(out: Path) -> Iterator[None]:
+    """Writers never mix a new bundle into an existing directory's files, and leave no half-written bundle
+    behind when the bundle they wrote fails its own verification."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists and is not an empty directory")
+    created = not out.exists()
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for child in out.iterdir():  # the directory was empty: everything in it is ours
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        raise
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,14 +115,14 @@ def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None,
     from m31r.config import load_config
 
     cfg = load_config(config)
-    _require_empty_dir(out)
     tok = None
     if tokenizer_file is not None:
         try:
             tok = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(f"{tokenizer_file}: cannot be loaded as a tokenizer: {e}") from None
-    b = init_bundle(cfg, out, seed=seed, tokenizer=tok, dtype=getattr(torch, dtype))
+    with _new_bundle_dir(out):
+        b = init_bundle(cfg, out, seed=seed, tokenizer=tok, dtype=getattr(torch, dtype))
     click.echo(_summary(b))
 
 
@@ -128,8 +146,9 @@ def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
     """Convert a tied-embedding Llama checkpoint in HF_DIR into a bundle in OUT."""
     from m31r.hf_import import import_hf
 
-    _require_empty_dir(out)
-    click.echo(_summary(import_hf(hf_dir, out, dataset_version=dataset_version)))
+    with _new_bundle_dir(out):
+        b = import_hf(hf_dir, out, dataset_version=dataset_version)
+    click.echo(_summary(b))
 
 
 def _summary(b: Any) -> str:
@@ -398,6 +417,82 @@ def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -
         for name in ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json", "checksum.txt"):
             (out / name).unlink(missing_ok=True)
     click.echo(_summary(export(run_dir, data_dir, out, model_version=model_version)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# service: run the daemon as a per-user service (systemd socket activation, launchd agent)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@main.group()
+def service() -> None:
+    """Install the daemon as a user service: systemd user units (Linux) or a launchd agent (macOS)."""
+
+
+service_kind_option = click.option("--kind", type=click.Choice(["systemd", "launchd"]), default=None,
+                                   help="Service manager (default: launchd on macOS, systemd elsewhere).")
+
+
+@service.command("install")
+@service_kind_option
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Model bundle the service serves (default: $M31R_BUNDLE or the bundled release/).")
+@click.option("--dry-run", is_flag=True, help="Print the files and where they would go; write nothing.")
+@user_errors
+def service_install(kind: str | None, bundle_dir: Path | None, dry_run: bool) -> None:
+    """Write the unit files with this environment's paths, and print the command that enables them."""
+    from m31rd.service import install
+
+    install(kind, bundle_dir, dry_run, echo=click.echo)
+
+
+@service.command("uninstall")
+@service_kind_option
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")
+@user_errors
+def service_uninstall(kind: str | None, dry_run: bool) -> None:
+    """Stop and disable the service (best effort), then remove its unit files."""
+    from m31rd.service import uninstall
+
+    uninstall(kind, dry_run, echo=click.echo)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# serve: the localhost HTTP adapter, a thin client of the daemon socket (17_SERVING §17-19; never imports torch)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --allow-remote.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8731, show_default=True)
+@socket_option
+@click.option("--allow-remote", is_flag=True, help="Allow binding a non-loopback address (prints a warning).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
+              help="Also accept requests whose Host header names HOST (repeatable; default: loopback names only).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Allow browser requests from ORIGIN, e.g. http://localhost:3000 (repeatable; default: none).")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None,
+              help="Require `Authorization: Bearer <token>`, the token read from this file (mode 0600).")
+@click.option("--no-autostart", is_flag=True, help="Answer 503 instead of starting a daemon when none runs.")
+@click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
+              help="Largest request body in bytes (413 beyond).")
+@click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Largest max_tokens a request may ask for.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds before a request is cancelled (504).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@user_errors
+def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, allowed_hosts: tuple[str, ...],
+          cors_origins: tuple[str, ...], token_file: Path | None, no_autostart: bool, max_body: int,
+          max_tokens_cap: int, request_timeout: float, log_level: str) -> None:
+    """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions."""
+    from m31r.http.server import run
+
+    sys.exit(run(host, port, socket_path, autostart=not no_autostart, allow_remote=allow_remote,
+                 allowed_hosts=allowed_hosts, cors_origins=cors_origins, token_file=token_file, max_body=max_body,
+                 max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, log_level=log_level))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -181,6 +181,8 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt: nothing to continue from")
+        if not isinstance(prompt, str) and not all(0 <= i < self.config.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}), the model's vocabulary")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         ids = self.fit_prompt(ids, max_tokens, truncate)

@@ -89,25 +89,34 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
             raise BundleError(f"{hf_dir / name}: missing; an HF checkpoint directory needs it")
     hf = json.loads((hf_dir / "config.json").read_text())
     tok = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    config = _hf_config(hf_dir, hf, tok)
+    try:
+        config = _hf_config(hf_dir, hf, tok)
+    except KeyError as e:
+        raise BundleError(f"{hf_dir / 'config.json'}: missing key {e}") from None
     src = _read_tensors(hf_dir)
     if any(k.endswith(".bias") for k in src):
         raise _refuse(hf_dir, "the checkpoint has bias tensors")
-    emb = src.pop("model.embed_tokens.weight")
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise BundleError(f"{hf_dir}: tensor {name} is missing from the checkpoint")
+        return src.pop(name)
+
+    emb = take("model.embed_tokens.weight")
     head = src.pop("lm_head.weight", None)
     if head is not None and not torch.equal(head, emb):
         raise _refuse(hf_dir, "lm_head.weight differs from the embedding (untied head)")
-    sd = {"tok_embeddings.weight": emb, "norm.weight": src.pop("model.norm.weight")}
+    sd = {"tok_embeddings.weight": emb, "norm.weight": take("model.norm.weight")}
     for i in range(config.n_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
-        attn = [src.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
         sd[q + "attention.wqkv.weight"] = torch.cat(attn, 0)
-        sd[q + "attention.wo.weight"] = src.pop(p + "self_attn.o_proj.weight")
+        sd[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
         sd[q + "feed_forward.w13.weight"] = torch.cat(
-            [src.pop(p + "mlp.gate_proj.weight"), src.pop(p + "mlp.up_proj.weight")], 0)
-        sd[q + "feed_forward.w2.weight"] = src.pop(p + "mlp.down_proj.weight")
-        sd[q + "attention_norm.weight"] = src.pop(p + "input_layernorm.weight")
-        sd[q + "ffn_norm.weight"] = src.pop(p + "post_attention_layernorm.weight")
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+        sd[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        sd[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        sd[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
     if src:
         raise _refuse(hf_dir, f"unrecognised tensor {next(iter(src))}")
     dtype = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32)

@@ -55,9 +55,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    # Always on the CPU, even inside a `torch.device("meta")` block: meta arithmetic imports torch._dynamo.
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    freqs = torch.outer(torch.arange(config.max_context, dtype=torch.int64).float(), inv_freq)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
+    freqs = torch.outer(torch.arange(config.max_context, dtype=torch.int64, device="cpu").float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -131,12 +132,17 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        # nn.Embedding's default N(0, 1) init, skipped on the meta device (Engine builds there): a meta normal_()
+        # imports torch._dynamo, which costs ~2 s of daemon startup for nothing.
+        emb = torch.empty(config.vocab_size, config.d_model)
+        if not emb.is_meta:
+            nn.init.normal_(emb)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model, _weight=emb)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        cos, sin = rope_tables(config)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        cos, sin = rope_tables(config)  # computed on the CPU, then moved where the parameters live
+        self.register_buffer("rope_cos", cos.to(emb.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(emb.device), persistent=False)
 
     def forward(
         self, tokens: Tensor, start: int = 0, cache: KVCache | None = None, last_only: bool = False

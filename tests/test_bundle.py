@@ -219,6 +219,10 @@ def test_cli_init_refuses_wrong_size_tokenizer(tmp_path: Path) -> None:
     build_byte_tokenizer(400).save(str(tok))
     assert "tokenizer has 400 tokens" in _init_fails(tmp_path, str(TINY), str(tmp_path / "o"), "--seed", "0",
                                                      "--tokenizer", str(tok))
+    assert not (tmp_path / "o").exists()  # no half-written bundle left behind
+    (tmp_path / "empty").mkdir()
+    _init_fails(tmp_path, str(TINY), str(tmp_path / "empty"), "--seed", "0", "--tokenizer", str(tok))
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
 
 
 def test_cli_init_refuses_a_non_empty_directory(tmp_path: Path) -> None:

@@ -168,6 +168,20 @@ def test_refuses_rope_scaling(tmp_path: Path) -> None:
         import_hf(hf_dir, tmp_path / "out")
 
 
+def test_missing_tensor_or_config_key_is_named(tmp_path: Path) -> None:
+    hf_dir = _tiny_hf(tmp_path)
+    sd = load_file(hf_dir / "model.safetensors")
+    del sd["model.layers.0.mlp.up_proj.weight"]
+    save_file(sd, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(BundleError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight is missing"):
+        import_hf(hf_dir, tmp_path / "out")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    del cfg["hidden_size"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BundleError, match=r"config\.json: missing key 'hidden_size'"):
+        import_hf(hf_dir, tmp_path / "out")
+
+
 def test_cli_refusal_is_one_line(tmp_path: Path) -> None:
     hf_dir = _tiny_hf(tmp_path, tie_word_embeddings=False)
     result = CliRunner().invoke(main, ["bundle", "import-hf", str(hf_dir), str(tmp_path / "out")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -182,3 +184,11 @@ def test_config_round_trips_through_yaml(tiny_config: ModelConfig, tmp_path: Pat
     again = load_config(f)
     assert again == _gqa(tiny_config) and again.config_hash() == _gqa(tiny_config).config_hash()
     assert again.config_hash() != tiny_config.config_hash()
+
+
+def test_engine_load_does_not_import_dynamo(tiny_bundle) -> None:
+    """Building the model on the meta device must not run meta arithmetic: that imports torch._dynamo, ~2 s of
+    daemon startup. (A fresh process: this test session may have imported it already.)"""
+    code = ("import sys; from m31r.engine import Engine; Engine(sys.argv[1]); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    subprocess.run([sys.executable, "-c", code, str(tiny_bundle.path)], check=True, timeout=120)
