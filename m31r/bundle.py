@@ -169,6 +169,11 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         raise BundleError(f"{path / 'metadata.json'}: missing keys {', '.join(missing)}")
     _check_tokenizer(path / "tokenizer.json", config)
     _check_weights(path / "model.safetensors", config)
+    # Traceability (06 §29): the recorded hashes must describe the files actually shipped.
+    if metadata["config_hash"] != config.config_hash():
+        raise BundleError(f"{path / 'config.yaml'}: does not match config_hash in metadata.json (edited after export?)")
+    if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):
+        raise BundleError(f"{path / 'tokenizer.json'}: does not match tokenizer_hash in metadata.json")
     fingerprint = hashlib.sha256((path / CHECKSUM_FILE).read_bytes()).hexdigest()[:16]
     return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint)
 

@@ -55,7 +55,8 @@ class Sampler:
 
 def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
     """Temperature, then top-k, then top-p (nucleus); the most likely token always survives."""
-    logits = logits / p.temperature
+    # Shift so the best logit is 0 before dividing: a tiny temperature then gives -inf for the rest, not inf/nan.
+    logits = (logits - logits.max()) / p.temperature
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,6 +65,7 @@ def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # Drop a token when the mass before it already reaches top_p; the first is never dropped.
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        drop[0] = False  # a top_p that underflows to 0 in float32 must still keep the argmax
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()

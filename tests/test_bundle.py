@@ -243,3 +243,12 @@ def test_cli_module_does_not_import_torch() -> None:
     """Daemon clients share this entry point and must start in milliseconds."""
     code = "import sys, m31r.cli; assert not {'torch', 'm31r.bundle', 'm31r.engine'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_config_edited_after_export_fails_the_traceability_check(bundle_dir: Path) -> None:
+    """A valid edit (same shapes) with a re-signed checksum still contradicts metadata.json's config_hash."""
+    cfg = bundle_dir / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("rope_theta: 10000.0", "rope_theta: 500000.0"))
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"config\.yaml: does not match config_hash"):
+        open_bundle(bundle_dir)

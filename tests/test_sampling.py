@@ -226,3 +226,15 @@ def test_out_of_vocabulary_prompt_ids_are_refused(tiny_engine: Engine) -> None:
     for bad in ([5, 384], [-1, 5]):
         with pytest.raises(ValueError, match=r"\[0, 384\)"):
             run(tiny_engine, bad)
+
+
+def test_extreme_top_p_and_temperature_stay_finite() -> None:
+    """Fuzzing found top_p=1e-151 (0 in float32) and temperature=1e-40 produced nan probabilities."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    for params in (SamplingParams(temperature=1.0, top_p=1e-151, seed=0),
+                   SamplingParams(temperature=1e-40, seed=0),
+                   SamplingParams(temperature=1e-40, top_p=1e-151, top_k=2, seed=0)):
+        probs = filtered_probs(logits, params)
+        assert torch.isfinite(probs).all()
+        assert int(probs.argmax()) == 1 and float(probs[1]) == 1.0
+        assert Sampler(params)(logits) == 1
