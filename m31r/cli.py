@@ -469,7 +469,8 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @socket_option
 @click.option("--allow-remote", is_flag=True, help="Allow binding a non-loopback address (prints a warning).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
-              help="Also accept requests whose Host header names HOST (repeatable; default: loopback names only).")
+              help="Also accept requests whose Host header names HOST (repeatable; default: loopback names only; "
+                   "'*' accepts any Host, which gives up the DNS-rebinding defence).")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow browser requests from ORIGIN, e.g. http://localhost:3000 (repeatable; default: none).")
 @click.option("--token-file", type=click.Path(path_type=Path), default=None,

@@ -91,7 +91,10 @@ def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget)
     a, b = choose_middle(text, rng)
     middle = text[a:b]
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
-    m_ids = tok.encode(middle)[: budget.reserve - 1] + [tok.eos_id]
+    m_ids = tok.encode(middle)
+    # A middle longer than the completion budget is cut and gets no <|endoftext|>: the model must not learn
+    # to stop at an arbitrary cut point. A whole middle always ends with one.
+    m_ids = m_ids + [tok.eos_id] if len(m_ids) < budget.reserve else m_ids[: budget.reserve]
     # Prompt tokens are context, learned as ordinary text except the control tokens; the cursor-line
     # text after <|fim_middle|> is already part of the middle.
     p_cats = [NEXT] * len(prompt.ids)

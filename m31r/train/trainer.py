@@ -191,7 +191,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             terms = loss_terms(model, rows, cats)
             (total_loss(terms, tc) / tc.grad_accum).backward()
             for k, v in terms.items():
-                parts[k] += float(v) / tc.grad_accum
+                parts[k] += float(v.detach()) / tc.grad_accum
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,333 @@
+"""FIM quality evaluation on held-out Rust (the validation split, DATA/corpus/val.jsonl).
+
+Greedy decoding through `m31r.engine.Engine` with the serving prompt layout (`build_fim_prompt` with
+`FimBudget.for_context(max_context)`, the daemon's budget), stopping at `<|endoftext|>`.
+
+Tasks, drawn deterministically from a seeded RNG (same --seed and val split, same tasks):
+
+  single-line  a random non-blank line of a random validation file; the cursor sits at a random character
+               after the line's indentation, leaving at least one character; the middle is the rest of that
+               line, without its newline. Decoding also stops at a newline, and the prediction is cut at its
+               first newline.
+  multi-line   a block body: a line ending in `{`, and the lines after it up to its closing brace (the first
+               later non-blank line indented no deeper than the opener that starts with `}`); 1-8 body
+               lines, not all blank. The cursor is at the start of the first body line; the middle is the
+               body lines with their newlines.
+
+  Only middles that fit the completion budget are used (single-line: --single-tokens - 1 tokens, multi-line:
+  the FIM reserve - 1, as in training), so every task is solvable.
+
+Metrics, on prediction and target normalised the same way (trailing whitespace of each line and trailing
+blank lines dropped):
+
+  exact match      normalised prediction == normalised target
+  edit similarity  1 - Levenshtein(prediction, target) / max(len(prediction), len(target)), by characters,
+                   with an exact dynamic programme (difflib's ratio is not an edit distance); 1.0 when both
+                   are empty
+  perplexity       exp(mean next-token loss) over non-overlapping windows of max_context + 1 tokens spread
+                   evenly over the validation stream (files tokenised and joined with <|endoftext|>, as in
+                   training), with the engine's model and dtype; also bits per byte of the predicted text
+
+    python benchmarks/eval_fim.py --bundle release/m31r-mini --data data --out bench-results/fim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MAX_BODY_LINES = 8
+MAX_LINE_CHARS = 200  # single-line tasks skip very long lines (data tables, long literals)
+
+
+@dataclass
+class Task:
+    kind: str  # single | multi
+    path: str
+    line: int  # 0-based line index of the cursor
+    prefix: str
+    suffix: str
+    target: str
+
+
+@dataclass
+class Result:
+    kind: str
+    path: str
+    line: int
+    target: str
+    prediction: str
+    exact: bool
+    edit_similarity: float
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    ms: float
+
+
+# -- task selection ---------------------------------------------------------------------------------------
+
+
+def _line_offsets(lines: list[str]) -> list[int]:
+    offs, pos = [], 0
+    for line in lines:
+        offs.append(pos)
+        pos += len(line)
+    return offs
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def single_line_candidates(lines: list[str]) -> list[int]:
+    """Lines with at least one non-blank character (cursor positions exist after the indentation)."""
+    return [i for i, ln in enumerate(lines) if ln.strip() and len(ln) <= MAX_LINE_CHARS]
+
+
+def block_bodies(lines: list[str]) -> list[tuple[int, int]]:
+    """(first body line, end) for `{`-ending lines whose closing `}` line is found by indentation."""
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.rstrip().endswith("{"):
+            continue
+        ind = _indent(ln)
+        for j in range(i + 1, min(len(lines), i + 2 + MAX_BODY_LINES)):
+            lj = lines[j]
+            if not lj.strip():
+                continue
+            if _indent(lj) <= ind:
+                if lj.lstrip().startswith("}") and _indent(lj) == ind and 1 <= j - i - 1 <= MAX_BODY_LINES:
+                    out.append((i + 1, j))
+                break
+    return [(a, b) for a, b in out if any(lines[k].strip() for k in range(a, b))]
+
+
+def make_tasks(texts: list[tuple[str, str]], n_single: int, n_multi: int, seed: int, tok, single_max: int,
+               multi_max: int) -> list[Task]:
+    rng = random.Random(seed)
+    split = [(path, text, text.splitlines(keepends=True)) for path, text in texts]
+    tasks: list[Task] = []
+    seen: set[tuple[str, str, int]] = set()
+
+    def draw(kind: str, want: int) -> None:
+        got, tries = 0, 0
+        while got < want and tries < want * 50:
+            tries += 1
+            path, text, lines = split[rng.randrange(len(split))]
+            offs = _line_offsets(lines)
+            if kind == "single":
+                cands = single_line_candidates(lines)
+                if not cands:
+                    continue
+                i = rng.choice(cands)
+                body = lines[i].rstrip("\n")
+                lo = _indent(body)
+                cursor = offs[i] + rng.randrange(lo, len(body))
+                end = offs[i] + len(body)
+                prefix, target, suffix = text[:cursor], text[cursor:end], text[end:]
+                limit = single_max
+            else:
+                cands = block_bodies(lines)
+                if not cands:
+                    continue
+                i, j = rng.choice(cands)
+                start, end = offs[i], offs[j]
+                prefix, target, suffix = text[:start], text[start:end], text[end:]
+                limit = multi_max
+            if (kind, path, i) in seen or len(tok.encode(target)) > limit - 1:
+                continue
+            seen.add((kind, path, i))
+            tasks.append(Task(kind, path, i, prefix, suffix, target))
+            got += 1
+
+    draw("single", n_single)
+    draw("multi", n_multi)
+    return tasks
+
+
+# -- metrics ----------------------------------------------------------------------------------------------
+
+
+def normalize(s: str) -> str:
+    return "\n".join(line.rstrip() for line in s.split("\n")).rstrip()
+
+
+def levenshtein(a: str, b: str) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def edit_similarity(pred: str, target: str) -> float:
+    if not pred and not target:
+        return 1.0
+    return 1.0 - levenshtein(pred, target) / max(len(pred), len(target))
+
+
+# -- running ----------------------------------------------------------------------------------------------
+
+
+def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log) -> list[Result]:
+    from m31r.engine import Generation
+    from m31r.fim import FimBudget, build_fim_prompt
+
+    budget = FimBudget.for_context(engine.config.max_context)
+    cache = engine.new_cache()
+    results = []
+    for k, t in enumerate(tasks):
+        prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget)
+        single = t.kind == "single"
+        res = Generation(prompt_tokens=len(prompt.ids))
+        t0 = time.perf_counter()
+        for _ in engine.generate(prompt.ids, max_tokens=single_max if single else multi_max,
+                                 stop=["\n"] if single else [], cache=cache, result=res):
+            pass
+        ms = (time.perf_counter() - t0) * 1000
+        pred = res.text.split("\n", 1)[0] if single else res.text
+        p, g = normalize(pred), normalize(t.target)
+        results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
+                              len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1)))
+        if (k + 1) % 10 == 0:
+            log(f"  {k + 1}/{len(tasks)} tasks")
+    return results
+
+
+def perplexity(engine, texts: list[str], n_windows: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    tok = engine.tokenizer
+    stream: list[int] = []
+    for ids in tok.encode_batch(texts):
+        stream += ids + [tok.eos_id]
+    w = engine.config.max_context + 1
+    k = min(n_windows, len(stream) // w)
+    if k == 0:
+        return {"windows": 0}
+    stride = len(stream) // k
+    nats, n_tok, n_bytes = 0.0, 0, 0
+    for i in range(k):
+        win = torch.tensor(stream[i * stride : i * stride + w], dtype=torch.long, device=engine.device)
+        with torch.inference_mode():
+            logits = engine.model(win[None, :-1])
+        nats += float(F.cross_entropy(logits[0].float(), win[1:], reduction="sum"))
+        n_tok += w - 1
+        n_bytes += len(tok.decode(win[1:].tolist()).encode("utf-8"))
+    loss = nats / n_tok
+    return {"windows": k, "tokens": n_tok, "stream_tokens": len(stream), "loss": round(loss, 4),
+            "perplexity": round(math.exp(loss), 3), "bits_per_byte": round(nats / math.log(2) / max(n_bytes, 1), 4)}
+
+
+def summarize(results: list[Result], kind: str) -> dict:
+    rs = [r for r in results if r.kind == kind]
+    if not rs:
+        return {"n": 0}
+    n = len(rs)
+    return {"n": n, "exact_match": round(sum(r.exact for r in rs) / n, 4),
+            "edit_similarity": round(sum(r.edit_similarity for r in rs) / n, 4),
+            "completion_tokens": round(sum(r.completion_tokens for r in rs) / n, 2),
+            "stopped": round(sum(r.finish_reason == "stop" for r in rs) / n, 4),
+            "ms_per_task": round(sum(r.ms for r in rs) / n, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
+    p.add_argument("--n-single", type=int, default=100)
+    p.add_argument("--n-multi", type=int, default=50)
+    p.add_argument("--ppl-windows", type=int, default=32, help="windows of max_context tokens for perplexity")
+    p.add_argument("--single-tokens", type=int, default=48, help="max new tokens of a single-line completion")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+
+    from m31r.bundle import sha256_file
+    from m31r.engine import Engine
+    from m31r.fim import FimBudget
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads)
+    meta = engine.bundle.metadata
+    data_tok = args.data / "tokenizer.json"
+    if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
+        log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's is used")
+    with open(args.data / "corpus" / "val.jsonl") as f:
+        docs = [json.loads(line) for line in f if line.strip()]
+    texts = [(d["path"], d["text"]) for d in docs if d["text"].strip()]
+    if not texts:
+        raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
+    reserve = FimBudget.for_context(engine.config.max_context).reserve
+    single_max = min(args.single_tokens, reserve)
+    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, reserve)
+    log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
+        f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
+    results = run_tasks(engine, tasks, single_max, reserve, log)
+    t_ppl = time.perf_counter()
+    ppl = perplexity(engine, [t for _, t in texts], args.ppl_windows)
+    ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
+
+    import torch
+
+    report = {
+        "model": engine.bundle.model_id,
+        "bundle": str(args.bundle),
+        "fingerprint": engine.bundle.fingerprint,
+        "metadata": {k: meta.get(k) for k in ("parameter_count", "dataset_version", "tokenizer_hash", "steps",
+                                               "tokens_seen", "val_loss_next", "val_perplexity")},
+        "data": str(args.data),
+        "val_files": len(texts),
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "max_context": engine.config.max_context,
+        "max_new_tokens": {"single": single_max, "multi": reserve},
+        "single_line": summarize(results, "single"),
+        "multi_line": summarize(results, "multi"),
+        "perplexity": ppl,
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "tasks": [asdict(r) for r in results],
+    }
+    rows = [("single-line", report["single_line"]), ("multi-line", report["multi_line"])]
+    print(f"\nFIM evaluation of {report['model']} ({args.dtype}, {report['threads']} threads, seed {args.seed})")
+    print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'ms/task':>8}")
+    for name, s in rows:
+        if s["n"]:
+            print(f"{name:<12} {s['n']:>5} {s['exact_match']:>8.1%} {s['edit_similarity']:>9.3f} "
+                  f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['ms_per_task']:>8.0f}")
+        else:
+            print(f"{name:<12} {0:>5}")
+    if ppl["windows"]:
+        print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
+              f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x {engine.config.max_context} tokens)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

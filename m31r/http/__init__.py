@@ -1,0 +1,11 @@
+"""`m31r serve`: the localhost HTTP adapter, a thin client of the daemon socket (17_SERVING §17-19).
+
+Importing this package (or any module in it) never imports torch: the daemon owns the model.
+
+    schemas.py   request/response msgspec Structs and the OpenAPI document generated from them
+    security.py  Host check (DNS rebinding), Origin allow-list, bearer token file
+    metrics.py   Prometheus metrics
+    upstream.py  the shared, reconnecting connection to the daemon
+    app.py       the Starlette application (endpoints, streaming, cancellation)
+    server.py    `run(...)`: uvicorn on uvloop
+"""

@@ -1,0 +1,549 @@
+"""The Starlette application: endpoints, streaming, cancellation, error mapping.
+
+Request path: HTTP body → msgspec Struct (422 naming the field when it does not fit) → a daemon request on
+the shared connection → tokens → JSON or Server-Sent Events. The HTTP status waits for the daemon's first
+event, so an error the daemon reports (busy, context overflow) is a proper status, streaming or not.
+
+While a request waits on the daemon, a watcher listens for `http.disconnect`: a client that leaves (or a
+request that runs past the timeout) cancels its daemon request, streaming or not. A cancelled request is
+drained in the background so its answer never lingers on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from m31r import policy
+from m31r.http import schemas as s
+from m31r.http.metrics import Metrics, MetricsMiddleware
+from m31r.http.security import GuardMiddleware, HostPolicy, error_body
+from m31r.http.upstream import Unavailable, Upstream
+from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream
+from m31r_protocol.messages import Done
+
+log = logging.getLogger("m31r.http")
+
+VERSION = "0.1.0"
+ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
+             "/openapi.json")
+OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
+DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: str | Path | None = None  # None: the default daemon socket
+    autostart: bool = True  # start a daemon when none answers
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    token: str | None = None
+    max_body: int = 1 << 20
+    max_tokens_cap: int = 512
+    request_timeout: float = 60.0
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def error_response(status: int, code: str, message: str, *, param: str | None = None,
+                   retry_after: int | None = None, headers: dict[str, str] | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = msgspec.json.encode(s.ErrorResponse(s.ErrorDetail(code=code, message=message, type=kind, param=param)))
+    h = dict(headers or {})
+    if retry_after is not None:
+        h["Retry-After"] = str(retry_after)
+    return Response(body, status, headers=h, media_type="application/json")
+
+
+def daemon_error_status(e: DaemonError) -> tuple[int, int | None]:
+    """HTTP status (and Retry-After) for an Error the daemon answered with."""
+    if e.code == "busy":
+        return 503, 1
+    if e.code == "shutting_down" or (e.code == "cancelled" and "shutting down" in e.message):
+        return 503, 2
+    return {"context_overflow": 400, "bad_request": 422, "cancelled": 409, "frame_too_large": 413,
+            "internal": 502}.get(e.code, 503), None
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+async def http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+    return error_response(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
+
+
+async def invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, s.InvalidRequest)
+    return error_response(422, exc.code, exc.message, param=exc.param)
+
+
+# -- one daemon request behind one HTTP request ---------------------------------------------------------------
+
+
+class Renderer:
+    """How one endpoint turns the daemon's answer into bytes. `live`: forward text chunks as they come."""
+
+    live = True
+
+    def prelude(self) -> bytes:
+        """Sent right after the stream's headers."""
+        return b""
+
+    def chunk(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def final(self, g: Generation) -> bytes:
+        """The stream's closing events."""
+        raise NotImplementedError
+
+    def body(self, g: Generation) -> bytes:
+        """The whole answer as JSON (no streaming)."""
+        raise NotImplementedError
+
+    def error_event(self, status: int, code: str, message: str) -> bytes:
+        return b"event: error\ndata: " + error_body(status, code, message) + b"\n\n"
+
+
+def _sse(event: str, data: msgspec.Struct) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _result(g: Generation) -> s.GenerateResponse:
+    d = g.done
+    assert d is not None
+    return s.GenerateResponse(
+        text=g.text, finish_reason=d.finish_reason,
+        usage=s.Usage(d.usage.prompt_tokens, d.usage.cached_tokens, d.usage.completion_tokens),
+        timings=s.Timings(d.timings.queue_ms, d.timings.prefill_ms, d.timings.first_token_ms, d.timings.total_ms))
+
+
+class NativeRenderer(Renderer):
+    def chunk(self, text: str) -> bytes:
+        return _sse("chunk", s.StreamChunk(text))
+
+    def final(self, g: Generation) -> bytes:
+        return _sse("done", _result(g))
+
+    def body(self, g: Generation) -> bytes:
+        return msgspec.json.encode(_result(g))
+
+
+class CompletionRenderer(Renderer):
+    """The editor policy's post-processing needs the whole completion: one chunk at the end."""
+
+    live = False
+
+    def __init__(self, plan: policy.Plan, cursor: int):
+        self.plan, self.cursor = plan, cursor
+
+    def response(self, g: Generation) -> s.CompletionResponse:
+        r = _result(g)
+        sug = policy.postprocess(self.plan, g.text)
+        text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
+        return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
+                                    start=start, end=end, multiline=self.plan.multiline)
+
+    def final(self, g: Generation) -> bytes:
+        r = self.response(g)
+        return (_sse("chunk", s.StreamChunk(r.text)) if r.text else b"") + _sse("done", r)
+
+    def body(self, g: Generation) -> bytes:
+        return msgspec.json.encode(self.response(g))
+
+
+class OpenAIRenderer(Renderer):
+    def __init__(self, include_usage: bool = False, echo: str = ""):
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.include_usage, self.echo = include_usage, echo
+        self.model = ""
+
+    def prelude(self) -> bytes:
+        return self.chunk(self.echo) if self.echo else b""
+
+    def _completion(self, choices: list[s.OpenAIChoice], usage: s.OpenAIUsage | None = None) -> bytes:
+        return msgspec.json.encode(s.OpenAICompletion(id=self.id, created=self.created, model=self.model,
+                                                      choices=choices, usage=usage))
+
+    @staticmethod
+    def _usage(g: Generation) -> s.OpenAIUsage:
+        assert g.done is not None
+        u = g.done.usage
+        return s.OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
+
+    @staticmethod
+    def _finish(g: Generation) -> s.OpenAIFinishReason:
+        assert g.done is not None
+        return "length" if g.done.finish_reason == "length" else "stop"
+
+    def chunk(self, text: str) -> bytes:
+        return b"data: " + self._completion([s.OpenAIChoice(text)]) + b"\n\n"
+
+    def final(self, g: Generation) -> bytes:
+        out = b"data: " + self._completion([s.OpenAIChoice("", finish_reason=self._finish(g))]) + b"\n\n"
+        if self.include_usage:
+            out += b"data: " + self._completion([], self._usage(g)) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+    def body(self, g: Generation) -> bytes:
+        return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=self._finish(g))], self._usage(g))
+
+    def error_event(self, status: int, code: str, message: str) -> bytes:
+        return b"data: " + error_body(status, code, message) + b"\n\n"
+
+
+class Failed(Exception):
+    """The request ends with this HTTP error (or, once streaming, an error event)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Generation:
+    """One HTTP request's daemon request, as the ASGI response that runs it: connect, submit, wait for the
+    first event, answer — all under a disconnect watcher and the request timeout."""
+
+    def __init__(self, svc: Service, endpoint: str, start: Callable[[Client], Awaitable[Stream]],
+                 renderer: Renderer, stream: bool):
+        self.svc, self.endpoint, self.start, self.renderer, self.stream = svc, endpoint, start, renderer, stream
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + svc.settings.request_timeout
+        self.client: Client | None = None
+        self.daemon: Stream | None = None
+        self.pieces: list[str] = []
+        self.done: Done | None = None
+        self.ended = False  # the daemon request is over (done or error)
+        self.started = False  # response headers sent
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._work(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        reason: str | None = None
+        try:
+            finished, _ = await asyncio.wait({work, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            if work in finished:
+                work.result()
+                return
+            reason = "disconnect" if gone in finished else "timeout"
+        except asyncio.CancelledError:
+            reason = "shutdown"
+            raise
+        finally:
+            gone.cancel()
+            if reason is not None:
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+                self._abandon(reason)
+        if reason == "timeout":
+            message = f"the request ran past the server's {self.svc.settings.request_timeout:g}s timeout"
+            await self._fail(send, Failed(504, "timeout", message))
+
+    # -- the work ---------------------------------------------------------------------------------------------
+
+    async def _work(self, send: Send) -> None:
+        try:
+            first = await self._begin()
+        except Failed as f:
+            return await self._fail(send, f)
+        if isinstance(self.renderer, OpenAIRenderer) and self.client is not None:
+            self.renderer.model = self.client.welcome.model
+        if not self.stream:
+            try:
+                piece = first
+                while piece is not None:
+                    piece = await self._next()
+            except Failed as f:
+                return await self._fail(send, f)
+            body = self.renderer.body(self)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.started = True  # from here on, errors are events
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        live = self.renderer.live
+        if prelude := self.renderer.prelude():
+            await send({"type": "http.response.body", "body": prelude, "more_body": True})
+        try:
+            piece = first
+            while piece is not None:
+                if live and piece:
+                    await send({"type": "http.response.body", "body": self.renderer.chunk(piece), "more_body": True})
+                piece = await self._next()
+        except Failed as f:
+            return await self._fail(send, f)
+        await send({"type": "http.response.body", "body": self.renderer.final(self), "more_body": False})
+
+    async def _begin(self) -> str | None:
+        """Connect, submit, and wait for the daemon's first event: its text, or None if it ended at once."""
+        up = self.svc.upstream
+        try:
+            self.client = await up.get(max(0.0, self.deadline - time.perf_counter()))
+        except Unavailable as e:
+            raise Failed(503, "unavailable", str(e), e.retry_after) from None
+        try:
+            self.daemon = await self.start(self.client)
+        except DaemonUnavailable as e:
+            up.lost(self.client)
+            raise Failed(503, "unavailable", str(e), 1) from None
+        except UnicodeEncodeError as e:
+            raise Failed(422, "invalid", f"the request's text is not valid Unicode: {e}") from None
+        return await self._next()
+
+    async def _next(self) -> str | None:
+        """The daemon's next text chunk, or None once it is done."""
+        assert self.daemon is not None
+        if self.ended:
+            return None
+        try:
+            tok = await anext(self.daemon)
+        except StopAsyncIteration:
+            self.ended = True
+            self.done = d = self.daemon.done
+            assert d is not None
+            m, ep = self.svc.metrics, self.endpoint
+            m.prompt_tokens.labels(ep).inc(d.usage.prompt_tokens)
+            m.cached_tokens.labels(ep).inc(d.usage.cached_tokens)
+            m.completion_tokens.labels(ep).inc(d.usage.completion_tokens)
+            if not self.pieces:
+                m.first_token.labels(ep).observe(time.perf_counter() - self.t0)
+            return None
+        except DaemonError as e:
+            self.ended = True
+            status, retry = daemon_error_status(e)
+            raise Failed(status, e.code, e.message, retry) from None
+        except DaemonUnavailable as e:
+            self.ended = True
+            if self.client is not None:
+                self.svc.upstream.lost(self.client)
+            raise Failed(503, "unavailable", f"the daemon went away: {e}", 1) from None
+        if not self.pieces:
+            self.svc.metrics.first_token.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+        self.pieces.append(tok.text)
+        return tok.text
+
+    async def _fail(self, send: Send, f: Failed) -> None:
+        if not self.started:
+            resp = error_response(f.status, f.code, f.message, retry_after=f.retry_after)
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+            await send({"type": "http.response.body", "body": resp.body})
+            return
+        await send({"type": "http.response.body", "body": self.renderer.error_event(f.status, f.code, f.message),
+                    "more_body": False})
+
+    def _abandon(self, reason: str) -> None:
+        """The client left or time ran out: cancel the daemon request and drain its answer in the background."""
+        self.svc.metrics.cancelled.labels(self.endpoint, reason).inc()
+        log.info("request cancelled", extra={"fields": {"path": self.endpoint, "reason": reason}})
+        if self.daemon is not None and not self.ended:
+            self.svc.spawn(self.svc.drain(self.daemon))
+
+
+# -- the service ----------------------------------------------------------------------------------------------
+
+
+class Service:
+    def __init__(self, settings: Settings, upstream: Upstream | None = None):
+        self.settings = settings
+        self.metrics = Metrics(ENDPOINTS)
+        self.upstream = upstream or Upstream(settings.socket, autostart=settings.autostart,
+                                             on_connect=lambda client: self.metrics.reconnects.inc())
+        self.openapi = msgspec.json.encode(s.openapi(max_tokens_cap=settings.max_tokens_cap, version=VERSION,
+                                                     token=settings.token is not None))
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, stream: Stream) -> None:
+        """Cancel a daemon request nobody waits for, and read its answer so it leaves the connection's table."""
+        outcome = "lost"
+        try:
+            await stream.cancel()
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                async for _ in stream:
+                    pass
+            outcome = "finished"
+        except DaemonError as e:
+            outcome = "cancelled" if e.code == "cancelled" else "error"
+        except (DaemonUnavailable, TimeoutError, OSError):
+            outcome = "lost"
+        self.metrics.cancel_outcomes.labels(outcome).inc()
+
+    async def shutdown(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        await self.upstream.close()
+
+    # -- request helpers ----------------------------------------------------------------------------------
+
+    async def read(self, request: Request, type_: type[Any]) -> Any:
+        return s.decode(await request.body(), type_)
+
+    def check_cap(self, max_tokens: int) -> None:
+        cap = self.settings.max_tokens_cap
+        if max_tokens > cap:
+            raise s.InvalidRequest(f"max_tokens: {max_tokens} exceeds this server's cap of {cap} "
+                                   "(m31r serve --max-tokens-cap)", "max_tokens")
+
+    @staticmethod
+    def sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+        # Tiny values overflow in the daemon's float32 sampling (t → inf logits, top_p → 0.0 drops every token);
+        # these bounds change nothing else: under them only the most likely token survives either way.
+        return Sampling(temperature=temperature if temperature >= s.GREEDY_BELOW else 0.0, top_k=top_k,
+                        top_p=max(top_p, s.MIN_TOP_P))
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Generation:
+        r: s.GenerateRequest = await self.read(request, s.GenerateRequest)
+        self.check_cap(r.max_tokens)
+        sampling = self.sampling(r.temperature, r.top_k, r.top_p)
+        return Generation(self, "/generate", lambda c: c.generate(
+            r.prompt, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop, seed=r.seed, truncate=r.truncate),
+            NativeRenderer(), r.stream)
+
+    async def fim(self, request: Request) -> Generation:
+        r: s.FimRequest = await self.read(request, s.FimRequest)
+        self.check_cap(r.max_tokens)
+        sampling = self.sampling(r.temperature, r.top_k, r.top_p)
+        document = f"http:{r.path}" if r.path else ""
+        return Generation(self, "/fim", lambda c: c.fim(
+            r.prefix, r.suffix, document=document, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop,
+            seed=r.seed, deadline_ms=r.deadline_ms or None), NativeRenderer(), r.stream)
+
+    async def completion(self, request: Request) -> Generation:
+        r: s.CompletionRequest = await self.read(request, s.CompletionRequest)
+        self.check_cap(r.max_tokens)
+        try:
+            opts = policy.Options(multiline=r.multiline, max_tokens=r.max_tokens, deadline_ms=r.deadline_ms or None,
+                                  max_lines=r.max_lines)
+            plan = policy.plan(r.prefix + r.suffix, len(r.prefix), opts)
+        except ValueError as e:
+            raise s.InvalidRequest(str(e)) from None
+        sampling = self.sampling(r.temperature, r.top_k, r.top_p)
+        # Its own document namespace: an editor's LSP requests for the same file are not superseded by these.
+        document = f"http:{r.path}" if r.path else ""
+        return Generation(self, "/completion", lambda c: c.fim(
+            **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed),
+            CompletionRenderer(plan, len(r.prefix)), r.stream)
+
+    async def openai_completions(self, request: Request) -> Generation:
+        r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest)
+        prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
+        # OpenAI clients ask for generous lengths by habit: clamp to the cap instead of refusing.
+        max_tokens = min(OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens,
+                         self.settings.max_tokens_cap)
+        sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
+        stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        renderer = OpenAIRenderer(include_usage=bool(r.stream_options and r.stream_options.include_usage),
+                                  echo=prompt if r.echo else "")
+        suffix = r.suffix
+        if suffix is None and not prompt:
+            suffix = ""  # nothing to continue: write the start of a file instead
+        if suffix is not None:
+            start = lambda c: c.fim(prompt, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+        else:
+            start = lambda c: c.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+        return Generation(self, "/v1/completions", start, renderer, bool(r.stream))
+
+    async def models(self, request: Request) -> Response:
+        try:
+            client = await self.upstream.get(2.0)
+        except Unavailable as e:
+            return error_response(503, "unavailable", str(e), retry_after=e.retry_after)
+        body = s.OpenAIModelList([s.OpenAIModel(id=client.welcome.model, created=0)])
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        st = await self.upstream.status(wait=1.0, timeout=2.0)
+        w = self.upstream.welcome
+        if st is None or w is None:
+            err = self.upstream.last_error if not self.upstream.connected else "the daemon did not answer in time"
+            return Response(msgspec.json.encode(s.HealthUnavailable("unavailable", err)), 503,
+                            headers={"Retry-After": "1"}, media_type="application/json")
+        body = s.HealthResponse(status="ok", model=st.model, fingerprint=st.fingerprint, max_context=w.max_context,
+                                daemon_version=w.daemon_version, device=st.device, dtype=st.dtype, queue=st.queue,
+                                active=st.active, uptime_s=st.uptime_s)
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.observe_daemon(await self.upstream.status(wait=0.5, timeout=1.0))
+        data, content_type = self.metrics.exposition()
+        return Response(data, headers={"Content-Type": content_type})
+
+    async def openapi_endpoint(self, request: Request) -> Response:
+        return Response(self.openapi, media_type="application/json")
+
+
+def create_app(settings: Settings | None = None, *, upstream: Upstream | None = None) -> Starlette:
+    settings = settings or Settings()
+    svc = Service(settings, upstream)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        svc.upstream.warm_up()
+        yield
+        await svc.shutdown()
+
+    limit = settings.max_body  # per route, so that a 413 goes through the JSON error handler
+    routes = [
+        Route("/generate", svc.generate, methods=["POST"], max_body_size=limit),
+        Route("/completion", svc.completion, methods=["POST"], max_body_size=limit),
+        Route("/fim", svc.fim, methods=["POST"], max_body_size=limit),
+        Route("/v1/completions", svc.openai_completions, methods=["POST"], max_body_size=limit),
+        Route("/v1/models", svc.models, methods=["GET"], max_body_size=limit),
+        Route("/health", svc.health, methods=["GET"], max_body_size=limit),
+        Route("/metrics", svc.metrics_endpoint, methods=["GET"], max_body_size=limit),
+        Route("/openapi.json", svc.openapi_endpoint, methods=["GET"], max_body_size=limit),
+    ]
+    middleware = [
+        Middleware(MetricsMiddleware, metrics=svc.metrics),
+        Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,
+                   token=settings.token, max_body=settings.max_body),
+    ]
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+                                     max_age=600))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request})
+    app.state.service = svc
+    return app

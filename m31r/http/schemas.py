@@ -1,0 +1,396 @@
+"""The HTTP API's wire format: msgspec Structs, and the OpenAPI document generated from them.
+
+The Structs are the contract: requests are decoded (and validated) straight into them, responses are encoded
+from them, and `/openapi.json` is `msgspec.json.schema_components` of them. Native requests refuse unknown
+fields (a typo is a 422 naming the field); the OpenAI-compatible request ignores fields it does not use, as
+OpenAI-compatible servers do, so clients that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from m31r.policy import MULTILINE_MODES, Options
+
+_POLICY = Options()  # the completion policy's defaults (shared with the LSP server)
+
+INT32 = 2**31 - 1
+INT63 = 2**63 - 1
+GREEDY_BELOW = 1e-3  # temperatures under this are greedy: the limit t → 0 is the argmax, and tiny t overflows
+MIN_TOP_P = 1e-6  # smaller top_p is raised to this: the same single most likely token, no float32 underflow
+
+MaxTokens = Annotated[int, Meta(ge=0, le=INT32, description=(
+    "Most tokens to generate. The server refuses more than its --max-tokens-cap (this document's maximum)."))]
+Temperature = Annotated[float, Meta(ge=0, le=2, description=(
+    f"0 = greedy (deterministic, the default). Values below {GREEDY_BELOW} are treated as 0."))]
+TopK = Annotated[int, Meta(ge=0, le=INT32, description="Keep only the k most likely tokens; 0 = off.")]
+TopP = Annotated[float, Meta(gt=0, le=1, description="Nucleus sampling mass; 1 = off.")]
+Seed = Annotated[int, Meta(ge=0, le=INT63, description="Makes sampling (temperature > 0) reproducible.")]
+Stop = Annotated[list[str], Meta(max_length=16, description="Stop sequences; not included in the output.")]
+Stream = Annotated[bool, Meta(description="Server-Sent Events: one `chunk` event per text chunk, then `done`.")]
+DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
+    "Once spent, generation ends at the next line end (finish_reason `deadline`); 0 = no deadline."))]
+Document = Annotated[str, Meta(max_length=4096, description=(
+    "A key for the file being edited (its path): the newest request for it cancels older ones (409) and its "
+    "prefix-cache slot is kept warm."))]
+
+FinishReason = Literal["stop", "length", "deadline"]
+
+
+# -- native requests ----------------------------------------------------------------------------------------
+
+
+class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Continue `prompt`."""
+
+    prompt: Annotated[str, Meta(min_length=1, description="The text to continue.")]
+    max_tokens: MaxTokens = 64
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: Stop = []
+    stream: Stream = False
+    truncate: Annotated[bool, Meta(description=(
+        "Keep the prompt's end when prompt + max_tokens exceed the model's context, instead of a 400."))] = False
+
+
+class FimRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Raw fill-in-the-middle: what the model writes between `prefix` and `suffix`, no post-processing."""
+
+    prefix: Annotated[str, Meta(description="The text before the cursor.")]
+    suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
+    path: Document | None = None
+    max_tokens: MaxTokens = 64
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: Stop = []
+    stream: Stream = False
+    deadline_ms: DeadlineMs = 0
+
+
+class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Code completion at a cursor, with the editor policy the LSP server uses: single-line mid-line,
+    multi-line at a line end, re-indentation, and no repeating of the text that follows the cursor."""
+
+    prefix: Annotated[str, Meta(description="The document's text before the cursor.")]
+    suffix: Annotated[str, Meta(description="The document's text after the cursor.")] = ""
+    path: Document | None = None
+    multiline: Annotated[Literal[MULTILINE_MODES], Meta(description=(  # type: ignore[valid-type]
+        "`auto`: multi-line only at a line end (or before closing brackets); `always`; `never`."))] = (
+        _POLICY.multiline)
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32, description=(
+        "Most tokens to generate (at least 1); at most the server's --max-tokens-cap."))] = _POLICY.max_tokens
+    max_lines: Annotated[int, Meta(ge=1, le=1000, description="A multi-line suggestion keeps at most this many "
+                                                              "lines.")] = _POLICY.max_lines
+    deadline_ms: DeadlineMs = _POLICY.deadline_ms or 0
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stream: Annotated[bool, Meta(description=(
+        "Server-Sent Events. Post-processing needs the whole completion, so the suggestion comes as one `chunk` "
+        "event, then `done`."))] = False
+
+
+# -- native responses ---------------------------------------------------------------------------------------
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(Struct):
+    """The daemon's timings for the request, in milliseconds."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    first_token_ms: float | None = None
+    total_ms: float = 0.0
+
+
+class GenerateResponse(Struct):
+    """The answer to /generate and /fim; also the data of the final `done` event of a stream."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class CompletionResponse(Struct):
+    """Replace the document's characters [start, end) (Unicode code points of prefix + suffix) with `text`.
+    `text` is empty when there is nothing worth suggesting."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    start: int
+    end: int
+    multiline: bool
+
+
+class StreamChunk(Struct):
+    """The data of one `chunk` event."""
+
+    text: str
+
+
+class ErrorDetail(Struct):
+    code: str  # bad_json, invalid, too_large, busy, unavailable, context_overflow, cancelled, timeout, ...
+    message: str
+    type: str  # OpenAI's error type: invalid_request_error, server_error, ...
+    param: str | None = None  # the request field at fault, where one is
+
+
+class ErrorResponse(Struct):
+    error: ErrorDetail
+
+
+class HealthResponse(Struct):
+    status: Literal["ok"]
+    model: str
+    fingerprint: str
+    max_context: int
+    daemon_version: str
+    device: str
+    dtype: str
+    queue: int
+    active: int
+    uptime_s: float
+
+
+class HealthUnavailable(Struct):
+    status: Literal["unavailable"]
+    error: str
+
+
+# -- OpenAI-compatible --------------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class OpenAICompletionRequest(Struct, kw_only=True):
+    """OpenAI's legacy completions request. `suffix` makes it fill-in-the-middle; an empty prompt without one
+    writes the start of a file (fill-in-the-middle in an empty file). Fields not listed are accepted and ignored
+    (logprobs are never returned); temperature defaults to 0 (greedy), not OpenAI's 1; max_tokens above the
+    server's cap is lowered to it."""
+
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
+    model: str | None = None
+    suffix: str | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=INT32)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | Stop | None = None
+    seed: Seed | None = None
+    echo: Annotated[bool, Meta(description="Start the completion's text with the prompt.")] | None = None
+    user: str | None = None
+
+
+OpenAIFinishReason = Literal["stop", "length"]
+
+
+class OpenAIChoice(Struct):
+    text: str
+    index: int = 0
+    finish_reason: OpenAIFinishReason | None = None
+    logprobs: None = None
+
+
+class OpenAIUsage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class OpenAICompletion(Struct):
+    """A completion, or (streaming) one chunk of one: `data: {...}` lines, then `data: [DONE]`."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[OpenAIChoice]
+    usage: OpenAIUsage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class OpenAIModel(Struct):
+    id: str
+    created: int
+    owned_by: str = "m31r"
+    object: Literal["model"] = "model"
+
+
+class OpenAIModelList(Struct):
+    data: list[OpenAIModel]
+    object: Literal["list"] = "list"
+
+
+# -- decoding -------------------------------------------------------------------------------------------------
+
+
+class InvalidRequest(ValueError):
+    """A request body that does not fit its schema: answered 422 with the field named."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid"):
+        self.message, self.param, self.code = message, param, code
+        super().__init__(message)
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_FIELD = re.compile(r"(?:required|unknown) field `([^`]*)`")
+
+def _integral(obj: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer; msgspec does not. Integral floats become ints (float fields take
+    ints, so nothing else changes)."""
+    if isinstance(obj, float):
+        return int(obj) if obj.is_integer() else obj
+    if isinstance(obj, dict):
+        return {k: _integral(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_integral(v) for v in obj]
+    return obj
+
+
+def decode(body: bytes, type_: type[Any]) -> Any:
+    """`body` as a `type_`, or InvalidRequest whose message and `param` name the offending field."""
+    try:
+        return msgspec.convert(_integral(msgspec.json.decode(body)), type_)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _AT.search(text)
+        param = m.group(1) if m else None
+        if param is None and (f := _FIELD.search(text)):
+            param = f.group(1)
+        raise InvalidRequest(text, param) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
+
+
+# -- OpenAPI ------------------------------------------------------------------------------------------------
+
+REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest)
+RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
+             OpenAICompletion, OpenAIModelList)
+CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest")  # their max_tokens maximum is the server's cap
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str) -> dict:
+    return {"application/json": {"schema": _ref(name)}}
+
+
+_ERRORS = {
+    "400": "The prompt and max_tokens do not fit the model's context (code `context_overflow`).",
+    "401": "A bearer token is configured and the request did not carry it.",
+    "403": "The Host header is not a loopback name (DNS-rebinding defence), or the Origin is not allowed.",
+    "409": "Cancelled by the daemon: superseded by a newer request for the same `path`.",
+    "413": "The request body exceeds the server's limit.",
+    "422": "The body is not valid JSON or does not fit the schema; `error.param` names the field.",
+    "503": "The daemon is busy (its queue is full), starting, or unavailable: retry after Retry-After seconds.",
+    "504": "The request ran past the server's request timeout.",
+}
+
+
+def _error_responses(codes: tuple[str, ...]) -> dict:
+    out = {}
+    for code in codes:
+        out[code] = {"description": _ERRORS[code], "content": _json("ErrorResponse")}
+        if code == "503":
+            out[code]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
+                                                    "description": "Seconds to wait before retrying."}}
+    return out
+
+
+def _event(event: str | None, schema: dict) -> dict:
+    """One Server-Sent Event whose data is JSON fitting `schema` (OpenAPI 3.1: the media type's schema
+    describes each event)."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
+    props: dict = {"data": data}
+    if event is not None:
+        props["event"] = {"const": event}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def openapi(*, max_tokens_cap: int, version: str = "0.1.0", token: bool = False) -> dict:
+    """The OpenAPI 3.1 document for this server (schemas: JSON Schema 2020-12, generated from the Structs)."""
+    _, components = msgspec.json.schema_components(REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}")
+    for name in CAPPED:
+        components[name]["properties"]["max_tokens"]["maximum"] = max_tokens_cap
+    gen_errors = ("400", "401", "403", "409", "413", "422", "503", "504")
+    common = ("401", "403")
+
+    def native_events(resp: str) -> dict:
+        return {"anyOf": [_event("chunk", _ref("StreamChunk")), _event("done", _ref(resp)),
+                          _event("error", _ref("ErrorResponse"))]}
+
+    openai_events = {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "if": {"const": "[DONE]"}, "else": {
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref("OpenAICompletion"), _ref("ErrorResponse")]}}}}}
+
+    def post(summary: str, req: str, resp: str, stream_doc: str, events: dict) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(req)},
+            "responses": {
+                "200": {"description": f"The result; with `stream: true`, {stream_doc}",
+                        "content": {**_json(resp), "text/event-stream": {"schema": events}}},
+                **_error_responses(gen_errors)}}}
+
+    native_stream = ("Server-Sent Events: `event: chunk` with a StreamChunk per text chunk, then `event: done` "
+                     "with the full response (usage included), or `event: error` with an ErrorResponse.")
+    paths = {
+        "/generate": post("Continue a prompt", "GenerateRequest", "GenerateResponse", native_stream,
+                          native_events("GenerateResponse")),
+        "/completion": post("Code completion at a cursor (the editor policy)", "CompletionRequest",
+                            "CompletionResponse", native_stream, native_events("CompletionResponse")),
+        "/fim": post("Raw fill-in-the-middle", "FimRequest", "GenerateResponse", native_stream,
+                     native_events("GenerateResponse")),
+        "/v1/completions": post("OpenAI-compatible completions (`suffix`: fill-in-the-middle)",
+                                "OpenAICompletionRequest", "OpenAICompletion",
+                                "`data: {...}` lines of OpenAICompletion chunks, then `data: [DONE]`.", openai_events),
+        "/v1/models": {"get": {"summary": "OpenAI-compatible model list: the daemon's model", "responses": {
+            "200": {"description": "The model", "content": _json("OpenAIModelList")},
+            **_error_responses((*common, "503"))}}},
+        "/health": {"get": {"summary": "Ready (with model info) when the daemon answers", "responses": {
+            "200": {"description": "The daemon answers", "content": _json("HealthResponse")},
+            **_error_responses(common),
+            "503": {"description": "The daemon is starting or unavailable", "content": _json("HealthUnavailable"),
+                    "headers": {"Retry-After": {"schema": {"type": "integer"}}}}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {
+            "200": {"description": "Metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_error_responses(common)}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_error_responses(common)}}},
+    }
+    doc: dict = {
+        "openapi": "3.1.0",
+        "info": {"title": "m31r", "version": version,
+                 "description": "Local, offline Rust code completion over HTTP: a thin adapter to the m31r daemon."},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if token:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc

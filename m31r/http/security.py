@@ -1,0 +1,134 @@
+"""What keeps a localhost HTTP server local (17_SERVING §19).
+
+- DNS rebinding: a web page can make the browser send requests to 127.0.0.1 under the attacker's own host
+  name, so the Host header must be a loopback name or address (or a host allowed explicitly); else 403.
+- Browsers: no CORS headers by default, and a request carrying an Origin that is not on the allow-list is
+  refused (403) before it costs any compute; a page's "simple" cross-origin POST would otherwise run.
+- An optional bearer token, read from a file only its owner can read (mode 0600 or stricter).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from m31r.http.schemas import ErrorDetail, ErrorResponse
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback name (localhost, *.localhost) or address (127.0.0.0/8, ::1). No DNS lookups."""
+    h = host.strip().strip("[]").rstrip(".").lower()
+    if h in LOOPBACK_NAMES or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(header: str) -> str:
+    """The host name of a Host header value, without its port: "[::1]:8731" → "::1"."""
+    h = header.strip()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end].lower() if end > 0 else h.lower()
+    if h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".").lower()
+
+
+class HostPolicy:
+    def __init__(self, allowed_hosts: Iterable[str] = ()):
+        self.allowed = frozenset(host_of(h) for h in allowed_hosts if h)
+
+    def allows(self, header: str | None) -> bool:
+        if not header:
+            return False
+        h = host_of(header)
+        return "*" in self.allowed or h in self.allowed or is_loopback(h)
+
+
+def load_token(path: str | Path) -> str:
+    """The bearer token in `path`; ValueError unless the file is the user's own, readable by nobody else."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise ValueError(f"--token-file {p}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"--token-file {p}: not a regular file")
+    if st.st_uid != os.getuid():
+        raise ValueError(f"--token-file {p}: owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o077:
+        raise ValueError(f"--token-file {p}: mode {stat.S_IMODE(st.st_mode):04o} lets others read it; "
+                         f"run `chmod 600 {p}`")
+    token = p.read_text(encoding="utf-8").strip()
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"--token-file {p}: expected one token (no whitespace inside), found "
+                         f"{'nothing' if not token else 'several words'}")
+    return token
+
+
+def error_body(status: int, code: str, message: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind)))
+
+
+async def send_error(send: Send, status: int, code: str, message: str,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = error_body(status, code, message)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    """Host check, Origin check, bearer token and declared body size, before any routing or body reading.
+
+    CORS preflights (OPTIONS with Access-Control-Request-Method) from allowed origins pass through to the CORS
+    middleware inside; everything else needs a good Host, an allowed (or no) Origin, and the token if one is set.
+    """
+
+    def __init__(self, app: ASGIApp, *, hosts: HostPolicy, origins: Iterable[str] = (), token: str | None = None,
+                 max_body: int | None = None):
+        self.app, self.hosts, self.max_body = app, hosts, max_body
+        self.origins = frozenset(o.rstrip("/") for o in origins)
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v for k, v in scope["headers"]}
+        host = headers.get("host", b"").decode("latin-1")
+        if not self.hosts.allows(host):
+            return await send_error(send, 403, "forbidden_host", (
+                f"Host {host!r} is not a loopback name; start the server with --allowed-host to accept it"))
+        origin = headers.get("origin")
+        if origin is not None:
+            o = origin.decode("latin-1").rstrip("/")
+            if o not in self.origins and "*" not in self.origins:
+                return await send_error(send, 403, "forbidden_origin", (
+                    f"Origin {o!r} is not allowed; start the server with --cors-origin to allow it"))
+        preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
+        if self.token is not None and not preflight:
+            auth = headers.get("authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                return await send_error(send, 401, "unauthorized", "a bearer token is required",
+                                        [(b"www-authenticate", b'Bearer realm="m31r"')])
+        length = headers.get("content-length", b"")
+        if self.max_body is not None and length.isdigit() and int(length) > self.max_body:
+            # A declared size over the limit is refused before reading. (Starlette's per-route limit, inside,
+            # catches bodies that grow past it without declaring a size.)
+            return await send_error(send, 413, "too_large", (
+                f"the request body ({int(length)} bytes) exceeds this server's limit of {self.max_body} bytes"))
+        await self.app(scope, receive, send)

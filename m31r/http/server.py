@@ -1,0 +1,95 @@
+"""`m31r serve`: the HTTP adapter under uvicorn (on uvloop where installed), loopback unless told otherwise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger("m31r.http")
+
+DEFAULT_PORT = 8731
+DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a large source file; the daemon's own frame limit is 8 MiB
+DEFAULT_MAX_TOKENS_CAP = 512
+DEFAULT_REQUEST_TIMEOUT = 60.0
+MAX_CONNECTIONS = 512  # uvicorn answers 503 beyond this many concurrent connections
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line on stderr, like the daemon's log. Request text is never logged."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
+               **getattr(record, "fields", {})}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    for name in ("m31r.http", "uvicorn.error"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(level.upper())
+        lg.propagate = False
+
+
+def check_bind(host: str, allow_remote: bool) -> bool:
+    """True when `host` is loopback; ValueError for another address unless `allow_remote`."""
+    from m31r.http.security import is_loopback
+
+    if is_loopback(host):
+        return True
+    if not allow_remote:
+        raise ValueError(f"--host {host} is not a loopback address: the server would be reachable from other "
+                         "machines; pass --allow-remote if that is what you want (and consider --token-file)")
+    return False
+
+
+def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | None = None, *,
+        autostart: bool = True, allow_remote: bool = False, allowed_hosts: Iterable[str] = (),
+        cors_origins: Iterable[str] = (), token_file: str | Path | None = None, max_body: int = DEFAULT_MAX_BODY,
+        max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        log_level: str = "info") -> int:
+    """Serve until SIGINT/SIGTERM. ValueError (before binding) for a bad configuration."""
+    from m31r.http.security import load_token
+
+    loopback = check_bind(host, allow_remote)
+    token = load_token(token_file) if token_file is not None else None
+    if max_body < 1 or max_tokens_cap < 1 or request_timeout <= 0:
+        raise ValueError("--max-body, --max-tokens-cap and --request-timeout must be positive")
+    hosts = list(allowed_hosts)
+    if not loopback:
+        if host not in ("0.0.0.0", "::", ""):
+            hosts.append(host)  # a specific address: requests naming it are for us
+        print(f"warning: m31r serve is listening on {host}:{port}, reachable from other machines"
+              f"{'' if token else ' without a token (--token-file)'}; requests must name an allowed Host "
+              f"({', '.join(hosts) or 'none yet: add --allowed-host'})", file=sys.stderr)
+
+    import uvicorn
+
+    from m31r.http.app import Settings, create_app
+
+    setup_logging(log_level)
+    settings = Settings(socket=socket, autostart=autostart, allowed_hosts=tuple(hosts),
+                        cors_origins=tuple(cors_origins), token=token, max_body=max_body,
+                        max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    config = uvicorn.Config(create_app(settings), host=host, port=port, loop=loop, lifespan="on",
+                            log_level=log_level, log_config=None, access_log=False, server_header=False,
+                            limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
+    log.info("serving", extra={"fields": {"url": f"http://{host}:{port}", "socket": str(socket or "default"),
+                                          "autostart": autostart, "token": token is not None,
+                                          "cors_origins": list(cors_origins), "max_tokens_cap": max_tokens_cap}})
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

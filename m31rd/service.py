@@ -1,0 +1,224 @@
+"""`m31r service install|uninstall`: run the daemon as a per-user service.
+
+Linux: two systemd user units, m31rd.socket (socket activation on %t/m31r/m31rd.sock, 0600 in a 0700 folder)
+and m31rd.service (Type=notify), written to $XDG_CONFIG_HOME/systemd/user (default ~/.config/systemd/user).
+macOS: a launchd agent, ~/Library/LaunchAgents/dev.m31r.m31rd.plist, started at login.
+
+The templates ship in m31rd/units/ (configs/systemd and configs/launchd hold the same files); installing fills
+in the absolute path of the m31r command of this environment, the bundle and (launchd) the socket and log.
+This module imports only the standard library: the CLI must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["systemd", "launchd"]
+KINDS: tuple[Kind, ...] = ("systemd", "launchd")
+UNITS_DIR = Path(__file__).resolve().parent / "units"
+SYSTEMD_UNITS = ("m31rd.socket", "m31rd.service")
+LAUNCHD_LABEL = "dev.m31r.m31rd"
+LAUNCHD_PLIST = f"{LAUNCHD_LABEL}.plist"
+
+Echo = Callable[[str], None]
+
+
+def detect_kind() -> Kind:
+    if sys.platform == "darwin":
+        return "launchd"
+    if sys.platform.startswith("linux"):
+        return "systemd"
+    raise ValueError(f"no service manager support for {sys.platform}; run `m31r daemon` yourself")
+
+
+def _kind(kind: str | None) -> Kind:
+    if kind is None:
+        return detect_kind()
+    if kind not in KINDS:
+        raise ValueError(f"unknown service kind {kind!r}; choose one of {', '.join(KINDS)}")
+    return kind  # type: ignore[return-value]
+
+
+def m31r_command() -> list[str]:
+    """The command that runs this environment's m31r: the console script beside the interpreter, else
+    `python -m m31r.cli`. The interpreter path is not resolved: a virtualenv's python is a symlink, and
+    following it would leave the environment."""
+    exe = Path(os.path.abspath(sys.executable))
+    script = exe.parent / "m31r"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [str(exe), "-m", "m31r.cli"]
+
+
+def unit_dir(kind: Kind) -> Path:
+    """Where the user's service manager looks for our files."""
+    if kind == "systemd":
+        base = os.environ.get("XDG_CONFIG_HOME", "")
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".config"
+        return root / "systemd" / "user"
+    return Path.home() / "Library" / "LaunchAgents"
+
+
+def unit_paths(kind: Kind) -> list[Path]:
+    names = SYSTEMD_UNITS if kind == "systemd" else (LAUNCHD_PLIST,)
+    return [unit_dir(kind) / name for name in names]
+
+
+def launchd_log_path() -> Path:
+    return Path.home() / "Library" / "Logs" / "m31r" / "m31rd.log"
+
+
+def resolve_bundle(bundle: str | Path | None) -> Path:
+    """The bundle's absolute path; it must look like a bundle (the daemon verifies it fully at start)."""
+    if bundle is None:
+        from m31rd.main import default_bundle
+
+        bundle = default_bundle()
+    path = Path(bundle).expanduser().resolve()
+    if not (path / "metadata.json").is_file():
+        raise ValueError(f"{path}: not a model bundle (no metadata.json); pass --bundle DIR")
+    return path
+
+
+# -- rendering ------------------------------------------------------------------------------------------
+
+
+def systemd_quote(arg: str) -> str:
+    """One ExecStart= argument: % and $ escaped (specifiers, variables), quoted where systemd would split
+    or unescape it."""
+    if "\n" in arg or "\r" in arg:
+        raise ValueError(f"{arg!r}: a newline cannot be passed in a systemd unit")
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if arg and not any(c.isspace() or c in "\"'\\;" for c in arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def template(name: str) -> str:
+    return (UNITS_DIR / name).read_text()
+
+
+def render_systemd(command: Sequence[str], bundle: Path) -> dict[str, str]:
+    """{file name: content} of the two user units."""
+    exec_start = " ".join(systemd_quote(a) for a in command)
+    service = template("m31rd.service").replace("@M31R@", exec_start).replace("@BUNDLE@", systemd_quote(str(bundle)))
+    return {"m31rd.socket": template("m31rd.socket"), "m31rd.service": service}
+
+
+def render_launchd(command: Sequence[str], bundle: Path, socket: Path, log: Path) -> bytes:
+    """The agent plist: the template parsed, placeholders replaced value by value (no XML escaping to get
+    wrong), written back as a plist."""
+    with (UNITS_DIR / LAUNCHD_PLIST).open("rb") as f:
+        plist = plistlib.load(f)
+    values = {"@BUNDLE@": str(bundle), "@SOCKET@": str(socket), "@LOG@": str(log)}
+    args: list[str] = []
+    for a in plist["ProgramArguments"]:
+        if a == "@M31R@":
+            args.extend(command)
+        else:
+            args.append(values.get(a, a))
+    plist["ProgramArguments"] = args
+    for key, value in plist.items():
+        if isinstance(value, str):
+            plist[key] = values.get(value, value)
+    return plistlib.dumps(plist, sort_keys=False)
+
+
+# -- install / uninstall --------------------------------------------------------------------------------
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+
+
+def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: bool = False, *,
+            socket: str | Path | None = None, echo: Echo = print) -> list[Path]:
+    """Write the unit files for `kind` (default: this platform's) and print the command that enables them.
+
+    `socket` (launchd only) defaults to the path clients use, `m31r_protocol.paths.default_socket_path()`;
+    systemd units always listen on %t/m31r/m31rd.sock, which is that same default. Returns the paths
+    written (with dry_run: the paths that would be written; nothing is written and the content is printed).
+    """
+    k = _kind(kind)
+    bundle_path = resolve_bundle(bundle)
+    command = m31r_command()
+    files: dict[Path, bytes]
+    if k == "systemd":
+        files = {unit_dir(k) / n: text.encode() for n, text in render_systemd(command, bundle_path).items()}
+    else:
+        from m31r_protocol.paths import default_socket_path
+
+        sock = Path(socket).expanduser().absolute() if socket else default_socket_path().absolute()
+        log = launchd_log_path()
+        files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, log)}
+    if dry_run:
+        for path, data in files.items():
+            echo(f"# {path}\n{data.decode()}")
+        echo("(dry run: nothing written)")
+        return list(files)
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, data)
+        echo(f"wrote {path}")
+    if k == "systemd":
+        echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")
+        echo("(the daemon starts on the first connection; logs: journalctl --user -u m31rd)")
+    else:
+        launchd_log_path().parent.mkdir(parents=True, exist_ok=True)
+        plist = unit_dir(k) / LAUNCHD_PLIST
+        echo(f"next: launchctl bootstrap gui/{os.getuid()} {plist}")
+        echo(f"(already loaded? first: launchctl bootout gui/{os.getuid()}/{LAUNCHD_LABEL}; "
+             f"logs: {launchd_log_path()})")
+    return list(files)
+
+
+def _run_quietly(cmd: list[str], echo: Echo) -> None:
+    if shutil.which(cmd[0]) is None:
+        return
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        echo(f"note: {' '.join(cmd)}: {e}")
+        return
+    if r.returncode == 0:
+        echo(f"ran: {' '.join(cmd)}")
+
+
+def uninstall(kind: str | None = None, dry_run: bool = False, *, stop: bool = True,
+              echo: Echo = print) -> list[Path]:
+    """Remove the unit files (and systemd's enablement links to them). With `stop`, first ask the service
+    manager to stop and disable the service (best effort: a missing or unreachable manager is not an error).
+    Returns the paths removed (with dry_run: those that would be)."""
+    k = _kind(kind)
+    paths = [p for p in unit_paths(k) if p.exists() or p.is_symlink()]
+    if k == "systemd":
+        # What `systemctl --user disable` removes: links in *.wants/ folders to our units.
+        names = set(SYSTEMD_UNITS)
+        paths += sorted(p for p in unit_dir(k).glob("*.wants/*") if p.name in names and p.is_symlink())
+    if dry_run:
+        for p in paths:
+            echo(f"would remove {p}")
+        return paths
+    if stop and paths:
+        if k == "systemd":
+            _run_quietly(["systemctl", "--user", "disable", "--now", *SYSTEMD_UNITS], echo)
+        else:
+            _run_quietly(["launchctl", "bootout", f"gui/{os.getuid()}/{LAUNCHD_LABEL}"], echo)
+    for p in paths:
+        p.unlink(missing_ok=True)
+        echo(f"removed {p}")
+    if not paths:
+        echo(f"nothing to remove in {unit_dir(k)}")
+    elif k == "systemd" and stop:
+        _run_quietly(["systemctl", "--user", "daemon-reload"], echo)
+    return paths

@@ -1,0 +1,272 @@
+"""Running the daemon as a user service: unit templates, `m31r service install|uninstall`, systemd socket
+activation (systemd-socket-activate) and the READY=1 notification.
+
+systemd-analyze and systemd-socket-activate come from Debian's `systemd` package (`apt-get install systemd`);
+the tests that need them are skipped on macOS and fail on a Linux without them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import plistlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from m31rd import service
+
+REPO = Path(__file__).resolve().parent.parent
+UNITS = REPO / "m31rd" / "units"
+
+
+def require(binary: str) -> None:
+    """systemd's tools: skipped where systemd cannot exist (macOS), a failure on Linux where they are just
+    not installed, so a CI image without them cannot pass by skipping."""
+    if shutil.which(binary):
+        return
+    if sys.platform.startswith("linux"):
+        pytest.fail(f"{binary} is not installed: apt-get install systemd (Debian/Ubuntu)")
+    pytest.skip(f"{binary} is part of systemd, which {sys.platform} does not have")
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HOME, XDG_CONFIG_HOME and XDG_RUNTIME_DIR: install/uninstall never touch the real ones."""
+    h = tmp_path / "home"
+    (h / "config").mkdir(parents=True)
+    (h / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(h))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(h / "config"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(h / "run"))
+    monkeypatch.delenv("M31R_SOCKET", raising=False)
+    return h
+
+
+@pytest.fixture
+def fake_bundle(tmp_path: Path) -> Path:
+    """Enough of a bundle for install (which only checks metadata.json); the name needs quoting in units."""
+    b = tmp_path / "my models" / "100% tiny"
+    b.mkdir(parents=True)
+    (b / "metadata.json").write_text("{}\n")
+    return b
+
+
+def test_configs_hold_the_packaged_templates():
+    for name, folder in [("m31rd.socket", "systemd"), ("m31rd.service", "systemd"),
+                         ("dev.m31r.m31rd.plist", "launchd")]:
+        assert (REPO / "configs" / folder / name).read_bytes() == (UNITS / name).read_bytes(), name
+
+
+def test_socket_unit_template():
+    text = (UNITS / "m31rd.socket").read_text()
+    assert "ListenStream=%t/m31r/m31rd.sock" in text
+    assert "SocketMode=0600" in text and "DirectoryMode=0700" in text
+    service_text = (UNITS / "m31rd.service").read_text()
+    assert "Type=notify" in service_text and "Restart=on-failure" in service_text
+    assert "ExecStart=@M31R@ daemon --bundle @BUNDLE@" in service_text
+
+
+def test_systemd_quote():
+    q = service.systemd_quote
+    assert q("/usr/bin/m31r") == "/usr/bin/m31r"
+    assert q("/a b/c") == '"/a b/c"'
+    assert q("100%") == "100%%"
+    assert q("$HOME") == "$$HOME"
+    assert q('a"b\\c') == '"a\\"b\\\\c"'
+    with pytest.raises(ValueError):
+        q("a\nb")
+
+
+def test_install_systemd(home: Path, fake_bundle: Path):
+    out: list[str] = []
+    paths = service.install("systemd", fake_bundle, echo=out.append)
+    unit_dir = home / "config" / "systemd" / "user"
+    assert paths == [unit_dir / "m31rd.socket", unit_dir / "m31rd.service"]
+    svc = (unit_dir / "m31rd.service").read_text()
+    exec_start = next(line for line in svc.splitlines() if line.startswith("ExecStart="))
+    cmd = service.m31r_command()
+    assert exec_start.startswith(f"ExecStart={cmd[0]} ")
+    assert Path(cmd[0]).is_absolute()
+    assert f'--bundle "{str(fake_bundle.resolve()).replace("%", "%%")}"' in exec_start
+    assert "@" not in exec_start
+    assert (unit_dir / "m31rd.socket").read_text() == (UNITS / "m31rd.socket").read_text()
+    assert any("systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket" in line for line in out)
+
+
+def test_rendered_systemd_units_verify_clean(home: Path, fake_bundle: Path):
+    require("systemd-analyze")
+    paths = service.install("systemd", fake_bundle, echo=lambda _: None)
+    r = subprocess.run(["systemd-analyze", "verify", "--user", *map(str, paths)], capture_output=True, text=True,
+                       timeout=60, cwd=paths[0].parent)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
+def test_systemd_analyze_does_report_problems(home: Path, tmp_path: Path):
+    """Guards the test above: verify must fail loudly on the kind of mistake a template could contain."""
+    require("systemd-analyze")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "m31rd.socket").write_text((UNITS / "m31rd.socket").read_text())
+    (bad / "m31rd.service").write_text((UNITS / "m31rd.service").read_text()
+                                       .replace("@M31R@", "/nonexistent/m31r").replace("@BUNDLE@", "/b")
+                                       .replace("Type=notify", "Type=notify\nNoSuchKey=1"))
+    r = subprocess.run(["systemd-analyze", "verify", "--user", "m31rd.socket", "m31rd.service"],
+                       capture_output=True, text=True, timeout=60, cwd=bad)
+    assert r.returncode != 0
+    assert "NoSuchKey" in r.stderr and "/nonexistent/m31r" in r.stderr
+
+
+def test_install_launchd(home: Path, fake_bundle: Path):
+    out: list[str] = []
+    paths = service.install("launchd", fake_bundle, echo=out.append)
+    plist_path = home / "Library" / "LaunchAgents" / "dev.m31r.m31rd.plist"
+    assert paths == [plist_path]
+    with plist_path.open("rb") as f:
+        plist = plistlib.load(f)
+    cmd = service.m31r_command()
+    sock = home / "run" / "m31r" / "m31rd.sock"
+    assert plist["Label"] == "dev.m31r.m31rd"
+    assert plist["ProgramArguments"] == [*cmd, "daemon", "--bundle", str(fake_bundle.resolve()),
+                                          "--socket", str(sock)]
+    assert plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    log = home / "Library" / "Logs" / "m31r" / "m31rd.log"
+    assert plist["StandardErrorPath"] == str(log) and plist["StandardOutPath"] == str(log)
+    assert log.parent.is_dir()  # launchd creates the log file, not its folder
+    assert plist["Umask"] == 0o077
+    assert not any("@" in str(v) for v in [*plist["ProgramArguments"], plist["StandardErrorPath"]])
+    assert any(f"launchctl bootstrap gui/{os.getuid()} {plist_path}" in line for line in out)
+    if shutil.which("plutil"):  # macOS
+        subprocess.run(["plutil", "-lint", str(plist_path)], check=True, capture_output=True)
+
+
+def test_uninstall(home: Path, fake_bundle: Path):
+    paths = service.install("systemd", fake_bundle, echo=lambda _: None)
+    wants = home / "config" / "systemd" / "user" / "sockets.target.wants"
+    wants.mkdir()
+    (wants / "m31rd.socket").symlink_to(paths[0])  # what `systemctl --user enable` leaves
+    (wants / "other.socket").symlink_to(paths[0].with_name("other.socket"))
+    removed = service.uninstall("systemd", dry_run=True, stop=False, echo=lambda _: None)
+    assert set(removed) == {*paths, wants / "m31rd.socket"} and all(p.exists() for p in paths)
+    removed = service.uninstall("systemd", stop=False, echo=lambda _: None)
+    assert set(removed) == {*paths, wants / "m31rd.socket"}
+    assert not any(p.exists() for p in paths) and not (wants / "m31rd.socket").is_symlink()
+    assert (wants / "other.socket").is_symlink()
+    assert service.uninstall("systemd", stop=False, echo=lambda _: None) == []
+
+    (plist,) = service.install("launchd", fake_bundle, echo=lambda _: None)
+    assert service.uninstall("launchd", stop=False, echo=lambda _: None) == [plist]
+    assert not plist.exists()
+
+
+def test_install_refuses_a_missing_bundle(home: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="not a model bundle"):
+        service.install("systemd", tmp_path / "nope", echo=lambda _: None)
+    assert not (home / "config" / "systemd").exists()
+
+
+def test_cli_service(home: Path, fake_bundle: Path):
+    from m31r.cli import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["service", "install", "--kind", "launchd", "--bundle", str(fake_bundle), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "<key>ProgramArguments</key>" in r.output and "dry run" in r.output
+    assert not (home / "Library").exists()
+    r = runner.invoke(main, ["service", "install", "--kind", "systemd", "--bundle", str(home / "missing")])
+    assert r.exit_code == 1 and "error:" in r.output and "not a model bundle" in r.output
+    r = runner.invoke(main, ["service", "install", "--kind", "systemd", "--bundle", str(fake_bundle)])
+    assert r.exit_code == 0 and (home / "config" / "systemd" / "user" / "m31rd.service").exists()
+    r = runner.invoke(main, ["service", "uninstall", "--kind", "systemd", "--dry-run"])
+    assert r.exit_code == 0 and "would remove" in r.output
+    assert (home / "config" / "systemd" / "user" / "m31rd.service").exists()
+
+
+def test_service_module_does_not_import_torch():
+    code = "import sys, m31r.cli, m31rd.service; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- sd_notify and socket activation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_sd_notify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, abstract: bool):
+    from m31rd.sockets import sd_notify
+
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"m31r-test-{uuid.uuid4().hex}"
+    rx.bind("\0" + name if abstract else str(tmp_path / "notify"))
+    rx.settimeout(5)
+    monkeypatch.setenv("NOTIFY_SOCKET", "@" + name if abstract else str(tmp_path / "notify"))
+    sd_notify("READY=1")
+    assert rx.recv(64) == b"READY=1"
+    rx.close()
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    sd_notify("READY=1")  # a no-op outside systemd
+
+
+def test_socket_activation_and_ready_notification(tiny_bundle, tmp_path: Path):
+    """systemd-socket-activate listens, the first connection starts the daemon with the socket as fd 3
+    (LISTEN_FDS/LISTEN_PID), a Generate is answered, READY=1 reaches NOTIFY_SOCKET, SIGTERM exits 0 and
+    sends STOPPING=1."""
+    require("systemd-socket-activate")
+    from m31r_protocol import Client
+
+    sock_path = tmp_path / "act.sock"
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(120)
+    log = tmp_path / "daemon.log"
+    # systemd-socket-activate passes only PATH/HOME/USER/TERM and the -E variables to the child.
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NOTIFY_SOCKET": str(tmp_path / "notify"),
+           "XDG_RUNTIME_DIR": str(runtime)}
+    cmd = ["systemd-socket-activate", "--listen", str(sock_path), "--fdname", "m31rd",
+           *[a for k, v in env.items() for a in ("-E", f"{k}={v}")],
+           sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--threads", "1"]
+    with log.open("w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        t0 = time.monotonic()
+        while not sock_path.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() - t0 < 30, "systemd-socket-activate did not listen"
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert "Execing" not in log.read_text()  # nothing runs until a client connects
+
+        async def generate() -> tuple[str, object, str]:
+            # The connection waits in the backlog while the daemon imports torch and loads the model.
+            async with await Client.connect(sock_path, client="test", timeout=120) as c:
+                text, done = await (await c.generate("fn main() {\n", max_tokens=4)).collect()
+                return text, done, c.welcome.model
+
+        text, done, model = asyncio.run(generate())
+        assert model == tiny_bundle.model_id
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 4 and text
+        assert notify.recv(256) == b"READY=1"
+        pid = proc.pid  # systemd-socket-activate execs the daemon in place: LISTEN_PID is this pid
+        log_text = log.read_text()
+        assert '"socket": "systemd-activated"' in log_text and f'"pid": {pid}' in log_text
+        assert not (runtime / "m31r").exists()  # it served fd 3, it did not bind its default socket
+    finally:
+        proc.terminate()
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    assert rc == 0, log.read_text()
+    assert notify.recv(256) == b"STOPPING=1"
+    notify.close()
+    assert sock_path.exists()  # the socket belongs to the activator, not the daemon: it is left alone

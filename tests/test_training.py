@@ -1,0 +1,324 @@
+"""A tiny end-to-end training run: fixture corpus → tokenizer → model → resume → export → daemon → completion.
+
+Everything is small enough to run in seconds on one CPU thread: a 2-layer d=64 model on a few dozen
+generated Rust files, 128-token context, 40 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from daemon_util import start_daemon, stop_daemon
+
+from m31r.bundle import load_weights, open_bundle
+from m31r.train import trainer as trainer_mod
+from m31r.train.corpus import build_corpus
+from m31r.train.tokenizer import train_tokenizer
+from m31r.train.trainer import export, train
+
+STEPS = 40
+VOCAB = 512
+
+# -- a small, varied Rust corpus --------------------------------------------------------------------------
+
+NOUNS = ["point", "buffer", "token", "record", "node", "packet", "account", "sensor", "matrix", "queue",
+         "span", "frame", "cursor", "symbol", "ticket", "reading", "vertex", "message", "entry", "shape"]
+FIELDS = ["id", "len", "count", "weight", "offset", "name", "label", "value", "score", "depth", "width",
+          "height", "limit", "index", "kind", "flags", "total", "start", "end", "size"]
+TYPES = ["u32", "u64", "i64", "usize", "f64", "bool", "String", "Vec<u8>", "Option<u32>", "char"]
+
+
+def camel(s: str) -> str:
+    return "".join(p.capitalize() for p in s.split("_"))
+
+
+def default_of(ty: str) -> str:
+    return {"f64": "0.0", "bool": "false", "String": "String::new()", "Vec<u8>": "Vec::new()",
+            "Option<u32>": "None", "char": "' '"}.get(ty, "0")
+
+
+def rust_file(i: int, rng: random.Random) -> str:
+    """A plausible module: a struct with an impl, free functions, a trait impl, comments and tests."""
+    noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else f"_{i // len(NOUNS)}")
+    ty = camel(noun)
+    fields = rng.sample(FIELDS, rng.randint(2, 5))
+    types = [rng.choice(TYPES) for _ in fields]
+    num = next((f for f, t in zip(fields, types, strict=True) if t in ("u32", "u64", "i64", "usize")), None)
+    out = [f"//! The `{ty}` type and helpers for working with {noun.replace('_', ' ')}s.", ""]
+    out += rng.sample(["use std::collections::HashMap;", "use std::fmt;", "use std::io::{self, Read};",
+                       "use std::sync::Arc;", "use std::cmp::Ordering;"], rng.randint(1, 3))
+    out += ["", f"/// A {noun.replace('_', ' ')} with {len(fields)} fields.",
+            "#[derive(Debug, Clone, PartialEq)]", f"pub struct {ty} {{"]
+    out += [f"    pub {f}: {t}," for f, t in zip(fields, types, strict=True)]
+    out += ["}", "", f"impl {ty} {{", f"    /// Creates an empty `{ty}`.", "    pub fn new() -> Self {",
+            "        Self {"]
+    out += [f"            {f}: {default_of(t)}," for f, t in zip(fields, types, strict=True)]
+    out += ["        }", "    }"]
+    for f, t in zip(fields, types, strict=True):
+        if rng.random() < 0.6:
+            ref = "&" if t in ("String", "Vec<u8>") else ""
+            out += ["", f"    pub fn {f}(&self) -> {ref}{t} {{", f"        {ref}self.{f}" + (
+                ".clone()" if t == "Option<u32>" else ""), "    }"]
+    if num:
+        out += ["", f"    pub fn with_{num}(mut self, {num}: {types[fields.index(num)]}) -> Self {{",
+                f"        self.{num} = {num};", "        self", "    }"]
+    out += ["}", ""]
+    pool = []
+    if num:
+        pool.append([
+            f"pub fn total_{num}(items: &[{ty}]) -> u64 {{",
+            "    // Add the values up in a u64 so that long slices cannot overflow.",
+            "    let mut total = 0u64;",
+            "    for item in items {",
+            f"        total += item.{num} as u64;",
+            "    }",
+            "    total",
+            "}",
+        ])
+        pool.append([
+            f"pub fn largest(items: &[{ty}]) -> Option<&{ty}> {{",
+            f"    items.iter().max_by_key(|item| item.{num})",
+            "}",
+        ])
+        pool.append([
+            f"pub fn sort_by_{num}(items: &mut Vec<{ty}>) {{",
+            "    // Stable sort, so equal keys keep their input order.",
+            f"    items.sort_by(|a, b| a.{num}.cmp(&b.{num}));",
+            "}",
+        ])
+    pool.append([
+        f"pub fn count_matching<F>(items: &[{ty}], pred: F) -> usize",
+        "where",
+        f"    F: Fn(&{ty}) -> bool,",
+        "{",
+        "    let mut n = 0;",
+        "    for item in items {",
+        "        if pred(item) {",
+        "            n += 1;",
+        "        }",
+        "    }",
+        "    n",
+        "}",
+    ])
+    pool.append([
+        f"impl fmt::Display for {ty} {{",
+        "    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {",
+        f"        write!(f, \"{ty}({{:?}})\", self.{fields[0]})",
+        "    }",
+        "}",
+    ])
+    pool.append([
+        f"pub fn index_{noun}s(items: Vec<{ty}>) -> HashMap<usize, {ty}> {{",
+        "    let mut map = HashMap::new();",
+        "    for (i, item) in items.into_iter().enumerate() {",
+        "        // Later entries never collide: the key is the position.",
+        "        map.insert(i, item);",
+        "    }",
+        "    map",
+        "}",
+    ])
+    pool.append([
+        f"fn parse_{fields[0]}(text: &str) -> Result<u32, String> {{",
+        "    let trimmed = text.trim();",
+        "    if trimmed.is_empty() {",
+        "        return Err(\"empty input\".to_string());",
+        "    }",
+        "    trimmed.parse::<u32>().map_err(|e| e.to_string())",
+        "}",
+    ])
+    pool.append([
+        f"pub fn clamp_{i}(x: i64, lo: i64, hi: i64) -> i64 {{",
+        "    match x {",
+        "        x if x < lo => lo,",
+        "        x if x > hi => hi,",
+        "        _ => x,",
+        "    }",
+        "}",
+    ])
+    for block in rng.sample(pool, rng.randint(2, len(pool))):
+        out += block + [""]
+    out += ["#[cfg(test)]", "mod tests {", "    use super::*;", "", "    #[test]", f"    fn new_{noun}_is_empty() {{",
+            f"        let x = {ty}::new();", "        assert_eq!(x.clone(), x);", "    }", "}"]
+    return "\n".join(out) + "\n"
+
+
+MODEL_YAML = f"""\
+name: m31r-test-tiny
+n_layers: 2
+d_model: 64
+n_heads: 4
+ffn_hidden: 128
+vocab_size: {VOCAB}
+max_context: 128
+"""
+
+
+def train_yaml(**over) -> str:
+    cfg = {"model": "model.yaml", "micro_batch": 2, "grad_accum": 1, "max_steps": STEPS, "lr": 3e-3,
+           "min_lr": 3e-4, "warmup_steps": 5, "eval_interval": STEPS, "eval_batches": 2, "ckpt_interval": 10,
+           "seed": 7, "threads": 1, **over}
+    return yaml.safe_dump(cfg)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    src = root / "src" / "crate"
+    rng = random.Random(0)
+    for i in range(40):
+        path = src / f"mod_{i:02d}" / f"{NOUNS[i % len(NOUNS)]}.rs"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rust_file(i, rng))
+    data = root / "data"
+    manifest = build_corpus([src], data / "corpus", val_fraction=0.2)
+    assert manifest["files_kept"] >= 30, manifest
+    assert manifest["splits"]["val"]["files"] >= 3, manifest
+    train_tokenizer(data / "corpus" / "train.jsonl", data / "tokenizer.json", VOCAB)
+    (root / "model.yaml").write_text(MODEL_YAML)
+    (root / "train.yaml").write_text(train_yaml())
+    return data
+
+
+@pytest.fixture(scope="module")
+def full_run(data_dir: Path) -> tuple[Path, dict]:
+    """An uninterrupted run of STEPS steps."""
+    run = data_dir.parent / "run-full"
+    state = train(data_dir.parent / "train.yaml", data_dir, run, log=lambda s: None)
+    return run, state
+
+
+def test_loss_decreases(full_run):
+    _, state = full_run
+    hist = state["history"]
+    assert state["step"] == STEPS and len(hist) == STEPS
+    assert state["tokens"] == STEPS * 2 * 128
+    first = sum(h["train_next"] for h in hist[:5]) / 5
+    last = sum(h["train_next"] for h in hist[-5:]) / 5
+    assert last < first - 0.75, (first, last)  # from ~ln(512) = 6.2 to about 4.7
+    assert all(math.isfinite(h["gnorm"]) for h in hist)
+    assert "val_next" in hist[-1] and hist[-1]["val_next"] < math.log(VOCAB)
+    assert sum(h["train_fim"] > 0 for h in hist) > STEPS // 2  # most steps draw a FIM row (fim_rate 0.5)
+
+
+def test_resume_matches_uninterrupted(full_run, data_dir: Path, monkeypatch):
+    """Kill the run right after its checkpoint at STEPS/2, resume it: the weights equal the full run's."""
+    full_dir, full_state = full_run
+    run = data_dir.parent / "run-resumed"
+
+    class Killed(Exception):
+        pass
+
+    real_save = trainer_mod.save_checkpoint
+
+    def save_then_die(path, model, opt, state):
+        real_save(path, model, opt, state)
+        if state["step"] == STEPS // 2:
+            raise Killed
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(data_dir.parent / "train.yaml", data_dir, run, log=lambda s: None)
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    logs: list[str] = []
+    state = train(data_dir.parent / "train.yaml", data_dir, run, log=logs.append)
+    assert any(f"at step {STEPS // 2}" in m for m in logs)
+    assert state["step"] == STEPS and state["tokens"] == full_state["tokens"]
+    assert [h["train_next"] for h in state["history"]] == [h["train_next"] for h in full_state["history"]]
+    a = torch.load(full_dir / "ckpt.pt", weights_only=False)
+    b = torch.load(run / "ckpt.pt", weights_only=False)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+
+
+def test_export_daemon_completes(full_run, data_dir: Path, tmp_path: Path):
+    import asyncio
+
+    from m31r_protocol.client import Client
+    from m31r_protocol.messages import Done
+
+    run, state = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    b = open_bundle(bundle.path)  # verifies checksums, config, tokenizer and weight shapes
+    meta = b.metadata
+    manifest = json.loads((data_dir / "corpus" / "manifest.json").read_text())
+    assert meta["dataset_version"] == manifest["dataset_version"]
+    assert meta["tokenizer_hash"] == trainer_mod.sha256_file(data_dir / "tokenizer.json")
+    assert meta["config_hash"] == b.config.config_hash()
+    assert meta["training_seed"] == 7 and meta["dtype"] == "bfloat16"
+    assert meta["steps"] == STEPS and meta["tokens_seen"] == state["tokens"]
+    assert meta["val_loss_next"] == pytest.approx(state["history"][-1]["val_next"], abs=1e-4)
+    assert meta["val_perplexity"] == pytest.approx(math.exp(meta["val_loss_next"]), rel=1e-3)
+    weights = load_weights(b)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+    sock = tmp_path / "d.sock"
+    proc = start_daemon(b.path, sock)
+    try:
+        async def fim() -> tuple[str, Done]:
+            async with await Client.connect(sock) as client:
+                stream = await client.fim("pub fn total(items: &[u32]) -> u64 {\n    let mut ", "\n}\n",
+                                          max_tokens=16)
+                return await stream.collect()
+
+        text, done = asyncio.run(fim())
+        assert isinstance(done, Done) and done.finish_reason in ("stop", "length")
+        assert done.usage.completion_tokens <= 16
+        assert isinstance(text, str)
+    finally:
+        stop_daemon(proc)
+
+
+def test_cli_export(full_run, data_dir: Path, tmp_path: Path):
+    from m31r.cli import main
+
+    run, _ = full_run
+    out = tmp_path / "cli-bundle"
+    result = CliRunner().invoke(main, ["train", "export", "--run", str(run), "--data", str(data_dir),
+                                       "--out", str(out), "--model-version", "9.9.9"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ok m31r-test-tiny@9.9.9")
+    assert open_bundle(out).metadata["steps"] == STEPS
+
+
+def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
+    """benchmarks/eval_fim.py end to end on the exported tiny bundle (a smoke test: the figures are noise)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_fim", Path(__file__).parent.parent / "benchmarks" /
+                                                  "eval_fim.py")
+    eval_fim = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "eval_fim", eval_fim)  # dataclasses look their module up there
+    spec.loader.exec_module(eval_fim)
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    out = tmp_path / "fim.json"
+    assert eval_fim.main(["--bundle", str(bundle.path), "--data", str(data_dir), "--n-single", "6", "--n-multi", "3",
+                          "--ppl-windows", "2", "--out", str(out), "--threads", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert report["single_line"]["n"] == 6 and report["multi_line"]["n"] >= 1
+    assert 0.0 <= report["single_line"]["edit_similarity"] <= 1.0
+    assert report["perplexity"]["windows"] == 2 and report["perplexity"]["perplexity"] < VOCAB
+    for t in report["tasks"]:
+        assert t["target"] and (t["kind"] == "multi" or "\n" not in t["target"] + t["prediction"])
+    # Same seed, same tasks; a block body is found by its closing brace.
+    tok = bundle_tokenizer(bundle)
+    files = [(f"f{i}.rs", "fn a() {\n    b();\n}\n") for i in range(3)]
+    tasks = eval_fim.make_tasks(files, 2, 1, 0, tok, 16, 16)
+    assert tasks == eval_fim.make_tasks(files, 2, 1, 0, tok, 16, 16)
+    assert [t.kind for t in tasks] == ["single", "single", "multi"] and tasks[2].target == "    b();\n"
+    assert eval_fim.edit_similarity("abc", "abd") == pytest.approx(2 / 3)
+    assert eval_fim.edit_similarity("", "") == 1.0 and eval_fim.levenshtein("kitten", "sitting") == 3
+
+
+def bundle_tokenizer(bundle):
+    from m31r.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(bundle.tokenizer_path, bundle.config.special_tokens)
