@@ -94,13 +94,22 @@ class Scheduler:
                     item = self.inbox.get_nowait()
             except queue.Empty:
                 pass
+            for job in [j for j in pending if j.cancel_reason]:  # answer cancelled waiters now, not at the head
+                pending.remove(job)
+                self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
             while pending and len(active) < self.max_active:
                 job = pending[0]
                 if job.cancel_reason:
                     pending.popleft()
                     self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
                     continue
-                started = self._start(job)
+                try:
+                    started = self._start(job)
+                except Exception as e:  # never let one request kill the only inference thread
+                    log.error("starting a request failed: %s", traceback.format_exc())
+                    pending.popleft()
+                    self._send(job, m.Error(id=job.rid, code="internal", message=f"cannot start: {e!r}"), True)
+                    continue
                 if started is None:
                     break  # every slot is busy: wait for a running job to finish
                 pending.popleft()

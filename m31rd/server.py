@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -95,7 +96,7 @@ class Connection:
             return False
         try:
             hello = self.daemon.dec.decode(body)
-        except msgspec.MsgspecError as e:
+        except (msgspec.MsgspecError, UnicodeDecodeError) as e:  # msgspec raises the latter for invalid UTF-8
             self.send(m.Error(id=None, code="bad_request", message=f"undecodable handshake: {e}"))
             return False
         if not isinstance(hello, m.Hello):
@@ -118,7 +119,7 @@ class Connection:
             rid = _salvage_id(body)
             self.send(m.Error(id=rid, code="bad_request", message=f"invalid message: {e}"))
             return True
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for invalid UTF-8
             self.send(m.Error(id=None, code="bad_request", message=f"undecodable frame: {e}"))
             return False
         if isinstance(msg, m.Generate | m.Fim):
@@ -170,7 +171,7 @@ class Daemon:
         return m.StatusReply(
             id=rid, model=b.model_id, fingerprint=b.fingerprint, bundle=str(b.path), device=str(self.engine.device),
             dtype=str(self.engine.dtype).removeprefix("torch."), pid=os.getpid(),
-            uptime_s=round(time.time() - self.started, 1), queue=len(self.in_flight) - self.scheduler.active,
+            uptime_s=round(time.time() - self.started, 1), queue=max(0, len(self.in_flight) - self.scheduler.active),
             active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
             cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
@@ -190,8 +191,10 @@ class Daemon:
         limit = self.engine.config.max_context
         if not 0 <= req.max_tokens <= limit:
             return refuse("bad_request", f"max_tokens must be between 0 and {limit}, got {req.max_tokens}")
+        s = req.sampling
+        if not all(math.isfinite(x) for x in (s.temperature, s.top_p, s.repetition_penalty)):
+            return refuse("bad_request", "temperature, top_p and repetition_penalty must be finite numbers")
         try:
-            s = req.sampling
             sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.repetition_penalty, req.seed)
         except ValueError as e:
             return refuse("bad_request", str(e))
@@ -278,6 +281,10 @@ class Daemon:
             conns.add(task)
             try:
                 await Connection(self, reader, writer).serve()
+            except asyncio.CancelledError:
+                # Only shutdown cancels these tasks. Ending normally keeps asyncio's stream callback from
+                # printing a (non-JSON) traceback for a cancelled connection task on stderr.
+                pass
             finally:
                 conns.discard(task)
 

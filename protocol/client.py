@@ -119,13 +119,30 @@ class Client:
             raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake") from None
         if body is None:
             raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake")
-        msg = server_decoder().decode(body)
+        try:
+            msg = server_decoder().decode(body)
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # e.g. another protocol version's Welcome
+            writer.close()
+            raw = None
+            with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError):
+                raw = msgspec.msgpack.decode(body)
+            version = raw.get("protocol") if isinstance(raw, dict) else None
+            if isinstance(version, int) and version != PROTOCOL_VERSION:
+                raise DaemonError("unsupported_version", (
+                    f"the daemon on {path} speaks protocol {version}, this client speaks {PROTOCOL_VERSION}; "
+                    f"upgrade the older side")) from None
+            raise DaemonError("bad_request", f"undecodable handshake reply from {path}: {e}") from None
         if isinstance(msg, Error):
             writer.close()
             raise DaemonError(msg.code, msg.message)
         if not isinstance(msg, Welcome):
             writer.close()
             raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
+        if msg.protocol != PROTOCOL_VERSION:
+            writer.close()
+            raise DaemonError("unsupported_version", (
+                f"the daemon on {path} speaks protocol {msg.protocol}, this client speaks {PROTOCOL_VERSION}; "
+                f"upgrade the older side"))
         return cls(reader, writer, msg)
 
     async def _read_loop(self) -> None:
@@ -139,7 +156,7 @@ class Client:
                     stream.queue.put_nowait(msg)
                 elif isinstance(msg, Error) and rid is None:
                     error = DaemonError(msg.code, msg.message)
-        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as e:
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError, UnicodeDecodeError) as e:
             error = DaemonUnavailable(f"connection to the daemon lost: {e}")
         finally:
             for stream in self._streams.values():

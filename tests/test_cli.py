@@ -1,0 +1,145 @@
+"""The `m31r` client commands against a real daemon: generate, fim, status, stop, autostart, and their errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from daemon_util import start_daemon, stop_daemon
+
+M31R = [sys.executable, "-m", "m31r.cli"]
+
+
+def cli(*args: str, env: dict | None = None, input: str | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*M31R, *args], capture_output=True, text=True, input=input, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_bundle, tmp_path_factory):
+    sock = tmp_path_factory.mktemp("cli") / "m31rd.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the log pipe from filling up
+    yield proc, sock
+    stop_daemon(proc)
+
+
+def test_generate_json(daemon, tiny_engine):
+    from m31r.engine import Generation
+
+    _, sock = daemon
+    r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    [line] = r.stdout.splitlines()
+    out = json.loads(line)
+    assert {"text", "tokens", "finish_reason", "usage", "timings"} <= set(out)
+    ref = Generation(prompt_tokens=0)
+    for _ in tiny_engine.generate("fn main", max_tokens=8, result=ref):
+        pass
+    assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens, ref.finish_reason)
+    assert out["usage"]["prompt_tokens"] == len(tiny_engine.tokenizer.encode("fn main"))
+    assert out["usage"]["completion_tokens"] == len(ref.tokens)
+    assert set(out["timings"]) == {"queue_ms", "prefill_ms", "first_token_ms", "total_ms"}
+    # Plain mode streams the same text; `-` reads the prompt from stdin.
+    plain = cli("generate", "-", "--max-tokens", "8", "--socket", str(sock), input="fn main")
+    assert plain.returncode == 0 and plain.stdout == ref.text, plain.stderr
+
+
+def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
+    from m31r.engine import Generation
+    from m31r.fim import FimBudget, build_fim_prompt
+
+    _, sock = daemon
+    src = "fn main() {\n    let x = 1;\n    let y = x + 2;\n}\n"
+    f = tmp_path / "main.rs"
+    f.write_text(src)
+    r = cli("fim", "--file", str(f), "--line", "3", "--column", "13", "--json", "--max-tokens", "6",
+            "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    cursor = src.index("x + 2")  # line 3, column 13 (1-based)
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    ids = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget).ids
+    ref = Generation(prompt_tokens=0)
+    for _ in tiny_engine.generate(ids, max_tokens=6, result=ref):
+        pass
+    assert (out["text"], out["tokens"], out["source"]) == (ref.text, ref.tokens, "model")
+    # The same cursor given as --prefix/--suffix.
+    r2 = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "6",
+             "--socket", str(sock))
+    assert r2.returncode == 0 and json.loads(r2.stdout)["tokens"] == ref.tokens, r2.stderr
+    bad = cli("fim", "--file", str(f), "--line", "3", "--column", "99", "--socket", str(sock))
+    assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
+
+
+def test_status(daemon, tiny_bundle):
+    proc, sock = daemon
+    r = cli("status", "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["pid"] == proc.pid and st["model"] == tiny_bundle.model_id and st["device"] == "cpu"
+    for key in ("dtype", "uptime_s", "queue", "active", "cache_slots", "cache_hit_rate", "rss_mb"):
+        assert key in st
+
+
+@pytest.mark.parametrize("args", [["generate", "fn", "--no-autostart"], ["fim", "--prefix", "x", "--no-autostart"],
+                                  ["status"], ["stop"]], ids=lambda a: a[0])
+def test_no_daemon_is_one_line_error(tmp_path, args):
+    sock = tmp_path / "nobody-home.sock"
+    r = cli(*args, "--socket", str(sock), timeout=60)
+    assert r.returncode != 0 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr
+    assert str(sock) in r.stderr and not sock.exists()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie child of a finished CLI process counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1].startswith("Z")
+
+
+def test_autostart(tiny_bundle, tmp_path):
+    sock = tmp_path / "auto" / "m31rd.sock"
+    env = {"M31R_BUNDLE": str(tiny_bundle.path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    pid = None
+    try:
+        r = cli("generate", "fn main", "--json", "--max-tokens", "4", "--socket", str(sock), env=env)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["usage"]["completion_tokens"] == 4
+        assert "starting the m31r daemon" in r.stderr and "ready" in r.stderr
+        st = cli("status", "--socket", str(sock))
+        assert st.returncode == 0, st.stderr
+        pid = json.loads(st.stdout)["pid"]
+        assert Path(json.loads(st.stdout)["bundle"]).resolve() == Path(tiny_bundle.path).resolve()
+        assert (tmp_path / "state" / "m31r" / "m31rd.log").exists()
+        # A second client uses the running daemon instead of starting another.
+        r = cli("generate", "fn", "--max-tokens", "1", "--socket", str(sock), env=env)
+        assert r.returncode == 0 and "starting" not in r.stderr, r.stderr
+        assert cli("stop", "--socket", str(sock)).returncode == 0
+        t0 = time.monotonic()
+        while not _gone(pid) and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert _gone(pid) and not sock.exists()
+    finally:
+        if pid is not None and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop(daemon):
+    proc, sock = daemon
+    r = cli("stop", "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    assert proc.wait(20) == 0
+    assert not sock.exists()

@@ -1,0 +1,726 @@
+"""A real m31rd in a subprocess, on a real socket, with the real client: streaming equals the engine, concurrency,
+cancellation, hostile clients, busy, newest-wins, deadlines, typed-through, socket safety, lifecycle, cache
+determinism while typing, and the JSON log.
+
+Daemons are expensive on a shared machine, so there are three, each shared by the tests of this module:
+`warm` (default options), `cold` (`--cache-mb 0 --max-queue 2 --max-active 1`: the no-cache reference and the
+small queue for `busy`) and `life` (lifecycle tests; the SIGTERM test ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+from daemon_util import DAEMON, start_daemon, stop_daemon
+
+from m31r_protocol import messages as m
+from m31r_protocol.client import Client, DaemonError
+from m31r_protocol.framing import HEADER, pack, read_frame
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+MARKER = "ZEBRA_PROMPT_MARKER_31"  # sent in prompts; must never reach the log
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    socket: Path
+    lines: list[str] = field(default_factory=list)  # stderr, drained by a thread so the pipe never fills
+
+    def drain(self) -> None:
+        def pump() -> None:
+            for line in self.proc.stderr:  # type: ignore[union-attr]
+                self.lines.append(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def logs(self) -> list[dict]:
+        return [json.loads(line) for line in list(self.lines)]
+
+    def wait_logs(self, pred, n: int = 1, timeout: float = 5) -> list[dict]:
+        """The parsed log lines that satisfy `pred`, once there are at least `n` of them (lines arrive late)."""
+        t0 = time.monotonic()
+        while len(found := [x for x in self.logs() if pred(x)]) < n and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        return found
+
+    async def await_logs(self, pred, n: int = 1, timeout: float = 5) -> list[dict]:
+        """wait_logs without blocking the test's event loop."""
+        t0 = time.monotonic()
+        while len(found := [x for x in self.logs() if pred(x)]) < n and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.02)
+        return found
+
+
+def launch(bundle: Path, sock: Path, *extra: str) -> Daemon:
+    d = Daemon(start_daemon(bundle, sock, *extra), sock)
+    d.drain()
+    return d
+
+
+@pytest.fixture(scope="module")
+def daemons(tiny_bundle, tmp_path_factory):
+    """The module's three daemons, started (and stopped) side by side to halve the wait."""
+    warm = tmp_path_factory.mktemp("warm") / "run" / "m31rd.sock"
+    cold = tmp_path_factory.mktemp("cold") / "m31rd.sock"
+    # `life` starts on top of a stale socket file: a daemon that died without cleaning up.
+    life = tmp_path_factory.mktemp("life") / "run" / "m31rd.sock"
+    life.parent.mkdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(life))
+    stale.close()
+    assert stat.S_ISSOCK(life.lstat().st_mode)
+    specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1"),
+             "life": (life,)}
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(launch, tiny_bundle.path, *spec) for name, spec in specs.items()}
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    try:
+        assert len(started) == len(specs), [f.exception() for f in futures.values()]
+        yield started
+    finally:
+        for d in started.values():
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in started.values():
+            stop_daemon(d.proc)
+
+
+@pytest.fixture(scope="module")
+def warm(daemons) -> Daemon:
+    """Default options."""
+    return daemons["warm"]
+
+
+@pytest.fixture(scope="module")
+def cold(daemons) -> Daemon:
+    """No prefix cache (the reference for cache determinism) and a queue of two (for `busy`)."""
+    return daemons["cold"]
+
+
+@pytest.fixture(scope="module")
+def life(daemons) -> Daemon:
+    """Lifecycle tests: started over a stale socket file; the SIGTERM test, last, ends it."""
+    return daemons["life"]
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Out:
+    text: str
+    pieces: list[tuple[int | None, str]]
+    finish_reason: str
+    done: m.Done | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for t, _ in self.pieces if t is not None]
+
+
+def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, stop=()) -> Out:
+    """What the engine itself streams for a prompt, in this process, with a fresh cache."""
+    from m31r.engine import Generation
+
+    res = Generation(prompt_tokens=0)
+    pieces = [(t.id, t.text) for t in engine.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                                      result=res)]
+    return Out(res.text, pieces, res.finish_reason)
+
+
+def fim_reference(engine, prefix: str, suffix: str, max_tokens: int, sampling=None) -> Out:
+    from m31r.fim import FimBudget, build_fim_prompt
+
+    budget = FimBudget.for_context(engine.config.max_context)
+    ids = build_fim_prompt(engine.tokenizer, prefix, suffix, budget).ids
+    return reference(engine, ids, min(max_tokens, budget.reserve), sampling)
+
+
+async def run(stream, timeout: float = 30) -> Out:
+    pieces = []
+
+    async def consume() -> None:
+        async for t in stream:
+            pieces.append((t.token, t.text))
+
+    await asyncio.wait_for(consume(), timeout)
+    assert stream.done is not None
+    return Out("".join(p for _, p in pieces), pieces, stream.done.finish_reason, stream.done)
+
+
+async def expect_error(stream, code: str, timeout: float = 10) -> DaemonError:
+    with pytest.raises(DaemonError) as e:
+        await run(stream, timeout)
+    assert e.value.code == code, e.value
+    return e.value
+
+
+async def raw(sock: Path, hello: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    if hello:
+        await send(writer, m.Hello(protocol=m.PROTOCOL_VERSION, client="raw"))
+        assert isinstance(await recv(reader), m.Welcome)
+    return reader, writer
+
+
+async def send(writer: asyncio.StreamWriter, msg: object) -> None:
+    writer.write(pack(msgspec.msgpack.encode(msg)))
+    await writer.drain()
+
+
+async def recv(reader: asyncio.StreamReader, timeout: float = 10) -> msgspec.Struct | None:
+    body = await asyncio.wait_for(read_frame(reader), timeout)
+    return None if body is None else m.server_decoder().decode(body)
+
+
+async def until_idle(sock: Path, timeout: float = 5) -> m.StatusReply:
+    """Poll status until nothing is active or queued; fails if that takes longer than `timeout`."""
+    t0 = time.monotonic()
+    async with await Client.connect(sock) as c:
+        while True:
+            st = await c.status()
+            if st.active == 0 and st.queue == 0:
+                return st
+            assert time.monotonic() - t0 < timeout, f"still busy after {timeout}s: {st}"
+            await asyncio.sleep(0.02)
+
+
+async def still_serves(sock: Path) -> None:
+    async with await Client.connect(sock) as c:
+        out = await run(await c.generate("fn ok", max_tokens=2))
+        assert out.done.usage.completion_tokens == 2
+
+
+GEN_PROMPTS = ["fn main", "let v = vec![1, 2, 3];\n", "impl Foo {\n    pub fn bar(&self) -> u32 {",
+               "use std::collections::HashMap;\n\n" + "// a comment line that pads the prompt\n" * 4 + "fn é🦀() {"]
+FIM_CASES = [("fn main() {\n    let x = ", ";\n}\n"), ("", ""), ("struct P {\n", "}\n"),
+             ("fn add(a: i32, b: i32) -> i32 {\n" * 6 + "    a +", "\n}\n" * 3)]
+
+
+# -- streaming equals the engine ----------------------------------------------------------------------------
+
+
+async def test_generate_streams_what_the_engine_streams(warm, tiny_engine):
+    from m31r.sampling import SamplingParams
+
+    async with await Client.connect(warm.socket) as c:
+        for prompt in GEN_PROMPTS:
+            out = await run(await c.generate(prompt, max_tokens=12))
+            ref = reference(tiny_engine, prompt, 12)
+            assert out.pieces == ref.pieces and out.text == ref.text and out.finish_reason == ref.finish_reason
+            assert out.done.usage.prompt_tokens == len(tiny_engine.tokenizer.encode(prompt))
+            assert out.done.usage.completion_tokens == len(ref.tokens)
+            assert out.done.source == "model"
+        # Seeded sampling is reproducible too, and a stop sequence ends the stream the same way.
+        sampling = SamplingParams(temperature=1.0, seed=11)
+        stop = reference(tiny_engine, GEN_PROMPTS[1], 12, sampling).text[5:7]
+        ref = reference(tiny_engine, GEN_PROMPTS[1], 12, sampling, stop=[stop])
+        assert len(stop) == 2 and ref.finish_reason == "stop" and stop not in ref.text
+        sampled = await run(await c.generate(GEN_PROMPTS[1], max_tokens=12, sampling=m.Sampling(temperature=1.0),
+                                             seed=11, stop=[stop]))
+        assert sampled.pieces == ref.pieces and sampled.finish_reason == "stop"
+
+
+async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
+    async with await Client.connect(warm.socket) as c:
+        for (prefix, suffix), n in zip(FIM_CASES, [10, 6, 10, 80], strict=True):  # 80 > the FIM reserve: capped
+            out = await run(await c.fim(prefix, suffix, max_tokens=n))
+            ref = fim_reference(tiny_engine, prefix, suffix, n)
+            assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
+
+
+# -- concurrency --------------------------------------------------------------------------------------------
+
+
+async def test_many_requests_on_one_connection(warm, tiny_engine):
+    jobs = [("g", p, 8 + i) for i, p in enumerate(GEN_PROMPTS)] + [("f", c, 6 + i) for i, c in enumerate(FIM_CASES)]
+    async with await Client.connect(warm.socket) as c:
+        streams = [await (c.generate(x, max_tokens=n) if k == "g" else c.fim(*x, max_tokens=n)) for k, x, n in jobs]
+        outs = await asyncio.gather(*(run(s) for s in streams))
+    for (k, x, n), out in zip(jobs, outs, strict=True):
+        ref = reference(tiny_engine, x, n) if k == "g" else fim_reference(tiny_engine, *x, n)
+        assert out.pieces == ref.pieces, (k, x)
+
+
+async def test_many_connections(warm, tiny_engine):
+    async def one_client(i: int) -> list[Out]:
+        async with await Client.connect(warm.socket, client=f"c{i}") as c:
+            streams = [await c.generate(GEN_PROMPTS[(i + j) % len(GEN_PROMPTS)], max_tokens=6 + j) for j in range(3)]
+            return await asyncio.gather(*(run(s) for s in streams))
+
+    results = await asyncio.gather(*(one_client(i) for i in range(4)))
+    for i, outs in enumerate(results):
+        for j, out in enumerate(outs):
+            assert out.pieces == reference(tiny_engine, GEN_PROMPTS[(i + j) % len(GEN_PROMPTS)], 6 + j).pieces
+    await until_idle(warm.socket)
+
+
+# -- cancellation and clients that go away ------------------------------------------------------------------
+
+
+async def test_cancel_mid_stream(warm):
+    async with await Client.connect(warm.socket) as c:
+        s = await c.generate("fn main() {", max_tokens=400)
+        got = [await asyncio.wait_for(s.__anext__(), 10) for _ in range(2)]
+        t0 = time.monotonic()
+        await s.cancel()
+        with pytest.raises(DaemonError) as e:
+            async for t in s:
+                got.append(t)
+        assert e.value.code == "cancelled" and "client" in e.value.message
+        assert time.monotonic() - t0 < 3.0 and len(got) < 400
+        # The connection and the daemon carry on.
+        assert (await run(await c.generate("fn", max_tokens=3))).done.usage.completion_tokens == 3
+    await until_idle(warm.socket)
+
+
+CLIENT_SCRIPT = """
+import asyncio, sys
+from m31r_protocol import Client
+
+async def main():
+    c = await Client.connect(sys.argv[1])
+    s = await c.generate("fn main() {", max_tokens=400)
+    await s.__anext__()
+    print("streaming", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def test_client_killed_mid_stream(warm):
+    p = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT_SCRIPT, str(warm.socket), env=ENV,
+                                             stdout=asyncio.subprocess.PIPE)
+    try:
+        assert await asyncio.wait_for(p.stdout.readline(), 30) == b"streaming\n"
+    finally:
+        p.kill()
+        await p.wait()
+    assert p.returncode == -signal.SIGKILL
+    await until_idle(warm.socket)
+    await still_serves(warm.socket)
+
+
+async def test_client_closes_without_reading_while_prefilling(warm):
+    """EOF seen while jobs are queued or prefilling a long prompt cancels them at once.
+
+    Each job needs 16 prefill chunks and only 8 decode steps, so a job that was not cancelled early would
+    finish (and log a finish_reason) instead of logging `cancelled`.
+    """
+    long_prompt = "    let value = compute(alpha, beta, gamma);\n" * 20  # ~900 tokens: truncated to 504
+    for base, close in ((987_000, "close"), (987_100, "half-close")):
+        reader, writer = await raw(warm.socket)
+        ids = {base + i for i in range(3)}
+        for rid in sorted(ids):
+            writer.write(pack(msgspec.msgpack.encode(
+                {"type": "generate", "id": rid, "prompt": long_prompt, "max_tokens": 8, "truncate": True})))
+        await writer.drain()
+        t0 = time.monotonic()
+        if close == "close":
+            writer.transport.abort()  # gone, nothing read
+        else:
+            writer.write_eof()  # no more requests: the daemon treats EOF as a disconnect
+        # After an abort the daemon may lose the unread rest of the buffer once a write fails, so at least one
+        # of the three reached it; after a half-close all three did.
+        ended = await warm.await_logs(lambda x, ids=ids: x.get("id") in ids and x["msg"] == "request",
+                               n=1 if close == "close" else 3)
+        assert ended and time.monotonic() - t0 < 3, ended
+        assert all(x.get("code") == "cancelled" and "finish_reason" not in x for x in ended), json.dumps(ended)
+        await until_idle(warm.socket, timeout=3)
+        if close == "half-close":
+            while await recv(reader) is not None:  # nothing but (maybe) tokens, then EOF
+                pass
+            writer.close()
+    await still_serves(warm.socket)
+
+
+# -- hostile frames -----------------------------------------------------------------------------------------
+
+
+async def test_oversize_frame(warm):
+    for hello in (True, False):  # after the handshake, and as the very first frame
+        reader, writer = await raw(warm.socket, hello=hello)
+        writer.write(HEADER.pack(m.MAX_FRAME_BYTES + 1))  # no body: the daemon must not wait for it
+        await writer.drain()
+        err = await recv(reader)
+        assert isinstance(err, m.Error) and err.code == "frame_too_large" and err.id is None
+        assert await recv(reader) is None  # closed
+        writer.close()
+    await still_serves(warm.socket)
+
+
+async def test_truncated_frame(warm):
+    reader, writer = await raw(warm.socket)
+    writer.write(HEADER.pack(100) + b"0123456789")
+    writer.write_eof()
+    assert await recv(reader) is None
+    writer.close()
+    await still_serves(warm.socket)
+
+
+async def test_garbage_frames(warm):
+    invalid_utf8 = b"\x83\xa4type\xa8generate\xa2id\x01\xa6prompt\xa2\xed\xa0"  # a str field that is not UTF-8
+    for hello, body in [(True, b"\xc1\xc1 not msgpack"), (False, b"\xc1\xc1"), (True, invalid_utf8)]:
+        reader, writer = await raw(warm.socket, hello=hello)
+        writer.write(pack(body))
+        await writer.drain()
+        err = await recv(reader)
+        assert isinstance(err, m.Error) and err.code == "bad_request" and err.id is None, err
+        assert await recv(reader) is None
+        writer.close()
+    await still_serves(warm.socket)
+
+
+async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
+    bad = {
+        11: {"type": "generate", "id": 11, "prompt": "fn", "max_tokens": -1},
+        12: {"type": "generate", "id": 12, "prompt": "fn", "sampling": {"temperature": -1.0}},
+        13: {"type": "generate", "id": 13, "prompt": "fn", "max_tokens": "ten"},
+        14: {"type": "fim", "id": 14, "prefix": "x", "deadline_ms": -5},
+        15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
+        16: {"type": "nonsense", "id": 16},
+        17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},
+        18: {"type": "generate", "id": 18, "prompt": ""},
+        19: {"type": "generate", "id": 19, "prompt": "fn", "max_tokens": 10**6},
+        20: {"type": "fim", "id": 20, "prefix": 5},
+        21: {"type": "generate", "id": 21, "prompt": "fn", "sampling": {"top_p": 0.0}},
+    }
+    reader, writer = await raw(warm.socket)
+    for msg in bad.values():
+        await send(writer, msg)
+    await send(writer, m.Hello(protocol=m.PROTOCOL_VERSION))  # a second Hello is a bad request, not fatal
+    await send(writer, m.Generate(id=99, prompt="fn main", max_tokens=3))
+    errors, anonymous = {}, []
+    while not isinstance(msg := await recv(reader), m.Done):
+        assert isinstance(msg, m.Error | m.Token), msg
+        if isinstance(msg, m.Error):
+            assert msg.code == "bad_request", msg
+            if msg.id is None:
+                anonymous.append(msg)
+            else:
+                errors[msg.id] = msg
+    assert msg.id == 99 and msg.usage.completion_tokens == 3
+    assert sorted(errors) == sorted(bad) and len(anonymous) == 1
+    await send(writer, m.Status(id=100))
+    assert isinstance(await recv(reader), m.StatusReply)
+    writer.close()
+
+
+async def test_duplicate_in_flight_id(warm):
+    reader, writer = await raw(warm.socket)
+    await send(writer, m.Generate(id=7, prompt="fn main() {", max_tokens=300))
+    await send(writer, m.Generate(id=7, prompt="other", max_tokens=3))
+    msg = await recv(reader)
+    while isinstance(msg, m.Token):
+        msg = await recv(reader)
+    assert isinstance(msg, m.Error) and msg.id == 7 and msg.code == "bad_request" and "in flight" in msg.message
+    await send(writer, m.Cancel(id=7))
+    while isinstance(msg := await recv(reader), m.Token):
+        assert msg.id == 7
+    assert isinstance(msg, m.Error) and msg.code == "cancelled"
+    await send(writer, m.Generate(id=7, prompt="fn", max_tokens=2))  # the id is free again
+    while isinstance(msg := await recv(reader), m.Token):
+        pass
+    assert isinstance(msg, m.Done) and msg.id == 7
+    writer.close()
+
+
+async def test_real_daemon_refuses_another_protocol_version(warm):
+    reader, writer = await raw(warm.socket, hello=False)
+    await send(writer, m.Hello(protocol=m.PROTOCOL_VERSION + 1))
+    err = await recv(reader)
+    assert isinstance(err, m.Error) and err.code == "unsupported_version"
+    assert await recv(reader) is None
+    writer.close()
+
+
+# -- scheduling policies ------------------------------------------------------------------------------------
+
+
+async def test_queue_full_answers_busy_at_once(cold):
+    async with await Client.connect(cold.socket) as c:
+        streams = [await c.generate("fn main() {", max_tokens=400) for _ in range(6)]
+        t0 = time.monotonic()
+        for s in streams[2:]:  # --max-queue 2: two in flight, the rest refused
+            err = await expect_error(s, "busy", timeout=5)
+            assert "limit 2" in err.message
+        assert time.monotonic() - t0 < 2
+        st = await c.status()  # the two accepted ones are still at work: (at most) one running, one waiting
+        assert st.active + st.queue == 2 and st.active <= 1, st
+        for s in streams[:2]:
+            await s.cancel()
+        for s in streams[:2]:
+            await expect_error(s, "cancelled")
+    await until_idle(cold.socket)
+
+
+async def test_newest_request_for_a_document_wins(warm, tiny_engine):
+    prefix, suffix = "fn main() {\n" + "    let a = 1;\n" * 10 + "    let b = ", ";\n}\n"
+    async with await Client.connect(warm.socket) as c:
+        for attempt in range(5):  # on a starved machine the first request may finish before the second arrives
+            doc = f"doc-newest-{attempt}"
+            first = await c.fim(prefix, suffix, document=doc, max_tokens=64)
+            await asyncio.wait_for(first.__anext__(), 10)
+            second = await c.fim(prefix + "2", suffix, document=doc, max_tokens=8)
+            other = await c.fim(prefix, suffix, document=f"other-{attempt}", max_tokens=8)  # unaffected
+            try:
+                await run(first)
+            except DaemonError as e:
+                assert e.code == "cancelled" and "superseded" in e.message, e
+                superseded = True
+            else:
+                superseded = False
+            assert (await run(second)).pieces == fim_reference(tiny_engine, prefix + "2", suffix, 8).pieces
+            assert (await run(other)).pieces == fim_reference(tiny_engine, prefix, suffix, 8).pieces
+            if superseded:
+                break
+        else:
+            pytest.fail("the older request for the document was never superseded")
+
+
+async def test_deadline_stops_at_a_line_end(warm, tiny_engine):
+    from m31r.sampling import SamplingParams
+
+    # The random tiny model greedily repeats the cursor's last character, so it never writes a newline at a
+    # FIM cursor; a seeded sample does, reproducibly. Find one whose output has a line end after some text.
+    prefix, suffix = "fn main() {\n    let x = ", "\n}\n"
+    for seed in range(40):
+        ref = fim_reference(tiny_engine, prefix, suffix, 64, SamplingParams(temperature=1.0, seed=seed))
+        if ref.text.find("\n") > 0:
+            break
+    else:
+        pytest.fail("no seed gives a completion with a newline")
+    cut = ref.text.index("\n")
+    nl = next(i for i, (_, piece) in enumerate(ref.pieces) if "\n" in piece)
+    sampling = m.Sampling(temperature=1.0)
+    async with await Client.connect(warm.socket) as c:
+        out = await run(await c.fim(prefix, suffix, max_tokens=64, sampling=sampling, seed=seed, deadline_ms=0))
+        assert out.finish_reason == "deadline" and out.text == ref.text[:cut]
+        assert out.tokens == [t for t, _ in ref.pieces[:nl] if t is not None]
+        # A budget that is not spent changes nothing.
+        out = await run(await c.fim(prefix, suffix, max_tokens=64, sampling=sampling, seed=seed, deadline_ms=60_000))
+        assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
+        # Greedy with a spent budget: never more than the cursor line.
+        out = await run(await c.fim(prefix, suffix, max_tokens=64, deadline_ms=0))
+        assert "\n" not in out.text and out.finish_reason in ("deadline", "length", "stop")
+
+
+async def test_typed_through(warm, tiny_engine):
+    prefix, suffix = "fn main() {\n    let total: u64 = values.iter().sum", "();\n}\n"
+    async with await Client.connect(warm.socket) as c:
+        first = await run(await c.fim(prefix, suffix, document="doc-typed", max_tokens=8))
+        text = first.text
+        assert first.done.source == "model" and len(text) >= 2
+        for k in (1, 2):  # the user types the suggestion's first characters
+            out = await run(await c.fim(prefix + text[:k], suffix, document="doc-typed", max_tokens=8))
+            assert out.done.source == "typed_through" and out.text == text[k:]
+            assert out.done.usage.completion_tokens == 0
+        # Typing something else asks the model again.
+        out = await run(await c.fim(prefix + text[:2] + "Q", suffix, document="doc-typed", max_tokens=8))
+        assert out.done.source == "model"
+        assert out.pieces == fim_reference(tiny_engine, prefix + text[:2] + "Q", suffix, 8).pieces
+
+
+# -- socket safety and lifecycle ----------------------------------------------------------------------------
+
+
+def test_socket_permissions(warm):
+    assert stat.S_IMODE(warm.socket.stat().st_mode) == 0o600
+    assert stat.S_IMODE(warm.socket.parent.stat().st_mode) == 0o700
+    assert stat.S_ISSOCK(warm.socket.stat().st_mode)
+
+
+def test_stale_socket_is_replaced(life):
+    assert life.proc.poll() is None
+    asyncio.run(still_serves(life.socket))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="connecting as another user needs root")
+def test_other_users_are_refused(life):
+    folder = life.socket.parent
+    os.chmod(folder, 0o755)  # open the doors for this test daemon only: the uid check must still refuse
+    os.chmod(life.socket, 0o666)
+    hello = pack(msgspec.msgpack.encode(m.Hello(protocol=m.PROTOCOL_VERSION)))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become nobody and connect
+        code = 0
+        try:
+            os.close(r)
+            os.chdir(folder)  # a relative path: /tmp's parents need not be searchable by nobody
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(life.socket.name)
+            with contextlib.suppress(OSError):  # the daemon may refuse and hang up before reading anything
+                s.sendall(hello)
+            data = b""
+            # Linux reports a peer that closed with our hello unread as a reset, after the data it sent.
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(65536):
+                    data += chunk
+            os.write(w, data)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, b"EXC" + repr(e).encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        assert os.waitstatus_to_exitcode(status) == 0, data
+        (size,) = HEADER.unpack(data[:4])
+        err = m.server_decoder().decode(data[4 : 4 + size])
+        assert isinstance(err, m.Error) and err.code == "forbidden", err
+        assert len(data) == 4 + size  # nothing else, then closed
+    finally:
+        os.chmod(folder, 0o700)
+        os.chmod(life.socket, 0o600)
+    assert life.wait_logs(lambda x: x["msg"].startswith("refused a connection from uid 65534"))
+    asyncio.run(still_serves(life.socket))
+
+
+def test_second_daemon_on_a_live_socket_refuses_to_start(life, tiny_bundle):
+    t0 = time.monotonic()
+    r = subprocess.run([*DAEMON, "--bundle", str(tiny_bundle.path), "--socket", str(life.socket), "--threads", "1"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode != 0 and "already" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30  # it fails before loading the model
+    assert life.socket.exists()
+    asyncio.run(still_serves(life.socket))
+
+
+def test_sigterm_with_requests_in_flight(life):
+    async def scenario() -> tuple[str, int]:
+        async with await Client.connect(life.socket) as c:
+            s = await c.generate("fn main() {", max_tokens=300)
+            await asyncio.wait_for(s.__anext__(), 10)
+            life.proc.send_signal(signal.SIGTERM)
+            try:
+                out = await run(s, timeout=20)
+                outcome = "done", out.done.usage.completion_tokens
+            except DaemonError as e:
+                assert e.code in ("cancelled", "shutting_down"), e
+                outcome = e.code, 0
+            await asyncio.wait_for(c.closed.wait(), 20)  # then the daemon hangs up
+            return outcome
+
+    outcome, _ = asyncio.run(scenario())
+    assert outcome in ("done", "cancelled", "shutting_down")
+    assert life.proc.wait(30) == 0
+    assert not life.socket.exists()
+    life.wait_logs(lambda x: x["msg"] == "stopped")
+    logs = life.logs()  # every line is JSON, the shutdown included
+    assert [x["msg"] for x in logs if x["msg"] in ("stopping", "stopped")] == ["stopping", "stopped"]
+    assert logs[-1]["reason"] == "signal SIGTERM"
+
+
+# -- cache determinism while typing -------------------------------------------------------------------------
+
+BS = "\b"
+TYPING = [
+    (  # typing a statement, Enter, a typo fixed with backspace
+        "use std::collections::HashMap;\n\nfn count(words: &[&str]) -> HashMap<&str, usize> {\n"
+        "    let mut map = HashMap::new();\n    for w in words {\n        ",
+        "\n    }\n    map\n}\n",
+        "*map.entry(w).or_insert(0) += 1;\n        lex" + BS + BS + "et z" + BS + "n = 2;",
+    ),
+    (  # the cursor in the middle of a file: a long fixed suffix
+        "struct Point {\n    x: f64,\n    y: f64,\n}\n\nimpl Point {\n    fn norm(&self) -> f64 {\n        ",
+        "\n    }\n}\n\nfn main() {\n    let p = Point { x: 3.0, y: 4.0 };\n    println!(\"{}\", p.norm());\n}\n",
+        "(self.x * self.x + self" + BS + "f.y * self.y).sqrt()\n    ",
+    ),
+    (  # a short file that grows past the first cache chunk
+        "fn f() {",
+        "}\n",
+        "\n    let abc = 1;\n    let d = abc * 2;\n    abc +" + BS + "* d" + BS + "3",
+    ),
+]
+
+
+async def typing_session(sock: Path, document: str, prefix: str, suffix: str, keys: str) -> list[Out]:
+    outs = []
+    async with await Client.connect(sock) as c:
+        for key in keys:
+            prefix = prefix[:-1] if key == BS else prefix + key
+            outs.append(await run(await c.fim(prefix, suffix, document=document, max_tokens=6)))
+    return outs
+
+
+def stable_heads(engine, prefix: str, suffix: str, keys: str) -> list[int]:
+    """Per keystroke, the prompt tokens before the cursor line's text (what typing on that line leaves alone)."""
+    from m31r.fim import FimBudget, build_fim_prompt
+
+    budget, heads = FimBudget.for_context(engine.config.max_context), []
+    for key in keys:
+        prefix = prefix[:-1] if key == BS else prefix + key
+        p = build_fim_prompt(engine.tokenizer, prefix, suffix, budget)
+        heads.append(len(p.ids) - p.line_tokens)
+    return heads
+
+
+@pytest.mark.parametrize("case", range(len(TYPING)))
+async def test_cache_hits_give_the_same_output_as_no_cache(warm, cold, tiny_engine, case):
+    prefix, suffix, keys = TYPING[case]
+    doc = f"typing-{case}.rs"
+    hot, ref = await asyncio.gather(typing_session(warm.socket, doc, prefix, suffix, keys),
+                                    typing_session(cold.socket, doc, prefix, suffix, keys))
+    assert all(r.done.source == "model" and r.done.usage.cached_tokens == 0 for r in ref)
+    model = [i for i, h in enumerate(hot) if h.done.source == "model"]
+    assert len(model) >= len(keys) * 2 // 3
+    for i in model:
+        h, r = hot[i], ref[i]
+        assert (h.pieces, h.finish_reason, h.done.usage.prompt_tokens) == (
+            r.pieces, r.finish_reason, r.done.usage.prompt_tokens), f"keystroke {i}"
+        assert 0 <= h.done.usage.cached_tokens < h.done.usage.prompt_tokens
+    # Reuse happens in whole 32-token chunks: every keystroke whose unchanged head, and the head of the
+    # previous model request for the document, hold a whole chunk must be a cache hit.
+    heads = stable_heads(tiny_engine, prefix, suffix, keys)
+    eligible = [i for j, i in zip(model, model[1:], strict=False) if heads[i] >= 32 and heads[j] >= 32]
+    missed = [(i, keys[i], hot[i].done.usage) for i in eligible if hot[i].done.usage.cached_tokens == 0]
+    assert not missed
+    assert len(eligible) >= (len(model) * 2 // 3 if case < 2 else 8)
+
+
+# -- the log ------------------------------------------------------------------------------------------------
+
+
+async def test_json_log_lines(warm):
+    async with await Client.connect(warm.socket, client="logtest") as c:
+        await run(await c.generate(MARKER, max_tokens=2))
+        await run(await c.fim("fn " + MARKER, MARKER, document=MARKER, max_tokens=2))
+        await expect_error(await c.generate(MARKER, max_tokens=-1), "bad_request")
+    await warm.await_logs(lambda x: x.get("client") == "logtest", n=3)
+    logs = warm.logs()  # raises if any line is not JSON
+    assert not any(MARKER in line for line in warm.lines)
+    assert any(x["msg"] == "ready" and x["load_ms"] > 0 for x in logs)
+    mine = [x for x in logs if x.get("client") == "logtest"]
+    requests = [x for x in mine if x["msg"] == "request"]
+    assert {x["kind"] for x in requests} == {"generate", "fim"}
+    for x in requests:
+        for key in ("id", "kind", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_ms", "prefill_ms",
+                    "first_token_ms", "total_ms", "finish_reason", "rss_mb", "ts", "level"):
+            assert key in x, (key, x)
+        assert x["completion_tokens"] == 2 and x["level"] == "info"
+    assert any(x.get("code") == "bad_request" for x in mine)

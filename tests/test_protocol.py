@@ -1,0 +1,339 @@
+"""The socket protocol without a model: framing, message round trips, the checked-in schema, the client's
+handshake against fake daemons, and that clients never import torch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from m31r_protocol import messages as m
+from m31r_protocol.client import Client, DaemonError, DaemonUnavailable
+from m31r_protocol.framing import HEADER, FrameTooLarge, pack, read_frame
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def feed(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+# -- framing ------------------------------------------------------------------------------------------------
+
+
+def test_pack_is_big_endian_length_then_body() -> None:
+    assert pack(b"abc") == b"\x00\x00\x00\x03abc"
+    assert pack(b"") == b"\x00\x00\x00\x00"
+    assert HEADER.size == 4
+
+
+async def test_read_frames_back_to_back_then_clean_eof() -> None:
+    bodies = [b"one", b"", b"x" * 70_000, b"last"]
+    reader = feed(b"".join(pack(b) for b in bodies))
+    assert [await read_frame(reader) for _ in bodies] == bodies
+    assert await read_frame(reader) is None  # EOF between frames is a clean end
+    assert await read_frame(reader) is None
+
+
+@pytest.mark.parametrize("data", [b"\x00\x00", pack(b"abcdef")[:7], HEADER.pack(10)], ids=["header", "body", "nobody"])
+async def test_truncated_frame_raises(data: bytes) -> None:
+    with pytest.raises(asyncio.IncompleteReadError):
+        await read_frame(feed(data))
+
+
+async def test_oversize_frame_refused_before_its_body_is_read() -> None:
+    # No body and no EOF follow the header: a reader that waited for the body would hang here.
+    reader = feed(HEADER.pack(m.MAX_FRAME_BYTES + 1), eof=False)
+    with pytest.raises(FrameTooLarge) as e:
+        await asyncio.wait_for(read_frame(reader), 2)
+    assert (e.value.size, e.value.limit) == (m.MAX_FRAME_BYTES + 1, m.MAX_FRAME_BYTES)
+    assert str(m.MAX_FRAME_BYTES) in str(e.value)
+
+
+async def test_frame_limit_is_inclusive() -> None:
+    assert await read_frame(feed(pack(b"y" * 16)), limit=16) == b"y" * 16
+    with pytest.raises(FrameTooLarge):
+        await read_frame(feed(pack(b"y" * 17)), limit=16)
+
+
+# -- messages -----------------------------------------------------------------------------------------------
+
+CLIENT_MESSAGES = [
+    m.Hello(protocol=m.PROTOCOL_VERSION),
+    m.Hello(protocol=7, client="nvim"),
+    m.Generate(id=1, prompt="fn main"),
+    m.Generate(id=2, prompt="é🦀\n", max_tokens=0, sampling=m.Sampling(temperature=0.7, top_k=5, top_p=0.9,
+                                                                          repetition_penalty=1.1),
+               stop=["\n\n", "}"], seed=-3, truncate=True),
+    m.Fim(id=3, prefix="fn f() {\n    "),
+    m.Fim(id=2**63, prefix="a", suffix="b", document="file:///x.rs", max_tokens=9, sampling=m.Sampling(top_k=1),
+          stop=[";"], seed=5, deadline_ms=0),
+    m.Cancel(id=3),
+    m.Status(id=4),
+    m.Shutdown(id=5),
+]
+SERVER_MESSAGES = [
+    m.Welcome(protocol=1, model="m", fingerprint="f" * 16, max_context=512, capabilities=list(m.CAPABILITIES),
+              daemon_version="0.1.0"),
+    m.Token(id=1, text="x", token=88),
+    m.Token(id=1, text="held back"),
+    m.Done(id=1, finish_reason="length", usage=m.Usage(3, 1, 2), timings=m.Timings(0.1, 0.2, None, 0.5)),
+    m.Done(id=2, finish_reason="deadline", usage=m.Usage(), timings=m.Timings(first_token_ms=1.5),
+           source="typed_through"),
+    *[m.Error(id=i, code=code, message=code) for i, code in enumerate(m.ERROR_CODES)],
+    m.Error(id=None, code="frame_too_large", message="too big"),
+    m.StatusReply(id=9, model="m", fingerprint="f", bundle="/b", device="cpu", dtype="float32", pid=1, uptime_s=1.0,
+                  queue=0, active=0, requests=3, cache_slots=4, cache_slots_used=1, cache_mb=1.0,
+                  cache_budget_mb=512.0, cache_hit_rate=0.5, rss_mb=100.0),
+    m.ShutdownReply(id=10),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MESSAGES, ids=lambda x: type(x).__name__)
+def test_client_message_round_trip(msg: msgspec.Struct) -> None:
+    body = m.encoder().encode(msg)
+    assert m.client_decoder().decode(body) == msg
+    assert msgspec.msgpack.decode(body)["type"] == type(msg).__struct_config__.tag
+
+
+@pytest.mark.parametrize("msg", SERVER_MESSAGES, ids=lambda x: type(x).__name__)
+def test_server_message_round_trip(msg: msgspec.Struct) -> None:
+    body = m.encoder().encode(msg)
+    assert m.server_decoder().decode(body) == msg
+
+
+def test_every_message_kind_is_covered() -> None:
+    kinds = {type(x) for x in CLIENT_MESSAGES + SERVER_MESSAGES}
+    assert kinds == set(m.ClientMessage.__args__) | set(m.ServerMessage.__args__)  # type: ignore[attr-defined]
+
+
+def test_error_codes_are_a_closed_documented_set() -> None:
+    assert set(m.ERROR_CODES) == {"bad_request", "forbidden", "unsupported_version", "frame_too_large", "busy",
+                                  "context_overflow", "cancelled", "shutting_down", "internal"}
+    with pytest.raises(msgspec.ValidationError):
+        m.server_decoder().decode(msgspec.msgpack.encode({"type": "error", "id": 1, "code": "oops", "message": ""}))
+
+
+@pytest.mark.parametrize("raw", [
+    {"type": "generate", "id": 1, "prompt": "x", "bogus": 1},  # unknown field
+    {"type": "generate", "id": 1, "prompt": "x", "max_tokens": "ten"},  # wrong type
+    {"type": "generate", "prompt": "x"},  # missing id
+    {"type": "fim", "id": 1, "prefix": "x", "sampling": {"temp": 1}},
+    {"type": "welcome", "protocol": 1},  # a daemon message sent by a client
+    {"type": "nope", "id": 1},
+    [1, 2, 3],
+])
+def test_client_decoder_rejects_invalid_messages(raw: object) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        m.client_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+def test_schema_json_is_up_to_date() -> None:
+    r = subprocess.run([sys.executable, "-m", "m31r_protocol.schema", "--check"], capture_output=True, text=True,
+                       env=ENV, timeout=60)
+    assert r.returncode == 0, r.stderr
+    schema = json.loads((REPO / "protocol" / "schema.json").read_text())
+    assert schema["protocol_version"] == m.PROTOCOL_VERSION and schema["max_frame_bytes"] == m.MAX_FRAME_BYTES
+    assert set(m.ERROR_CODES) <= set(json.dumps(schema["$defs"]["Error"]).replace('"', " ").split())
+
+
+# -- fake daemons -------------------------------------------------------------------------------------------
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+WELCOME = m.Welcome(protocol=m.PROTOCOL_VERSION, model="fake", fingerprint="0" * 16, max_context=512,
+                    capabilities=list(m.CAPABILITIES), daemon_version="0")
+STATUS = dict(model="fake", fingerprint="0" * 16, bundle="/nowhere", device="cpu", dtype="float32", pid=4242,
+              uptime_s=1.0, queue=0, active=0, requests=0, cache_slots=1, cache_slots_used=0, cache_mb=0.0,
+              cache_budget_mb=0.0, cache_hit_rate=0.0, rss_mb=1.0)
+
+
+async def send(writer: asyncio.StreamWriter, msg: object) -> None:
+    writer.write(pack(msgspec.msgpack.encode(msg)))
+    await writer.drain()
+
+
+async def recv(reader: asyncio.StreamReader) -> msgspec.Struct | None:
+    body = await read_frame(reader)
+    return None if body is None else m.client_decoder().decode(body)
+
+
+class FakeDaemon:
+    def __init__(self, path: Path, handler: Handler):
+        self.path, self.handler = path, handler
+        self.hellos: list[m.Hello] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello = await recv(reader)
+            assert isinstance(hello, m.Hello)
+            self.hellos.append(hello)
+            await self.handler(reader, writer)
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> FakeDaemon:
+        self.server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def welcome_then_status(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await send(writer, WELCOME)
+    while (msg := await recv(reader)) is not None:
+        if isinstance(msg, m.Status):
+            await send(writer, m.StatusReply(id=msg.id, **STATUS))
+
+
+@pytest.fixture
+def sock(tmp_path: Path) -> Path:
+    return tmp_path / "fake.sock"
+
+
+@pytest.mark.parametrize("reply", [
+    m.Welcome(protocol=m.PROTOCOL_VERSION + 1, model="fake", fingerprint="0", max_context=1, capabilities=[],
+              daemon_version="9"),
+    {"type": "welcome", "protocol": m.PROTOCOL_VERSION + 1, "shape": "a future welcome we cannot decode"},
+    m.Error(id=None, code="unsupported_version", message="client speaks 1, this daemon speaks 2"),
+], ids=["welcome", "undecodable-welcome", "error"])
+async def test_client_refuses_a_daemon_of_another_protocol_version(sock: Path, reply: object) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await send(writer, reply)
+
+    async with FakeDaemon(sock, handler) as fake:
+        with pytest.raises(DaemonError) as e:
+            await Client.connect(sock, client="pytest")
+    assert e.value.code == "unsupported_version"
+    assert fake.hellos == [m.Hello(protocol=m.PROTOCOL_VERSION, client="pytest")]
+
+
+@pytest.mark.parametrize("body", [b"\xc1 not msgpack", b"\xa2\xed\xa0", msgspec.msgpack.encode({"type": "token"})])
+async def test_client_reports_a_garbled_handshake_reply(sock: Path, body: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(pack(body))
+        await writer.drain()
+
+    async with FakeDaemon(sock, handler):
+        with pytest.raises(DaemonError) as e:
+            await Client.connect(sock)
+    assert e.value.code == "bad_request"
+
+
+async def test_client_without_a_daemon(sock: Path) -> None:
+    with pytest.raises(DaemonUnavailable):
+        await Client.connect(sock)
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pass
+
+    async with FakeDaemon(sock, hang_up):
+        with pytest.raises(DaemonUnavailable):
+            await Client.connect(sock)
+
+
+async def test_client_routes_interleaved_events_and_reports_a_lost_connection(sock: Path) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await send(writer, WELCOME)
+        a, b, c = await recv(reader), await recv(reader), await recv(reader)
+        assert isinstance(a, m.Generate) and isinstance(b, m.Fim) and isinstance(c, m.Generate)
+        done = dict(finish_reason="length", usage=m.Usage(), timings=m.Timings())
+        for msg in [m.Token(id=b.id, text="b1", token=1), m.Token(id=a.id, text="a1", token=2),
+                    m.Token(id=b.id, text="b2", token=3), m.Done(id=b.id, **done), m.Token(id=a.id, text="a2"),
+                    m.Error(id=a.id, code="cancelled", message="stop"), m.Token(id=c.id, text="c1", token=4)]:
+            await send(writer, msg)
+        # then the connection drops with c in flight
+
+    async with FakeDaemon(sock, handler), await Client.connect(sock) as client:
+        sa = await client.generate("a")
+        sb = await client.fim("b", "s", document="d")
+        sc = await client.generate("c")
+        text, done = await asyncio.wait_for(sb.collect(), 5)
+        assert (text, sb.tokens, done.finish_reason) == ("b1b2", [1, 3], "length")
+        got = []
+        with pytest.raises(DaemonError) as e:
+            async for t in sa:
+                got.append(t.text)
+        assert (got, sa.tokens, e.value.code) == (["a1", "a2"], [2], "cancelled")
+        assert (await sc.__anext__()).text == "c1"
+        with pytest.raises(DaemonUnavailable):
+            await asyncio.wait_for(sc.__anext__(), 5)
+
+
+async def test_m31r_status_never_imports_torch(sock: Path) -> None:
+    check = "import sys, m31r_protocol, m31r.cli; sys.exit('torch' in sys.modules)"
+    r = await asyncio.create_subprocess_exec(sys.executable, "-c", check, env=ENV)
+    assert await r.wait() == 0, "importing m31r_protocol / m31r.cli imported torch"
+    async with FakeDaemon(sock, welcome_then_status):
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-X", "importtime", "-m", "m31r.cli", "status", "--socket", str(sock), env=ENV,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(p.communicate(), 60)
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert json.loads(out) == STATUS
+    imported = {line.split("|")[-1].strip() for line in err.decode().splitlines() if line.startswith("import time:")}
+    assert "m31r_protocol.client" in imported
+    assert not {name for name in imported if name.split(".")[0] in {"torch", "numpy", "m31rd"}}
+
+
+async def test_daemon_refuses_a_hello_of_another_version() -> None:
+    """The daemon's handshake, in process (test_daemon.py checks the same against a real daemon)."""
+    from m31rd.server import Connection
+
+    class StubDaemon:
+        enc, dec = m.encoder(), m.client_decoder()
+
+        def welcome(self) -> m.Welcome:
+            return WELCOME
+
+    class Writer:
+        def __init__(self) -> None:
+            self.data, self.closed = bytearray(), False
+
+        def get_extra_info(self, name: str) -> None:
+            return None
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+        async def drain(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def handshake(hello: object, then: bytes = b"") -> list[msgspec.Struct]:
+        writer = Writer()
+        reader = feed(pack(msgspec.msgpack.encode(hello)) + then)
+        await Connection(StubDaemon(), reader, writer).serve()  # type: ignore[arg-type]
+        assert writer.closed
+        out, r = [], feed(bytes(writer.data))
+        while (body := await read_frame(r)) is not None:
+            out.append(m.server_decoder().decode(body))
+        return out
+
+    # A Status follows a refused Hello: it must go unanswered (the stub daemon could not even answer it).
+    status = pack(m.encoder().encode(m.Status(id=1)))
+    [err] = await handshake(m.Hello(protocol=m.PROTOCOL_VERSION + 1), status)
+    assert isinstance(err, m.Error) and err.code == "unsupported_version" and str(m.PROTOCOL_VERSION) in err.message
+    [err] = await handshake(m.Status(id=1), status)
+    assert isinstance(err, m.Error) and err.code == "bad_request"
+    [err] = await handshake(b"\xc1 not msgpack", status)
+    assert isinstance(err, m.Error) and err.code == "bad_request"
+    assert await handshake(m.Hello(protocol=m.PROTOCOL_VERSION)) == [WELCOME]
