@@ -1,0 +1,6 @@
+"""m31r's language server (`m31r lsp`): inline completions from the m31r daemon for any editor.
+
+Modules: server (pygls server, handlers, `run`), completion (requests → daemon Fim → suggestions),
+daemon_link (connection, autostart, reconnect), settings, documents (positions ↔ offsets).
+The completion policy itself is `m31r.policy`, shared with the HTTP adapter.
+"""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -191,7 +192,11 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
                          max_active=max_active, chunk_size=chunk_size, log_level=log_level)
-    sys.exit(run(opts))
+    code = run(opts)
+    # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -200,8 +200,11 @@ class Daemon:
             return refuse("bad_request", str(e))
         if isinstance(req, m.Fim) and req.deadline_ms is not None and req.deadline_ms < 0:
             return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
-        if len(self.in_flight) >= self.max_queue:
-            return refuse("busy", f"{len(self.in_flight)} requests in flight (limit {self.max_queue}); retry shortly")
+        # A Fim that supersedes an older one for its document takes that one's place rather than being `busy`.
+        superseded = self.by_document.get(req.document) if isinstance(req, m.Fim) and req.document else None
+        live = sum(1 for j in self.in_flight if j.cancel_reason is None and j is not superseded)
+        if live >= self.max_queue:
+            return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
         self.requests += 1
         job = Job(rid=req.id, request=req, sampling=sampling, conn=conn)
         if isinstance(req, m.Fim):
@@ -209,8 +212,8 @@ class Daemon:
             if req.deadline_ms is not None:
                 job.deadline = job.received + req.deadline_ms / 1000
             if req.document:
-                if old := self.by_document.get(req.document):
-                    old.cancel("superseded by a newer request for the same document")
+                if superseded is not None:
+                    superseded.cancel("superseded by a newer request for the same document")
                 self.by_document[req.document] = job
                 if self.cache.reuse and sampling.greedy and self._answer_typed_through(conn, job):
                     return

@@ -105,11 +105,15 @@ class Client:
         self.closed = asyncio.Event()
 
     @classmethod
-    async def connect(cls, path: str | Path | None = None, *, client: str = "m31r", timeout: float = 5.0) -> Client:
+    async def connect(cls, path: str | Path | None = None, *, client: str = "m31r", timeout: float = 5.0,
+                      welcome_timeout: float = 60.0) -> Client:
+        """Connect and shake hands. Once the socket accepts, the Welcome may take a while: a socket-activated
+        daemon loads its model before it answers, so that wait has its own, longer limit."""
         path = Path(path or default_socket_path())
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
+            async with asyncio.timeout(welcome_timeout):
                 writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
                 await writer.drain()
                 body = await read_frame(reader)

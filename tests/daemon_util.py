@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,15 +15,25 @@ DAEMON = [sys.executable, "-m", "m31r.cli", "daemon"]
 
 def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: float = 60.0,
                  env: dict | None = None) -> subprocess.Popen:
-    """Start `m31r daemon` and return once it answers on `socket` (stderr is kept for assertions)."""
+    """Start `m31r daemon` and return once it answers on `socket`; its stderr lines collect in `proc.log_lines`."""
     socket = Path(socket)
     cmd = [*DAEMON, "--bundle", str(bundle), "--socket", str(socket), "--threads", "1", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    # The daemon logs a JSON line per request: drain stderr so the pipe never fills and stalls it.
+    proc.log_lines = []  # type: ignore[attr-defined]
+
+    def pump() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            proc.log_lines.append(line)  # type: ignore[attr-defined]
+
+    drainer = threading.Thread(target=pump, daemon=True)
+    drainer.start()
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            drainer.join(5)
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {''.join(proc.log_lines)[-2000:]}")
         if socket.exists():
             import socket as so
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ def cli(*args: str, env: dict | None = None, input: str | None = None,
 def daemon(tiny_bundle, tmp_path_factory):
     sock = tmp_path_factory.mktemp("cli") / "m31rd.sock"
     proc = start_daemon(tiny_bundle.path, sock)
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the log pipe from filling up
     yield proc, sock
     stop_daemon(proc)
 

@@ -18,10 +18,9 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -40,14 +39,10 @@ MARKER = "ZEBRA_PROMPT_MARKER_31"  # sent in prompts; must never reach the log
 class Daemon:
     proc: subprocess.Popen
     socket: Path
-    lines: list[str] = field(default_factory=list)  # stderr, drained by a thread so the pipe never fills
 
-    def drain(self) -> None:
-        def pump() -> None:
-            for line in self.proc.stderr:  # type: ignore[union-attr]
-                self.lines.append(line)
-
-        threading.Thread(target=pump, daemon=True).start()
+    @property
+    def lines(self) -> list[str]:
+        return self.proc.log_lines  # type: ignore[attr-defined]  # drained by daemon_util.start_daemon
 
     def logs(self) -> list[dict]:
         return [json.loads(line) for line in list(self.lines)]
@@ -68,9 +63,7 @@ class Daemon:
 
 
 def launch(bundle: Path, sock: Path, *extra: str) -> Daemon:
-    d = Daemon(start_daemon(bundle, sock, *extra), sock)
-    d.drain()
-    return d
+    return Daemon(start_daemon(bundle, sock, *extra), sock)
 
 
 @pytest.fixture(scope="module")

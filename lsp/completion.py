@@ -1,0 +1,255 @@
+"""From a completion request to a suggestion: debounce, typed-through, the daemon Fim, post-processing.
+
+One Job per document at a time computes a suggestion for one (version, cursor) pair. Requests for the same
+pair share it (an editor may ask for an inline and a menu completion on the same keystroke); a request for
+anything else supersedes it: the job is cancelled, its daemon request gets a Cancel, and the requests that
+waited on it answer empty. A client's `$/cancelRequest` cancels the request's handler task; the job is
+cancelled with it once nothing else waits on it, and the handler ends with RequestCancelled.
+
+A result is for the text and version captured when the request arrived: if the document changed before
+it was ready it is dropped (stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from m31r import policy
+from m31r_lsp.daemon_link import DaemonLink
+from m31r_lsp.settings import Settings
+from m31r_protocol import DaemonError, DaemonUnavailable, Sampling
+
+log = logging.getLogger("m31r_lsp.completion")
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str  # the document text the suggestion is for (its version's snapshot)
+    version: int | None
+    offset: int  # the cursor
+    suggestion: policy.Suggestion
+    source: str  # "model" (from the daemon) | "typed_through" (from the shown suggestion, no round trip)
+
+
+@dataclass
+class Job:
+    key: tuple[int | None, int]  # (version, cursor offset)
+    task: asyncio.Task[Result | None]
+    waiters: int = 0
+
+
+@dataclass
+class DocState:
+    job: Job | None = None
+    shown: policy.Shown | None = None
+    warm: asyncio.Task[None] | None = None
+    keystrokes: list[float] = field(default_factory=list)
+
+
+class Completer:
+    def __init__(self, link: DaemonLink, settings: Callable[[], Settings],
+                 document: Callable[[str], tuple[str, int | None] | None]):
+        """`document(uri)` gives the live (text, version) of an open document, or None."""
+        self.link = link
+        self.settings = settings
+        self.document = document
+        self.docs: dict[str, DocState] = {}
+        self.stats: Counter[str] = Counter()
+        self.last_raw: str | None = None
+        self.last_fim: dict | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- document events --------------------------------------------------------------------------------------
+
+    def changed(self, uri: str, version: int | None) -> None:
+        """A didChange: a job for an older version can only produce a stale result; stop it now."""
+        st = self.docs.get(uri)
+        if st is not None and st.job is not None and not st.job.task.done() and st.job.key[0] != version:
+            st.job.task.cancel()
+            self.stats["stale"] += 1
+
+    def closed(self, uri: str) -> None:
+        st = self.docs.pop(uri, None)
+        if st is not None:
+            for task in (st.job.task if st.job else None, st.warm):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    async def complete(self, uri: str, offset_of: Callable[[str], int], *, invoked: bool = False) -> Result | None:
+        """The suggestion at a cursor (`offset_of(text)` maps the request's position into the snapshot)."""
+        s = self.settings()
+        if not s.enable:
+            return None
+        doc = self.document(uri)
+        if doc is None:
+            return None
+        text, version = doc
+        offset = offset_of(text)
+        st = self.docs.setdefault(uri, DocState())
+        self.stats["requests"] += 1
+
+        if s.typed_through and st.shown is not None:
+            hit = policy.typed_through(st.shown, text, offset)
+            if hit is not None:
+                self._supersede(st)
+                self.stats["typed_through"] += 1
+                return Result(text, version, offset, hit, "typed_through")
+            if not (st.shown.text == text and st.shown.offset == offset):
+                st.shown = None
+
+        key = (version, offset)
+        job = st.job
+        if job is not None and job.key == key and not job.task.cancelled() and not (
+                job.task.done() and (job.task.exception() is not None or job.task.result() is None)):
+            # The same version and cursor: share the job (or its suggestion, if it has finished with one).
+            self.stats["joined"] += 1
+            if job.task.done():
+                return job.task.result()
+        else:
+            self._supersede(st)
+            job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked)))
+            st.job = job
+        job.waiters += 1
+        try:
+            return await asyncio.shield(job.task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():  # this request was cancelled ($/cancelRequest, shutdown)
+                if job.waiters == 1:
+                    job.task.cancel()
+                self.stats["cancelled"] += 1
+                raise
+            return None  # superseded by a newer request, or the document changed
+        except Exception:
+            log.exception("completion failed")
+            return None
+        finally:
+            job.waiters -= 1
+
+    def _supersede(self, st: DocState) -> None:
+        if st.job is not None and not st.job.task.done():
+            st.job.task.cancel()
+            self.stats["superseded"] += 1
+        if st.warm is not None and not st.warm.done():
+            st.warm.cancel()
+
+    def debounce_s(self, s: Settings) -> float:
+        base = s.debounce_ms / 1000
+        if s.debounce_mode == "fixed" or self.link.latency_ema_ms is None:
+            return base
+        # Adaptive: a quarter of the recent daemon latency, within [base/2, 2*base]. A fast daemon gets
+        # requests sooner; a slow one is sent fewer that the next keystroke would supersede.
+        return min(max(0.25 * self.link.latency_ema_ms / 1000, 0.5 * base), 2 * base)
+
+    def _live_version(self, uri: str) -> int | None | bool:
+        doc = self.document(uri)
+        return False if doc is None else doc[1]
+
+    async def _run(self, uri: str, st: DocState, text: str, version: int | None, offset: int,
+                   invoked: bool) -> Result | None:
+        s = self.settings()
+        if not invoked:
+            delay = self.debounce_s(s)
+            if delay > 0:
+                await asyncio.sleep(delay)
+        if self._live_version(uri) != version:
+            self.stats["stale"] += 1
+            return None
+        plan = policy.plan(text, offset, s.options())
+        client = await self.link.get(wait=max(0.05, s.deadline_ms / 1000))
+        if client is None:
+            self.stats["unavailable"] += 1
+            return None
+        kwargs = plan.fim_kwargs()
+        self.last_fim = {**kwargs, "document": uri}
+        t0 = time.perf_counter()
+        stream = None
+        try:
+            # A daemon that accepted the request but never finishes it must not hold the editor's request.
+            async with asyncio.timeout(max(5.0, 5 * s.deadline_ms / 1000)):
+                try:
+                    stream = await client.fim(**kwargs, document=uri, seed=s.seed,
+                                              sampling=Sampling(temperature=s.temperature))
+                    self.stats["daemon_requests"] += 1
+                    raw, done = await stream.collect()
+                except asyncio.CancelledError:
+                    if stream is not None and stream.done is None:
+                        self.stats["daemon_cancels"] += 1
+                        self._spawn(_cancel_stream(stream))
+                    raise
+        except TimeoutError:
+            log.warning("the daemon did not finish a completion in time")
+            self.stats["daemon_timeouts"] += 1
+            return None
+        except DaemonUnavailable as e:
+            self.link.lost(str(e))
+            self.stats["unavailable"] += 1
+            return None
+        except DaemonError as e:
+            if e.code != "cancelled":
+                log.warning("daemon error: %s", e)
+            self.stats[f"daemon_error_{e.code}"] += 1
+            return None
+        self.link.record_latency((time.perf_counter() - t0) * 1000)
+        self.last_raw = raw
+        if done.source == "typed_through":
+            self.stats["daemon_typed_through"] += 1
+        if self._live_version(uri) != version:
+            self.stats["stale"] += 1
+            return None
+        suggestion = policy.postprocess(plan, raw)
+        if suggestion is None:
+            self.stats["empty"] += 1
+            return None
+        self.stats["suggestions"] += 1
+        st.shown = policy.Shown(text, offset, suggestion)
+        if s.accept_ahead:
+            st.warm = self._spawn(self._warm(uri, st.shown, s))
+        return Result(text, version, offset, suggestion, "model")
+
+    async def _warm(self, uri: str, shown: policy.Shown, s: Settings) -> None:
+        """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""
+        text, offset = policy.accepted_state(shown)
+        plan = policy.plan(text, offset, s.options())
+        client = await self.link.get(wait=0)
+        if client is None:
+            return
+        stream = None
+        try:
+            stream = await client.fim(plan.prefix, plan.suffix, document=uri, max_tokens=1, stop=plan.stop)
+            self.stats["warm_requests"] += 1
+            await stream.collect()
+        except asyncio.CancelledError:
+            if stream is not None and stream.done is None:
+                self._spawn(_cancel_stream(stream))
+            raise
+        except (DaemonError, DaemonUnavailable):
+            pass
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def snapshot(self) -> dict:
+        return {**self.stats, "lastRaw": self.last_raw, "lastFim": self.last_fim,
+                "debounceMs": round(self.debounce_s(self.settings()) * 1000, 2)}
+
+
+async def _cancel_stream(stream) -> None:
+    """Send Cancel, then read the stream to its end so the client forgets it."""
+    with contextlib.suppress(DaemonUnavailable, ConnectionError):
+        await stream.cancel()
+    with contextlib.suppress(DaemonError, DaemonUnavailable, TimeoutError, ConnectionError):
+        async with asyncio.timeout(10):
+            async for _ in stream:
+                pass

@@ -1,0 +1,68 @@
+"""Positions ↔ offsets in a document string, in the negotiated position encoding.
+
+pygls keeps the documents (incremental sync); completions work on a snapshot of a document's text taken
+when the request arrives, so the conversions here run on that snapshot, never on the live document.
+Lines break at "\\n", "\\r\\n" and "\\r", as the LSP specification says.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def _utf8(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def _utf16(s: str) -> int:
+    return len(s) + sum(1 for c in s if ord(c) > 0xFFFF)
+
+
+UNITS: dict[str, Callable[[str], int]] = {"utf-8": _utf8, "utf-16": _utf16, "utf-32": len}
+
+
+def _units(encoding: object) -> Callable[[str], int]:
+    return UNITS.get(str(getattr(encoding, "value", encoding) or "utf-16"), _utf16)
+
+
+def _line_bounds(text: str, line: int) -> tuple[int, int] | None:
+    """(start, end) offsets of line `line` (end before its line break), or None past the last line."""
+    start, n = 0, 0
+    for m in _EOL.finditer(text):
+        if n == line:
+            return start, m.start()
+        start, n = m.end(), n + 1
+    return (start, len(text)) if line == n else None
+
+
+def offset_at(text: str, line: int, character: int, encoding: str | None = "utf-16") -> int:
+    """The offset (code points) of a client position. A character past the line's end means its end; a line
+    past the last one means the end of the text."""
+    bounds = _line_bounds(text, line)
+    if bounds is None:
+        return len(text)
+    start, end = bounds
+    count = _units(encoding)
+    if count is len:
+        return min(start + character, end)
+    used = 0
+    for i in range(start, end):
+        if used >= character:
+            return i
+        used += count(text[i])
+    return end
+
+
+def position_at(text: str, offset: int, encoding: str | None = "utf-16") -> tuple[int, int]:
+    """(line, character) of an offset, the character in the encoding's code units."""
+    offset = max(0, min(offset, len(text)))
+    line = len(_EOL.findall(text, 0, offset))
+    if offset > 0 and text[offset - 1] == "\r" and offset < len(text) and text[offset] == "\n":
+        line -= 1  # between \r and \n: still on the line the \r\n ends
+    start = max(text.rfind("\n", 0, offset), text.rfind("\r", 0, offset)) + 1
+    if start > offset:
+        start = offset
+    return line, _units(encoding)(text[start:offset])

@@ -1,0 +1,237 @@
+"""`m31r lsp`: the language server editors talk to (pygls, stdio or TCP).
+
+Features
+- `textDocument/inlineCompletion` (LSP 3.18; ghost text) and `textDocument/completion` (one item carrying
+  the same suggestion, for editors without inline completion).
+- Incremental text sync; documents by URI; position encoding negotiated (UTF-16 unless the client offers
+  UTF-8 or UTF-32 first).
+- Settings from `initializationOptions` and `workspace/didChangeConfiguration` (see settings.py).
+- `m31r/status` notifications {state, model, lastLatencyMs} on daemon state changes (and latency, at most
+  once a second); a `m31r/stats` request answers counters for diagnostics and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from urllib.parse import unquote
+
+from lsprotocol import types
+from pygls.capabilities import get_capability
+from pygls.lsp.server import LanguageServer
+
+from m31r_lsp import settings as settings_mod
+from m31r_lsp.completion import Completer, Result
+from m31r_lsp.daemon_link import DaemonLink, LinkConfig
+from m31r_lsp.documents import offset_at, position_at
+from m31r_lsp.settings import Settings
+
+log = logging.getLogger("m31r_lsp")
+
+STATUS_NOTIFICATION = "m31r/status"
+STATS_REQUEST = "m31r/stats"
+COMPLETION_TRIGGERS = [".", ":", "(", "{", "[", ",", "="]
+
+try:
+    VERSION = version("m31r")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    VERSION = "0.0.0"
+
+
+def link_config(s: Settings) -> LinkConfig:
+    return LinkConfig(socket=s.socket, autostart=s.autostart, bundle=s.bundle)
+
+
+class M31rLanguageServer(LanguageServer):
+    def __init__(self, defaults: Settings | None = None):
+        super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        self.config = defaults or Settings()
+        self.link = DaemonLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
+        self.completer = Completer(self.link, lambda: self.config, self.document)
+        self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def document(self, uri: str) -> tuple[str, int | None] | None:
+        doc = self.workspace.text_documents.get(unquote(uri))
+        return None if doc is None else (doc.source, doc.version)
+
+    @property
+    def encoding(self) -> str:
+        enc = self.workspace.position_encoding
+        return str(getattr(enc, "value", enc) or "utf-16")
+
+    def send_status(self, status: dict) -> None:
+        self.protocol.notify(STATUS_NOTIFICATION, status)
+
+    def tell(self, message: str) -> None:
+        self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
+
+    def log_problems(self, problems: list[str]) -> None:
+        for p in problems:
+            log.warning("%s", p)
+            self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning, message=p))
+
+    async def apply_settings(self, raw: object) -> None:
+        new, problems = settings_mod.apply(self.config, raw)
+        self.log_problems(problems)
+        old, self.config = self.config, new
+        if link_config(new) != link_config(old):
+            await self.link.reconfigure(link_config(new))
+            if new.enable and self.initialized:
+                self.link.warm_up()
+        elif new.enable and not old.enable and self.initialized:
+            self.link.warm_up()
+
+    def to_range(self, result: Result, start: int, end: int) -> types.Range:
+        (l0, c0), (l1, c1) = (position_at(result.text, start, self.encoding),
+                              position_at(result.text, end, self.encoding))
+        return types.Range(types.Position(l0, c0), types.Position(l1, c1))
+
+    async def suggest(self, uri: str, position: types.Position, *, invoked: bool) -> Result | None:
+        enc = self.encoding
+        return await self.completer.complete(
+            uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked)
+
+
+def create_server(defaults: Settings | None = None) -> M31rLanguageServer:
+    server = M31rLanguageServer(defaults)
+
+    @server.feature(types.INITIALIZE)
+    async def initialize(ls: M31rLanguageServer, params: types.InitializeParams) -> None:
+        await ls.apply_settings(params.initialization_options)
+
+    @server.feature(types.INITIALIZED)
+    def initialized(ls: M31rLanguageServer, params: types.InitializedParams) -> None:
+        ls.initialized = True
+        if ls.config.enable:
+            ls.link.warm_up()
+
+    @server.feature(types.SHUTDOWN)
+    async def shutdown(ls: M31rLanguageServer, params: None) -> None:
+        for uri in list(ls.completer.docs):
+            ls.completer.closed(uri)
+        await ls.link.close()
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    async def did_change_configuration(ls: M31rLanguageServer, params: types.DidChangeConfigurationParams) -> None:
+        raw = params.settings
+        if settings_mod.section(raw) is None and get_capability(ls.client_capabilities,
+                                                                 "workspace.configuration", False):
+            # A "something changed" notification without values (the pull model): ask for our section.
+            try:
+                async with asyncio.timeout(5):
+                    values = await ls.workspace_configuration_async(
+                        types.ConfigurationParams(items=[types.ConfigurationItem(section="m31r")]))
+                raw = {"m31r": values[0]} if values and isinstance(values[0], dict) else None
+            except Exception as e:  # a client that cannot answer keeps the current settings
+                log.warning("workspace/configuration failed: %s", e)
+                raw = None
+        await ls.apply_settings(raw)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: M31rLanguageServer, params: types.DidOpenTextDocumentParams) -> None:
+        pass  # pygls stores the document; registering the handler advertises open/close sync
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: M31rLanguageServer, params: types.DidChangeTextDocumentParams) -> None:
+        ls.completer.changed(params.text_document.uri, params.text_document.version)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+    def did_close(ls: M31rLanguageServer, params: types.DidCloseTextDocumentParams) -> None:
+        ls.completer.closed(params.text_document.uri)
+
+    @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+    async def inline_completion(ls: M31rLanguageServer,
+                                params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+        result = await ls.suggest(params.text_document.uri, params.position, invoked=invoked)
+        if result is None:
+            return types.InlineCompletionList(items=[])
+        s = result.suggestion
+        return types.InlineCompletionList(items=[
+            types.InlineCompletionItem(insert_text=s.text, range=ls.to_range(result, s.start, s.end))])
+
+    @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=COMPLETION_TRIGGERS))
+    async def completion(ls: M31rLanguageServer, params: types.CompletionParams) -> types.CompletionList:
+        # CompletionTriggerKind.Invoked also means "typing an identifier": always debounce here.
+        result = await ls.suggest(params.text_document.uri, params.position, invoked=False)
+        if result is None:
+            return types.CompletionList(is_incomplete=True, items=[])
+        return types.CompletionList(is_incomplete=True, items=[completion_item(ls, result, params)])
+
+    @server.feature(STATS_REQUEST)
+    def stats(ls: M31rLanguageServer, params: object) -> dict:
+        return {**ls.completer.snapshot(), "daemon": ls.link.status(), "connects": ls.link.connects,
+                "positionEncoding": ls.encoding, "settings": dataclasses.asdict(ls.config)}
+
+    return server
+
+
+def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
+    """One item carrying the suggestion. Its edit starts at the identifier before the cursor (menus filter
+    on that word), so the item's text is that word followed by the suggestion."""
+    from m31r.policy import word_before
+
+    s, text = result.suggestion, result.text
+    start = s.start
+    new_text = s.text
+    if start == result.offset:
+        start = word_before(text, result.offset)
+        new_text = text[start : result.offset] + s.text
+    first = new_text.strip().split("\n", 1)[0]
+    label = first if len(first) <= 80 else first[:79] + "…"
+    doc = ls.workspace.text_documents.get(unquote(params.text_document.uri))
+    lang = (doc.language_id if doc is not None else None) or ""
+    formats = get_capability(ls.client_capabilities, "text_document.completion.completion_item.documentation_format",
+                             []) or []
+    documentation: types.MarkupContent | str = (
+        types.MarkupContent(kind=types.MarkupKind.Markdown, value=f"```{lang}\n{new_text}\n```")
+        if types.MarkupKind.Markdown in formats else new_text)
+    return types.CompletionItem(
+        label=label or new_text.strip()[:80],
+        kind=types.CompletionItemKind.Snippet if "\n" in new_text else types.CompletionItemKind.Text,
+        detail="m31r",
+        documentation=documentation,
+        preselect=True,
+        sort_text="0",
+        filter_text=new_text,
+        insert_text_format=types.InsertTextFormat.PlainText,
+        text_edit=types.TextEdit(range=ls.to_range(result, start, s.end), new_text=new_text),
+    )
+
+
+def run(socket: str | None = None, tcp: str | None = None, autostart: bool = True, *, bundle: str | None = None,
+        log_level: str = "warning") -> None:
+    """Serve on stdio, or on TCP at "HOST:PORT". `socket`, `autostart` and `bundle` are the defaults that the
+    client's settings may override."""
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
+                        format="m31r-lsp %(levelname)s %(name)s: %(message)s")
+    server = create_server(Settings(socket=socket, autostart=autostart, bundle=bundle))
+    if tcp:
+        host, sep, port = tcp.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"--tcp expects HOST:PORT, not {tcp!r}")
+        server.start_tcp(host.strip("[]") or "127.0.0.1", int(port))
+    else:
+        server.start_io()
+
+
+def _main() -> None:  # `python -m m31r_lsp [--tcp HOST:PORT] [--socket PATH] [--no-autostart]`
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="m31r-lsp", description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", default=None)
+    ap.add_argument("--tcp", default=None, metavar="HOST:PORT")
+    ap.add_argument("--bundle", default=None)
+    ap.add_argument("--no-autostart", action="store_true")
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    a = ap.parse_args()
+    run(a.socket, a.tcp, not a.no_autostart, bundle=a.bundle, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+    _main()

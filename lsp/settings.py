@@ -1,0 +1,136 @@
+"""The server's settings: camelCase keys from `initializationOptions` and `workspace/didChangeConfiguration`.
+
+Both may carry the keys directly or under an "m31r" section (`{"m31r": {...}}`); didChangeConfiguration's
+`settings` usually holds the whole configuration tree, of which only "m31r" is read. A bad value is
+reported and the previous value kept; unknown keys are reported and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from m31r.policy import MULTILINE_MODES, Options
+
+DEBOUNCE_MODES = ("adaptive", "fixed")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enable: bool = True
+    debounce_ms: int = 75
+    debounce_mode: str = "adaptive"  # "adaptive": scales with recent daemon latency; "fixed": always debounce_ms
+    multiline: str = "auto"  # "auto" | "always" | "never"
+    deadline_ms: int = 800
+    max_tokens: int = 64
+    max_lines: int = 12
+    socket: str | None = None  # None: the default socket ($M31R_SOCKET or the per-user runtime dir)
+    bundle: str | None = None  # passed to an autostarted daemon as --bundle
+    autostart: bool = True
+    typed_through: bool = True  # answer at once when the user types what the shown suggestion predicted
+    accept_ahead: bool = False  # after showing a suggestion, warm the daemon for its "accepted" state
+    temperature: float = 0.0  # 0 = greedy (the daemon's typed-through works only then)
+    seed: int | None = None
+
+    def options(self) -> Options:
+        return Options(multiline=self.multiline, max_tokens=self.max_tokens, deadline_ms=self.deadline_ms,
+                       max_lines=self.max_lines)
+
+
+# camelCase key → (field, validator returning the value or raising ValueError)
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ValueError("expected true or false")
+
+
+def _int_range(lo: int, hi: int):
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+            raise ValueError("expected an integer")
+        if not lo <= int(v) <= hi:
+            raise ValueError(f"expected {lo}..{hi}")
+        return int(v)
+
+    return check
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(v: Any) -> str:
+        if v not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return v
+
+    return check
+
+
+def _opt_str(v: Any) -> str | None:
+    if v is None or v == "":
+        return None
+    if isinstance(v, str):
+        return v
+    raise ValueError("expected a string")
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else _int_range(0, 2**63 - 1)(v)
+
+
+def _temperature(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 2:
+        raise ValueError("expected a number in 0..2")
+    return float(v)
+
+
+FIELDS: dict[str, tuple[str, Any]] = {
+    "enable": ("enable", _bool),
+    "debounceMs": ("debounce_ms", _int_range(0, 5000)),
+    "debounceMode": ("debounce_mode", _choice(DEBOUNCE_MODES)),
+    "multiline": ("multiline", _choice(MULTILINE_MODES)),
+    "deadlineMs": ("deadline_ms", _int_range(1, 60000)),
+    "maxTokens": ("max_tokens", _int_range(1, 4096)),
+    "maxLines": ("max_lines", _int_range(1, 200)),
+    "socket": ("socket", _opt_str),
+    "bundle": ("bundle", _opt_str),
+    "autostart": ("autostart", _bool),
+    "typedThrough": ("typed_through", _bool),
+    "acceptAhead": ("accept_ahead", _bool),
+    "temperature": ("temperature", _temperature),
+    "seed": ("seed", _opt_int),
+}
+
+
+def section(raw: Any) -> dict | None:
+    """The m31r settings in an initializationOptions / didChangeConfiguration payload, or None if absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        # lsprotocol leaves LSPAny as plain JSON values; anything else is not ours
+        return None
+    inner = raw.get("m31r")
+    if isinstance(inner, dict):
+        return inner
+    if any(k in FIELDS for k in raw):
+        return raw
+    return None
+
+
+def apply(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
+    """Settings updated from `raw` (a payload as above), and one message per rejected or unknown key."""
+    data = section(raw)
+    if data is None:
+        return current, []
+    changes: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        spec = FIELDS.get(key)
+        if spec is None:
+            problems.append(f"m31r.{key}: unknown setting, ignored")
+            continue
+        name, check = spec
+        try:
+            changes[name] = check(value)
+        except ValueError as e:
+            problems.append(f"m31r.{key}: {e} (got {value!r}); keeping {getattr(current, name)!r}")
+    return dataclasses.replace(current, **changes), problems

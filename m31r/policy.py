@@ -1,0 +1,499 @@
+"""Completion policy shared by the editor front ends (the LSP server and the HTTP adapter).
+
+Pure functions and dataclasses over a document string and a cursor offset; no editor protocol, no torch.
+
+    plan(text, offset, options)   → a Plan: the Fim request to send (prefix, suffix, stop, max_tokens, deadline)
+                                    and what post-processing needs to know about the cursor
+    postprocess(plan, raw)        → a Suggestion (insert text + replace range as document offsets) or None
+    typed_through(shown, text, offset) → the shown suggestion still valid after the user typed part of it
+    accepted_state(shown)         → (text, offset) of the document once the suggestion is accepted
+
+Rules (what editor users expect from ghost text):
+- Multi-line only at the end of a line or when only closing brackets/punctuation follow the cursor;
+  single-line (stop at "\\n") mid-line. `multiline` = "auto" | "always" | "never".
+- On a whitespace-only line the model writes from column 0 (the line's whitespace is left out of the
+  prompt) and the result is re-indented to the line's own indentation; the range covers the whole line.
+- Never repeat what is already there: text after the cursor that the model wrote again is trimmed, and
+  so are completion lines that duplicate the lines following the cursor.
+- Auto-closed brackets: when only closers follow the cursor and the completion closes them itself, the
+  range extends over them so the editor replaces them instead of leaving a second copy.
+- A multi-line completion stops before a line indented less than the cursor's block.
+- Empty, whitespace-only and self-repeating suggestions are dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+Multiline = Literal["auto", "always", "never"]
+MULTILINE_MODES: tuple[str, ...] = ("auto", "always", "never")
+
+OPENERS = {"(": ")", "[": "]", "{": "}"}
+CLOSERS = {")": "(", "]": "[", "}": "{"}
+QUOTES = frozenset("\"`")
+# What may follow the cursor for a multi-line completion to still make sense: closing brackets, quotes and
+# punctuation that editors auto-insert or that ends a statement.
+TRAILING_OK = frozenset(")]}>\"'`;,.:") | frozenset(" \t")
+
+
+@dataclass(frozen=True)
+class Options:
+    multiline: str = "auto"  # one of MULTILINE_MODES
+    max_tokens: int = 64
+    deadline_ms: int | None = 800
+    max_lines: int = 12  # a multi-line suggestion keeps at most this many lines
+    single_line_max_tokens: int | None = None  # None: max_tokens
+
+    def __post_init__(self) -> None:
+        if self.multiline not in MULTILINE_MODES:
+            raise ValueError(f"multiline must be one of {MULTILINE_MODES}, not {self.multiline!r}")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.deadline_ms is not None and self.deadline_ms < 1:
+            raise ValueError("deadline_ms must be at least 1 (or None)")
+        if self.max_lines < 1:
+            raise ValueError("max_lines must be at least 1")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the cursor is, in the document string."""
+
+    offset: int
+    line_start: int  # offset of the cursor line's first character
+    line_end: int  # offset of the cursor line's end (its line break, or the end of the text)
+    before: str  # the cursor line's text before the cursor
+    after: str  # the cursor line's text after the cursor (without the line break)
+    indent: str  # the cursor line's leading whitespace
+    blank_line: bool  # the cursor line is whitespace only
+    next_lines: tuple[str, ...]  # the lines after the cursor line (without line breaks), a few at most
+    previous_line: str | None  # the nearest non-blank line above the cursor line
+    newline: str  # the document's line break ("\n" or "\r\n")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A Fim request to send, and the cursor context post-processing needs."""
+
+    prefix: str
+    suffix: str
+    stop: list[str]
+    max_tokens: int
+    deadline_ms: int | None
+    multiline: bool
+    cursor: Cursor
+    max_lines: int = 12
+
+    def fim_kwargs(self) -> dict:
+        """Keyword arguments for `m31r_protocol.Client.fim` (add document=...)."""
+        return {"prefix": self.prefix, "suffix": self.suffix, "stop": list(self.stop), "max_tokens": self.max_tokens,
+                "deadline_ms": self.deadline_ms}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Replace text[start:end] with `text`. start <= cursor <= end, and text[start:cursor] is a prefix of `text`
+    so an editor shows it as ghost text extending what is typed."""
+
+    text: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A suggestion that was shown for `text` with the cursor at `offset`."""
+
+    text: str
+    offset: int
+    suggestion: Suggestion
+    extra: dict = field(default_factory=dict, compare=False)  # front-end bookkeeping, never read here
+
+
+# -- the cursor -----------------------------------------------------------------------------------------------
+
+
+def _newline_of(text: str) -> str:
+    i = text.find("\n")
+    return "\r\n" if i > 0 and text[i - 1] == "\r" else "\n"
+
+
+def leading_ws(s: str) -> str:
+    return s[: len(s) - len(s.lstrip(" \t"))]
+
+
+def cursor_at(text: str, offset: int, *, context_lines: int = 8) -> Cursor:
+    if not 0 <= offset <= len(text):
+        raise ValueError(f"offset {offset} outside a text of {len(text)} characters")
+    line_start = text.rfind("\n", 0, offset) + 1
+    nl = text.find("\n", offset)
+    line_end = len(text) if nl < 0 else nl
+    if line_end > line_start and text[line_end - 1] == "\r" and line_end - 1 >= offset:
+        line_end -= 1  # CRLF: the line's text ends before the \r
+    line = text[line_start:line_end]
+    before, after = text[line_start:offset], text[offset:line_end]
+    next_lines: list[str] = []
+    if nl >= 0:
+        pos = nl + 1
+        while len(next_lines) < context_lines and pos <= len(text):
+            j = text.find("\n", pos)
+            seg = text[pos:] if j < 0 else text[pos:j]
+            next_lines.append(seg.rstrip("\r"))
+            if j < 0:
+                break
+            pos = j + 1
+    previous_line = None
+    end = line_start - 1  # the \n ending the previous line
+    while end > 0:
+        s = text.rfind("\n", 0, end) + 1
+        prev = text[s:end].rstrip("\r")
+        if prev.strip():
+            previous_line = prev
+            break
+        end = s - 1
+    return Cursor(offset, line_start, line_end, before, after, leading_ws(line), not line.strip(),
+                  tuple(next_lines), previous_line, _newline_of(text))
+
+
+def wants_multiline(cur: Cursor, mode: str = "auto") -> bool:
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    return all(c in TRAILING_OK for c in cur.after)
+
+
+def plan(text: str, offset: int, options: Options | None = None) -> Plan:
+    """The Fim request for a cursor at `offset` in `text`."""
+    o = options or Options()
+    cur = cursor_at(text, offset)
+    multiline = wants_multiline(cur, o.multiline)
+    if cur.blank_line:
+        # Generate from column 0: the line's whitespace stays out of the prompt (the model indents itself,
+        # and whitespace tokens then merge the way they did in training); the result is re-indented.
+        prefix, suffix = text[: cur.line_start], text[cur.line_end :]
+    else:
+        prefix, suffix = text[:offset], text[offset:]
+    stop = [] if multiline else ["\n"]
+    max_tokens = o.max_tokens if multiline else (o.single_line_max_tokens or o.max_tokens)
+    return Plan(prefix, suffix, stop, max_tokens, o.deadline_ms, multiline, cur, o.max_lines)
+
+
+# -- post-processing ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Scan:
+    """Characters of a completion at bracket depth 0 relative to the cursor (outside strings it opened)."""
+
+    items: list[tuple[int, str, bool]]  # (index, char, is_excess_closer)
+
+
+def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
+    """Walk `s` tracking brackets and strings the completion itself opens. A closing bracket with no opener
+    inside `s` is an "excess closer": it closes something opened before the cursor."""
+    items: list[tuple[int, str, bool]] = []
+    stack: list[str] = []
+    quote: str | None = None
+    i = 0
+    while i < len(s):
+        c = s[i]
+        if quote is not None:
+            if c == "\\":
+                i += 2
+                continue
+            if c == quote:
+                quote = None
+            i += 1
+            continue
+        if c in QUOTES:
+            if not stack:
+                items.append((i, c, False))
+            quote = c
+        elif c in OPENERS:
+            stack.append(c)
+        elif c in CLOSERS:
+            if stack and stack[-1] == CLOSERS[c]:
+                stack.pop()
+            elif not stack:
+                items.append((i, c, True))
+            else:
+                stack.pop()  # mismatched: keep going, the model's brackets are its own business
+        elif not stack:
+            items.append((i, c, False))
+        i += 1
+    return _Scan(items)
+
+
+def _inside_string(before: str) -> str | None:
+    """The quote character of a string literal open at the end of `before` (one line), if any."""
+    quote: str | None = None
+    i = 0
+    while i < len(before):
+        c = before[i]
+        if quote is not None:
+            if c == "\\":
+                i += 2
+                continue
+            if c == quote:
+                quote = None
+        elif c in QUOTES:
+            quote = c
+        i += 1
+    return quote
+
+
+def _match_closers(comp: str, cur: Cursor) -> tuple[str, int]:
+    """`after` is closers/punctuation only. Returns (text, end): the completion (possibly extended with the
+    closers it did not write) and where its range ends."""
+    after = cur.after
+    wanted = [(i, c) for i, c in enumerate(after) if not c.isspace()]
+    if not wanted:
+        return comp, cur.offset
+    open_quote = _inside_string(cur.before)
+    # Inside a string the completion's first unescaped matching quote closes it: scan only from there.
+    start = 0
+    if open_quote is not None:
+        j = 0
+        while j < len(comp):
+            if comp[j] == "\\":
+                j += 2
+                continue
+            if comp[j] == open_quote:
+                break
+            j += 1
+        scan_items = [(j, open_quote, True)] if j < len(comp) else []
+        start = j + 1
+        if j < len(comp):
+            scan_items += [(k + start, c, e) for k, c, e in _scan_depth0(comp[start:]).items]
+    else:
+        scan_items = _scan_depth0(comp).items
+    matched = 0
+    last = -1
+    cut: int | None = None
+    it = iter(scan_items)
+    for _, want in wanted:
+        for idx, c, excess in it:
+            if c == want:
+                matched += 1
+                last = idx
+                break
+            if excess or (c in QUOTES and want in QUOTES):
+                cut = idx  # it closes something else first: the rest of the completion is wrong
+                break
+        else:
+            break
+        if cut is not None:
+            break
+    if cut is not None:
+        comp = comp[:cut]
+    if matched == 0:
+        return comp, cur.offset
+    if matched == len(wanted):
+        return comp, cur.line_end
+    # Partly closed: keep the closers it did not write, in order, after the completion.
+    rest_from = wanted[matched][0]
+    del last
+    return comp + after[rest_from:], cur.line_end
+
+
+def _trim_after_overlap(comp: str, after: str) -> str:
+    """Mid-line: drop the part of the completion that writes the rest of the line again."""
+    tail = after.strip()
+    if not tail:
+        return comp
+    depth0 = {i for i, _, _ in _scan_depth0(comp).items}
+    # The completion contains the rest of the line, starting at bracket depth 0: cut there.
+    pos = comp.find(tail)
+    while pos >= 0:
+        if pos in depth0 or pos == 0:
+            # `after`'s own leading whitespace stays in the document: the cut must not add a second copy.
+            return comp[:pos].rstrip(" \t") if after[:1].isspace() else comp[:pos]
+        pos = comp.find(tail, pos + 1)
+    # The completion ends with the start of the rest of the line (at least 3 characters of it).
+    head = after.lstrip()
+    for k in range(min(len(head), len(comp)), 2, -1):
+        if comp.endswith(head[:k]) and (len(comp) - k) in depth0 | {0}:
+            cut = comp[: len(comp) - k]
+            return cut.rstrip(" \t") if after[:1].isspace() else cut
+    return comp
+
+
+def _period(s: str) -> int | None:
+    """The shortest p such that s is a repetition of s[:p] (allowing a partial last copy), p <= len/4."""
+    n = len(s)
+    for p in range(1, n // 4 + 1):
+        if all(s[i] == s[i % p] for i in range(p, n)):
+            return p
+    return None
+
+
+def is_self_repeating(s: str) -> bool:
+    """Noise a small model falls into: one short unit over and over ("aaaaaa", "))))))", "a, a, a, a")."""
+    t = "".join(s.split())
+    return len(t) >= 6 and _period(t) is not None and len(set(t)) <= 4
+
+
+def _line_period(lines: list[str]) -> int | None:
+    """The shortest p (p <= len/3) such that the non-blank lines repeat with period p: a loop of a block."""
+    n = len(lines)
+    for p in range(1, n // 3 + 1):
+        if any(lines[i].strip() for i in range(p)) and all(
+                lines[i].rstrip() == lines[i % p].rstrip() for i in range(p, n)):
+            return p
+    return None
+
+
+def _dedupe_lines(lines: list[str]) -> list[str]:
+    """Cut at a non-blank line that repeats the one before it exactly (a loop, never valid code twice)."""
+    out: list[str] = []
+    for ln in lines:
+        if out and ln.strip() and ln.rstrip() == out[-1].rstrip():
+            break
+        out.append(ln)
+    return out
+
+
+def _reindent(lines: list[str], base_from: str, base_to: str) -> list[str]:
+    if base_from == base_to:
+        return lines
+    out = []
+    for ln in lines:
+        if ln.startswith(base_from) and ln.strip():
+            out.append(base_to + ln[len(base_from) :])
+        else:
+            out.append(ln)
+    return out
+
+
+def postprocess(p: Plan, raw: str) -> Suggestion | None:
+    """Turn the daemon's raw completion for plan `p` into what the editor shows, or None to show nothing."""
+    cur = p.cursor
+    comp = raw.replace("\r\n", "\n").replace("\r", "\n")
+    if not p.multiline:
+        comp = comp.split("\n", 1)[0]
+    start = cur.offset
+
+    if cur.blank_line:
+        # Generated from column 0: skip blank lines it began with, then re-indent to the line's whitespace.
+        lines = comp.split("\n")
+        while len(lines) > 1 and not lines[0].strip():
+            lines.pop(0)
+        if not lines[0].strip():
+            return None
+        model_indent = leading_ws(lines[0])
+        if cur.indent:
+            lines = _reindent(lines, model_indent, cur.indent)
+        comp = "\n".join(lines)
+        start = cur.line_start
+        block_indent = leading_ws(lines[0])
+    else:
+        block_indent = cur.indent
+
+    lines = comp.split("\n")
+    nxt = next((ln.rstrip() for ln in cur.next_lines if ln.strip()), None)
+    if cur.blank_line and nxt is not None and lines[0].rstrip() == nxt:
+        return None  # it would write the line that follows again
+    if p.multiline and len(lines) > 1:
+        # Stop before a line indented less than the cursor's block; after the line that closes a block the
+        # cursor line opened; cap the length; cut repetition loops.
+        opens_block = (cur.before + lines[0] if not cur.blank_line else lines[0]).rstrip()[-1:] in OPENERS
+        kept = [lines[0]]
+        for ln in lines[1:]:
+            depth = len(leading_ws(ln))
+            if ln.strip() and depth < len(block_indent):
+                break
+            kept.append(ln)
+            if opens_block and ln.strip() and depth == len(block_indent) and ln.strip()[0] in CLOSERS:
+                break
+        kept = _dedupe_lines(kept)
+        if (period := _line_period(kept)) is not None:
+            kept = kept[:period]
+        elif (period := _line_period(kept[1:])) is not None:  # the loop starts after the cursor line
+            kept = kept[: 1 + period]
+        kept = kept[: p.max_lines]
+        # Lines that duplicate the document's next non-blank line: the model ran into existing code.
+        if nxt is not None:
+            for j in range(1, len(kept)):
+                if kept[j].strip() and kept[j].rstrip() == nxt:
+                    kept = kept[:j]
+                    break
+        while len(kept) > 1 and not kept[-1].strip():
+            kept.pop()
+        lines = kept
+    comp = "\n".join(lines)
+    if len(lines) > 1:
+        comp = comp.rstrip()
+    elif cur.after.strip():
+        comp = comp.rstrip("\n")
+    else:
+        comp = comp.rstrip()
+
+    end = cur.offset
+    if cur.blank_line:
+        end = cur.line_end
+    elif cur.after:
+        if all(c in TRAILING_OK for c in cur.after):
+            comp, end = _match_closers(comp, cur)
+        else:
+            comp = _trim_after_overlap(comp, cur.after)
+
+    typed = cur.before if cur.blank_line else ""
+    body = comp[len(typed) :] if comp.startswith(typed) else comp
+    if not body.strip():
+        return None
+    if not cur.blank_line and end > cur.offset and comp == cur.after[: end - cur.offset]:
+        return None  # it only types the closers that are already there
+    if is_self_repeating(body):
+        return None
+    # The whole line it would make only repeats the line above (at the end of a line, nothing new after).
+    first_line = (cur.before + body if not cur.blank_line else comp).split("\n", 1)[0]
+    if (cur.previous_line is not None and "\n" not in body and first_line.strip() == cur.previous_line.strip()
+            and not cur.after.strip() and len(first_line.strip()) > 1):
+        return None
+    if cur.newline == "\r\n":
+        comp = comp.replace("\n", "\r\n")
+    return Suggestion(comp, start, end)
+
+
+# -- typed-through and accept-ahead ---------------------------------------------------------------------------
+
+
+def predicted(shown: Shown) -> str:
+    """What the shown suggestion adds after the cursor it was shown at."""
+    s = shown.suggestion
+    return s.text[shown.offset - s.start :]
+
+
+def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
+    """If the user typed the start of what `shown` predicted (and nothing else changed), the rest of it,
+    as a Suggestion on the new text; else None."""
+    pred = predicted(shown)
+    c0 = shown.offset
+    n = offset - c0
+    if n <= 0 or n >= len(pred.rstrip()) or len(text) != len(shown.text) + n:
+        return None
+    typed = text[c0:offset]
+    if typed != pred[:n] or text[:c0] != shown.text[:c0] or text[offset:] != shown.text[c0:]:
+        return None
+    s = shown.suggestion
+    return Suggestion(s.text, s.start, s.end + n)
+
+
+def accepted_state(shown: Shown) -> tuple[str, int]:
+    """The document text and cursor offset once the shown suggestion is accepted."""
+    s = shown.suggestion
+    text = shown.text[: s.start] + s.text + shown.text[s.end :]
+    return text, s.start + len(s.text)
+
+
+_IDENT = re.compile(r"[A-Za-z0-9_]*$")
+
+
+def word_before(text: str, offset: int) -> int:
+    """Offset where the identifier ending at `offset` starts (completion menus filter on it)."""
+    line_start = text.rfind("\n", 0, offset) + 1
+    m = _IDENT.search(text, line_start, offset)
+    return m.start() if m else offset

@@ -1,0 +1,557 @@
+"""`m31r lsp` end to end: a pytest-lsp client drives the real server process, which talks to a real m31rd
+serving the tiny random-weight bundle. Nothing is mocked.
+
+A random-weight model writes noise: greedy decoding loops on one token (which post-processing drops as
+self-repeating), so tests that need a suggestion on screen sample (temperature 1, fixed seed) with
+multiline "always". What the server did is checked through its `m31r/stats` request (the raw daemon text,
+the Fim it sent, counters), and every suggestion is checked against `m31r.policy` applied to that raw text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from daemon_util import start_daemon, stop_daemon
+from lsprotocol import types as t
+from pygls.exceptions import JsonRpcRequestCancelled
+from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
+
+from m31r import policy
+from m31r_lsp.documents import offset_at, position_at
+from m31r_protocol import Client
+
+pytestmark = pytest.mark.timeout(120)
+
+URI = "file:///work/src/main.rs"
+URI2 = "file:///work/src/other.rs"
+RUST = """use std::collections::HashMap;
+
+fn count_words(text: &str) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for word in text.split_whitespace() {
+        *counts.entry(word.to_string()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn main() {
+    let text = "a b a";
+    let counts = count_words(text);
+    println!("{:?}", counts);
+}
+"""
+LINE_ENDS = [i for i, c in enumerate(RUST) if c == "\n"]
+NOISE = {"multiline": "always", "temperature": 1.0, "seed": 7, "debounceMode": "fixed", "debounceMs": 0}
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_bundle, tmp_path_factory):
+    sock = tmp_path_factory.mktemp("lspd") / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    yield sock
+    stop_daemon(proc)
+
+
+class Session:
+    """A started server with its client, and what the server sent besides responses."""
+
+    def __init__(self, client: LanguageClient):
+        self.client = client
+        self.status: list[dict] = []
+        self.version: dict[str, int] = {}
+        self.texts: dict[str, str] = {}
+        client.feature("m31r/status")(lambda ls, params: self.status.append(_plain(params)))
+
+    async def stats(self) -> dict:
+        return _plain(await self.client.protocol.send_request_async("m31r/stats", {}))
+
+    def open(self, text: str, uri: str = URI) -> None:
+        self.version[uri], self.texts[uri] = 1, text
+        self.client.text_document_did_open(t.DidOpenTextDocumentParams(
+            t.TextDocumentItem(uri=uri, language_id="rust", version=1, text=text)))
+
+    def edit(self, start: int, end: int, new: str, uri: str = URI) -> None:
+        """Replace texts[uri][start:end] with `new` (an incremental change, UTF-16 positions)."""
+        text = self.texts[uri]
+        (l0, c0), (l1, c1) = position_at(text, start), position_at(text, end)
+        self.version[uri] += 1
+        self.texts[uri] = text[:start] + new + text[end:]
+        self.client.text_document_did_change(t.DidChangeTextDocumentParams(
+            text_document=t.VersionedTextDocumentIdentifier(uri=uri, version=self.version[uri]),
+            content_changes=[t.TextDocumentContentChangePartial(range=t.Range(t.Position(l0, c0), t.Position(l1, c1)),
+                                                                text=new)]))
+
+    def inline_params(self, offset: int, invoked: bool = True, uri: str = URI, enc: str = "utf-16"):
+        line, ch = position_at(self.texts[uri], offset, enc)
+        kind = t.InlineCompletionTriggerKind.Invoked if invoked else t.InlineCompletionTriggerKind.Automatic
+        return t.InlineCompletionParams(context=t.InlineCompletionContext(trigger_kind=kind),
+                                        text_document=t.TextDocumentIdentifier(uri), position=t.Position(line, ch))
+
+    async def inline(self, offset: int, invoked: bool = True, uri: str = URI, enc: str = "utf-16"):
+        return await self.client.text_document_inline_completion_async(self.inline_params(offset, invoked, uri, enc))
+
+
+def _plain(obj):
+    """pygls hands custom payloads over as namedtuple-like Objects: back to dicts and lists."""
+    if hasattr(obj, "_asdict"):
+        return {k: _plain(v) for k, v in obj._asdict().items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+async def start(settings: dict | None, *, encodings: list[str] | None = None, args: tuple[str, ...] = ()) -> Session:
+    cfg = ClientServerConfig(server_command=[sys.executable, "-m", "m31r_lsp", "--no-autostart", *args])
+    client = await cfg.start()
+    session = Session(client)
+    caps = client_capabilities("visual-studio-code")
+    if encodings is not None:
+        caps.general.position_encodings = encodings
+    session.init = await client.initialize_session(t.InitializeParams(
+        capabilities=caps, initialization_options={"m31r": settings} if settings is not None else None))
+    return session
+
+
+async def stop(session: Session) -> None:
+    await session.client.shutdown_session()
+    await session.client.stop()
+
+
+@pytest.fixture
+async def lsp(daemon):
+    """Start servers talking to the module's daemon: `await lsp({...settings})`."""
+    sessions: list[Session] = []
+
+    async def make(settings: dict | None = None, **kw) -> Session:
+        s = await start({"socket": str(daemon), **(settings or {})}, **kw)
+        sessions.append(s)
+        return s
+
+    yield make
+    for s in sessions:
+        await stop(s)
+
+
+async def until(pred, timeout: float = 20.0, step: float = 0.02):
+    t0 = time.monotonic()
+    while not await pred():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        await asyncio.sleep(step)
+
+
+def expected(text: str, offset: int, raw: str, **opts) -> policy.Suggestion | None:
+    """What m31r.policy makes of the daemon's raw text for this cursor."""
+    return policy.postprocess(policy.plan(text, offset, policy.Options(**opts)), raw)
+
+
+def check_item(item, text: str, offset: int, raw: str, enc: str = "utf-16", **opts) -> policy.Suggestion:
+    want = expected(text, offset, raw, **opts)
+    assert want is not None
+    assert item.insert_text == want.text
+    assert (item.range.start.line, item.range.start.character) == position_at(text, want.start, enc)
+    assert (item.range.end.line, item.range.end.character) == position_at(text, want.end, enc)
+    return want
+
+
+# -- initialize and status ---------------------------------------------------------------------------------
+
+
+async def test_initialize_advertises_inline_completion(lsp):
+    # (bad settings in initializationOptions are reported and the defaults kept)
+    s = await lsp({"debounceMs": -5, "multiline": "sometimes", "nonsense": 1, "maxTokens": 16})
+    caps = s.init.capabilities
+    assert isinstance(caps.inline_completion_provider, t.InlineCompletionOptions)
+    assert caps.completion_provider is not None and "." in caps.completion_provider.trigger_characters
+    assert caps.text_document_sync.change == t.TextDocumentSyncKind.Incremental
+    assert caps.text_document_sync.open_close is True
+    assert caps.position_encoding == t.PositionEncodingKind.Utf16
+    assert s.init.server_info.name == "m31r-lsp"
+    await until(lambda: _async(any(st["state"] == "ready" for st in s.status)))
+    assert s.status[0]["state"] == "starting"
+    ready = next(st for st in s.status if st["state"] == "ready")
+    assert ready["model"].startswith("m31r-tiny")
+    st = await s.stats()
+    assert st["settings"]["debounce_ms"] == 75 and st["settings"]["multiline"] == "auto"
+    assert st["settings"]["max_tokens"] == 16
+    logged = " ".join(m.message for m in s.client.log_messages)
+    assert "m31r.debounceMs" in logged and "m31r.multiline" in logged and "m31r.nonsense" in logged
+
+
+async def _async(v):
+    return v
+
+
+async def _stat_at_least(s: Session, key: str, n: int) -> bool:
+    return (await s.stats()).get(key, 0) >= n
+
+
+# -- completions ---------------------------------------------------------------------------------------------
+
+
+async def test_inline_completion_at_cursor(lsp):
+    s = await lsp(NOISE)
+    s.open(RUST)
+    offset = RUST.index("    counts\n}") + len("    counts")
+    res = await s.inline(offset)
+    st = await s.stats()
+    assert st["daemon_requests"] == 1
+    fim = st["lastFim"]
+    assert fim["prefix"] == RUST[:offset] and fim["suffix"] == RUST[offset:]  # split at the cursor
+    assert fim["document"] == URI and fim["stop"] == [] and fim["max_tokens"] == 64 and fim["deadline_ms"] == 800
+    assert st["lastRaw"]
+    assert len(res.items) == 1
+    check_item(res.items[0], RUST, offset, st["lastRaw"], multiline="always")
+    # UTF-16 (the default): characters outside the BMP count twice in a column
+    text = 'fn main() {\n    let s = "🐢🐢"; let n = \n}\n'
+    s.open(text, uri=URI2)
+    offset = text.index("let n = ") + len("let n = ")
+    res = await s.inline(offset, uri=URI2)
+    st = await s.stats()
+    assert st["lastFim"]["prefix"] == text[:offset]
+    assert len(res.items) == 1
+    check_item(res.items[0], text, offset, st["lastRaw"], multiline="always")
+
+
+async def test_completion_fallback_carries_the_suggestion(lsp):
+    s = await lsp(NOISE)
+    text = "fn main() {\n    let total = cou\n}\n"
+    s.open(text)
+    offset = text.index("cou") + 3
+    line, ch = position_at(text, offset)
+    res = await s.client.text_document_completion_async(t.CompletionParams(
+        text_document=t.TextDocumentIdentifier(URI), position=t.Position(line, ch)))
+    st = await s.stats()
+    assert res.is_incomplete is True
+    assert len(res.items) == 1
+    item = res.items[0]
+    want = expected(text, offset, st["lastRaw"], multiline="always")
+    assert want is not None
+    # the edit starts at the word before the cursor, so menus filtering on "cou" keep the item
+    assert item.text_edit.new_text == "cou" + want.text
+    assert item.text_edit.range.start == t.Position(1, ch - 3)
+    assert item.text_edit.range.start.line == item.text_edit.range.end.line == 1
+    assert item.filter_text.startswith("cou")
+
+
+async def test_greedy_noise_is_dropped_but_the_daemon_was_asked(lsp):
+    # greedy on random weights loops on one token: post-processing must drop it, not show it
+    s = await lsp({"debounceMs": 0})
+    s.open(RUST)
+    res = await s.inline(RUST.index("    counts\n}") + len("    counts"))
+    st = await s.stats()
+    assert st["daemon_requests"] == 1 and st["lastRaw"]
+    assert policy.is_self_repeating(st["lastRaw"]) or not st["lastRaw"].strip()
+    assert len(res.items) == 0 and st["empty"] == 1
+
+
+async def test_typing_sequence(lsp):
+    s = await lsp({**NOISE, "typedThrough": False})
+    base = "fn main() {\n    \n}\n"
+    s.open(base)
+    pos = base.index("    \n") + 4
+    typed = "let total = 1;"
+    answered = 0
+    for ch in typed:
+        s.edit(pos, pos, ch)
+        pos += 1
+        res = await s.inline(pos, invoked=False)
+        st = await s.stats()
+        text = s.texts[URI]
+        assert st["lastFim"]["prefix"] == text[:pos]  # the server's copy follows the incremental edits
+        if res.items:
+            answered += 1
+            check_item(res.items[0], text, pos, st["lastRaw"], multiline="always")
+    st = await s.stats()
+    assert st["daemon_requests"] == len(typed)
+    assert answered >= len(typed) // 2
+    assert s.texts[URI] == "fn main() {\n    let total = 1;\n}\n"
+
+
+async def test_typed_through_answers_without_the_daemon(lsp):
+    s = await lsp({**NOISE, "acceptAhead": True})
+    text = "fn main() {\n    let x = \n}\n"
+    s.open(text)
+    pos = text.index("= ") + 2
+    first = await s.inline(pos)
+    assert len(first.items) == 1
+    shown = first.items[0].insert_text
+    # accept-ahead: the daemon is warmed for the document as it will be once the suggestion is accepted
+    await until(lambda: _stat_at_least(s, "warm_requests", 1), timeout=10)
+    before = (await s.stats())["daemon_requests"]
+    # type the first two characters the suggestion predicted
+    s.edit(pos, pos, shown[:2])
+    res = await s.inline(pos + 2, invoked=False)
+    st = await s.stats()
+    assert st["typed_through"] == 1 and st["daemon_requests"] == before
+    assert len(res.items) == 1
+    item = res.items[0]
+    assert item.insert_text == shown  # same suggestion, its range now covers what was typed
+    new = s.texts[URI]
+    start = offset_at(new, item.range.start.line, item.range.start.character)
+    end = offset_at(new, item.range.end.line, item.range.end.character)
+    assert new[start : pos + 2] == shown[:2]
+    assert new[:start] + item.insert_text + new[end:] == text[:pos] + shown + text[pos:]
+    # typing something else asks the daemon again
+    s.edit(pos + 2, pos + 2, "\u00a7")
+    await s.inline(pos + 3)
+    assert (await s.stats())["daemon_requests"] == before + 1
+
+
+async def test_position_encoding_utf8_negotiated(lsp):
+    s = await lsp(NOISE, encodings=["utf-8", "utf-16"])
+    assert s.init.capabilities.position_encoding == t.PositionEncodingKind.Utf8
+    text = 'fn main() {\n    let s = "żółw 🐢"; let n = \n}\n'
+    s.open(text)
+    offset = text.index("let n = ") + len("let n = ")
+    res = await s.inline(offset, enc="utf-8")
+    st = await s.stats()
+    assert st["positionEncoding"] == "utf-8"
+    assert st["lastFim"]["prefix"] == text[:offset]  # the UTF-8 column mapped to the right character
+    assert len(res.items) == 1
+    check_item(res.items[0], text, offset, st["lastRaw"], enc="utf-8", multiline="always")
+
+
+# -- cancellation, superseding, stale versions -----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def busy(sock: Path, n: int = 5, tokens: int = 300):
+    """Keep the daemon busy with long generations (greedy noise never stops early), so that a request sent
+    meanwhile waits at the daemon long enough to be cancelled or outdated there. Waits for them to end."""
+    async with await Client.connect(sock, client="busy") as c:
+        streams = [await c.generate(f"// {i}\n", max_tokens=tokens) for i in range(n)]
+        try:
+            yield
+        finally:
+            for st in streams:
+                await st.collect()
+
+
+async def test_cancel_request_cancels_the_daemon_request(lsp, daemon):
+    s = await lsp(NOISE)
+    s.open(RUST)
+    msg_id = str(uuid.uuid4())
+    async with busy(daemon):
+        fut = asyncio.wrap_future(s.client.protocol.send_request(
+            t.TEXT_DOCUMENT_INLINE_COMPLETION, s.inline_params(len(RUST)), msg_id=msg_id))
+        await until(lambda: _stat_at_least(s, "daemon_requests", 1), step=0.005)
+        s.client.protocol.notify(t.CANCEL_REQUEST, t.CancelParams(id=msg_id))
+        with pytest.raises(JsonRpcRequestCancelled):
+            await fut
+        st = await s.stats()
+        assert st["cancelled"] == 1 and st["daemon_cancels"] == 1
+        assert "lastRaw" in st and st["lastRaw"] is None  # it never finished
+
+    async def daemon_idle():
+        async with await Client.connect(daemon) as c:
+            reply = await c.status()
+        return reply.active == 0 and reply.queue == 0
+
+    await until(daemon_idle, timeout=10)
+
+
+async def test_new_request_for_the_same_document_supersedes(lsp):
+    s = await lsp({**NOISE, "debounceMs": 300})
+    s.open(RUST)
+    a = asyncio.ensure_future(s.inline(RUST.index("counts\n}"), invoked=False))
+    await asyncio.sleep(0.05)
+    b = await s.inline(RUST.index("counts\n}") + 6, invoked=False)
+    first = await a
+    st = await s.stats()
+    assert len(first.items) == 0  # the older request answers empty at once
+    assert st["superseded"] == 1 and st["daemon_requests"] == 1
+    assert len(b.items) == 1
+
+
+async def test_stale_version_is_dropped(lsp):
+    s = await lsp({**NOISE, "debounceMs": 300})
+    s.open(RUST)
+    s.open(RUST, uri=URI2)
+    offset = RUST.index("    counts\n}") + len("    counts")
+    # control: in an identical document that is not edited, the same request is answered
+    assert len((await s.inline(offset, invoked=False, uri=URI2)).items) == 1
+    pending = asyncio.ensure_future(s.inline(offset, invoked=False))
+    await asyncio.sleep(0.05)
+    s.edit(0, 0, "// edited\n")  # version 2 arrives while version 1's request waits
+    res = await pending
+    st = await s.stats()
+    assert len(res.items) == 0 and st["stale"] == 1
+    assert st["daemon_requests"] == 1  # only the control request reached the daemon
+
+
+async def test_edit_during_generation_drops_the_result(lsp, daemon):
+    # the edit lands while the request waits at the daemon: its result would be for an old version, so the
+    # daemon request is cancelled at once and the editor's request answers empty
+    s = await lsp(NOISE)
+    s.open(RUST)
+    async with busy(daemon):
+        pending = asyncio.ensure_future(s.inline(len(RUST)))
+        await until(lambda: _stat_at_least(s, "daemon_requests", 1), step=0.005)
+        s.edit(0, 0, "// edited\n")
+        res = await pending
+    st = await s.stats()
+    assert len(res.items) == 0 and st["stale"] == 1 and st.get("suggestions", 0) == 0
+    assert st["daemon_cancels"] == 1
+
+
+# -- settings ----------------------------------------------------------------------------------------------------
+
+
+async def test_did_change_configuration(lsp):
+    s = await lsp(NOISE)
+    s.open(RUST)
+    s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings={"m31r": {"enable": False}}))
+    res = await s.inline(len(RUST))
+    st = await s.stats()
+    assert len(res.items) == 0 and st.get("daemon_requests", 0) == 0 and st["settings"]["enable"] is False
+    s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(
+        settings={"m31r": {"enable": True, "maxTokens": 8}, "editor": {"tabSize": 4}}))
+    await s.inline(len(RUST))
+    st = await s.stats()
+    assert st["daemon_requests"] == 1 and st["lastFim"]["max_tokens"] == 8
+    # the pull model: a change notification without values makes the server ask workspace/configuration
+    s.client.set_configuration({"maxTokens": 5, "multiline": "never"}, section="m31r")
+    s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings=None))
+    await until(lambda: _settings_are(s, max_tokens=5, multiline="never"), timeout=10)
+
+
+async def _settings_are(s: Session, **want) -> bool:
+    got = (await s.stats())["settings"]
+    return all(got[k] == v for k, v in want.items())
+
+
+async def test_debounce_adaptive_and_bypassed_on_manual_trigger(lsp):
+    s = await lsp({**NOISE, "debounceMode": "adaptive", "debounceMs": 400})
+    s.open(RUST)
+    t0 = time.perf_counter()
+    await s.inline(len(RUST), invoked=True)  # manual: no debounce
+    manual = time.perf_counter() - t0
+    st = await s.stats()
+    # adaptive: a quarter of the recent latency, within [debounceMs/2, 2*debounceMs]
+    assert 200 <= st["debounceMs"] <= 800
+    t0 = time.perf_counter()
+    await s.inline(len(RUST) - 2, invoked=False)
+    automatic = time.perf_counter() - t0
+    assert automatic >= 0.2 and automatic > manual
+
+
+# -- post-processing through the server ------------------------------------------------------------------------
+
+
+async def test_mid_line_is_single_line(lsp):
+    s = await lsp({**NOISE, "multiline": "auto"})
+    text = "fn main() {\n    let x = compute(1);\n}\n"
+    s.open(text)
+    offset = text.index("compute")  # code follows the cursor
+    seen = 0
+    for seed in range(1, 6):
+        s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings={"m31r": {"seed": seed}}))
+        res = await s.inline(offset)
+        st = await s.stats()
+        assert st["lastFim"]["stop"] == ["\n"]
+        for item in res.items:
+            seen += 1
+            assert "\n" not in item.insert_text
+            check_item(item, text, offset, st["lastRaw"])
+    assert seen >= 1
+
+
+async def test_auto_closed_bracket_range(lsp):
+    s = await lsp({**NOISE, "multiline": "auto"})
+    text = "fn main() {\n    let n = count_words()\n}\n"
+    s.open(text)
+    offset = text.index("count_words(") + len("count_words(")
+    res = await s.inline(offset)
+    st = await s.stats()
+    assert st["lastFim"]["stop"] == [] and st["lastFim"]["suffix"].startswith(")\n")  # multi-line: only ")" follows
+    if res.items:
+        want = check_item(res.items[0], text, offset, st["lastRaw"])
+        assert want.end in (offset, offset + 1)  # at most the auto-closed ")" is replaced
+        accepted = text[: want.start] + want.text + text[want.end :]
+        assert accepted.count(")") - accepted.count("(") == text.count(")") - text.count("(") or ")" not in want.text
+
+
+async def test_suffix_overlap_against_policy(lsp):
+    # whatever the noise, the server shows exactly what the shared policy makes of it
+    s = await lsp({**NOISE, "multiline": "auto"})
+    text = "fn main() {\n    let counts = count_words(text);\n}\n"
+    s.open(text)
+    for offset in (text.index("count_words"), text.index("(text)") + 1, text.index(";\n}")):
+        res = await s.inline(offset)
+        st = await s.stats()
+        want = expected(text, offset, st["lastRaw"])
+        if want is None:
+            assert len(res.items) == 0
+        else:
+            check_item(res.items[0], text, offset, st["lastRaw"])
+
+
+# -- the daemon down, dying, coming back ---------------------------------------------------------------------
+
+
+async def test_daemon_down_show_message_once_and_empty_results(tmp_path):
+    s = await start({"socket": str(tmp_path / "nobody.sock"), "autostart": False, "debounceMs": 0})
+    try:
+        s.open(RUST)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            res = await s.inline(len(RUST))
+            assert len(res.items) == 0
+        assert time.perf_counter() - t0 < 5  # never a hang
+        warnings = [m for m in s.client.messages if m.type == t.MessageType.Warning]
+        assert len(warnings) == 1 and "unavailable" in warnings[0].message
+        assert any(st["state"] == "unavailable" for st in s.status)
+        res = await s.client.text_document_completion_async(t.CompletionParams(
+            text_document=t.TextDocumentIdentifier(URI), position=t.Position(0, 0)))
+        assert len(res.items) == 0
+    finally:
+        await stop(s)
+
+
+async def test_daemon_dies_and_the_server_reconnects(tiny_bundle, tmp_path):
+    sock = tmp_path / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    s = await start({**NOISE, "socket": str(sock), "autostart": False})
+    try:
+        s.open(RUST)
+        cursors = iter(LINE_ENDS)  # a new cursor each time: a finished suggestion is reused for its cursor
+        assert len((await s.inline(next(cursors))).items) == 1
+        stop_daemon(proc)
+        res = await s.inline(next(cursors))
+        assert len(res.items) == 0
+        await until(lambda: _async(any(m.type == t.MessageType.Warning for m in s.client.messages)))
+        proc = start_daemon(tiny_bundle.path, sock)
+
+        async def answered():
+            return len((await s.inline(next(cursors))).items) == 1
+
+        await until(answered, timeout=30, step=0.3)
+        st = await s.stats()
+        assert st["connects"] == 2 and st["daemon"]["state"] == "ready"
+        assert len([m for m in s.client.messages if m.type == t.MessageType.Warning]) == 1
+    finally:
+        await stop(s)
+        stop_daemon(proc)
+
+
+async def test_autostart_starts_the_daemon(tiny_bundle, tmp_path):
+    sock = tmp_path / "auto.sock"
+    s = await start({**NOISE, "socket": str(sock), "autostart": True, "bundle": str(tiny_bundle.path)})
+    try:
+        s.open(RUST)
+
+        async def answered():
+            return len((await s.inline(len(RUST))).items) == 1
+
+        await until(answered, timeout=60, step=0.2)
+        assert Path(sock).exists()
+    finally:
+        await stop(s)
+        async with await Client.connect(sock) as c:
+            await c.shutdown()

