@@ -128,6 +128,8 @@ def apply(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
         if spec is None:
             problems.append(f"m31r.{key}: unknown setting, ignored")
             continue
+        if key in ("socket", "bundle") and value in (None, ""):
+            continue  # empty means "the default": keep what the command line (`--socket`, `--bundle`) set
         name, check = spec
         try:
             changes[name] = check(value)

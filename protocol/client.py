@@ -88,8 +88,12 @@ class Stream:
         return text, self.done
 
     async def cancel(self) -> None:
-        if self.done is None and self.id in self.client._streams:
-            await self.client._send(Cancel(id=self.id))
+        """Ask the daemon to stop this request and detach from it: whatever it still sends is dropped, and
+        iterating the stream further raises DaemonError("cancelled")."""
+        if self.done is None and self.client._streams.pop(self.id, None) is not None:
+            self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
+            with contextlib.suppress(DaemonUnavailable, ConnectionError):
+                await self.client._send(Cancel(id=self.id))
 
 
 class Client:
