@@ -41,7 +41,7 @@ test-vscode:
 		cd editors/vscode && npm ci --no-audit --no-fund && npm test && npm run package; \
 	else echo "npm not found: skipping the VS Code extension build" >&2; fi
 
-test: lint test-python test-vscode
+test: lint test-vscode test-python
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
