@@ -159,7 +159,10 @@ class Completer:
         if not invoked:
             delay = self.debounce_s(s)
             if delay > 0:
+                self.stats["debounced"] += 1
                 await asyncio.sleep(delay)
+        else:
+            self.stats["undebounced"] += 1  # a manual trigger never waits
         if self._live_version(uri) != version:
             self.stats["stale"] += 1
             return None

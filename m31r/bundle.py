@@ -3,6 +3,10 @@
 A bundle is a directory of exactly five files. `checksum.txt` is in `sha256sum` format, so the bundle
 can be checked with coreutils too. Every failure raises BundleError naming the file and the fault:
 the daemon refuses to start on a bundle it cannot trust.
+
+Weights are float (fp32/bf16/fp16) or quantized (metadata `quantization`: int8, or int4 with a group size;
+see m31r.quant for the tensor layout). A quantized bundle stores plain, machine-independent codes, so
+loading stays a memory map (int4 codes are packed for the CPU's kernel at load).
 """
 
 from __future__ import annotations
@@ -11,16 +15,17 @@ import hashlib
 import json
 import mmap
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from m31r.config import ConfigError, ModelConfig, load_config
 from m31r.model import expected_shapes
+from m31r.quant import INT4_GROUP_SIZES, METHODS, quantize_state_dict, quantized_tensor_specs
 
 FORMAT_VERSION = 1
 CONTENT_FILES = ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json")
@@ -32,6 +37,9 @@ METADATA_KEYS = (
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
               "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FLOAT_ST = ("F32", "BF16", "F16")
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
 
 
 class BundleError(RuntimeError):
@@ -57,6 +65,11 @@ class Bundle:
     def model_id(self) -> str:
         return f"{self.metadata['model_name']}@{self.metadata['model_version']}"
 
+    @property
+    def quantization(self) -> dict | None:
+        """{"method": "int8"} or {"method": "int4", "group_size": 64}; None for float weights."""
+        return self.metadata.get("quantization")
+
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -64,6 +77,30 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a safetensors file whose tensors start at multiples of ALIGN in the file, so the memory-mapped tensors
+    are aligned too (mmap is page-aligned). The format allows trailing spaces in the header and no gaps between
+    tensors, so tensors whose sizes are multiples of ALIGN (all of them, for real model shapes) go first; the
+    loader copies any tensor that still ends up misaligned."""
+    order = sorted(tensors, key=lambda k: (tensors[k].nbytes % ALIGN != 0, k))
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in order:
+            t = tensors[name]
+            if t.nbytes:
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def write_bundle(
@@ -77,15 +114,25 @@ def write_bundle(
     dataset_version: str,
     model_version: str = "0.1.0",
     extra: dict | None = None,
+    quantization: dict | None = None,
 ) -> Bundle:
-    """Write the five files; the one writer behind `bundle init`, `import-hf` and training export."""
+    """Write the five files; the one writer behind `bundle init`, `import-hf`, `quantize` and training export.
+
+    With `quantization`, `state_dict` holds the quantized tensors (m31r.quant.quantize_state_dict): codes and
+    scales are written as they are, only the norm gains take `dtype`.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = expected_shapes(config)
-    if set(state_dict) != set(shapes):
-        raise BundleError(f"state dict does not match the config: {sorted(set(state_dict) ^ set(shapes))[:5]}")
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if quantization:
+        _check_quantization(out / "metadata.json", quantization)
+        specs = quantized_tensor_specs(config, quantization["method"], quantization.get("group_size"))
+    else:
+        specs = {k: (shape, "float") for k, shape in expected_shapes(config).items()}
+    if set(state_dict) != set(specs):
+        raise BundleError(f"state dict does not match the config: {sorted(set(state_dict) ^ set(specs))[:5]}")
+    tensors = {k: v.detach().to("cpu", dtype if specs[k][1] == "float" else v.dtype).contiguous()
+               for k, v in state_dict.items()}
+    save_aligned(tensors, out / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "config.yaml").write_text(config.to_yaml())
     metadata = {
@@ -100,6 +147,7 @@ def write_bundle(
         "training_seed": seed,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         **(extra or {}),
+        **({"quantization": quantization} if quantization else {}),
     }
     (out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     lines = [f"{sha256_file(out / name)}  {name}\n" for name in CONTENT_FILES]
@@ -140,22 +188,42 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
-    """Check a bundle end to end without reading the weights into memory; abort on the first fault."""
-    path = Path(path)
+def _check_present(path: Path) -> None:
     if not path.is_dir():
         raise BundleError(f"{path}: not a bundle directory")
     for name in (*CONTENT_FILES, CHECKSUM_FILE):
         if not (path / name).is_file():
             raise BundleError(f"{path / name}: missing from the bundle")
+
+
+def verify_checksums(path: Path) -> None:
+    """Hash every content file against checksum.txt (sha256; ~1 GB/s with SHA-NI)."""
+    for name, expected in _read_checksums(path).items():
+        got = sha256_file(path / name)
+        if got != expected:
+            raise BundleError(
+                f"{path / name}: checksum mismatch (checksum.txt has {expected[:16]}…, the file hashes to "
+                f"{got[:16]}…): the file is corrupt or was modified"
+            )
+
+
+def verify_in_background(path: str | Path) -> Future:
+    """Start `verify_checksums` on a worker thread (hashlib releases the GIL), so a loader can build the model
+    meanwhile; the loader must wait for the result before it serves anything (see Engine). A missing bundle or
+    file is reported at once."""
+    _check_present(Path(path))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="m31r-verify")
+    future = pool.submit(verify_checksums, Path(path))
+    pool.shutdown(wait=False)
+    return future
+
+
+def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
+    """Check a bundle end to end without reading the weights into memory; abort on the first fault."""
+    path = Path(path)
+    _check_present(path)
     if verify:
-        for name, expected in _read_checksums(path).items():
-            got = sha256_file(path / name)
-            if got != expected:
-                raise BundleError(
-                    f"{path / name}: checksum mismatch (checksum.txt has {expected[:16]}…, the file hashes to "
-                    f"{got[:16]}…): the file is corrupt or was modified"
-                )
+        verify_checksums(path)
     try:
         config = load_config(path / "config.yaml")
     except ConfigError as e:
@@ -167,8 +235,11 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
     missing = [k for k in METADATA_KEYS if k not in metadata]
     if missing:
         raise BundleError(f"{path / 'metadata.json'}: missing keys {', '.join(missing)}")
+    quantization = metadata.get("quantization")
+    if quantization is not None:
+        _check_quantization(path / "metadata.json", quantization)
     _check_tokenizer(path / "tokenizer.json", config)
-    _check_weights(path / "model.safetensors", config)
+    _check_weights(path / "model.safetensors", config, quantization)
     # Traceability (06 §29): the recorded hashes must describe the files actually shipped.
     if metadata["config_hash"] != config.config_hash():
         raise BundleError(f"{path / 'config.yaml'}: does not match config_hash in metadata.json (edited after export?)")
@@ -191,21 +262,36 @@ def _check_tokenizer(f: Path, config: ModelConfig) -> None:
             raise BundleError(f"{f}: special token {text!r} ({role} in config.yaml) is not in the tokenizer")
 
 
-def _check_weights(f: Path, config: ModelConfig) -> None:
+def _check_quantization(f: Path, q: object) -> None:
+    if not isinstance(q, dict) or q.get("method") not in METHODS:
+        raise BundleError(f"{f}: quantization must be {{\"method\": one of {', '.join(METHODS)}, ...}}, got {q!r}")
+    if q["method"] == "int4" and q.get("group_size") not in INT4_GROUP_SIZES:
+        raise BundleError(f"{f}: int4 quantization needs group_size in {INT4_GROUP_SIZES}, got {q.get('group_size')!r}")
+
+
+def _check_weights(f: Path, config: ModelConfig, quantization: dict | None = None) -> None:
     header, _ = safetensors_header(f)
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(header))
+    if quantization:
+        try:
+            specs = quantized_tensor_specs(config, quantization["method"], quantization.get("group_size"))
+        except ValueError as e:
+            raise BundleError(f"{f}: {e}") from None
+    else:
+        specs = {k: (shape, "float") for k, shape in expected_shapes(config).items()}
+    missing = sorted(set(specs) - set(header))
     if missing:
-        raise BundleError(f"{f}: {len(missing)} tensors missing for config.yaml, e.g. {missing[0]}")
-    extra = sorted(set(header) - set(expected))
+        kind = f"{quantization['method']} " if quantization else ""
+        raise BundleError(f"{f}: {len(missing)} tensors missing for config.yaml, e.g. {kind}{missing[0]}")
+    extra = sorted(set(header) - set(specs))
     if extra:
         raise BundleError(f"{f}: unexpected tensor {extra[0]} (not part of this config's model)")
-    for name, shape in expected.items():
+    for name, (shape, st_dtype) in specs.items():
         got = tuple(header[name]["shape"])
         if got != shape:
             raise BundleError(f"{f}: tensor {name} has shape {list(got)}, config.yaml implies {list(shape)}")
-        if header[name]["dtype"] not in _ST_DTYPES:
-            raise BundleError(f"{f}: tensor {name} has unsupported dtype {header[name]['dtype']}")
+        dtype = header[name]["dtype"]
+        if dtype not in (_FLOAT_ST if st_dtype == "float" else (st_dtype,)):
+            raise BundleError(f"{f}: tensor {name} has unsupported dtype {dtype}")
 
 
 def load_weights(bundle: Bundle) -> dict[str, torch.Tensor]:
@@ -236,3 +322,25 @@ def init_bundle(
     tok = tokenizer or build_byte_tokenizer(config.vocab_size)
     return write_bundle(out, config, model.state_dict(), tok, dtype=dtype, seed=seed,
                         dataset_version="none (random init)", model_version="0.0.0-random")
+
+
+def quantize_bundle(src: str | Path, out: str | Path, method: str, group_size: int = 64) -> Bundle:
+    """Write a copy of the float bundle `src` with int8 or int4 weights (m31r.quant) into `out`."""
+    source = open_bundle(src)
+    if source.quantization:
+        raise BundleError(f"{source.path}: already quantized ({source.quantization['method']}); quantize the float "
+                          f"bundle it came from")
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    q = {"method": method, **({"group_size": group_size} if method == "int4" else {})}
+    tensors = quantize_state_dict(source.config, load_weights(source), method, group_size)
+    meta = source.metadata
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+    keep = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k != "quantization"}
+    return write_bundle(
+        out, source.config, tensors, HFTokenizer.from_file(str(source.tokenizer_path)), dtype=dtype,
+        seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=meta["model_version"],
+        extra={**keep, "quantized_from": source.fingerprint}, quantization=q,
+    )

@@ -152,10 +152,29 @@ def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
     click.echo(_summary(b))
 
 
+@bundle.command("quantize")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--quant", type=click.Choice(["int8", "int4"]), required=True,
+              help="int8: per-channel weight-only; int4: group-wise (the embedding/LM head stays int8).")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="int4 group size along the input dimension.")
+@user_errors
+def bundle_quantize(src: Path, out: Path, quant: str, group_size: str) -> None:
+    """Write a copy of the float bundle SRC with quantized weights into OUT (serve it with `daemon --bundle OUT`)."""
+    from m31r.bundle import quantize_bundle
+
+    with _new_bundle_dir(out):
+        b = quantize_bundle(src, out, quant, int(group_size))
+    click.echo(_summary(b))
+
+
 def _summary(b: Any) -> str:
     """One line identifying a bundle: what scripts and humans need to know it is the right one."""
     meta = b.metadata
-    return (f"ok {b.model_id}: {meta['parameter_count']:,} params, {meta['dtype']}, "
+    q = meta.get("quantization")
+    kind = f"{q['method']}" + (f" (group {q['group_size']})" if q.get("group_size") else "") + " weights" if q else ""
+    return (f"ok {b.model_id}: {meta['parameter_count']:,} params, {kind + ', ' if kind else ''}{meta['dtype']}, "
             f"fingerprint {b.fingerprint}, {b.path}")
 
 
@@ -181,17 +200,20 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--max-active", type=int, default=4, show_default=True, help="Requests advanced in turn at once.")
 @click.option("--chunk-size", type=int, default=32, show_default=True,
               help="Prefill chunk; cache reuse happens at multiples of it.")
+@click.option("--quant", type=click.Choice(["int8", "int4"]), default=None,
+              help="Quantize a float bundle's weights at load (a quantized bundle is served as stored).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,
-           cache_mb: float, max_queue: int, max_active: int, chunk_size: int, log_level: str) -> None:
+           cache_mb: float, max_queue: int, max_active: int, chunk_size: int, quant: str | None,
+           log_level: str) -> None:
     """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
-                         max_active=max_active, chunk_size=chunk_size, log_level=log_level)
+                         max_active=max_active, chunk_size=chunk_size, quant=quant, log_level=log_level)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
     sys.stdout.flush()

@@ -1,10 +1,18 @@
 """The one core runtime ("Mode C"): load a bundle, prefill against a static KV cache, decode, stream.
 
 Determinism across cache reuse: a token's keys/values depend on how its prefill chunk was shaped (matmul
-blocking changes float reduction order). Prefill therefore always runs in chunks aligned to absolute
-positions, multiples of `chunk_size`, and only positions covered by full aligned chunks are ever reused.
-A warm request then recomputes exactly the chunks a cold one would, bit for bit, so greedy output with a
-cache hit equals output without one.
+blocking changes float reduction order, and kernels are chosen by row count). Prefill therefore splits a
+prompt into chunks by a fixed rule of absolute positions and prompt length (`chunk_layout`), and a cached
+position is reused only inside leading chunks that the rule also gives for the new prompt. A warm request
+then recomputes exactly the chunks a cold one would, bit for bit, so greedy output with a cache hit equals
+output without one.
+
+The rule takes, from each position, the largest chunk of `chunk_size * 2**i` tokens (up to `max_chunk`) that
+starts at a multiple of its own size and ends inside the prompt; fewer than `chunk_size` leftover tokens form
+a last, partial chunk that is never reused. A cold 1536-token prompt runs as six 256-token chunks (near the
+speed of one forward pass), while typing at the end of a prompt keeps everything up to the last `chunk_size`
+boundary before the edit: the chunks before it are the same for both lengths, except when the prompt grows
+across a boundary of a larger chunk, which then runs once as one chunk.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from m31r.bundle import Bundle, load_weights, open_bundle
+from m31r.bundle import Bundle, load_weights, open_bundle, verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
+from m31r.quant import DEFAULT_INT4_GROUP, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
@@ -49,6 +58,16 @@ class Token:
 
 
 @dataclass
+class Decode:
+    """What a batched generator asks its driver for: run `token` at the end of `cache`, send back the logits.
+
+    The scheduler collects these from all its streams and answers them with one `decode_rows` call."""
+
+    cache: KVCache
+    token: int
+
+
+@dataclass
 class Generation:
     """The outcome of one request, filled in as it runs; read it once the token iterator is exhausted."""
 
@@ -61,6 +80,17 @@ class Generation:
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
+
+
+def chunk_layout(n: int, chunk_size: int, max_chunk: int) -> list[int]:
+    """The ends of the prefill chunks of an n-token prompt (see the module docstring)."""
+    sizes = [chunk_size << i for i in range(16) if chunk_size << i <= max(max_chunk, chunk_size)][::-1]
+    ends, pos = [], 0
+    while pos < n:
+        size = next((s for s in sizes if pos % s == 0 and pos + s <= n), n - pos)
+        pos += size
+        ends.append(pos)
+    return ends
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -80,28 +110,62 @@ class Engine:
         dtype: str = "float32",
         threads: int | None = None,
         chunk_size: int = 32,
+        max_chunk: int = 256,
+        decode_width: int = 8,
+        quant: str | None = None,
+        group_size: int | None = None,
     ):
+        """`quant` (int8 | int4) quantizes a float bundle's weights at load; a quantized bundle is loaded as it
+        was stored (`quant`, if given, must name its method). `dtype` is the precision of everything else:
+        activations, norms, attention and the KV cache."""
         if threads:
             torch.set_num_threads(threads)
-        self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
-        self.config = self.bundle.config
-        self.device = torch.device(device)
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.chunk_size = chunk_size
-        self.tokenizer = Tokenizer.from_file(self.bundle.tokenizer_path, self.config.special_tokens)
+        self.chunk_size, self.max_chunk = chunk_size, max_chunk
+        if decode_width < 1:
+            raise ValueError(f"decode_width must be >= 1, got {decode_width}")
+        self.decode_width = decode_width
+        if isinstance(bundle, Bundle):  # opened (and verified, or not) by the caller
+            self._load(bundle, quant, group_size)
+            return
+        # The checksums are verified on another thread while the model is built (hashing a medium bundle takes
+        # about as long as building it); the engine is returned only once they pass. A checksum failure is
+        # reported in preference to whatever it made go wrong in the meantime.
+        verified = verify_in_background(bundle)
+        try:
+            self._load(open_bundle(bundle, verify=False), quant, group_size)
+        except BaseException:
+            verified.result()
+            raise
+        verified.result()
+
+    def _load(self, bundle: Bundle, quant: str | None, group_size: int | None) -> None:
+        self.bundle = bundle
+        self.config = bundle.config
+        stored = bundle.quantization or {}
+        if stored and quant not in (None, stored["method"]):
+            raise ValueError(f"{bundle.path} holds {stored['method']} weights; it cannot be served as {quant} "
+                             f"(quantize the float bundle instead)")
+        self.quant = stored.get("method") or quant
+        self.group_size = stored.get("group_size") or group_size or DEFAULT_INT4_GROUP
+        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_path, self.config.special_tokens)
         with torch.device("meta"):
             model = Transformer(self.config)
-        weights = load_weights(self.bundle)
-        if self.device.type != "cpu" or any(t.dtype != self.dtype for t in weights.values()):
-            weights = {k: t.to(self.device, self.dtype) for k, t in weights.items()}
-        model.load_state_dict(weights, strict=True, assign=True)
-        # The non-persistent RoPE tables were created on meta: build them for real.
+        model = prepare(model, load_weights(bundle), dtype=self.dtype, device=self.device, method=self.quant,
+                        group_size=self.group_size)
+        # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
-        model.rope_cos, model.rope_sin = cos.to(self.device), sin.to(self.device)
+        model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
+        self._rows = torch.zeros(self.decode_width, 1, dtype=torch.long, device=self.device)  # decode input
+        unused = self.tokenizer.unused_ids
+        self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
 
     # -- caches ---------------------------------------------------------------------------------------
 
@@ -112,43 +176,70 @@ class Engine:
         c = self.config
         return 2 * c.n_layers * c.kv_heads * (capacity or c.max_context) * c.head_dim * self.dtype.itemsize
 
+    def layout(self, n: int) -> list[int]:
+        return chunk_layout(n, self.chunk_size, self.max_chunk)
+
     def reusable(self, cache: KVCache, ids: list[int]) -> int:
-        """Positions of `ids` whose cached keys/values can be kept: full aligned chunks only, and never
-        the whole prompt (the last prompt token must run to give the logits for the first new token)."""
-        n = min(common_prefix(cache.tokens, ids), cache.aligned, len(ids) - 1)
-        return n - n % self.chunk_size
+        """Positions of `ids` whose cached keys/values can be kept: the leading cached chunks that a cold prefill
+        of `ids` would also run, and never the whole prompt (the last prompt token must run to give the logits
+        for the first new token)."""
+        limit = min(common_prefix(cache.tokens, ids), len(ids) - 1)
+        keep = 0
+        for cached, wanted in zip(cache.chunks, self.layout(len(ids)), strict=False):
+            if cached != wanted or cached > limit:
+                break
+            keep = cached
+        return keep
 
     # -- the forward passes ---------------------------------------------------------------------------
 
     def prefill(self, cache: KVCache, ids: list[int], start: int) -> Iterator[torch.Tensor | None]:
-        """Run ids[start:] in aligned chunks; yields None between chunks (a cancellation point), then the
-        fp32 logits of the last position."""
-        c = self.chunk_size
-        pos = start
+        """Run ids[start:] in the chunks of `chunk_layout`; yields None between chunks (a cancellation point),
+        then the fp32 logits of the last position. `start` must be 0 or a value from `reusable`."""
+        ends = self.layout(len(ids))
+        if start and start not in ends:
+            raise ValueError(f"prefill must start at a chunk boundary of this prompt, not at {start}")
         logits = None
         cache.tokens = cache.tokens[:start]
-        cache.aligned = min(cache.aligned, start)
-        while pos < len(ids):
-            end = min(len(ids), (pos // c + 1) * c)
+        cache.chunks = [e for e in cache.chunks if e <= start]
+        pos = start
+        for end in ends:
+            if end <= start:
+                continue
             chunk = torch.tensor([ids[pos:end]], dtype=torch.long, device=self.device)
             with torch.inference_mode():
                 logits = self.model(chunk, start=pos, cache=cache, last_only=True)
             cache.tokens.extend(ids[pos:end])
-            if end % c == 0:
-                cache.aligned = end
+            if end - pos >= self.chunk_size:
+                cache.chunks.append(end)
             pos = end
             if pos < len(ids):
                 yield None
         assert logits is not None
         yield logits[0, -1].float()
 
+    def decode_rows(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
+        """One decode step for several sequences at once: row r feeds tokens[r] at the end of caches[r].
+
+        Weight reads dominate a decode step, so rows share them almost for free. Steps always run at the fixed
+        width `decode_width` (unused rows are padding): matmul kernels and their reduction order depend on the row
+        count, so a fixed width makes a stream's output independent of how many others run beside it."""
+        out = []
+        w = self.decode_width
+        for i in range(0, len(caches), w):
+            group, toks = caches[i : i + w], tokens[i : i + w]
+            positions = [len(c.tokens) for c in group]
+            self._rows.zero_()
+            self._rows[: len(toks), 0] = torch.tensor(toks, dtype=torch.long)
+            with torch.inference_mode():
+                logits = self.model.decode_rows(self._rows, positions, group)
+            for c, t in zip(group, toks, strict=True):
+                c.tokens.append(t)
+            out.append(logits.float())
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def decode_step(self, cache: KVCache, token: int) -> torch.Tensor:
-        pos = len(cache.tokens)
-        x = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            logits = self.model(x, start=pos, cache=cache)
-        cache.tokens.append(token)
-        return logits[0, -1].float()
+        return self.decode_rows([cache], [token])[0]
 
     # -- generation -----------------------------------------------------------------------------------
 
@@ -171,11 +262,13 @@ class Engine:
         truncate: bool = False,
         result: Generation | None = None,
         ticks: bool = False,
+        batched: bool = False,
     ) -> Iterator[Token | None]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
         `result` (if given) is filled in as generation runs. With `ticks`, None is yielded between
-        prefill chunks so a scheduler can check for cancellation and interleave other work.
+        prefill chunks so a scheduler can check for cancellation and interleave other work. With `batched`, each
+        decode step is yielded as a `Decode` for the driver to run (batched with other streams) and send back.
         """
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -213,6 +306,8 @@ class Engine:
         hit = False
         for i in range(max_tokens):
             hist = torch.tensor(history, device=self.device) if need_history else None
+            if self.unused_ids is not None:  # reserved vocabulary entries are never text: never sample them
+                logits = logits.index_fill(0, self.unused_ids, float("-inf"))
             tok = sampler(logits, hist)
             if tok in self.stop_ids:
                 res.finish_reason = "stop"
@@ -230,7 +325,7 @@ class Engine:
                 res.finish_reason = "stop"
                 break
             if i + 1 < max_tokens:
-                logits = self.decode_step(cache, tok)
+                logits = (yield Decode(cache, tok)) if batched else self.decode_step(cache, tok)
         if not hit and (tail := stops.flush()):
             res.text += tail
             yield Token(None, tail)

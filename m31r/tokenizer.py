@@ -32,6 +32,9 @@ class Tokenizer:
         self.fim_middle_id = ids["fim_middle_token"]
         self.pad_id = ids["pad_token"]
         self.special_ids = frozenset(ids.values())
+        # Padding entries (`<|reserved_N|>`) that no text encodes to: a model must never emit them.
+        self.unused_ids = sorted(i for t, i in hf.get_vocab(with_added_tokens=True).items()
+                                 if t.startswith("<|reserved_") and t.endswith("|>"))
 
     @classmethod
     def from_file(cls, path: str | Path, special: dict[str, str]) -> Tokenizer:

@@ -52,6 +52,7 @@ class DaemonOptions:
     max_queue: int = 32
     max_active: int = 4
     chunk_size: int = 32
+    quant: str | None = None  # int8 | int4: quantize a float bundle at load
     grace_s: float = 5.0
     log_level: str = "info"
 
@@ -77,7 +78,7 @@ def run(opts: DaemonOptions) -> int:
 
     try:
         engine = Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
-                        chunk_size=opts.chunk_size)
+                        chunk_size=opts.chunk_size, quant=opts.quant)
     except (BundleError, ValueError, OSError) as e:
         log.error("cannot load the model: %s", e)
         print(f"m31rd: cannot load the model: {e}", file=sys.stderr)

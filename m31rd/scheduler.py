@@ -1,8 +1,11 @@
 """The one inference thread: the only code in the daemon that touches torch.
 
-The asyncio side hands jobs over through a queue; results go back with `loop.call_soon_threadsafe`. Active
-jobs advance one step at a time in turn (a prefill chunk or a token), so a short request is never stuck
-behind a long prefill, and every step boundary is a point where cancellation takes effect.
+The asyncio side hands jobs over through a queue; results go back with `loop.call_soon_threadsafe`. The
+thread works in rounds: each active job advances to its next model call (a prefill chunk runs then and
+there; a decode step is collected), then one batched forward pass decodes a token for every collected job.
+A short request is never stuck behind a long prefill, concurrent streams share the cost of reading the
+weights, and every round boundary is a point where cancellation takes effect. The engine decodes at a fixed
+batch width, so a request's output does not depend on what runs beside it.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 
-from m31r.engine import ContextOverflowError, Engine, Generation, Token
+from m31r.engine import ContextOverflowError, Decode, Engine, Generation, Token
 from m31r.fim import FimBudget, build_fim_prompt
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
@@ -44,10 +48,13 @@ class Job:
     ids: list[int] | None = None
     max_tokens: int = 0
     slot: Slot | None = None
-    gen: Iterator[Token | None] | None = None
+    gen: Generator[Token | Decode | None, torch.Tensor | None, None] | None = None
+    decode: Decode | None = None  # the decode step the job waits for
+    logits: torch.Tensor | None = None  # that step's result, sent into the generator next round
     result: Generation | None = None
     started: float = 0.0
     text: str = ""  # what was sent so far (typed-through reuses it)
+    failed: bool = False  # a batched step failed: answer `internal`
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
@@ -118,7 +125,24 @@ class Scheduler:
             for job in list(active):
                 if self._step(job):
                     active.remove(job)
+            self._decode([job for job in active if job.decode is not None])
             self.active = len(active)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        """One batched decode step for every job waiting for one."""
+        if not jobs:
+            return
+        try:
+            logits = self.engine.decode_rows([j.decode.cache for j in jobs], [j.decode.token for j in jobs])
+        except Exception as e:
+            log.error("batched decode failed: %s", traceback.format_exc())
+            for job in jobs:
+                job.decode = None
+                job.cancel(f"inference failed: {e!r}")
+                job.failed = True
+            return
+        for job, row in zip(jobs, logits, strict=True):
+            job.decode, job.logits = None, row
 
     def _prompt(self, job: Job) -> tuple[list[int], int]:
         req = job.request
@@ -149,7 +173,7 @@ class Scheduler:
         job.result = Generation(prompt_tokens=len(job.ids))
         job.gen = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
-            result=job.result, ticks=True)
+            result=job.result, ticks=True, batched=True)
         return True
 
     def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:
@@ -174,27 +198,35 @@ class Scheduler:
                               total_ms=round((time.perf_counter() - job.received) * 1000, 2)))
 
     def _step(self, job: Job) -> bool:
-        """Advance a job by one step; True when it has finished (and its answer is posted)."""
+        """Advance a job to its next model call: run a prefill chunk, or stop at a decode step (collected for
+        this round's batch), sending the tokens produced on the way. True when it has finished."""
+        if job.failed:
+            return self._finish(job, m.Error(id=job.rid, code="internal", message=job.cancel_reason or ""), False)
         if job.cancel_reason:
             return self._finish(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason))
         assert job.gen is not None and job.result is not None
-        try:
-            ev = next(job.gen)
-        except StopIteration:
-            return self._finish(job, self._done(job))
-        except Exception as e:
-            log.error("inference failed: %s", traceback.format_exc())
-            return self._finish(job, m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}"), False)
-        if ev is None:
-            return False
-        text = ev.text
-        if job.deadline is not None and "\n" in text and time.perf_counter() >= job.deadline:
-            text = text[: text.index("\n")]
-            if text:
-                job.text += text
-                self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
-            job.result.finish_reason = "deadline"
-            return self._finish(job, self._done(job))
-        job.text += text
-        self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
-        return False
+        while True:
+            try:
+                logits, job.logits = job.logits, None
+                ev = job.gen.send(logits)
+            except StopIteration:
+                return self._finish(job, self._done(job))
+            except Exception as e:
+                log.error("inference failed: %s", traceback.format_exc())
+                msg = m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}")
+                return self._finish(job, msg, False)
+            if ev is None:  # a prefill chunk ran: give the other jobs their turn
+                return False
+            if isinstance(ev, Decode):
+                job.decode = ev
+                return False
+            text = ev.text
+            if job.deadline is not None and "\n" in text and time.perf_counter() >= job.deadline:
+                text = text[: text.index("\n")]
+                if text:
+                    job.text += text
+                    self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
+                job.result.finish_reason = "deadline"
+                return self._finish(job, self._done(job))
+            job.text += text
+            self._send(job, m.Token(id=job.rid, text=text, token=ev.id))

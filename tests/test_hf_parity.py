@@ -107,8 +107,11 @@ def test_greedy_generation_matches_transformers(pair, prompt: str) -> None:
     ref, engine = pair
     ids = engine.tokenizer.encode(prompt)
     with torch.inference_mode():
+        # The engine never samples the byte tokenizer's unused `<|reserved_N|>` padding entries: suppress them in
+        # the reference too, so both pick from the same vocabulary.
         out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
-                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           suppress_tokens=engine.tokenizer.unused_ids)
     expected = out[0, len(ids):].tolist()
     assert len(expected) == 64 and not set(expected) & engine.tokenizer.special_ids
     result_tokens = [t.id for t in engine.generate(ids, max_tokens=64) if t is not None and t.id is not None]

@@ -238,3 +238,14 @@ def test_extreme_top_p_and_temperature_stay_finite() -> None:
         assert torch.isfinite(probs).all()
         assert int(probs.argmax()) == 1 and float(probs[1]) == 1.0
         assert Sampler(params)(logits) == 1
+
+
+def test_reserved_padding_tokens_are_never_generated(tiny_engine) -> None:
+    """The byte tokenizer pads its vocabulary with `<|reserved_N|>` entries no text encodes to (123 of 384 here):
+    near-uniform sampling would pick them often, yet none is ever emitted."""
+    unused = tiny_engine.tokenizer.unused_ids
+    assert unused and tiny_engine.unused_ids is not None
+    for seed in range(5):
+        params = SamplingParams(temperature=5.0, seed=seed)  # near-uniform: reserved ids would be likely
+        toks = [t.id for t in tiny_engine.generate("fn main() {", max_tokens=40, sampling=params) if t.id is not None]
+        assert not set(toks) & set(unused)

@@ -1,0 +1,274 @@
+"""Quantized weights and the fast inference paths: kernels match their references, quantized bundles round-trip,
+and determinism holds within each precision (a cache hit gives the bits of a cold run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from m31r import quant
+from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, open_bundle, quantize_bundle, sha256_file
+from m31r.cli import main
+from m31r.engine import Engine, chunk_layout
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def _w(n: int, k: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=GEN) * 0.05
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=GEN)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _last(gen) -> torch.Tensor:
+    return [x for x in gen if x is not None][-1]
+
+
+# -- quantizers and modules ---------------------------------------------------------------------------------
+
+
+def test_int8_quantizer_error_is_bounded() -> None:
+    w = _w(96, 64)
+    codes, scales = quant.quantize_int8(w)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (96,)
+    err = (quant.dequantize_int8(codes, scales) - w).abs()
+    assert (err <= scales.float()[:, None] * 0.5 + 1e-6).all()  # half a step per row, at most
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_quantizer_error_and_layout(group: int) -> None:
+    w = _w(64, 128)
+    codes, sz = quant.quantize_int4(w, group)
+    assert codes.shape == (64, 64) and codes.dtype == torch.uint8 and sz.shape == (128 // group, 64, 2)
+    q = quant.unpack_int4(codes)
+    assert q.shape == (64, 128) and int(q.max()) <= 15
+    assert torch.equal(codes, q[:, 0::2] | (q[:, 1::2] << 4))  # even column in the low nibble
+    step = sz[..., 0].float().t().repeat_interleave(group, dim=1)  # [N, K]
+    err = (quant.dequantize_int4(codes, sz, group) - w).abs()
+    assert (err <= step * 0.5 + 1e-3 * step + 1e-6).all()
+    with pytest.raises(ValueError, match="group size"):
+        quant.quantize_int4(_w(16, 96), 64)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 200])  # kernel path below INT8_GEMM_ROWS, GEMM path from it
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_dequantized_reference(m: int, act: torch.dtype) -> None:
+    w = _w(192, 128)
+    codes, scales = quant.quantize_int8(w)
+    layer = quant.Int8Linear(codes, scales)
+    x = _x(m, 128).to(act)
+    ref = F.linear(x.to(torch.bfloat16).float(), quant.dequantize_int8(codes, scales))
+    y = layer(x.view(1, m, 128))
+    assert y.dtype == act and y.shape == (1, m, 192)
+    torch.testing.assert_close(y[0].float(), ref, atol=0.05, rtol=0.02)  # bf16 activations and outputs
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_linear_matches_dequantized_reference(m: int, group: int) -> None:
+    w = _w(128, 256)
+    codes, sz = quant.quantize_int4(w, group)
+    layer = quant.Int4Linear(codes, sz, group)
+    x = _x(m, 256)
+    ref = F.linear(x.to(torch.bfloat16).float(), quant.dequantize_int4(codes, sz, group))
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (m, 128)
+    torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_linear_matches_f_linear(dtype: torch.dtype) -> None:
+    w, x = _w(192, 64).to(dtype), _x(33, 64).to(dtype)
+    y = quant.FloatLinear(w)(x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol)
+
+
+def test_int8_embedding_dequantizes_rows() -> None:
+    codes, scales = quant.quantize_int8(_w(384, 64))
+    emb = quant.Int8Embedding(codes, scales, torch.float32)
+    tokens = torch.tensor([[5, 7, 383]])
+    torch.testing.assert_close(emb(tokens)[0], quant.dequantize_int8(codes, scales)[[5, 7, 383]])
+
+
+# -- the chunk layout ---------------------------------------------------------------------------------------
+
+
+def test_chunk_layout_rule() -> None:
+    assert chunk_layout(1536, 32, 256) == [256 * i for i in range(1, 7)]
+    assert chunk_layout(1500, 32, 256) == [256, 512, 768, 1024, 1280, 1408, 1472, 1500]
+    assert chunk_layout(20, 32, 256) == [20]
+    for n in range(1, 700, 7):
+        ends = chunk_layout(n, 32, 256)
+        starts = [0, *ends[:-1]]
+        assert ends[-1] == n and all(b > a for a, b in zip(starts, ends, strict=True))
+        for a, b in zip(starts, ends, strict=True):
+            size = b - a
+            assert size < 32 and b == n or (size in (32, 64, 128, 256) and a % size == 0)
+
+
+# -- engines on the tiny bundle, per precision ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def qbundle(request: pytest.FixtureRequest, tiny_bundle: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    return quantize_bundle(tiny_bundle.path, tmp_path_factory.mktemp(request.param) / "b", request.param, 32)
+
+
+def test_quantized_bundle_round_trip(qbundle: Bundle, tiny_bundle: Bundle) -> None:
+    method = qbundle.quantization["method"]
+    assert open_bundle(qbundle.path).quantization == qbundle.quantization
+    assert qbundle.metadata["quantized_from"] == tiny_bundle.fingerprint
+    size = (qbundle.path / "model.safetensors").stat().st_size
+    assert size < (tiny_bundle.path / "model.safetensors").stat().st_size / (3 if method == "int8" else 5)
+    # Loading the stored codes computes exactly what quantizing the float bundle at load computes.
+    stored = Engine(qbundle.path, dtype="float32")
+    at_load = Engine(tiny_bundle.path, dtype="float32", quant=method, group_size=32)
+    assert stored.quant == at_load.quant == method
+    ids = _ids(50, seed=1)
+    a, b = _last(stored.prefill(stored.new_cache(), ids, 0)), _last(at_load.prefill(at_load.new_cache(), ids, 0))
+    assert torch.equal(a, b)
+    # ... and stays close to the float model.
+    ref = Engine(tiny_bundle.path, dtype="float32")
+    f = _last(ref.prefill(ref.new_cache(), ids, 0))
+    assert (a - f).abs().max().item() < 0.1 * f.abs().max().item()
+
+
+def test_quantized_bundle_cannot_be_served_as_another_method(qbundle: Bundle) -> None:
+    other = "int4" if qbundle.quantization["method"] == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"cannot be served as {other}"):
+        Engine(qbundle.path, quant=other)
+    with pytest.raises(BundleError, match="already quantized"):
+        quantize_bundle(qbundle.path, qbundle.path.parent / "again", "int8")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_is_deterministic_and_cache_hits_are_exact(qbundle: Bundle, dtype: str) -> None:
+    """Within a precision: the same prompt gives the same tokens, and a warm cache gives the bits of a cold one."""
+    engine = Engine(qbundle.path, dtype=dtype, chunk_size=8, max_chunk=64)
+    ids = _ids(150, seed=2)
+
+    def greedy(prompt: list[int], cache=None) -> list[int]:
+        return [t.id for t in engine.generate(prompt, max_tokens=12, cache=cache) if t is not None and t.id]
+
+    cold = greedy(ids)
+    assert greedy(ids) == cold
+    cache = engine.new_cache()
+    greedy(ids[:131], cache)  # an earlier, shorter prompt leaves reusable chunks behind
+    assert engine.reusable(cache, ids) == 128
+    assert greedy(ids, cache) == cold
+    for n in (97, 150, 151, 200):  # typing at the end, across chunk boundaries of several sizes
+        more = ids + _ids(60, seed=3)
+        warm_cache = cache
+        start = engine.reusable(warm_cache, more[:n])
+        warm = _last(engine.prefill(warm_cache, more[:n], start))
+        fresh = _last(engine.prefill(engine.new_cache(), more[:n], 0))
+        assert torch.equal(warm, fresh), f"n={n}, reused {start}"
+
+
+def test_fp32_cache_hits_are_exact_across_layouts(tiny_bundle: Bundle) -> None:
+    """Every pair (earlier prompt, later prompt sharing a prefix): the warm logits are the cold logits, bit for bit."""
+    engine = Engine(tiny_bundle.path, dtype="float32", chunk_size=4, max_chunk=32)
+    base = _ids(120, seed=4)
+    cold = {n: _last(engine.prefill(engine.new_cache(), base[:n], 0)) for n in (23, 40, 64, 65, 97, 120)}
+    for first in (10, 31, 33, 64, 90):
+        for n in cold:
+            cache = engine.new_cache()
+            _last(engine.prefill(cache, base[:first], 0))
+            start = engine.reusable(cache, base[:n])
+            assert start <= min(first, n - 1)
+            assert torch.equal(_last(engine.prefill(cache, base[:n], start)), cold[n]), (first, n, start)
+
+
+def test_prefill_refuses_a_start_inside_a_chunk(tiny_engine: Engine) -> None:
+    cache = tiny_engine.new_cache()
+    ids = _ids(100, seed=5)
+    _last(tiny_engine.prefill(cache, ids, 0))
+    with pytest.raises(ValueError, match="chunk boundary"):
+        next(tiny_engine.prefill(cache, ids, 33))
+
+
+# -- bundle validation and the CLI ----------------------------------------------------------------------------
+
+
+def _rewrite_checksums(d: Path) -> None:
+    (d / CHECKSUM_FILE).write_text("".join(f"{sha256_file(d / n)}  {n}\n" for n in CONTENT_FILES))
+
+
+def test_quantized_bundle_validation(qbundle: Bundle, tmp_path: Path) -> None:
+    d = Path(shutil.copytree(qbundle.path, tmp_path / "b"))
+    meta = json.loads((d / "metadata.json").read_text())
+    method = meta["quantization"]["method"]
+    meta["quantization"] = {"method": "int3"}
+    (d / "metadata.json").write_text(json.dumps(meta))
+    _rewrite_checksums(d)
+    with pytest.raises(BundleError, match=r"metadata\.json: quantization must be"):
+        open_bundle(d)
+    # Metadata claiming the other method: the tensors it implies are missing.
+    meta["quantization"] = {"method": "int8"} if method == "int4" else {"method": "int4", "group_size": 32}
+    (d / "metadata.json").write_text(json.dumps(meta))
+    _rewrite_checksums(d)
+    with pytest.raises(BundleError, match=r"model\.safetensors: \d+ tensors missing for config\.yaml, e\.g\. int"):
+        open_bundle(d)
+
+
+def test_engine_reports_a_corrupt_quantized_bundle(qbundle: Bundle, tmp_path: Path) -> None:
+    """Checksums are verified beside the model build; a mismatch still aborts the load with its own message."""
+    d = Path(shutil.copytree(qbundle.path, tmp_path / "b"))
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x10
+    f.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"model\.safetensors: checksum mismatch"):
+        Engine(d)
+
+
+def test_cli_bundle_quantize(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "q"
+    result = runner.invoke(main, ["bundle", "quantize", str(tiny_bundle.path), str(out), "--quant", "int4",
+                                  "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "int4 (group 32) weights" in result.stdout and open_bundle(out).quantization == {
+        "method": "int4", "group_size": 32}
+    again = runner.invoke(main, ["bundle", "quantize", str(tiny_bundle.path), str(out), "--quant", "int8"])
+    assert again.exit_code == 1 and "already exists" in again.stderr
+    bad = runner.invoke(main, ["bundle", "quantize", str(out), str(tmp_path / "q2"), "--quant", "int8"])
+    assert bad.exit_code == 1 and "already quantized" in bad.stderr and not (tmp_path / "q2").exists()
+    assert "--quant [int8|int4]" in runner.invoke(main, ["daemon", "--help"]).stdout
+
+
+def test_daemon_serves_int8_quantized_at_load(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """`m31r daemon --quant int8` on a float bundle streams what an int8 Engine computes in-process."""
+    import asyncio
+
+    from daemon_util import start_daemon, stop_daemon
+
+    from m31r_protocol.client import Client
+
+    sock = tmp_path / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock, "--quant", "int8", "--dtype", "bfloat16")
+    try:
+        async def ask() -> list[int]:
+            async with await Client.connect(sock) as c:
+                stream = await c.generate("fn main() {", max_tokens=8)
+                return [t.token async for t in stream if t.token is not None]
+
+        got = asyncio.run(asyncio.wait_for(ask(), 60))
+    finally:
+        assert stop_daemon(proc) == 0
+    engine = Engine(tiny_bundle.path, dtype="bfloat16", quant="int8")
+    expected = [t.id for t in engine.generate("fn main() {", max_tokens=8) if t is not None and t.id is not None]
+    assert got == expected and len(got) == 8
