@@ -25,7 +25,7 @@ run: install
 	$(BIN)/m31r fim --file benchmarks/data/example.rs --line 5 --column 9 --max-tokens 48
 	@echo >&2
 	@echo "--- m31r generate" >&2
-	$(BIN)/m31r generate 'pub fn is_power_of_two(n: u64) -> bool {' --max-tokens 48
+	$(BIN)/m31r generate "$$(printf 'pub fn is_power_of_two(n: u64) -> bool {\n    ')" --max-tokens 40
 	@echo >&2
 	@echo "(the daemon keeps running for the next request; \`$(BIN)/m31r stop\` ends it)" >&2
 
