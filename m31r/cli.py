@@ -197,7 +197,11 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Memory for prefix-cache KV slots; 0 disables reuse across requests.")
 @click.option("--max-queue", type=int, default=32, show_default=True,
               help="Requests in flight before new ones are answered `busy`.")
-@click.option("--max-active", type=int, default=4, show_default=True, help="Requests advanced in turn at once.")
+@click.option("--max-active", type=int, default=8, show_default=True,
+              help="Requests advanced together (each holds a cache slot; bounded by --cache-mb).")
+@click.option("--decode-width", type=int, default=8, show_default=True,
+              help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
+                   "beside them; 1 gives the lowest single-stream latency but no batching.")
 @click.option("--chunk-size", type=int, default=32, show_default=True,
               help="Prefill chunk; cache reuse happens at multiples of it.")
 @click.option("--quant", type=click.Choice(["int8", "int4"]), default=None,
@@ -205,7 +209,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,
-           cache_mb: float, max_queue: int, max_active: int, chunk_size: int, quant: str | None,
+           cache_mb: float, max_queue: int, max_active: int, decode_width: int, chunk_size: int, quant: str | None,
            log_level: str) -> None:
     """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
     from m31r_protocol.paths import default_socket_path
@@ -213,7 +217,8 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
 
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
-                         max_active=max_active, chunk_size=chunk_size, quant=quant, log_level=log_level)
+                         max_active=max_active, decode_width=decode_width, chunk_size=chunk_size, quant=quant,
+                         log_level=log_level)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
     sys.stdout.flush()

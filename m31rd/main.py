@@ -50,8 +50,9 @@ class DaemonOptions:
     threads: int | None = None
     cache_mb: float = 512
     max_queue: int = 32
-    max_active: int = 4
+    max_active: int = 8
     chunk_size: int = 32
+    decode_width: int = 8
     quant: str | None = None  # int8 | int4: quantize a float bundle at load
     grace_s: float = 5.0
     log_level: str = "info"
@@ -78,7 +79,8 @@ def run(opts: DaemonOptions) -> int:
 
     try:
         engine = Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
-                        chunk_size=opts.chunk_size, quant=opts.quant)
+                        chunk_size=opts.chunk_size, quant=opts.quant,
+                        decode_width=opts.decode_width)
     except (BundleError, ValueError, OSError) as e:
         log.error("cannot load the model: %s", e)
         print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
