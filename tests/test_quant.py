@@ -103,6 +103,21 @@ def test_int8_embedding_dequantizes_rows() -> None:
     torch.testing.assert_close(emb(tokens)[0], quant.dequantize_int8(codes, scales)[[5, 7, 383]])
 
 
+@pytest.mark.parametrize("n", [1, 37, 64, 65, 100])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decode_attention_matches_sdpa_and_keeps_the_context(n: int, kv_heads: int) -> None:
+    """attend_one widens cache slices to a multiple of DECODE_SPAN: same result as SDPA, valid positions untouched."""
+    from m31r.model import attend_one
+
+    cache_k, cache_v = (torch.randn(1, kv_heads, 128, 16, generator=GEN) for _ in range(2))
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    q = torch.randn(1, 4, 1, 16, generator=GEN)
+    k, v = cache_k[:, :, :n], cache_v[:, :, :n]
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(attend_one(q, k, v), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache_k, before_k) and torch.equal(cache_v[:, :, :n], before_v[:, :, :n])
+
+
 # -- the chunk layout ---------------------------------------------------------------------------------------
 
 
