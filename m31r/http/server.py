@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+from m31rd.main import JsonFormatter  # the daemon's log format: one JSON object per line
 
 log = logging.getLogger("m31r.http")
 
@@ -15,17 +16,6 @@ DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a large source file; the daemon's own frame
 DEFAULT_MAX_TOKENS_CAP = 512
 DEFAULT_REQUEST_TIMEOUT = 60.0
 MAX_CONNECTIONS = 512  # uvicorn answers 503 beyond this many concurrent connections
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line on stderr, like the daemon's log. Request text is never logged."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
-               **getattr(record, "fields", {})}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
 
 
 def setup_logging(level: str) -> None:
