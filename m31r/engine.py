@@ -164,8 +164,38 @@ class Engine:
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._rows = torch.zeros(self.decode_width, 1, dtype=torch.long, device=self.device)  # decode input
+        self.decode_widths = self._probe_widths()
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
+
+    def _probe_widths(self) -> list[int]:
+        """The row counts a decode step may run at: those whose matmuls give each row exactly the bits that the
+        full `decode_width` gives it.
+
+        Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
+        matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So the
+        weight products of this model, on this machine, are tried at each width once at load (a few ms): a lone
+        stream then runs at the narrowest width that matches, often 1 (int8: ~16 vs ~30 ms/token at width 8 on
+        the medium shape), and never at one that would change its output when others join it.
+        """
+        widths = sorted({1 << i for i in range(self.decode_width.bit_length()) if 1 << i < self.decode_width}
+                        | {self.decode_width})
+        layer = self.model.layers[0]
+        emb = self.model.tok_embeddings
+        head = self.model.head or (lambda x: torch.nn.functional.linear(x, emb.weight))
+        products = [layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2, head]
+        gen = torch.Generator().manual_seed(0)
+        ok = set(widths)
+        with torch.inference_mode():
+            for mod in products:
+                d_in = self.config.ffn_hidden if mod is layer.feed_forward.w2 else (
+                    self.config.n_heads * self.config.head_dim if mod is layer.attention.wo else self.config.d_model)
+                x = torch.randn(2, self.decode_width, 1, d_in, generator=gen).to(self.device, self.dtype)
+                full = torch.cat([mod(xs) for xs in x])
+                # Every row runs in groups of w: a changed reduction order shows in some, not all, rounded outputs.
+                ok = {w for w in ok if torch.equal(torch.cat([mod(xs[i : i + w]) for xs in x
+                                                              for i in range(0, len(xs), w)]), full)}
+        return sorted(ok)
 
     # -- caches ---------------------------------------------------------------------------------------
 
@@ -221,18 +251,18 @@ class Engine:
     def decode_rows(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
         """One decode step for several sequences at once: row r feeds tokens[r] at the end of caches[r].
 
-        Weight reads dominate a decode step, so rows share them almost for free. Steps always run at the fixed
-        width `decode_width` (unused rows are padding): matmul kernels and their reduction order depend on the row
-        count, so a fixed width makes a stream's output independent of how many others run beside it."""
+        Weight reads dominate a decode step, so rows share them almost for free. A step runs at the smallest of
+        `decode_widths` that holds its rows (the rest are padding); those widths all give a row the same bits, so
+        a stream's output never depends on how many others run beside it."""
         out = []
-        w = self.decode_width
-        for i in range(0, len(caches), w):
-            group, toks = caches[i : i + w], tokens[i : i + w]
+        for i in range(0, len(caches), self.decode_width):
+            group, toks = caches[i : i + self.decode_width], tokens[i : i + self.decode_width]
             positions = [len(c.tokens) for c in group]
-            self._rows.zero_()
-            self._rows[: len(toks), 0] = torch.tensor(toks, dtype=torch.long)
+            rows = self._rows[: next(w for w in self.decode_widths if w >= len(group))]
+            rows.zero_()
+            rows[: len(toks), 0] = torch.tensor(toks, dtype=torch.long)
             with torch.inference_mode():
-                logits = self.model.decode_rows(self._rows, positions, group)
+                logits = self.model.decode_rows(rows, positions, group)
             for c, t in zip(group, toks, strict=True):
                 c.tokens.append(t)
             out.append(logits.float())

@@ -100,6 +100,8 @@ class Attention(nn.Module):
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
             if t == 1:  # one new token sees every cached position: no mask needed
                 y = attend_one(q, k, v)
+            elif q.dtype == torch.bfloat16 and q.device.type == "cpu":
+                y = attend_chunk(q, k, v, start)
             elif start == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             else:
@@ -153,6 +155,32 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     scores[:, :, n:] = float("-inf")
     p = torch.softmax(scores, dim=-2, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p.transpose(-1, -2), v).view(b, h, 1, hd)
+
+
+CHUNK_HEADS = 4  # query heads per block in attend_chunk: their scores for a 256-token chunk at 2k fit in L2
+
+
+def attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """Causal attention of a prefill chunk (queries at positions [start, start + t)) over cached k/v [0, end).
+
+    For bf16 on the CPU: SDPA's flash kernel runs bf16 at fp32 speed (~0.12 TFLOP/s here), while bf16 matmuls
+    use AMX (~0.6). Plain matmul + softmax, a few heads at a time so the scores stay in cache, halves the
+    attention time of a 1536-token prefill (~930 to ~420 ms, medium). Scores are kept in bf16, as in decode.
+    Only the chunk's own square needs a mask: every earlier position is visible to every query.
+    """
+    b, h, t, hd = q.shape
+    n_kv = k.shape[1]
+    group = h // n_kv
+    q = (q * hd**-0.5).reshape(b, n_kv, group * t, hd)  # the query heads of one k/v head, stacked
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(group, 1)
+    out = torch.empty_like(q)
+    kt = k.transpose(-1, -2)
+    step = max(1, CHUNK_HEADS // group)
+    for i in range(0, n_kv, step):
+        s = torch.matmul(q[:, i : i + step], kt[:, i : i + step])  # [b, step, group * t, end]
+        s[..., start:].masked_fill_(future, float("-inf"))
+        torch.matmul(torch.softmax(s, dim=-1), v[:, i : i + step], out=out[:, i : i + step])
+    return out.view(b, h, t, hd)
 
 
 class FeedForward(nn.Module):

@@ -118,6 +118,22 @@ def test_decode_attention_matches_sdpa_and_keeps_the_context(n: int, kv_heads: i
     assert torch.equal(cache_k, before_k) and torch.equal(cache_v[:, :, :n], before_v[:, :, :n])
 
 
+@pytest.mark.parametrize("start", [0, 24, 64])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_chunk_attention_matches_causal_sdpa(start: int, kv_heads: int) -> None:
+    """attend_chunk (the bf16 prefill path) is causal attention of a chunk at `start` over the cache before it."""
+    from m31r.model import attend_chunk
+
+    t, end = 16, start + 16
+    q = torch.randn(1, 8, t, 32, generator=GEN)
+    k, v = (torch.randn(1, kv_heads, end, 32, generator=GEN) for _ in range(2))
+    mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 8)
+    torch.testing.assert_close(attend_chunk(q, k, v, start), expected, atol=1e-5, rtol=1e-5)  # exact maths in fp32
+    got = attend_chunk(q.bfloat16(), k.bfloat16(), v.bfloat16(), start).float()
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)  # bf16 scores: close, not equal
+
+
 # -- the chunk layout ---------------------------------------------------------------------------------------
 
 
@@ -191,6 +207,32 @@ def test_greedy_is_deterministic_and_cache_hits_are_exact(qbundle: Bundle, dtype
         warm = _last(engine.prefill(warm_cache, more[:n], start))
         fresh = _last(engine.prefill(engine.new_cache(), more[:n], 0))
         assert torch.equal(warm, fresh), f"n={n}, reused {start}"
+
+
+@pytest.mark.parametrize(("dtype", "method"), [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
+                                               ("bfloat16", "int4")])
+def test_batched_decode_gives_each_row_its_bits_alone(tiny_bundle: Bundle, dtype: str, method: str | None) -> None:
+    """Whatever widths the load-time probe allows, a stream's logits are the same bits alone and beside others."""
+    engine = Engine(tiny_bundle.path, dtype=dtype, quant=method, group_size=32, decode_width=8)
+    assert engine.decode_widths and engine.decode_widths[-1] == 8
+    prompts = [_ids(20 + 7 * i, seed=10 + i) for i in range(5)]
+
+    def primed() -> list:
+        caches = [engine.new_cache() for _ in prompts]
+        for c, ids in zip(caches, prompts, strict=True):
+            _last(engine.prefill(c, ids, 0))
+        return caches
+
+    batch, alone = primed(), primed()
+    for step in range(3):
+        tokens = [(17 * step + 5 * i) % 256 for i in range(len(prompts))]
+        together = engine.decode_rows(batch, tokens)
+        for i, (c, t) in enumerate(zip(alone, tokens, strict=True)):
+            assert torch.equal(engine.decode_rows([c], [t])[0], together[i]), f"row {i}, step {step}"
+        for n in (2, 3):  # and in smaller groups, which may run at other widths: rerun the step's first rows
+            for c in batch[:n]:
+                c.tokens.pop()  # the rerun rewrites the same positions with the same values
+            assert torch.equal(engine.decode_rows(batch[:n], tokens[:n]), together[:n])
 
 
 def test_fp32_cache_hits_are_exact_across_layouts(tiny_bundle: Bundle) -> None:
