@@ -363,6 +363,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="Daemon compute dtype.")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--quant", choices=["int8", "int4"], default=None, help="Daemon --quant (at load).")
+    ap.add_argument("--chunk-size", type=int, default=None, help="Daemon --chunk-size (default: the daemon's).")
     ap.add_argument("--threads", type=int, default=None, help="Daemon torch threads (default: the daemon's).")
     ap.add_argument("--quick", action="store_true",
                     help="Smoke test: fewer keystrokes (cold: 6, warm: 20), shorter throughput windows.")
@@ -383,10 +385,15 @@ def main() -> None:
     daemon_args = ["--dtype", args.dtype, "--device", args.device]
     if args.threads:
         daemon_args += ["--threads", str(args.threads)]
+    if args.quant:
+        daemon_args += ["--quant", args.quant]
+    if args.chunk_size:
+        daemon_args += ["--chunk-size", str(args.chunk_size)]
 
     _, target, _ = session_document()
     res: dict = {"meta": {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        "quant": args.quant, "chunk_size": args.chunk_size,
         "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "fim_max_tokens": fim_tokens, "gen_max_tokens": gen_tokens, "session_keystrokes": len(keystrokes(target)),
         "loadavg_start": os.getloadavg(),

@@ -191,7 +191,9 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Model bundle directory (default: $M31R_BUNDLE or the bundled release/).")
 @socket_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Activation and KV-cache precision. auto: bfloat16 where the CPU (AVX512-BF16, "
+              "AMX) or GPU runs it natively, else float32.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--cache-mb", type=float, default=512, show_default=True,
               help="Memory for prefix-cache KV slots; 0 disables reuse across requests.")
@@ -202,10 +204,11 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--decode-width", type=int, default=8, show_default=True,
               help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
                    "beside them; 1 gives the lowest single-stream latency but no batching.")
-@click.option("--chunk-size", type=int, default=32, show_default=True,
-              help="Prefill chunk; cache reuse happens at multiples of it.")
-@click.option("--quant", type=click.Choice(["int8", "int4"]), default=None,
-              help="Quantize a float bundle's weights at load (a quantized bundle is served as stored).")
+@click.option("--chunk-size", type=int, default=8, show_default=True,
+              help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
+@click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
+              help="Weight quantization, applied to a float bundle at load (a quantized bundle is served as "
+                   "stored). auto: int8 on a CPU with native bf16, else none.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,

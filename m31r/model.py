@@ -100,7 +100,7 @@ class Attention(nn.Module):
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
             if t == 1:  # one new token sees every cached position: no mask needed
                 y = attend_one(q, k, v)
-            elif q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            elif t >= CHUNK_MIN_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu":
                 y = attend_chunk(q, k, v, start)
             elif start == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -158,6 +158,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 CHUNK_HEADS = 4  # query heads per block in attend_chunk: their scores for a 256-token chunk at 2k fit in L2
+CHUNK_MIN_ROWS = 32  # below this SDPA is faster (t=8 at 1.2k: 0.6 vs 1.1 ms per layer; t=64: 2.9 vs 1.9)
 
 
 def attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:

@@ -46,14 +46,14 @@ class DaemonOptions:
     bundle: Path
     socket: Path
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     threads: int | None = None
     cache_mb: float = 512
     max_queue: int = 32
     max_active: int = 8
-    chunk_size: int = 32
+    chunk_size: int = 8
     decode_width: int = 8
-    quant: str | None = None  # int8 | int4: quantize a float bundle at load
+    quant: str | None = "auto"  # auto | int8 | int4 | none (see m31r.engine.auto_precision)
     grace_s: float = 5.0
     log_level: str = "info"
 
@@ -76,11 +76,12 @@ def run(opts: DaemonOptions) -> int:
             return 1
     from m31r.bundle import BundleError
     from m31r.engine import Engine
+    from m31rd.torch_thread import TorchThread
 
+    torch_thread = TorchThread()  # every torch call from here on runs there (see torch_thread)
     try:
-        engine = Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
-                        chunk_size=opts.chunk_size, quant=opts.quant,
-                        decode_width=opts.decode_width)
+        engine = torch_thread.call(Engine, opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
+                                   chunk_size=opts.chunk_size, quant=opts.quant, decode_width=opts.decode_width)
     except (BundleError, ValueError, OSError) as e:
         log.error("cannot load the model: %s", e)
         print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
@@ -88,9 +89,9 @@ def run(opts: DaemonOptions) -> int:
     load_ms = (time.perf_counter() - t0) * 1000
     from m31rd.server import Daemon
 
-    daemon = Daemon(engine, cache_mb=opts.cache_mb, max_queue=opts.max_queue, max_active=opts.max_active,
-                    grace_s=opts.grace_s)
-    _warm_up(daemon)
+    daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
+                    max_active=opts.max_active, grace_s=opts.grace_s)
+    torch_thread.call(_warm_up, daemon)
     if sock is None:
         try:
             sock = bind_unix(opts.socket)
@@ -106,7 +107,9 @@ def run(opts: DaemonOptions) -> int:
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
-            "dtype": opts.dtype, "socket": str(owned or "systemd-activated"), "load_ms": round(load_ms, 1),
+            "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant,
+            "decode_widths": engine.decode_widths, "socket": str(owned or "systemd-activated"),
+            "load_ms": round(load_ms, 1),
             "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
             "pid": os.getpid()}})
 

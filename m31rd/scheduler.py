@@ -4,19 +4,20 @@ The asyncio side hands jobs over through a queue; results go back with `loop.cal
 thread works in rounds: each active job advances to its next model call (a prefill chunk runs then and
 there; a decode step is collected), then one batched forward pass decodes a token for every collected job.
 A short request is never stuck behind a long prefill, concurrent streams share the cost of reading the
-weights, and every round boundary is a point where cancellation takes effect. The engine decodes at a fixed
-batch width, so a request's output does not depend on what runs beside it.
+weights, and every round boundary is a point where cancellation takes effect. The engine decodes only at
+batch widths that give a row the same bits, so a request's output does not depend on what runs beside it.
+The loop runs on the daemon's TorchThread, the thread that loaded the model (see torch_thread).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from m31r.fim import FimBudget, build_fim_prompt
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31rd.prefix_cache import PrefixCache, Slot
+from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
 
@@ -62,17 +64,19 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cache: PrefixCache, post: Post, call_soon: Callable, max_active: int = 4):
+    def __init__(self, engine: Engine, cache: PrefixCache, post: Post, call_soon: Callable, thread: TorchThread,
+                 max_active: int = 4):
         self.engine, self.cache = engine, cache
         self._post, self._call_soon = post, call_soon
         self.max_active = max(1, max_active)
         self.budget = FimBudget.for_context(engine.config.max_context)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.active = 0
-        self.thread = threading.Thread(target=self._run, name="m31r-inference", daemon=True)
+        self.thread = thread
+        self.finished: Future[None] | None = None
 
     def start(self) -> None:
-        self.thread.start()
+        self.finished = self.thread.submit(self._run)
 
     def submit(self, job: Job) -> None:
         self.inbox.put(job)

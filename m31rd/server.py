@@ -8,6 +8,7 @@ a bad frame costs that client its connection, a bad request gets an Error, and e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -28,6 +29,7 @@ from m31r_protocol.framing import FrameTooLarge, pack, read_frame
 from m31rd.prefix_cache import PrefixCache
 from m31rd.scheduler import Job, Scheduler
 from m31rd.sockets import peer_uid
+from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
 VERSION = "0.1.0"
@@ -145,9 +147,10 @@ def _salvage_id(body: bytes) -> int | None:
 
 
 class Daemon:
-    def __init__(self, engine: Engine, *, cache_mb: float, max_queue: int = 32, max_active: int = 4,
-                 grace_s: float = 5.0):
-        self.engine = engine
+    def __init__(self, engine: Engine, torch_thread: TorchThread, *, cache_mb: float, max_queue: int = 32,
+                 max_active: int = 4, grace_s: float = 5.0):
+        """`torch_thread` must be the thread that built `engine`: the scheduler serves from it."""
+        self.engine, self.torch_thread = engine, torch_thread
         self.cache = PrefixCache(engine, cache_mb)
         self.max_queue, self.grace_s = max_queue, grace_s
         self.enc, self.dec = m.encoder(), m.client_decoder()
@@ -175,7 +178,7 @@ class Daemon:
             active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
             cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
-            rss_mb=round(self.process.memory_info().rss / 2**20, 1))
+            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant)
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -274,7 +277,8 @@ class Daemon:
     async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None) -> None:
         loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        self.scheduler = Scheduler(self.engine, self.cache, self.post, loop.call_soon_threadsafe, self.max_active)
+        self.scheduler = Scheduler(self.engine, self.cache, self.post, loop.call_soon_threadsafe, self.torch_thread,
+                                   self.max_active)
         self.scheduler.start()
         conns: set[asyncio.Task] = set()
 
@@ -306,7 +310,8 @@ class Daemon:
         while self.in_flight and time.monotonic() - t_cancel < 2.0:
             await asyncio.sleep(0.01)
         self.scheduler.stop()
-        await asyncio.to_thread(self.scheduler.thread.join, 5.0)
+        if self.scheduler.finished is not None:
+            await asyncio.to_thread(concurrent.futures.wait, [self.scheduler.finished], 5.0)
         for task in list(conns):
             task.cancel()
         await asyncio.gather(*conns, return_exceptions=True)

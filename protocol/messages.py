@@ -146,6 +146,7 @@ class StatusReply(Struct, tag="status_reply"):
     cache_budget_mb: float
     cache_hit_rate: float  # share of prompt tokens served from the prefix cache
     rss_mb: float
+    quant: str | None = None  # int8 | int4 weights, or None for float weights
 
 
 class ShutdownReply(Struct, tag="shutdown_reply"):

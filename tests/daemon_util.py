@@ -17,7 +17,8 @@ def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: f
                  env: dict | None = None) -> subprocess.Popen:
     """Start `m31r daemon` and return once it answers on `socket`; its stderr lines collect in `proc.log_lines`."""
     socket = Path(socket)
-    cmd = [*DAEMON, "--bundle", str(bundle), "--socket", str(socket), "--threads", "1", *extra]
+    cmd = [*DAEMON, "--bundle", str(bundle), "--socket", str(socket), "--threads", "1", "--dtype", "float32",
+           "--quant", "none", *extra]  # the fp32 engine the tests compare with; later flags win
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     # The daemon logs a JSON line per request: drain stderr so the pipe never fills and stalls it.

@@ -79,7 +79,7 @@ def daemons(tiny_bundle, tmp_path_factory):
     stale.close()
     assert stat.S_ISSOCK(life.lstat().st_mode)
     specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1"),
-             "life": (life,)}
+             "life": (life, "--dtype", "auto", "--quant", "auto")}  # the daemon's own precision defaults
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(launch, tiny_bundle.path, *spec) for name, spec in specs.items()}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
@@ -592,6 +592,29 @@ def test_other_users_are_refused(life):
         os.chmod(life.socket, 0o600)
     assert life.wait_logs(lambda x: x["msg"].startswith("refused a connection from uid 65534"))
     asyncio.run(still_serves(life.socket))
+
+
+def test_auto_precision_is_resolved_and_reported(life):
+    """`life` runs the daemon's default precision: bf16 activations with int8 weights where the CPU has native
+    bf16, else fp32 and float weights. The ready log and Status say which it chose, and it serves."""
+    import torch
+
+    from m31r.engine import fast_bf16
+
+    native = fast_bf16(torch.device("cpu"))
+    want = ("bfloat16", "int8") if native else ("float32", None)
+    ready = life.wait_logs(lambda x: x.get("msg") == "ready")[0]
+    assert (ready["dtype"], ready["quant"]) == want
+    assert ready["decode_widths"] and ready["decode_widths"][-1] == 8
+
+    async def ask() -> tuple[str, str | None, str]:
+        async with await Client.connect(life.socket) as c:
+            st = await c.status()
+            text, _ = await (await c.generate("fn main() {", max_tokens=6)).collect()
+            return st.dtype, st.quant, text
+
+    dtype, quant, text = asyncio.run(ask())
+    assert (dtype, quant) == want and text
 
 
 def test_second_daemon_on_a_live_socket_refuses_to_start(life, tiny_bundle):

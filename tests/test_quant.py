@@ -304,7 +304,7 @@ def test_cli_bundle_quantize(tiny_bundle: Bundle, tmp_path: Path) -> None:
     assert again.exit_code == 1 and "already exists" in again.stderr
     bad = runner.invoke(main, ["bundle", "quantize", str(out), str(tmp_path / "q2"), "--quant", "int8"])
     assert bad.exit_code == 1 and "already quantized" in bad.stderr and not (tmp_path / "q2").exists()
-    assert "--quant [int8|int4]" in runner.invoke(main, ["daemon", "--help"]).stdout
+    assert "--quant [auto|int8|int4|none]" in runner.invoke(main, ["daemon", "--help"]).stdout
 
 
 def test_daemon_serves_int8_quantized_at_load(tiny_bundle: Bundle, tmp_path: Path) -> None:
@@ -329,3 +329,26 @@ def test_daemon_serves_int8_quantized_at_load(tiny_bundle: Bundle, tmp_path: Pat
     engine = Engine(tiny_bundle.path, dtype="bfloat16", quant="int8")
     expected = [t.id for t in engine.generate("fn main() {", max_tokens=8) if t is not None and t.id is not None]
     assert got == expected and len(got) == 8
+
+
+def test_auto_precision_rules() -> None:
+    from m31r.engine import auto_precision, fast_bf16
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native = fast_bf16(cpu)
+    assert auto_precision(cpu, "auto", "auto", None) == (("bfloat16", "int8") if native else ("float32", None))
+    assert auto_precision(cpu, "bfloat16", "auto", None) == ("bfloat16", "int8")
+    assert auto_precision(cpu, "float32", "auto", None) == ("float32", None)  # int8 kernels want bf16 inputs
+    assert auto_precision(cpu, "bfloat16", "auto", "int4") == ("bfloat16", "int4")  # a quantized bundle as stored
+    assert auto_precision(cpu, "bfloat16", "none", None) == ("bfloat16", None)
+    assert auto_precision(cpu, "float32", "int4", None) == ("float32", "int4")  # explicit choices stand
+    assert auto_precision(cuda, "auto", "auto", None) == ("bfloat16", None)  # the int8/int4 kernels are CPU-only
+
+
+def test_engine_auto_precision_serves(tiny_bundle: Bundle) -> None:
+    from m31r.engine import auto_precision
+
+    engine = Engine(tiny_bundle.path, dtype="auto", quant="auto")
+    dtype, quant = auto_precision(torch.device("cpu"), "auto", "auto", None)
+    assert str(engine.dtype) == f"torch.{dtype}" and engine.quant == quant
+    assert [t.id for t in engine.generate("fn main() {", max_tokens=4)]
