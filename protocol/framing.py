@@ -5,10 +5,13 @@ The length is checked before the body is read, so an oversize frame costs the re
 
 from __future__ import annotations
 
-import asyncio
 import struct
+from typing import TYPE_CHECKING
 
 from m31r_protocol.messages import MAX_FRAME_BYTES
+
+if TYPE_CHECKING:
+    import asyncio
 
 HEADER = struct.Struct(">I")
 
@@ -28,6 +31,8 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES)
 
     Raises asyncio.IncompleteReadError on a frame cut short, FrameTooLarge before reading an oversize body.
     """
+    import asyncio  # here, not at the top: the blocking client must not pay for importing asyncio
+
     try:
         head = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:

@@ -289,6 +289,26 @@ async def test_m31r_status_never_imports_torch(sock: Path) -> None:
     assert not {name for name in imported if name.split(".")[0] in {"torch", "numpy", "m31rd"}}
 
 
+async def test_m31r_status_fast_path_skips_click_and_asyncio(sock: Path) -> None:
+    """The `m31r` entry point answers a plain status over a blocking socket: same JSON, no click, no asyncio."""
+    async with FakeDaemon(sock, welcome_then_status):
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-X", "importtime", "-m", "m31r.entry", "status", "--socket", str(sock), env=ENV,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(p.communicate(), 60)
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert json.loads(out) == STATUS
+    imported = {line.split("|")[-1].strip() for line in err.decode().splitlines() if line.startswith("import time:")}
+    assert "m31r_protocol.blocking" in imported
+    heavy = {"click", "asyncio", "torch"}
+    assert not {n for n in imported if n.split(".")[0] in heavy or n == "m31r_protocol.client"}
+    # No daemon: the fast path gives way to the full CLI, which names the problem.
+    r = await asyncio.create_subprocess_exec(sys.executable, "-m", "m31r.entry", "status", "--socket",
+                                             str(sock.parent / "nobody.sock"), env=ENV, stderr=asyncio.subprocess.PIPE)
+    _, err = await r.communicate()
+    assert r.returncode != 0 and "no daemon answers" in err.decode()
+
+
 async def test_daemon_refuses_a_hello_of_another_version() -> None:
     """The daemon's handshake, in process (test_daemon.py checks the same against a real daemon)."""
     from m31rd.server import Connection
