@@ -193,9 +193,16 @@ class Engine:
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._rows = torch.zeros(self.decode_width, 1, dtype=torch.long, device=self.device)  # decode input
-        self.decode_widths = self._probe_widths()
+        self._widths: list[int] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
+
+    @property
+    def decode_widths(self) -> list[int]:
+        """Probed on first use, so the daemon can answer before it spends the probe's ~0.1 s (medium)."""
+        if self._widths is None:
+            self._widths = self._probe_widths()
+        return self._widths
 
     def _probe_widths(self) -> list[int]:
         """The row counts a decode step may run at: those whose matmuls give each row exactly the bits that the
@@ -203,7 +210,7 @@ class Engine:
 
         Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
         matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So the
-        weight products of this model, on this machine, are tried at each width once at load (a few ms): a lone
+        weight products of this model, on this machine, are tried at each width once (~0.1 s, medium): a lone
         stream then runs at the narrowest width that matches, often 1 (int8: ~16 vs ~30 ms/token at width 8 on
         the medium shape), and never at one that would change its output when others join it.
         """
@@ -219,7 +226,7 @@ class Engine:
             for mod in products:
                 d_in = self.config.ffn_hidden if mod is layer.feed_forward.w2 else (
                     self.config.n_heads * self.config.head_dim if mod is layer.attention.wo else self.config.d_model)
-                x = torch.randn(2, self.decode_width, 1, d_in, generator=gen).to(self.device, self.dtype)
+                x = torch.randn(1, self.decode_width, 1, d_in, generator=gen).to(self.device, self.dtype)
                 full = torch.cat([mod(xs) for xs in x])
                 # Every row runs in groups of w: a changed reduction order shows in some, not all, rounded outputs.
                 ok = {w for w in ok if torch.equal(torch.cat([mod(xs[i : i + w]) for xs in x

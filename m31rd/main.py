@@ -91,7 +91,9 @@ def run(opts: DaemonOptions) -> int:
 
     daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
                     max_active=opts.max_active, grace_s=opts.grace_s)
-    torch_thread.call(_warm_up, daemon)
+    # Warm-up runs on the torch thread while the socket opens: requests queue behind it (the scheduler's loop is
+    # submitted after it), Status and handshakes are answered at once.
+    torch_thread.submit(_warm_up, daemon)
     if sock is None:
         try:
             sock = bind_unix(opts.socket)
@@ -108,7 +110,7 @@ def run(opts: DaemonOptions) -> int:
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
             "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant,
-            "decode_widths": engine.decode_widths, "socket": str(owned or "systemd-activated"),
+            "socket": str(owned or "systemd-activated"),
             "load_ms": round(load_ms, 1),
             "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
             "pid": os.getpid()}})
@@ -125,11 +127,20 @@ def run(opts: DaemonOptions) -> int:
 
 
 def _warm_up(daemon) -> None:
-    """One short generation through a cache slot, so the first real request pays no first-call costs."""
-    engine = daemon.engine
-    ids = engine.tokenizer.encode("fn main() {\n    let x = 1;\n")
-    slot = daemon.cache.acquire(ids, "")
-    for _ in engine.generate(ids, max_tokens=2, cache=slot.cache):
-        pass
-    slot.cache.reset()
-    daemon.cache.release(slot, 0, 0)
+    """Probe the decode widths and run one short generation through a cache slot, so the first real request pays
+    no first-call costs. A failure is logged, not fatal: requests then pay those costs themselves."""
+    t0 = time.perf_counter()
+    try:
+        engine = daemon.engine
+        widths = engine.decode_widths
+        ids = engine.tokenizer.encode("fn main() {\n    let x = 1;\n")
+        slot = daemon.cache.acquire(ids, "")
+        for _ in engine.generate(ids, max_tokens=2, cache=slot.cache):
+            pass
+        slot.cache.reset()
+        daemon.cache.release(slot, 0, 0)
+    except Exception:
+        log.exception("warm-up failed")
+        return
+    log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
+                                       "decode_widths": widths}})
