@@ -360,10 +360,13 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="Use this bundle instead of a random-init one of --shape.")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json for the random bundle (default: "
                     "data/tokenizer.json if it fits the shape, else byte-level).")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                     help="Daemon compute dtype.")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--quant", choices=["int8", "int4"], default=None, help="Daemon --quant (at load).")
+    ap.add_argument("--quant", choices=["auto", "int8", "int4", "none"], default=None,
+                    help="Daemon --quant (default: the daemon's, auto).")
+    ap.add_argument("--stored-quant", choices=["int8", "int4"], default=None,
+                    help="Quantize the random bundle on disk first (`m31r bundle quantize`), as a user would.")
     ap.add_argument("--chunk-size", type=int, default=None, help="Daemon --chunk-size (default: the daemon's).")
     ap.add_argument("--threads", type=int, default=None, help="Daemon torch threads (default: the daemon's).")
     ap.add_argument("--quick", action="store_true",
@@ -393,7 +396,7 @@ def main() -> None:
     _, target, _ = session_document()
     res: dict = {"meta": {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "threads": args.threads,
-        "quant": args.quant, "chunk_size": args.chunk_size,
+        "quant": args.quant, "stored_quant": args.stored_quant, "chunk_size": args.chunk_size,
         "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "fim_max_tokens": fim_tokens, "gen_max_tokens": gen_tokens, "session_keystrokes": len(keystrokes(target)),
         "loadavg_start": os.getloadavg(),
@@ -406,6 +409,10 @@ def main() -> None:
             t0 = time.perf_counter()
             bundle, tok = make_bundle(args.shape, tmpd / "bundle", args.tokenizer,
                                       "float32" if args.shape in ("tiny", "mini") else "bfloat16")
+            if args.stored_quant:  # served as stored: loading stays a memory map (no quantizing at startup)
+                subprocess.run([*m31r_cmd(), "bundle", "quantize", str(bundle), str(tmpd / "bundle-q"), "--quant",
+                                args.stored_quant], check=True, stdout=subprocess.DEVNULL)
+                bundle = tmpd / "bundle-q"
             res["meta"]["bundle_init_s"] = round(time.perf_counter() - t0, 1)
         meta = json.loads((bundle / "metadata.json").read_text())
         model = f"{meta.get('model_name', '?')}@{meta.get('model_version', '?')}"
@@ -418,7 +425,7 @@ def main() -> None:
                 if mode in args.skip:
                     continue
                 d = Daemon(bundle, sock, log, daemon_args + cache_args)
-                res["meta"][f"{mode}_daemon_ready_s"] = round(d.ready_s, 1)
+                res["meta"][f"{mode}_daemon_ready_s"] = round(d.ready_s, 2)
                 try:
                     print(f"{mode}: daemon ready in {d.ready_s:.1f}s; typing {n or 'all'} keystrokes",
                           file=sys.stderr)
@@ -431,7 +438,7 @@ def main() -> None:
                                             **status_wall(sock, 3 if args.quick else 7)}
                     if mode == "warm" and "throughput" not in args.skip:
                         res["throughput"] = []
-                        for clients in (1, 4, 16):
+                        for clients in (1, 8, 16):
                             print(f"throughput: {clients} clients, {seconds:.0f}s", file=sys.stderr)
                             res["throughput"].append(asyncio.run(throughput(sock, clients, seconds, gen_tokens)))
                 finally:

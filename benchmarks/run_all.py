@@ -1,59 +1,133 @@
-"""`make bench`: the benchmark suite on the medium shape, each figure beside its peer from the same run.
+"""`make bench`: the benchmark suite on the medium shape, printed as one table of issue 7's targets.
 
 Runs each benchmark script (speed per precision vs transformers, the daemon's typing session, round trip and
-concurrency, the LSP layer), writes their JSON under bench-results/, then prints one combined table of the
-numeric figures. `--quick` runs the smoke versions.
+concurrency, the LSP layer), writes their JSON under bench-results/, then prints one table: each figure, its
+peer measured in the same run (transformers on the same weights) where there is one, the target, and the
+llama.cpp reference figure measured on this machine kind (quoted from the issue, not measured here).
+`--quick` runs the smoke versions; `--only` a subset; `--report` reprints the table from existing JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "bench-results"
 SUITE = [
     ("speed", "bench_speed.py", []),  # decode, prefill, load, RSS per precision; transformers alongside
-    ("daemon", "bench_daemon.py", []),  # typing session cold vs warm, round trip, 1/4/16 concurrent clients
+    # typing session cold vs warm, round trip, 1/8/16 concurrent clients; the daemon's defaults on an int8 bundle
+    ("daemon", "bench_daemon.py", ["--stored-quant", "int8"]),
     ("lsp", "bench_lsp.py", []),  # keystroke → suggestion through the language server
 ]
 
 
-def flatten(obj, prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, int | float) and not isinstance(obj, bool):
-        out[prefix] = obj
-    return out
+@dataclass
+class Row:
+    label: str
+    get: Callable[[dict], float | None]  # the figure, from {suite name: its JSON}
+    target: str  # "<= 45" style
+    peer: Callable[[dict], float | None] | None = None
+    llama: str = ""
+
+
+def speed(name: str, key: str) -> Callable[[dict], float | None]:
+    return lambda r: r.get("speed", {}).get("results", {}).get(name, {}).get(key)
+
+
+def daemon(part: str, key: str) -> Callable[[dict], float | None]:
+    return lambda r: r.get("daemon", {}).get(part, {}).get(key)
+
+
+def typing(key: str) -> Callable[[dict], float | None]:
+    return lambda r: next((t.get(key) for t in r.get("daemon", {}).get("typing", []) if t["mode"] == "warm"), None)
+
+
+def clients(n: int) -> Callable[[dict], float | None]:
+    return lambda r: next((t["tokens_per_s"] for t in r.get("daemon", {}).get("throughput", [])
+                           if t["clients"] == n), None)
+
+
+def ratio(a: Callable, b: Callable) -> Callable[[dict], float | None]:
+    def f(r: dict) -> float | None:
+        x, y = a(r), b(r)
+        return x / y if x is not None and y else None
+    return f
+
+
+ROWS = [
+    Row("decode fp32, short ctx (ms/token)", speed("fp32", "decode_short_ms"), "<= 45",
+        speed("hf-fp32", "decode_short_ms"), "40.6"),
+    Row("decode bf16, short ctx (ms/token)", speed("bf16", "decode_short_ms"), "-", speed("hf-bf16", "decode_short_ms"),
+        "26.8"),
+    Row("decode int8, short ctx (ms/token)", speed("int8", "decode_short_ms"), "<= 20", None, "23.7 (q8_0)"),
+    Row("decode int4, short ctx (ms/token)", speed("int4", "decode_short_ms"), "<= 12", None, "13.4 (q4_0)"),
+    Row("decode int8 @1536 ctx (ms/token)", speed("int8", "decode_at_1536_ms"), "<= 30", None, "48.6 (q8_0)"),
+    Row("decode bf16 @1536 ctx (ms/token)", speed("bf16", "decode_at_1536_ms"), "-",
+        speed("hf-bf16", "decode_at_1536_ms"), "53.9"),
+    Row("prefill bf16 @512 (tok/s)", speed("bf16", "prefill_512_tok_s"), "-", speed("hf-bf16", "prefill_512_tok_s"),
+        "239"),
+    Row("prefill bf16 @1536 (tok/s)", speed("bf16", "prefill_1536_tok_s"), ">= 1200",
+        speed("hf-bf16", "prefill_1536_tok_s"), "233"),
+    Row("peak RSS, int8 engine (MiB)", speed("int8", "peak_rss_mb"), "< 700", speed("hf-bf16", "peak_rss_mb")),
+    Row("keystroke -> first token p50 (ms)", typing("first_token_ms_p50"), "<= 50"),
+    Row("keystroke -> 16-token suggestion p50 (ms)", typing("done_ms_p50"), "<= 300", None, "644 (--spm-infill)"),
+    Row("daemon ready, int8 bundle (s)", daemon("meta", "warm_daemon_ready_s"), "< 1.5", None,
+        "8-10 (cold 1st req)"),
+    Row("`m31r status` wall p50 (ms)", daemon("roundtrip", "status_wall_ms_p50"), "< 50"),
+    Row("daemon RSS after the session (MiB)", daemon("roundtrip", "rss_mb"), "<= 8192"),
+    Row("8 streams / 1 stream throughput (x)", ratio(clients(8), clients(1)), ">= 4"),
+]
+
+
+def meets(value: float, target: str) -> str:
+    op, _, num = target.partition(" ")
+    if not num:
+        return ""
+    t = float(num)
+    ok = {"<=": value <= t, "<": value < t, ">=": value >= t, ">": value > t}[op]
+    return "yes" if ok else "NO"
+
+
+def report(results: dict) -> str:
+    head = f"{'figure':44} {'M31R':>9} {'transformers':>12} {'target':>8} {'met':>4}  llama.cpp (issue)"
+    lines = [head, "-" * len(head)]
+    for row in ROWS:
+        v = row.get(results)
+        p = row.peer(results) if row.peer else None
+        lines.append(f"{row.label:44} {'-' if v is None else f'{v:,.4g}':>9} {'' if p is None else f'{p:,.4g}':>12} "
+                     f"{row.target:>8} {'' if v is None else meets(v, row.target):>4}  {row.llama}")
+    return "\n".join(lines)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, choices=[name for name, _, _ in SUITE])
+    ap.add_argument("--report", action="store_true", help="only print the table from bench-results/*.json")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     failed = []
-    rows: list[tuple[str, str, float]] = []
     for name, script, extra in SUITE:
-        if args.only and name not in args.only:
+        if args.report or (args.only and name not in args.only):
             continue
         out = OUT / f"{name}.json"
         cmd = [sys.executable, str(HERE / script), "--out", str(out), *extra, *(["--quick"] if args.quick else [])]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd).returncode != 0 or not out.exists():
             failed.append(name)
-            continue
-        rows += [(name, k, v) for k, v in flatten(json.loads(out.read_text())).items()]
-    print("\n=== summary (all figures from this run; JSON in bench-results/)")
-    width = max((len(k) for _, k, _ in rows), default=10)
-    for name, key, value in rows:
-        print(f"{name:7} {key:{width}}  {value:,.4g}")
+    results = {name: json.loads((OUT / f"{name}.json").read_text())
+               for name, _, _ in SUITE if (OUT / f"{name}.json").exists()}
+    print(f"\n=== summary, medium shape ({time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+          f"{platform.processor() or 'cpu'}); every figure and its transformers peer from the JSON in bench-results/")
+    print(report(results))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
