@@ -239,9 +239,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="prefill repetitions; the best is reported (default 2)")
     ap.add_argument("--chunk-size", type=int, default=8, help="M31R cache-reuse granularity (default 8, as the daemon)")
     ap.add_argument("--max-chunk", type=int, default=256, help="M31R largest prefill chunk (default 256)")
-    ap.add_argument("--decode-width", type=int, default=8,
-                    help="most rows per M31R decode step, as the daemon (default 8); a lone stream runs at the "
-                         "narrowest probed width (Engine.decode_widths)")
+    ap.add_argument("--decode-width", type=int, default=1,
+                    help="most rows per M31R decode step (default 1: one stream alone, its fastest kernels; the "
+                         "daemon allows 8 and runs a lone stream at the narrowest probed width, Engine.decode_widths)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=None, help="keep bundles here (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")

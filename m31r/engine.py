@@ -205,33 +205,30 @@ class Engine:
         return self._widths
 
     def _probe_widths(self) -> list[int]:
-        """The row counts a decode step may run at: those whose matmuls give each row exactly the bits that the
-        full `decode_width` gives it.
+        """The row counts a decode step may run at: those that give a row exactly the bits the full
+        `decode_width` gives it.
 
         Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
-        matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So the
-        weight products of this model, on this machine, are tried at each width once (~0.1 s, medium): a lone
-        stream then runs at the narrowest width that matches, often 1 (int8: ~16 vs ~30 ms/token at width 8 on
-        the medium shape), and never at one that would change its output when others join it.
+        matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So one
+        decode step of this model, on this machine, runs once at each width (~0.1 s, medium), every row at position
+        0 of its own scratch cache. A changed order shows in few of a single matmul's rounded outputs, but always
+        after a whole forward pass. A lone stream then runs at the narrowest width that matches, often 1 (int8: ~16
+        vs ~30 ms/token at width 8 on the medium shape), never at one that would change its output when others
+        join it.
         """
         widths = sorted({1 << i for i in range(self.decode_width.bit_length()) if 1 << i < self.decode_width}
                         | {self.decode_width})
-        layer = self.model.layers[0]
-        emb = self.model.tok_embeddings
-        head = self.model.head or (lambda x: torch.nn.functional.linear(x, emb.weight))
-        products = [layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2, head]
-        gen = torch.Generator().manual_seed(0)
-        ok = set(widths)
-        with torch.inference_mode():
-            for mod in products:
-                d_in = self.config.ffn_hidden if mod is layer.feed_forward.w2 else (
-                    self.config.n_heads * self.config.head_dim if mod is layer.attention.wo else self.config.d_model)
-                x = torch.randn(1, self.decode_width, 1, d_in, generator=gen).to(self.device, self.dtype)
-                full = torch.cat([mod(xs) for xs in x])
-                # Every row runs in groups of w: a changed reduction order shows in some, not all, rounded outputs.
-                ok = {w for w in ok if torch.equal(torch.cat([mod(xs[i : i + w]) for xs in x
-                                                              for i in range(0, len(xs), w)]), full)}
-        return sorted(ok)
+        n = self.decode_width
+        vocab = self.config.vocab_size
+        tokens = torch.tensor([[(7919 * (r + 1)) % vocab] for r in range(n)], device=self.device)
+
+        def step(w: int) -> torch.Tensor:
+            caches = [self.new_cache(1) for _ in range(w)]
+            with torch.inference_mode():
+                return self.model.decode_rows(tokens[:w].clone(), [0] * w, caches)
+
+        full = step(n)
+        return [w for w in widths if torch.equal(step(w), full[:w])]
 
     # -- caches ---------------------------------------------------------------------------------------
 
