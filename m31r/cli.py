@@ -195,8 +195,9 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               show_default=True, help="Activation and KV-cache precision. auto: bfloat16 where the CPU (AVX512-BF16, "
               "AMX) or GPU runs it natively, else float32.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
-@click.option("--cache-mb", type=float, default=512, show_default=True,
-              help="Memory for prefix-cache KV slots; 0 disables reuse across requests.")
+@click.option("--cache-mb", type=float, default=1536, show_default=True,
+              help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
+                   "bounds concurrent requests. 0 disables reuse across requests.")
 @click.option("--max-queue", type=int, default=32, show_default=True,
               help="Requests in flight before new ones are answered `busy`.")
 @click.option("--max-active", type=int, default=8, show_default=True,

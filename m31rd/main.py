@@ -48,7 +48,7 @@ class DaemonOptions:
     device: str = "cpu"
     dtype: str = "auto"
     threads: int | None = None
-    cache_mb: float = 512
+    cache_mb: float = 1536
     max_queue: int = 32
     max_active: int = 8
     chunk_size: int = 8
