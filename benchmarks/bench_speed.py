@@ -52,14 +52,11 @@ N_ACC_PROMPTS, ACC_PROMPT_LEN, ACC_STEPS = 3, 256, 32
 
 class Ours:
     def __init__(self, path: str, dtype: str, chunk_size: int, max_chunk: int, decode_width: int):
-        import inspect
-
         from m31r.bundle import verify_checksums
         from m31r.engine import Engine
 
-        kw = {"decode_width": decode_width} if "decode_width" in inspect.signature(Engine).parameters else {}
         t0 = time.perf_counter()
-        self.engine = Engine(path, dtype=dtype, chunk_size=chunk_size, max_chunk=max_chunk, **kw)
+        self.engine = Engine(path, dtype=dtype, chunk_size=chunk_size, max_chunk=max_chunk, decode_width=decode_width)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         verify_checksums(Path(path))

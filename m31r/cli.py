@@ -344,17 +344,11 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
 
 
 async def _status(socket_path: Path | None) -> None:
-    import json
-
-    import msgspec
-
+    from m31r.entry import status_json
     from m31r_protocol import Client
 
     async with await Client.connect(socket_path) as client:
-        reply = msgspec.to_builtins(await client.status())
-        reply.pop("type", None)
-        reply.pop("id", None)
-        click.echo(json.dumps(reply, indent=2))
+        click.echo(status_json(await client.status()))
 
 
 @main.command()

@@ -152,30 +152,29 @@ class Engine:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.device = torch.device(device)
-        self._dtype_name = dtype
         self.chunk_size, self.max_chunk = chunk_size, max_chunk
         if decode_width < 1:
             raise ValueError(f"decode_width must be >= 1, got {decode_width}")
         self.decode_width = decode_width
         if isinstance(bundle, Bundle):  # opened (and verified, or not) by the caller
-            self._load(bundle, quant, group_size)
+            self._load(bundle, dtype, quant, group_size)
             return
         # The checksums are verified on another thread while the model is built (hashing a medium bundle takes
         # about as long as building it); the engine is returned only once they pass. A checksum failure is
         # reported in preference to whatever it made go wrong in the meantime.
         verified = verify_in_background(bundle)
         try:
-            self._load(open_bundle(bundle, verify=False), quant, group_size)
+            self._load(open_bundle(bundle, verify=False), dtype, quant, group_size)
         except BaseException:
             verified.result()
             raise
         verified.result()
 
-    def _load(self, bundle: Bundle, quant: str | None, group_size: int | None) -> None:
+    def _load(self, bundle: Bundle, dtype: str, quant: str | None, group_size: int | None) -> None:
         self.bundle = bundle
         self.config = bundle.config
         stored = bundle.quantization or {}
-        dtype, quant = auto_precision(self.device, self._dtype_name, quant, stored.get("method"))
+        dtype, quant = auto_precision(self.device, dtype, quant, stored.get("method"))
         self.dtype = DTYPES[dtype]
         if stored and quant not in (None, stored["method"]):
             raise ValueError(f"{bundle.path} holds {stored['method']} weights; it cannot be served as {quant} "
@@ -216,11 +215,9 @@ class Engine:
         vs ~30 ms/token at width 8 on the medium shape), never at one that would change its output when others
         join it.
         """
-        widths = sorted({1 << i for i in range(self.decode_width.bit_length()) if 1 << i < self.decode_width}
-                        | {self.decode_width})
         n = self.decode_width
-        vocab = self.config.vocab_size
-        tokens = torch.tensor([[(7919 * (r + 1)) % vocab] for r in range(n)], device=self.device)
+        widths = sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
+        tokens = torch.tensor([[(7919 * (r + 1)) % self.config.vocab_size] for r in range(n)], device=self.device)
 
         def step(w: int) -> torch.Tensor:
             caches = [self.new_cache(1) for _ in range(w)]

@@ -21,21 +21,29 @@ def _status_socket(args: list[str]) -> str | None | bool:
     return False
 
 
-def quick_status(socket: str | None) -> bool:
+def status_json(reply: object) -> str:
+    """A StatusReply as `m31r status` prints it (both the fast path and the click CLI)."""
     import json
 
+    import msgspec
+
+    fields = msgspec.to_builtins(reply)
+    fields.pop("type", None)
+    fields.pop("id", None)
+    return json.dumps(fields, indent=2)
+
+
+def quick_status(socket: str | None) -> bool:
     import msgspec
 
     from m31r_protocol import blocking
     from m31r_protocol.paths import default_socket_path
 
     try:
-        reply = msgspec.to_builtins(blocking.status(socket or default_socket_path()))
+        reply = blocking.status(socket or default_socket_path())
     except (OSError, ValueError, msgspec.DecodeError):
         return False
-    reply.pop("type", None)
-    reply.pop("id", None)
-    print(json.dumps(reply, indent=2))
+    print(status_json(reply))
     return True
 
 

@@ -121,6 +121,7 @@ def run(opts: DaemonOptions) -> int:
         uvloop.run(daemon.serve(sock, owned, on_ready))
     except ImportError:
         asyncio.run(daemon.serve(sock, owned, on_ready))
+    torch_thread.close(5.0)
     sd_notify("STOPPING=1")
     log.info("stopped", extra={"fields": {"reason": daemon.stop_reason}})
     return 0

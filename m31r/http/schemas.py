@@ -44,10 +44,9 @@ FinishReason = Literal["stop", "length", "deadline"]
 # -- native requests ----------------------------------------------------------------------------------------
 
 
-class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Continue `prompt`."""
+class _Sampled(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The generation options Generate and Fim share (one definition, one schema)."""
 
-    prompt: Annotated[str, Meta(min_length=1, description="The text to continue.")]
     max_tokens: MaxTokens = 64
     temperature: Temperature = 0.0
     top_k: TopK = 0
@@ -55,23 +54,22 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     stop: Stop = []
     stream: Stream = False
+
+
+class GenerateRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
+    """Continue `prompt`."""
+
+    prompt: Annotated[str, Meta(min_length=1, description="The text to continue.")]
     truncate: Annotated[bool, Meta(description=(
         "Keep the prompt's end when prompt + max_tokens exceed the model's context, instead of a 400."))] = False
 
 
-class FimRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class FimRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
     """Raw fill-in-the-middle: what the model writes between `prefix` and `suffix`, no post-processing."""
 
     prefix: Annotated[str, Meta(description="The text before the cursor.")]
     suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
     path: Document | None = None
-    max_tokens: MaxTokens = 64
-    temperature: Temperature = 0.0
-    top_k: TopK = 0
-    top_p: TopP = 1.0
-    seed: Seed | None = None
-    stop: Stop = []
-    stream: Stream = False
     deadline_ms: DeadlineMs = 0
 
 
