@@ -14,8 +14,9 @@ subprocess on a real Unix socket, measured from the client side (what an editor 
               sending Generate requests back to back for a fixed time.
 
 The model is a random-init bundle of the chosen shape (`m31r bundle init` into a temp dir; the medium shape
-is ~205M parameters) with data/tokenizer.json when it exists and fits the shape's vocabulary (so prompts are
-as long in tokens as real ones), else the byte-level tokenizer. Random weights make the completions garbage,
+is ~205M parameters) with the first of data/tokenizer.json (a training run's) and release/tokenizer.json (the
+shipped one) that fits the shape's vocabulary, so prompts are as long in tokens as real ones; else the byte-level
+tokenizer. Random weights make the completions garbage,
 but the cost per token is the real one; pass --bundle to measure a trained bundle instead.
 
     python benchmarks/bench_daemon.py --out bench-results/daemon.json      # medium shape
@@ -111,14 +112,15 @@ def m31r_cmd() -> list[str]:
 def make_bundle(shape: str, out: Path, tokenizer: Path | None, storage_dtype: str) -> tuple[Path, str]:
     config = REPO / "configs" / "model" / f"{shape}.yaml"
     if tokenizer is None:
-        cand = REPO / "data" / "tokenizer.json"
-        if cand.exists():
-            import yaml
+        import yaml
 
-            vocab = yaml.safe_load(config.read_text())["vocab_size"]
-            with cand.open() as f:
-                if len(json.load(f)["model"]["vocab"]) == vocab:
-                    tokenizer = cand
+        vocab = yaml.safe_load(config.read_text())["vocab_size"]
+        for cand in (REPO / "data" / "tokenizer.json", REPO / "release" / "tokenizer.json"):
+            if cand.exists():
+                with cand.open() as f:
+                    if len(json.load(f)["model"]["vocab"]) == vocab:
+                        tokenizer = cand
+                        break
     cmd = [*m31r_cmd(), "bundle", "init", str(config), str(out), "--seed", "0", "--dtype", storage_dtype]
     if tokenizer is not None:
         cmd += ["--tokenizer", str(tokenizer)]
@@ -359,7 +361,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=["tiny", "mini", "small", "medium", "large"], default="medium")
     ap.add_argument("--bundle", type=Path, help="Use this bundle instead of a random-init one of --shape.")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json for the random bundle (default: "
-                    "data/tokenizer.json if it fits the shape, else byte-level).")
+                    "data/ or release/tokenizer.json if it fits the shape, else byte-level).")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                     help="Daemon compute dtype.")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -229,10 +229,12 @@ class Engine:
 
     # -- caches ---------------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.config, capacity or self.config.max_context, self.dtype, self.device)
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty cache; it grows with the context it holds (KVCache)."""
+        return KVCache(self.config, capacity, self.dtype, self.device)
 
     def cache_bytes(self, capacity: int | None = None) -> int:
+        """The size of a cache holding `capacity` positions (default: a whole context, a slot's upper bound)."""
         c = self.config
         return 2 * c.n_layers * c.kv_heads * (capacity or c.max_context) * c.head_dim * self.dtype.itemsize
 

@@ -15,24 +15,55 @@ from torch import Tensor, nn
 
 from m31r.config import ModelConfig
 
+SPAN = 64  # decode attends over a multiple of this many positions; cache capacities are multiples of it
+
+
+def span_of(n: int) -> int:
+    """The positions a query at context length n attends over: n rounded up to SPAN (the rest masked out)."""
+    return -(-n // SPAN) * SPAN
+
 
 class KVCache:
-    """A static per-sequence key/value buffer for every layer: allocated once, written in place.
+    """A per-sequence key/value buffer for every layer, written in place, whose capacity follows its context.
 
     `tokens` lists the ids whose keys/values are valid at positions [0, len(tokens)); `chunks` lists the ends
     of the leading full prefill chunks that computed them, in order. Only positions inside such chunks are ever
     reused, and only while the chunks are the ones a cold prefill of the new prompt would run (see engine).
+
+    A decode step attends over span_of(n) positions. The capacity is kept at exactly that span while decoding
+    (`fit`), so each layer's keys/values are one dense block: a bf16 matmul copies any operand whose batch is not
+    dense, and that copy of the whole context per layer and token cost more than the attention itself. Resizing
+    copies once per SPAN tokens instead. Positions past the context hold finite values (zeros, or stale entries
+    of an earlier use): the masked positions then contribute exactly 0 * v.
     """
 
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (config.n_layers, 1, config.kv_heads, capacity, config.head_dim)
-        # Uninitialised: positions are always written before they are read, and untouched pages cost no memory, so
-        # a slot's resident size follows the context it actually holds.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+        self.n_layers, self.kv_heads, self.head_dim = config.n_layers, config.kv_heads, config.head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.k = self.v = torch.empty(0)
+        self.capacity = 0
         self.tokens: list[int] = []
         self.chunks: list[int] = []
+        self._resize(span_of(capacity))
+
+    def _resize(self, capacity: int) -> None:
+        shape = (self.n_layers, 1, self.kv_heads, capacity, self.head_dim)
+        keep = min(capacity, self.capacity)
+        k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        if keep:
+            k[..., :keep, :] = self.k[..., :keep, :]
+            v[..., :keep, :] = self.v[..., :keep, :]
+        self.k, self.v, self.capacity = k, v, capacity
+
+    def reserve(self, n: int) -> None:
+        """Room for positions [0, n)."""
+        if n > self.capacity:
+            self._resize(span_of(n))
+
+    def fit(self, n: int) -> None:
+        """Capacity exactly span_of(n): a decode step at context length n then reads dense blocks."""
+        if self.capacity != span_of(n):
+            self._resize(span_of(n))
 
     @property
     def aligned(self) -> int:
@@ -97,19 +128,26 @@ class Attention(nn.Module):
             end = start + t
             cache.k[layer, :, :, start:end] = k
             cache.v[layer, :, :, start:end] = v
-            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
-            if t == 1:  # one new token sees every cached position: no mask needed
-                y = attend_one(q, k, v)
-            elif t >= CHUNK_MIN_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu":
-                y = attend_chunk(q, k, v, start)
-            elif start == 0:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            if t == 1:  # one new token sees every cached position (the same arithmetic as a decode step)
+                span = span_of(end)
+                y = attend_one(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], end)
             else:
-                # SDPA's is_causal aligns top-left; a chunk at `start` needs the bottom-right diagonal.
-                mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                y = self._attend_chunk(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], start)
         return self.wo(y.transpose(1, 2).reshape(b, t, h * self.hd))
 
+    @staticmethod
+    def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """Causal attention of a prefill chunk of t > 1 queries at `start` over cached k/v [0, start + t)."""
+        t, gqa = q.shape[2], k.shape[1] != q.shape[1]
+        if t >= CHUNK_MIN_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            y = attend_chunk(q, k, v, start)
+        elif start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # SDPA's is_causal aligns top-left; a chunk at `start` needs the bottom-right diagonal.
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return y
 
     def decode_rows(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], positions: list[int],
                     layer: int) -> Tensor:
@@ -122,39 +160,35 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [w, 1, 1, hd], each row at its own position
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
         y = torch.zeros_like(q)
-        for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):
+        for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):  # each fitted: k/v dense
             cache.k[layer, 0, :, pos] = k[r, :, 0]
             cache.v[layer, 0, :, pos] = v[r, :, 0]
-            y[r] = attend_one(q[r : r + 1], cache.k[layer, :, :, : pos + 1], cache.v[layer, :, :, : pos + 1])[0]
+            attend_one(q[r : r + 1], cache.k[layer], cache.v[layer], pos + 1, out=y[r : r + 1])
         return self.wo(y.transpose(1, 2).reshape(w, 1, h * self.hd))
 
 
-DECODE_SPAN = 64  # attend_one attends over a multiple of this many positions (the rest masked out)
+def attend_one(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+    """Attention of a single query per head (decode) over the first n of span_of(n) positions of `k`/`v`.
 
-
-def attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Attention of a single query per head over `k`/`v` (decode). SDPA's CPU kernel is built for blocks of
-    queries; two batched matmuls with the keys as the tall operand cut a medium bf16 decode step at 1.5k context
-    from ~84 to ~50 ms (fp32: about even). Grouped k/v heads serve their group of query heads without being
-    repeated. (A masked version for short prefill chunks measured no faster than SDPA in the model.)
-
-    oneDNN caches a primitive per matmul shape, and a context that grows by one position per token grew the
-    process by ~7 MB per generated token. So when `k`/`v` are slices of a cache with room after them, the slices
-    are widened to a multiple of DECODE_SPAN positions, the extra keys masked out and the extra values zeroed
-    (they lie past the context, so no valid entry is touched): a few dozen shapes over a whole context.
+    SDPA's CPU kernel is built for blocks of queries; two batched matmuls are ~3x faster for one. Scores come out
+    as [.., group, span] (queries times transposed keys), so the softmax runs along contiguous memory. Grouped
+    k/v heads serve their group of query heads without being repeated. Attending over whole SPAN blocks keeps
+    the matmul shapes few (oneDNN caches a kernel per shape: a context growing by one position per token grew
+    the process by ~7 MB per token) and lets a fitted cache pass each layer's k/v without a copy. The positions
+    past n are masked: their scores are -inf, so their (finite) values are multiplied by exactly 0.
     """
     b, h, _, hd = q.shape
-    n_kv, n = k.shape[1], k.shape[2]
-    room = k.stride(1) // hd if k.stride(2) == hd and k.stride() == v.stride() else n
-    span = min(-(-n // DECODE_SPAN) * DECODE_SPAN, room)
-    if span > n:
-        k, v = (t.as_strided((b, n_kv, span, hd), t.stride()) for t in (k, v))
-        v[:, :, n:] = 0  # finite, so the masked positions contribute exactly 0 * v
+    n_kv, span = k.shape[1], k.shape[2]
+    assert span == span_of(n), f"attend_one needs span_of({n}) positions, got {span}"
     qg = (q * hd**-0.5).view(b, n_kv, h // n_kv, hd)
-    scores = torch.matmul(k, qg.transpose(-1, -2))  # [b, n_kv, span, group]
-    scores[:, :, n:] = float("-inf")
-    p = torch.softmax(scores, dim=-2, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(p.transpose(-1, -2), v).view(b, h, 1, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [b, n_kv, group, span]
+    if span > n:
+        scores[..., n:] = float("-inf")
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if out is None:
+        return torch.matmul(p, v).view(b, h, 1, hd)
+    torch.matmul(p, v, out=out.view(b, n_kv, h // n_kv, hd))
+    return out
 
 
 CHUNK_HEADS = 4  # query heads per block in attend_chunk: their scores for a 256-token chunk at 2k fit in L2
@@ -239,6 +273,8 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         if start + t > self.config.max_context:
             raise ValueError(f"positions up to {start + t} exceed max_context {self.config.max_context}")
+        if cache is not None:
+            cache.reserve(start + t)
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[start : start + t].to(x.dtype)  # a no-op where the tables are kept in x's dtype
         sin = self.rope_sin[start : start + t].to(x.dtype)
@@ -257,6 +293,8 @@ class Transformer(nn.Module):
         top = max(positions)
         if top >= self.config.max_context:
             raise ValueError(f"position {top} exceeds max_context {self.config.max_context}")
+        for cache, p in zip(caches, positions, strict=True):
+            cache.fit(p + 1)
         w = tokens.shape[0]
         pos = torch.tensor(positions + [0] * (w - len(positions)), device=tokens.device)
         x = self.tok_embeddings(tokens)

@@ -105,17 +105,49 @@ def test_int8_embedding_dequantizes_rows() -> None:
 
 @pytest.mark.parametrize("n", [1, 37, 64, 65, 100])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_decode_attention_matches_sdpa_and_keeps_the_context(n: int, kv_heads: int) -> None:
-    """attend_one widens cache slices to a multiple of DECODE_SPAN: same result as SDPA, valid positions untouched."""
-    from m31r.model import attend_one
+def test_decode_attention_matches_sdpa_and_ignores_the_padding(n: int, kv_heads: int) -> None:
+    """attend_one reads span_of(n) positions; whatever finite values lie past n (stale entries of an earlier
+    sequence) change nothing: the result is SDPA over the first n, bit for bit the same as with zeros there."""
+    from m31r.model import attend_one, span_of
 
-    cache_k, cache_v = (torch.randn(1, kv_heads, 128, 16, generator=GEN) for _ in range(2))
-    before_k, before_v = cache_k.clone(), cache_v.clone()
+    span = span_of(n)
+    k, v = (torch.randn(1, kv_heads, span, 16, generator=GEN) for _ in range(2))
+    k[:, :, n:] *= 1e4  # stale entries: large, finite
+    v[:, :, n:] *= 1e4
     q = torch.randn(1, 4, 1, 16, generator=GEN)
-    k, v = cache_k[:, :, :n], cache_v[:, :, :n]
-    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads != 4)
-    torch.testing.assert_close(attend_one(q, k, v), expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(cache_k, before_k) and torch.equal(cache_v[:, :, :n], before_v[:, :, :n])
+    expected = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], enable_gqa=kv_heads != 4)
+    got = attend_one(q, k, v, n)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    zeroed_k, zeroed_v = k.clone(), v.clone()
+    zeroed_k[:, :, n:], zeroed_v[:, :, n:] = 0, 0
+    assert torch.equal(attend_one(q, zeroed_k, zeroed_v, n), got)
+    with pytest.raises(AssertionError, match="span_of"):
+        attend_one(q, k[:, :, :n] if n != span else k[:, :, : n - 1], v, n)
+
+
+def test_kv_cache_capacity_follows_the_context(tiny_engine) -> None:
+    """Prefill reserves whole SPAN blocks; decoding keeps the capacity at exactly span_of(context) (dense per-layer
+    blocks), shrinking a reused cache that held a longer sequence; the kept positions survive every resize."""
+    from m31r.model import SPAN, span_of
+
+    cache = tiny_engine.new_cache()
+    assert cache.capacity == 0 and cache.nbytes == 0
+    ids = [(7 * i + 3) % 200 + 10 for i in range(150)]
+    _last(tiny_engine.prefill(cache, ids, 0))
+    assert cache.capacity == span_of(150) == 3 * SPAN
+    kept = cache.k[..., :150, :].clone()
+    tiny_engine.decode_step(cache, 11)
+    assert cache.capacity == span_of(151)
+    for t in range(42):  # writes position 192: grows by one block
+        tiny_engine.decode_step(cache, 12 + t)
+    assert len(cache.tokens) == 193 and cache.capacity == 4 * SPAN
+    assert torch.equal(cache.k[..., :150, :], kept)
+    # Reuse for a shorter sequence: the first decode step shrinks the buffer to that sequence's span.
+    start = tiny_engine.reusable(cache, ids[:70])
+    _last(tiny_engine.prefill(cache, ids[:70], start))
+    assert cache.capacity == 4 * SPAN  # prefill only grows
+    tiny_engine.decode_step(cache, 5)
+    assert cache.capacity == span_of(71) and torch.equal(cache.k[..., :64, :], kept[..., :64, :])
 
 
 @pytest.mark.parametrize("start", [0, 24, 64])
