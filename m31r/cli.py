@@ -344,11 +344,13 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
 
 
 async def _status(socket_path: Path | None) -> None:
+    import msgspec
+
     from m31r.entry import status_json
     from m31r_protocol import Client
 
     async with await Client.connect(socket_path) as client:
-        click.echo(status_json(await client.status()))
+        click.echo(status_json(msgspec.to_builtins(await client.status())))
 
 
 @main.command()

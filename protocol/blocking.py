@@ -1,28 +1,22 @@
 """One request, one reply, over a blocking socket: for CLI commands that must answer at once (`m31r status`).
 
-No asyncio, no click: with the interpreter's own start-up this is the whole cost of `m31r status`. Anything
-unexpected raises, and the caller falls back to the full async client, which explains the failure.
+No asyncio, no click, no msgspec (minipack instead): with the interpreter's own start-up this is the whole cost of
+`m31r status`. Anything unexpected raises, and the caller falls back to the full async client, which explains the
+failure.
 """
 
 from __future__ import annotations
 
+import os
 import socket
-from pathlib import Path
+from typing import Any
 
 from m31r_protocol.framing import HEADER, pack
-from m31r_protocol.messages import (
-    MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
-    Hello,
-    Status,
-    StatusReply,
-    Welcome,
-    encoder,
-    server_decoder,
-)
+from m31r_protocol.limits import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from m31r_protocol.minipack import packb, unpackb
 
 
-def _read(sock: socket.socket) -> bytes:
+def _read(sock: socket.socket) -> dict[str, Any]:
     def exactly(n: int) -> bytes:
         buf = bytearray()
         while len(buf) < n:
@@ -35,21 +29,24 @@ def _read(sock: socket.socket) -> bytes:
     (size,) = HEADER.unpack(exactly(HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ConnectionError(f"frame of {size} bytes exceeds the limit")
-    return exactly(size)
+    msg = unpackb(exactly(size))
+    if not isinstance(msg, dict):
+        raise ValueError(f"expected a message, got {type(msg).__name__}")
+    return msg
 
 
-def status(path: str | Path, timeout: float = 2.0) -> StatusReply:
-    """The daemon's Status, or an exception (OSError, ConnectionError, ValueError) for any other outcome."""
-    enc, dec = encoder(), server_decoder()
+def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
+    """The daemon's StatusReply as a dict (with its `type` and `id`), or an exception (OSError, ConnectionError,
+    ValueError) for any other outcome."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(path))
-        sock.sendall(pack(enc.encode(Hello(protocol=PROTOCOL_VERSION, client="m31r-status"))))
-        welcome = dec.decode(_read(sock))
-        if not isinstance(welcome, Welcome) or welcome.protocol != PROTOCOL_VERSION:
-            raise ValueError(f"unexpected handshake reply {type(welcome).__name__}")
-        sock.sendall(pack(enc.encode(Status(id=1))))
-        reply = dec.decode(_read(sock))
-        if not isinstance(reply, StatusReply):
-            raise ValueError(f"unexpected reply {type(reply).__name__}")
+        sock.connect(os.fspath(path))
+        sock.sendall(pack(packb({"type": "hello", "protocol": PROTOCOL_VERSION, "client": "m31r-status"})))
+        welcome = _read(sock)
+        if welcome.get("type") != "welcome" or welcome.get("protocol") != PROTOCOL_VERSION:
+            raise ValueError(f"unexpected handshake reply {welcome.get('type')!r}")
+        sock.sendall(pack(packb({"type": "status", "id": 1})))
+        reply = _read(sock)
+        if reply.get("type") != "status_reply" or reply.get("id") != 1:
+            raise ValueError(f"unexpected reply {reply.get('type')!r}")
         return reply

@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-from m31r_protocol.messages import MAX_FRAME_BYTES
+from m31r_protocol.limits import MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     import asyncio

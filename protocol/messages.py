@@ -13,8 +13,8 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 8 * 1024 * 1024  # a whole large source file fits; anything bigger is refused unread
+from m31r_protocol.limits import MAX_FRAME_BYTES as MAX_FRAME_BYTES  # re-exported
+from m31r_protocol.limits import PROTOCOL_VERSION as PROTOCOL_VERSION
 
 ErrorCode = Literal[
     "bad_request",  # the message is malformed or a field is out of range

@@ -290,7 +290,8 @@ async def test_m31r_status_never_imports_torch(sock: Path) -> None:
 
 
 async def test_m31r_status_fast_path_skips_click_and_asyncio(sock: Path) -> None:
-    """The `m31r` entry point answers a plain status over a blocking socket: same JSON, no click, no asyncio."""
+    """The `m31r` entry point answers a plain status over a blocking socket: same JSON, no click, no asyncio, no
+    msgspec (each costs the one-shot process milliseconds)."""
     async with FakeDaemon(sock, welcome_then_status):
         p = await asyncio.create_subprocess_exec(
             sys.executable, "-X", "importtime", "-m", "m31r.entry", "status", "--socket", str(sock), env=ENV,
@@ -300,7 +301,7 @@ async def test_m31r_status_fast_path_skips_click_and_asyncio(sock: Path) -> None
     assert json.loads(out) == STATUS
     imported = {line.split("|")[-1].strip() for line in err.decode().splitlines() if line.startswith("import time:")}
     assert "m31r_protocol.blocking" in imported
-    heavy = {"click", "asyncio", "torch"}
+    heavy = {"click", "asyncio", "torch", "msgspec", "tempfile"}
     assert not {n for n in imported if n.split(".")[0] in heavy or n == "m31r_protocol.client"}
     # No daemon: the fast path gives way to the full CLI, which names the problem.
     r = await asyncio.create_subprocess_exec(sys.executable, "-m", "m31r.entry", "status", "--socket",
