@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from daemon_util import DAEMON, start_daemon, stop_daemon
+from devices import DEVICES
 
 from m31r_protocol import messages as m
 from m31r_protocol.client import Client, DaemonError
@@ -236,6 +237,26 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             out = await run(await c.fim(prefix, suffix, max_tokens=n))
             ref = fim_reference(tiny_engine, prefix, suffix, n)
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_bf16_daemon_streams_what_its_engine_streams(tiny_bundle, tmp_path, device):
+    """A bf16 daemon on each device this machine has (CUDA where there is one) streams exactly what an in-process
+    engine of the same precision streams, cold and again from its warm prefix cache."""
+    from m31r.engine import Engine
+
+    engine = Engine(tiny_bundle.path, device=device, dtype="bfloat16", chunk_size=8)  # the daemon's chunk size
+    sock = tmp_path / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock, "--device", device, "--dtype", "bfloat16")
+    try:
+        async with await Client.connect(sock) as c:
+            for _ in range(2):
+                for prompt in GEN_PROMPTS:
+                    out = await run(await c.generate(prompt, max_tokens=12))
+                    assert out.pieces == reference(engine, prompt, 12).pieces, prompt
+            assert (await c.status()).dtype == "bfloat16"
+    finally:
+        stop_daemon(proc)
 
 
 # -- concurrency --------------------------------------------------------------------------------------------

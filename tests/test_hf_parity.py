@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from devices import DEVICES
 from safetensors.torch import load_file, save_file
 
 from m31r.bundle import BundleError, open_bundle
@@ -65,17 +66,20 @@ def _save_hf(model, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa"])
+@pytest.fixture(scope="module", params=[(kind, dev) for dev in DEVICES for kind in ("mha", "gqa")],
+                ids=lambda p: "-".join(p))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(HF reference model, our Engine) on identical weights; the GQA variant shares k/v over 2 heads."""
-    kv_heads = 4 if request.param == "mha" else 2
+    """(HF reference model on the CPU, our Engine on each device) on identical weights; the GQA variant shares
+    k/v over 2 heads."""
+    kind, device = request.param
+    kv_heads = 4 if kind == "mha" else 2
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_hf_kwargs(num_key_value_heads=kv_heads)))
     _randomise(hf, seed=kv_heads)
-    root = tmp_path_factory.mktemp(f"hf-{request.param}")
+    root = tmp_path_factory.mktemp(f"hf-{kind}-{device}")
     hf_dir = _save_hf(hf, root / "hf")
     out = root / "bundle"
-    if request.param == "mha":  # one variant through the console script, one through the function
+    if kind == "mha":  # one variant through the console script, one through the function
         result = CliRunner().invoke(main, ["bundle", "import-hf", str(hf_dir), str(out)])
         assert result.exit_code == 0, result.output
         assert result.stdout.startswith("ok hf@imported")
@@ -84,7 +88,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     bundle = open_bundle(out)
     assert bundle.config.kv_heads == kv_heads and bundle.metadata["dtype"] == "float32"
     ref = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-    return ref.eval(), Engine(bundle, dtype="float32")
+    return ref.eval(), Engine(bundle, dtype="float32", device=device)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=range(len(PROMPTS)))
@@ -94,11 +98,11 @@ def test_logits_match_transformers(pair, prompt: str) -> None:
     tokens = torch.tensor([ids])
     with torch.inference_mode():
         expected = ref(tokens).logits[0].float()
-        ours = engine.model(tokens)[0]
+        ours = engine.model(tokens.to(engine.device))[0].cpu()
     assert expected.std() > 1.0  # the comparison is meaningful: logits are not all near zero
     assert (ours - expected).abs().max().item() <= 1e-4
     cache = engine.new_cache()
-    last = [x for x in engine.prefill(cache, ids, 0) if x is not None][-1]
+    last = [x for x in engine.prefill(cache, ids, 0) if x is not None][-1].cpu()
     assert (last - expected[-1]).abs().max().item() <= 1e-4
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from devices import DEVICES
 
 from m31r.bundle import init_bundle
 from m31r.config import ConfigError, ModelConfig, load_config, parse_config
@@ -23,11 +24,13 @@ def _gqa(config: ModelConfig) -> ModelConfig:
     return msgspec.structs.replace(config, n_kv_heads=2, name="m31r-tiny-gqa")
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa"])
+@pytest.fixture(scope="module", params=[(kind, dev) for dev in DEVICES for kind in ("mha", "gqa")],
+                ids=lambda p: "-".join(p))
 def engine(request: pytest.FixtureRequest, tiny_config: ModelConfig, tmp_path_factory: pytest.TempPathFactory):
-    config = tiny_config if request.param == "mha" else _gqa(tiny_config)
-    b = init_bundle(config, tmp_path_factory.mktemp(request.param) / "b", seed=1, dtype=torch.float32)
-    return Engine(b, dtype="float32")
+    kind, device = request.param
+    config = tiny_config if kind == "mha" else _gqa(tiny_config)
+    b = init_bundle(config, tmp_path_factory.mktemp(kind) / "b", seed=1, dtype=torch.float32)
+    return Engine(b, dtype="float32", device=device)
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
@@ -37,7 +40,7 @@ def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
 
 def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return engine.model(torch.tensor([ids]))[0]
+        return engine.model(torch.tensor([ids], device=engine.device))[0]
 
 
 def _last(gen) -> torch.Tensor:
@@ -60,7 +63,7 @@ def test_kv_cache_decode_equals_full_recomputation(engine: Engine) -> None:
 def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
     ids = _ids(77, seed=chunk)
     one_shot = _full_logits(engine, ids)[-1]
-    chunked = Engine(engine.bundle, dtype="float32", chunk_size=chunk)
+    chunked = Engine(engine.bundle, dtype="float32", chunk_size=chunk, device=str(engine.device))
     cache = chunked.new_cache()
     logits = _last(chunked.prefill(cache, ids, 0))
     torch.testing.assert_close(logits, one_shot, atol=ATOL, rtol=0)
@@ -69,7 +72,7 @@ def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
     # The cache holds the keys/values a single pass writes.
     ref = engine.new_cache()
     with torch.inference_mode():
-        engine.model(torch.tensor([ids]), start=0, cache=ref)
+        engine.model(torch.tensor([ids], device=engine.device), start=0, cache=ref)
     n = len(ids)
     torch.testing.assert_close(cache.k[..., :n, :], ref.k[..., :n, :], atol=ATOL, rtol=0)
     torch.testing.assert_close(cache.v[..., :n, :], ref.v[..., :n, :], atol=ATOL, rtol=0)

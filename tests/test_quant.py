@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from devices import DEVICES
 
 from m31r import quant
 from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, open_bundle, quantize_bundle, sha256_file
@@ -241,11 +242,16 @@ def test_greedy_is_deterministic_and_cache_hits_are_exact(qbundle: Bundle, dtype
         assert torch.equal(warm, fresh), f"n={n}, reused {start}"
 
 
-@pytest.mark.parametrize(("dtype", "method"), [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
-                                               ("bfloat16", "int4")])
-def test_batched_decode_gives_each_row_its_bits_alone(tiny_bundle: Bundle, dtype: str, method: str | None) -> None:
+FLOAT_PRECISIONS = [(d, t) for d in DEVICES for t in ("float32", "bfloat16")] + [
+    (d, "float16") for d in DEVICES if d == "cuda"]
+
+
+@pytest.mark.parametrize(("device", "dtype", "method"), [(d, t, None) for d, t in FLOAT_PRECISIONS] + [
+    ("cpu", "bfloat16", "int8"), ("cpu", "bfloat16", "int4")])
+def test_batched_decode_gives_each_row_its_bits_alone(tiny_bundle: Bundle, device: str, dtype: str,
+                                                      method: str | None) -> None:
     """Whatever widths the load-time probe allows, a stream's logits are the same bits alone and beside others."""
-    engine = Engine(tiny_bundle.path, dtype=dtype, quant=method, group_size=32, decode_width=8)
+    engine = Engine(tiny_bundle.path, device=device, dtype=dtype, quant=method, group_size=32, decode_width=8)
     assert engine.decode_widths and engine.decode_widths[-1] == 8
     prompts = [_ids(20 + 7 * i, seed=10 + i) for i in range(5)]
 
@@ -267,9 +273,11 @@ def test_batched_decode_gives_each_row_its_bits_alone(tiny_bundle: Bundle, dtype
             assert torch.equal(engine.decode_rows(batch[:n], tokens[:n]), together[:n])
 
 
-def test_fp32_cache_hits_are_exact_across_layouts(tiny_bundle: Bundle) -> None:
-    """Every pair (earlier prompt, later prompt sharing a prefix): the warm logits are the cold logits, bit for bit."""
-    engine = Engine(tiny_bundle.path, dtype="float32", chunk_size=4, max_chunk=32)
+@pytest.mark.parametrize(("device", "dtype"), FLOAT_PRECISIONS)
+def test_float_cache_hits_are_exact_across_layouts(tiny_bundle: Bundle, device: str, dtype: str) -> None:
+    """Every pair (earlier prompt, later prompt sharing a prefix): the warm logits are the cold logits, bit for bit,
+    in each float precision on each device; and greedy decoding repeats itself."""
+    engine = Engine(tiny_bundle.path, device=device, dtype=dtype, chunk_size=4, max_chunk=32)
     base = _ids(120, seed=4)
     cold = {n: _last(engine.prefill(engine.new_cache(), base[:n], 0)) for n in (23, 40, 64, 65, 97, 120)}
     for first in (10, 31, 33, 64, 90):
@@ -279,6 +287,8 @@ def test_fp32_cache_hits_are_exact_across_layouts(tiny_bundle: Bundle) -> None:
             start = engine.reusable(cache, base[:n])
             assert start <= min(first, n - 1)
             assert torch.equal(_last(engine.prefill(cache, base[:n], start)), cold[n]), (first, n, start)
+    runs = [[t.id for t in engine.generate(base[:97], max_tokens=16)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
 def test_prefill_refuses_a_start_inside_a_chunk(tiny_engine: Engine) -> None:
