@@ -32,11 +32,16 @@ def _is_live(path: Path) -> bool:
 
 
 def bind_unix(path: Path) -> socket.socket:
-    """A listening socket at `path`: parent folder 0700, socket 0600; a stale socket file is replaced,
-    a live one is refused."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.parent.stat().st_uid == os.getuid():
-        os.chmod(path.parent, 0o700)
+    """A listening socket at `path`, created 0600; a stale socket file is replaced, a live one is refused.
+
+    A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). A folder
+    that exists is left as it is: it may be shared (/tmp, a home or project folder), and the 0600 socket plus the
+    peer-uid check already keep other users out."""
+    try:
+        path.parent.mkdir(parents=True, mode=0o700)
+        os.chmod(path.parent, 0o700)  # mkdir's mode is masked by the umask
+    except FileExistsError:
+        pass
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")

@@ -557,8 +557,23 @@ async def test_typed_through(warm, tiny_engine):
 
 def test_socket_permissions(warm):
     assert stat.S_IMODE(warm.socket.stat().st_mode) == 0o600
-    assert stat.S_IMODE(warm.socket.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(warm.socket.parent.stat().st_mode) == 0o700  # the daemon created this folder
     assert stat.S_ISSOCK(warm.socket.stat().st_mode)
+
+
+def test_an_existing_socket_folder_keeps_its_mode(tmp_path):
+    """`--socket /tmp/m.sock` must not make /tmp private: only a folder the daemon creates is made 0700."""
+    from m31rd.sockets import bind_unix
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    sock = bind_unix(shared / "m.sock")
+    try:
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+        assert stat.S_IMODE((shared / "m.sock").stat().st_mode) == 0o600
+    finally:
+        sock.close()
 
 
 def test_stale_socket_is_replaced(life):
