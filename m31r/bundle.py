@@ -15,7 +15,6 @@ import hashlib
 import json
 import mmap
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,13 +22,19 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from m31r.checksums import (
+    CHECKSUM_FILE,
+    CONTENT_FILES,
+    BundleError,
+    check_present,
+    sha256_file,
+    verify_checksums,
+)
 from m31r.config import ConfigError, ModelConfig, load_config
 from m31r.model import expected_shapes
 from m31r.quant import INT4_GROUP_SIZES, METHODS, quantize_state_dict, quantized_tensor_specs
 
 FORMAT_VERSION = 1
-CONTENT_FILES = ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json")
-CHECKSUM_FILE = "checksum.txt"
 METADATA_KEYS = (
     "format_version", "model_name", "model_version", "parameter_count", "dtype", "config_hash",
     "tokenizer_hash", "dataset_version", "training_seed", "created",
@@ -40,10 +45,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 _FLOAT_ST = ("F32", "BF16", "F16")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
-
-
-class BundleError(RuntimeError):
-    """A bundle that must not be loaded; the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,6 @@ class Bundle:
     def quantization(self) -> dict | None:
         """{"method": "int8"} or {"method": "int4", "group_size": 64}; None for float weights."""
         return self.metadata.get("quantization")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -155,21 +148,6 @@ def write_bundle(
     return open_bundle(out)
 
 
-def _read_checksums(path: Path) -> dict[str, str]:
-    f = path / CHECKSUM_FILE
-    if not f.is_file():
-        raise BundleError(f"{f}: missing; a bundle needs {CHECKSUM_FILE} beside {', '.join(CONTENT_FILES)}")
-    sums: dict[str, str] = {}
-    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-        parts = line.split()
-        if len(parts) != 2 or len(parts[0]) != 64 or any(c not in "0123456789abcdef" for c in parts[0]):
-            raise BundleError(f"{f}: line {n} is not '<sha256>  <file>': {line[:80]!r}")
-        sums[parts[1].lstrip("*")] = parts[0]
-    if set(sums) != set(CONTENT_FILES):
-        raise BundleError(f"{f}: must list exactly {', '.join(CONTENT_FILES)}; lists {', '.join(sorted(sums))}")
-    return sums
-
-
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """The tensor table of a safetensors file and the offset where tensor data starts."""
     with open(path, "rb") as f:
@@ -188,40 +166,10 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _check_present(path: Path) -> None:
-    if not path.is_dir():
-        raise BundleError(f"{path}: not a bundle directory")
-    for name in (*CONTENT_FILES, CHECKSUM_FILE):
-        if not (path / name).is_file():
-            raise BundleError(f"{path / name}: missing from the bundle")
-
-
-def verify_checksums(path: Path) -> None:
-    """Hash every content file against checksum.txt (sha256; ~1 GB/s with SHA-NI)."""
-    for name, expected in _read_checksums(path).items():
-        got = sha256_file(path / name)
-        if got != expected:
-            raise BundleError(
-                f"{path / name}: checksum mismatch (checksum.txt has {expected[:16]}…, the file hashes to "
-                f"{got[:16]}…): the file is corrupt or was modified"
-            )
-
-
-def verify_in_background(path: str | Path) -> Future:
-    """Start `verify_checksums` on a worker thread (hashlib releases the GIL), so a loader can build the model
-    meanwhile; the loader must wait for the result before it serves anything (see Engine). A missing bundle or
-    file is reported at once."""
-    _check_present(Path(path))
-    pool = ThreadPoolExecutor(1, thread_name_prefix="m31r-verify")
-    future = pool.submit(verify_checksums, Path(path))
-    pool.shutdown(wait=False)
-    return future
-
-
 def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
     """Check a bundle end to end without reading the weights into memory; abort on the first fault."""
     path = Path(path)
-    _check_present(path)
+    check_present(path)
     if verify:
         verify_checksums(path)
     try:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from m31r.bundle import Bundle, load_weights, open_bundle, verify_in_background
+from m31r.bundle import Bundle, load_weights, open_bundle
+from m31r.checksums import verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
 from m31r.quant import DEFAULT_INT4_GROUP, prepare
 from m31r.sampling import Sampler, SamplingParams
@@ -141,10 +143,12 @@ class Engine:
         decode_width: int = 8,
         quant: str | None = None,
         group_size: int | None = None,
+        verified: Future | None = None,
     ):
         """`quant` (int8 | int4) quantizes a float bundle's weights at load; a quantized bundle is loaded as it
         was stored (`quant`, if given, must name its method). `dtype` is the precision of everything else:
-        activations, norms, attention and the KV cache. Either may be "auto" (see auto_precision)."""
+        activations, norms, attention and the KV cache. Either may be "auto" (see auto_precision). `verified`
+        is a checksum verification of `bundle` the caller started already (checksums.verify_in_background)."""
         if threads:
             torch.set_num_threads(threads)
         if dtype not in DTYPES and dtype != "auto":
@@ -162,7 +166,7 @@ class Engine:
         # The checksums are verified on another thread while the model is built (hashing a medium bundle takes
         # about as long as building it); the engine is returned only once they pass. A checksum failure is
         # reported in preference to whatever it made go wrong in the meantime.
-        verified = verify_in_background(bundle)
+        verified = verified or verify_in_background(bundle)
         try:
             self._load(open_bundle(bundle, verify=False), dtype, quant, group_size)
         except BaseException:

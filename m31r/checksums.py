@@ -1,0 +1,68 @@
+"""A bundle's checksums (checksum.txt, `sha256sum` format), without torch: the daemon starts hashing the weights
+on another core before it imports torch (~0.8 s), instead of after."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+CONTENT_FILES = ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json")
+CHECKSUM_FILE = "checksum.txt"
+
+
+class BundleError(RuntimeError):
+    """A bundle that must not be loaded; the message names the file and what is wrong."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_checksums(path: Path) -> dict[str, str]:
+    f = path / CHECKSUM_FILE
+    if not f.is_file():
+        raise BundleError(f"{f}: missing; a bundle needs {CHECKSUM_FILE} beside {', '.join(CONTENT_FILES)}")
+    sums: dict[str, str] = {}
+    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+        parts = line.split()
+        if len(parts) != 2 or len(parts[0]) != 64 or any(c not in "0123456789abcdef" for c in parts[0]):
+            raise BundleError(f"{f}: line {n} is not '<sha256>  <file>': {line[:80]!r}")
+        sums[parts[1].lstrip("*")] = parts[0]
+    if set(sums) != set(CONTENT_FILES):
+        raise BundleError(f"{f}: must list exactly {', '.join(CONTENT_FILES)}; lists {', '.join(sorted(sums))}")
+    return sums
+
+
+def check_present(path: Path) -> None:
+    if not path.is_dir():
+        raise BundleError(f"{path}: not a bundle directory")
+    for name in (*CONTENT_FILES, CHECKSUM_FILE):
+        if not (path / name).is_file():
+            raise BundleError(f"{path / name}: missing from the bundle")
+
+
+def verify_checksums(path: Path) -> None:
+    """Hash every content file against checksum.txt (sha256; ~1 GB/s with SHA-NI)."""
+    for name, expected in read_checksums(path).items():
+        got = sha256_file(path / name)
+        if got != expected:
+            raise BundleError(
+                f"{path / name}: checksum mismatch (checksum.txt has {expected[:16]}…, the file hashes to "
+                f"{got[:16]}…): the file is corrupt or was modified"
+            )
+
+
+def verify_in_background(path: str | Path) -> Future:
+    """Start `verify_checksums` on a worker thread (hashlib releases the GIL), so a loader can build the model
+    meanwhile; the loader must wait for the result before it serves anything (see Engine). A missing bundle or
+    file is reported at once."""
+    check_present(Path(path))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="m31r-verify")
+    future = pool.submit(verify_checksums, Path(path))
+    pool.shutdown(wait=False)
+    return future
