@@ -139,12 +139,13 @@ class M31R:
 
 
 class HF:
-    def __init__(self, path: str, dtype: str):
+    def __init__(self, path: str, dtype: str, device: str = "cpu"):
         import torch
         from transformers import LlamaForCausalLM
 
         t0 = time.perf_counter()
-        self.model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.device = device
         self.verify_s = 0.0
         self.load_s = time.perf_counter() - t0
         self.past = None
@@ -152,7 +153,7 @@ class HF:
     def prefill(self, ids: list[int]):
         import torch
 
-        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, logits_to_keep=1)
         self.past = out.past_key_values
         return out.logits[0, -1].float()
 
@@ -161,7 +162,8 @@ class HF:
     def decode(self, token: int):
         import torch
 
-        out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
+        out = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=self.past,
+                         use_cache=True)
         self.past = out.past_key_values
         return out.logits[0, -1].float()
 
@@ -181,8 +183,12 @@ def rss_mb() -> float:
 
 
 def timed(fn, *args):
+    import torch
+
     t0 = time.perf_counter()
     out = fn(*args)
+    if torch.cuda.is_initialized():  # GPU work is asynchronous: wait for it before reading the clock
+        torch.cuda.synchronize()
     return out, time.perf_counter() - t0
 
 

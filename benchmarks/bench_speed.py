@@ -46,17 +46,21 @@ CONFIGS = {
     "int4": ("m31r", "int4", "bfloat16"),
     "hf-fp32": ("hf", "float32", "float32"),
     "hf-bf16": ("hf", "bfloat16", "bfloat16"),
+    "fp16": ("m31r", "float32", "float16"),  # fp32 weights cast at load; for GPUs (--device cuda)
 }
+DEFAULT_PRECISIONS = {"cpu": ["fp32", "bf16", "int8", "int4", "hf-fp32", "hf-bf16"],
+                      "cuda": ["fp32", "bf16", "fp16", "hf-fp32", "hf-bf16"]}  # int8/int4 kernels are CPU-only
 N_ACC_PROMPTS, ACC_PROMPT_LEN, ACC_STEPS = 3, 256, 32
 
 
 class Ours:
-    def __init__(self, path: str, dtype: str, chunk_size: int, max_chunk: int, decode_width: int):
+    def __init__(self, path: str, dtype: str, chunk_size: int, max_chunk: int, decode_width: int, device: str):
         from m31r.bundle import verify_checksums
         from m31r.engine import Engine
 
         t0 = time.perf_counter()
-        self.engine = Engine(path, dtype=dtype, chunk_size=chunk_size, max_chunk=max_chunk, decode_width=decode_width)
+        self.engine = Engine(path, dtype=dtype, chunk_size=chunk_size, max_chunk=max_chunk, decode_width=decode_width,
+                             device=device)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         verify_checksums(Path(path))
@@ -108,7 +112,7 @@ def accuracy_data(impl, prompts: list[list[int]], continuations: list[list[int]]
         for t in cont:
             steps.append(logits)
             logits = impl.decode(t)
-        out["forced"].append(torch.stack(steps))
+        out["forced"].append(torch.stack(steps).cpu())
         logits, toks = impl.prefill(p), []
         for _ in range(ACC_STEPS):
             toks.append(int(logits.argmax()))
@@ -124,8 +128,8 @@ def worker(args: argparse.Namespace) -> None:
     spec = json.loads(args.worker)
     name, path, work, vocab = spec["name"], spec["path"], Path(spec["work"]), spec["vocab_size"]
     impl_kind, _, dtype = CONFIGS[name]
-    impl = (Ours(path, dtype, args.chunk_size, args.max_chunk, args.decode_width) if impl_kind == "m31r"
-            else rt.HF(path, dtype))
+    impl = (Ours(path, dtype, args.chunk_size, args.max_chunk, args.decode_width, args.device)
+            if impl_kind == "m31r" else rt.HF(path, dtype, args.device))
     res: dict = {"name": name, "threads": torch.get_num_threads(), "load_s": impl.load_s,
                  "verify_s": impl.verify_s, "rss_after_load_mb": rt.rss_mb()}
     gen = torch.Generator().manual_seed(1234)
@@ -151,6 +155,8 @@ def worker(args: argparse.Namespace) -> None:
         conts = [torch.randint(5, vocab, (ACC_STEPS,), generator=gen).tolist() for _ in range(N_ACC_PROMPTS)]
         torch.save(accuracy_data(impl, prompts, conts), work / f"acc-{name}.pt")
     res["peak_rss_mb"] = rt._status_mb("VmHWM")
+    if args.device == "cuda":
+        res["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     print("RESULT " + json.dumps(res))
 
 
@@ -164,7 +170,7 @@ def run_worker(args: argparse.Namespace, spec: dict) -> dict:
            "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--keystrokes", str(args.keystrokes),
            "--long-context", str(args.long_context), "--prefill-lengths", ",".join(map(str, args.prefill_lengths)),
            "--chunk-size", str(args.chunk_size), "--max-chunk", str(args.max_chunk),
-           "--decode-width", str(args.decode_width)]
+           "--decode-width", str(args.decode_width), "--device", args.device]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -202,6 +208,7 @@ ROWS = [  # (key, label, format)
     ("keystroke_ms", "keystroke at {long} ctx (ms)", "{:.0f}"),
     ("keystroke_tokens", "  tokens recomputed (mean)", "{:.1f}"),
     ("peak_rss_mb", "peak RSS (MiB)", "{:.0f}"),
+    ("peak_gpu_mb", "peak GPU memory (MiB)", "{:.0f}"),
 ]
 
 
@@ -219,6 +226,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
             variants = [(key.format(long=args.long_context), label.format(long=args.long_context))]
         for k, lab in variants:
             cells = [results[n].get(k) for n in names]
+            if all(c is None for c in cells):  # e.g. GPU memory on a CPU run
+                continue
             lines.append(f"{lab:34}" + "".join(f"{fmt.format(c) if c is not None else '-':>10}" for c in cells))
     return "\n".join(lines)
 
@@ -226,7 +235,9 @@ def table(results: dict, args: argparse.Namespace) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "model" / "medium.yaml")
-    ap.add_argument("--precisions", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precisions", default=None,
+                    help=f"comma-separated subset of {', '.join(CONFIGS)} (default: those that run on --device)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all)")
     ap.add_argument("--quick", action="store_true", help="short prompts and few decode steps: a smoke test")
     ap.add_argument("--prefill-lengths", default=None, help="comma-separated prompt lengths (default 512,1536)")
@@ -260,9 +271,11 @@ def main() -> None:
     from m31r.config import load_config
 
     config = load_config(args.config)
-    names = [n for n in args.precisions.split(",") if n]
+    names = [n for n in args.precisions.split(",") if n] if args.precisions else DEFAULT_PRECISIONS[args.device]
     if unknown := set(names) - set(CONFIGS):
         sys.exit(f"unknown precisions: {', '.join(sorted(unknown))}")
+    if args.device == "cuda" and (cpu_only := {"int8", "int4"} & set(names)):
+        sys.exit(f"{', '.join(sorted(cpu_only))}: the weight-only kernels run on the CPU only")
     names = ["fp32", *[n for n in names if n != "fp32"]]  # the accuracy reference runs first
     with tempfile.TemporaryDirectory(prefix="m31r-speed-") as tmp:
         work = args.workdir or Path(tmp)
@@ -284,7 +297,7 @@ def main() -> None:
                                               "vocab_size": config.vocab_size})
             print(f"# {name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         acc = accuracy(work, names)
-    print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), threads={args.threads}, "
+    print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), {args.device}, threads={args.threads}, "
           f"chunk {args.chunk_size}..{args.max_chunk}, decode width {args.decode_width}, "
           f"load avg {os.getloadavg()[0]:.1f}")
     print(table(results, args))
@@ -300,7 +313,7 @@ def main() -> None:
             "config": str(args.config), "model": config.name, "params": config.param_count(), "threads": args.threads,
             "quick": args.quick, "prefill_lengths": args.prefill_lengths, "decode_tokens": args.decode_tokens,
             "long_context": args.long_context, "chunk_size": args.chunk_size, "max_chunk": args.max_chunk,
-            "decode_width": args.decode_width,
+            "decode_width": args.decode_width, "device": args.device,
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "date": time.strftime("%Y-%m-%d"), "results": results, "accuracy": acc,

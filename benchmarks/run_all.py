@@ -1,7 +1,8 @@
 """`make bench`: the benchmark suite on the medium shape, printed as one table of issue 7's targets.
 
 Runs each benchmark script (speed per precision vs transformers, the daemon's typing session, round trip and
-concurrency, the LSP layer), writes their JSON under bench-results/, then prints one table: each figure, its
+concurrency with int8 and with bf16 weights, the LSP layer), writes their JSON under bench-results/, then prints one
+table headed by the CPU it ran on (the issue's targets were set on AMX machines): each figure, its
 peer measured in the same run (transformers on the same weights) where there is one, the target, and the
 llama.cpp reference figure measured on this machine kind (quoted from the issue, not measured here).
 `--quick` runs the smoke versions; `--only` a subset; `--report` reprints the table from existing JSON.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -25,6 +27,8 @@ SUITE = [
     ("speed", "bench_speed.py", []),  # decode, prefill, load, RSS per precision; transformers alongside
     # typing session cold vs warm, round trip, 1/8/16 concurrent clients; the daemon's defaults on an int8 bundle
     ("daemon", "bench_daemon.py", ["--stored-quant", "int8"]),
+    # concurrency again with bf16 weights, whose batched matmuls cost little more than one row's (int8's do)
+    ("daemon-bf16", "bench_daemon.py", ["--quant", "none", "--skip", "cold", "roundtrip", "--keystrokes", "3"]),
     ("lsp", "bench_lsp.py", []),  # keystroke → suggestion through the language server
 ]
 
@@ -50,8 +54,8 @@ def typing(key: str) -> Callable[[dict], float | None]:
     return lambda r: next((t.get(key) for t in r.get("daemon", {}).get("typing", []) if t["mode"] == "warm"), None)
 
 
-def clients(n: int) -> Callable[[dict], float | None]:
-    return lambda r: next((t["tokens_per_s"] for t in r.get("daemon", {}).get("throughput", [])
+def clients(n: int, suite: str = "daemon") -> Callable[[dict], float | None]:
+    return lambda r: next((t["tokens_per_s"] for t in r.get(suite, {}).get("throughput", [])
                            if t["clients"] == n), None)
 
 
@@ -84,7 +88,25 @@ ROWS = [
     Row("`m31r status` wall p50 (ms)", daemon("roundtrip", "status_wall_ms_p50"), "< 50"),
     Row("daemon RSS after the session (MiB)", daemon("roundtrip", "rss_mb"), "<= 8192"),
     Row("8 streams / 1 stream throughput (x)", ratio(clients(8), clients(1)), ">= 4"),
+    Row("  same, bf16 weights (--quant none) (x)", ratio(clients(8, "daemon-bf16"), clients(1, "daemon-bf16")),
+        ">= 4"),
 ]
+
+
+def machine() -> str:
+    """The CPU and what its bf16 matmuls run on: the issue's targets were set on 2 Sapphire Rapids cores (AMX)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    bf16 = "AMX" if "amx_bf16" in flags else "AVX512-BF16, no AMX" if "avx512_bf16" in flags else "no native bf16"
+    return f"{model}, {os.cpu_count()} CPUs, {bf16}"
 
 
 def meets(value: float, target: str) -> str:
@@ -125,8 +147,8 @@ def main() -> int:
             failed.append(name)
     results = {name: json.loads((OUT / f"{name}.json").read_text())
                for name, _, _ in SUITE if (OUT / f"{name}.json").exists()}
-    print(f"\n=== summary, medium shape ({time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{platform.processor() or 'cpu'}); every figure and its transformers peer from the JSON in bench-results/")
+    print(f"\n=== summary, medium shape ({time.strftime('%Y-%m-%d')}, {machine()}); every figure and its "
+          "transformers peer from the JSON in bench-results/")
     print(report(results))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -39,7 +39,8 @@ class PrefixCache:
 
     @property
     def bytes_used(self) -> int:
-        return len(self.slots) * self.slot_bytes
+        """What the slots hold now: each grows with its context, up to slot_bytes (which the budget counts)."""
+        return sum(s.cache.nbytes for s in list(self.slots))
 
     def has_free(self) -> bool:
         return len(self.slots) < self.max_slots or any(not s.busy for s in self.slots)

@@ -254,7 +254,14 @@ async def test_bf16_daemon_streams_what_its_engine_streams(tiny_bundle, tmp_path
                 for prompt in GEN_PROMPTS:
                     out = await run(await c.generate(prompt, max_tokens=12))
                     assert out.pieces == reference(engine, prompt, 12).pieces, prompt
-            assert (await c.status()).dtype == "bfloat16"
+            st = await c.status()
+            assert st.dtype == "bfloat16"
+        # Slots hold what their contexts need (whole 64-position blocks), not a whole context each.
+        block = 2 * engine.config.n_layers * engine.config.kv_heads * 64 * engine.config.head_dim * 2  # bf16
+        longest = max(len(engine.tokenizer.encode(p)) for p in GEN_PROMPTS) + 12
+        assert st.cache_slots_used >= 1
+        assert 0 < st.cache_mb * 2**20 <= st.cache_slots_used * -(-longest // 64) * block + 0.1 * 2**20
+        assert st.cache_mb <= st.cache_budget_mb
     finally:
         stop_daemon(proc)
 
