@@ -268,6 +268,7 @@ class Engine:
         logits = None
         cache.tokens = cache.tokens[:start]
         cache.chunks = [e for e in cache.chunks if e <= start]
+        cache.reserve(len(ids))  # one resize for the whole prompt, not one per chunk
         pos = start
         for end in ends:
             if end <= start:

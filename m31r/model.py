@@ -8,6 +8,7 @@ RoPE uses the rotate-half layout of Llama checkpoints so their weights load with
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,16 @@ def span_of(n: int) -> int:
     return -(-n // SPAN) * SPAN
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor; on the CPU one with an anonymous memory map of its own. The kernel hands out zero pages that
+    become resident only once written, and unmaps them as soon as the tensor is freed: glibc keeps freed blocks of a
+    few MB in its heap, and a cache that grows and shrinks block by block then held ~60 MB more than it used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 class KVCache:
     """A per-sequence key/value buffer for every layer, written in place, whose capacity follows its context.
 
@@ -33,27 +44,31 @@ class KVCache:
     A decode step attends over span_of(n) positions. The capacity is kept at exactly that span while decoding
     (`fit`), so each layer's keys/values are one dense block: a bf16 matmul copies any operand whose batch is not
     dense, and that copy of the whole context per layer and token cost more than the attention itself. Resizing
-    copies once per SPAN tokens instead. Positions past the context hold finite values (zeros, or stale entries
-    of an earlier use): the masked positions then contribute exactly 0 * v.
+    copies once per SPAN tokens instead, one layer at a time, so it holds at most one layer twice. Positions past
+    the context hold finite values (zeros, or stale entries of an earlier use): masked positions then contribute
+    exactly 0 * v.
     """
 
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.n_layers, self.kv_heads, self.head_dim = config.n_layers, config.kv_heads, config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.k = self.v = torch.empty(0)
+        empty = torch.empty(1, self.kv_heads, 0, self.head_dim, dtype=dtype, device=self.device)
+        self.k: list[Tensor] = [empty] * self.n_layers  # per layer: [1, kv_heads, capacity, head_dim]
+        self.v: list[Tensor] = [empty] * self.n_layers
         self.capacity = 0
         self.tokens: list[int] = []
         self.chunks: list[int] = []
         self._resize(span_of(capacity))
 
     def _resize(self, capacity: int) -> None:
-        shape = (self.n_layers, 1, self.kv_heads, capacity, self.head_dim)
+        shape = (1, self.kv_heads, capacity, self.head_dim)
         keep = min(capacity, self.capacity)
-        k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        if keep:
-            k[..., :keep, :] = self.k[..., :keep, :]
-            v[..., :keep, :] = self.v[..., :keep, :]
-        self.k, self.v, self.capacity = k, v, capacity
+        for store in (self.k, self.v):
+            for layer, old in enumerate(store):
+                new = zeros(shape, self.dtype, self.device)
+                new[:, :, :keep] = old[:, :, :keep]
+                store[layer] = new
+        self.capacity = capacity
 
     def reserve(self, n: int) -> None:
         """Room for positions [0, n)."""
@@ -72,7 +87,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in (*self.k, *self.v))
 
     def reset(self) -> None:
         self.tokens = []
@@ -126,13 +141,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             end = start + t
-            cache.k[layer, :, :, start:end] = k
-            cache.v[layer, :, :, start:end] = v
+            ck, cv = cache.k[layer], cache.v[layer]
+            ck[:, :, start:end] = k
+            cv[:, :, start:end] = v
             if t == 1:  # one new token sees every cached position (the same arithmetic as a decode step)
                 span = span_of(end)
-                y = attend_one(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], end)
+                y = attend_one(q, ck[:, :, :span], cv[:, :, :span], end)
             else:
-                y = self._attend_chunk(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], start)
+                y = self._attend_chunk(q, ck[:, :, :end], cv[:, :, :end], start)
         return self.wo(y.transpose(1, 2).reshape(b, t, h * self.hd))
 
     @staticmethod
@@ -161,8 +177,8 @@ class Attention(nn.Module):
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
         y = torch.zeros_like(q)
         for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):  # each fitted: k/v dense
-            cache.k[layer, 0, :, pos] = k[r, :, 0]
-            cache.v[layer, 0, :, pos] = v[r, :, 0]
+            cache.k[layer][0, :, pos] = k[r, :, 0]
+            cache.v[layer][0, :, pos] = v[r, :, 0]
             attend_one(q[r : r + 1], cache.k[layer], cache.v[layer], pos + 1, out=y[r : r + 1])
         return self.wo(y.transpose(1, 2).reshape(w, 1, h * self.hd))
 
