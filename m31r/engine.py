@@ -1,4 +1,4 @@
-"""The one core runtime ("Mode C"): load a bundle, prefill against a static KV cache, decode, stream.
+"""The one core runtime ("Mode C"): load a bundle, prefill into a KV cache, decode, stream.
 
 Determinism across cache reuse: a token's keys/values depend on how its prefill chunk was shaped (matmul
 blocking changes float reduction order, and kernels are chosen by row count). Prefill therefore splits a

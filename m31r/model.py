@@ -1,6 +1,7 @@
 """The M31R transformer (06_MODEL_ARCHITECTURE): decoder-only, RoPE, pre-norm RMSNorm, SwiGLU, tied head.
 
-One module does both training (full causal sequences) and inference (chunks against a static KV cache).
+One module does both training (full causal sequences) and inference (chunks against a KV cache that is
+written in place and sized to its context in 64-position blocks).
 QKV and gate/up projections are fused so a decode step runs two matmuls per sub-layer, not five.
 RoPE uses the rotate-half layout of Llama checkpoints so their weights load without permutation.
 """
