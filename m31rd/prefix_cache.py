@@ -1,9 +1,9 @@
 """KV-cache slots kept across requests, so a new prompt prefills only what the last one did not.
 
-Each slot is a KV cache (sized to its context in 64-position blocks) plus the ids it holds. A request takes the free slot with the longest
-reusable prefix (its document's slot on a tie), else a fresh slot while the budget allows, else the least
-recently used one. A running request holds its slot exclusively; only this class's owner, the inference
-thread, touches it.
+Each slot is a KV cache (sized to its context in 64-position blocks) plus the ids it holds. A request takes the
+free slot with the longest reusable prefix (its document's slot on a tie), else a fresh slot while the budget
+allows, else the least recently used one. A running request holds its slot exclusively; only this class's owner,
+the inference thread, touches it.
 """
 
 from __future__ import annotations
