@@ -16,8 +16,8 @@ subprocess on a real Unix socket, measured from the client side (what an editor 
 The model is a random-init bundle of the chosen shape (`m31r bundle init` into a temp dir; the medium shape
 is ~205M parameters) with the first of data/tokenizer.json (a training run's) and release/tokenizer.json (the
 shipped one) that fits the shape's vocabulary, so prompts are as long in tokens as real ones; else the byte-level
-tokenizer. Random weights make the completions garbage,
-but the cost per token is the real one; pass --bundle to measure a trained bundle instead.
+tokenizer. Random weights make the completions garbage, but the cost per token is the real one; pass --bundle to
+measure a trained bundle instead.
 
     python benchmarks/bench_daemon.py --out bench-results/daemon.json      # medium shape
     python benchmarks/bench_daemon.py --shape tiny --quick                 # smoke test

@@ -1,4 +1,4 @@
-"""The `m31r` command. `m31r status` is answered here without importing click, asyncio or msgspec (about 25 ms in
+"""The `m31r` command. `m31r status` is answered here without importing click, asyncio or msgspec (about 30 ms in
 all, most of it the interpreter starting); everything else, and any status that does not simply succeed (no
 daemon, a daemon still loading), goes to the click CLI in m31r.cli, which reports errors properly."""
 

@@ -78,17 +78,12 @@ def run(opts: DaemonOptions) -> int:
 
     try:
         # Hashing the weights takes ~0.1 s per 200 MB and needs no torch: it runs on the other core while this one
-        # imports torch (~0.8 s), instead of after it.
+        # imports torch (~0.8 s, with the engine), instead of after it.
         verified = verify_in_background(opts.bundle)
-    except (BundleError, OSError) as e:
-        log.error("cannot load the model: %s", e)
-        print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
-        return 1
-    from m31r.engine import Engine
-    from m31rd.torch_thread import TorchThread
+        from m31r.engine import Engine
+        from m31rd.torch_thread import TorchThread
 
-    torch_thread = TorchThread()  # every torch call from here on runs there (see torch_thread)
-    try:
+        torch_thread = TorchThread()  # every torch call from here on runs there (see torch_thread)
         engine = torch_thread.call(Engine, opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
                                    chunk_size=opts.chunk_size, quant=opts.quant, decode_width=opts.decode_width,
                                    verified=verified)

@@ -13,6 +13,10 @@ from typing import Any
 _B, _H, _I, _Q = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 _b, _h, _i, _q = struct.Struct(">b"), struct.Struct(">h"), struct.Struct(">i"), struct.Struct(">q")
 _f, _d = struct.Struct(">f"), struct.Struct(">d")
+_SIMPLE = {0xC0: None, 0xC2: False, 0xC3: True}
+_NUMBERS = {0xCA: _f, 0xCB: _d, 0xCC: _B, 0xCD: _H, 0xCE: _I, 0xCF: _Q, 0xD0: _b, 0xD1: _h, 0xD2: _i, 0xD3: _q}
+# bin 8/16/32, str 8/16/32, array 16/32, map 16/32: the struct of the length that follows the type byte
+_LENGTHS = {0xC4: _B, 0xC5: _H, 0xC6: _I, 0xD9: _B, 0xDA: _H, 0xDB: _I, 0xDC: _H, 0xDD: _I, 0xDE: _H, 0xDF: _I}
 
 
 def packb(obj: Any) -> bytes:
@@ -122,16 +126,13 @@ def _unpack(r: _Reader) -> Any:
         return [_unpack(r) for _ in range(code & 0x0F)]
     if 0xA0 <= code <= 0xBF:
         return str(r.take(code & 0x1F), "utf-8")
-    simple = {0xC0: None, 0xC2: False, 0xC3: True}
-    if code in simple:
-        return simple[code]
-    numbers = {0xCA: _f, 0xCB: _d, 0xCC: _B, 0xCD: _H, 0xCE: _I, 0xCF: _Q, 0xD0: _b, 0xD1: _h, 0xD2: _i, 0xD3: _q}
-    if code in numbers:
-        return r.unpack(numbers[code])
-    lengths = {0xC4: _B, 0xC5: _H, 0xC6: _I, 0xD9: _B, 0xDA: _H, 0xDB: _I, 0xDC: _H, 0xDD: _I, 0xDE: _H, 0xDF: _I}
-    if code not in lengths:
+    if code in _SIMPLE:
+        return _SIMPLE[code]
+    if code in _NUMBERS:
+        return r.unpack(_NUMBERS[code])
+    if code not in _LENGTHS:
         raise ValueError(f"unsupported MessagePack type 0x{code:02x}")
-    n = r.unpack(lengths[code])
+    n = r.unpack(_LENGTHS[code])
     if code <= 0xC6:
         return bytes(r.take(n))
     if code <= 0xDB:
