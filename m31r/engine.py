@@ -213,20 +213,28 @@ class Engine:
 
         Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
         matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So one
-        decode step of this model, on this machine, runs once at each width (~0.1 s, medium), every row at position
-        0 of its own scratch cache. A changed order shows in few of a single matmul's rounded outputs, but always
-        after a whole forward pass. A lone stream then runs at the narrowest width that matches, often 1 (int8: ~16
-        vs ~30 ms/token at width 8 on the medium shape), never at one that would change its output when others
-        join it.
+        decode step of this model, on this machine, runs once at each width (~0.1 s, medium), every row in its own
+        scratch cache at a different context length, so that rows share attention calls in several groups (see
+        model.row_groups). A changed order shows in few of a single matmul's rounded outputs, but always after a
+        whole forward pass. A lone stream then runs at the narrowest width that matches, often 1 (int8: ~10 vs ~26
+        ms/token at width 8 on the medium shape), never at one that would change its output when others join it.
         """
         n = self.decode_width
-        widths = sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
+        widths = list(range(1, n + 1))
         tokens = torch.tensor([[(7919 * (r + 1)) % self.config.vocab_size] for r in range(n)], device=self.device)
+        positions = [min(37 * r % 250, self.config.max_context - 1) for r in range(n)]  # spans 64 to 256, mixed
+        gen = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, self.config.kv_heads, max(positions), self.config.head_dim, generator=gen)  # any values
+
+        caches = [self.new_cache(p + 1) for p in positions]  # a step rewrites only position p, which it reads
+        for c, p in zip(caches, positions, strict=True):
+            for layer in range(self.config.n_layers):
+                c.k[layer][0, :, :p] = kv[0, :, :p]
+                c.v[layer][0, :, :p] = kv[1, :, :p]
 
         def step(w: int) -> torch.Tensor:
-            caches = [self.new_cache(1) for _ in range(w)]
             with torch.inference_mode():
-                return self.model.decode_rows(tokens[:w].clone(), [0] * w, caches)
+                return self.model.decode_rows(tokens[:w].clone(), positions[:w], caches[:w])
 
         full = step(n)
         return [w for w in widths if torch.equal(step(w), full[:w])]

@@ -17,6 +17,7 @@ from m31r import quant
 from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, open_bundle, quantize_bundle, sha256_file
 from m31r.cli import main
 from m31r.engine import Engine, chunk_layout
+from m31r.model import STACK_SPAN, row_groups
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -253,10 +254,14 @@ FLOAT_PRECISIONS = [(d, t) for d in DEVICES for t in ("float32", "bfloat16")] + 
     ("cpu", "bfloat16", "int8"), ("cpu", "bfloat16", "int4")])
 def test_batched_decode_gives_each_row_its_bits_alone(tiny_bundle: Bundle, device: str, dtype: str,
                                                       method: str | None) -> None:
-    """Whatever widths the load-time probe allows, a stream's logits are the same bits alone and beside others."""
+    """Whatever widths the load-time probe allows, a stream's logits are the same bits alone and beside others:
+    rows at the same short span share an attention call (contiguous or not), a long one attends alone."""
     engine = Engine(tiny_bundle.path, device=device, dtype=dtype, quant=method, group_size=32, decode_width=8)
     assert engine.decode_widths and engine.decode_widths[-1] == 8
-    prompts = [_ids(20 + 7 * i, seed=10 + i) for i in range(5)]
+    lengths = [20, 70, 27, STACK_SPAN + 40, 75, 131]  # spans 64, 128, 64, 320, 128, 192
+    groups = [g.rows for g in row_groups(lengths, torch.device("cpu"))]
+    assert groups == [[0, 2], [1, 4], [3], [5]]
+    prompts = [_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
 
     def primed() -> list:
         caches = [engine.new_cache() for _ in prompts]
