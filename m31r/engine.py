@@ -33,6 +33,8 @@ from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
 
+FUSE_CHUNK = 32  # prefill chunks of up to this many tokens share forward passes with decode rows (Engine.run)
+FUSE_ROWS = 48  # the rows of such a shared pass; below 64, where the int8/int4 layers switch kernels (quant)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -97,6 +99,17 @@ class Decode:
 
 
 @dataclass
+class Chunk:
+    """A prefill chunk a batched generator asks its driver to run: `ids` at positions [start, start + len(ids)) of
+    `cache`. The driver sends back the logits of its last position if it is the prompt's `last` chunk, else None."""
+
+    cache: KVCache
+    ids: list[int]
+    start: int
+    last: bool
+
+
+@dataclass
 class Generation:
     """The outcome of one request, filled in as it runs; read it once the token iterator is exhausted."""
 
@@ -109,6 +122,15 @@ class Generation:
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
+
+
+@dataclass
+class Pass:
+    """The model calls of one forward pass (Engine.run): decode steps, and the indices of the chunks beside them."""
+
+    decodes: list[Decode]
+    chunks: list[int] = field(default_factory=list)
+    rows: int = 0
 
 
 def chunk_layout(n: int, chunk_size: int, max_chunk: int) -> list[int]:
@@ -196,48 +218,67 @@ class Engine:
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._rows = torch.zeros(self.decode_width, 1, dtype=torch.long, device=self.device)  # decode input
-        self._widths: list[int] | None = None
+        self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
 
     @property
     def decode_widths(self) -> list[int]:
-        """Probed on first use, so the daemon can answer before it spends the probe's ~0.1 s (medium)."""
-        if self._widths is None:
-            self._widths = self._probe_widths()
-        return self._widths
+        """Probed on first use, so the daemon can answer before it spends the probe's ~0.3 s (medium)."""
+        if self._probed is None:
+            self._probed = self._probe()
+        return self._probed[0]
 
-    def _probe_widths(self) -> list[int]:
-        """The row counts a decode step may run at: those that give a row exactly the bits the full
-        `decode_width` gives it.
+    @property
+    def fuse(self) -> bool:
+        """Whether short prefill chunks may share a forward pass with decode rows and with each other (probed)."""
+        if self._probed is None:
+            self._probed = self._probe()
+        return self._probed[1]
+
+    def _probe(self) -> tuple[list[int], bool]:
+        """The row counts a decode step may run at (those that give a row exactly the bits the full `decode_width`
+        gives it), and whether a prefill chunk gets the same bits beside decode rows as alone.
 
         Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
         matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So one
-        decode step of this model, on this machine, runs once at each width (~0.1 s, medium), every row in its own
+        decode step of this model, on this machine, runs once at each width (~0.3 s, medium), every row in its own
         scratch cache at a different context length, so that rows share attention calls in several groups (see
-        model.row_groups). A changed order shows in few of a single matmul's rounded outputs, but always after a
-        whole forward pass. A lone stream then runs at the narrowest width that matches, often 1 (int8: ~10 vs ~26
-        ms/token at width 8 on the medium shape), never at one that would change its output when others join it.
+        model.row_groups); then a chunk runs alone and beside the full width. A changed order shows in few of a
+        single matmul's rounded outputs, but always after a whole forward pass. A lone stream then runs at the
+        narrowest width that matches, often 1 (int8: ~11 vs ~26 ms/token at width 8 on the medium shape), never at
+        one that would change its output when others join it.
         """
-        n = self.decode_width
-        widths = list(range(1, n + 1))
-        tokens = torch.tensor([[(7919 * (r + 1)) % self.config.vocab_size] for r in range(n)], device=self.device)
-        positions = [min(37 * r % 250, self.config.max_context - 1) for r in range(n)]  # spans 64 to 256, mixed
+        n, c = self.decode_width, self.config
+        tokens = [(7919 * (r + 1)) % c.vocab_size for r in range(n + FUSE_CHUNK)]
+        positions = [min(37 * r % 250, c.max_context - 1) for r in range(n)]  # spans 64 to 256, mixed
+        start = min(100, c.max_context - FUSE_CHUNK)
         gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, self.config.kv_heads, max(positions), self.config.head_dim, generator=gen)  # any values
+        kv = torch.randn(2, c.kv_heads, max(positions + [start]), c.head_dim, generator=gen)  # any values
+        caches = [self.new_cache(p + 1) for p in positions + [start + FUSE_CHUNK]]
+        for cache, p in zip(caches, positions + [start], strict=True):  # a step rewrites only what it reads
+            for layer in range(c.n_layers):
+                cache.k[layer][0, :, :p] = kv[0, :, :p]
+                cache.v[layer][0, :, :p] = kv[1, :, :p]
 
-        caches = [self.new_cache(p + 1) for p in positions]  # a step rewrites only position p, which it reads
-        for c, p in zip(caches, positions, strict=True):
-            for layer in range(self.config.n_layers):
-                c.k[layer][0, :, :p] = kv[0, :, :p]
-                c.v[layer][0, :, :p] = kv[1, :, :p]
-
-        def step(w: int) -> torch.Tensor:
+        def step(w: int, t: int = 0, rows: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            ids = tokens[:w] + tokens[n : n + t]
+            ids += [0] * (rows - len(ids))
+            chunks = [(caches[n], start, t)] if t else []
             with torch.inference_mode():
-                return self.model.decode_rows(tokens[:w].clone(), positions[:w], caches[:w])
+                return self.model.step(torch.tensor(ids, device=self.device), caches[:w], positions[:w], w, chunks)
 
-        full = step(n)
-        return [w for w in widths if torch.equal(step(w), full[:w])]
+        full, _ = step(n)
+        widths = [w for w in range(1, n + 1) if torch.equal(step(w)[0], full[:w])]
+        # Chunks alone (padded to the narrowest width), then beside decode rows: a one-token chunk, a chunk of
+        # chunk_size and one of FUSE_CHUNK beside the full width (the last near FUSE_ROWS), one beside the narrowest.
+        size = min(self.chunk_size, FUSE_CHUNK)
+        alone = {t: step(0, t, widths[0])[1][0] for t in dict.fromkeys((1, size, FUSE_CHUNK))}
+        fuse = True
+        for w, t in [(n, t) for t in alone] + [(widths[0], size)]:
+            decoded, beside = step(w, t)
+            fuse = fuse and torch.equal(decoded, full[:w]) and torch.equal(beside[0], alone[t])
+        return widths, fuse
 
     # -- caches ---------------------------------------------------------------------------------------
 
@@ -267,51 +308,93 @@ class Engine:
 
     # -- the forward passes ---------------------------------------------------------------------------
 
-    def prefill(self, cache: KVCache, ids: list[int], start: int) -> Iterator[torch.Tensor | None]:
-        """Run ids[start:] in the chunks of `chunk_layout`; yields None between chunks (a cancellation point),
-        then the fp32 logits of the last position. `start` must be 0 or a value from `reusable`."""
+    def chunks(self, cache: KVCache, ids: list[int], start: int) -> Iterator[Chunk]:
+        """The chunks of `chunk_layout` that prefill ids[start:] into `cache`, each to run (`run`) before the next
+        is taken. `start` must be 0 or a value from `reusable`."""
         ends = self.layout(len(ids))
         if start and start not in ends:
             raise ValueError(f"prefill must start at a chunk boundary of this prompt, not at {start}")
-        logits = None
         cache.tokens = cache.tokens[:start]
         cache.chunks = [e for e in cache.chunks if e <= start]
         cache.reserve(len(ids))  # one resize for the whole prompt, not one per chunk
         pos = start
         for end in ends:
-            if end <= start:
+            if end > start:
+                yield Chunk(cache, ids[pos:end], pos, end == len(ids))
+                pos = end
+
+    def prefill(self, cache: KVCache, ids: list[int], start: int) -> Iterator[torch.Tensor | None]:
+        """Run ids[start:] in the chunks of `chunk_layout`; yields None between chunks (a cancellation point),
+        then the fp32 logits of the last position. `start` must be 0 or a value from `reusable`."""
+        for chunk in self.chunks(cache, ids, start):
+            logits = self.run([], [chunk])[1][0]
+            yield logits
+
+    def run(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One round of model calls: a decode step for every `decodes` entry and every chunk, with as few forward
+        passes as give each sequence the bits it gets alone. Returns fp32 logits per decode, and per chunk (None
+        for a chunk that is not its prompt's last).
+
+        Weight reads dominate a decode step, so rows share them almost for free. Decode rows run at the smallest of
+        `decode_widths` that holds them (the rest are padding), chunks of up to FUSE_CHUNK tokens join them while
+        a pass stays within FUSE_ROWS rows (where the probe found that a chunk's bits do not depend on its
+        neighbours), longer chunks run by themselves."""
+        out_d: list[torch.Tensor] = []
+        out_c: list[torch.Tensor | None] = [None] * len(chunks)
+        passes = [Pass(decodes[i : i + self.decode_width]) for i in range(0, len(decodes), self.decode_width)]
+        for p in passes:
+            p.rows = self._width(len(p.decodes))
+        for i, c in enumerate(chunks):
+            t = len(c.ids)
+            if t > FUSE_CHUNK:
+                out_c[i] = self._run_long(c)
                 continue
-            chunk = torch.tensor([ids[pos:end]], dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                logits = self.model(chunk, start=pos, cache=cache, last_only=True)
-            cache.tokens.extend(ids[pos:end])
-            if end - pos >= self.chunk_size:
-                cache.chunks.append(end)
-            pos = end
-            if pos < len(ids):
-                yield None
-        assert logits is not None
-        yield logits[0, -1].float()
+            p = next((p for p in passes if self.fuse and p.rows + t <= FUSE_ROWS), None)
+            if p is None:
+                p = Pass([])
+                passes.append(p)
+            p.chunks.append(i)
+            p.rows += t
+        for p in passes:
+            decoded, ends = self._run_pass(p.decodes, [chunks[i] for i in p.chunks])
+            out_d.extend(decoded)
+            for i, logits in zip(p.chunks, ends, strict=True):
+                out_c[i] = logits if chunks[i].last else None
+        return out_d, out_c
+
+    def _width(self, n: int) -> int:
+        return next(w for w in self.decode_widths if w >= n)
+
+    def _run_pass(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        width = self._width(len(decodes)) if decodes else 0
+        ids = [d.token for d in decodes] + [0] * (width - len(decodes)) + [i for c in chunks for i in c.ids]
+        ids += [0] * (self.decode_widths[0] - len(ids))  # a lone one-token chunk, at the rows decode uses
+        caches = [d.cache for d in decodes]
+        with torch.inference_mode():
+            decoded, ends = self.model.step(torch.tensor(ids, device=self.device), caches,
+                                            [len(c.tokens) for c in caches], width,
+                                            [(c.cache, c.start, len(c.ids)) for c in chunks])
+        for d in decodes:
+            d.cache.tokens.append(d.token)
+        for c in chunks:
+            self._ran(c)
+        return list(decoded.float()), [e.float() for e in ends]
+
+    def _run_long(self, c: Chunk) -> torch.Tensor | None:
+        x = torch.tensor([c.ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(x, start=c.start, cache=c.cache, last_only=True)
+        self._ran(c)
+        return logits[0, -1].float() if c.last else None
+
+    def _ran(self, c: Chunk) -> None:
+        c.cache.tokens.extend(c.ids)
+        if len(c.ids) >= self.chunk_size:
+            c.cache.chunks.append(c.start + len(c.ids))
 
     def decode_rows(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
-        """One decode step for several sequences at once: row r feeds tokens[r] at the end of caches[r].
-
-        Weight reads dominate a decode step, so rows share them almost for free. A step runs at the smallest of
-        `decode_widths` that holds its rows (the rest are padding); those widths all give a row the same bits, so
-        a stream's output never depends on how many others run beside it."""
-        out = []
-        for i in range(0, len(caches), self.decode_width):
-            group, toks = caches[i : i + self.decode_width], tokens[i : i + self.decode_width]
-            positions = [len(c.tokens) for c in group]
-            rows = self._rows[: next(w for w in self.decode_widths if w >= len(group))]
-            rows.zero_()
-            rows[: len(toks), 0] = torch.tensor(toks, dtype=torch.long)
-            with torch.inference_mode():
-                logits = self.model.decode_rows(rows, positions, group)
-            for c, t in zip(group, toks, strict=True):
-                c.tokens.append(t)
-            out.append(logits.float())
-        return out[0] if len(out) == 1 else torch.cat(out)
+        """One decode step for several sequences at once: row r feeds tokens[r] at the end of caches[r] (see run)."""
+        return torch.stack(self.run([Decode(c, t) for c, t in zip(caches, tokens, strict=True)], [])[0])
 
     def decode_step(self, cache: KVCache, token: int) -> torch.Tensor:
         return self.decode_rows([cache], [token])[0]
@@ -338,12 +421,13 @@ class Engine:
         result: Generation | None = None,
         ticks: bool = False,
         batched: bool = False,
-    ) -> Iterator[Token | None]:
+    ) -> Iterator[Token | Chunk | Decode | None]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
         `result` (if given) is filled in as generation runs. With `ticks`, None is yielded between
         prefill chunks so a scheduler can check for cancellation and interleave other work. With `batched`, each
-        decode step is yielded as a `Decode` for the driver to run (batched with other streams) and send back.
+        prefill chunk and decode step is yielded (a `Chunk`, a `Decode`) for the driver to run with other streams'
+        (Engine.run) and send back the logits.
         """
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -363,11 +447,14 @@ class Engine:
         start = self.reusable(cache, ids)
         res.cached_tokens = start
         logits = None
-        for out in self.prefill(cache, ids, start):
-            if out is None:
-                if ticks:
-                    yield None
+        for chunk in self.chunks(cache, ids, start):
+            if batched:
+                out = yield chunk
             else:
+                out = self.run([], [chunk])[1][0]
+                if ticks and not chunk.last:
+                    yield None
+            if chunk.last:
                 logits = out
         res.prefill_ms = (time.perf_counter() - t0) * 1000
         if max_tokens == 0:

@@ -166,28 +166,41 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return y
 
-    def decode_rows(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], positions: list[int],
-                    layer: int, groups: list[RowGroup]) -> Tensor:
-        """One new token for each of several independent sequences (the rows of x [w, 1, d]), each with its own
-        cache and position. Projections run batched; attention runs per group of rows (see row_groups). Rows
-        past len(caches) are padding and attend to nothing."""
-        w = x.shape[0]
+    def step(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], positions: list[int], layer: int,
+             groups: list[RowGroup], width: int, chunks: list[tuple[KVCache, int, int]]) -> Tensor:
+        """Attention for the rows of Transformer.step (x [rows, 1, d]): `width` decode rows, one new token each for
+        its own cache (rows past len(caches) are padding), then the tokens of each prefill chunk (cache, start,
+        length), then padding. Projections run on all rows at once; attention runs per group of decode rows (see
+        row_groups) and per chunk, each over its own cache. Padding rows attend to nothing."""
+        m = x.shape[0]
         h, kv = self.n_heads, self.n_kv
-        qkv = self.wqkv(x).view(w, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [w, heads, 1, hd]
-        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [w, 1, 1, hd], each row at its own position
-        q = (qk[:, :h] * self.hd**-0.5).view(w, kv, h // kv, self.hd)  # [w, kv, group, hd]
-        k, v = qk[:, h:], qkv[:, h + kv :]
-        for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):  # each fitted: k/v dense
-            cache.k[layer][0, :, pos] = k[r, :, 0]
-            cache.v[layer][0, :, pos] = v[r, :, 0]
-        y = torch.zeros_like(q)
-        for g in groups:
-            ks, vs = [caches[r].k[layer] for r in g.rows], [caches[r].v[layer] for r in g.rows]
-            if g.first is not None:  # rows first .. first + len: write in place
-                attend_rows(q[g.first : g.first + len(g.rows)], ks, vs, g.mask, out=y[g.first : g.first + len(g.rows)])
-            else:
-                y.index_copy_(0, g.index, attend_rows(q[g.index], ks, vs, g.mask))
-        return self.wo(y.view(w, h, 1, self.hd).transpose(1, 2).reshape(w, 1, h * self.hd))
+        qkv = self.wqkv(x).view(m, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
+        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [rows, 1, 1, hd], each row at its own position
+        y = torch.zeros_like(qk[:, :h])  # [rows, h, 1, hd]
+        if width:
+            q = (qk[:width, :h] * self.hd**-0.5).view(width, kv, h // kv, self.hd)  # [w, kv, group, hd]
+            k, v = qk[:width, h:], qkv[:width, h + kv :]
+            for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):  # each fitted: k/v dense
+                cache.k[layer][0, :, pos] = k[r, :, 0]
+                cache.v[layer][0, :, pos] = v[r, :, 0]
+            yd = y[:width].view(width, kv, h // kv, self.hd)
+            for g in groups:
+                ks, vs = [caches[r].k[layer] for r in g.rows], [caches[r].v[layer] for r in g.rows]
+                if g.first is not None:  # rows first .. first + len: write in place
+                    rows = slice(g.first, g.first + len(g.rows))
+                    attend_rows(q[rows], ks, vs, g.mask, out=yd[rows])
+                else:
+                    yd.index_copy_(0, g.index, attend_rows(q[g.index], ks, vs, g.mask))
+        o = width
+        for cache, start, t in chunks:
+            end = start + t
+            q, k, v = (part[o : o + t].transpose(0, 2) for part in (qk[:, :h], qk[:, h:], qkv[:, h + kv :]))
+            ck, cv = cache.k[layer], cache.v[layer]  # q/k/v: [1, heads, t, hd]
+            ck[:, :, start:end] = k
+            cv[:, :, start:end] = v
+            y[o : o + t] = self._attend_chunk(q, ck[:, :, :end], cv[:, :, :end], start).transpose(0, 2)
+            o += t
+        return self.wo(y.transpose(1, 2).reshape(m, 1, h * self.hd))
 
 
 STACK_SPAN = 256  # rows attending over at most this many positions share one attention call (row_groups)
@@ -352,28 +365,40 @@ class Transformer(nn.Module):
         x = self.norm(x)
         return self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)
 
-    def decode_rows(self, tokens: Tensor, positions: list[int], caches: list[KVCache]) -> Tensor:
-        """Logits [len(caches), vocab] of one decode step for independent sequences (Attention.decode_rows).
+    def step(self, tokens: Tensor, caches: list[KVCache], positions: list[int], width: int,
+             chunks: list[tuple[KVCache, int, int]]) -> tuple[Tensor, list[Tensor]]:
+        """One forward pass over independent sequences: decode rows and short prefill chunks together.
 
-        `tokens` is [w, 1]; rows past len(caches) are padding. Every matmul runs on all w rows, so a row's
-        result never depends on how many of the others are real."""
-        top = max(positions)
-        if top >= self.config.max_context:
-            raise ValueError(f"position {top} exceeds max_context {self.config.max_context}")
+        `tokens` [rows] holds `width` decode rows (row r < len(caches) feeds the next token of caches[r] at
+        positions[r]; the rest are padding), then the tokens of each chunk (cache, start, length) in order, then
+        padding. Every matmul runs on all rows at once, so the sequences share one read of the weights; the
+        kernels give a row the same bits at any row count the engine uses (it probes them), so no sequence's
+        result depends on the others. Returns the decode rows' logits [len(caches), vocab] and each chunk's
+        logits at its last position [vocab], that one through the head by itself."""
+        top = max([p + 1 for p in positions] + [s + t for _, s, t in chunks])
+        if top > self.config.max_context:
+            raise ValueError(f"positions up to {top} exceed max_context {self.config.max_context}")
         for cache, p in zip(caches, positions, strict=True):
             cache.fit(p + 1)
-        w = tokens.shape[0]
-        pos = torch.tensor(positions + [0] * (w - len(positions)), device=tokens.device)
-        x = self.tok_embeddings(tokens)
-        cos = self.rope_cos[pos].view(w, 1, 1, -1).to(x.dtype)
-        sin = self.rope_sin[pos].view(w, 1, 1, -1).to(x.dtype)
+        for cache, s, t in chunks:
+            cache.reserve(s + t)
+        m = tokens.shape[0]
+        where = positions + [0] * (width - len(positions)) + [p for _, s, t in chunks for p in range(s, s + t)]
+        pos = torch.tensor(where + [0] * (m - len(where)), device=tokens.device)
+        x = self.tok_embeddings(tokens.view(m, 1))
+        cos = self.rope_cos[pos].view(m, 1, 1, -1).to(x.dtype)
+        sin = self.rope_sin[pos].view(m, 1, 1, -1).to(x.dtype)
         groups = row_groups(positions, tokens.device)
         for i, layer in enumerate(self.layers):
-            x = x + layer.attention.decode_rows(layer.attention_norm(x), cos, sin, caches, positions, i, groups)
+            x = x + layer.attention.step(layer.attention_norm(x), cos, sin, caches, positions, i, groups, width,
+                                         chunks)
             x = x + layer.feed_forward(layer.ffn_norm(x))
-        x = self.norm(x)
-        logits = self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)
-        return logits[: len(caches), -1]
+        decoded = self._head(self.norm(x[:width]))[: len(caches), -1] if width else x.new_empty(0)
+        ends = torch.tensor([0, *(t for _, _, t in chunks)]).cumsum(0)[1:] + width - 1
+        return decoded, [self._head(self.norm(x[e : e + 1]))[0, -1] for e in ends.tolist()]
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)
 
 
 def init_weights(model: Transformer, seed: int) -> None:

@@ -1,11 +1,11 @@
 """The one inference thread: the only code in the daemon that touches torch.
 
 The asyncio side hands jobs over through a queue; results go back with `loop.call_soon_threadsafe`. The
-thread works in rounds: each active job advances to its next model call (a prefill chunk runs then and
-there; a decode step is collected), then one batched forward pass decodes a token for every collected job.
+thread works in rounds: each active job advances to its next model call (a prefill chunk or a decode step),
+then the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes.
 A short request is never stuck behind a long prefill, concurrent streams share the cost of reading the
-weights, and every round boundary is a point where cancellation takes effect. The engine decodes only at
-batch widths that give a row the same bits, so a request's output does not depend on what runs beside it.
+weights, and every round boundary is a point where cancellation takes effect. The engine shares passes only in
+ways that give a row the same bits, so a request's output does not depend on what runs beside it.
 The loop runs on the daemon's TorchThread, the thread that loaded the model (see torch_thread).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from m31r.engine import ContextOverflowError, Decode, Engine, Generation, Token
+from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Generation, Token
 from m31r.fim import FimBudget, build_fim_prompt
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
@@ -50,9 +50,9 @@ class Job:
     ids: list[int] | None = None
     max_tokens: int = 0
     slot: Slot | None = None
-    gen: Generator[Token | Decode | None, torch.Tensor | None, None] | None = None
-    decode: Decode | None = None  # the decode step the job waits for
-    logits: torch.Tensor | None = None  # that step's result, sent into the generator next round
+    gen: Generator[Token | Chunk | Decode | None, torch.Tensor | None, None] | None = None
+    call: Chunk | Decode | None = None  # the model call the job waits for
+    logits: torch.Tensor | None = None  # that call's result, sent into the generator next round
     result: Generation | None = None
     started: float = 0.0
     text: str = ""  # what was sent so far (typed-through reuses it)
@@ -129,24 +129,26 @@ class Scheduler:
             for job in list(active):
                 if self._step(job):
                     active.remove(job)
-            self._decode([job for job in active if job.decode is not None])
+            self._run_calls([job for job in active if job.call is not None])
             self.active = len(active)
 
-    def _decode(self, jobs: list[Job]) -> None:
-        """One batched decode step for every job waiting for one."""
+    def _run_calls(self, jobs: list[Job]) -> None:
+        """Run the model call of every job waiting for one: one round."""
         if not jobs:
             return
+        decodes = [j for j in jobs if isinstance(j.call, Decode)]
+        chunks = [j for j in jobs if isinstance(j.call, Chunk)]
         try:
-            logits = self.engine.decode_rows([j.decode.cache for j in jobs], [j.decode.token for j in jobs])
+            decoded, chunked = self.engine.run([j.call for j in decodes], [j.call for j in chunks])
         except Exception as e:
-            log.error("batched decode failed: %s", traceback.format_exc())
+            log.error("a model pass failed: %s", traceback.format_exc())
             for job in jobs:
-                job.decode = None
+                job.call = None
                 job.cancel(f"inference failed: {e!r}")
                 job.failed = True
             return
-        for job, row in zip(jobs, logits, strict=True):
-            job.decode, job.logits = None, row
+        for job, logits in zip(decodes + chunks, decoded + chunked, strict=True):
+            job.call, job.logits = None, logits
 
     def _prompt(self, job: Job) -> tuple[list[int], int]:
         req = job.request
@@ -202,8 +204,8 @@ class Scheduler:
                               total_ms=round((time.perf_counter() - job.received) * 1000, 2)))
 
     def _step(self, job: Job) -> bool:
-        """Advance a job to its next model call: run a prefill chunk, or stop at a decode step (collected for
-        this round's batch), sending the tokens produced on the way. True when it has finished."""
+        """Advance a job to its next model call (a prefill chunk or a decode step, collected for this round),
+        sending the tokens produced on the way. True when it has finished."""
         if job.failed:
             return self._finish(job, m.Error(id=job.rid, code="internal", message=job.cancel_reason or ""), False)
         if job.cancel_reason:
@@ -219,10 +221,10 @@ class Scheduler:
                 log.error("inference failed: %s", traceback.format_exc())
                 msg = m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}")
                 return self._finish(job, msg, False)
-            if ev is None:  # a prefill chunk ran: give the other jobs their turn
+            if ev is None:
                 return False
-            if isinstance(ev, Decode):
-                job.decode = ev
+            if isinstance(ev, Chunk | Decode):
+                job.call = ev
                 return False
             text = ev.text
             if job.deadline is not None and "\n" in text and time.perf_counter() >= job.deadline:
