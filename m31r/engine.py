@@ -224,7 +224,7 @@ class Engine:
 
     @property
     def decode_widths(self) -> list[int]:
-        """Probed on first use, so the daemon can answer before it spends the probe's ~0.3 s (medium)."""
+        """Probed on first use, so the daemon can answer before it spends the probe's ~0.6 s (medium)."""
         if self._probed is None:
             self._probed = self._probe()
         return self._probed[0]
@@ -242,7 +242,7 @@ class Engine:
 
         Kernels are picked by row count, and some change their reduction order with it (here: bf16 and fp32
         matrix-vector products at one row; fp32 again from four rows) while the int8/int4 kernels never do. So one
-        decode step of this model, on this machine, runs once at each width (~0.3 s, medium), every row in its own
+        decode step of this model, on this machine, runs once at each width, every row in its own
         scratch cache at a different context length, so that rows share attention calls in several groups (see
         model.row_groups); then a chunk runs alone and beside the full width. A changed order shows in few of a
         single matmul's rounded outputs, but always after a whole forward pass. A lone stream then runs at the

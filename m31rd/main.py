@@ -149,4 +149,4 @@ def _warm_up(daemon) -> None:
         log.exception("warm-up failed")
         return
     log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
-                                       "decode_widths": widths}})
+                                       "decode_widths": widths, "chunks_share_passes": engine.fuse}})
