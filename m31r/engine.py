@@ -327,8 +327,7 @@ class Engine:
         """Run ids[start:] in the chunks of `chunk_layout`; yields None between chunks (a cancellation point),
         then the fp32 logits of the last position. `start` must be 0 or a value from `reusable`."""
         for chunk in self.chunks(cache, ids, start):
-            logits = self.run([], [chunk])[1][0]
-            yield logits
+            yield self.run([], [chunk])[1][0]
 
     def run(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One round of model calls: a decode step for every `decodes` entry and every chunk, with as few forward
@@ -368,7 +367,8 @@ class Engine:
     def _run_pass(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         width = self._width(len(decodes)) if decodes else 0
         ids = [d.token for d in decodes] + [0] * (width - len(decodes)) + [i for c in chunks for i in c.ids]
-        ids += [0] * (self.decode_widths[0] - len(ids))  # a lone one-token chunk, at the rows decode uses
+        # Never fewer rows than the narrowest probed width: bf16 and fp32 matmuls round differently at one row.
+        ids += [0] * (self.decode_widths[0] - len(ids))
         caches = [d.cache for d in decodes]
         with torch.inference_mode():
             decoded, ends = self.model.step(torch.tensor(ids, device=self.device), caches,
