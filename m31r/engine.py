@@ -217,7 +217,6 @@ class Engine:
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
-        self._rows = torch.zeros(self.decode_width, 1, dtype=torch.long, device=self.device)  # decode input
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
@@ -340,9 +339,8 @@ class Engine:
         neighbours), longer chunks run by themselves."""
         out_d: list[torch.Tensor] = []
         out_c: list[torch.Tensor | None] = [None] * len(chunks)
-        passes = [Pass(decodes[i : i + self.decode_width]) for i in range(0, len(decodes), self.decode_width)]
-        for p in passes:
-            p.rows = self._width(len(p.decodes))
+        passes = [Pass(group, rows=self._width(len(group)))
+                  for group in (decodes[i : i + self.decode_width] for i in range(0, len(decodes), self.decode_width))]
         for i, c in enumerate(chunks):
             t = len(c.ids)
             if t > FUSE_CHUNK:
@@ -419,15 +417,13 @@ class Engine:
         cache: KVCache | None = None,
         truncate: bool = False,
         result: Generation | None = None,
-        ticks: bool = False,
         batched: bool = False,
-    ) -> Iterator[Token | Chunk | Decode | None]:
+    ) -> Iterator[Token | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
-        `result` (if given) is filled in as generation runs. With `ticks`, None is yielded between
-        prefill chunks so a scheduler can check for cancellation and interleave other work. With `batched`, each
-        prefill chunk and decode step is yielded (a `Chunk`, a `Decode`) for the driver to run with other streams'
-        (Engine.run) and send back the logits.
+        `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
+        yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
+        logits: a scheduler's round boundaries, where it checks for cancellation.
         """
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -452,8 +448,6 @@ class Engine:
                 out = yield chunk
             else:
                 out = self.run([], [chunk])[1][0]
-                if ticks and not chunk.last:
-                    yield None
             if chunk.last:
                 logits = out
         res.prefill_ms = (time.perf_counter() - t0) * 1000

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +177,7 @@ class Attention(nn.Module):
         h, kv = self.n_heads, self.n_kv
         qkv = self.wqkv(x).view(m, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
         qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [rows, 1, 1, hd], each row at its own position
-        y = torch.zeros_like(qk[:, :h])  # [rows, h, 1, hd]
+        y = qkv.new_zeros(m, h, 1, self.hd)
         if width:
             q = (qk[:width, :h] * self.hd**-0.5).view(width, kv, h // kv, self.hd)  # [w, kv, group, hd]
             k, v = qk[:width, h:], qkv[:width, h + kv :]
@@ -211,8 +212,9 @@ class RowGroup:
 
     def __init__(self, rows: list[int], span: int, ns: list[int], device: torch.device):
         self.rows = rows
-        self.first = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
-        self.index = torch.tensor(rows, device=device)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.first = rows[0] if contiguous else None
+        self.index = None if contiguous else torch.tensor(rows, device=device)  # for rows scattered in the batch
         self.mask = span_mask(ns, span, device)
 
 
@@ -394,8 +396,8 @@ class Transformer(nn.Module):
                                          chunks)
             x = x + layer.feed_forward(layer.ffn_norm(x))
         decoded = self._head(self.norm(x[:width]))[: len(caches), -1] if width else x.new_empty(0)
-        ends = torch.tensor([0, *(t for _, _, t in chunks)]).cumsum(0)[1:] + width - 1
-        return decoded, [self._head(self.norm(x[e : e + 1]))[0, -1] for e in ends.tolist()]
+        ends = list(accumulate((t for _, _, t in chunks), initial=width))[1:]  # the row after each chunk's last
+        return decoded, [self._head(self.norm(x[e - 1 : e]))[0, -1] for e in ends]
 
     def _head(self, x: Tensor) -> Tensor:
         return self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)

@@ -50,7 +50,7 @@ class Job:
     ids: list[int] | None = None
     max_tokens: int = 0
     slot: Slot | None = None
-    gen: Generator[Token | Chunk | Decode | None, torch.Tensor | None, None] | None = None
+    gen: Generator[Token | Chunk | Decode, torch.Tensor | None, None] | None = None
     call: Chunk | Decode | None = None  # the model call the job waits for
     logits: torch.Tensor | None = None  # that call's result, sent into the generator next round
     result: Generation | None = None
@@ -179,7 +179,7 @@ class Scheduler:
         job.result = Generation(prompt_tokens=len(job.ids))
         job.gen = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
-            result=job.result, ticks=True, batched=True)
+            result=job.result, batched=True)
         return True
 
     def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:
@@ -221,8 +221,6 @@ class Scheduler:
                 log.error("inference failed: %s", traceback.format_exc())
                 msg = m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}")
                 return self._finish(job, msg, False)
-            if ev is None:
-                return False
             if isinstance(ev, Chunk | Decode):
                 job.call = ev
                 return False

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 from devices import DEVICES
+from rounds import in_rounds
 
 from m31r.bundle import init_bundle
 from m31r.config import ConfigError, ModelConfig, load_config, parse_config
@@ -200,37 +201,10 @@ def test_engine_load_does_not_import_dynamo(tiny_bundle) -> None:
 def test_batched_decode_equals_each_stream_alone(tiny_engine) -> None:
     """Streams run together (the daemon's rounds: decode rows and prefill chunks in shared passes) give exactly
     the tokens each gives alone: a row's arithmetic never depends on its neighbours."""
-    from m31r.engine import Chunk, Decode
-
     prompts = ["fn main() {", "struct Foo { a: u32 }\nimpl Foo {", "let x = vec![1, 2, 3];", "use std::io;\n",
                "// a longer prompt, prefilled in several chunks while the others decode\n" * 3]
     alone = [[t.id for t in tiny_engine.generate(p, max_tokens=24)] for p in prompts]
-    gens = [tiny_engine.generate(p, max_tokens=24, cache=tiny_engine.new_cache(), batched=True) for p in prompts]
-    outs: list[list[int | None]] = [[] for _ in prompts]
-    pending: list[torch.Tensor | None] = [None] * len(prompts)
-    live, rounds, shared = set(range(len(prompts))), 0, 0
-    while live:
-        waiting: dict[int, Chunk | Decode] = {}
-        for i in sorted(live):
-            try:
-                while True:
-                    ev = gens[i].send(pending[i])
-                    pending[i] = None
-                    if isinstance(ev, Chunk | Decode):
-                        waiting[i] = ev
-                        break
-                    if ev is not None:
-                        outs[i].append(ev.id)
-            except StopIteration:
-                live.discard(i)
-        if waiting:
-            rounds += 1
-            decodes = [i for i, c in waiting.items() if isinstance(c, Decode)]
-            chunks = [i for i, c in waiting.items() if isinstance(c, Chunk)]
-            shared += bool(decodes and chunks)
-            decoded, chunked = tiny_engine.run([waiting[i] for i in decodes], [waiting[i] for i in chunks])
-            for i, row in zip(decodes + chunks, decoded + chunked, strict=True):
-                pending[i] = row
+    outs, rounds, shared = in_rounds(tiny_engine, prompts, 24)
     assert outs == alone
     assert tiny_engine.fuse and shared  # chunks really ran beside decode rows
     assert rounds < sum(len(o) for o in outs)  # streams really shared decode steps

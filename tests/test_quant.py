@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from devices import DEVICES
+from rounds import in_rounds
 
 from m31r import quant
 from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, open_bundle, quantize_bundle, sha256_file
@@ -404,45 +405,14 @@ def test_engine_auto_precision_serves(tiny_bundle: Bundle) -> None:
     assert [t.id for t in engine.generate("fn main() {", max_tokens=4)]
 
 
-def _in_rounds(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
-    """Generate for all prompts at once as the daemon does: each round, every stream's next model call (a prefill
-    chunk or a decode step) goes to one Engine.run. Returns the tokens and the rounds where chunks ran beside
-    decode rows."""
-    from m31r.engine import Chunk, Decode
-
-    gens = [engine.generate(p, max_tokens=max_tokens, cache=engine.new_cache(), batched=True) for p in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
-    sent: list[torch.Tensor | None] = [None] * len(prompts)
-    live, shared = set(range(len(prompts))), 0
-    while live:
-        calls: dict[int, Chunk | Decode] = {}
-        for i in sorted(live):
-            try:
-                while not isinstance(ev := gens[i].send(sent[i]), Chunk | Decode):
-                    sent[i] = None
-                    if ev is not None and ev.id is not None:
-                        outs[i].append(ev.id)
-                sent[i], calls[i] = None, ev
-            except StopIteration:
-                live.discard(i)
-        decodes = [i for i, c in calls.items() if isinstance(c, Decode)]
-        chunks = [i for i, c in calls.items() if isinstance(c, Chunk)]
-        shared += bool(decodes and chunks)
-        if calls:
-            decoded, chunked = engine.run([calls[i] for i in decodes], [calls[i] for i in chunks])
-            for i, logits in zip(decodes + chunks, decoded + chunked, strict=True):
-                sent[i] = logits
-    return outs, shared
-
-
 @pytest.mark.parametrize(("dtype", "method"), [("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"),
                                                ("float32", None)])
 def test_chunks_beside_decode_rows_change_nothing(tiny_bundle: Bundle, dtype: str, method: str | None) -> None:
-    """Streams started at different times (prefill chunks of 8, partial ones, and one longer than FUSE_CHUNK, all
-    running beside other streams' decode rows) produce exactly what each produces alone, in each precision."""
+    """Streams whose prompts differ in length, so that their prefill chunks (of 8, partial ones, and one longer than
+    FUSE_CHUNK) run while other streams decode, produce exactly what each produces alone, in each precision."""
     engine = Engine(tiny_bundle.path, dtype=dtype, quant=method, group_size=32, chunk_size=8, max_chunk=64)
     prompts = [_ids(n, seed=30 + n) for n in (3, 11, 17, 70, 9, 24)]  # 70 tokens: a 64-token chunk, run alone
-    alone = [[t.id for t in engine.generate(p, max_tokens=10) if t.id is not None] for p in prompts]
-    together, shared = _in_rounds(engine, prompts, 10)
+    alone = [[t.id for t in engine.generate(p, max_tokens=10)] for p in prompts]
+    together, _, shared = in_rounds(engine, prompts, 10)
     assert together == alone
     assert engine.fuse and shared > 0
