@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from m31r import native
 from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
@@ -215,6 +216,8 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim % 16 == 0:
+            model.native = native.load()
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._probed: tuple[list[int], bool] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
 from itertools import accumulate
 
 import torch
@@ -17,8 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from m31r.config import ModelConfig
+from m31r.native import DecodeTable, Kernels
 
 SPAN = 64  # decode attends over a multiple of this many positions; cache capacities are multiples of it
+NATIVE_AHEAD = 3 * SPAN  # with native decode attention a cache grows by this much beyond span_of(context) at once
 
 
 def span_of(n: int) -> int:
@@ -77,10 +80,12 @@ class KVCache:
         if n > self.capacity:
             self._resize(span_of(n))
 
-    def fit(self, n: int) -> None:
-        """Capacity exactly span_of(n): a decode step at context length n then reads dense blocks."""
-        if self.capacity != span_of(n):
-            self._resize(span_of(n))
+    def fit(self, n: int, ahead: int = 0) -> None:
+        """Capacity from span_of(n) to span_of(n) + ahead, resized to the latter when outside. The eager decode
+        attention wants exactly span_of(n) (dense blocks); the native kernel reads any capacity, so it grows a
+        cache `ahead` positions at a time and copies it four times less often."""
+        if not span_of(n) <= self.capacity <= span_of(n) + ahead:
+            self._resize(span_of(n) + ahead)
 
     @property
     def aligned(self) -> int:
@@ -168,17 +173,23 @@ class Attention(nn.Module):
         return y
 
     def step(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], positions: list[int], layer: int,
-             groups: list[RowGroup], width: int, chunks: list[tuple[KVCache, int, int]]) -> Tensor:
+             groups: list[RowGroup] | DecodeTable, width: int, chunks: list[tuple[KVCache, int, int]]) -> Tensor:
         """Attention for the rows of Transformer.step (x [rows, 1, d]): `width` decode rows, one new token each for
         its own cache (rows past len(caches) are padding), then the tokens of each prefill chunk (cache, start,
         length), then padding. Projections run on all rows at once; attention runs per group of decode rows (see
-        row_groups) and per chunk, each over its own cache. Padding rows attend to nothing."""
+        row_groups; or all at once in the native kernel, given a DecodeTable) and per chunk, each over its own cache.
+        Padding rows attend to nothing."""
         m = x.shape[0]
         h, kv = self.n_heads, self.n_kv
         qkv = self.wqkv(x).view(m, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
         qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [rows, 1, 1, hd], each row at its own position
         y = qkv.new_zeros(m, h, 1, self.hd)
-        if width:
+        if isinstance(groups, DecodeTable):
+            n = len(caches)
+            parts = (qk[:n, :h], qk[:n, h:], qkv[:n, h + kv :])
+            q, k, v = (part.reshape(n, -1, self.hd).contiguous() for part in parts)
+            groups.attend(q, k, v, layer, y[:n].view(n, h, self.hd))
+        elif width:
             q = (qk[:width, :h] * self.hd**-0.5).view(width, kv, h // kv, self.hd)  # [w, kv, group, hd]
             k, v = qk[:width, h:], qkv[:width, h + kv :]
             for r, (cache, pos) in enumerate(zip(caches, positions, strict=True)):  # each fitted: k/v dense
@@ -255,13 +266,35 @@ def attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], mask: Tensor | No
     growing by one position per token grew the process by ~7 MB per token), and a fitted cache passes each
     layer's k/v without a copy. Masked scores are -inf, so the (finite) values there are multiplied by exactly 0.
     """
-    k = ks[0] if len(ks) == 1 else torch.cat(ks)
-    v = vs[0] if len(vs) == 1 else torch.cat(vs)
+    k = ks[0] if len(ks) == 1 else stack_into(ks, 0)
+    v = vs[0] if len(vs) == 1 else stack_into(vs, 1)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [rows, n_kv, group, span]
     if mask is not None:
         scores.masked_fill_(mask, float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v, out=out)
+
+
+_scratch = threading.local()
+
+
+def stack_into(ts: list[Tensor], slot: int) -> Tensor:
+    """torch.cat(ts) into a buffer kept per thread (slot 0 for keys, 1 for values) and reused every layer and step.
+
+    A fresh multi-MB tensor per cat is a fresh mapping whose pages fault in on first write: at 8 rows and span 128
+    the allocations cost ~17 ms per decode step, twice the copies and attention together (~8 ms). The values are
+    those of torch.cat, so the attention that follows gets the same bits.
+    """
+    shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
+    n = math.prod(shape)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (slot, ts[0].dtype, ts[0].device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = bufs[key] = torch.empty(n, dtype=ts[0].dtype, device=ts[0].device)
+    return torch.cat(ts, out=buf[:n].view(shape))
 
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, n: int) -> Tensor:
@@ -343,6 +376,9 @@ class Transformer(nn.Module):
         # The LM head is tied to the embedding; inference code may set a faster module computing the same product
         # (an int8 copy, a prepacked weight). Training leaves it None.
         self.head: nn.Module | None = None
+        # Native CPU kernels (m31r.native) for decode attention; the engine sets them for bf16 activations on the
+        # CPU where they load. Every decode row, alone or batched, then runs them.
+        self.native: Kernels | None = None
 
     def forward(
         self, tokens: Tensor, start: int = 0, cache: KVCache | None = None, last_only: bool = False
@@ -355,6 +391,8 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         if start + t > self.config.max_context:
             raise ValueError(f"positions up to {start + t} exceed max_context {self.config.max_context}")
+        if t == 1 and cache is not None and self.native is not None and tokens.shape[0] == 1:
+            return self.step(tokens.view(1), [cache], [start], 1, [])[0].view(1, 1, -1)  # a decode step's arithmetic
         if cache is not None:
             cache.reserve(start + t)
         x = self.tok_embeddings(tokens)
@@ -380,8 +418,9 @@ class Transformer(nn.Module):
         top = max([p + 1 for p in positions] + [s + t for _, s, t in chunks])
         if top > self.config.max_context:
             raise ValueError(f"positions up to {top} exceed max_context {self.config.max_context}")
+        native = self.native is not None  # set (by the engine) only for bf16 activations on the CPU
         for cache, p in zip(caches, positions, strict=True):
-            cache.fit(p + 1)
+            cache.fit(p + 1, min(NATIVE_AHEAD, span_of(self.config.max_context) - span_of(p + 1)) if native else 0)
         for cache, s, t in chunks:
             cache.reserve(s + t)
         m = tokens.shape[0]
@@ -390,7 +429,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens.view(m, 1))
         cos = self.rope_cos[pos].view(m, 1, 1, -1).to(x.dtype)
         sin = self.rope_sin[pos].view(m, 1, 1, -1).to(x.dtype)
-        groups = row_groups(positions, tokens.device)
+        groups = DecodeTable(self.native, caches, positions) if native and caches else row_groups(positions,
+                                                                                                  tokens.device)
         for i, layer in enumerate(self.layers):
             x = x + layer.attention.step(layer.attention_norm(x), cos, sin, caches, positions, i, groups, width,
                                          chunks)
