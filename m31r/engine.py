@@ -216,7 +216,7 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim % 16 == 0:
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and native.takes(self.config.head_dim):
             model.native = native.load()
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import threading
 from itertools import accumulate
 
 import torch
@@ -151,7 +150,7 @@ class Attention(nn.Module):
             ck, cv = cache.k[layer], cache.v[layer]
             ck[:, :, start:end] = k
             cv[:, :, start:end] = v
-            if t == 1:  # one new token sees every cached position (the same arithmetic as a decode step)
+            if t == 1:  # one new token sees every cached position (eager decode arithmetic; the engine decodes in step)
                 span = span_of(end)
                 y = attend_one(q, ck[:, :, :span], cv[:, :, :span], end)
             else:
@@ -266,35 +265,13 @@ def attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], mask: Tensor | No
     growing by one position per token grew the process by ~7 MB per token), and a fitted cache passes each
     layer's k/v without a copy. Masked scores are -inf, so the (finite) values there are multiplied by exactly 0.
     """
-    k = ks[0] if len(ks) == 1 else stack_into(ks, 0)
-    v = vs[0] if len(vs) == 1 else stack_into(vs, 1)
+    k = ks[0] if len(ks) == 1 else torch.cat(ks)
+    v = vs[0] if len(vs) == 1 else torch.cat(vs)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [rows, n_kv, group, span]
     if mask is not None:
         scores.masked_fill_(mask, float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v, out=out)
-
-
-_scratch = threading.local()
-
-
-def stack_into(ts: list[Tensor], slot: int) -> Tensor:
-    """torch.cat(ts) into a buffer kept per thread (slot 0 for keys, 1 for values) and reused every layer and step.
-
-    A fresh multi-MB tensor per cat is a fresh mapping whose pages fault in on first write: at 8 rows and span 128
-    the allocations cost ~17 ms per decode step, twice the copies and attention together (~8 ms). The values are
-    those of torch.cat, so the attention that follows gets the same bits.
-    """
-    shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
-    n = math.prod(shape)
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    key = (slot, ts[0].dtype, ts[0].device)
-    buf = bufs.get(key)
-    if buf is None or buf.numel() < n:
-        buf = bufs[key] = torch.empty(n, dtype=ts[0].dtype, device=ts[0].device)
-    return torch.cat(ts, out=buf[:n].view(shape))
 
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, n: int) -> Tensor:
@@ -391,8 +368,6 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         if start + t > self.config.max_context:
             raise ValueError(f"positions up to {start + t} exceed max_context {self.config.max_context}")
-        if t == 1 and cache is not None and self.native is not None and tokens.shape[0] == 1:
-            return self.step(tokens.view(1), [cache], [start], 1, [])[0].view(1, 1, -1)  # a decode step's arithmetic
         if cache is not None:
             cache.reserve(start + t)
         x = self.tok_embeddings(tokens)

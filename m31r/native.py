@@ -53,8 +53,13 @@ def unavailable() -> str | None:
 
 
 def compiler() -> str | None:
-    return next((shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c and shutil.which(c)),
-                None)
+    found = (shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c)
+    return next((path for path in found if path), None)
+
+
+def takes(head_dim: int) -> bool:
+    """Whether the kernel handles this head size (kernels.c: chunks of 16 values, MAX_CHUNKS of them)."""
+    return head_dim % 16 == 0 and head_dim <= 256
 
 
 def build(out_dir: Path | None = None) -> Path:

@@ -74,21 +74,19 @@ def test_matches_fp32_attention_and_writes_the_new_key_and_value(heads: int, kv:
 
 
 def test_a_row_gets_the_same_bits_alone_batched_and_in_any_order() -> None:
+    """Each call rewrites a row's new key/value with the same values, so the caches can be reused across calls."""
     lengths = [5, 130, 64, 700, 129, 2048, 33, 256]
     heads, kv, hd = 16, 16, 64
+    caches = _caches(lengths, kv, hd)
     q, k, v = _inputs(len(lengths), heads, kv, hd)
-    together = _attend(_caches(lengths, kv, hd), lengths, q, k, v)
+    together = _attend(caches, lengths, q, k, v)
     order = [3, 0, 7, 5, 1, 6, 2, 4]
-    shuffled = _attend(_caches([lengths[i] for i in order], kv, hd, seed=0), [lengths[i] for i in order],
-                       q[order].contiguous(), k[order].contiguous(), v[order].contiguous())
+    shuffled = _attend([caches[i] for i in order], [lengths[i] for i in order], q[order].contiguous(),
+                       k[order].contiguous(), v[order].contiguous())
+    assert torch.equal(shuffled, together[order])
     for r, n in enumerate(lengths):
-        alone = _attend(_caches(lengths, kv, hd)[r : r + 1], [n], q[r : r + 1], k[r : r + 1], v[r : r + 1])
+        alone = _attend(caches[r : r + 1], [n], q[r : r + 1], k[r : r + 1], v[r : r + 1])
         assert torch.equal(alone[0], together[r]), r
-    # Caches rebuilt in another order hold other random values: compare each row to its alone result instead.
-    for i, r in enumerate(order):
-        alone = _attend(_caches([lengths[j] for j in order], kv, hd)[i : i + 1], [lengths[r]], q[r : r + 1],
-                        k[r : r + 1], v[r : r + 1])
-        assert torch.equal(alone[0], shuffled[i])
 
 
 def test_positions_past_the_context_are_never_read() -> None:
