@@ -29,7 +29,7 @@ from m31r import native
 from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
-from m31r.quant import DEFAULT_INT4_GROUP, prepare
+from m31r.quant import DEFAULT_INT4_GROUP, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
@@ -216,8 +216,13 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and native.takes(self.config.head_dim):
-            model.native = native.load()
+        kernels = native.load() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        if kernels is not None and native.takes(self.config.head_dim):
+            model.native = kernels
+        if kernels is not None and kernels.int8:
+            for module in model.modules():
+                if isinstance(module, Int8Linear) and kernels.takes_int8(module.out_features, module.in_features):
+                    module.native = kernels
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._probed: tuple[list[int], bool] | None = None

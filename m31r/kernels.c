@@ -124,3 +124,99 @@ int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t
   }
   return 0;
 }
+
+/* Weight-only int8 matmul: y[m, n] = bf16(scale[n] * sum_k x[m, k] * w[n, k]) for bf16 x [M, K], int8 w [N, K].
+ *
+ * torch's kernel (aten._weight_int8pack_mm) turns every weight into fp32, multiplies it by its scale and runs one
+ * fp32 fused multiply-add per weight and row. Here each group of 32 weights becomes 32 bf16 values (exact: an int8
+ * code has at most 8 significant bits) and one AVX512-BF16 dot-product instruction (vdpbf16ps) multiplies them
+ * with 32 activations of a row, adding pairs of exact products into 16 fp32 lanes; the scale applies once, to the
+ * sum. Per 32 weights that is 5 conversion instructions shared by all rows plus one per row, against 6 plus 2 per
+ * row, and software prefetch keeps the weight stream ahead of the arithmetic: on the medium shape a lone decode
+ * step's matmuls took ~3.3 ms against ~6.0 (aten), eight rows ~8.1 against ~13.7 (see README).
+ *
+ * Arithmetic (fixed, whatever the row count, thread count or tile, so a row gets the same bits alone or batched):
+ * for each (row, column), one accumulator of 16 fp32 lanes walks k in steps of 32, lanes summed in a fixed fold
+ * (halves, then quarters, ...), times the fp32 scale, rounded to bf16 once. */
+
+#define I8_BLOCK 8 /* columns per unit of work; N must be a multiple */
+
+static inline __m512bh i8_weights(const int8_t* p) {
+  __m256i b = _mm256_loadu_si256((const __m256i*)p);
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo); /* lo fills lanes 0-15: k order kept */
+}
+
+static inline float fold(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+static inline float bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* R rows times C columns, accumulators in registers; prefetches the C columns after these. */
+#define I8_TILE(R, C)                                                                                               \
+  static void i8_tile_##R##_##C(const uint16_t* x, int K, const int8_t* w, const uint16_t* s, uint16_t* y, int N) { \
+    __m512 acc[R * C];                                                                                              \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();                                                   \
+    for (int k = 0; k < K; k += 32) {                                                                               \
+      __m512bh wv[C];                                                                                               \
+      for (int c = 0; c < C; ++c) wv[c] = i8_weights(w + (long)c * K + k);                                          \
+      if (!(k & 63))                                                                                                \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k + 64), _MM_HINT_T0);      \
+      for (int r = 0; r < R; ++r) {                                                                                 \
+        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (long)r * K + k));                             \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);                   \
+      }                                                                                                             \
+    }                                                                                                               \
+    for (int r = 0; r < R; ++r)                                                                                     \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = to_bf16(fold(acc[r * C + c]) * bf16_value(s[c]));          \
+  }
+I8_TILE(1, 8)
+I8_TILE(2, 8)
+I8_TILE(3, 4)
+I8_TILE(4, 4)
+I8_TILE(5, 2)
+I8_TILE(6, 2)
+I8_TILE(7, 2)
+I8_TILE(8, 2)
+
+/* Rows [0, R) of x against the I8_BLOCK columns at w (R <= 8): tiles of the most columns that fit in registers. */
+static void i8_block(int R, const uint16_t* x, int K, const int8_t* w, const uint16_t* s, uint16_t* y, int N) {
+#define I8_RUN(R, C)                                                                                  \
+  for (int c = 0; c < I8_BLOCK; c += C) i8_tile_##R##_##C(x, K, w + (long)c * K, s + c, y + c, N); \
+  break;
+  switch (R) {
+    case 1: I8_RUN(1, 8)
+    case 2: I8_RUN(2, 8)
+    case 3: I8_RUN(3, 4)
+    case 4: I8_RUN(4, 4)
+    case 5: I8_RUN(5, 2)
+    case 6: I8_RUN(6, 2)
+    case 7: I8_RUN(7, 2)
+    case 8: I8_RUN(8, 2)
+  }
+#undef I8_RUN
+}
+
+/* x [M, K] bf16, w [N, K] int8, scale [N] bf16, y [M, N] bf16, all contiguous. Returns nonzero, having done nothing,
+ * for shapes it does not take (K a multiple of 32, N of I8_BLOCK). */
+int m31r_int8_mm(int M, int N, int K, const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y) {
+  if (M < 1 || K % 32 || N % I8_BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / I8_BLOCK; ++b) {
+    const long n = (long)b * I8_BLOCK;
+    for (int m = 0; m < M; m += 8)
+      i8_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, scale + n, y + (long)m * N + n, N);
+  }
+  return 0;
+}

@@ -29,8 +29,8 @@ from torch import Tensor
 log = logging.getLogger("m31r.native")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp",
-         "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-ffp-contract=off",
+         "-fopenmp", "-shared", "-fPIC"]
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -97,6 +97,13 @@ class Kernels:
         f.restype = _I32
         f.argtypes = [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P, _F32, _P]
         self._attend = f
+        g = self.lib.m31r_int8_mm
+        g.restype = _I32
+        g.argtypes = [_I32, _I32, _I32, _P, _P, _P, _P]
+        self._int8 = g
+        # The int8 matmul runs AVX512-BF16 instructions; the rest of the library needs AVX-512 only.
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        self.int8 = bool(probe and probe())
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
                       out: Tensor) -> None:
@@ -113,6 +120,22 @@ class Kernels:
                            table.len.data_ptr(), hd**-0.5, out.data_ptr())
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
+
+
+    @staticmethod
+    def takes_int8(out_features: int, in_features: int) -> bool:
+        """Whether m31r_int8_mm handles this weight shape (kernels.c: K in steps of 32, N in blocks of 8)."""
+        return in_features % 32 == 0 and out_features % 8 == 0
+
+    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+        """x [M, K] bf16 times int8 codes [N, K] (one bf16 scale per output): [M, N] bf16 (see kernels.c)."""
+        m, k = x.shape
+        n = codes.shape[0]
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and codes.shape[1] == k and scales.shape == (n,)
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        if self._int8(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()):
+            raise ValueError(f"native int8 matmul does not take [{m}, {k}] x [{n}, {k}]")
+        return y
 
 
 class DecodeTable:

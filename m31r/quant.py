@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from m31r.config import ModelConfig
+from m31r.native import Kernels
 
 METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -143,7 +144,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.codes = _aligned(codes)
-        self.scales = _aligned(scales.to(torch.bfloat16))
+        self.scales = _aligned(scales.to(torch.bfloat16).contiguous())
+        # The native kernel (m31r.native) for small row counts, where the engine sets it: every row then runs it.
+        self.native: Kernels | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -151,6 +154,8 @@ class Int8Linear(nn.Module):
             x2 = x2.to(torch.bfloat16)
         if x2.shape[0] >= INT8_GEMM_ROWS:
             y = F.linear(x2, self.codes.to(torch.bfloat16)).mul_(self.scales)
+        elif self.native is not None:
+            y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
         else:
             y = _int8_mm(x2, self.codes, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -1,5 +1,6 @@
-"""The native decode attention (m31r/kernels.c through m31r.native): its arithmetic against an fp32 reference, the
-bits a row gets alone and batched, the cache writes it makes, the build cache, and the engine running it.
+"""The native kernels (m31r/kernels.c through m31r.native). Decode attention: its arithmetic against an fp32
+reference, the bits a row gets alone and batched, the cache writes it makes. The int8 matmul: against the exact
+product, rows alone and batched. Then the build cache, and engines running both.
 
 CI machines have AVX-512 and a C compiler (.ci/run installs one where missing), so these tests expect the kernels
 to load; on a CPU without AVX-512 the module is not collected (the engine runs eager attention there)."""
@@ -142,5 +143,95 @@ def test_the_engine_decodes_with_it_close_to_the_eager_path(tiny_bundle) -> None
     scale = logits["eager"].abs().max()
     assert (logits["native"] - logits["eager"]).abs().max() <= 0.05 * scale
     engine.model.native = KERNELS
+    runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+# -- the int8 matmul ------------------------------------------------------------------------------------------
+
+
+def _int8_operands(m: int, n: int, k: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+    return x, codes, scales
+
+
+needs_bf16 = pytest.mark.skipif(not KERNELS.int8, reason="the int8 kernel needs AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (24, 96), (64, 2048), (200, 1024)])
+def test_int8_matmul_is_the_exact_product_rounded_once(n: int, k: int) -> None:
+    """Products of bf16 activations and int8 codes are exact and summed in fp32: the result is the float64 product
+    to within fp32 summation error and the one bf16 rounding of the output."""
+    x, codes, scales = _int8_operands(19, n, k)
+    y = KERNELS.int8_mm(x, codes, scales)
+    exact = x.double() @ codes.double().T * scales.double()
+    tolerance = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ codes.double().abs().T * scales.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (19, n)
+    assert ((y.double() - exact).abs() <= tolerance).all()
+    aten = torch.ops.aten._weight_int8pack_mm(x, codes, scales)  # torch's kernel: the same numbers up to rounding
+    assert (y.double() - aten.double()).abs().max() <= 2 * 2**-8 * exact.abs().max()
+
+
+@needs_bf16
+def test_int8_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    """Every row count takes its own tile shape; the arithmetic of a row must not change with it."""
+    x, codes, scales = _int8_operands(63, 136, 1024, seed=3)
+    full = KERNELS.int8_mm(x, codes, scales)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 48):
+        part = x[-m:].contiguous()
+        assert torch.equal(KERNELS.int8_mm(part, codes, scales), full[-m:]), m
+    order = torch.randperm(63, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(KERNELS.int8_mm(x[order].contiguous(), codes, scales), full[order])
+
+
+@needs_bf16
+def test_int8_matmul_refuses_shapes_it_does_not_take() -> None:
+    assert not KERNELS.takes_int8(12, 64) and not KERNELS.takes_int8(16, 48) and KERNELS.takes_int8(16, 64)
+    x, codes, scales = _int8_operands(2, 16, 48)
+    with pytest.raises(ValueError, match="does not take"):
+        KERNELS.int8_mm(x, codes, scales)
+
+
+@needs_bf16
+def test_an_int8_layer_takes_it_below_the_gemm_rows() -> None:
+    from m31r.quant import INT8_GEMM_ROWS, Int8Linear
+
+    x, codes, scales = _int8_operands(INT8_GEMM_ROWS, 512, 2048, seed=4)
+    layer = Int8Linear(codes, scales)
+    aten = layer(x[:48])
+    layer.native = KERNELS
+    assert torch.equal(layer(x[:48]), KERNELS.int8_mm(x[:48].contiguous(), codes, scales))
+    # The two summations differ in fp32 rounding, which the bf16 output hides for most elements, not all.
+    assert not torch.equal(layer(x[:48]), aten)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, codes.to(torch.bfloat16)).mul_(scales))  # GEMM rows
+
+
+@needs_bf16
+def test_an_int8_engine_runs_it_on_every_decode_row(tiny_bundle) -> None:
+    """Every int8 layer of a bf16 engine takes the kernel; logits stay close to torch's int8 kernel, every decode
+    width gives a row its bits (the probe), and greedy generation is deterministic."""
+    from m31r.engine import Engine
+    from m31r.quant import Int8Linear
+
+    engine = Engine(tiny_bundle, dtype="bfloat16", quant="int8")
+    layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 4 * engine.config.n_layers + 1 and all(m.native is KERNELS for m in layers)
+    assert engine.decode_widths == list(range(1, engine.decode_width + 1))
+    ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
+    logits = {}
+    for mode in ("native", "aten"):
+        for m in layers:
+            m.native = KERNELS if mode == "native" else None
+        cache = engine.new_cache()
+        for _ in engine.prefill(cache, ids, 0):
+            pass
+        logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
+    assert (logits["native"] - logits["aten"]).abs().max() <= 0.05 * logits["aten"].abs().max()
+    for m in layers:
+        m.native = KERNELS
     runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
