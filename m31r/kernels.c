@@ -18,6 +18,7 @@
 
 #define MAX_CHUNKS 16  /* head_dim up to 256, in chunks of 16 */
 #define MAX_KEYS 65536 /* context length up to 64k */
+#define PREFETCH_KEYS 16 /* keys and values are fetched this many positions ahead of the scores */
 
 static inline __m512 load_bf16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256((const __m256i*)p);
@@ -61,6 +62,10 @@ static void attend_head(const uint16_t* q, const uint16_t* K, const uint16_t* V,
   float m = -INFINITY;
   for (int j = 0; j < n; ++j) {
     const uint16_t* kj = K + (long)j * hd;
+    for (int c = 0; c < nc; c += 2) { /* one cache line per 32 values */
+      _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 16 * c), _MM_HINT_T0);
+      _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 16 * c), _MM_HINT_T0);
+    }
     __m512 a = _mm512_mul_ps(qv[0], load_bf16(kj));
     for (int c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], load_bf16(kj + 16 * c), a);
     s[j] = _mm512_reduce_add_ps(a);
