@@ -219,10 +219,12 @@ class Engine:
         kernels = native.load() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
         if kernels is not None and native.takes(self.config.head_dim):
             model.native = kernels
+        self.native_int8 = False  # whether int8 layers run the native kernel (warm-up log)
         if kernels is not None and kernels.int8:
             for module in model.modules():
                 if isinstance(module, Int8Linear) and kernels.takes_int8(module.out_features, module.in_features):
                     module.native = kernels
+                    self.native_int8 = True
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._probed: tuple[list[int], bool] | None = None

@@ -1,5 +1,8 @@
 """The native CPU kernels (m31r/kernels.c): built once with the system C compiler, cached, loaded through ctypes.
 
+Two kernels: decode attention (every decode row of a step in one call per layer) and the weight-only int8 matmul
+of small row counts (AVX512-BF16 dot products; `Kernels.int8` says whether this CPU has them).
+
 Building takes ~0.3 s and happens the first time an engine loads on a machine (the shared object is cached under
 $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), so from the first request on a
 daemon runs one arithmetic and never switches. Where the CPU lacks AVX-512, no C compiler exists, the build fails,

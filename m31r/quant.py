@@ -6,10 +6,11 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
   float   fp32/bf16 weights prepacked for oneDNN (`mkldnn._linear_pointwise`): the same numbers as F.linear for
           bf16, within fp32 rounding for fp32 (F.linear uses MKL there). On the medium model it makes a decode
           step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x).
-  int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run
-          `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x slower); larger
-          chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its output columns,
-          2.5x faster than the int8 kernel at 256 rows.
+  int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run the
+          native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
+          sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
+          slower); larger chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its
+          output columns, 2.5x faster than aten's int8 kernel at 256 rows.
   int4    4-bit codes in groups of `group_size` along K, a bf16 scale and zero per group (asymmetric, gpt-fast
           style: w = (q - 8) * scale + zero). Decode runs `aten._weight_int4pack_mm_for_cpu`; its packed layout
           depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load.
@@ -20,8 +21,9 @@ only on a call's row count, and the engine always runs a given position in a chu
 position always goes through the same kernel: determinism and cache-hit equality hold within each precision.
 
 Row independence (what batching decode steps relies on), measured with torch 2.13 on AVX-512, 1 and 2 threads,
-M = 1..63: the bf16 oneDNN, int8 and int4 kernels give a row the same bits whatever the row count; oneDNN fp32
-does for M >= 2 only (M = 1 takes a GEMV path that rounds differently); MKL's fp32 F.linear differs for small M.
+M = 1..63: the bf16 oneDNN, int8 (aten's and the native one) and int4 kernels give a row the same bits whatever the
+row count; oneDNN fp32 does for M >= 2 only (M = 1 takes a GEMV path that rounds differently); MKL's fp32
+F.linear differs for small M.
 """
 
 from __future__ import annotations

@@ -150,4 +150,5 @@ def _warm_up(daemon) -> None:
         return
     log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
                                        "decode_widths": widths, "chunks_share_passes": engine.fuse,
-                                       "native_attention": engine.model.native is not None}})
+                                       "native_attention": engine.model.native is not None,
+                                       "native_int8": engine.native_int8}})
