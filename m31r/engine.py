@@ -255,7 +255,7 @@ class Engine:
         scratch cache at a different context length, so that rows share attention calls in several groups (see
         model.row_groups); then a chunk runs alone and beside the full width. A changed order shows in few of a
         single matmul's rounded outputs, but always after a whole forward pass. A lone stream then runs at the
-        narrowest width that matches, often 1 (int8: ~11 vs ~26 ms/token at width 8 on the medium shape), never at
+        narrowest width that matches, often 1 (int8: ~8 vs ~13 ms/token at width 8 on the medium shape), never at
         one that would change its output when others join it.
         """
         n, c = self.decode_width, self.config
