@@ -222,7 +222,7 @@ class Engine:
         self.native_int8 = False  # whether int8 layers run the native kernel (warm-up log)
         if kernels is not None and kernels.int8:
             for module in model.modules():
-                if isinstance(module, Int8Linear) and kernels.takes_int8(module.out_features, module.in_features):
+                if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
                     module.native = kernels
                     self.native_int8 = True
         self.model = model.eval()

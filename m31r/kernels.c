@@ -138,7 +138,7 @@ int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t
  * with 32 activations of a row, adding pairs of exact products into 16 fp32 lanes; the scale applies once, to the
  * sum. Per 32 weights that is 5 conversion instructions shared by all rows plus one per row, against 6 plus 2 per
  * row, and software prefetch keeps the weight stream ahead of the arithmetic: on the medium shape a lone decode
- * step's matmuls took ~3.3 ms against ~6.0 (aten), eight rows ~8.1 against ~13.7 (see README).
+ * step's matmuls took ~6.2 ms against ~7.6 (aten), eight rows ~9.4 against ~13.7 (see README).
  *
  * Arithmetic (fixed, whatever the row count, thread count or tile, so a row gets the same bits alone or batched):
  * for each (row, column), one accumulator of 16 fp32 lanes walks k in steps of 32, lanes summed in a fixed fold

@@ -65,6 +65,11 @@ def takes(head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256
 
 
+def takes_int8(out_features: int, in_features: int) -> bool:
+    """Whether the int8 matmul handles this weight shape (kernels.c: K in steps of 32, N in blocks of 8)."""
+    return in_features % 32 == 0 and out_features % 8 == 0
+
+
 def build(out_dir: Path | None = None) -> Path:
     """Compile kernels.c, or return the cached build of the same source, compiler and flags."""
     cc = compiler()
@@ -124,12 +129,6 @@ class Kernels:
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
-
-    @staticmethod
-    def takes_int8(out_features: int, in_features: int) -> bool:
-        """Whether m31r_int8_mm handles this weight shape (kernels.c: K in steps of 32, N in blocks of 8)."""
-        return in_features % 32 == 0 and out_features % 8 == 0
-
     def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
         """x [M, K] bf16 times int8 codes [N, K] (one bf16 scale per output): [M, N] bf16 (see kernels.c)."""
         m, k = x.shape
@@ -169,5 +168,5 @@ def load() -> Kernels | None:
             return Kernels(build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             why = str(e)
-    log.info("native kernels off: %s; decode attention runs in eager torch", why)
+    log.info("native kernels off: %s; decode attention runs in eager torch, int8 layers on torch's kernel", why)
     return None

@@ -190,7 +190,7 @@ def test_int8_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
 
 @needs_bf16
 def test_int8_matmul_refuses_shapes_it_does_not_take() -> None:
-    assert not KERNELS.takes_int8(12, 64) and not KERNELS.takes_int8(16, 48) and KERNELS.takes_int8(16, 64)
+    assert not native.takes_int8(12, 64) and not native.takes_int8(16, 48) and native.takes_int8(16, 64)
     x, codes, scales = _int8_operands(2, 16, 48)
     with pytest.raises(ValueError, match="does not take"):
         KERNELS.int8_mm(x, codes, scales)
