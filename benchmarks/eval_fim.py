@@ -184,7 +184,7 @@ def edit_similarity(pred: str, target: str) -> float:
 # -- running ----------------------------------------------------------------------------------------------
 
 
-def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log) -> list[Result]:
+def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True) -> list[Result]:
     from m31r.engine import Generation
     from m31r.fim import FimBudget, build_fim_prompt
 
@@ -192,12 +192,12 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log) -
     cache = engine.new_cache()
     results = []
     for k, t in enumerate(tasks):
-        prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget)
+        prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
         single = t.kind == "single"
         res = Generation(prompt_tokens=len(prompt.ids))
         t0 = time.perf_counter()
         for _ in engine.generate(prompt.ids, max_tokens=single_max if single else multi_max,
-                                 stop=["\n"] if single else [], cache=cache, result=res):
+                                 stop=["\n"] if single else [], cache=cache, result=res, heal=prompt.heal):
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text

@@ -390,34 +390,93 @@ def train() -> None:
     """Build the corpus and tokenizer, train the model, export a release bundle."""
 
 
+DEFAULT_DEBIAN_CACHE = Path.home() / ".cache" / "m31r" / "debian"
+
+
+@train.command("fetch")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEBIAN_CACHE,
+              show_default=True, help="Where the .deb files and their unpacked sources go.")
+@user_errors
+def train_fetch(cache: Path) -> None:
+    """Download rust-src and every librust-*-dev package from Debian and unpack them (nothing is installed)."""
+    import os
+    import shutil
+    import subprocess
+
+    from m31r.train import debian
+
+    if not shutil.which("apt-get") or not shutil.which("dpkg"):
+        fail("apt-get and dpkg are needed: the corpus comes from Debian's packages")
+    names = debian.list_packages()
+    if len(names) < 2:
+        if os.geteuid() != 0:
+            fail("apt knows no librust-*-dev packages: run `sudo apt-get update` first")
+        subprocess.run(["apt-get", "update", "-qq"], check=True)
+        names = debian.list_packages()
+    roots, packages = debian.fetch(cache, names)
+    click.echo(f"{len(packages)} packages in {cache}; source roots: {' '.join(map(str, roots))}")
+
+
 @train.command("corpus")
 @click.argument("data_dir", type=click.Path(path_type=Path))
+@click.option("--debian", "cache", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A cache made by `m31r train fetch`: its sources and package versions.")
 @click.option("--source", "sources", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where present).")
-@click.option("--val-fraction", type=float, default=0.02, show_default=True)
+              help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where installed).")
+@click.option("--val-fraction", type=float, default=0.03, show_default=True,
+              help="Share of crates held out for validation and the eval.")
 @user_errors
-def train_corpus(data_dir: Path, sources: tuple[Path, ...], val_fraction: float) -> None:
-    """Filter, deduplicate and split Rust sources into DATA_DIR/corpus (run scripts/get-corpus.sh first)."""
+def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], val_fraction: float) -> None:
+    """Filter, deduplicate and split Rust sources by crate into DATA_DIR/corpus."""
+    from m31r.train import debian
     from m31r.train.corpus import build_corpus
 
-    roots = list(sources) or [Path(p) for p in DEFAULT_SOURCE_ROOTS if Path(p).is_dir()]
+    packages = None
+    roots = list(sources)
+    if cache is not None:
+        if not (cache / "packages.tsv").exists():
+            fail(f"{cache} has no packages.tsv: run `m31r train fetch --cache {cache}` first")
+        packages = debian.read_packages(cache / "packages.tsv")
+        roots += [cache / "src" / p for p in (debian.RUST_SRC, debian.REGISTRY) if (cache / "src" / p).is_dir()]
+    roots = roots or [Path(p) for p in DEFAULT_SOURCE_ROOTS if Path(p).is_dir()]
     if not roots:
-        fail("no Rust sources found: run scripts/get-corpus.sh (Debian's rust-src) or pass --source")
-    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction)
+        fail("no Rust sources found: run `m31r train fetch` and pass --debian, or pass --source")
+    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction, packages=packages)
+    tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     click.echo(f"dataset {manifest['dataset_version']} written to {data_dir / 'corpus'}")
+    click.echo(f"kept {manifest['files_kept']:,} of {manifest['files_seen']:,} files; dropped {manifest['dropped']}")
+    click.echo(f"train: {tr['files']:,} files, {tr['bytes'] / 1e6:.1f} MB, {tr['crates']:,} crates; "
+               f"val: {va['files']:,} files, {va['bytes'] / 1e6:.1f} MB, {va['crates']:,} held-out crates")
 
 
 @train.command("tokenizer")
 @click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--vocab-size", type=int, default=16384, show_default=True)
+@click.option("--reuse", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Take this tokenizer.json instead of training one (a model to continue needs its own).")
 @user_errors
-def train_tokenizer_cmd(data_dir: Path, vocab_size: int) -> None:
-    """Train the byte-level Rust BPE on DATA_DIR/corpus/train.jsonl into DATA_DIR/tokenizer.json."""
-    from m31r.train.tokenizer import bytes_per_token, train_tokenizer
+def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> None:
+    """Train the byte-level Rust BPE on DATA_DIR/corpus/train.jsonl (or reuse one), then tokenise both splits."""
+    import shutil
 
-    tok = train_tokenizer(data_dir / "corpus" / "train.jsonl", data_dir / "tokenizer.json", vocab_size)
+    from m31r.train.tokenizer import bytes_per_token, train_tokenizer
+    from m31r.train.trainer import corpus_tokens
+
+    out = data_dir / "tokenizer.json"
+    if reuse is not None:
+        if reuse.resolve() != out.resolve():
+            shutil.copyfile(reuse, out)
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(out))
+        click.echo(f"tokenizer: {reuse} ({tok.get_vocab_size()} tokens)")
+    else:
+        tok = train_tokenizer(data_dir / "corpus" / "train.jsonl", out, vocab_size)
+        click.echo(f"tokenizer: {vocab_size} tokens")
     bpt = bytes_per_token(tok, data_dir / "corpus" / "val.jsonl")
-    click.echo(f"tokenizer: {vocab_size} tokens, {bpt:.3f} bytes/token on the validation split")
+    click.echo(f"{bpt:.3f} bytes/token on the validation split")
+    for split, n in corpus_tokens(data_dir).items():
+        click.echo(f"{split}: {n:,} tokens")
 
 
 @train.command("model")

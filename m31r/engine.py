@@ -227,6 +227,7 @@ class Engine:
                     self.native_int8 = True
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
+        self._heal_masks: dict[bytes, torch.Tensor] = {}
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
@@ -409,6 +410,18 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------------
 
+    def _healing(self, logits: torch.Tensor, owed: bytes) -> torch.Tensor:
+        """Logits with every token that cannot continue the owed text at -inf (the masks are cached)."""
+        allowed = self._heal_masks.get(owed)
+        if allowed is None:
+            allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            allowed[self.tokenizer.heal_ids(owed)] = True
+            allowed = allowed.to(logits.device)
+            if len(self._heal_masks) >= 4096:
+                self._heal_masks.clear()
+            self._heal_masks[owed] = allowed
+        return logits.masked_fill(~allowed, float("-inf"))
+
     def fit_prompt(self, ids: list[int], max_tokens: int, truncate: bool = False) -> list[int]:
         limit = self.config.max_context
         if len(ids) + max_tokens <= limit:
@@ -428,8 +441,12 @@ class Engine:
         truncate: bool = False,
         result: Generation | None = None,
         batched: bool = False,
+        heal: str = "",
     ) -> Iterator[Token | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
+
+        `heal` is text the prompt left out of its end (m31r.fim's token healing): the first tokens are held to
+        writing it again, and it is not part of the text streamed back.
 
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
@@ -470,19 +487,29 @@ class Engine:
         history = list(ids) if need_history else []
         res.finish_reason = "length"
         hit = False
+        owed, skip = heal.encode(), len(heal)  # healed bytes still to write; healed characters to hold back
         for i in range(max_tokens):
             hist = torch.tensor(history, device=self.device) if need_history else None
             if self.unused_ids is not None:  # reserved vocabulary entries are never text: never sample them
                 logits = logits.index_fill(0, self.unused_ids, float("-inf"))
+            if owed:
+                logits = self._healing(logits, owed)
             tok = sampler(logits, hist)
             if tok in self.stop_ids:
                 res.finish_reason = "stop"
                 break
+            if owed:
+                written = self.tokenizer.token_bytes[tok] or b""
+                owed = owed[len(written):] if owed.startswith(written) else b""
             res.tokens.append(tok)
             res.completion_tokens += 1
             if need_history:
                 history.append(tok)
-            piece, hit = stops.feed(stream.step(tok))
+            piece = stream.step(tok)
+            if skip:
+                n = min(skip, len(piece))
+                piece, skip = piece[n:], skip - n
+            piece, hit = stops.feed(piece)
             res.text += piece
             if res.first_token_ms is None:
                 res.first_token_ms = (time.perf_counter() - t0) * 1000

@@ -9,6 +9,11 @@ tokenised on its own, so an edit in one part never changes the tokens of another
 Truncation keeps the sequence stable too: S keeps whole lines forward from the cursor up to a token
 budget; P_above starts at a line whose index is a multiple of `line_step`, the first that fits its budget,
 so its start moves only every few lines of growth, never with each keystroke.
+
+Token healing: a cursor may stand inside what would be one token of the finished line (`foo.ba|` of
+`foo.bar()`, or indentation that the finished line tokenises as `   ` + ` let`). The prompt therefore ends one
+token early, and the completion must start with that token's text (`FimPrompt.heal`): the engine allows only
+tokens consistent with it, then leaves it out of the text it returns. Training lays samples out the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class FimPrompt:
     above_tokens: int
     line_tokens: int
     above_start_line: int  # index of the first line of P_above kept
+    heal: str = ""  # text of P_line's last token, left out of ids: the completion starts by writing it again
 
 
 def split_prefix(prefix: str) -> tuple[str, str]:
@@ -89,7 +95,21 @@ def cut_above(tok: Tokenizer, above: str, budget: int, line_step: int) -> tuple[
     return "".join(lines[start:]), start
 
 
-def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget) -> FimPrompt:
+def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
+    """(ids without the last token, its text). Where the last token ends a character that earlier byte tokens
+    began (`é` as two byte tokens), all of them: the healed text is always whole characters."""
+    for k in range(1, min(4, len(line_ids)) + 1):
+        pieces = [tok.token_bytes[i] for i in line_ids[-k:]]
+        if any(p is None for p in pieces):
+            break
+        try:
+            return line_ids[:-k], b"".join(pieces).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return line_ids, ""
+
+
+def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget, heal: bool = True) -> FimPrompt:
     above, line = split_prefix(prefix)
     s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))
     above_text, start_line = cut_above(tok, above, budget.above, budget.line_step)
@@ -97,5 +117,6 @@ def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget
     l_ids = tok.encode(line)
     if len(l_ids) > budget.line:  # a very long cursor line: keep its end, nearest the cursor
         l_ids = l_ids[len(l_ids) - budget.line :]
+    l_ids, healed = heal_split(tok, l_ids) if heal else (l_ids, "")
     ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_ids, tok.fim_middle_id, *l_ids]
-    return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line)
+    return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line, healed)

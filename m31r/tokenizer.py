@@ -6,6 +6,7 @@ Special tokens are matched only when prompts are built from ids; `encode` runs w
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -13,6 +14,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|pad|>")
+# Role → text, as a model config names them by default.
+DEFAULT_SPECIAL = dict(zip(("eos_token", "fim_prefix_token", "fim_suffix_token", "fim_middle_token", "pad_token"),
+                           SPECIAL_TOKENS, strict=True))
 
 
 class Tokenizer:
@@ -49,6 +53,23 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes (None for special and added tokens): what token healing matches against."""
+        inverse = {c: b for b, c in _byte_to_unicode().items()}
+        table: list[bytes | None] = [None] * self.vocab_size
+        added = {t.content for t in self.hf.get_added_tokens_decoder().values()}
+        for text, i in self.hf.get_vocab(with_added_tokens=True).items():
+            if text not in added and all(c in inverse for c in text):
+                table[i] = bytes(inverse[c] for c in text)
+        return table
+
+    def heal_ids(self, rest: bytes) -> list[int]:
+        """Ids a healed completion may continue with while `rest` (bytes already in the text) is still owed:
+        tokens that start with all of it, or that are a prefix of it."""
+        return [i for i, b in enumerate(self.token_bytes)
+                if b and (b.startswith(rest) or rest.startswith(b))]
+
     def stream(self, context: list[int] | None = None) -> TextStream:
         return TextStream(self, context)
 
@@ -63,6 +84,20 @@ class TextStream:
 
     def step(self, token_id: int) -> str:
         return self._ds.step(self._tok.hf, token_id) or ""
+
+
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable bytes stand for themselves, the rest are shifted past 255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def build_byte_tokenizer(vocab_size: int) -> HFTokenizer:

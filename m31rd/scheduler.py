@@ -49,6 +49,7 @@ class Job:
     # Inference-thread state.
     ids: list[int] | None = None
     max_tokens: int = 0
+    heal: str = ""  # token healing: text the FIM prompt left out, written again first (m31r.fim)
     slot: Slot | None = None
     gen: Generator[Token | Chunk | Decode, torch.Tensor | None, None] | None = None
     call: Chunk | Decode | None = None  # the model call the job waits for
@@ -154,6 +155,7 @@ class Scheduler:
         req = job.request
         if isinstance(req, m.Fim):
             prompt = build_fim_prompt(self.engine.tokenizer, req.prefix, req.suffix, self.budget)
+            job.heal = prompt.heal
             return prompt.ids, min(req.max_tokens, self.budget.reserve)
         ids = self.engine.tokenizer.encode(req.prompt)
         if not ids:
@@ -179,7 +181,7 @@ class Scheduler:
         job.result = Generation(prompt_tokens=len(job.ids))
         job.gen = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
-            result=job.result, batched=True)
+            result=job.result, batched=True, heal=job.heal)
         return True
 
     def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:

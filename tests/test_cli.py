@@ -65,9 +65,9 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     out = json.loads(r.stdout)
     cursor = src.index("x + 2")  # line 3, column 13 (1-based)
     budget = FimBudget.for_context(tiny_engine.config.max_context)
-    ids = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget).ids
+    p = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget)
     ref = Generation(prompt_tokens=0)
-    for _ in tiny_engine.generate(ids, max_tokens=6, result=ref):
+    for _ in tiny_engine.generate(p.ids, max_tokens=6, result=ref, heal=p.heal):
         pass
     assert (out["text"], out["tokens"], out["source"]) == (ref.text, ref.tokens, "model")
     # The same cursor given as --prefix/--suffix.

@@ -128,13 +128,13 @@ class Out:
         return [t for t, _ in self.pieces if t is not None]
 
 
-def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, stop=()) -> Out:
+def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, stop=(), heal: str = "") -> Out:
     """What the engine itself streams for a prompt, in this process, with a fresh cache."""
     from m31r.engine import Generation
 
     res = Generation(prompt_tokens=0)
     pieces = [(t.id, t.text) for t in engine.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                                                      result=res)]
+                                                      result=res, heal=heal)]
     return Out(res.text, pieces, res.finish_reason)
 
 
@@ -142,8 +142,8 @@ def fim_reference(engine, prefix: str, suffix: str, max_tokens: int, sampling=No
     from m31r.fim import FimBudget, build_fim_prompt
 
     budget = FimBudget.for_context(engine.config.max_context)
-    ids = build_fim_prompt(engine.tokenizer, prefix, suffix, budget).ids
-    return reference(engine, ids, min(max_tokens, budget.reserve), sampling)
+    p = build_fim_prompt(engine.tokenizer, prefix, suffix, budget)
+    return reference(engine, p.ids, min(max_tokens, budget.reserve), sampling, heal=p.heal)
 
 
 async def run(stream, timeout: float = 30) -> Out:

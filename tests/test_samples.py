@@ -99,10 +99,14 @@ def test_fim_layout_and_parts_decode_to_the_original_text(tok):
         above, line = split_prefix(text[:a])
         assert tok.decode(s_ids) == text[b:]
         assert tok.decode(above_ids) == above
-        assert rest[: len(tok.encode(line))] == tok.encode(line)  # P_line, tokenised on its own
         assert tok.decode(rest) == line + text[a:b]
-        # The prompt part is exactly what the daemon builds for this prefix and suffix.
-        assert ids[: i_mid + 1 + len(tok.encode(line))] == build_fim_prompt(tok, text[:a], text[b:], BIG).ids
+        # The prompt part is exactly what the daemon builds for this prefix and suffix: P_line tokenised on its
+        # own, less its last token when that is healed; the middle then starts by writing that token's text.
+        prompt = build_fim_prompt(tok, text[:a], text[b:], BIG)
+        assert ids[: len(prompt.ids)] == prompt.ids
+        assert rest[: prompt.line_tokens] == tok.encode(line)[: prompt.line_tokens]
+        assert line.endswith(prompt.heal) and (prompt.heal != "") == (line != "")
+        assert tok.decode(ids[len(prompt.ids) :]).startswith(prompt.heal)
 
 
 def test_loss_categories(tok):
@@ -161,11 +165,10 @@ def test_long_middle_is_cut_to_the_reserve_without_a_stop(tok):
     cut = whole = 0
     for _ in range(200):
         a, b, s = draw(tok, long_doc(), rng, budget)
-        _, line = split_prefix(long_doc()[:a])
-        m_ids = tok.encode(long_doc()[a:b])
-        i_mid = s.ids.index(tok.fim_middle_id)
+        prompt = build_fim_prompt(tok, long_doc()[:a], long_doc()[b:], budget)
+        m_ids = tok.encode(prompt.heal + long_doc()[a:b])  # the healed text is written again first
         assert len(s.ids) <= 128  # prompt + completion fit the context
-        tail = s.ids[i_mid + 1 + len(tok.encode(line)[-budget.line :]) :]
+        tail = s.ids[len(prompt.ids) :]
         if len(m_ids) < budget.reserve:
             whole += 1
             assert tail == m_ids + [tok.eos_id]
@@ -297,7 +300,9 @@ def test_typing_changes_only_tokens_after_fim_middle(tok):
     for k in range(1, len(typed) + 1):
         p = build_fim_prompt(tok, text[:cursor] + typed[:k], suffix, budget)
         assert p.ids[: len(head)] == head, k
-        assert p.ids[len(head) :] == tok.encode(text[text.rfind("\n", 0, cursor) + 1 : cursor] + typed[:k])
+        line = text[text.rfind("\n", 0, cursor) + 1 : cursor] + typed[:k]
+        rest = p.ids[len(head) :]  # the cursor line's tokens, less the healed last one
+        assert rest == tok.encode(line)[: len(rest)] and tok.decode(rest) + p.heal == line and p.heal
 
 
 @pytest.mark.parametrize("indent", ["", "    "])
@@ -363,7 +368,7 @@ def test_short_document_is_kept_whole(tok):
     a = text.index("for word")
     p = build_fim_prompt(tok, text[:a], text[a:], FimBudget.for_context(1024))
     assert p.above_start_line == 0
-    assert tok.decode(p.ids) == text[a:] + text[:a]  # specials are skipped when decoding
+    assert tok.decode(p.ids) + p.heal == text[a:] + text[:a]  # specials are skipped when decoding
 
 
 def test_fim_budget_fits_the_context():

@@ -1,7 +1,12 @@
 """Build the Rust training corpus: filter, deduplicate and split `.rs` files into JSONL.
 
-Everything is deterministic (sorted walk, greedy dedup in path order, hash-based split) so that
+Everything is deterministic (sorted walk, greedy dedup in walk order, hash-based split) so that
 the same source packages always give the same `dataset_version` and the same train/val files.
+
+A file belongs to the crate of the nearest `Cargo.toml` above it. The split is by crate name, so
+validation (and the FIM eval drawn from it) is code from crates the model never saw, and every
+version of a crate falls on the same side. Crate versions are walked newest first, so near-duplicate
+removal keeps the newest code. A crate is kept only if its `license` offers a permissive choice.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
+from multiprocessing import Pool
 from pathlib import Path
+
+from tqdm import tqdm
 
 # Path components of compiler/tool test suites: deliberately odd or broken code the model should not learn.
 TEST_SUITE_DIRS = frozenset(
@@ -55,31 +65,110 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Doc:
-    """A kept file: corpus-relative path, normalised text and its content hash."""
+    """A kept file: corpus-relative path, normalised text, its content hash and its crate."""
 
     path: str
     text: str
     sha256: str
+    crate: str | None = None  # split key; None outside any crate
+
+
+_VERSIONED_DIR = re.compile(r"^(.+?)-(\d+(?:\.\d+)*)([^/]*)$")
+
+
+def _walk_key(rel_in_root: str) -> tuple:
+    """Sort key: path order, except that `<crate>-<version>` folders of one crate come newest first."""
+    top, _, rest = rel_in_root.partition("/")
+    m = _VERSIONED_DIR.match(top)
+    if not m or not rest:
+        return (top, (), "", rest)
+    newest_first = tuple(-int(x) for x in m.group(2).split("."))
+    # A pre-release (`1.0.0-beta`) sorts after its release.
+    return (m.group(1), newest_first, m.group(3), rest)
 
 
 def iter_rust_files(src_roots: list[Path]) -> Iterator[tuple[Path, str]]:
-    """Yield (absolute file, corpus-relative path) for every `.rs` file, in sorted order.
+    """Yield (absolute file, corpus-relative path) for every `.rs` file, in a fixed order.
 
     The relative path is prefixed with the root's own name (not its symlink target) so that paths,
-    and therefore the hash-based split, stay stable across package versions.
+    and therefore the split, stay stable across package versions.
     """
     for root in src_roots:
         root = Path(root)
         real = root.resolve()
-        found: list[tuple[str, Path]] = []
+        found: list[tuple[tuple, str, Path]] = []
         for dirpath, dirnames, filenames in os.walk(real):
             dirnames.sort()
             for name in filenames:
                 if name.endswith(".rs"):
                     full = Path(dirpath) / name
-                    found.append((f"{root.name}/{full.relative_to(real).as_posix()}", full))
-        for rel, full in sorted(found):
+                    inner = full.relative_to(real).as_posix()
+                    found.append((_walk_key(inner), f"{root.name}/{inner}", full))
+        for _, rel, full in sorted(found):
             yield full, rel
+
+
+# SPDX identifiers a file may be trained on without copyleft obligations.
+PERMISSIVE = frozenset(
+    s.lower()
+    for s in (
+        "MIT", "MIT-0", "Apache-2.0", "Apache-2.0 WITH LLVM-exception", "BSD-1-Clause", "BSD-2-Clause",
+        "BSD-3-Clause", "0BSD", "ISC", "Zlib", "Unlicense", "CC0-1.0", "BSL-1.0", "Unicode-DFS-2016",
+        "Unicode-3.0", "X11", "NCSA", "WTFPL", "Apache-1.1", "BlueOak-1.0.0",
+    )
+)
+
+
+def is_permissive(expression: str | None) -> bool:
+    """True when an SPDX expression (or Cargo's old `MIT/Apache-2.0`) offers a permissive choice."""
+    if not expression:
+        return False
+    text = re.sub(r"[()]", " ", expression).replace("/", " OR ")
+    for choice in re.split(r"\s+OR\s+", text.strip(), flags=re.IGNORECASE):
+        parts = [p.strip().lower() for p in re.split(r"\s+AND\s+", choice, flags=re.IGNORECASE)]
+        if parts and all(p.removesuffix("+") in PERMISSIVE for p in parts):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Crate:
+    name: str  # the split key: every version of a crate shares it
+    license: str | None
+
+
+def _manifest_fields(toml: Path) -> tuple[str | None, str | None, str | None]:
+    """(package name, package license, workspace license) of a Cargo.toml; Nones where absent or unreadable."""
+    try:
+        data = tomllib.loads(toml.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None, None, None
+    pkg = data.get("package") or {}
+    name, lic = pkg.get("name"), pkg.get("license")
+    ws = ((data.get("workspace") or {}).get("package") or {}).get("license")
+    return (name if isinstance(name, str) else None, lic if isinstance(lic, str) else None,
+            ws if isinstance(ws, str) else None)
+
+
+@cache
+def crate_of(folder: Path) -> Crate | None:
+    """The crate owning files in `folder`: the nearest Cargo.toml with a [package] above it, if any.
+
+    A licence inherited from the workspace (`license.workspace = true`) is looked up further up.
+    """
+    for d in (folder, *folder.parents):
+        toml = d / "Cargo.toml"
+        if toml.is_file():
+            name, lic, _ = _manifest_fields(toml)
+            if name is None:
+                continue
+            if lic is None:
+                for up in d.parents:
+                    if (up / "Cargo.toml").is_file() and (ws := _manifest_fields(up / "Cargo.toml")[2]):
+                        lic = ws
+                        break
+            return Crate(name.replace("_", "-").lower(), lic)
+    return None
 
 
 def is_test_suite_path(relpath: str) -> bool:
@@ -176,9 +265,10 @@ class NearDupIndex:
             bucket.setdefault(sig[band * ROWS : (band + 1) * ROWS], []).append(idx)
 
 
-def is_val(relpath: str, val_fraction: float) -> bool:
-    """Split by a hash of the path so a file's split never depends on what else is in the corpus."""
-    h = int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:8], "big")
+def is_val(key: str, val_fraction: float) -> bool:
+    """Split by a hash of the crate name (or, outside any crate, the path), so a file's side never
+    depends on what else is in the corpus."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return h / 2**64 < val_fraction
 
 
@@ -205,78 +295,127 @@ def package_versions() -> dict[str, str]:
 
 
 def dataset_version(docs: list[Doc], packages: dict[str, str]) -> str:
-    """`rust-src-<ver>+<12 hex>`: the hash covers the kept file list and contents, so any change shows."""
+    """`rust-src-<ver>[+<n>crates]+<12 hex>`: the hash covers the kept file list and contents, so any change
+    shows; the package list with versions is in the manifest."""
     digest = hashlib.sha256()
     for doc in sorted(docs, key=lambda d: d.path):
         digest.update(f"{doc.path}\t{doc.sha256}\n".encode())
     base = f"rust-src-{packages['rust-src']}" if "rust-src" in packages else "local"
+    crates = sum(name.startswith("librust-") for name in packages)
+    if crates:
+        base += f"+{crates}crates"
     return f"{base}+{digest.hexdigest()[:12]}"
 
 
-def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str]) -> list[Doc]:
-    """Walk, filter and deduplicate; counts every dropped file under its reason in `reasons`."""
+def _examine(item: tuple[Path, str, int]) -> tuple[str | None, str, str, tuple[int, ...] | None]:
+    """(drop reason, text, sha256, MinHash) of one file: the per-file work, run in worker processes."""
+    full, rel, max_file_bytes = item
+    if is_test_suite_path(rel):
+        return "test_suite_path", "", "", None
+    if full.stat().st_size > max_file_bytes:
+        return "too_large", "", "", None
+    try:
+        text = normalize(full.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        return "non_utf8", "", "", None
+    reason = content_filter_reason(text)
+    if reason is not None:
+        return reason, "", "", None
+    return None, text, hashlib.sha256(text.encode()).hexdigest(), minhash(text)
+
+
+def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str],
+                workers: int | None = None) -> list[Doc]:
+    """Walk, filter and deduplicate; counts every dropped file under its reason in `reasons`.
+
+    Files are examined in parallel but decided in walk order, so the result does not depend on `workers`.
+    """
     exact: set[str] = set()
     near = NearDupIndex()
     docs: list[Doc] = []
-    for full, rel in iter_rust_files(src_roots):
-        reasons["seen"] += 1
-        reason, text = None, ""
-        if is_test_suite_path(rel):
-            reason = "test_suite_path"
-        elif full.stat().st_size > max_file_bytes:
-            reason = "too_large"
-        else:
-            try:
-                text = normalize(full.read_bytes().decode("utf-8"))
-                reason = content_filter_reason(text)
-            except UnicodeDecodeError:
-                reason = "non_utf8"
-        if reason is None:
-            sha = hashlib.sha256(text.encode()).hexdigest()
-            if sha in exact:
-                reason = "exact_duplicate"
-            else:
-                exact.add(sha)
-                sig = minhash(text)
-                if near.find(sig) is not None:
-                    reason = "near_duplicate"
+    files = list(iter_rust_files(src_roots))
+    crates = [crate_of(full.parent) for full, _ in files]
+    workers = workers or os.cpu_count() or 1
+    items = [(full, rel, max_file_bytes) for full, rel in files]
+    with Pool(workers) if workers > 1 and len(items) > 256 else _Serial() as pool:
+        results = pool.imap(_examine, items, chunksize=64)
+        for (_, rel), crate, (reason, text, sha, sig) in tqdm(
+            zip(files, crates, results, strict=True), total=len(files), desc="filtering", unit="file",
+            mininterval=2, disable=len(files) < 1000,
+        ):
+            reasons["seen"] += 1
+            if reason is None and crate is not None and not is_permissive(crate.license):
+                reason = "non_permissive_license"
+            if reason is None:
+                if sha in exact:
+                    reason = "exact_duplicate"
                 else:
-                    near.add(sig)
-                    docs.append(Doc(rel, text, sha))
-        if reason is not None:
-            reasons[reason] += 1
+                    exact.add(sha)
+                    if near.find(sig) is not None:
+                        reason = "near_duplicate"
+                    else:
+                        near.add(sig)
+                        docs.append(Doc(rel, text, sha, crate.name if crate else None))
+            if reason is not None:
+                reasons[reason] += 1
     return docs
+
+
+class _Serial:
+    """A stand-in for a one-process Pool (no worker start-up cost for small trees and tests)."""
+
+    def __enter__(self) -> _Serial:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def imap(self, fn, items, chunksize: int = 1):  # noqa: ARG002 - Pool's signature
+        return map(fn, items)
 
 
 def _write_jsonl(path: Path, docs: list[Doc]) -> dict[str, int]:
     with path.open("w", encoding="utf-8") as f:
         for doc in docs:
-            f.write(json.dumps({"path": doc.path, "text": doc.text}, ensure_ascii=False) + "\n")
-    return {"files": len(docs), "bytes": sum(len(d.text.encode()) for d in docs)}
+            row = {"path": doc.path, "crate": doc.crate, "text": doc.text}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return {"files": len(docs), "bytes": sum(len(d.text.encode()) for d in docs),
+            "crates": len({d.crate for d in docs if d.crate})}
+
+
+def split_key(doc: Doc) -> str:
+    """What decides a file's side: its crate, or its path for files outside any crate."""
+    return f"crate:{doc.crate}" if doc.crate else doc.path
 
 
 def build_corpus(
-    src_roots: list[Path], out_dir: Path, *, val_fraction: float = 0.02, max_file_bytes: int = 200_000
+    src_roots: list[Path], out_dir: Path, *, val_fraction: float = 0.03, max_file_bytes: int = 200_000,
+    packages: dict[str, str] | None = None, workers: int | None = None,
 ) -> dict:
-    """Build `train.jsonl`, `val.jsonl` and `manifest.json` in `out_dir`; return the manifest."""
+    """Build `train.jsonl`, `val.jsonl` and `manifest.json` in `out_dir`; return the manifest.
+
+    `packages` (name → version) describes the sources; by default the installed Debian packages.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()
-    docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons)
-    train = [d for d in docs if not is_val(d.path, val_fraction)]
-    val = [d for d in docs if is_val(d.path, val_fraction)]
-    packages = package_versions()
+    docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons, workers)
+    train = [d for d in docs if not is_val(split_key(d), val_fraction)]
+    val = [d for d in docs if is_val(split_key(d), val_fraction)]
+    packages = package_versions() if packages is None else packages
     seen = reasons.pop("seen", 0)
     manifest = {
         "dataset_version": dataset_version(docs, packages),
-        "source_packages": packages,
+        "source_packages": dict(sorted(packages.items())),
         "source_roots": [str(r) for r in src_roots],
         "files_seen": seen,
         "files_kept": len(docs),
         "dropped": dict(sorted(reasons.items())),
         "splits": {"train": _write_jsonl(out_dir / "train.jsonl", train),
                    "val": _write_jsonl(out_dir / "val.jsonl", val)},
+        "val_crates": sorted({d.crate for d in val if d.crate}),
         "params": {
+            "split": "by crate (nearest Cargo.toml); by path outside any crate",
             "val_fraction": val_fraction,
             "max_file_bytes": max_file_bytes,
             "near_dup_threshold": NEAR_DUP_THRESHOLD,
@@ -294,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("out_dir", type=Path)
     p.add_argument("src_roots", type=Path, nargs="+")
-    p.add_argument("--val-fraction", type=float, default=0.02)
+    p.add_argument("--val-fraction", type=float, default=0.03)
     p.add_argument("--max-file-bytes", type=int, default=200_000)
     args = p.parse_args(argv)
     manifest = build_corpus(args.src_roots, args.out_dir, val_fraction=args.val_fraction,

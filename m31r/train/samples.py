@@ -91,7 +91,8 @@ def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget)
     a, b = choose_middle(text, rng)
     middle = text[a:b]
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
-    m_ids = tok.encode(middle)
+    # Token healing, as served: the prompt ends one token early and the middle starts by writing it again.
+    m_ids = tok.encode(prompt.heal + middle)
     # A middle longer than the completion budget is cut and gets no <|endoftext|>: the model must not learn
     # to stop at an arbitrary cut point. A whole middle always ends with one.
     m_ids = m_ids + [tok.eos_id] if len(m_ids) < budget.reserve else m_ids[: budget.reserve]

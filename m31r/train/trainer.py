@@ -1,11 +1,20 @@
-"""Training loop: L = L_next + α·L_fim + β·L_cot (06 §16–23), resumable, deterministic, exported as a bundle.
+"""Training loop: L = L_next + α·L_fim + β·L_cot (README "The default model"), resumable, deterministic, exported
+as a bundle.
 
 Rows are drawn from a RNG seeded by (seed, step), so a resumed run sees exactly the batches an
-uninterrupted one would have.
+uninterrupted one would have. What makes a CPU hour count:
+  - rows are packed full (windows of the token stream, FIM samples back to back): no padding;
+  - activations run in bf16 only where the hardware multiplies bf16 natively (CUDA, AVX512-BF16/AMX);
+    elsewhere torch emulates bf16 and fp32 is faster;
+  - AdamW runs fused (one kernel over all parameters instead of a loop of small ops per tensor);
+  - a context schedule: early steps train on short rows (attention is cheaper and a fixed token budget
+    gives more, smaller updates), the last stage on the full context; tokens per step stay constant.
+A new run may start from a bundle's weights (`init_from`, e.g. release/) with a fresh optimizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,9 +31,10 @@ from tqdm import tqdm
 
 from m31r.bundle import Bundle, sha256_file, write_bundle
 from m31r.config import ModelConfig, load_config
+from m31r.engine import fast_bf16
 from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
-from m31r.tokenizer import Tokenizer
+from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
 from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_document
 
 
@@ -46,12 +56,53 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eval_batches: int = 8
     ckpt_interval: int = 100
     threads: int = 0  # 0 = torch default
+    dtype: str = "auto"  # autocast dtype: auto (bf16 where native, else fp32) | bfloat16 | float32
+    # (start as a share of max_steps, row length): from each start on, rows have that many tokens; micro_batch
+    # counts rows of the model's max_context, so shorter rows come more per micro-batch (same tokens per step).
+    context_schedule: list[tuple[float, int]] = msgspec.field(default_factory=list)
+    init_from: str | None = None  # a bundle whose weights start a new run (relative to the config's folder)
+    compile: bool = False  # torch.compile the model for training
 
 
 def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
     path = Path(path)
     tc = msgspec.convert(yaml.safe_load(path.read_text()), TrainConfig)
+    if tc.init_from is not None and not Path(tc.init_from).is_absolute():
+        tc = msgspec.structs.replace(tc, init_from=str((path.parent / tc.init_from).resolve()))
     return tc, load_config((path.parent / tc.model).resolve())
+
+
+def seq_len_at(step: int, tc: TrainConfig, max_context: int) -> int:
+    """Row length at `step` under the context schedule (the full context without one)."""
+    seq = max_context
+    for start, length in sorted(tc.context_schedule):
+        if step >= start * tc.max_steps:
+            seq = length
+    if not 8 <= seq <= max_context:
+        raise ValueError(f"context_schedule row length {seq} outside [8, {max_context}]")
+    return seq
+
+
+def rows_per_micro_batch(tc: TrainConfig, seq: int, max_context: int) -> int:
+    return max(1, tc.micro_batch * max_context // seq)
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. auto: bf16 only where the hardware runs it natively."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else None
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name in ("float32", "fp32"):
+        return None
+    raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
+
+
+def flops_per_token(mc: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 per weight multiply (the tied head counted as a matmul,
+    the embedding lookup not) plus causal attention's score and value products (PaLM's accounting)."""
+    matmul_params = mc.param_count() - mc.n_layers * 2 * mc.d_model - mc.d_model  # norm gains do no matmul
+    return 6 * matmul_params + 6 * mc.n_layers * mc.d_model * seq
 
 
 def read_jsonl(path: Path) -> list[str]:
@@ -75,30 +126,47 @@ def token_stream(tok: Tokenizer, texts: list[str], cache: Path) -> tuple[np.ndar
     return arr, carr
 
 
+def corpus_tokens(data_dir: Path) -> dict[str, int]:
+    """Tokenise both splits with DATA_DIR/tokenizer.json (cached beside the corpus, as training reads them);
+    tokens per split."""
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
+    tag = sha256_file(data_dir / "tokenizer.json")[:12]
+    return {s: len(token_stream(tok, [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t],
+                                data_dir / f"{s}-{tag}.npz")[0]) for s in ("train", "val")}
+
+
 class Data:
     def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float):
         self.tok, self.seq_len, self.fim_rate = tok, seq_len, fim_rate
-        self.budget = FimBudget.for_context(seq_len)
         tag = sha256_file(data_dir / "tokenizer.json")[:12]
         self.texts = {s: [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t] for s in ("train", "val")}
         self.streams = {s: token_stream(tok, self.texts[s], data_dir / f"{s}-{tag}.npz") for s in self.texts}
 
-    def batch(self, split: str, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, split: str, rng: random.Random, n: int, seq_len: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """n packed rows of seq_len + 1 tokens (the model's context by default); FIM samples are laid out for
+        a context of seq_len, as the daemon lays them out for its model's."""
+        seq_len = seq_len or self.seq_len
+        budget = FimBudget.for_context(seq_len)
         rows, cats = [], []
         for _ in range(n):
             if rng.random() < self.fim_rate:
-                r, c = pack_fim_row(self.tok, self.texts[split], rng, self.seq_len, self.budget)
+                r, c = pack_fim_row(self.tok, self.texts[split], rng, seq_len, budget)
             else:
-                r, c = lm_row(*self.streams[split], rng, self.seq_len)
+                r, c = lm_row(*self.streams[split], rng, seq_len)
             rows.append(r)
             cats.append(c)
         return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(cats))
 
 
-def loss_terms(model: Transformer, rows: torch.Tensor, cats: torch.Tensor) -> dict[str, torch.Tensor]:
+def loss_terms(model: torch.nn.Module, rows: torch.Tensor, cats: torch.Tensor,
+               dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Mean cross-entropy per category; a category absent from the batch contributes zero."""
+    device = next(model.parameters()).device
+    rows, cats = rows.to(device, non_blocking=True), cats.to(device, non_blocking=True)
     x, y, c = rows[:, :-1], rows[:, 1:], cats[:, 1:]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with cast:
         logits = model(x)
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     c = c.reshape(-1)
@@ -120,22 +188,35 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: Transformer, tc: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: Transformer, tc: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def load_weights(model: Transformer, bundle_dir: str | Path) -> None:
+    """Start from a float bundle's weights (the model config must match the bundle's shape)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(bundle_dir) / "model.safetensors"))
+    own = model.state_dict()
+    if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
+        raise ValueError(f"{bundle_dir}: its weights do not fit this model config (a quantized bundle, or another "
+                         f"shape); start from a float bundle of the same shape")
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, data: Data, tc: TrainConfig) -> dict[str, float]:
-    """Validation losses on fixed batches (same seed every time, so figures are comparable)."""
+def evaluate(model: torch.nn.Module, data: Data, tc: TrainConfig, dtype: torch.dtype | None = torch.bfloat16
+             ) -> dict[str, float]:
+    """Validation losses on fixed batches at the full context (same seed every time, so figures compare)."""
     model.eval()
     rng = random.Random(tc.seed ^ 0x5EED)
     sums = {"next": 0.0, "fim": 0.0, "cot": 0.0}
     for _ in range(tc.eval_batches):
         rows, cats = data.batch("val", rng, tc.micro_batch)
-        for k, v in loss_terms(model, rows, cats).items():
+        for k, v in loss_terms(model, rows, cats, dtype).items():
             sums[k] += float(v)
     model.train()
     return {k: v / tc.eval_batches for k, v in sums.items()}
@@ -148,38 +229,55 @@ def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, 
 
 
 def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *, max_minutes: float | None = None,
-          log=print) -> dict:
-    """Train (or resume) a run; returns its state. Checkpoints land in run_dir/ckpt.pt."""
+          max_steps: int | None = None, device: str = "cpu", init_from: str | Path | None = None, log=print) -> dict:
+    """Train (or resume) a run; returns its state. Checkpoints land in run_dir/ckpt.pt.
+
+    `max_steps` stops early at that step (the schedule still follows the config's max_steps); `init_from`
+    (or the config's) starts a new run from a bundle's weights and is ignored when resuming.
+    """
     tc, mc = load_train_config(config_path)
-    data_dir, run_dir = Path(data_dir), Path(run_dir)
+    data_dir, run_dir, dev = Path(data_dir), Path(run_dir), torch.device(device)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
+    cast = autocast_dtype(tc.dtype, dev)
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     if tok.vocab_size != mc.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
     data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
     model = Transformer(mc)
     init_weights(model, tc.seed)
-    opt = make_optimizer(model, tc)
     ckpt = run_dir / "ckpt.pt"
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "train_config": msgspec.to_builtins(tc),
              "model_config": mc.to_dict()}
-    if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
+    saved = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.exists() else None
+    if saved is not None:
         model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed {ckpt} at step {state['step']}")
+    elif init_from or tc.init_from:
+        source = init_from or tc.init_from
+        load_weights(model, source)
+        state["init_from"] = str(source)
+        log(f"new run from the weights of {source} (fresh optimizer)")
+    model.to(dev)
+    opt = make_optimizer(model, tc)
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
     (run_dir / "train.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(tc)))
     (run_dir / "model.yaml").write_text(mc.to_yaml())
     model.train()
-    tokens_per_step = tc.micro_batch * tc.grad_accum * mc.max_context
+    fwd = torch.compile(model) if tc.compile else model
+    log(f"training on {dev} with {'fp32' if cast is None else str(cast).removeprefix('torch.')} activations, "
+        f"{torch.get_num_threads()} threads")
+    stop_at = min(tc.max_steps, max_steps or tc.max_steps)
     t_start = time.time()
-    bar = tqdm(total=tc.max_steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
-    while state["step"] < tc.max_steps:
+    bar = tqdm(total=stop_at, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    while state["step"] < stop_at:
         step = state["step"]
+        seq = seq_len_at(step, tc, mc.max_context)
+        n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
         t0 = time.perf_counter()
         lr = lr_at(step, tc)
         for g in opt.param_groups:
@@ -187,8 +285,8 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
         rng = random.Random(tc.seed * 1_000_003 + step)
         parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
         for _ in range(tc.grad_accum):
-            rows, cats = data.batch("train", rng, tc.micro_batch)
-            terms = loss_terms(model, rows, cats)
+            rows, cats = data.batch("train", rng, n_rows, seq)
+            terms = loss_terms(fwd, rows, cats, cast)
             (total_loss(terms, tc) / tc.grad_accum).backward()
             for k, v in terms.items():
                 parts[k] += float(v.detach()) / tc.grad_accum
@@ -196,17 +294,20 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        tokens = tc.grad_accum * n_rows * seq
         state["step"] = step + 1
-        state["tokens"] += tokens_per_step
+        state["tokens"] += tokens
         state["seconds"] += dt
         bar.update(1)
-        bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}",
-                        tok_s=f"{tokens_per_step / dt:.0f}")
-        record = {"step": step + 1, "lr": lr, "gnorm": gnorm, **{f"train_{k}": v for k, v in parts.items()}}
-        last = state["step"] == tc.max_steps
+        bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}", seq=seq,
+                        tok_s=f"{tokens / dt:.0f}")
+        record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
+                  "tok_s": round(tokens / dt, 1), "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
+                  **{f"train_{k}": v for k, v in parts.items()}}
+        last = state["step"] == stop_at
         out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
         if state["step"] % tc.eval_interval == 0 or last or out_of_time:
-            val = evaluate(model, data, tc)
+            val = evaluate(fwd, data, tc, cast)
             record.update({f"val_{k}": v for k, v in val.items()})
             log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
                 f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
@@ -225,7 +326,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
 def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0") -> Bundle:
     """Write the run's latest checkpoint as a release bundle (16-bit weights)."""
     run_dir, data_dir = Path(run_dir), Path(data_dir)
-    saved = torch.load(run_dir / "ckpt.pt", weights_only=False)
+    saved = torch.load(run_dir / "ckpt.pt", weights_only=False, map_location="cpu")
     state = saved["state"]
     mc = msgspec.convert(state["model_config"], ModelConfig)
     evals = [h for h in state["history"] if "val_next" in h]
