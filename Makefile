@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode lint bench train-data train export eval clean
+.PHONY: install run test test-python test-vscode lint bench bench-train train-data train export eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,20 +46,29 @@ test: lint test-vscode test-python
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
-# Training the default model (see README "The default model").
-train-data: install
-	bash scripts/get-corpus.sh
-	$(BIN)/m31r train corpus $(DATA)
-	$(BIN)/m31r train tokenizer $(DATA)
+# Training the default model (see README "The default model"). DEBIAN caches the Debian packages and their
+# unpacked sources; DATA holds the corpus, tokenizer and token streams; RUN the checkpoints. All outside the repo.
+DEBIAN ?= $(or $(M31R_DEBIAN),$(HOME)/.cache/m31r/debian)
+TRAIN  ?= configs/train/mini.yaml
+BUNDLE ?= release
 
+train-data: install
+	$(BIN)/m31r train fetch --cache $(DEBIAN)
+	$(BIN)/m31r train corpus $(DATA) --debian $(DEBIAN)
+	$(BIN)/m31r train tokenizer $(DATA) --reuse release/tokenizer.json
+
+# Resumes RUN's checkpoint; a new run starts from release/'s weights with a fresh optimizer.
 train: install
-	$(BIN)/m31r train model configs/train/mini.yaml --data $(DATA) --run $(RUN)
+	$(BIN)/m31r train model $(TRAIN) --data $(DATA) --run $(RUN) --init-from release
 
 export: install
 	$(BIN)/m31r train export --run $(RUN) --data $(DATA) --out release
 
 eval: install
-	$(BIN)/python benchmarks/eval_fim.py --bundle release --data $(DATA)
+	$(BIN)/python benchmarks/eval_fim.py --bundle $(BUNDLE) --data $(DATA) --out bench-results/eval.json
+
+bench-train: install
+	$(BIN)/python benchmarks/bench_train.py --config $(TRAIN) --data $(DATA) --out bench-results/train-speed.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

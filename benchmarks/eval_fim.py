@@ -1,11 +1,14 @@
-"""FIM quality evaluation on held-out Rust (the validation split, DATA/corpus/val.jsonl).
+"""FIM quality evaluation on held-out Rust: the validation split, DATA/corpus/val.jsonl, whole crates the model
+never saw in training (m31r.train.corpus splits by crate).
 
 Greedy decoding through `m31r.engine.Engine` with the serving prompt layout (`build_fim_prompt` with
 `FimBudget.for_context(max_context)`, the daemon's budget), stopping at `<|endoftext|>`.
 
 Tasks, drawn deterministically from a seeded RNG (same --seed and val split, same tasks):
 
-  single-line  a random non-blank line of a random validation file; the cursor sits at a random character
+  Each task draws a held-out crate, then one of its files.
+
+  single-line  a random non-blank line of the file; the cursor sits at a random character
                after the line's indentation, leaving at least one character; the middle is the rest of that
                line, without its newline. Decoding also stops at a newline, and the prediction is cut at its
                first newline.
@@ -113,10 +116,15 @@ def block_bodies(lines: list[str]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out if any(lines[k].strip() for k in range(a, b))]
 
 
-def make_tasks(texts: list[tuple[str, str]], n_single: int, n_multi: int, seed: int, tok, single_max: int,
+def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, seed: int, tok, single_max: int,
                multi_max: int) -> list[Task]:
+    """Tasks from (path, text, crate) files: a crate is drawn first, then one of its files, so a few large
+    held-out crates do not make up most of the tasks."""
     rng = random.Random(seed)
-    split = [(path, text, text.splitlines(keepends=True)) for path, text in texts]
+    by_crate: dict[str, list[tuple[str, str, list[str]]]] = {}
+    for path, text, crate in texts:
+        by_crate.setdefault(crate, []).append((path, text, text.splitlines(keepends=True)))
+    crates = sorted(by_crate)
     tasks: list[Task] = []
     seen: set[tuple[str, str, int]] = set()
 
@@ -124,7 +132,8 @@ def make_tasks(texts: list[tuple[str, str]], n_single: int, n_multi: int, seed: 
         got, tries = 0, 0
         while got < want and tries < want * 50:
             tries += 1
-            path, text, lines = split[rng.randrange(len(split))]
+            files = by_crate[crates[rng.randrange(len(crates))]]
+            path, text, lines = files[rng.randrange(len(files))]
             offs = _line_offsets(lines)
             if kind == "single":
                 cands = single_line_candidates(lines)
@@ -259,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-heal", action="store_true", help="prompts without token healing (for comparison)")
     args = p.parse_args(argv)
 
     from m31r.bundle import sha256_file
@@ -276,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's is used")
     with open(args.data / "corpus" / "val.jsonl") as f:
         docs = [json.loads(line) for line in f if line.strip()]
-    texts = [(d["path"], d["text"]) for d in docs if d["text"].strip()]
+    # Files outside any crate (an older corpus) count as a crate each.
+    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs if d["text"].strip()]
     if not texts:
         raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
     reserve = FimBudget.for_context(engine.config.max_context).reserve
@@ -284,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, reserve)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
-    results = run_tasks(engine, tasks, single_max, reserve, log)
+    results = run_tasks(engine, tasks, single_max, reserve, log, heal=not args.no_heal)
     t_ppl = time.perf_counter()
-    ppl = perplexity(engine, [t for _, t in texts], args.ppl_windows)
+    ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
 
     import torch
@@ -299,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "tokens_seen", "val_loss_next", "val_perplexity")},
         "data": str(args.data),
         "val_files": len(texts),
+        "val_crates": len({c for _, _, c in texts}),
+        "token_healing": not args.no_heal,
         "seed": args.seed,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
@@ -322,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     if ppl["windows"]:
         print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
               f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x {engine.config.max_context} tokens)")
+    summary = {k: v for k, v in report.items() if k != "tasks"}
+    print(json.dumps(summary, ensure_ascii=False))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

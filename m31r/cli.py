@@ -485,13 +485,43 @@ def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> 
 @click.option("--run", "run_dir", type=click.Path(path_type=Path), required=True,
               help="Checkpoints and logs; an existing run is resumed.")
 @click.option("--max-minutes", type=float, default=None, help="Stop (with a checkpoint) after this long.")
+@click.option("--max-steps", type=int, default=None, help="Stop (with a checkpoint) at this step; the learning-rate "
+              "and context schedules still follow the config's max_steps, so a later run resumes seamlessly.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Start a new run from this float bundle's weights (fresh optimizer); ignored when resuming.")
 @user_errors
-def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None) -> None:
+def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None, max_steps: int | None,
+                device: str, init_from: Path | None) -> None:
     """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml)."""
     from m31r.train.trainer import train as run_training
 
-    state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, log=lambda s: click.echo(s, err=True))
+    state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,
+                         init_from=init_from, log=lambda s: click.echo(s, err=True))
     click.echo(f"trained to step {state['step']} ({state['tokens']:,} tokens) in {run_dir}")
+
+
+@train.command("shards")
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+def train_shards(run_dir: Path, out: Path) -> None:
+    """Write RUN's checkpoint as bf16 weight shards of at most 15 MiB (how weights leave a lent GPU machine)."""
+    from m31r.train.shards import write_shards
+
+    for p in write_shards(run_dir / "ckpt.pt", out):
+        click.echo(p)
+
+
+@train.command("import-shards")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@user_errors
+def train_import_shards(folder: Path, run_dir: Path) -> None:
+    """Make RUN's checkpoint from shards written by `m31r train shards` (no optimizer state)."""
+    from m31r.train.shards import import_shards
+
+    state = import_shards(folder, run_dir)
+    click.echo(f"{run_dir / 'ckpt.pt'}: step {state['step']}, {state['tokens']:,} tokens")
 
 
 @train.command("export")

@@ -310,10 +310,15 @@ def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monke
         assert t["target"] and (t["kind"] == "multi" or "\n" not in t["target"] + t["prediction"])
     # Same seed, same tasks; a block body is found by its closing brace.
     tok = bundle_tokenizer(bundle)
-    files = [(f"f{i}.rs", "fn a() {\n    b();\n}\n") for i in range(3)]
+    files = [(f"f{i}.rs", "fn a() {\n    b();\n}\n", "big" if i else "small") for i in range(9)]
     tasks = eval_fim.make_tasks(files, 2, 1, 0, tok, 16, 16)
     assert tasks == eval_fim.make_tasks(files, 2, 1, 0, tok, 16, 16)
     assert [t.kind for t in tasks] == ["single", "single", "multi"] and tasks[2].target == "    b();\n"
+    # Crates are drawn first: the one-file crate gets about half the tasks, not a ninth.
+    small = ("f0.rs", "".join(f"let x{i} = {i};\n" for i in range(100)), "small")
+    many = eval_fim.make_tasks([small] + [(f"f{i}.rs", f"fn a{i}() {{\n    let x = {i};\n    b(x);\n}}\n", "big")
+                                          for i in range(1, 40)], 60, 0, 1, tok, 16, 16)
+    assert len(many) == 60 and 15 <= sum(t.path == "f0.rs" for t in many) <= 45
     assert eval_fim.edit_similarity("abc", "abd") == pytest.approx(2 / 3)
     assert eval_fim.edit_similarity("", "") == 1.0 and eval_fim.levenshtein("kitten", "sitting") == 3
 
@@ -322,3 +327,77 @@ def bundle_tokenizer(bundle):
     from m31r.tokenizer import Tokenizer
 
     return Tokenizer.from_file(bundle.tokenizer_path, bundle.config.special_tokens)
+
+
+def first_steps(data_dir: Path, name: str, steps: int, **over) -> dict:
+    cfg = data_dir.parent / f"train-{name}.yaml"
+    cfg.write_text(train_yaml(**over))
+    return train(cfg, data_dir, data_dir.parent / f"run-{name}", max_steps=steps, log=lambda s: None)
+
+
+def test_rows_built_by_worker_processes_are_the_same_rows(full_run, data_dir: Path):
+    _, full_state = full_run
+    state = first_steps(data_dir, "workers", 4, data_workers=2)
+    assert [h["train_next"] for h in state["history"]] == [h["train_next"] for h in full_state["history"][:4]]
+    assert [h["train_fim"] for h in state["history"]] == [h["train_fim"] for h in full_state["history"][:4]]
+
+
+def test_context_schedule_keeps_tokens_per_step(data_dir: Path):
+    state = first_steps(data_dir, "schedule", 6, max_steps=8, context_schedule=[[0.0, 32], [0.5, 64], [0.75, 128]])
+    assert [h["seq"] for h in state["history"]] == [32, 32, 32, 32, 64, 64]
+    assert state["tokens"] == 6 * 2 * 128  # 8 rows of 32, 4 of 64, 2 of 128: the same tokens every step
+    with pytest.raises(ValueError, match="outside"):
+        first_steps(data_dir, "bad-schedule", 1, context_schedule=[[0.0, 256]])
+
+
+def test_new_run_starts_from_a_bundle(full_run, data_dir: Path, tmp_path: Path):
+    run, full_state = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    logs: list[str] = []
+    cfg = data_dir.parent / "train-init.yaml"
+    cfg.write_text(train_yaml())
+    state = train(cfg, data_dir, tmp_path / "run-init", init_from=bundle.path, max_steps=2, log=logs.append)
+    assert any("new run from the weights of" in m for m in logs) and state["init_from"] == str(bundle.path)
+    # The trained weights predict the first batch far better than a fresh init does.
+    assert state["history"][0]["train_next"] < full_state["history"][0]["train_next"] - 1.0
+    # A bundle of another shape is refused with a clear message.
+    other = tmp_path / "other.yaml"
+    other.write_text(MODEL_YAML.replace("d_model: 64", "d_model: 32"))
+    cfg.write_text(train_yaml(model="other.yaml"))
+    cfg.with_name("other.yaml").write_text(other.read_text())
+    with pytest.raises(ValueError, match="do not fit this model config"):
+        train(cfg, data_dir, tmp_path / "run-other", init_from=bundle.path, max_steps=1, log=lambda s: None)
+
+
+def test_weights_travel_as_shards_and_training_continues(full_run, data_dir: Path, tmp_path: Path):
+    from m31r.train.shards import import_shards, write_shards
+
+    run, full_state = full_run
+    files = write_shards(run / "ckpt.pt", tmp_path / "shards", max_bytes=200_000)
+    shards = [f for f in files if f.suffix == ".safetensors"]
+    assert len(shards) > 1 and all(f.stat().st_size <= 200_000 for f in shards)
+    state = import_shards(tmp_path / "shards", tmp_path / "run-back")
+    assert state["step"] == full_state["step"] and state["tokens"] == full_state["tokens"]
+    a = torch.load(run / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "run-back" / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k].to(torch.bfloat16).float(), b[k]) for k in a)  # bf16 on the way
+    shards[0].unlink()
+    with pytest.raises(ValueError, match="shards present"):
+        import_shards(tmp_path / "shards", tmp_path / "run-broken")
+    # Training goes on from the imported weights, with a fresh optimizer.
+    cfg = data_dir.parent / "train-more.yaml"
+    cfg.write_text(train_yaml(max_steps=STEPS + 2))
+    logs: list[str] = []
+    more = train(cfg, data_dir, tmp_path / "run-back", log=logs.append)
+    assert more["step"] == STEPS + 2 and any("no optimizer state" in m for m in logs)
+
+
+def test_autocast_only_where_bf16_is_native():
+    from m31r.engine import fast_bf16
+    from m31r.train.trainer import autocast_dtype
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if fast_bf16(cpu) else None)
+    assert autocast_dtype("float32", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        autocast_dtype("fp8", cpu)

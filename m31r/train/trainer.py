@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import random
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from m31r.engine import fast_bf16
 from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
 from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
-from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_document
+from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_documents
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -62,6 +63,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     context_schedule: list[tuple[float, int]] = msgspec.field(default_factory=list)
     init_from: str | None = None  # a bundle whose weights start a new run (relative to the config's folder)
     compile: bool = False  # torch.compile the model for training
+    data_workers: int = 0  # processes building rows ahead of the model (a GPU outruns one Python process)
 
 
 def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
@@ -98,6 +100,17 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
 
 
+def device_name(dev: torch.device) -> str:
+    """What trained the model, for the bundle's metadata: the GPU's name, or the CPU's and its threads."""
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), name)
+    return f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}"
+
+
 def flops_per_token(mc: ModelConfig, seq: int) -> float:
     """Training FLOPs per token (forward + backward): 6 per weight multiply (the tied head counted as a matmul,
     the embedding lookup not) plus causal attention's score and value products (PaLM's accounting)."""
@@ -115,14 +128,19 @@ def token_stream(tok: Tokenizer, texts: list[str], cache: Path) -> tuple[np.ndar
     if cache.exists():
         z = np.load(cache)
         return z["ids"], z["cats"]
-    ids: list[int] = []
-    cats: list[int] = []
-    for text in tqdm(texts, desc=f"tokenising {cache.stem}", unit="file", mininterval=2):
-        i, c = tokenize_document(tok, text)
-        ids += i + [tok.eos_id]
-        cats += c + [NEXT]
-    arr, carr = np.asarray(ids, dtype=np.uint16), np.asarray(cats, dtype=np.int8)
-    np.savez(cache, ids=arr, cats=carr)
+    if tok.vocab_size > 2**16:
+        raise ValueError(f"a vocabulary of {tok.vocab_size} does not fit the uint16 token stream")
+    ids, cats = [], []
+    eos, nxt = np.asarray([tok.eos_id], dtype=np.uint16), np.asarray([NEXT], dtype=np.int8)
+    docs = tokenize_documents(tok, texts)
+    for i, c in tqdm(docs, total=len(texts), desc=f"tokenising {cache.stem}", unit="file", mininterval=2):
+        ids += (i, eos)
+        cats += (c, nxt)
+    arr = np.concatenate(ids) if ids else np.zeros(0, np.uint16)
+    carr = np.concatenate(cats) if cats else np.zeros(0, np.int8)
+    tmp = cache.with_name(cache.stem + ".tmp.npz")
+    np.savez(tmp, ids=arr, cats=carr)
+    os.replace(tmp, cache)
     return arr, carr
 
 
@@ -157,6 +175,56 @@ class Data:
             rows.append(r)
             cats.append(c)
         return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(cats))
+
+
+def step_batches(data: Data, tc: TrainConfig, max_context: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of one optimizer step: a function of (seed, step) alone, so a resumed run, or one whose
+    rows are built in other processes, sees exactly the batches of an uninterrupted one."""
+    seq = seq_len_at(step, tc, max_context)
+    rng = random.Random(tc.seed * 1_000_003 + step)
+    return [data.batch("train", rng, rows_per_micro_batch(tc, seq, max_context), seq) for _ in range(tc.grad_accum)]
+
+
+_WORKER_ARGS: tuple | None = None  # (data, tc, max_context), inherited by forked workers
+
+
+def _worker_batches(step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    data, tc, max_context = _WORKER_ARGS
+    # Narrow dtypes across the process boundary: a step of 262k tokens is 0.8 MB instead of 4 MB.
+    return [(r.numpy().astype(np.uint16), c.numpy().astype(np.int8))
+            for r, c in step_batches(data, tc, max_context, step)]
+
+
+class StepBatches:
+    """Each step's micro-batches, built here or, with `tc.data_workers`, by forked processes a few steps ahead."""
+
+    def __init__(self, data: Data, tc: TrainConfig, max_context: int, first: int, stop: int):
+        global _WORKER_ARGS
+        self.args, self.pool, self.ahead = (data, tc, max_context), None, {}
+        self.next, self.stop = first, stop
+        if tc.data_workers > 0:
+            import multiprocessing
+
+            _WORKER_ARGS = self.args  # the corpus is shared with the workers by fork, not copied through pipes
+            self.pool = multiprocessing.get_context("fork").Pool(tc.data_workers)
+            self._fill()
+
+    def _fill(self) -> None:
+        while self.next < self.stop and len(self.ahead) < 2 * self.args[1].data_workers:
+            self.ahead[self.next] = self.pool.apply_async(_worker_batches, (self.next,))
+            self.next += 1
+
+    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.pool is None:
+            return step_batches(*self.args, step)
+        out = self.ahead.pop(step).get()
+        self._fill()
+        return [(torch.from_numpy(r.astype(np.int64)), torch.from_numpy(c.astype(np.int64))) for r, c in out]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None
 
 
 def loss_terms(model: torch.nn.Module, rows: torch.Tensor, cats: torch.Tensor,
@@ -263,63 +331,69 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
         log(f"new run from the weights of {source} (fresh optimizer)")
     model.to(dev)
     opt = make_optimizer(model, tc)
-    if saved is not None:
+    if saved is not None and saved["optimizer"] is not None:
         opt.load_state_dict(saved["optimizer"])
+    elif saved is not None:  # weights that came back from a GPU machine without their optimizer state
+        log("the checkpoint has no optimizer state: continuing with a fresh one")
     (run_dir / "train.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(tc)))
     (run_dir / "model.yaml").write_text(mc.to_yaml())
     model.train()
     fwd = torch.compile(model) if tc.compile else model
-    log(f"training on {dev} with {'fp32' if cast is None else str(cast).removeprefix('torch.')} activations, "
-        f"{torch.get_num_threads()} threads")
+    where = device_name(dev)
+    if where not in state.setdefault("hardware", []):
+        state["hardware"].append(where)
+    log(f"training on {where} with {'fp32' if cast is None else str(cast).removeprefix('torch.')} activations")
     stop_at = min(tc.max_steps, max_steps or tc.max_steps)
+    batches = StepBatches(data, tc, mc.max_context, state["step"], stop_at)
     t_start = time.time()
     bar = tqdm(total=stop_at, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
-    while state["step"] < stop_at:
-        step = state["step"]
-        seq = seq_len_at(step, tc, mc.max_context)
-        n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
-        t0 = time.perf_counter()
-        lr = lr_at(step, tc)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        rng = random.Random(tc.seed * 1_000_003 + step)
-        parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
-        for _ in range(tc.grad_accum):
-            rows, cats = data.batch("train", rng, n_rows, seq)
-            terms = loss_terms(fwd, rows, cats, cast)
-            (total_loss(terms, tc) / tc.grad_accum).backward()
-            for k, v in terms.items():
-                parts[k] += float(v.detach()) / tc.grad_accum
-        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        tokens = tc.grad_accum * n_rows * seq
-        state["step"] = step + 1
-        state["tokens"] += tokens
-        state["seconds"] += dt
-        bar.update(1)
-        bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}", seq=seq,
-                        tok_s=f"{tokens / dt:.0f}")
-        record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
-                  "tok_s": round(tokens / dt, 1), "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
-                  **{f"train_{k}": v for k, v in parts.items()}}
-        last = state["step"] == stop_at
-        out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
-        if state["step"] % tc.eval_interval == 0 or last or out_of_time:
-            val = evaluate(fwd, data, tc, cast)
-            record.update({f"val_{k}": v for k, v in val.items()})
-            log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
-                f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
-        state["history"].append(record)
-        with open(run_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if state["step"] % tc.ckpt_interval == 0 or last or out_of_time:
-            save_checkpoint(ckpt, model, opt, state)
-        if out_of_time:
-            log(f"stopping at step {state['step']}: time budget of {max_minutes} min spent")
-            break
-    bar.close()
+    try:
+        while state["step"] < stop_at:
+            step = state["step"]
+            seq = seq_len_at(step, tc, mc.max_context)
+            n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
+            for rows, cats in batches.get(step):
+                terms = loss_terms(fwd, rows, cats, cast)
+                (total_loss(terms, tc) / tc.grad_accum).backward()
+                for k, v in terms.items():
+                    parts[k] += float(v.detach()) / tc.grad_accum
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            tokens = tc.grad_accum * n_rows * seq
+            state["step"] = step + 1
+            state["tokens"] += tokens
+            state["seconds"] += dt
+            bar.update(1)
+            bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}", seq=seq,
+                            tok_s=f"{tokens / dt:.0f}")
+            record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
+                      "tok_s": round(tokens / dt, 1), "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
+                      **{f"train_{k}": v for k, v in parts.items()}}
+            last = state["step"] == stop_at
+            out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
+            if state["step"] % tc.eval_interval == 0 or last or out_of_time:
+                val = evaluate(fwd, data, tc, cast)
+                record.update({f"val_{k}": v for k, v in val.items()})
+                log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
+                    f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
+            state["history"].append(record)
+            with open(run_dir / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if state["step"] % tc.ckpt_interval == 0 or last or out_of_time:
+                save_checkpoint(ckpt, model, opt, state)
+            if out_of_time:
+                log(f"stopping at step {state['step']}: time budget of {max_minutes} min spent")
+                break
+    finally:
+        batches.close()
+        bar.close()
     return state
 
 
@@ -337,7 +411,7 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
         "tokens_seen": state["tokens"],
         "train_seconds": round(state["seconds"]),
         "train_config": state["train_config"],
-        "hardware": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "hardware": "; ".join(state.get("hardware", [])) or f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
     }
     if evals:
         v = evals[-1]
