@@ -322,7 +322,8 @@ def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype,
     if "tok_embeddings.weight_int8" in tensors:
         codes, scales = tensors["tok_embeddings.weight_int8"], tensors["tok_embeddings.scales"]
         model.tok_embeddings = Int8Embedding(codes, scales, dtype)
-        model.head = Int8Linear(codes, scales)
+        if model.config.tie_embeddings:  # the head reads the same bytes
+            model.head = Int8Linear(codes, scales)
     else:
         # Copies, like the packed weights: the file's map is then released unless quantized codes still use it.
         emb = tensors["tok_embeddings.weight"].to(device, dtype, copy=True)
