@@ -18,9 +18,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
 In the quantized precisions the tied embedding is stored as int8 (one scale per vocabulary row): the lookup
 dequantizes the rows it needs and the LM head is an int8 matmul on the same bytes. An untied head (`output`, imported
 checkpoints) is int8 in both precisions too: its errors go straight into the logits. Biases (Qwen2's q/k/v) stay
-float and are added to the matmul's output. The choice of kernel depends
-only on a call's row count, and the engine always runs a given position in a chunk of the same shape, so every
-position always goes through the same kernel: determinism and cache-hit equality hold within each precision.
+float and are added to the product. The choice of kernel depends only on a call's row count, and the engine always
+runs a given position in a chunk of the same shape, so every position always goes through the same kernel:
+determinism and cache-hit equality hold within each precision.
 
 Row independence (what batching decode steps relies on), measured with torch 2.13 on AVX-512, 1 and 2 threads,
 M = 1..63: the bf16 oneDNN, int8 (aten's and the native one) and int4 kernels give a row the same bits whatever the
