@@ -202,9 +202,14 @@ def _check_tokenizer(f: Path, config: ModelConfig) -> None:
         tok = HFTokenizer.from_file(str(f))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise BundleError(f"{f}: cannot be loaded as a tokenizer: {e}") from None
+    # A tokenizer may be smaller than the embedding (imported checkpoints pad it to a round size; the engine never
+    # emits the ids past it), never larger: every id it produces must have a row.
     size = tok.get_vocab_size(with_added_tokens=True)
-    if size != config.vocab_size:
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if size > config.vocab_size:
         raise BundleError(f"{f}: tokenizer has {size} tokens but config.yaml vocab_size is {config.vocab_size}")
+    if top >= config.vocab_size:
+        raise BundleError(f"{f}: tokenizer id {top} is past config.yaml vocab_size {config.vocab_size}")
     for role, text in config.special_tokens.items():
         if tok.token_to_id(text) is None:
             raise BundleError(f"{f}: special token {text!r} ({role} in config.yaml) is not in the tokenizer")

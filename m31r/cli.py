@@ -144,7 +144,7 @@ def bundle_verify(path: Path) -> None:
               help="Recorded in metadata.json for traceability.")
 @user_errors
 def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
-    """Convert a tied-embedding Llama checkpoint in HF_DIR into a bundle in OUT."""
+    """Convert a Llama or Qwen2 checkpoint (safetensors) in HF_DIR into a bundle in OUT."""
     from m31r.hf_import import import_hf
 
     with _new_bundle_dir(out):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import yaml
@@ -16,6 +17,39 @@ import yaml
 
 class ConfigError(ValueError):
     """A config file that cannot describe a valid model."""
+
+
+class RopeScaling(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, omit_defaults=True):
+    """RoPE frequency scaling of an imported checkpoint, as transformers defines it.
+
+    `linear` divides every frequency by `factor`; `llama3` (Llama 3.1) divides only the low frequencies, leaves
+    the high ones and blends in between, using the three llama3 fields (which `linear` leaves unset).
+    """
+
+    type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_context)
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling `factor` must be positive, got {self.factor}")
+        if self.type == "linear" and any(v is not None for v in llama3):
+            raise ValueError("rope_scaling type linear takes only `factor`")
+        if self.type == "llama3":
+            if any(v is None for v in llama3):
+                raise ValueError("rope_scaling type llama3 needs `low_freq_factor`, `high_freq_factor` and "
+                                 "`original_max_context`")
+            if not 0 < self.low_freq_factor < self.high_freq_factor or self.original_max_context <= 0:
+                raise ValueError("rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor and a positive "
+                                 "original_max_context")
+
+
+# Fields added for imported checkpoints. They are left out of to_dict (config.yaml, config_hash) while they hold
+# their defaults, so configs and bundles written before they existed read, hash and verify as they always did.
+_OPTIONAL_DEFAULTS = {"qkv_bias": False, "tie_embeddings": True, "rope_scaling": None}
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -34,6 +68,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     fim_suffix_token: str = "<|fim_suffix|>"
     fim_middle_token: str = "<|fim_middle|>"
     pad_token: str = "<|pad|>"
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    tie_embeddings: bool = True  # False: a separate LM head, `output.weight`
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "ffn_hidden", "vocab_size", "max_context"):
@@ -67,14 +104,18 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         }
 
     def param_count(self) -> int:
-        """Parameters with the embedding counted once (it is tied with the LM head)."""
+        """Parameters, with a tied embedding counted once."""
         d, hd = self.d_model, self.head_dim
         attn = d * (self.n_heads + 2 * self.kv_heads) * hd + self.n_heads * hd * d
+        if self.qkv_bias:
+            attn += (self.n_heads + 2 * self.kv_heads) * hd
         ffn = 3 * d * self.ffn_hidden
-        return self.vocab_size * d + self.n_layers * (attn + ffn + 2 * d) + d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + head + self.n_layers * (attn + ffn + 2 * d) + d
 
     def to_dict(self) -> dict:
-        return msgspec.to_builtins(self)
+        data = msgspec.to_builtins(self)
+        return {k: v for k, v in data.items() if k not in _OPTIONAL_DEFAULTS or v != _OPTIONAL_DEFAULTS[k]}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -208,7 +208,7 @@ class Engine:
                              f"(quantize the float bundle instead)")
         self.quant = stored.get("method") or quant
         self.group_size = stored.get("group_size") or group_size or DEFAULT_INT4_GROUP
-        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_path, self.config.special_tokens)
+        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_path, self.config.special_tokens, self.config.vocab_size)
         with torch.device("meta"):
             model = Transformer(self.config)
         model = prepare(model, load_weights(bundle), dtype=self.dtype, device=self.device, method=self.quant,
@@ -490,7 +490,7 @@ class Engine:
         owed, skip = heal.encode(), len(heal)  # healed bytes still to write; healed characters to hold back
         for i in range(max_tokens):
             hist = torch.tensor(history, device=self.device) if need_history else None
-            if self.unused_ids is not None:  # reserved vocabulary entries are never text: never sample them
+            if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
                 logits = logits.index_fill(0, self.unused_ids, float("-inf"))
             if owed:
                 logits = self._healing(logits, owed)

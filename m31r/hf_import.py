@@ -1,8 +1,11 @@
-"""Convert a Hugging Face Llama-architecture checkpoint (tied embeddings) into an M31R bundle.
+"""Convert a Hugging Face Llama or Qwen2 checkpoint into an M31R bundle.
 
-Llama's layout is ours up to naming and fusion: q/k/v become one `wqkv`, gate/up one `w13`. Anything the
-M31R block cannot express (an untied head, biases, other activations, RoPE scaling) is refused by name
-rather than converted into a model that silently computes something else.
+Both layouts are ours up to naming and fusion: q/k/v become one `wqkv` (Qwen2's q/k/v biases one `wqkv.bias`),
+gate/up one `w13`, a separate `lm_head` the `output` matrix. GQA, rope_theta and RoPE scaling of the `linear`
+and `llama3` types carry over as config fields. An embedding padded beyond the tokenizer is kept as it is; the
+engine never emits the padding ids. Anything the M31R block cannot express (other architectures, an o_proj or
+MLP bias, other activations, sliding-window attention, other RoPE scalings) is refused by name rather than
+converted into a model that silently computes something else.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
@@ -23,31 +27,63 @@ _FIM_SPELLINGS = {
     "fim_middle_token": ("<|fim_middle|>", "<fim_middle>", "<fim-middle>"),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# model_type -> the architecture class it must name, and whether its q/k/v projections carry biases.
+FAMILIES = {"llama": ("LlamaForCausalLM", False), "qwen2": ("Qwen2ForCausalLM", True)}
+ROPE_SCALINGS = ("linear", "llama3")
 
 
 def _refuse(hf_dir: Path, what: str) -> BundleError:
-    return BundleError(f"{hf_dir / 'config.json'}: {what}; M31R imports tied-embedding Llama checkpoints only")
+    return BundleError(f"{hf_dir / 'config.json'}: {what}; M31R imports LlamaForCausalLM and Qwen2ForCausalLM "
+                       f"checkpoints of the standard shape")
+
+
+def _rope(hf_dir: Path, hf: dict) -> tuple[float, dict | None]:
+    """rope_theta and the scaling, from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (4)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise _refuse(hf_dir, "per-layer RoPE parameters are not supported")
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise _refuse(hf_dir, "partial rotary embeddings (partial_rotary_factor) are not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        raise _refuse(hf_dir, f"RoPE scaling type {kind!r} is not supported (only {', '.join(ROPE_SCALINGS)})")
+    scaling = {"type": kind, "factor": float(params["factor"])}
+    if kind == "llama3":
+        # transformers takes a top-level original_max_position_embeddings first, then the parameters', then the
+        # model's context.
+        old = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        scaling.update(low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_context=int(old or hf["max_position_embeddings"]))
+    return theta, scaling
 
 
 def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
     arch = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or (arch and arch != ["LlamaForCausalLM"]):
-        raise _refuse(hf_dir, f"architecture {arch or hf.get('model_type')!r} is not LlamaForCausalLM")
-    if not hf.get("tie_word_embeddings", False):
-        raise _refuse(hf_dir, "the LM head is not tied to the embedding (tie_word_embeddings is false)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise _refuse(hf_dir, "the checkpoint uses biases")
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None or (arch and arch != [family[0]]):
+        raise _refuse(hf_dir, f"architecture {arch or hf.get('model_type')!r} is not supported")
+    qkv_bias = family[1]
+    if hf.get("attention_bias"):
+        raise _refuse(hf_dir, "attention_bias puts a bias on o_proj, which the M31R block does not have")
+    if hf.get("mlp_bias"):
+        raise _refuse(hf_dir, "the MLP uses biases (mlp_bias)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise _refuse(hf_dir, "sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(hf_dir, f"activation {hf['hidden_act']!r} is not SwiGLU (silu)")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        raise _refuse(hf_dir, f"RoPE scaling {scaling!r} is not supported")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // heads):
         raise _refuse(hf_dir, f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads")
-    special = {}
+    theta, scaling = _rope(hf_dir, hf)
     vocab = tok.get_vocab(with_added_tokens=True)
+    if max(vocab.values(), default=-1) >= hf["vocab_size"]:
+        raise BundleError(f"{hf_dir / 'tokenizer.json'}: token id {max(vocab.values())} has no embedding row "
+                          f"(vocab_size is {hf['vocab_size']})")
+    special = {}
     for role, names in _FIM_SPELLINGS.items():
         found = next((n for n in names if n in vocab), None)
         if found is None:
@@ -56,6 +92,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         special[role] = found
     tok_cfg = hf_dir / "tokenizer_config.json"
     eos = json.loads(tok_cfg.read_text()).get("eos_token") if tok_cfg.exists() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos  # older files spell an AddedToken out
     special["eos_token"] = eos if isinstance(eos, str) and eos in vocab else "<|endoftext|>"
     special["pad_token"] = "<|pad|>" if "<|pad|>" in vocab else special["eos_token"]
     try:
@@ -63,8 +100,10 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
             "name": hf_dir.name, "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads", heads), "ffn_hidden": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_context": hf.get("max_position_embeddings", 2048),
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), **special,
+            "rope_theta": theta, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), **special,
+            # Both families' transformers configs default to an untied head.
+            "qkv_bias": qkv_bias, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "rope_scaling": scaling,
         }, str(hf_dir / "config.json"))
     except (ConfigError, KeyError) as e:
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
@@ -78,7 +117,8 @@ def _read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = sf.get_tensor(name)
+                if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; recomputed
+                    tensors[name] = sf.get_tensor(name)
     return tensors
 
 
@@ -94,7 +134,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
     except KeyError as e:
         raise BundleError(f"{hf_dir / 'config.json'}: missing key {e}") from None
     src = _read_tensors(hf_dir)
-    if any(k.endswith(".bias") for k in src):
+    if not config.qkv_bias and any(k.endswith(".bias") for k in src):
         raise _refuse(hf_dir, "the checkpoint has bias tensors")
 
     def take(name: str) -> torch.Tensor:
@@ -103,14 +143,22 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
         return src.pop(name)
 
     emb = take("model.embed_tokens.weight")
-    head = src.pop("lm_head.weight", None)
-    if head is not None and not torch.equal(head, emb):
-        raise _refuse(hf_dir, "lm_head.weight differs from the embedding (untied head)")
     sd = {"tok_embeddings.weight": emb, "norm.weight": take("model.norm.weight")}
+    if config.tie_embeddings:
+        head = src.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, emb):
+            raise _refuse(hf_dir, "lm_head.weight differs from the embedding, yet tie_word_embeddings is true")
+    else:
+        head = take("lm_head.weight")
+        if torch.equal(head, emb):  # saved untied but the same matrix: keep one copy
+            config = msgspec.structs.replace(config, tie_embeddings=True)
+        else:
+            sd["output.weight"] = head
     for i in range(config.n_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
-        attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        sd[q + "attention.wqkv.weight"] = torch.cat(attn, 0)
+        sd[q + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+        if config.qkv_bias:
+            sd[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
         sd[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
         sd[q + "feed_forward.w13.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)

@@ -1,5 +1,8 @@
 """The M31R transformer (06_MODEL_ARCHITECTURE): decoder-only, RoPE, pre-norm RMSNorm, SwiGLU, tied head.
 
+Imported Llama/Qwen2 checkpoints may also set q/k/v biases, a separate LM head and RoPE scaling (ModelConfig's
+optional fields); with the defaults the model is exactly the one trained here.
+
 One module does both training (full causal sequences) and inference (chunks against a KV cache that is
 written in place and sized to its context in 64-position blocks).
 QKV and gate/up projections are fused so a decode step runs two matmuls per sub-layer, not five.
@@ -113,11 +116,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
-    """cos and sin per position and dimension; sin carries rotate-half's sign (-sin on the first half)."""
+def rope_frequencies(config: ModelConfig) -> Tensor:
+    """The rotation frequency of each dimension pair, with the config's scaling applied as transformers does."""
     # Always on the CPU, even inside a `torch.device("meta")` block: meta arithmetic imports torch._dynamo.
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths below original_max_context / high_freq_factor keep their frequency, those above
+    # original_max_context / low_freq_factor are slowed by `factor`, and the band between blends the two.
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_context = scaling.original_max_context
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos and sin per position and dimension; sin carries rotate-half's sign (-sin on the first half)."""
+    inv_freq = rope_frequencies(config)
     freqs = torch.outer(torch.arange(config.max_context, dtype=torch.int64, device="cpu").float(), inv_freq)
     return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
@@ -131,7 +154,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = config.n_heads, config.kv_heads, config.head_dim
-        self.wqkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=False)
+        self.wqkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.hd, config.d_model, bias=False)
 
     def forward(
@@ -350,8 +373,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config)  # computed on the CPU, then moved where the parameters live
         self.register_buffer("rope_cos", cos.to(emb.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(emb.device), persistent=False)
-        # The LM head is tied to the embedding; inference code may set a faster module computing the same product
-        # (an int8 copy, a prepacked weight). Training leaves it None.
+        # The LM head: tied to the embedding, or (imported checkpoints) a separate `output` matrix.
+        self.output = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Inference code may set a faster module computing the tied head's product (an int8 copy of the embedding).
+        # Training leaves it None.
         self.head: nn.Module | None = None
         # Native CPU kernels (m31r.native) for decode attention; the engine sets them for bf16 activations on the
         # CPU where they load. Every decode row, alone or batched, then runs them.
@@ -377,8 +402,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, i, start)
         if last_only:
             x = x[:, -1:]
-        x = self.norm(x)
-        return self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)
+        return self._head(self.norm(x))
 
     def step(self, tokens: Tensor, caches: list[KVCache], positions: list[int], width: int,
              chunks: list[tuple[KVCache, int, int]]) -> tuple[Tensor, list[Tensor]]:
@@ -415,7 +439,9 @@ class Transformer(nn.Module):
         return decoded, [self._head(self.norm(x[e - 1 : e]))[0, -1] for e in ends]
 
     def _head(self, x: Tensor) -> Tensor:
-        return self.head(x) if self.head is not None else F.linear(x, self.tok_embeddings.weight)
+        if self.head is not None:
+            return self.head(x)
+        return self.output(x) if self.output is not None else F.linear(x, self.tok_embeddings.weight)
 
 
 def init_weights(model: Transformer, seed: int) -> None:
@@ -431,6 +457,9 @@ def init_weights(model: Transformer, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
                 continue
             s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
@@ -448,4 +477,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "ffn_norm.weight"] = (d,)
         shapes[p + "feed_forward.w13.weight"] = (2 * config.ffn_hidden, d)
         shapes[p + "feed_forward.w2.weight"] = (d, config.ffn_hidden)
+        if config.qkv_bias:
+            shapes[p + "attention.wqkv.bias"] = ((config.n_heads + 2 * config.kv_heads) * hd,)
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, d)
     return shapes

@@ -16,9 +16,11 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
           depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load.
 
 In the quantized precisions the tied embedding is stored as int8 (one scale per vocabulary row): the lookup
-dequantizes the rows it needs and the LM head is an int8 matmul on the same bytes. The choice of kernel depends
-only on a call's row count, and the engine always runs a given position in a chunk of the same shape, so every
-position always goes through the same kernel: determinism and cache-hit equality hold within each precision.
+dequantizes the rows it needs and the LM head is an int8 matmul on the same bytes. An untied head (`output`, imported
+checkpoints) is int8 in both precisions too: its errors go straight into the logits. Biases (Qwen2's q/k/v) stay
+float and are added to the product. The choice of kernel depends only on a call's row count, and the engine always
+runs a given position in a chunk of the same shape, so every position always goes through the same kernel:
+determinism and cache-hit equality hold within each precision.
 
 Row independence (what batching decode steps relies on), measured with torch 2.13 on AVX-512, 1 and 2 threads,
 M = 1..63: the bf16 oneDNN, int8 (aten's and the native one) and int4 kernels give a row the same bits whatever the
@@ -39,6 +41,7 @@ METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 64
 LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+INT8_ALWAYS = ("tok_embeddings.weight", "output.weight")  # int8 in int4 bundles too (one scale per vocabulary row)
 # Row counts from which dequantize-then-bf16-GEMM beats the weight-only kernels (measured on AVX-512: the int8
 # kernel is ~100-145 GFLOP/s at any M, the bf16 GEMM ~170 at M=32 and ~380 from M=128; int4 similar).
 INT8_GEMM_ROWS = 64
@@ -119,12 +122,13 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int) ->
 
 
 class FloatLinear(nn.Module):
-    """A bias-free linear layer whose weight is prepacked for oneDNN where the CPU supports it (F.linear else)."""
+    """A linear layer whose weight is prepacked for oneDNN where the CPU supports it (F.linear else)."""
 
-    def __init__(self, weight: Tensor):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
+        self.bias = bias
         self.packed = None
         if _mkldnn_ok(weight):
             try:
@@ -135,18 +139,19 @@ class FloatLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is not None:
-            return _mkldnn_linear(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return _mkldnn_linear(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 with per-output-channel bf16 scales; outputs in the input's dtype."""
+    """Weight-only int8 with per-output-channel bf16 scales, and an optional bias; outputs in the input's dtype."""
 
-    def __init__(self, codes: Tensor, scales: Tensor):
+    def __init__(self, codes: Tensor, scales: Tensor, bias: Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.codes = _aligned(codes)
         self.scales = _aligned(scales.to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else bias.to(torch.bfloat16)  # added to the bf16 product
         # The native kernel (m31r.native) for small row counts, where the engine sets it: every row then runs it.
         self.native: Kernels | None = None
 
@@ -160,15 +165,18 @@ class Int8Linear(nn.Module):
             y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
         else:
             y = _int8_mm(x2, self.codes, self.scales)
+        if self.bias is not None:
+            y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
 class Int4Linear(nn.Module):
-    """Group-wise int4 (see module docstring); outputs in the input's dtype."""
+    """Group-wise int4 (see module docstring), and an optional bias; outputs in the input's dtype."""
 
-    def __init__(self, codes: Tensor, scales_and_zeros: Tensor, group_size: int):
+    def __init__(self, codes: Tensor, scales_and_zeros: Tensor, group_size: int, bias: Tensor | None = None):
         super().__init__()
+        self.bias = None if bias is None else bias.to(torch.bfloat16)  # added to the bf16 product
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
         self.group_size = group_size
         self.codes = _aligned(codes)  # plain nibbles: kept (usually a memory map) for the dequantizing prefill path
@@ -192,6 +200,8 @@ class Int4Linear(nn.Module):
             y = F.linear(x2, self.dequantized())
         else:
             y = _int4_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
@@ -229,7 +239,7 @@ def quantized_tensor_specs(config: ModelConfig, method: str, group_size: int | N
     specs: dict[str, tuple[tuple, str]] = {}
     for name, shape in expected_shapes(config).items():
         base = name.removesuffix(".weight")
-        if name == "tok_embeddings.weight" or (method == "int8" and base.endswith(LINEARS)):
+        if name in INT8_ALWAYS or (method == "int8" and base.endswith(LINEARS)):
             specs[base + ".weight_int8"] = (shape, "I8")
             specs[base + ".scales"] = ((shape[0],), "BF16")
         elif base.endswith(LINEARS):
@@ -251,7 +261,7 @@ def quantize_state_dict(config: ModelConfig, sd: dict[str, Tensor], method: str,
     out: dict[str, Tensor] = {}
     for name, w in sd.items():
         base = name.removesuffix(".weight")
-        if name == "tok_embeddings.weight" or (method == "int8" and base.endswith(LINEARS)):
+        if name in INT8_ALWAYS or (method == "int8" and base.endswith(LINEARS)):
             out[base + ".weight_int8"], out[base + ".scales"] = quantize_int8(w)
         elif base.endswith(LINEARS):
             out[base + ".weight_int4"], out[base + ".scales_and_zeros"] = quantize_int4(w, group_size)
@@ -296,19 +306,24 @@ def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype,
         tensors = quantize_state_dict(model.config, tensors, method, group_size)
 
     def linear(base: str) -> nn.Module:
+        bias = tensors.get(base + ".bias")
         if base + ".weight_int8" in tensors:
-            return Int8Linear(tensors[base + ".weight_int8"], tensors[base + ".scales"])
+            return Int8Linear(tensors[base + ".weight_int8"], tensors[base + ".scales"], bias)
         if base + ".weight_int4" in tensors:
-            return Int4Linear(tensors[base + ".weight_int4"], tensors[base + ".scales_and_zeros"], group_size)
-        return FloatLinear(tensors[base + ".weight"].to(device, dtype))  # packed: a copy
+            return Int4Linear(tensors[base + ".weight_int4"], tensors[base + ".scales_and_zeros"], group_size, bias)
+        bias = None if bias is None else bias.to(device, dtype, copy=True)
+        return FloatLinear(tensors[base + ".weight"].to(device, dtype), bias)  # packed: a copy
 
     for i in range(model.config.n_layers):
         for name in LINEARS:
             _set(model, f"layers.{i}.{name}", linear(f"layers.{i}.{name}"))
+    if not model.config.tie_embeddings:
+        model.output = linear("output")
     if "tok_embeddings.weight_int8" in tensors:
         codes, scales = tensors["tok_embeddings.weight_int8"], tensors["tok_embeddings.scales"]
         model.tok_embeddings = Int8Embedding(codes, scales, dtype)
-        model.head = Int8Linear(codes, scales)
+        if model.config.tie_embeddings:  # the head reads the same bytes
+            model.head = Int8Linear(codes, scales)
     else:
         # Copies, like the packed weights: the file's map is then released unless quantized codes still use it.
         emb = tensors["tok_embeddings.weight"].to(device, dtype, copy=True)

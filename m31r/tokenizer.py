@@ -20,7 +20,9 @@ DEFAULT_SPECIAL = dict(zip(("eos_token", "fim_prefix_token", "fim_suffix_token",
 
 
 class Tokenizer:
-    def __init__(self, hf: HFTokenizer, special: dict[str, str]):
+    def __init__(self, hf: HFTokenizer, special: dict[str, str], model_vocab: int | None = None):
+        """`model_vocab`: the rows of the model's embedding, when it has more than the tokenizer has entries (an
+        imported checkpoint padded to a round size)."""
         self.hf = hf
         self.hf.encode_special_tokens = True
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -36,13 +38,16 @@ class Tokenizer:
         self.fim_middle_id = ids["fim_middle_token"]
         self.pad_id = ids["pad_token"]
         self.special_ids = frozenset(ids.values())
-        # Padding entries (`<|reserved_N|>`) that no text encodes to: a model must never emit them.
-        self.unused_ids = sorted(i for t, i in hf.get_vocab(with_added_tokens=True).items()
-                                 if t.startswith("<|reserved_") and t.endswith("|>"))
+        # Ids a model must never emit: padding entries (`<|reserved_N|>`) that no text encodes to, and the model's
+        # rows that are no token at all (ids past the tokenizer, or gaps in its id range).
+        vocab = hf.get_vocab(with_added_tokens=True)
+        reserved = {i for t, i in vocab.items() if t.startswith("<|reserved_") and t.endswith("|>")}
+        missing = set(range(model_vocab or 0)) - set(vocab.values())
+        self.unused_ids = sorted(reserved | missing)
 
     @classmethod
-    def from_file(cls, path: str | Path, special: dict[str, str]) -> Tokenizer:
-        return cls(HFTokenizer.from_file(str(path)), special)
+    def from_file(cls, path: str | Path, special: dict[str, str], model_vocab: int | None = None) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)), special, model_vocab)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids

@@ -129,6 +129,25 @@ def test_tokenizer_size_differs_from_vocab_size(bundle_dir: Path) -> None:
         open_bundle(bundle_dir)
 
 
+def test_tokenizer_smaller_than_vocab_size_is_accepted(bundle_dir: Path) -> None:
+    """Imported checkpoints pad the embedding beyond the tokenizer; an id the tokenizer has must still have a row."""
+    build_byte_tokenizer(300).save(str(bundle_dir / "tokenizer.json"))
+    meta = json.loads((bundle_dir / "metadata.json").read_text())
+    meta["tokenizer_hash"] = sha256_file(bundle_dir / "tokenizer.json")
+    (bundle_dir / "metadata.json").write_text(json.dumps(meta))
+    _rewrite_checksums(bundle_dir)
+    assert open_bundle(bundle_dir).config.vocab_size == 384
+    f = bundle_dir / "tokenizer.json"
+    data = json.loads(f.read_text())
+    data["model"]["vocab"]["<|reserved_0|>"] = 384  # a gap at 261, an id past the embedding
+    f.write_text(json.dumps(data))
+    meta["tokenizer_hash"] = sha256_file(f)
+    (bundle_dir / "metadata.json").write_text(json.dumps(meta))
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"tokenizer\.json: tokenizer id 384 is past config\.yaml vocab_size 384"):
+        open_bundle(bundle_dir)
+
+
 def test_tokenizer_missing_a_special_token(bundle_dir: Path) -> None:
     f = bundle_dir / "tokenizer.json"
     f.write_text(f.read_text().replace("<|fim_middle|>", "<|fim_mid|>"))  # same size, one special renamed

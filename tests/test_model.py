@@ -12,10 +12,11 @@ import torch
 from devices import DEVICES
 from rounds import in_rounds
 
-from m31r.bundle import init_bundle
-from m31r.config import ConfigError, ModelConfig, load_config, parse_config
+from m31r.bundle import init_bundle, open_bundle, write_bundle
+from m31r.config import ConfigError, ModelConfig, RopeScaling, load_config, parse_config
 from m31r.engine import Engine
 from m31r.model import KVCache, Transformer, init_weights
+from m31r.tokenizer import build_byte_tokenizer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
 ATOL = 1e-5
@@ -139,9 +140,12 @@ def test_init_scales_residual_outputs(tiny_config: ModelConfig) -> None:
     assert torch.equal(sd["norm.weight"], torch.ones(tiny_config.d_model))
 
 
-@pytest.mark.parametrize("n_kv_heads", [None, 2])
-def test_param_count_matches_the_allocated_model(tiny_config: ModelConfig, n_kv_heads: int | None) -> None:
+@pytest.mark.parametrize(("n_kv_heads", "imported"), [(None, False), (2, False), (2, True)])
+def test_param_count_matches_the_allocated_model(tiny_config: ModelConfig, n_kv_heads: int | None,
+                                                 imported: bool) -> None:
     config = msgspec.structs.replace(tiny_config, n_kv_heads=n_kv_heads)
+    if imported:  # q/k/v biases and an untied head
+        config = msgspec.structs.replace(config, qkv_bias=True, tie_embeddings=False)
     assert config.param_count() == sum(p.numel() for p in Transformer(config).parameters())
 
 
@@ -166,6 +170,12 @@ BASE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "ffn_hidden": 128, "vocab_si
         ({"d_model": 66}, "d_model"),
         ({"n_kv_heads": 3}, "n_kv_heads"),
         ({"vocab_size": 0}, "vocab_size"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.type"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}}, "linear takes only"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "llama3 needs"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                           "original_max_context": 64}}, "low_freq_factor < high_freq_factor"),
+        ({"qkv_bias": "yes"}, "qkv_bias"),
     ],
 )
 def test_config_errors_name_the_field(change: dict, field: str) -> None:
@@ -188,6 +198,50 @@ def test_config_round_trips_through_yaml(tiny_config: ModelConfig, tmp_path: Pat
     again = load_config(f)
     assert again == _gqa(tiny_config) and again.config_hash() == _gqa(tiny_config).config_hash()
     assert again.config_hash() != tiny_config.config_hash()
+
+
+def test_imported_fields_are_recorded_only_when_set(tiny_config: ModelConfig, tmp_path: Path) -> None:
+    """The fields for imported checkpoints stay out of config.yaml and config_hash at their defaults, so configs and
+    bundles written before they existed (release/ among them) read, hash and verify unchanged; set, they round-trip
+    and change the hash."""
+    assert not {"qkv_bias", "tie_embeddings", "rope_scaling"} & set(tiny_config.to_dict())
+    release = open_bundle(Path(__file__).resolve().parent.parent / "release")
+    assert release.metadata["config_hash"] == release.config.config_hash()
+    assert release.config.tie_embeddings and not release.config.qkv_bias and release.config.rope_scaling is None
+    imported = msgspec.structs.replace(tiny_config, qkv_bias=True, tie_embeddings=False, rope_scaling=RopeScaling(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_context=64))
+    f = tmp_path / "c.yaml"
+    f.write_text(imported.to_yaml())
+    assert "original_max_context: 64" in f.read_text()
+    again = load_config(f)
+    assert again == imported and again.config_hash() == imported.config_hash() != tiny_config.config_hash()
+    linear = msgspec.structs.replace(tiny_config, rope_scaling=RopeScaling(type="linear", factor=2.0))
+    assert linear.to_dict()["rope_scaling"] == {"type": "linear", "factor": 2.0}
+
+
+def test_untied_head_and_biases_cache_like_a_full_recomputation(tiny_config: ModelConfig, tmp_path: Path) -> None:
+    """An imported shape (q/k/v biases, untied head, GQA, llama3 RoPE scaling) through the engine's cached paths:
+    chunked prefill and decode steps give the logits of one full forward pass."""
+    config = msgspec.structs.replace(_gqa(tiny_config), qkv_bias=True, tie_embeddings=False, rope_scaling=RopeScaling(
+        type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_context=32))
+    model = Transformer(config)
+    init_weights(model, 3)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wqkv.bias.normal_(0, 0.5)
+    b = write_bundle(tmp_path / "b", config, model.state_dict(), build_byte_tokenizer(config.vocab_size), seed=3,
+                     dataset_version="test", dtype=torch.float32)
+    engine = Engine(b, dtype="float32", chunk_size=8, max_chunk=32)
+    ids = _ids(90, seed=5)
+    with torch.inference_mode():
+        full = model(torch.tensor([ids]))[0]
+    cache = engine.new_cache()
+    last = [x for x in engine.prefill(cache, ids[:70], 0) if x is not None][-1]
+    assert (last - full[69]).abs().max().item() < ATOL
+    for i in range(70, 90):
+        step = engine.decode_step(cache, ids[i])
+        if i + 1 < 90:
+            assert (step - full[i]).abs().max().item() < ATOL, i
 
 
 def test_engine_load_does_not_import_dynamo(tiny_bundle) -> None:

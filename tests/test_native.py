@@ -235,3 +235,45 @@ def test_an_int8_engine_runs_it_on_every_decode_row(tiny_bundle) -> None:
         m.native = KERNELS
     runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+@needs_bf16
+def test_an_imported_shape_runs_both_kernels(tiny_config, tmp_path) -> None:
+    """An imported checkpoint's shape (q/k/v biases added after the native int8 product, an untied int8 head, GQA, a
+    tokenizer smaller than the embedding): decode attention and every int8 layer, the head included, take the
+    kernels; logits stay close to torch's kernels, and greedy generation is deterministic and never emits padding."""
+    import msgspec
+
+    from m31r.bundle import write_bundle
+    from m31r.engine import Engine
+    from m31r.model import Transformer, init_weights
+    from m31r.quant import Int8Linear
+    from m31r.tokenizer import build_byte_tokenizer
+
+    config = msgspec.structs.replace(tiny_config, n_kv_heads=2, qkv_bias=True, tie_embeddings=False)
+    model = Transformer(config)
+    init_weights(model, 5)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wqkv.bias.normal_(0, 0.5)
+    bundle = write_bundle(tmp_path / "b", config, model.state_dict(), build_byte_tokenizer(300), seed=5,
+                          dataset_version="test", dtype=torch.float32)
+    engine = Engine(bundle, dtype="bfloat16", quant="int8")
+    layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+    assert engine.model.output in layers and engine.model.head is None
+    assert len(layers) == 4 * config.n_layers + 1 and all(m.native is KERNELS for m in layers)
+    assert engine.model.native is KERNELS
+    ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
+    logits = {}
+    for mode in ("native", "torch"):
+        for m in [*layers, engine.model]:
+            m.native = KERNELS if mode == "native" else None
+        cache = engine.new_cache()
+        for _ in engine.prefill(cache, ids, 0):
+            pass
+        logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
+    assert (logits["native"] - logits["torch"]).abs().max() <= 0.05 * logits["torch"].abs().max()
+    for m in [*layers, engine.model]:
+        m.native = KERNELS
+    runs = [[t.id for t in engine.generate(ids, max_tokens=12) if t.id is not None] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0 and max(runs[0]) < 300

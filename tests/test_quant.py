@@ -99,6 +99,20 @@ def test_float_linear_matches_f_linear(dtype: torch.dtype) -> None:
     torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [1, 3, 64, 130])  # weight-only kernels below the GEMM rows, the GEMM from them
+def test_a_bias_is_added_after_every_kernel(m: int) -> None:
+    """Qwen2's q/k/v biases: the float, int8 and int4 layers add them to their product on every path."""
+    w, bias = _w(128, 256), torch.randn(128, generator=GEN)
+    x = _x(m, 256)
+    q8, q4 = quant.quantize_int8(w), quant.quantize_int4(w, 32)
+    cases = [(quant.FloatLinear(w, bias), w, 1e-5),
+             (quant.Int8Linear(*q8, bias), quant.dequantize_int8(*q8), 0.05),
+             (quant.Int4Linear(*q4, 32, bias), quant.dequantize_int4(*q4, 32), 0.05)]
+    for layer, weight, tol in cases:
+        xs = x if tol < 1e-3 else x.to(torch.bfloat16).float()  # the quantized kernels take bf16 activations
+        torch.testing.assert_close(layer(x), F.linear(xs, weight, bias), atol=tol, rtol=tol)
+
+
 def test_int8_embedding_dequantizes_rows() -> None:
     codes, scales = quant.quantize_int8(_w(384, 64))
     emb = quant.Int8Embedding(codes, scales, torch.float32)
