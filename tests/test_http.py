@@ -176,7 +176,7 @@ def wait_for(pred, timeout: float = 10.0, step: float = 0.05):
 
 
 def test_never_imports_torch(server):
-    code = ("import sys, m31r.cli, m31r.http.app, m31r.http.server; "
+    code = ("import sys, m31r.cli, m31r.http.app, m31r.http.server, m31r.http.ollama; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     maps = Path(f"/proc/{server.proc.pid}/maps")
