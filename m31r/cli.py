@@ -597,6 +597,9 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--token-file", type=click.Path(path_type=Path), default=None,
               help="Require `Authorization: Bearer <token>`, the token read from this file (mode 0600).")
 @click.option("--no-autostart", is_flag=True, help="Answer 503 instead of starting a daemon when none runs.")
+@click.option("--bundle", "bundle_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Bundle for an autostarted daemon (default: $M31R_BUNDLE or the bundled release/); a daemon "
+                   "already running on --socket keeps its own.")
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Largest request body in bytes (413 beyond).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
@@ -607,12 +610,16 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
               show_default=True)
 @user_errors
 def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, allowed_hosts: tuple[str, ...],
-          cors_origins: tuple[str, ...], token_file: Path | None, no_autostart: bool, max_body: int,
-          max_tokens_cap: int, request_timeout: float, log_level: str) -> None:
-    """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions."""
+          cors_origins: tuple[str, ...], token_file: Path | None, no_autostart: bool, bundle_dir: Path | None,
+          max_body: int, max_tokens_cap: int, request_timeout: float, log_level: str) -> None:
+    """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions, Ollama's
+    /api/generate."""
     from m31r.http.server import run
 
-    sys.exit(run(host, port, socket_path, autostart=not no_autostart, allow_remote=allow_remote,
+    if bundle_dir is not None and no_autostart:
+        fail("--bundle names the bundle an autostarted daemon loads: it has no effect with --no-autostart")
+    bundle = bundle_dir.resolve() if bundle_dir is not None else None  # the daemon may run from another folder
+    sys.exit(run(host, port, socket_path, autostart=not no_autostart, bundle=bundle, allow_remote=allow_remote,
                  allowed_hosts=allowed_hosts, cors_origins=cors_origins, token_file=token_file, max_body=max_body,
                  max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, log_level=log_level))
 

@@ -57,6 +57,7 @@ class Job:
     result: Generation | None = None
     started: float = 0.0
     text: str = ""  # what was sent so far (typed-through reuses it)
+    ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
     failed: bool = False  # a batched step failed: answer `internal`
 
     def cancel(self, reason: str) -> None:
@@ -231,8 +232,10 @@ class Scheduler:
                 text = text[: text.index("\n")]
                 if text:
                     job.text += text
+                    job.ends.append(len(job.text))
                     self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
                 job.result.finish_reason = "deadline"
                 return self._finish(job, self._done(job))
             job.text += text
+            job.ends.append(len(job.text))
             self._send(job, m.Token(id=job.rid, text=text, token=ev.id))

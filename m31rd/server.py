@@ -43,16 +43,31 @@ class Typed:
     suffix: str
     text: str
     finish_reason: str
+    ends: tuple[int, ...]  # where each of the suggestion's tokens ends in `text`
 
 
-def typed_through(last: Typed | None, req: m.Fim) -> str | None:
-    """The rest of the last suggestion if the user typed its beginning, else None."""
+def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
+    """What is left of the last suggestion if the user typed its beginning, else None."""
     if last is None or req.suffix != last.suffix or not req.prefix.startswith(last.prefix):
         return None
     typed = req.prefix[len(last.prefix) :]
-    if typed and last.text.startswith(typed) and len(last.text) > len(typed):
-        return last.text[len(typed) :]
+    k = len(typed)
+    if typed and last.text.startswith(typed) and len(last.text) > k:
+        ends = tuple(e - k for e in last.ends if e > k)
+        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends)
     return None
+
+
+def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str]:
+    """The typed-through answer to a request with these limits, and its finish reason: `rest` cut after
+    `max_tokens` tokens (a partly typed token counts as one), then before the first stop sequence, as the model
+    would have stopped."""
+    text, reason = rest.text, rest.finish_reason
+    if max_tokens < len(rest.ends):
+        text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
+    if hits := [i for i in (text.find(s) for s in stop if s) if i >= 0]:
+        text, reason = text[: min(hits)], "stop"
+    return text, reason
 
 
 class Connection:
@@ -230,14 +245,16 @@ class Daemon:
         rest = typed_through(self.typed.get(req.document), req)
         if rest is None:
             return False
-        last = self.typed[req.document]
-        self.typed[req.document] = Typed(req.prefix, req.suffix, rest, last.finish_reason)
+        # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
+        self.typed[req.document] = rest
         self.typed.move_to_end(req.document)
         del self.by_document[req.document]
+        text, finish_reason = clip(rest, req.max_tokens, req.stop)
         ms = round((time.perf_counter() - job.received) * 1000, 3)
-        conn.send(m.Token(id=req.id, text=rest))
-        conn.send(m.Done(id=req.id, finish_reason=last.finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
-                         timings=m.Timings(first_token_ms=ms, total_ms=ms), source="typed_through"))
+        if text:
+            conn.send(m.Token(id=req.id, text=text))
+        conn.send(m.Done(id=req.id, finish_reason=finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
+                         timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through"))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
@@ -256,7 +273,7 @@ class Daemon:
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
-                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason)
+                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends))
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)

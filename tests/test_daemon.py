@@ -559,6 +559,46 @@ async def test_typed_through(warm, tiny_engine):
         assert out.pieces == fim_reference(tiny_engine, prefix + text[:2] + "Q", suffix, 8).pieces
 
 
+async def test_typed_through_honours_max_tokens_and_stop(warm):
+    """A typed-through answer obeys the new request's limits: at most max_tokens of the suggestion's tokens (a
+    partly typed one counts as one), ending before its first stop sequence, as the model would have stopped."""
+    prefix, suffix, doc = "fn scale(x: f32) -> f32 {\n    let y = x", ";\n    y\n}\n", "doc-typed-limits"
+    async with await Client.connect(warm.socket) as c:
+        first = await run(await c.fim(prefix, suffix, document=doc, max_tokens=12))
+        texts = [p for _, p in first.pieces]
+        assert first.done.source == "model" and len(texts) >= 5 and all(texts), first.pieces
+
+        async def typed(k: int, **limits) -> Out:
+            out = await run(await c.fim(prefix + first.text[:k], suffix, document=doc, **limits))
+            assert out.done.source == "typed_through"
+            return out
+
+        k = len(texts[0])  # the first token typed
+        out = await typed(k, max_tokens=2)
+        assert out.text == texts[1] + texts[2] and out.finish_reason == "length"
+        rest = first.text[k + 1 :]
+        stop = rest[2:4]
+        out = await typed(k + 1, max_tokens=12, stop=["\x00never", stop])
+        assert out.text == rest[: rest.index(stop)] and out.finish_reason == "stop"
+        out = await typed(k + 2, max_tokens=0)  # (each request types one more character: typed-through needs one)
+        assert out.text == "" and out.pieces == [] and out.finish_reason == "length"
+        # The limits cut the answer, not what the daemon remembers: a later request may have more.
+        out = await typed(k + 3, max_tokens=12)
+        assert out.text == first.text[k + 3 :] and out.finish_reason == first.finish_reason
+
+
+def test_typed_through_counts_a_partly_typed_token_as_one():
+    """(The tiny model's tokens are single bytes, so the daemon test above never types into a token.)"""
+    from m31rd.server import Typed, clip, typed_through
+
+    last = Typed("let x = ", "", "foo.bar()", "length", (3, 4, 7, 9))  # tokens "foo" "." "bar" "()"
+    rest = typed_through(last, m.Fim(id=1, prefix="let x = fo", suffix=""))
+    assert rest is not None and rest.text == "o.bar()" and rest.ends == (1, 2, 5, 7)
+    assert clip(rest, 2, []) == ("o.", "length")
+    assert clip(rest, 4, []) == ("o.bar()", "length") and clip(rest, 9, ["("]) == ("o.bar", "stop")
+    assert clip(rest, 3, ["r()"]) == ("o.bar", "length")  # a stop beyond the limit is never reached
+
+
 # -- socket safety and lifecycle ----------------------------------------------------------------------------
 
 

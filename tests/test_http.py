@@ -176,7 +176,7 @@ def wait_for(pred, timeout: float = 10.0, step: float = 0.05):
 
 
 def test_never_imports_torch(server):
-    code = ("import sys, m31r.cli, m31r.http.app, m31r.http.server; "
+    code = ("import sys, m31r.cli, m31r.http.app, m31r.http.server, m31r.http.ollama; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     maps = Path(f"/proc/{server.proc.pid}/maps")
@@ -190,10 +190,15 @@ def test_health_and_models(http, tiny_bundle):
     assert h.max_context == 512
     models = msgspec.json.decode(http.get("/v1/models").content, type=s.OpenAIModelList)
     assert [m.id for m in models.data] == [tiny_bundle.model_id]
+    name = tiny_bundle.model_id.split("@")[0]
+    assert models.data[0].aliases == [name, "m31r"] and name != tiny_bundle.model_id
     doc = http.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1") and {"/generate", "/completion", "/fim", "/v1/completions"} <= set(
         doc["paths"])
     assert doc["components"]["schemas"]["GenerateRequest"]["properties"]["max_tokens"]["maximum"] == CAP
+    openai_req = doc["components"]["schemas"]["OpenAICompletionRequest"]["properties"]
+    assert {"maximum": CAP, "type": "integer"}.items() <= openai_req["max_tokens"]["anyOf"][0].items()
+    assert openai_req["model"]["anyOf"][0]["enum"] == [tiny_bundle.model_id, name, "m31r"]
 
 
 # -- native endpoints -------------------------------------------------------------------------------------------
@@ -292,11 +297,20 @@ def test_openai_client(server, tiny_bundle):
     assert fim.usage.completion_tokens <= 6
     echo = client.completions.create(model="m31r", prompt="fn main() {", max_tokens=8, echo=True)
     assert echo.choices[0].text == "fn main() {" + c.choices[0].text
+    # What the server cannot honour is refused, the way OpenAI refuses: 400, an error object naming the field.
+    for kwargs, param in (({"model": "gpt-3.5-turbo-instruct"}, "model"), ({"max_tokens": CAP + 1}, "max_tokens"),
+                          ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"best_of": 3}, "best_of"),
+                          ({"extra_body": {"top_k": 5}}, "top_k")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{"model": tiny_bundle.model_id, "prompt": "fn", "max_tokens": 2, **kwargs})
+        assert e.value.status_code == 400 and e.value.param == param and param in e.value.message
+        assert e.value.type == "invalid_request_error"
 
 
 def test_openai_wire_format(http, tiny_bundle):
-    r = http.post("/v1/completions", json={"model": "any", "prompt": ["fn"], "max_tokens": 4, "stop": "\n",
-                                           "logprobs": None, "presence_penalty": 0})
+    r = http.post("/v1/completions", json={"model": "m31r", "prompt": ["fn"], "max_tokens": 4, "stop": "\n",
+                                           "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
+                                           "logit_bias": {}, "n": 1, "best_of": 1, "user": "u1"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and isinstance(body["created"], int)
@@ -309,10 +323,10 @@ def test_openai_wire_format(http, tiny_bundle):
     assert chunks[-1].choices[0].finish_reason == body["choices"][0]["finish_reason"]
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1]) and chunks[-1].usage is None
     assert "".join(ch.choices[0].text for ch in chunks) == body["choices"][0]["text"]
-    # max_tokens above the cap is lowered to it (OpenAI clients ask for plenty), not refused.
-    big = http.post("/v1/completions", json={"prompt": "fn", "max_tokens": 100_000, "stop": ["\n"]})
-    assert big.status_code == 200
-    assert http.post("/v1/completions", json={"prompt": "fn", "n": 2}).status_code == 422
+    # Every name of the model is accepted, and a request may leave it out (there is one model).
+    for model in (tiny_bundle.model_id, tiny_bundle.model_id.split("@")[0], None):
+        r = http.post("/v1/completions", json={"model": model, "prompt": "fn", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == tiny_bundle.model_id, r.text
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -331,19 +345,50 @@ def test_openai_wire_format(http, tiny_bundle):
     ("/completion", {"prefix": "x", "multiline": "sometimes"}, "multiline"),
     ("/completion", {"prefix": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": CAP + 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": "x", "model": "m31r:latest"}, "model"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
 ])
-def test_422_names_the_field(http, path, body, param):
+def test_400_names_the_field(http, path, body, param):
     r = http.post(path, json=body)
-    assert r.status_code == 422, r.text
+    assert r.status_code == 400, r.text
     err = msgspec.json.decode(r.content, type=s.ErrorResponse).error
-    assert err.param == param and param in err.message
+    assert err.param == param and param.split(".")[-1] in err.message and err.type == "invalid_request_error"
 
 
-def test_422_bad_json(http):
+def test_refusals_say_why(http):
+    err = http.post("/v1/completions", json={"prompt": "x", "n": 2}).json()["error"]
+    assert err["message"].startswith("this server returns one choice per request: n must be 1")
+    err = http.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"}).json()["error"]
+    assert err["code"] == "model_not_found" and "'m31r'" in err["message"]
+    err = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}).json()["error"]
+    assert f"cap of {CAP}" in err["message"]
+
+
+def test_400_bad_json(http):
     for raw in (b"{", b"[1]", b"\xff", b""):
         r = http.post("/generate", content=raw, headers={"content-type": "application/json"})
-        assert r.status_code == 422 and r.json()["error"]["code"] in ("bad_json", "invalid")
+        assert r.status_code == 400 and r.json()["error"]["code"] in ("bad_json", "invalid")
+
+
+@pytest.mark.parametrize("path", ["/generate", "/fim", "/completion", "/v1/completions"])
+def test_deeply_nested_json_is_a_400(http, path):
+    """JSON nested thousands deep used to be a RecursionError: a bare text 500."""
+    for depth in (1_000, 10_000):  # (10,000 deep still fits the test server's --max-body)
+        for raw in (b"[" * depth + b"]" * depth, b'{"prompt": ' + b'{"a":' * depth + b"1" + b"}" * (depth + 1)):
+            r = http.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (depth, r.text[:200])
+            err = r.json()["error"]
+            assert err["code"] == "too_deep" and "nested too deeply" in err["message"]
 
 
 def test_413(http):
@@ -514,6 +559,15 @@ def test_token_and_cors_allow_list(daemon, tmp_path):
         assert srv.stop() in (0, -15)
 
 
+def test_bundle_needs_autostart_and_a_folder(tmp_path):
+    r = subprocess.run([*SERVE, "--bundle", str(tmp_path), "--no-autostart", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no effect with --no-autostart" in r.stderr
+    r = subprocess.run([*SERVE, "--bundle", str(tmp_path / "missing"), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--bundle" in r.stderr and "does not exist" in r.stderr
+
+
 def test_refuses_a_remote_bind_without_allow_remote():
     r = subprocess.run([*SERVE, "--host", "0.0.0.0", "--port", str(free_port())], capture_output=True, text=True,
                        timeout=60)
@@ -521,14 +575,17 @@ def test_refuses_a_remote_bind_without_allow_remote():
 
 
 def test_autostart(tiny_bundle, tmp_path):
-    """Without --no-autostart, the server starts a daemon when none answers (here: at startup), and requests
-    wait for it within their timeout."""
+    """Without --no-autostart, the server starts a daemon when none answers (here: at startup) on --socket, with
+    --bundle, and requests wait for it within their timeout."""
     sock = tmp_path / "auto.sock"
-    srv = Server(tmp_path, sock, autostart=True,
-                 env={"M31R_BUNDLE": str(tiny_bundle.path), "XDG_STATE_HOME": str(tmp_path / "state")})
+    # $M31R_BUNDLE names no bundle: the daemon can only have loaded the tiny one from --bundle.
+    srv = Server(tmp_path, sock, "--bundle", str(tiny_bundle.path), autostart=True,
+                 env={"M31R_BUNDLE": str(tmp_path / "no-such-bundle"), "XDG_STATE_HOME": str(tmp_path / "state")})
     try:
         r = httpx.post(f"{srv.url}/generate", json={"prompt": "fn", "max_tokens": 2}, timeout=90)
         assert r.status_code == 200, r.text
+        st = daemon_status(sock)  # the daemon answers on --socket
+        assert Path(st.bundle).resolve() == Path(tiny_bundle.path).resolve() and st.model == tiny_bundle.model_id
     finally:
         srv.stop()
 

@@ -7,5 +7,7 @@ Importing this package (or any module in it) never imports torch: the daemon own
     metrics.py   Prometheus metrics
     upstream.py  the shared, reconnecting connection to the daemon
     app.py       the Starlette application (endpoints, streaming, cancellation)
+    ollama.py    Ollama's API (/api/generate, /api/show, /api/tags, /api/version) for plugins written for Ollama
+    fim_templates.py  other model families' FIM prompt layouts, split back into prefix and suffix
     server.py    `run(...)`: uvicorn on uvloop
 """

@@ -1,6 +1,6 @@
 """The Starlette application: endpoints, streaming, cancellation, error mapping.
 
-Request path: HTTP body → msgspec Struct (422 naming the field when it does not fit) → a daemon request on
+Request path: HTTP body → msgspec Struct (400 naming the field when it does not fit) → a daemon request on
 the shared connection → tokens → JSON or Server-Sent Events. The HTTP status waits for the daemon's first
 event, so an error the daemon reports (busy, context overflow) is a proper status, streaming or not.
 
@@ -44,7 +44,9 @@ log = logging.getLogger("m31r.http")
 
 VERSION = "0.1.0"
 ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/openapi.json")
+             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
+OLLAMA_PREFIX = "/api/"  # Ollama's API (m31r/http/ollama.py): its own error shape
+ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
 
@@ -53,6 +55,7 @@ DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before 
 class Settings:
     socket: str | Path | None = None  # None: the default daemon socket
     autostart: bool = True  # start a daemon when none answers
+    bundle: str | Path | None = None  # the bundle an autostarted daemon loads (None: the daemon's default)
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     token: str | None = None
@@ -80,22 +83,43 @@ def daemon_error_status(e: DaemonError) -> tuple[int, int | None]:
         return 503, 1
     if e.code == "shutting_down" or (e.code == "cancelled" and "shutting down" in e.message):
         return 503, 2
-    return {"context_overflow": 400, "bad_request": 422, "cancelled": 409, "frame_too_large": 413,
+    return {"context_overflow": 400, "bad_request": 400, "cancelled": 409, "frame_too_large": 413,
             "internal": 502}.get(e.code, 503), None
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
+def model_names(model: str) -> list[str]:
+    """The names a request may use for `model` ("name@version", the daemon's id): that id first, then the name
+    without its version, then the aliases."""
+    return list(dict.fromkeys((model, model.split("@", 1)[0], *ALIASES)))
+
+
+def _error_for(request: Request, status: int, code: str, message: str, param: str | None = None,
+               headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape the path's clients read: Ollama's under /api/, else OpenAI's."""
+    if request.url.path.startswith(OLLAMA_PREFIX):
+        from m31r.http.ollama import error_response as ollama_error
+
+        return ollama_error(status, message, headers=headers)
+    return error_response(status, code, message, param=param, headers=headers)
+
+
 async def http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-    return error_response(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
+    return _error_for(request, exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
 
 
 async def invalid_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, s.InvalidRequest)
-    return error_response(422, exc.code, exc.message, param=exc.param)
+    return _error_for(request, exc.status, exc.code, exc.message, exc.param)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug: still JSON in the API's error shape, never a bare text 500 (Starlette logs the traceback)."""
+    return _error_for(request, 500, "internal", f"the server hit an internal error: {type(exc).__name__}")
 
 
 # -- one daemon request behind one HTTP request ---------------------------------------------------------------
@@ -105,6 +129,16 @@ class Renderer:
     """How one endpoint turns the daemon's answer into bytes. `live`: forward text chunks as they come."""
 
     live = True
+    media_type = b"text/event-stream; charset=utf-8"  # of a streamed answer
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers
+
+    def connected(self, client: Client) -> None:
+        """The daemon connection the answer comes from is known (its Welcome names the model)."""
+
+    def error(self, status: int, code: str, message: str, param: str | None = None,
+              retry_after: int | None = None) -> Response:
+        """The answer when the request fails before anything was sent."""
+        return error_response(status, code, message, param=param, retry_after=retry_after)
 
     def prelude(self) -> bytes:
         """Sent right after the stream's headers."""
@@ -179,6 +213,9 @@ class OpenAIRenderer(Renderer):
         self.include_usage, self.echo = include_usage, echo
         self.model = ""
 
+    def connected(self, client: Client) -> None:
+        self.model = client.welcome.model
+
     def prelude(self) -> bytes:
         return self.chunk(self.echo) if self.echo else b""
 
@@ -216,9 +253,11 @@ class OpenAIRenderer(Renderer):
 class Failed(Exception):
     """The request ends with this HTTP error (or, once streaming, an error event)."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+        self.param = param
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -234,6 +273,7 @@ class Generation:
                  renderer: Renderer, stream: bool):
         self.svc, self.endpoint, self.start, self.renderer, self.stream = svc, endpoint, start, renderer, stream
         self.t0 = time.perf_counter()
+        self.loaded = self.t0  # when the daemon connection was ready
         self.deadline = self.t0 + svc.settings.request_timeout
         self.client: Client | None = None
         self.daemon: Stream | None = None
@@ -278,8 +318,8 @@ class Generation:
             first = await self._begin()
         except Failed as f:
             return await self._fail(send, f)
-        if isinstance(self.renderer, OpenAIRenderer) and self.client is not None:
-            self.renderer.model = self.client.welcome.model
+        if self.client is not None:
+            self.renderer.connected(self.client)
         if not self.stream:
             try:
                 piece = first
@@ -289,13 +329,14 @@ class Generation:
                 return await self._fail(send, f)
             body = self.renderer.body(self)
             await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                *self.renderer.headers]})
             await send({"type": "http.response.body", "body": body})
             return
         self.started = True  # from here on, errors are events
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
+            (b"content-type", self.renderer.media_type), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"), *self.renderer.headers]})
         live = self.renderer.live
         if prelude := self.renderer.prelude():
             await send({"type": "http.response.body", "body": prelude, "more_body": True})
@@ -316,13 +357,16 @@ class Generation:
             self.client = await up.get(max(0.0, self.deadline - time.perf_counter()))
         except Unavailable as e:
             raise Failed(503, "unavailable", str(e), e.retry_after) from None
+        self.loaded = time.perf_counter()
         try:
             self.daemon = await self.start(self.client)
         except DaemonUnavailable as e:
             up.lost(self.client)
             raise Failed(503, "unavailable", str(e), 1) from None
         except UnicodeEncodeError as e:
-            raise Failed(422, "invalid", f"the request's text is not valid Unicode: {e}") from None
+            raise Failed(400, "invalid", f"the request's text is not valid Unicode: {e}") from None
+        except s.InvalidRequest as e:  # a check that needs the daemon's answer (the model's name)
+            raise Failed(e.status, e.code, e.message, param=e.param) from None
         return await self._next()
 
     async def _next(self) -> str | None:
@@ -359,7 +403,7 @@ class Generation:
 
     async def _fail(self, send: Send, f: Failed) -> None:
         if not self.started:
-            resp = error_response(f.status, f.code, f.message, retry_after=f.retry_after)
+            resp = self.renderer.error(f.status, f.code, f.message, param=f.param, retry_after=f.retry_after)
             await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
             await send({"type": "http.response.body", "body": resp.body})
             return
@@ -381,7 +425,8 @@ class Service:
     def __init__(self, settings: Settings, upstream: Upstream | None = None):
         self.settings = settings
         self.metrics = Metrics(ENDPOINTS)
-        self.upstream = upstream or Upstream(settings.socket, autostart=settings.autostart,
+        daemon_args = ["--bundle", str(settings.bundle)] if settings.bundle is not None else []
+        self.upstream = upstream or Upstream(settings.socket, autostart=settings.autostart, daemon_args=daemon_args,
                                              on_connect=lambda client: self.metrics.reconnects.inc())
         self.openapi = msgspec.json.encode(s.openapi(max_tokens_cap=settings.max_tokens_cap, version=VERSION,
                                                      token=settings.token is not None))
@@ -414,8 +459,16 @@ class Service:
 
     # -- request helpers ----------------------------------------------------------------------------------
 
-    async def read(self, request: Request, type_: type[Any]) -> Any:
-        return s.decode(await request.body(), type_)
+    async def read(self, request: Request, type_: type[Any], refusals: dict[str, str] | None = None) -> Any:
+        return s.decode(await request.body(), type_, refusals)
+
+    @staticmethod
+    def check_model(client: Client, model: str | None) -> None:
+        """InvalidRequest unless `model` (None: not given) names the daemon's model or an alias of it."""
+        names = model_names(client.welcome.model)
+        if model is not None and model not in names:
+            raise s.InvalidRequest(f"model: {model!r} is not served here; use one of {', '.join(map(repr, names))} "
+                                   "(GET /v1/models)", "model", "model_not_found")
 
     def check_cap(self, max_tokens: int) -> None:
         cap = self.settings.max_tokens_cap
@@ -466,11 +519,10 @@ class Service:
             CompletionRenderer(plan, len(r.prefix)), r.stream)
 
     async def openai_completions(self, request: Request) -> Generation:
-        r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest)
+        r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest, s.OPENAI_REFUSALS)
         prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
-        # OpenAI clients ask for generous lengths by habit: clamp to the cap instead of refusing.
-        max_tokens = min(OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens,
-                         self.settings.max_tokens_cap)
+        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens
+        self.check_cap(max_tokens)
         sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
         renderer = OpenAIRenderer(include_usage=bool(r.stream_options and r.stream_options.include_usage),
@@ -478,10 +530,13 @@ class Service:
         suffix = r.suffix
         if suffix is None and not prompt:
             suffix = ""  # nothing to continue: write the start of a file instead
-        if suffix is not None:
-            start = lambda c: c.fim(prompt, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
-        else:
-            start = lambda c: c.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+
+        def start(c: Client) -> Awaitable[Stream]:
+            self.check_model(c, r.model)
+            if suffix is not None:
+                return c.fim(prompt, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+            return c.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+
         return Generation(self, "/v1/completions", start, renderer, bool(r.stream))
 
     async def models(self, request: Request) -> Response:
@@ -489,7 +544,8 @@ class Service:
             client = await self.upstream.get(2.0)
         except Unavailable as e:
             return error_response(503, "unavailable", str(e), retry_after=e.retry_after)
-        body = s.OpenAIModelList([s.OpenAIModel(id=client.welcome.model, created=0)])
+        model, *aliases = model_names(client.welcome.model)
+        body = s.OpenAIModelList([s.OpenAIModel(id=model, created=0, aliases=aliases)])
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
@@ -510,10 +566,16 @@ class Service:
         return Response(data, headers={"Content-Type": content_type})
 
     async def openapi_endpoint(self, request: Request) -> Response:
-        return Response(self.openapi, media_type="application/json")
+        w = self.upstream.welcome
+        if w is None:
+            return Response(self.openapi, media_type="application/json")
+        doc = s.with_models(msgspec.json.decode(self.openapi), model_names(w.model))
+        return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
 def create_app(settings: Settings | None = None, *, upstream: Upstream | None = None) -> Starlette:
+    from m31r.http import ollama
+
     settings = settings or Settings()
     svc = Service(settings, upstream)
 
@@ -533,7 +595,8 @@ def create_app(settings: Settings | None = None, *, upstream: Upstream | None = 
         Route("/health", svc.health, methods=["GET"], max_body_size=limit),
         Route("/metrics", svc.metrics_endpoint, methods=["GET"], max_body_size=limit),
         Route("/openapi.json", svc.openapi_endpoint, methods=["GET"], max_body_size=limit),
-    ]
+        *ollama.routes(svc, limit),
+    ]  # (the Ollama module builds on this one's Generation: imported here, not at the top)
     middleware = [
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,
@@ -544,6 +607,7 @@ def create_app(settings: Settings | None = None, *, upstream: Upstream | None = 
                                      allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
                                      max_age=600))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request})
+                    exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request,
+                                        **ollama.EXCEPTION_HANDLERS, Exception: internal_error})
     app.state.service = svc
     return app

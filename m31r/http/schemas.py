@@ -1,9 +1,10 @@
 """The HTTP API's wire format: msgspec Structs, and the OpenAPI document generated from them.
 
 The Structs are the contract: requests are decoded (and validated) straight into them, responses are encoded
-from them, and `/openapi.json` is `msgspec.json.schema_components` of them. Native requests refuse unknown
-fields (a typo is a 422 naming the field); the OpenAI-compatible request ignores fields it does not use, as
-OpenAI-compatible servers do, so clients that send extra options keep working.
+from them, and `/openapi.json` is `msgspec.json.schema_components` of them. Every request refuses unknown
+fields (a typo is a 400 naming the field). The OpenAI-compatible request lists all of OpenAI's fields, and
+those this server cannot honour accept only their no-op values (`n: 1`, `logprobs: null`, ...): a client
+never gets an answer that quietly ignores what it asked for.
 """
 
 from __future__ import annotations
@@ -175,29 +176,48 @@ class HealthUnavailable(Struct):
 # -- OpenAI-compatible --------------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, kw_only=True):
+class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
 
 
-class OpenAICompletionRequest(Struct, kw_only=True):
-    """OpenAI's legacy completions request. `suffix` makes it fill-in-the-middle; an empty prompt without one
-    writes the start of a file (fill-in-the-middle in an empty file). Fields not listed are accepted and ignored
-    (logprobs are never returned); temperature defaults to 0 (greedy), not OpenAI's 1; max_tokens above the
-    server's cap is lowered to it."""
+class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's legacy completions request, every field of it: honoured, or (where this server cannot honour
+    it) accepted only at its no-op value. `suffix` makes it fill-in-the-middle; an empty prompt without one
+    writes the start of a file. Differences from OpenAI: temperature defaults to 0 (greedy), not 1; `model` may
+    be left out (there is one model)."""
 
-    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
-    model: str | None = None
-    suffix: str | None = None
-    max_tokens: Annotated[int, Meta(ge=0, le=INT32)] | None = None
+    prompt: Annotated[str | Annotated[list[str], Meta(min_length=1, max_length=1)], Meta(
+        description="One prompt: a string, or a list of one string (batches and token ids are not supported).")]
+    model: Annotated[str, Meta(description="The model's name or an alias (GET /v1/models lists them).")] | None = None
+    suffix: Annotated[str, Meta(description="The text after the cursor: fill-in-the-middle.")] | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=INT32, description=(
+        "Most tokens to generate (default 16, as OpenAI's); at most the server's --max-tokens-cap."))] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=1, description="Choices per prompt: only 1.")] | None = None
+    best_of: Annotated[int, Meta(ge=1, le=1, description="Candidates to pick from: only 1.")] | None = None
+    logprobs: Annotated[None, Meta(description="Log probabilities are not returned: only null.")] = None
+    echo: Annotated[bool, Meta(description="Start the completion's text with the prompt.")] | None = None
+    presence_penalty: Annotated[float, Meta(ge=0, le=0, description="Not supported: only 0.")] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=0, le=0, description="Not supported: only 0.")] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=0, description="Not supported: only {}.")] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | Stop | None = None
     seed: Seed | None = None
-    echo: Annotated[bool, Meta(description="Start the completion's text with the prompt.")] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(description="An end-user id; accepted and not used.")] | None = None
+
+
+# Why a field of OpenAI's request was refused: prefixed to the validation error, which names the field.
+OPENAI_REFUSALS = {
+    "n": "this server returns one choice per request: n must be 1",
+    "best_of": "this server returns the one completion it generates: best_of must be 1",
+    "logprobs": "this server does not return log probabilities: logprobs must be null or left out",
+    "presence_penalty": "presence_penalty is not supported: it must be 0 or left out",
+    "frequency_penalty": "frequency_penalty is not supported: it must be 0 or left out",
+    "logit_bias": "logit_bias is not supported: it must be {} or left out",
+    "prompt": "prompt must be one string (or a list of one string): batches and token ids are not supported",
+}
 
 
 OpenAIFinishReason = Literal["stop", "length"]
@@ -232,6 +252,7 @@ class OpenAIModel(Struct):
     created: int
     owned_by: str = "m31r"
     object: Literal["model"] = "model"
+    aliases: list[str] = []  # other names requests may use for this model (not an OpenAI field)
 
 
 class OpenAIModelList(Struct):
@@ -243,10 +264,10 @@ class OpenAIModelList(Struct):
 
 
 class InvalidRequest(ValueError):
-    """A request body that does not fit its schema: answered 422 with the field named."""
+    """A request body that does not fit its schema: answered 400 with the field named."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid"):
-        self.message, self.param, self.code = message, param, code
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid", status: int = 400):
+        self.message, self.param, self.code, self.status = message, param, code, status
         super().__init__(message)
 
 
@@ -265,19 +286,26 @@ def _integral(obj: Any) -> Any:
     return obj
 
 
-def decode(body: bytes, type_: type[Any]) -> Any:
-    """`body` as a `type_`, or InvalidRequest whose message and `param` name the offending field."""
+def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None) -> Any:
+    """`body` as a `type_`, or InvalidRequest whose message and `param` name the offending field (`refusals`:
+    why a field is refused, put before the validation error)."""
     try:
         return msgspec.convert(_integral(msgspec.json.decode(body)), type_)
     except msgspec.ValidationError as e:
         text = str(e)
         m = _AT.search(text)
         param = m.group(1) if m else None
-        if param is None and (f := _FIELD.search(text)):
-            param = f.group(1)
+        if f := _FIELD.search(text):  # a field missing or unknown: named by its full path
+            param = f"{param}.{f.group(1)}" if param else f.group(1)
+        top = (param or "").split(".")[0].split("[")[0]
+        if refusals and top in refusals:
+            text = f"{refusals[top]} ({text})"
         raise InvalidRequest(text, param) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
+    except RecursionError:
+        # msgspec (and _integral) recurse once per level: no request field nests more than three deep.
+        raise InvalidRequest("the body's JSON is nested too deeply", None, "too_deep") from None
 
 
 # -- OpenAPI ------------------------------------------------------------------------------------------------
@@ -285,7 +313,8 @@ def decode(body: bytes, type_: type[Any]) -> Any:
 REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest)
 RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
              OpenAICompletion, OpenAIModelList)
-CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest")  # their max_tokens maximum is the server's cap
+# Their max_tokens maximum is the server's cap.
+CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest", "OpenAICompletionRequest")
 
 
 def _ref(name: str) -> dict:
@@ -297,12 +326,12 @@ def _json(name: str) -> dict:
 
 
 _ERRORS = {
-    "400": "The prompt and max_tokens do not fit the model's context (code `context_overflow`).",
+    "400": "The body is not valid JSON, nests too deeply, or does not fit the schema (`error.param` names the "
+           "field); or the prompt and max_tokens do not fit the model's context (code `context_overflow`).",
     "401": "A bearer token is configured and the request did not carry it.",
     "403": "The Host header is not a loopback name (DNS-rebinding defence), or the Origin is not allowed.",
     "409": "Cancelled by the daemon: superseded by a newer request for the same `path`.",
     "413": "The request body exceeds the server's limit.",
-    "422": "The body is not valid JSON or does not fit the schema; `error.param` names the field.",
     "503": "The daemon is busy (its queue is full), starting, or unavailable: retry after Retry-After seconds.",
     "504": "The request ran past the server's request timeout.",
 }
@@ -332,8 +361,11 @@ def openapi(*, max_tokens_cap: int, version: str = "0.1.0", token: bool = False)
     """The OpenAPI 3.1 document for this server (schemas: JSON Schema 2020-12, generated from the Structs)."""
     _, components = msgspec.json.schema_components(REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}")
     for name in CAPPED:
-        components[name]["properties"]["max_tokens"]["maximum"] = max_tokens_cap
-    gen_errors = ("400", "401", "403", "409", "413", "422", "503", "504")
+        prop = components[name]["properties"]["max_tokens"]
+        for schema in prop.get("anyOf", [prop]):
+            if schema.get("type") == "integer":
+                schema["maximum"] = max_tokens_cap
+    gen_errors = ("400", "401", "403", "409", "413", "503", "504")
     common = ("401", "403")
 
     def native_events(resp: str) -> dict:
@@ -366,7 +398,8 @@ def openapi(*, max_tokens_cap: int, version: str = "0.1.0", token: bool = False)
         "/v1/completions": post("OpenAI-compatible completions (`suffix`: fill-in-the-middle)",
                                 "OpenAICompletionRequest", "OpenAICompletion",
                                 "`data: {...}` lines of OpenAICompletion chunks, then `data: [DONE]`.", openai_events),
-        "/v1/models": {"get": {"summary": "OpenAI-compatible model list: the daemon's model", "responses": {
+        "/v1/models": {"get": {"summary": "OpenAI-compatible model list: the daemon's model and its aliases",
+                               "responses": {
             "200": {"description": "The model", "content": _json("OpenAIModelList")},
             **_error_responses((*common, "503"))}}},
         "/health": {"get": {"summary": "Ready (with model info) when the daemon answers", "responses": {
@@ -391,4 +424,14 @@ def openapi(*, max_tokens_cap: int, version: str = "0.1.0", token: bool = False)
     if token:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def with_models(doc: dict, names: list[str]) -> dict:
+    """`doc` with OpenAICompletionRequest.model limited to `names` (known once the daemon has answered)."""
+    doc = msgspec.json.decode(msgspec.json.encode(doc))  # a deep copy
+    prop = doc["components"]["schemas"]["OpenAICompletionRequest"]["properties"]["model"]
+    for schema in prop.get("anyOf", [prop]):
+        if schema.get("type") == "string":
+            schema["enum"] = list(names)
     return doc

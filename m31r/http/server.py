@@ -41,7 +41,8 @@ def check_bind(host: str, allow_remote: bool) -> bool:
 
 
 def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | None = None, *,
-        autostart: bool = True, allow_remote: bool = False, allowed_hosts: Iterable[str] = (),
+        autostart: bool = True, bundle: str | Path | None = None, allow_remote: bool = False,
+        allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (), token_file: str | Path | None = None, max_body: int = DEFAULT_MAX_BODY,
         max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         log_level: str = "info") -> int:
@@ -65,7 +66,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
     from m31r.http.app import Settings, create_app
 
     setup_logging(log_level)
-    settings = Settings(socket=socket, autostart=autostart, allowed_hosts=tuple(hosts),
+    settings = Settings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),
                         cors_origins=tuple(cors_origins), token=token, max_body=max_body,
                         max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
     try:
@@ -78,7 +79,8 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
                             log_level=log_level, log_config=None, access_log=False, server_header=False,
                             limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
     log.info("serving", extra={"fields": {"url": f"http://{host}:{port}", "socket": str(socket or "default"),
-                                          "autostart": autostart, "token": token is not None,
+                                          "autostart": autostart, "bundle": str(bundle or "default"),
+                                          "token": token is not None,
                                           "cors_origins": list(cors_origins), "max_tokens_cap": max_tokens_cap}})
     server = uvicorn.Server(config)
     server.run()

@@ -30,9 +30,11 @@ class Unavailable(DaemonUnavailable):
 
 
 class Upstream:
-    def __init__(self, socket: str | Path | None, *, autostart: bool = True, client_name: str = "m31r-http",
-                 start_timeout: float = 120.0, on_connect: Callable[[Client], None] | None = None):
+    def __init__(self, socket: str | Path | None, *, autostart: bool = True, daemon_args: list[str] | None = None,
+                 client_name: str = "m31r-http", start_timeout: float = 120.0,
+                 on_connect: Callable[[Client], None] | None = None):
         self.socket, self.autostart, self.client_name = socket, autostart, client_name
+        self.daemon_args = list(daemon_args or [])  # for an autostarted daemon: `--bundle DIR`
         self.start_timeout = start_timeout
         self.on_connect = on_connect or (lambda client: None)
         self.welcome: Welcome | None = None  # of the last connection made
@@ -80,8 +82,9 @@ class Upstream:
 
     async def _connect(self) -> Client | None:
         try:
-            client = await connect_or_start(self.socket, autostart=self.autostart, client=self.client_name,
-                                            timeout=self.start_timeout, progress=lambda msg: log.info("%s", msg))
+            client = await connect_or_start(self.socket, autostart=self.autostart, daemon_args=self.daemon_args,
+                                            client=self.client_name, timeout=self.start_timeout,
+                                            progress=lambda msg: log.info("%s", msg))
         except (DaemonUnavailable, DaemonError, OSError) as e:
             self._failures += 1
             cap = 30.0 if self.autostart else 2.0  # a failing autostart is expensive; a plain connect is not

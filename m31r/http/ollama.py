@@ -1,0 +1,321 @@
+"""Ollama's API on `m31r serve`: `POST /api/generate`, `POST /api/show`, `GET /api/tags`, `GET /api/version`, so
+that editor plugins written for a local Ollama (Continue's autocomplete, llama-coder, Twinny) work unchanged.
+
+Where it follows Ollama and where it does not:
+- `suffix` (even empty) makes a request fill-in-the-middle. A prompt that is exactly another model family's FIM
+  layout (what llama-coder and Twinny send) is split back into prefix and suffix (`fim_templates.py`). No prompt
+  template is ever applied, so `raw` changes nothing.
+- Options honoured: num_predict, temperature, top_k, top_p, seed, stop. Every other option is ignored, as Ollama
+  ignores options it does not know (plugins send num_ctx, num_thread, repeat_penalty by habit); the response's
+  `X-M31R-Ignored-Options` header names them.
+- Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
+  num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
+  cap is refused. A prompt too long for the context loses its start, as Ollama's does (`truncate: false` refuses).
+- Fields asking for what this model cannot do (system, template, context, images, format, think, logprobs, image
+  generation) are refused with 400; unknown top-level fields are ignored, as Ollama's JSON decoding does.
+- Errors have Ollama's shape, `{"error": "message"}`: 400 bad input, 404 unknown model, 503 busy or unavailable;
+  mid-stream, one `{"error": ...}` line ends the stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from m31r.http import schemas as s
+from m31r.http.app import Generation, Renderer, Service, model_names
+from m31r.http.fim_templates import split_fim
+from m31r.http.upstream import Unavailable
+from m31r_protocol import Client, Stream
+from m31r_protocol.messages import StatusReply
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API this follows: clients gate features on it
+HONOURED = frozenset({"num_predict", "temperature", "top_k", "top_p", "seed", "stop"})
+# What /api/show reports as the prompt template. Continue looks for `.Suffix` in it to decide that a model
+# does fill-in-the-middle; this is the layout the daemon builds (README "Fill-in-the-middle layout").
+TEMPLATE = ("{{- if .Suffix }}<|fim_suffix|>{{ .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_middle|>"
+            "{{- else }}{{ .Prompt }}{{- end }}")
+NDJSON = b"application/x-ndjson"
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error as Ollama answers one (clients read `error` as a string)."""
+    return Response(msgspec.json.encode({"error": message}), status, headers=headers, media_type="application/json")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+# -- requests ---------------------------------------------------------------------------------------------------
+
+
+class Options(Struct):
+    """The options honoured (unknown keys are ignored when decoding, as Ollama ignores them)."""
+
+    num_predict: int | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=s.INT32)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=s.INT63)] | None = None  # negative: a random seed (Ollama's -1)
+    stop: str | s.Stop | None = None
+
+
+class GenerateRequest(Struct, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str = ""
+    suffix: str | None = None
+    raw: bool = False
+    stream: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None  # accepted and not used: the daemon keeps its model loaded until it stops
+    truncate: bool = True
+    # What this server cannot do: accepted only empty.
+    system: str = ""
+    template: str = ""
+    context: list[int] | None = None
+    images: list[str] | None = None
+    format: Any = None
+    think: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+
+
+REFUSED = {
+    "system": "a system prompt needs a chat template, and this code model has none",
+    "template": "prompt templates are not supported: send the text before the cursor as `prompt` and the text "
+                "after it as `suffix`",
+    "context": "`context` (an earlier response's conversation memory) is not supported",
+    "images": "this model reads text only",
+    "format": "structured output (`format`) is not supported",
+    "think": "this model does not think: `think` must be false or left out",
+    "logprobs": "log probabilities are not returned",
+    "top_logprobs": "log probabilities are not returned",
+    "width": "image generation is not supported",
+    "height": "image generation is not supported",
+    "steps": "image generation is not supported",
+}
+
+
+class ShowRequest(Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None  # the field's name before Ollama 0.5
+    verbose: bool = False
+
+
+def check_model(client: Client, model: str) -> str:
+    """The model's name for `model` (a name or alias, `:latest` allowed), or InvalidRequest (404, as Ollama)."""
+    names = model_names(client.welcome.model)
+    base, _, tag = model.partition(":")
+    if base not in names or tag not in ("", "latest"):
+        listed = ", ".join(f'"{n}"' for n in names)
+        raise s.InvalidRequest(f'model "{model}" not found: this server serves {listed}', "model",
+                               "model_not_found", status=404)
+    return model
+
+
+def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
+    """The honoured options, validated, and the names of those ignored."""
+    raw = raw or {}
+    try:
+        opts = msgspec.convert(raw, Options)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        field = text.rsplit("$.", 1)[-1].rstrip("`") if "$." in text else ""
+        param = f"options.{field}" if field else "options"
+        raise s.InvalidRequest(f"{param}: {text}", param) from None
+    if opts.num_predict is not None and opts.num_predict < -2:
+        raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 0 or more, or -1 for "
+                               "no limit", "options.num_predict")
+    return opts, sorted(k for k in raw if k not in HONOURED)
+
+
+# -- responses --------------------------------------------------------------------------------------------------
+
+
+class OllamaRenderer(Renderer):
+    """Newline-delimited JSON objects, the last with `done: true`, the counts, and durations in nanoseconds."""
+
+    media_type = NDJSON
+
+    def __init__(self, model: str, ignored: list[str]):
+        self.model = model  # echoed as the request named it, as Ollama does
+        self.headers = ((b"x-m31r-ignored-options", ", ".join(ignored).encode()),) if ignored else ()
+
+    def _line(self, obj: dict) -> bytes:
+        return msgspec.json.encode(obj) + b"\n"
+
+    def _done(self, g: Generation, response: str) -> dict:
+        d = g.done
+        assert d is not None
+        u, t = d.usage, d.timings
+        return {"model": self.model, "created_at": _now(), "response": response, "done": True,
+                "done_reason": "length" if d.finish_reason == "length" else "stop",
+                "total_duration": _ns(time.perf_counter() - g.t0), "load_duration": _ns(g.loaded - g.t0),
+                "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": _ns(t.prefill_ms / 1000),
+                "eval_count": u.completion_tokens,
+                "eval_duration": _ns(max(0.0, t.total_ms - t.queue_ms - t.prefill_ms) / 1000)}
+
+    def chunk(self, text: str) -> bytes:
+        return self._line({"model": self.model, "created_at": _now(), "response": text, "done": False})
+
+    def final(self, g: Generation) -> bytes:
+        return self._line(self._done(g, ""))
+
+    def body(self, g: Generation) -> bytes:
+        return msgspec.json.encode(self._done(g, g.text))
+
+    def load(self) -> dict:
+        """Ollama's answer to an empty prompt: the model is loaded (here: the daemon answers)."""
+        return {"model": self.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+
+    def error(self, status: int, code: str, message: str, param: str | None = None,
+              retry_after: int | None = None) -> Response:
+        return error_response(status, message, {"Retry-After": str(retry_after)} if retry_after is not None else None)
+
+    def error_event(self, status: int, code: str, message: str) -> bytes:
+        return self._line({"error": message})
+
+
+def _details(st: StatusReply) -> dict:
+    quant = st.quant or st.dtype
+    return {"parent_model": "", "format": "safetensors", "family": "m31r", "families": ["m31r"],
+            "parameter_size": "", "quantization_level": quant.upper()}
+
+
+def _bundle_files(bundle: str) -> tuple[int, str]:
+    """The bundle's size in bytes and when it last changed (0 and now when it cannot be read from here)."""
+    try:
+        files = [p.stat() for p in Path(bundle).iterdir() if p.is_file()]
+    except OSError:
+        return 0, _now()
+    if not files:
+        return 0, _now()
+    changed = max(f.st_mtime for f in files)
+    return sum(f.st_size for f in files), datetime.fromtimestamp(changed, UTC).isoformat().replace("+00:00", "Z")
+
+
+# -- endpoints --------------------------------------------------------------------------------------------------
+
+
+class Ollama:
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    async def _client(self) -> Client:
+        try:
+            return await self.svc.upstream.get(self.svc.settings.request_timeout)
+        except Unavailable as e:
+            raise _Unavailable(str(e), e.retry_after) from None
+
+    async def _status(self) -> StatusReply:
+        st = await self.svc.upstream.status(wait=2.0, timeout=2.0)
+        if st is None:
+            raise _Unavailable(f"the daemon is unavailable: {self.svc.upstream.last_error}", 1)
+        return st
+
+    async def generate(self, request: Request) -> Response | Generation:
+        svc = self.svc
+        r: GenerateRequest = await svc.read(request, GenerateRequest)
+        for name, why in REFUSED.items():
+            if getattr(r, name):
+                raise s.InvalidRequest(f"{name}: {why}", name)
+        opts, ignored = _options(r.options)
+        cap = svc.settings.max_tokens_cap
+        n = opts.num_predict
+        if n is not None and n > cap:
+            raise s.InvalidRequest(f"options.num_predict: {n} exceeds this server's cap of {cap} "
+                                   "(m31r serve --max-tokens-cap)", "options.num_predict")
+        sampling = svc.sampling(opts.temperature or 0.0, opts.top_k or 0, 1.0 if opts.top_p is None else opts.top_p)
+        seed = opts.seed if opts.seed is not None and opts.seed >= 0 else None
+        stop = [opts.stop] if isinstance(opts.stop, str) else list(opts.stop or [])
+        prefix, suffix = r.prompt, r.suffix
+        if suffix is None and (layout := split_fim(r.prompt)) is not None:
+            _, prefix, suffix = layout
+        renderer = OllamaRenderer(r.model, ignored)
+        if suffix is None and not prefix:  # Ollama loads the model and says so
+            check_model(await self._client(), r.model)
+            line = msgspec.json.encode(renderer.load())
+            return Response(line + b"\n" if r.stream else line, headers=dict(
+                (k.decode(), v.decode()) for k, v in renderer.headers),
+                media_type=(NDJSON if r.stream else b"application/json").decode())
+
+        def start(c: Client) -> Awaitable[Stream]:
+            check_model(c, r.model)
+            max_tokens = n if n is not None and n >= 0 else min(cap, c.welcome.max_context // 2)
+            if suffix is not None:
+                return c.fim(prefix, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed)
+            return c.generate(prefix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed,
+                              truncate=r.truncate)
+
+        return Generation(svc, "/api/generate", start, renderer, r.stream)
+
+    async def show(self, request: Request) -> Response:
+        r: ShowRequest = await self.svc.read(request, ShowRequest)
+        model = r.model or r.name
+        if not model:
+            raise s.InvalidRequest("model: required", "model")
+        client = await self._client()
+        check_model(client, model)
+        st = await self._status()
+        ctx = client.welcome.max_context
+        _, modified = _bundle_files(st.bundle)
+        body = {"license": "", "modelfile": f"# served by m31r from its bundle\nFROM {st.model}\n",
+                "parameters": f"num_ctx {ctx}", "template": TEMPLATE, "details": _details(st),
+                "model_info": {"general.architecture": "m31r", "m31r.context_length": ctx},
+                "capabilities": ["completion", "insert"], "modified_at": modified}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def tags(self, request: Request) -> Response:
+        st = await self._status()
+        size, modified = _bundle_files(st.bundle)
+        # Ollama's names have no "@version" (it marks a digest there): the listing leaves the daemon's id out.
+        names = [n for n in model_names(st.model) if "@" not in n]
+        models = [{"name": f"{name}:latest", "model": f"{name}:latest", "modified_at": modified, "size": size,
+                   "digest": st.fingerprint, "details": _details(st)} for name in names]
+        return Response(msgspec.json.encode({"models": models}), media_type="application/json")
+
+    async def version(self, request: Request) -> Response:
+        return Response(msgspec.json.encode({"version": OLLAMA_VERSION}), media_type="application/json")
+
+
+class _Unavailable(Exception):
+    """No daemon: 503 with Retry-After, in Ollama's error shape."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.message, self.retry_after = message, retry_after
+
+
+async def _unavailable(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _Unavailable)
+    return error_response(503, exc.message, {"Retry-After": str(exc.retry_after)})
+
+
+EXCEPTION_HANDLERS = {_Unavailable: _unavailable}
+
+
+def routes(svc: Service, max_body: int) -> list[Route]:
+    o = Ollama(svc)
+    return [
+        Route("/api/generate", o.generate, methods=["POST"], max_body_size=max_body),
+        Route("/api/show", o.show, methods=["POST"], max_body_size=max_body),
+        Route("/api/tags", o.tags, methods=["GET"], max_body_size=max_body),
+        Route("/api/version", o.version, methods=["GET"], max_body_size=max_body),
+    ]

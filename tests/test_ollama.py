@@ -1,0 +1,190 @@
+"""Ollama's API on `m31r serve`, driven by the real `ollama` client from PyPI (what Ollama plugins' authors use
+to test against Ollama), against a real server in front of a real daemon serving the tiny random-weight bundle.
+
+A random-weight model writes noise, so answers are compared with the native endpoints' for the same request
+(greedy: the same input gives the same text), not with expected text.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import httpx
+import ollama
+import pytest
+from daemon_util import start_daemon, stop_daemon
+from test_http import Server
+
+pytestmark = pytest.mark.timeout(120)
+
+CAP = 64
+PREFIX, SUFFIX = "fn add(a: u32, b: u32) -> u32 {\n    ", "\n}\n"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ollama")
+    daemon = start_daemon(tiny_bundle.path, tmp / "d.sock", "--cache-mb", "16")
+    srv = Server(tmp, tmp / "d.sock", "--max-tokens-cap", str(CAP))
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+        stop_daemon(daemon)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url, timeout=30)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def native(http: httpx.Client, **body) -> dict:
+    """The same request through the native endpoints: /fim with a suffix, else /generate."""
+    r = http.post("/fim" if "suffix" in body else "/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_final(part: ollama.GenerateResponse, max_tokens: int) -> None:
+    assert part.done is True and part.done_reason in ("stop", "length")
+    assert 0 < part.eval_count <= max_tokens and part.prompt_eval_count > 0
+    # Nanoseconds, as Ollama reports them: a request on the tiny model takes between 0.1 ms and 60 s.
+    assert 1e5 < part.total_duration < 60e9 and part.prompt_eval_duration > 0 and part.eval_duration > 0
+    assert part.load_duration >= 0 and part.total_duration >= part.prompt_eval_duration + part.eval_duration
+    datetime.fromisoformat(part.created_at.replace("Z", "+00:00"))
+
+
+def test_version_tags_show(client, http, tiny_bundle):
+    version = http.get("/api/version").json()["version"]
+    assert tuple(map(int, version.split("."))) >= (0, 5, 0)
+    name = tiny_bundle.model_id.split("@")[0]
+    models = client.list().models
+    assert [m.model for m in models] == [f"{name}:latest", "m31r:latest"]
+    assert all(m.digest == tiny_bundle.fingerprint and m.size > 0 and m.details.format == "safetensors"
+               for m in models)
+    show = client.show("m31r")
+    assert ".Suffix" in show.template and "insert" in show.capabilities  # Continue's test for FIM support
+    assert show.parameters == "num_ctx 512" and show.modelinfo["m31r.context_length"] == 512
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("llama3")
+    assert e.value.status_code == 404 and "not found" in e.value.error
+
+
+@pytest.mark.parametrize("fim", [False, True])
+def test_generate(client, http, fim):
+    """Non-streaming and streaming, with and without `suffix`: the same text as the native endpoint."""
+    kw = {"suffix": SUFFIX} if fim else {}
+    expected = native(http, prefix=PREFIX, max_tokens=8, **kw) if fim else native(http, prompt=PREFIX, max_tokens=8)
+    one = client.generate(model="m31r", prompt=PREFIX, options={"num_predict": 8}, **kw)
+    assert one.model == "m31r" and one.response == expected["text"]
+    check_final(one, 8)
+    assert one.eval_count == expected["usage"]["completion_tokens"]
+    assert one.prompt_eval_count == expected["usage"]["prompt_tokens"]
+    assert one.done_reason == ("length" if expected["finish_reason"] == "length" else "stop")
+
+    parts = list(client.generate(model="m31r:latest", prompt=PREFIX, options={"num_predict": 8}, stream=True, **kw))
+    assert len(parts) >= 3 and all(p.done is False and p.response for p in parts[:-1])
+    assert parts[-1].response == "" and "".join(p.response for p in parts) == expected["text"]
+    check_final(parts[-1], 8)
+    assert parts[-1].eval_count == one.eval_count and parts[-1].done_reason == one.done_reason
+
+
+def test_stream_is_ndjson_by_default(http):
+    with http.stream("POST", "/api/generate", json={"model": "m31r", "prompt": "fn", "options": {
+            "num_predict": 4}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert [x["done"] for x in lines] == [False] * (len(lines) - 1) + [True]
+    assert {"model", "created_at", "response", "done"} <= set(lines[0])
+
+
+def test_options(client, http):
+    # Sampling with a seed is reproducible and differs from greedy; top_k and top_p are honoured, not refused.
+    opts = {"num_predict": 12, "temperature": 1.0, "seed": 5, "top_k": 50, "top_p": 0.95}
+    a = client.generate(model="m31r", prompt="fn", options=opts).response
+    assert a == client.generate(model="m31r", prompt="fn", options=opts).response
+    assert a == native(http, prompt="fn", max_tokens=12, temperature=1.0, seed=5, top_k=50, top_p=0.95)["text"]
+    # Stop sequences end the text before them.
+    full = client.generate(model="m31r", prompt="fn", options={"num_predict": 12}).response
+    assert len(full) >= 4
+    cut = client.generate(model="m31r", prompt="fn", options={"num_predict": 12, "stop": [full[2:4]]})
+    assert cut.response == full[: full.index(full[2:4])] and cut.done_reason == "stop"
+    # Options this server does not implement are ignored, as Ollama ignores unknown ones, and named.
+    r = http.post("/api/generate", json={"model": "m31r", "prompt": "fn", "stream": False, "options": {
+        "num_predict": 12, "num_ctx": 4096, "repeat_penalty": 1.1, "mirostat": 0}})
+    assert r.status_code == 200 and r.json()["response"] == full
+    assert r.headers["x-m31r-ignored-options"] == "mirostat, num_ctx, repeat_penalty"
+    # num_predict left out: generation runs on (here to the tiny model's stop or half its context, 256 > CAP).
+    r = client.generate(model="m31r", prompt="fn")
+    assert r.eval_count == CAP or r.done_reason == "stop"
+
+
+def test_fim_layouts_of_other_models(client, http):
+    """llama-coder and Twinny lay out FIM prompts for the model they expect: served as real FIM requests."""
+    expected = native(http, prefix=PREFIX, suffix=SUFFIX, max_tokens=8)["text"]
+    for prompt in (f"<PRE> {PREFIX} <SUF>{SUFFIX} <MID>", f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>",
+                   f"<｜fim▁begin｜>{PREFIX}<｜fim▁hole｜>{SUFFIX}<｜fim▁end｜>", f"[SUFFIX]{SUFFIX}[PREFIX]{PREFIX}"):
+        r = client.generate(model="m31r", prompt=prompt, raw=True, options={"num_predict": 8, "stop": ["<EOT>"]})
+        assert r.response == expected, prompt
+
+
+def test_load_request(client):
+    """An empty prompt is how Ollama clients load a model: answered at once."""
+    r = client.generate(model="m31r")
+    assert r.done is True and r.done_reason == "load" and r.response == ""
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ({"model": "llama3", "prompt": "fn"}, 404, 'model "llama3" not found'),
+    ({"model": "m31r:7b", "prompt": "fn"}, 404, "not found"),
+    ({"model": "llama3", "prompt": ""}, 404, "not found"),
+    ({"prompt": "fn"}, 400, "model"),
+    ({"model": "m31r", "prompt": "fn", "options": {"num_predict": CAP + 1}}, 400, f"cap of {CAP}"),
+    ({"model": "m31r", "prompt": "fn", "options": {"num_predict": -3}}, 400, "options.num_predict"),
+    ({"model": "m31r", "prompt": "fn", "options": {"temperature": "hot"}}, 400, "options.temperature"),
+    ({"model": "m31r", "prompt": "fn", "options": {"stop": [1]}}, 400, "options.stop"),
+    ({"model": "m31r", "prompt": "fn", "system": "be brief"}, 400, "system"),
+    ({"model": "m31r", "prompt": "fn", "images": ["aGk="]}, 400, "images"),
+    ({"model": "m31r", "prompt": "fn", "format": "json"}, 400, "format"),
+    ({"model": "m31r", "prompt": "fn", "think": True}, 400, "think"),
+    ({"model": "m31r", "prompt": "fn", "context": [1, 2]}, 400, "context"),
+])
+def test_errors(client, http, body, status, words):
+    """Errors have Ollama's shape ({"error": "..."}), which the client turns into a ResponseError."""
+    for stream in (False, True):
+        r = http.post("/api/generate", json={**body, "stream": stream})
+        assert r.status_code == status and words in r.json()["error"], r.text
+    if "model" in body:  # (the client itself refuses a request without one)
+        with pytest.raises(ollama.ResponseError) as e:
+            client.generate(**body)
+        assert e.value.status_code == status and words in e.value.error
+
+
+def test_bad_json_unknown_paths_deep_nesting(http):
+    for raw in (b"{", b"[" * 5000 + b"]" * 5000, b'{"model": "m31r", "options": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+        r = http.post("/api/generate", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text[:200]
+    r = http.post("/api/chat", json={})
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
+    assert http.get("/api/generate").status_code == 405
+
+
+def test_no_daemon_is_a_503(tmp_path):
+    srv = Server(tmp_path, tmp_path / "none.sock")  # --no-autostart, and nothing listens there
+    try:
+        for method, path, body in (("GET", "/api/tags", None), ("POST", "/api/show", {"model": "m31r"}),
+                                   ("POST", "/api/generate", {"model": "m31r", "prompt": "fn"})):
+            r = httpx.request(method, f"{srv.url}{path}", json=body, timeout=30)
+            assert r.status_code == 503 and "retry-after" in r.headers, (path, r.text)
+            assert isinstance(r.json()["error"], str) and "daemon" in r.json()["error"]
+        assert httpx.get(f"{srv.url}/api/version").status_code == 200  # needs no daemon
+    finally:
+        srv.stop()
