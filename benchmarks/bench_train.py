@@ -11,7 +11,9 @@ interleaved, round by round, so drift on a shared machine hits them alike. Repor
   data %       share of the step spent building rows (tokenising FIM samples, slicing the stream)
 
 Variants:
-  old          what the trainer did before: bf16 autocast whatever the CPU, unfused AdamW, full-context rows
+  old          what the trainer did before: bf16 autocast whatever the CPU, unfused AdamW (its step here is one
+               row of --old-seq tokens, which flatters it: short rows are cheaper per token)
+  fp32-unfused the old step without the bf16 cast: full-context rows, unfused AdamW
   new-<len>    the trainer now: autocast only where bf16 is native, fused AdamW, rows of <len> tokens (the context
                schedule's stages), the same tokens per step
 
@@ -74,6 +76,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--lengths", default="256,512,1024", help="row lengths of the new trainer to measure")
     ap.add_argument("--skip-old", action="store_true")
+    ap.add_argument("--old-seq", type=int, default=256,
+                    help="the old variant's step is one row of this many tokens: where bf16 is emulated it runs ~30x "
+                         "slower than fp32, and a full step would take many minutes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -99,27 +104,30 @@ def main() -> int:
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
     new_cast = autocast_dtype("auto", torch.device("cpu"))
-    variants = [] if args.skip_old else [("old", torch.bfloat16, False, mc.max_context)]
-    variants += [(f"new-{n}", new_cast, True, int(n)) for n in args.lengths.split(",")]
+    full = rows_per_micro_batch(tc, mc.max_context, mc.max_context)
+    # (name, autocast dtype, fused AdamW, row length, rows per micro-batch, micro-batches per step)
+    variants = [] if args.skip_old else [("old", torch.bfloat16, False, args.old_seq, 1, 1)]
+    variants += [("fp32-unfused", None, False, mc.max_context, full, tc.grad_accum)]
+    variants += [(f"new-{n}", new_cast, True, int(n), rows_per_micro_batch(tc, int(n), mc.max_context),
+                  tc.grad_accum) for n in args.lengths.split(",")]
 
     states = {}
-    for name, cast, fused, seq in variants:
+    for name, cast, fused, seq, rows, accum in variants:
         model = Transformer(mc)
         init_weights(model, tc.seed)
         model.train()
-        states[name] = (model, make_optimizer(model, tc, fused=fused), cast, seq, [], [])
+        states[name] = (model, make_optimizer(model, tc, fused=fused), cast, seq, rows, accum, [], [])
 
     def step(name: str, i: int) -> None:
-        model, opt, cast, seq, times, data_times = states[name]
+        model, opt, cast, seq, n_rows, accum, times, data_times = states[name]
         rng = random.Random(1000 + i)
-        n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
         t0 = time.perf_counter()
         data_s = 0.0
-        for _ in range(tc.grad_accum):
+        for _ in range(accum):
             d0 = time.perf_counter()
             rows, cats = data.batch("train", rng, n_rows, seq)
             data_s += time.perf_counter() - d0
-            (total_loss(loss_terms(model, rows, cats, cast), tc) / tc.grad_accum).backward()
+            (total_loss(loss_terms(model, rows, cats, cast), tc) / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -136,8 +144,8 @@ def main() -> int:
     peak32 = matmul_peak(torch.float32, args.threads)
     peak16 = matmul_peak(torch.bfloat16, args.threads) if fast_bf16(torch.device("cpu")) else None
     rows = []
-    for name, (_, _, cast, seq, times, data_times) in states.items():
-        tokens = tc.grad_accum * rows_per_micro_batch(tc, seq, mc.max_context) * seq
+    for name, (_, _, cast, seq, n_rows, accum, times, data_times) in states.items():
+        tokens = accum * n_rows * seq
         t = statistics.median(times)
         tflops = tokens * flops_per_token(mc, seq) / t / 1e12
         peak = peak16 if cast is not None and peak16 else peak32
