@@ -18,7 +18,8 @@ Tasks, drawn deterministically from a seeded RNG (same --seed and val split, sam
                body lines with their newlines.
 
   Only middles that fit the completion budget are used (single-line: --single-tokens - 1 tokens, multi-line:
-  the FIM reserve - 1, as in training), so every task is solvable.
+  --multi-tokens - 1), so every task is solvable. The budgets and the perplexity windows (--ppl-context) are
+  fixed numbers, not the model's: models of different context lengths get the same tasks and windows.
 
 Metrics, on prediction and target normalised the same way (trailing whitespace of each line and trailing
 blank lines dropped):
@@ -27,7 +28,7 @@ blank lines dropped):
   edit similarity  1 - Levenshtein(prediction, target) / max(len(prediction), len(target)), by characters,
                    with an exact dynamic programme (difflib's ratio is not an edit distance); 1.0 when both
                    are empty
-  perplexity       exp(mean next-token loss) over non-overlapping windows of max_context + 1 tokens spread
+  perplexity       exp(mean next-token loss) over non-overlapping windows of --ppl-context + 1 tokens spread
                    evenly over the validation stream (files tokenised and joined with <|endoftext|>, as in
                    training), with the engine's model and dtype; also bits per byte of the predicted text
 
@@ -218,7 +219,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     return results
 
 
-def perplexity(engine, texts: list[str], n_windows: int) -> dict:
+def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -226,7 +227,7 @@ def perplexity(engine, texts: list[str], n_windows: int) -> dict:
     stream: list[int] = []
     for ids in tok.encode_batch(texts):
         stream += ids + [tok.eos_id]
-    w = engine.config.max_context + 1
+    w = min(context, engine.config.max_context) + 1
     k = min(n_windows, len(stream) // w)
     if k == 0:
         return {"windows": 0}
@@ -262,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
     p.add_argument("--n-single", type=int, default=100)
     p.add_argument("--n-multi", type=int, default=50)
-    p.add_argument("--ppl-windows", type=int, default=32, help="windows of max_context tokens for perplexity")
+    p.add_argument("--ppl-windows", type=int, default=32, help="windows of --ppl-context tokens for perplexity")
+    p.add_argument("--ppl-context", type=int, default=1024, help="tokens per perplexity window")
+    p.add_argument("--multi-tokens", type=int, default=128, help="max new tokens of a multi-line completion")
     p.add_argument("--single-tokens", type=int, default=48, help="max new tokens of a single-line completion")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
@@ -291,13 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     if not texts:
         raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
     reserve = FimBudget.for_context(engine.config.max_context).reserve
-    single_max = min(args.single_tokens, reserve)
-    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, reserve)
+    single_max, multi_max = min(args.single_tokens, reserve), min(args.multi_tokens, reserve)
+    if (single_max, multi_max) != (args.single_tokens, args.multi_tokens):
+        log(f"warning: this model's completion budget is {reserve} tokens: tasks are cut to it, and differ from "
+            f"a larger model's")
+    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, multi_max)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
-    results = run_tasks(engine, tasks, single_max, reserve, log, heal=not args.no_heal)
+    results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal)
     t_ppl = time.perf_counter()
-    ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows)
+    ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
 
     import torch
@@ -316,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "max_context": engine.config.max_context,
-        "max_new_tokens": {"single": single_max, "multi": reserve},
+        "max_new_tokens": {"single": single_max, "multi": multi_max},
         "single_line": summarize(results, "single"),
         "multi_line": summarize(results, "multi"),
         "perplexity": ppl,
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<12} {0:>5}")
     if ppl["windows"]:
         print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
-              f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x {engine.config.max_context} tokens)")
+              f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x "
+              f"{ppl['tokens'] // ppl['windows']} tokens)")
     summary = {k: v for k, v in report.items() if k != "tasks"}
     print(json.dumps(summary, ensure_ascii=False))
     if args.out:

@@ -53,7 +53,8 @@ def main() -> int:
             name, _, rest = spec.partition("=")
             model, _, bundle = rest.partition("@")
             cfg = dict(base, model=str(Path(model).resolve()), max_steps=args.steps,
-                       warmup_steps=max(1, args.steps // 4), eval_interval=args.steps, ckpt_interval=args.steps,
+                       warmup_steps=2 if args.minutes else max(1, args.steps // 10), eval_interval=args.steps,
+                       ckpt_interval=args.steps,
                        context_schedule=[[0.0, args.seq]], init_from=str(Path(bundle).resolve()) if bundle else None)
             if not bundle:  # from scratch: the learning rate a new run would use, not a continuation's
                 cfg["lr"], cfg["min_lr"] = 1.5e-3, 1.5e-4
