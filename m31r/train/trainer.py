@@ -263,6 +263,14 @@ def make_optimizer(model: Transformer, tc: TrainConfig, fused: bool = True) -> t
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
+def bundle_identity(bundle_dir: str | Path) -> dict:
+    """Who a run's first weights came from, never where: a path of this machine must not reach a released bundle."""
+    f = Path(bundle_dir) / "metadata.json"
+    meta = json.loads(f.read_text()) if f.exists() else {}
+    return {"model": f"{meta.get('model_name', '?')}@{meta.get('model_version', '?')}",
+            "tokens_seen": meta.get("tokens_seen"), "dataset_version": meta.get("dataset_version")}
+
+
 def load_weights(model: Transformer, bundle_dir: str | Path) -> None:
     """Start from a float bundle's weights (the model config must match the bundle's shape)."""
     from safetensors.torch import load_file
@@ -327,7 +335,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     elif init_from or tc.init_from:
         source = init_from or tc.init_from
         load_weights(model, source)
-        state["init_from"] = str(source)
+        state["init_from"] = bundle_identity(source)
         log(f"new run from the weights of {source} (fresh optimizer)")
     model.to(dev)
     opt = make_optimizer(model, tc)
@@ -411,7 +419,12 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
         "tokens_seen": state["tokens"],
         "train_seconds": round(state["seconds"]),
         "train_config": state["train_config"],
+        "init_from": bundle_identity(init) if isinstance(init := state.get("init_from"), str) else init,
         "hardware": "; ".join(state.get("hardware", [])) or f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
+        # What the dataset version's hash was made from: every source package with its version, and the crates
+        # held out (what an eval on "unseen crates" may draw from).
+        "dataset_packages": manifest.get("source_packages", {}),
+        "dataset_val_crates": manifest.get("val_crates", []),
     }
     if evals:
         v = evals[-1]
