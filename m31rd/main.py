@@ -60,7 +60,7 @@ class DaemonOptions:
 
 def run(opts: DaemonOptions) -> int:
     setup_logging(opts.log_level)
-    from m31rd.sockets import SocketInUse, activated_socket, bind_unix, sd_notify
+    from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify
 
     t0 = time.perf_counter()
     sock = activated_socket()
@@ -70,7 +70,7 @@ def run(opts: DaemonOptions) -> int:
             # Fail fast before loading the model if another daemon is live; bind for real afterwards.
             bind_unix(opts.socket).close()
             opts.socket.unlink(missing_ok=True)
-        except (SocketInUse, OSError) as e:
+        except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             log.error("cannot listen: %s", e)
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
@@ -102,7 +102,7 @@ def run(opts: DaemonOptions) -> int:
     if sock is None:
         try:
             sock = bind_unix(opts.socket)
-        except (SocketInUse, OSError) as e:
+        except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
         owned = opts.socket

@@ -26,9 +26,9 @@ from m31r.engine import Engine
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTooLarge, pack, read_frame
+from m31r_protocol.peer import peer_uid
 from m31rd.prefix_cache import PrefixCache
 from m31rd.scheduler import Job, Scheduler
-from m31rd.sockets import peer_uid
 from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")

@@ -74,7 +74,7 @@ def daemons(tiny_bundle, tmp_path_factory):
     cold = tmp_path_factory.mktemp("cold") / "m31rd.sock"
     # `life` starts on top of a stale socket file: a daemon that died without cleaning up.
     life = tmp_path_factory.mktemp("life") / "run" / "m31rd.sock"
-    life.parent.mkdir()
+    life.parent.mkdir(mode=0o700)  # a stale socket in a private folder: the folder rule passes
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(life))
     stale.close()
@@ -568,19 +568,38 @@ def test_socket_permissions(warm):
     assert stat.S_ISSOCK(warm.socket.stat().st_mode)
 
 
-def test_an_existing_socket_folder_keeps_its_mode(tmp_path):
-    """`--socket /tmp/m.sock` must not make /tmp private: only a folder the daemon creates is made 0700."""
-    from m31rd.sockets import bind_unix
+def refused_daemon(bundle: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `m31r daemon` where it must refuse to start: it fails before loading the model, or times out."""
+    return subprocess.run([*DAEMON, "--bundle", str(bundle), "--threads", "1", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=60)
 
+
+@pytest.mark.parametrize("mode", [0o1777, 0o755, 0o770], ids=oct)
+def test_a_socket_folder_others_can_use_is_refused_and_keeps_its_mode(tiny_bundle, tmp_path, mode):
+    """`--socket /tmp/m.sock`: a folder others can write to (or look into) could hold someone else's socket in our
+    place. The daemon refuses it, and never chmods it (that would change /tmp for everyone)."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    os.chmod(shared, 0o1777)
-    sock = bind_unix(shared / "m.sock")
-    try:
-        assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
-        assert stat.S_IMODE((shared / "m.sock").stat().st_mode) == 0o600
-    finally:
-        sock.close()
+    os.chmod(shared, mode)
+    r = refused_daemon(tiny_bundle.path, "--socket", str(shared / "m.sock"))
+    assert r.returncode != 0 and f"mode {mode:04o}" in r.stderr and "must be 0700" in r.stderr, r.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == mode
+    assert not (shared / "m.sock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+def test_a_squatted_default_socket_folder_is_refused(tiny_bundle, tmp_path):
+    """No XDG_RUNTIME_DIR: the socket lives in $TMPDIR/m31r-<uid>/. Another user who made that folder first
+    (mode 0700, so only they can look inside) would own whatever socket appears in it: the daemon refuses."""
+    squatted = tmp_path / f"m31r-{os.getuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    env = {k: v for k, v in ENV.items() if k not in ("XDG_RUNTIME_DIR", "M31R_SOCKET")}
+    r = refused_daemon(tiny_bundle.path, env={**env, "TMPDIR": str(tmp_path)})
+    assert r.returncode != 0 and f"{squatted} belongs to uid 65534" in r.stderr, r.stderr
+    st = squatted.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o700)
+    assert list(squatted.iterdir()) == []
 
 
 def test_stale_socket_is_replaced(life):
