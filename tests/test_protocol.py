@@ -418,6 +418,7 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
 
     class StubDaemon:
         enc, dec = m.encoder(), m.client_decoder()
+        read_timeout = None
 
         def welcome(self) -> m.Welcome:
             return WELCOME
