@@ -50,7 +50,7 @@ class M31rLanguageServer(LanguageServer):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.config = defaults or Settings()
         self.link = DaemonLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
-        self.completer = Completer(self.link, lambda: self.config, self.document)
+        self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell)
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
 
     # -- helpers ----------------------------------------------------------------------------------------------

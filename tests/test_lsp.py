@@ -421,6 +421,25 @@ async def test_did_change_configuration(lsp):
     await until(lambda: _settings_are(s, max_tokens=5, multiline="never"), timeout=10)
 
 
+async def test_max_tokens_above_the_daemon_limit_is_clamped_and_the_user_told_once(lsp, tiny_config):
+    """maxTokens accepts up to 4096, the tiny model's context is 512: the daemon would refuse every request
+    (`bad_request`) and the editor would show nothing. The server sends the daemon's limit and says so once."""
+    s = await lsp({**NOISE, "maxTokens": 4000})
+    s.open(RUST)
+    offset = RUST.index("    counts\n}") + len("    counts")
+    for cursor in (offset, LINE_ENDS[0]):
+        res = await s.inline(cursor)
+        st = await s.stats()
+        assert st["lastFim"]["max_tokens"] == tiny_config.max_context
+        assert "daemon_error_bad_request" not in st and st["lastRaw"]
+        if cursor == offset:
+            assert len(res.items) == 1  # a suggestion, as with the default maxTokens
+    told = [m for m in s.client.messages if "maxTokens" in m.message]
+    assert len(told) == 1 and told[0].type == t.MessageType.Warning
+    assert "maxTokens 4000" in told[0].message and f"limit of {tiny_config.max_context}" in told[0].message
+    assert st["max_tokens_clamped"] == 2
+
+
 async def _settings_are(s: Session, **want) -> bool:
     got = (await s.stats())["settings"]
     return all(got[k] == v for k, v in want.items())
