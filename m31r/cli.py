@@ -546,19 +546,22 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
 
 @main.command()
 @socket_option
-@click.option("--tcp", metavar="HOST:PORT", default=None, help="Serve LSP over TCP instead of stdio.")
+@click.option("--tcp", metavar="HOST:PORT", default=None,
+              help="Serve LSP over TCP instead of stdio; HOST must be loopback unless --allow-remote.")
+@click.option("--allow-remote", is_flag=True, help="Allow --tcp on a non-loopback address (prints a warning).")
 @click.option("--no-autostart", is_flag=True, help="Do not start a daemon when none runs.")
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
               help="Bundle for an autostarted daemon (default: the daemon's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
-def lsp(socket_path: Path | None, tcp: str | None, no_autostart: bool, bundle_dir: Path | None,
+@user_errors
+def lsp(socket_path: Path | None, tcp: str | None, allow_remote: bool, no_autostart: bool, bundle_dir: Path | None,
         log_level: str) -> None:
     """Run the language server (LSP over stdio; stdout carries the protocol only)."""
     from m31r_lsp.server import run
 
     run(str(socket_path) if socket_path else None, tcp, not no_autostart,
-        bundle=str(bundle_dir) if bundle_dir else None, log_level=log_level)
+        bundle=str(bundle_dir) if bundle_dir else None, log_level=log_level, allow_remote=allow_remote)
 
 
 # ------------------------------------------------------------------------------------------------------------
