@@ -126,7 +126,8 @@ class Client:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
             try:
-                check_daemon_owner(writer.get_extra_info("socket"), path)  # before the Hello: send it nothing
+                if (sock := writer.get_extra_info("socket")) is not None:
+                    check_daemon_owner(sock, path)  # before the Hello: a foreign daemon is sent nothing
             except ForeignPeer as e:
                 writer.close()
                 raise ForeignDaemon(str(e)) from None

@@ -520,13 +520,14 @@ async def test_one_connection_cannot_fill_the_queue(warm):
     requests, and another connection is still served."""
     async with await Client.connect(warm.socket) as hog, await Client.connect(warm.socket) as other:
         streams = [await hog.generate("fn main() {", max_tokens=400) for _ in range(20)]
+        admitted = await other.generate("fn ok", max_tokens=2)
         for s in streams[16:]:
             err = await expect_error(s, "busy", timeout=5)
             assert "16 requests in flight on this connection (limit 16 per connection" in err.message, err
-        out = await run(await other.generate("fn ok", max_tokens=2))
-        assert out.done.usage.completion_tokens == 2
         for s in streams[:16]:
             await s.cancel()
+        out = await run(admitted)
+        assert out.done.usage.completion_tokens == 2
     await until_idle(warm.socket)
 
 
