@@ -54,11 +54,15 @@ class DocState:
 
 class Completer:
     def __init__(self, link: DaemonLink, settings: Callable[[], Settings],
-                 document: Callable[[str], tuple[str, int | None] | None]):
-        """`document(uri)` gives the live (text, version) of an open document, or None."""
+                 document: Callable[[str], tuple[str, int | None] | None],
+                 tell: Callable[[str], None] | None = None):
+        """`document(uri)` gives the live (text, version) of an open document, or None; `tell(message)` shows the
+        user a message (window/showMessage)."""
         self.link = link
         self.settings = settings
         self.document = document
+        self.tell = tell or (lambda message: None)
+        self._told_clamp: tuple[int, int] | None = None  # (maxTokens, limit) the user was told about
         self.docs: dict[str, DocState] = {}
         self.stats: Counter[str] = Counter()
         self.last_raw: str | None = None
@@ -172,6 +176,7 @@ class Completer:
             self.stats["unavailable"] += 1
             return None
         kwargs = plan.fim_kwargs()
+        kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context)
         self.last_fim = {**kwargs, "document": uri}
         t0 = time.perf_counter()
         stream = None
@@ -217,6 +222,17 @@ class Completer:
         if s.accept_ahead:
             st.warm = self._spawn(self._warm(uri, st.shown, s))
         return Result(text, version, offset, suggestion, "model")
+
+    def _clamp_max_tokens(self, max_tokens: int, limit: int) -> int:
+        """The daemon refuses max_tokens above its model's context (every completion would silently come back
+        empty): send its limit instead, and tell the user once per setting."""
+        if max_tokens <= limit:
+            return max_tokens
+        self.stats["max_tokens_clamped"] += 1
+        if self._told_clamp != (max_tokens, limit):
+            self._told_clamp = (max_tokens, limit)
+            self.tell(f"m31r: maxTokens {max_tokens} is above the model's limit of {limit} tokens; using {limit}.")
+        return limit
 
     async def _warm(self, uri: str, shown: policy.Shown, s: Settings) -> None:
         """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""

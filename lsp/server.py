@@ -13,14 +13,18 @@ Features
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import ipaddress
 import logging
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from urllib.parse import unquote
 
 from lsprotocol import types
 from pygls.capabilities import get_capability
+from pygls.io_ import run_async
 from pygls.lsp.server import LanguageServer
 
 from m31r_lsp import settings as settings_mod
@@ -50,7 +54,7 @@ class M31rLanguageServer(LanguageServer):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.config = defaults or Settings()
         self.link = DaemonLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
-        self.completer = Completer(self.link, lambda: self.config, self.document)
+        self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell)
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
 
     # -- helpers ----------------------------------------------------------------------------------------------
@@ -95,6 +99,62 @@ class M31rLanguageServer(LanguageServer):
         enc = self.encoding
         return await self.completer.complete(
             uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked)
+
+    def start_tcp(self, host: str, port: int) -> None:
+        """pygls' TCP server, except that a connection whose first line is not LSP framing (`Content-Length:`,
+        `Content-Type:`) is closed unanswered: a web page can make the browser POST to a port on 127.0.0.1, and
+        that request must not be read as JSON-RPC."""
+        self._stop_event = stop_event = threading.Event()
+
+        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                first = await reader.readline()
+            except (ValueError, ConnectionError):  # a first line over the stream's limit, or a reset
+                first = b""
+            if not first.lower().startswith(b"content-"):
+                log.warning("closed a TCP connection that does not speak LSP (first bytes %r)", first[:16])
+                writer.close()
+                return
+            self.protocol.set_writer(writer)  # type: ignore[arg-type]
+            await run_async(stop_event=stop_event, reader=_Replay(first, reader), protocol=self.protocol,
+                            logger=log, error_handler=self.report_server_error)
+            self.shutdown()
+
+        async def serve() -> None:
+            self._server = await asyncio.start_server(connection, host, port)
+            async with self._server:
+                await self._server.serve_forever()
+
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(serve())
+
+
+class _Replay:
+    """A stream reader that gives back a line already read before the rest of the stream."""
+
+    def __init__(self, line: bytes, reader: asyncio.StreamReader):
+        self.line: bytes | None = line
+        self.reader = reader
+
+    async def readline(self) -> bytes:
+        if self.line is not None:
+            line, self.line = self.line, None
+            return line
+        return await self.reader.readline()
+
+    async def readexactly(self, n: int) -> bytes:
+        return await self.reader.readexactly(n)
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback name or address (no DNS lookup)."""
+    h = host.strip("[]").rstrip(".").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def create_server(defaults: Settings | None = None) -> M31rLanguageServer:
@@ -204,18 +264,32 @@ def completion_item(ls: M31rLanguageServer, result: Result, params: types.Comple
     )
 
 
+def tcp_address(tcp: str, allow_remote: bool) -> tuple[str, int]:
+    """(host, port) of `--tcp HOST:PORT` (HOST defaults to 127.0.0.1). ValueError for a non-loopback HOST unless
+    `allow_remote`: the server reads any open document it is sent and talks to this user's daemon."""
+    host, sep, port = tcp.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--tcp expects HOST:PORT, not {tcp!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    if not is_loopback(host):
+        if not allow_remote:
+            raise ValueError(f"--tcp {tcp}: {host} is not a loopback address, so other machines could connect; "
+                             "pass --allow-remote if that is what you want")
+        print(f"warning: m31r lsp is listening on {host}:{port}, reachable from other machines: anyone who can "
+              "connect gets completions from this user's daemon", file=sys.stderr)
+    return host, int(port)
+
+
 def run(socket: str | None = None, tcp: str | None = None, autostart: bool = True, *, bundle: str | None = None,
-        log_level: str = "warning") -> None:
-    """Serve on stdio, or on TCP at "HOST:PORT". `socket`, `autostart` and `bundle` are the defaults that the
-    client's settings may override."""
+        log_level: str = "warning", allow_remote: bool = False) -> None:
+    """Serve on stdio, or on TCP at "HOST:PORT" (loopback only unless `allow_remote`). `socket`, `autostart` and
+    `bundle` are the defaults that the client's settings may override."""
+    address = tcp_address(tcp, allow_remote) if tcp else None
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="m31r-lsp %(levelname)s %(name)s: %(message)s")
     server = create_server(Settings(socket=socket, autostart=autostart, bundle=bundle))
-    if tcp:
-        host, sep, port = tcp.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"--tcp expects HOST:PORT, not {tcp!r}")
-        server.start_tcp(host.strip("[]") or "127.0.0.1", int(port))
+    if address:
+        server.start_tcp(*address)
     else:
         server.start_io()
 
@@ -227,10 +301,14 @@ def _main() -> None:  # `python -m m31r_lsp [--tcp HOST:PORT] [--socket PATH] [-
     ap.add_argument("--socket", default=None)
     ap.add_argument("--tcp", default=None, metavar="HOST:PORT")
     ap.add_argument("--bundle", default=None)
+    ap.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address")
     ap.add_argument("--no-autostart", action="store_true")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     a = ap.parse_args()
-    run(a.socket, a.tcp, not a.no_autostart, bundle=a.bundle, log_level=a.log_level)
+    try:
+        run(a.socket, a.tcp, not a.no_autostart, bundle=a.bundle, log_level=a.log_level, allow_remote=a.allow_remote)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 if __name__ == "__main__":

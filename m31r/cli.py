@@ -200,6 +200,15 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
                    "bounds concurrent requests. 0 disables reuse across requests.")
 @click.option("--max-queue", type=int, default=32, show_default=True,
               help="Requests in flight before new ones are answered `busy`.")
+@click.option("--max-per-connection", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests one connection may have in flight before its new ones are answered `busy`, so that one "
+                   "client cannot fill the whole queue.")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=1 << 21, show_default=True,
+              help="Largest Generate prompt (or Fim prefix + suffix) in characters; longer ones are refused before "
+                   "they are tokenised.")
+@click.option("--read-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds a frame may take to arrive once its first byte has (0: no limit); a connection that "
+                   "stalls mid-frame gets an error and is closed. Idle connections are never timed out.")
 @click.option("--max-active", type=int, default=8, show_default=True,
               help="Requests advanced together (each holds a cache slot; bounded by --cache-mb).")
 @click.option("--decode-width", type=int, default=8, show_default=True,
@@ -213,15 +222,17 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,
-           cache_mb: float, max_queue: int, max_active: int, decode_width: int, chunk_size: int, quant: str | None,
-           log_level: str) -> None:
+           cache_mb: float, max_queue: int, max_per_connection: int, max_prompt_chars: int, read_timeout: float,
+           max_active: int, decode_width: int, chunk_size: int, quant: str | None, log_level: str) -> None:
     """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
-                         max_active=max_active, decode_width=decode_width, chunk_size=chunk_size, quant=quant,
+                         max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
+                         read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
+                         chunk_size=chunk_size, quant=quant,
                          log_level=log_level)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
@@ -631,19 +642,22 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
 
 @main.command()
 @socket_option
-@click.option("--tcp", metavar="HOST:PORT", default=None, help="Serve LSP over TCP instead of stdio.")
+@click.option("--tcp", metavar="HOST:PORT", default=None,
+              help="Serve LSP over TCP instead of stdio; HOST must be loopback unless --allow-remote.")
+@click.option("--allow-remote", is_flag=True, help="Allow --tcp on a non-loopback address (prints a warning).")
 @click.option("--no-autostart", is_flag=True, help="Do not start a daemon when none runs.")
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
               help="Bundle for an autostarted daemon (default: the daemon's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
-def lsp(socket_path: Path | None, tcp: str | None, no_autostart: bool, bundle_dir: Path | None,
+@user_errors
+def lsp(socket_path: Path | None, tcp: str | None, allow_remote: bool, no_autostart: bool, bundle_dir: Path | None,
         log_level: str) -> None:
     """Run the language server (LSP over stdio; stdout carries the protocol only)."""
     from m31r_lsp.server import run
 
     run(str(socket_path) if socket_path else None, tcp, not no_autostart,
-        bundle=str(bundle_dir) if bundle_dir else None, log_level=log_level)
+        bundle=str(bundle_dir) if bundle_dir else None, log_level=log_level, allow_remote=allow_remote)
 
 
 # ------------------------------------------------------------------------------------------------------------

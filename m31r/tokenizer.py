@@ -50,6 +50,10 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), special, model_vocab)
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > 4096:
+            # Same ids, but `encode_batch` lets go of the GIL while it works (`encode` holds it: ~1 s per MB), so a
+            # long text tokenised on a worker thread does not stall the daemon's event loop and inference thread.
+            return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

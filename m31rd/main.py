@@ -50,6 +50,9 @@ class DaemonOptions:
     threads: int | None = None
     cache_mb: float = 1536
     max_queue: int = 32
+    max_per_connection: int = 16
+    max_prompt_chars: int = 1 << 21
+    read_timeout: float = 10.0
     max_active: int = 8
     chunk_size: int = 8
     decode_width: int = 8
@@ -60,7 +63,7 @@ class DaemonOptions:
 
 def run(opts: DaemonOptions) -> int:
     setup_logging(opts.log_level)
-    from m31rd.sockets import SocketInUse, activated_socket, bind_unix, sd_notify
+    from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify
 
     t0 = time.perf_counter()
     sock = activated_socket()
@@ -70,7 +73,7 @@ def run(opts: DaemonOptions) -> int:
             # Fail fast before loading the model if another daemon is live; bind for real afterwards.
             bind_unix(opts.socket).close()
             opts.socket.unlink(missing_ok=True)
-        except (SocketInUse, OSError) as e:
+        except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             log.error("cannot listen: %s", e)
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
@@ -95,14 +98,15 @@ def run(opts: DaemonOptions) -> int:
     from m31rd.server import Daemon
 
     daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
-                    max_active=opts.max_active, grace_s=opts.grace_s)
+                    max_active=opts.max_active, grace_s=opts.grace_s, max_per_connection=opts.max_per_connection,
+                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None)
     # Warm-up runs on the torch thread while the socket opens: requests queue behind it (the scheduler's loop is
     # submitted after it), Status and handshakes are answered at once.
     torch_thread.submit(_warm_up, daemon)
     if sock is None:
         try:
             sock = bind_unix(opts.socket)
-        except (SocketInUse, OSError) as e:
+        except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
         owned = opts.socket

@@ -24,8 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Generation, Token
-from m31r.fim import FimBudget, build_fim_prompt
+from m31r.engine import Chunk, Decode, Engine, Generation, Token
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31rd.prefix_cache import PrefixCache, Slot
@@ -47,7 +46,7 @@ class Job:
     deadline: float | None = None
     cancel_reason: str | None = None  # set from the event loop; read between steps
     # Inference-thread state.
-    ids: list[int] | None = None
+    ids: list[int] | None = None  # the prompt, tokenised before the job is queued
     max_tokens: int = 0
     heal: str = ""  # token healing: text the FIM prompt left out, written again first (m31r.fim)
     slot: Slot | None = None
@@ -71,7 +70,6 @@ class Scheduler:
         self.engine, self.cache = engine, cache
         self._post, self._call_soon = post, call_soon
         self.max_active = max(1, max_active)
-        self.budget = FimBudget.for_context(engine.config.max_context)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.active = 0
         self.thread = thread
@@ -123,11 +121,10 @@ class Scheduler:
                     pending.popleft()
                     self._send(job, m.Error(id=job.rid, code="internal", message=f"cannot start: {e!r}"), True)
                     continue
-                if started is None:
+                if not started:
                     break  # every slot is busy: wait for a running job to finish
                 pending.popleft()
-                if started:
-                    active.append(job)
+                active.append(job)
             for job in list(active):
                 if self._step(job):
                     active.remove(job)
@@ -152,31 +149,13 @@ class Scheduler:
         for job, logits in zip(decodes + chunks, decoded + chunked, strict=True):
             job.call, job.logits = None, logits
 
-    def _prompt(self, job: Job) -> tuple[list[int], int]:
-        req = job.request
-        if isinstance(req, m.Fim):
-            prompt = build_fim_prompt(self.engine.tokenizer, req.prefix, req.suffix, self.budget)
-            job.heal = prompt.heal
-            return prompt.ids, min(req.max_tokens, self.budget.reserve)
-        ids = self.engine.tokenizer.encode(req.prompt)
-        if not ids:
-            raise ValueError("empty prompt: nothing to continue from")
-        return self.engine.fit_prompt(ids, req.max_tokens, req.truncate), req.max_tokens
-
-    def _start(self, job: Job) -> bool | None:
-        """True: running; False: answered already (bad input); None: no free slot yet."""
-        try:
-            if job.ids is None:
-                job.ids, job.max_tokens = self._prompt(job)
-        except ContextOverflowError as e:
-            self._send(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
-            return False
-        except ValueError as e:
-            self._send(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
-            return False
+    def _start(self, job: Job) -> bool:
+        """True: running; False: no free slot yet. The prompt's ids come with the job: tokenising happens on the
+        event loop's side (m31rd.server), never on this thread, where a huge prompt would stall every stream."""
+        assert job.ids is not None
         slot = self.cache.acquire(job.ids, job.document)
         if slot is None:
-            return None
+            return False
         job.slot = slot
         job.started = time.perf_counter()
         job.result = Generation(prompt_tokens=len(job.ids))

@@ -16,23 +16,26 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import psutil
 
-from m31r.engine import Engine
+from m31r.engine import ContextOverflowError, Engine
+from m31r.fim import FimBudget, build_fim_prompt
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
-from m31r_protocol.framing import FrameTooLarge, pack, read_frame
+from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
+from m31r_protocol.peer import peer_uid
 from m31rd.prefix_cache import PrefixCache
 from m31rd.scheduler import Job, Scheduler
-from m31rd.sockets import peer_uid
 from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
 VERSION = "0.1.0"
+SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
 
 
 @dataclass
@@ -70,6 +73,24 @@ def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str]:
     return text, reason
 
 
+def prompt_chars(req: m.Generate | m.Fim) -> int:
+    return len(req.prompt) if isinstance(req, m.Generate) else len(req.prefix) + len(req.suffix)
+
+
+def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> tuple[list[int], int, str]:
+    """A request's prompt ids, max_tokens and healed text (m31r.fim). Runs on a worker thread: the tokenizer lets
+    go of the GIL on long texts, so a huge prompt costs its own request time, not everyone's (on the inference
+    thread it stalled every stream). Raises ContextOverflowError (too many tokens) or ValueError (an empty
+    prompt)."""
+    if isinstance(req, m.Fim):
+        prompt = build_fim_prompt(engine.tokenizer, req.prefix, req.suffix, budget)
+        return prompt.ids, min(req.max_tokens, budget.reserve), prompt.heal
+    ids = engine.tokenizer.encode(req.prompt)
+    if not ids:
+        raise ValueError("empty prompt: nothing to continue from")
+    return engine.fit_prompt(ids, req.max_tokens, req.truncate), req.max_tokens, ""
+
+
 class Connection:
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.daemon, self.reader, self.writer = daemon, reader, writer
@@ -89,12 +110,14 @@ class Connection:
                 self.send(m.Error(id=None, code="forbidden", message="this daemon serves only its own user"))
                 return
             if await self._handshake():
-                while (body := await read_frame(self.reader)) is not None:
+                while (body := await self._read()) is not None:
                     if not self._handle(body):
                         break
                     await self.writer.drain()
         except FrameTooLarge as e:
             self.send(m.Error(id=None, code="frame_too_large", message=str(e)))
+        except FrameTimeout as e:  # a client that stalls mid-frame would hold this connection forever
+            self.send(m.Error(id=None, code="bad_request", message=f"{e} (--read-timeout); closing the connection"))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away mid-frame: its jobs are cancelled below
         except Exception:
@@ -107,8 +130,11 @@ class Connection:
                 await self.writer.drain()
             self.writer.close()
 
+    async def _read(self) -> bytes | None:
+        return await read_frame(self.reader, timeout=self.daemon.read_timeout)
+
     async def _handshake(self) -> bool:
-        body = await read_frame(self.reader)
+        body = await self._read()
         if body is None:
             return False
         try:
@@ -163,11 +189,19 @@ def _salvage_id(body: bytes) -> int | None:
 
 class Daemon:
     def __init__(self, engine: Engine, torch_thread: TorchThread, *, cache_mb: float, max_queue: int = 32,
-                 max_active: int = 4, grace_s: float = 5.0):
+                 max_active: int = 4, grace_s: float = 5.0, max_per_connection: int = 16,
+                 max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0):
         """`torch_thread` must be the thread that built `engine`: the scheduler serves from it."""
         self.engine, self.torch_thread = engine, torch_thread
         self.cache = PrefixCache(engine, cache_mb)
         self.max_queue, self.grace_s = max_queue, grace_s
+        self.max_per_connection, self.max_prompt_chars = max_per_connection, max_prompt_chars
+        self.read_timeout = read_timeout
+        self.budget = FimBudget.for_context(engine.config.max_context)
+        # Small prompts get a worker of their own, so that a huge prompt being tokenised never delays them.
+        self.prompt_pools = (ThreadPoolExecutor(1, thread_name_prefix="m31rd-prompt"),
+                             ThreadPoolExecutor(2, thread_name_prefix="m31rd-prompt-large"))
+        self.preparing: set[asyncio.Task] = set()
         self.enc, self.dec = m.encoder(), m.client_decoder()
         self.max_active = max_active
         self.in_flight: set[Job] = set()
@@ -218,8 +252,16 @@ class Daemon:
             return refuse("bad_request", str(e))
         if isinstance(req, m.Fim) and req.deadline_ms is not None and req.deadline_ms < 0:
             return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
+        if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
+            what = "the prompt has" if isinstance(req, m.Generate) else "prefix and suffix have"
+            return refuse("bad_request", f"{what} {chars} characters; this daemon takes at most "
+                                         f"{self.max_prompt_chars} (--max-prompt-chars)")
         # A Fim that supersedes an older one for its document takes that one's place rather than being `busy`.
         superseded = self.by_document.get(req.document) if isinstance(req, m.Fim) and req.document else None
+        mine = sum(1 for j in conn.jobs.values() if j.cancel_reason is None and j is not superseded)
+        if mine >= self.max_per_connection:  # one connection must not take the whole queue from the others
+            return refuse("busy", f"{mine} requests in flight on this connection (limit {self.max_per_connection} "
+                                  f"per connection, --max-per-connection); retry shortly")
         live = sum(1 for j in self.in_flight if j.cancel_reason is None and j is not superseded)
         if live >= self.max_queue:
             return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
@@ -237,6 +279,26 @@ class Daemon:
                     return
         conn.jobs[req.id] = job
         self.in_flight.add(job)
+        task = asyncio.ensure_future(self._prepare(job))
+        self.preparing.add(task)
+        task.add_done_callback(self.preparing.discard)
+
+    async def _prepare(self, job: Job) -> None:
+        """Tokenise the job's prompt on a worker thread, then queue it for the inference thread."""
+        pool = self.prompt_pools[prompt_chars(job.request) > SMALL_PROMPT_CHARS]
+        try:
+            job.ids, job.max_tokens, job.heal = await asyncio.get_running_loop().run_in_executor(
+                pool, build_prompt, self.engine, self.budget, job.request)
+        except ContextOverflowError as e:
+            return self.post(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
+        except ValueError as e:
+            return self.post(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
+        except Exception as e:
+            log.exception("building a prompt failed")
+            return self.post(job, m.Error(id=job.rid, code="internal", message=f"cannot build the prompt: {e!r}"),
+                             True)
+        if job.cancel_reason is not None:  # cancelled, superseded or its client left while it was tokenised
+            return self.post(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
         self.scheduler.submit(job)
 
     def _answer_typed_through(self, conn: Connection, job: Job) -> bool:
@@ -329,9 +391,11 @@ class Daemon:
         self.scheduler.stop()
         if self.scheduler.finished is not None:
             await asyncio.to_thread(concurrent.futures.wait, [self.scheduler.finished], 5.0)
-        for task in list(conns):
+        for task in [*conns, *self.preparing]:
             task.cancel()
-        await asyncio.gather(*conns, return_exceptions=True)
+        await asyncio.gather(*conns, *self.preparing, return_exceptions=True)
+        for pool in self.prompt_pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         if owned_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 owned_path.unlink()

@@ -1,4 +1,5 @@
-"""The daemon's listening socket: safe creation, stale-socket recovery, peer checks, systemd integration."""
+"""The daemon's listening socket: safe creation, stale-socket recovery, systemd integration (peer checks are in
+m31r_protocol.peer, shared with the clients)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import contextlib
 import os
 import socket
 import stat
-import struct
-import sys
 from pathlib import Path
 
 SD_LISTEN_FDS_START = 3
@@ -15,6 +14,10 @@ SD_LISTEN_FDS_START = 3
 
 class SocketInUse(RuntimeError):
     """Another daemon is live on the socket."""
+
+
+class UnsafeSocketFolder(RuntimeError):
+    """The socket's folder could let another user put their own socket in our place."""
 
 
 def _is_live(path: Path) -> bool:
@@ -31,17 +34,39 @@ def _is_live(path: Path) -> bool:
         s.close()
 
 
+def check_folder(folder: Path) -> None:
+    """Refuse a socket folder that is not ours alone: owned by this user, mode 0700 (no group or other bits).
+
+    Anyone who can write to the folder, or who made it (`/tmp/m31r-<uid>` created by someone else first), can put
+    their own socket where clients look for ours. Such a folder is refused, never chmodded: it may be shared (/tmp,
+    a home or project folder), and changing its mode would change it for everyone who uses it."""
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid():
+        st = os.stat(folder)  # our own symlink: judge what it points to
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketFolder(f"socket folder {folder} is not a directory (or is a symlink someone else made)")
+    if st.st_uid != os.getuid():
+        raise UnsafeSocketFolder(
+            f"socket folder {folder} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): someone else may "
+            f"have made it to intercept completions; remove it, or choose another socket path (--socket)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise UnsafeSocketFolder(
+            f"socket folder {folder} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 (yours alone), or other "
+            f"users could put their own socket in its place. Run `chmod 700 {folder}` if only you use it, or choose "
+            f"another socket path (--socket)")
+
+
 def bind_unix(path: Path) -> socket.socket:
     """A listening socket at `path`, created 0600; a stale socket file is replaced, a live one is refused.
 
-    A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). A folder
-    that exists is left as it is: it may be shared (/tmp, a home or project folder), and the 0600 socket plus the
-    peer-uid check already keep other users out."""
+    A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). One that
+    exists must already be this user's alone (check_folder); its mode is never changed."""
     try:
         path.parent.mkdir(parents=True, mode=0o700)
         os.chmod(path.parent, 0o700)  # mkdir's mode is masked by the umask
     except FileExistsError:
         pass
+    check_folder(path.parent)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
@@ -84,16 +109,3 @@ def sd_notify(message: str) -> None:
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.connect(addr)
         s.sendall(message.encode())
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The connecting process's uid, where the platform can tell (SO_PEERCRED, LOCAL_PEERCRED)."""
-    if hasattr(socket, "SO_PEERCRED"):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[1]
-    if sys.platform == "darwin":
-        with contextlib.suppress(OSError):
-            LOCAL_PEERCRED = 0x001  # noqa: N806 - the constant's name in <sys/un.h>
-            raw = sock.getsockopt(0, LOCAL_PEERCRED, struct.calcsize("IIh16I"))
-            return struct.unpack_from("IIh", raw)[1]
-    return None

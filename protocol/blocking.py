@@ -14,6 +14,7 @@ from typing import Any
 from m31r_protocol.framing import HEADER, pack
 from m31r_protocol.limits import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from m31r_protocol.minipack import packb, unpackb
+from m31r_protocol.peer import check_daemon_owner
 
 
 def _read(sock: socket.socket) -> dict[str, Any]:
@@ -41,6 +42,7 @@ def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
+        check_daemon_owner(sock, path)  # a daemon of another user is refused (ForeignPeer, an OSError)
         sock.sendall(pack(packb({"type": "hello", "protocol": PROTOCOL_VERSION, "client": "m31r-status"})))
         welcome = _read(sock)
         if welcome.get("type") != "welcome" or welcome.get("protocol") != PROTOCOL_VERSION:

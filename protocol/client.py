@@ -38,6 +38,7 @@ from m31r_protocol.messages import (
     server_decoder,
 )
 from m31r_protocol.paths import default_socket_path, state_dir
+from m31r_protocol.peer import ForeignPeer, check_daemon_owner
 
 
 class DaemonError(Exception):
@@ -46,6 +47,13 @@ class DaemonError(Exception):
     def __init__(self, code: str, message: str):
         self.code, self.message = code, message
         super().__init__(f"{code}: {message}")
+
+
+class ForeignDaemon(DaemonError):
+    """The process serving the socket runs as another user: nothing is sent to it (code `forbidden`)."""
+
+    def __init__(self, message: str):
+        super().__init__("forbidden", message)
 
 
 class DaemonUnavailable(ConnectionError):
@@ -117,6 +125,12 @@ class Client:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
+            try:
+                if (sock := writer.get_extra_info("socket")) is not None:
+                    check_daemon_owner(sock, path)  # before the Hello: a foreign daemon is sent nothing
+            except ForeignPeer as e:
+                writer.close()
+                raise ForeignDaemon(str(e)) from None
             async with asyncio.timeout(welcome_timeout):
                 writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
                 await writer.drain()

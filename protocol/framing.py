@@ -26,20 +26,34 @@ def pack(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES) -> bytes | None:
+class FrameTimeout(Exception):
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        super().__init__(f"a frame began to arrive but was not complete after {timeout:g} s")
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES,
+                     timeout: float | None = None) -> bytes | None:
     """The next frame's body, or None at a clean end of stream (EOF between frames).
 
-    Raises asyncio.IncompleteReadError on a frame cut short, FrameTooLarge before reading an oversize body.
+    Raises asyncio.IncompleteReadError on a frame cut short, FrameTooLarge before reading an oversize body, and
+    FrameTimeout when `timeout` seconds pass between a frame's first byte and its last. Waiting for a first byte
+    has no limit: an idle connection between frames is fine, a half-sent frame is not.
     """
     import asyncio  # here, not at the top: the blocking client must not pay for importing asyncio
 
     try:
-        head = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise
-    (size,) = HEADER.unpack(head)
-    if size > limit:
-        raise FrameTooLarge(size, limit)
-    return await reader.readexactly(size)
+        first = await reader.readexactly(1)
+    except asyncio.IncompleteReadError:
+        return None
+    try:
+        async with asyncio.timeout(timeout):
+            head = first + await reader.readexactly(HEADER.size - 1)
+            (size,) = HEADER.unpack(head)
+            if size > limit:
+                raise FrameTooLarge(size, limit)
+            return await reader.readexactly(size)
+    except TimeoutError:
+        if timeout is None:
+            raise
+        raise FrameTimeout(timeout) from None

@@ -3,8 +3,8 @@ cancellation, hostile clients, busy, newest-wins, deadlines, typed-through, sock
 determinism while typing, and the JSON log.
 
 Daemons are expensive on a shared machine, so there are three, each shared by the tests of this module:
-`warm` (default options), `cold` (`--cache-mb 0 --max-queue 2 --max-active 1`: the no-cache reference and the
-small queue for `busy`) and `life` (lifecycle tests; the SIGTERM test ends it).
+`warm` (default options), `cold` (`--cache-mb 0 --max-queue 2 --max-active 1 --read-timeout 1`: the no-cache
+reference, the small queue for `busy` and a short frame timeout) and `life` (lifecycle tests; the SIGTERM test ends it).
 """
 
 from __future__ import annotations
@@ -74,12 +74,13 @@ def daemons(tiny_bundle, tmp_path_factory):
     cold = tmp_path_factory.mktemp("cold") / "m31rd.sock"
     # `life` starts on top of a stale socket file: a daemon that died without cleaning up.
     life = tmp_path_factory.mktemp("life") / "run" / "m31rd.sock"
-    life.parent.mkdir()
+    life.parent.mkdir(mode=0o700)  # a stale socket in a private folder: the folder rule passes
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(life))
     stale.close()
     assert stat.S_ISSOCK(life.lstat().st_mode)
-    specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1"),
+    specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1",
+                                                "--read-timeout", "1"),
              "life": (life, "--dtype", "auto", "--quant", "auto")}  # the daemon's own precision defaults
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(launch, tiny_bundle.path, *spec) for name, spec in specs.items()}
@@ -409,6 +410,28 @@ async def test_garbage_frames(warm):
     await still_serves(warm.socket)
 
 
+async def test_a_frame_that_stalls_midway_is_cut_off_but_an_idle_connection_stays(cold):
+    """--read-timeout 1: a frame whose first bytes came must be complete within a second (before or after the
+    handshake, stalled in the length or in the body); a connection that sends nothing between frames is left be."""
+    idle_r, idle_w = await raw(cold.socket)
+    stalled = []
+    for hello, partial in [(False, b"\x00\x00"), (True, b"\x00"), (True, HEADER.pack(100) + b"0123456789")]:
+        reader, writer = await raw(cold.socket, hello=hello)
+        writer.write(partial)
+        await writer.drain()
+        stalled.append((reader, writer))
+    for reader, writer in stalled:
+        err = await recv(reader)
+        assert isinstance(err, m.Error) and err.code == "bad_request" and err.id is None, err
+        assert "not complete after 1 s" in err.message and "--read-timeout" in err.message
+        assert await recv(reader) is None  # closed
+        writer.close()
+    # The idle connection has now been silent longer than the timeout: it still works.
+    await send(idle_w, m.Status(id=5))
+    assert isinstance(await recv(idle_r), m.StatusReply)
+    idle_w.close()
+
+
 async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
     bad = {
         11: {"type": "generate", "id": 11, "prompt": "fn", "max_tokens": -1},
@@ -490,6 +513,53 @@ async def test_queue_full_answers_busy_at_once(cold):
         for s in streams[:2]:
             await expect_error(s, "cancelled")
     await until_idle(cold.socket)
+
+
+async def test_one_connection_cannot_fill_the_queue(warm):
+    """--max-per-connection 16 (of --max-queue 32): a client that floods the daemon gets `busy` for its own extra
+    requests, and another connection is still served."""
+    async with await Client.connect(warm.socket) as hog, await Client.connect(warm.socket) as other:
+        streams = [await hog.generate("fn main() {", max_tokens=400) for _ in range(20)]
+        admitted = await other.generate("fn ok", max_tokens=2)
+        for s in streams[16:]:
+            err = await expect_error(s, "busy", timeout=5)
+            assert "16 requests in flight on this connection (limit 16 per connection" in err.message, err
+        for s in streams[:16]:
+            await s.cancel()
+        out = await run(admitted)
+        assert out.done.usage.completion_tokens == 2
+    await until_idle(warm.socket)
+
+
+async def test_a_prompt_over_the_character_limit_is_refused_untokenised(warm):
+    limit = 1 << 21  # --max-prompt-chars' default
+    async with await Client.connect(warm.socket) as c:
+        err = await expect_error(await c.generate("x" * (limit + 1), max_tokens=2, truncate=True), "bad_request")
+        assert f"the prompt has {limit + 1} characters; this daemon takes at most {limit}" in err.message
+        assert "--max-prompt-chars" in err.message
+        err = await expect_error(await c.fim("x" * limit, "y", max_tokens=2), "bad_request")
+        assert f"prefix and suffix have {limit + 1} characters" in err.message
+    await still_serves(warm.socket)
+
+
+async def test_a_huge_prompt_does_not_hold_up_other_clients(warm, tiny_config):
+    """A prompt under the limit that takes the tokenizer a second or more is tokenised off the inference thread
+    (and without the GIL): requests from other clients keep being answered meanwhile."""
+    big = ("fn main() { let x = 1; }\n" * 60_000)[:1_500_000]
+    async with await Client.connect(warm.socket) as a, await Client.connect(warm.socket) as b:
+        stream = await a.generate(big, max_tokens=2, truncate=True)
+        pending = asyncio.ensure_future(run(stream, timeout=60))
+        waits = []
+        while not pending.done():
+            t0 = time.perf_counter()
+            out = await run(await b.generate("fn ok", max_tokens=1))
+            waits.append(time.perf_counter() - t0)
+            assert out.done.usage.completion_tokens == 1
+        done = (await pending).done
+    assert done.usage.prompt_tokens == tiny_config.max_context - 2  # truncated to the context, from the left
+    tokenising_s = done.timings.queue_ms / 1000  # the big request's wait: its tokenising
+    assert tokenising_s > 0.4, done.timings  # it really was slow to tokenise...
+    assert len(waits) >= 3 and max(waits) < tokenising_s / 2, (waits, done.timings)  # ...and held nobody up
 
 
 async def test_newest_request_for_a_document_wins(warm, tiny_engine):
@@ -610,19 +680,38 @@ def test_socket_permissions(warm):
     assert stat.S_ISSOCK(warm.socket.stat().st_mode)
 
 
-def test_an_existing_socket_folder_keeps_its_mode(tmp_path):
-    """`--socket /tmp/m.sock` must not make /tmp private: only a folder the daemon creates is made 0700."""
-    from m31rd.sockets import bind_unix
+def refused_daemon(bundle: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `m31r daemon` where it must refuse to start: it fails before loading the model, or times out."""
+    return subprocess.run([*DAEMON, "--bundle", str(bundle), "--threads", "1", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=60)
 
+
+@pytest.mark.parametrize("mode", [0o1777, 0o755, 0o770], ids=oct)
+def test_a_socket_folder_others_can_use_is_refused_and_keeps_its_mode(tiny_bundle, tmp_path, mode):
+    """`--socket /tmp/m.sock`: a folder others can write to (or look into) could hold someone else's socket in our
+    place. The daemon refuses it, and never chmods it (that would change /tmp for everyone)."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    os.chmod(shared, 0o1777)
-    sock = bind_unix(shared / "m.sock")
-    try:
-        assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
-        assert stat.S_IMODE((shared / "m.sock").stat().st_mode) == 0o600
-    finally:
-        sock.close()
+    os.chmod(shared, mode)
+    r = refused_daemon(tiny_bundle.path, "--socket", str(shared / "m.sock"))
+    assert r.returncode != 0 and f"mode {mode:04o}" in r.stderr and "must be 0700" in r.stderr, r.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == mode
+    assert not (shared / "m.sock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+def test_a_squatted_default_socket_folder_is_refused(tiny_bundle, tmp_path):
+    """No XDG_RUNTIME_DIR: the socket lives in $TMPDIR/m31r-<uid>/. Another user who made that folder first
+    (mode 0700, so only they can look inside) would own whatever socket appears in it: the daemon refuses."""
+    squatted = tmp_path / f"m31r-{os.getuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    env = {k: v for k, v in ENV.items() if k not in ("XDG_RUNTIME_DIR", "M31R_SOCKET")}
+    r = refused_daemon(tiny_bundle.path, env={**env, "TMPDIR": str(tmp_path)})
+    assert r.returncode != 0 and f"{squatted} belongs to uid 65534" in r.stderr, r.stderr
+    st = squatted.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o700)
+    assert list(squatted.iterdir()) == []
 
 
 def test_stale_socket_is_replaced(life):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -421,6 +424,25 @@ async def test_did_change_configuration(lsp):
     await until(lambda: _settings_are(s, max_tokens=5, multiline="never"), timeout=10)
 
 
+async def test_max_tokens_above_the_daemon_limit_is_clamped_and_the_user_told_once(lsp, tiny_config):
+    """maxTokens accepts up to 4096, the tiny model's context is 512: the daemon would refuse every request
+    (`bad_request`) and the editor would show nothing. The server sends the daemon's limit and says so once."""
+    s = await lsp({**NOISE, "maxTokens": 4000})
+    s.open(RUST)
+    offset = RUST.index("    counts\n}") + len("    counts")
+    for cursor in (offset, LINE_ENDS[0]):
+        res = await s.inline(cursor)
+        st = await s.stats()
+        assert st["lastFim"]["max_tokens"] == tiny_config.max_context
+        assert "daemon_error_bad_request" not in st and st["lastRaw"]
+        if cursor == offset:
+            assert len(res.items) == 1  # a suggestion, as with the default maxTokens
+    told = [m for m in s.client.messages if "maxTokens" in m.message]
+    assert len(told) == 1 and told[0].type == t.MessageType.Warning
+    assert "maxTokens 4000" in told[0].message and f"limit of {tiny_config.max_context}" in told[0].message
+    assert st["max_tokens_clamped"] == 2
+
+
 async def _settings_are(s: Session, **want) -> bool:
     got = (await s.stats())["settings"]
     return all(got[k] == v for k, v in want.items())
@@ -566,3 +588,82 @@ def test_empty_socket_setting_keeps_the_command_line_socket() -> None:
     assert s.socket == "/run/user/1/m31r/x.sock" and s.max_tokens == 5 and problems == []
     s, _ = apply(s, {"m31r": {"socket": "/tmp/other.sock"}})
     assert s.socket == "/tmp/other.sock"
+
+
+# -- LSP over TCP ----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tcp_server(tmp_path: Path, host: str, *args: str):
+    """`m31r lsp --tcp HOST:PORT` in a subprocess, once it accepts connections: yields (process, port)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "m31r.cli", "lsp", "--tcp", f"{host}:{port}", "--no-autostart",
+                             "--socket", str(tmp_path / "nobody.sock"), *args], stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() - t0 < 30, "the LSP server did not listen"
+            time.sleep(0.05)
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def frame(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(data) + data
+
+
+INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"capabilities": {}, "processId": None}}
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_tcp_on_a_remote_address_needs_allow_remote(tmp_path):
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "m31r.cli", "lsp", "--tcp", f"0.0.0.0:{port}", "--no-autostart"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not a loopback address" in r.stderr and "--allow-remote" in r.stderr, r.stderr
+    with tcp_server(tmp_path, "0.0.0.0", "--allow-remote") as (proc, _):
+        pass  # it listens...
+    assert "warning: m31r lsp is listening on 0.0.0.0" in proc.stderr.read()  # ...and says so
+
+
+def test_tcp_closes_a_browser_request_and_serves_lsp(tmp_path):
+    """A web page can make the browser POST to 127.0.0.1:PORT (a "simple" request: no preflight). Its body must
+    not be run as JSON-RPC: a connection whose first line is not LSP framing is closed unanswered."""
+    body = json.dumps(INITIALIZE).encode()
+    post = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with tcp_server(tmp_path, "127.0.0.1") as (_, port):
+        for request in (post, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"OPTIONS / HTTP/1.1\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(request)
+                assert read_all(s) == b""  # closed, nothing answered
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # an editor is still served
+            s.sendall(frame(INITIALIZE))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(1)
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            body = b""
+            while len(body) < length:
+                body += s.recv(length - len(body))
+    reply = json.loads(body)
+    assert reply["id"] == 1 and reply["result"]["serverInfo"]["name"] == "m31r-lsp"

@@ -4,8 +4,11 @@ handshake against fake daemons, and that clients never import torch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -15,7 +18,7 @@ import msgspec
 import pytest
 
 from m31r_protocol import messages as m
-from m31r_protocol.client import Client, DaemonError, DaemonUnavailable
+from m31r_protocol.client import Client, DaemonError, DaemonUnavailable, ForeignDaemon, connect_or_start
 from m31r_protocol.framing import HEADER, FrameTooLarge, pack, read_frame
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,12 +313,112 @@ async def test_m31r_status_fast_path_skips_click_and_asyncio(sock: Path) -> None
     assert r.returncode != 0 and "no daemon answers" in err.decode()
 
 
+class Squatter:
+    """A process of another user (nobody) serving a socket: it answers every connection with a Welcome and
+    counts the bytes clients send it. What someone who made /tmp/m31r-<uid>/ first could run."""
+
+    def __init__(self, folder: Path, name: str = "m31rd.sock"):
+        self.folder, self.path = folder, folder / name
+        self.received: int | None = None
+
+    def _child(self, ready: int, stop: int, result: int) -> None:
+        os.chdir(self.folder)  # a relative path: nobody cannot search the test's private parent folders
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(self.path.name)
+        srv.listen()
+        os.write(ready, b"1")
+        conns: list[socket.socket] = []
+        received = 0
+        while True:
+            readable, _, _ = select.select([srv, stop, *conns], [], [])
+            if stop in readable:
+                break
+            if srv in readable:
+                conn, _ = srv.accept()
+                with contextlib.suppress(OSError):  # a client that hung up at once
+                    conn.sendall(pack(msgspec.msgpack.encode(WELCOME)))
+                conns.append(conn)
+            for conn in [c for c in conns if c in readable]:
+                data = b""
+                with contextlib.suppress(OSError):
+                    data = conn.recv(65536)
+                received += len(data)
+                if not data:
+                    conns.remove(conn)
+                    conn.close()
+        os.write(result, str(received).encode())
+
+    def __enter__(self) -> Squatter:
+        self.folder.mkdir(mode=0o700)
+        os.chown(self.folder, 65534, 65534)
+        (ready_r, ready_w), (self.stop_r, self.stop_w), (self.res_r, res_w) = os.pipe(), os.pipe(), os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 0
+            try:
+                for fd in (ready_r, self.stop_w, self.res_r):  # the parent's ends: EOF on `stop` must reach us
+                    os.close(fd)
+                self._child(ready_w, self.stop_r, res_w)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                os.write(res_w, repr(e).encode())
+                code = 1
+            finally:
+                os._exit(code)
+        for fd in (ready_w, self.stop_r, res_w):
+            os.close(fd)
+        assert os.read(ready_r, 1) == b"1", os.read(self.res_r, 4096)
+        os.close(ready_r)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.stop_w)
+        with os.fdopen(self.res_r, "rb") as f:
+            out = f.read().decode()
+        _, status = os.waitpid(self.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, out
+        self.received = int(out)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="serving a socket as another user needs root")
+
+
+@needs_root
+async def test_client_refuses_a_daemon_of_another_user(tmp_path: Path) -> None:
+    with Squatter(tmp_path / f"m31r-{os.getuid()}") as squatter:
+        with pytest.raises(ForeignDaemon) as e:
+            await Client.connect(squatter.path)
+        assert e.value.code == "forbidden" and "uid 65534" in e.value.message and str(squatter.path) in e.value.message
+        # Not a missing daemon either: connect_or_start must not try to start one over it.
+        with pytest.raises(ForeignDaemon):
+            await connect_or_start(squatter.path, daemon_args=["--bundle", str(tmp_path / "no-bundle")])
+    assert squatter.received == 0  # not even the Hello reached it
+
+
+@needs_root
+async def test_m31r_status_refuses_a_daemon_of_another_user(tmp_path: Path) -> None:
+    """Both `m31r status` paths (the blocking fast path, then the full client it falls back to) refuse a squatted
+    default socket: no XDG_RUNTIME_DIR, so the socket is $TMPDIR/m31r-<uid>/m31rd.sock."""
+    env = {k: v for k, v in ENV.items() if k not in ("XDG_RUNTIME_DIR", "M31R_SOCKET")}
+    with Squatter(tmp_path / f"m31r-{os.getuid()}") as squatter:
+        p = await asyncio.create_subprocess_exec(sys.executable, "-m", "m31r.entry", "status",
+                                                 env={**env, "TMPDIR": str(tmp_path)}, stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(p.communicate(), 60)
+    assert p.returncode != 0 and out == b"", err.decode()
+    assert "forbidden" in err.decode() and "uid 65534" in err.decode()
+    assert squatter.received == 0
+
+
 async def test_daemon_refuses_a_hello_of_another_version() -> None:
     """The daemon's handshake, in process (test_daemon.py checks the same against a real daemon)."""
     from m31rd.server import Connection
 
     class StubDaemon:
         enc, dec = m.encoder(), m.client_decoder()
+        read_timeout = None
 
         def welcome(self) -> m.Welcome:
             return WELCOME

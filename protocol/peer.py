@@ -1,0 +1,39 @@
+"""Who is at the other end of a Unix socket: the daemon checks its clients, and clients check the daemon.
+
+Standard library only (the blocking `m31r status` client imports this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import sys
+
+
+class ForeignPeer(PermissionError):
+    """The process on the other end of the socket runs as another user."""
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The peer process's uid, where the platform can tell (SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS and the
+    BSDs); None where it cannot."""
+    if hasattr(socket, "SO_PEERCRED"):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[1]
+    if sys.platform == "darwin" or "bsd" in sys.platform:
+        with contextlib.suppress(OSError):
+            LOCAL_PEERCRED = 0x001  # noqa: N806 - the constant's name in <sys/un.h>
+            raw = sock.getsockopt(0, LOCAL_PEERCRED, struct.calcsize("IIh16I"))  # struct xucred, level SOL_LOCAL
+            return struct.unpack_from("IIh", raw)[1]
+    return None
+
+
+def check_daemon_owner(sock: socket.socket, path: object) -> None:
+    """Refuse a daemon that runs as another user: anyone who got to the socket path first (a squatted /tmp
+    folder) would otherwise read every prompt and answer with whatever it likes. Raises ForeignPeer."""
+    uid = peer_uid(sock)
+    if uid is not None and uid != os.getuid():
+        raise ForeignPeer(f"the process serving {path} runs as uid {uid}, not as you (uid {os.getuid()}); refusing "
+                          f"to talk to it. Check who owns that socket and its folder")
