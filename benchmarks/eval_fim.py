@@ -77,6 +77,7 @@ class Result:
     completion_tokens: int
     finish_reason: str
     ms: float
+    prefix_end: str = ""  # the prefix's last character: a stray space after indentation shows against it
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -213,7 +214,8 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         pred = res.text.split("\n", 1)[0] if single else res.text
         p, g = normalize(pred), normalize(t.target)
         results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
-                              len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1)))
+                              len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
+                              t.prefix[-1:]))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -254,6 +256,9 @@ def summarize(results: list[Result], kind: str) -> dict:
             "edit_similarity": round(sum(r.edit_similarity for r in rs) / n, 4),
             "completion_tokens": round(sum(r.completion_tokens for r in rs) / n, 2),
             "stopped": round(sum(r.finish_reason == "stop" for r in rs) / n, 4),
+            # completions that open with whitespace right after a prefix ending in whitespace: the doubled space
+            # of a cursor inside a token (what token healing prevents); the targets never do this
+            "doubled_space": sum(r.prefix_end in (" ", "\t") and r.prediction[:1] in (" ", "\t") for r in rs),
             "ms_per_task": round(sum(r.ms for r in rs) / n, 1)}
 
 
@@ -331,11 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [("single-line", report["single_line"]), ("multi-line", report["multi_line"])]
     print(f"\nFIM evaluation of {report['model']} ({args.dtype}, {report['threads']} threads, seed {args.seed})")
-    print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'ms/task':>8}")
+    print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'ms/task':>8} "
+          f"{'2x space':>8}")
     for name, s in rows:
         if s["n"]:
             print(f"{name:<12} {s['n']:>5} {s['exact_match']:>8.1%} {s['edit_similarity']:>9.3f} "
-                  f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['ms_per_task']:>8.0f}")
+                  f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['ms_per_task']:>8.0f} "
+                  f"{s['doubled_space']:>8}")
         else:
             print(f"{name:<12} {0:>5}")
     if ppl["windows"]:
