@@ -9,10 +9,13 @@
 #
 #   CONFIG   training config (default configs/train/gpu-small.yaml)
 #   MINUTES  training minutes in this call (default 8)
+#   DEVICE, PYTHON  cuda and python3 by default (a dry run here: DEVICE=cpu PYTHON=.venv/bin/python)
 set -euo pipefail
 CONFIG=${CONFIG:-configs/train/gpu-small.yaml}
 MINUTES=${MINUTES:-8}
-W=/tmp/m31r-device  # kept between calls while the machine stays warm
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+W=${WORK:-/tmp/m31r-device}  # kept between calls while the machine stays warm
 OUT=${OUT:?OUT is set by the device tool}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 
@@ -33,8 +36,8 @@ if [ "${1:-train}" = collect ]; then
 fi
 
 # The trainer needs one package the image lacks (msgspec), carried as a wheel in .whl/.
-if [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+if ! "$PY" -c "import msgspec" 2>/dev/null && [ ! -d /tmp/site ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
 
@@ -45,17 +48,17 @@ if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   for s in train val; do xz -dc -T0 ".device/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
 fi
 if [ ! -f "$W/run/ckpt.pt" ] && [ -d .device/shards ]; then  # a fresh machine: continue the weights sent back
-  python3 -c "from pathlib import Path; from m31r.train.shards import import_shards; \
+  "$PY" -c "from pathlib import Path; from m31r.train.shards import import_shards; \
 import_shards(Path('.device/shards'), Path('$W/run'))"
 fi
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 - <<PY
+if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
+"$PY" - <<PY
 from m31r.train.trainer import train
-state = train("$CONFIG", "$W/data", "$W/run", max_minutes=$MINUTES, device="cuda")
+state = train("$CONFIG", "$W/data", "$W/run", max_minutes=$MINUTES, device="$DEVICE")
 print(f"step {state['step']}, {state['tokens']:,} tokens, {state['seconds']:.0f} s of training")
 PY
 rm -rf "$W/shards"
-python3 -c "from pathlib import Path; from m31r.train.shards import write_shards; \
+"$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \
 write_shards(Path('$W/run/ckpt.pt'), Path('$W/shards'))"
 send_shards 0
 cp "$W/run/log.jsonl" "$OUT/"
