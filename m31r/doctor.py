@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -104,14 +105,14 @@ def cpu_info() -> tuple[str, set[str], str]:
 
 def check_cpu(ctx: Context) -> Check:
     name, flags, arch = cpu_info()
+    if not flags:
+        return Check("cpu", "warn", f"{name} ({arch}): its features could not be read")
     table = ARM_FEATURES if arch in ("aarch64", "arm64") else X86_FEATURES
     have = [label for flag, label in table.items() if flag in flags]
     lacks = [label for flag, label in table.items() if flag not in flags]
     detail = f"{name} ({arch}): {' '.join(have) or 'none of the features that matter'}"
     if lacks:
         detail += f"; no {' '.join(lacks)}"
-    if not flags:
-        return Check("cpu", "warn", f"{name} ({arch}): its features could not be read")
     basic = {"avx2", "fma"} if table is X86_FEATURES else {"asimd"}
     if not basic <= flags:
         return Check("cpu", "warn", detail + " (torch runs its slowest kernels here)")
@@ -206,6 +207,8 @@ def check_daemon(ctx: Context) -> Check:
     except (FileNotFoundError, ConnectionRefusedError):
         return Check("daemon", "warn", f"none answers on {ctx.socket}: `m31r generate`, `fim`, `lsp` and `serve` "
                                        "start one on first use")
+    except PermissionError as e:
+        return Check("daemon", "fail", f"{ctx.socket}: {e.strerror or e}: the socket is not yours to use")
     except TimeoutError:
         return Check("daemon", "warn", f"{ctx.socket} accepts connections but gave no status within 2 s (a daemon "
                                        "still loading, or a service starting?)")
@@ -243,7 +246,10 @@ def _systemd_state(paths: list[Path]) -> Check:
 
     for line in paths[1].read_text(errors="replace").splitlines():  # m31rd.service: does its command still exist?
         if line.startswith("ExecStart="):
-            exe = line.removeprefix("ExecStart=").split()[0].strip('"')
+            try:  # systemd_quote's quoting is a subset of the shell's
+                exe = shlex.split(line.removeprefix("ExecStart="))[0]
+            except (ValueError, IndexError):
+                return Check("service", "fail", f"{paths[1]}: cannot read its ExecStart= line")
             if not os.path.exists(exe):
                 return Check("service", "fail", f"{paths[1]} runs {exe}, which no longer exists: run "
                                                 "`m31r service install` again")
