@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode lint bench bench-train train-data train export eval clean
+.PHONY: install run test test-python test-vscode vsix lint bench bench-train train-data train export eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ test-vscode:
 	@if command -v npm >/dev/null 2>&1; then \
 		cd editors/vscode && npm ci --no-audit --no-fund && npm test && npm run package; \
 	else echo "npm not found: skipping the VS Code extension build" >&2; fi
+
+# The VS Code extension package, built offline after `npm ci` with the @vscode/vsce that package-lock.json pins.
+vsix:
+	@command -v npm >/dev/null 2>&1 || { echo "npm is needed to build the VS Code extension" >&2; exit 1; }
+	cd editors/vscode && npm ci --no-audit --no-fund && npm run package
+	@echo "built editors/vscode/m31r.vsix: code --install-extension editors/vscode/m31r.vsix" >&2
 
 test: lint test-vscode test-python
 

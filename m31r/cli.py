@@ -389,6 +389,20 @@ def stop(socket_path: Path | None) -> None:
     click.echo("daemon stopped", err=True)
 
 
+@main.command()
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+              help="Bundle to check (default: $M31R_BUNDLE or the bundled release/).")
+@socket_option
+@click.option("--json", "as_json", is_flag=True, help="Print {ok, checks: [{name, level, detail}]} as JSON.")
+def doctor(bundle_dir: Path | None, socket_path: Path | None, as_json: bool) -> None:
+    """Check the CPU, kernels, bundle, socket, daemon, service and editors; exit 1 if any check fails."""
+    from m31r import doctor as checks
+
+    results = checks.run_checks(checks.Context.create(socket_path, bundle_dir))
+    click.echo(checks.render_json(results) if as_json else checks.render_text(results))
+    sys.exit(1 if checks.failed(results) else 0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # train: corpus → tokenizer → model → release bundle (README "The default model")
 # ------------------------------------------------------------------------------------------------------------

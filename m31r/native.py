@@ -60,6 +60,13 @@ def compiler() -> str | None:
     return next((path for path in found if path), None)
 
 
+def int8_supported() -> bool:
+    """Whether this CPU runs the int8 matmul: it uses AVX512-BF16 instructions (the rest of the library needs
+    AVX-512 only)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
+
+
 def takes(head_dim: int) -> bool:
     """Whether the kernel handles this head size (kernels.c: chunks of 16 values, MAX_CHUNKS of them)."""
     return head_dim % 16 == 0 and head_dim <= 256
@@ -109,9 +116,7 @@ class Kernels:
         g.restype = _I32
         g.argtypes = [_I32, _I32, _I32, _P, _P, _P, _P]
         self._int8 = g
-        # The int8 matmul runs AVX512-BF16 instructions; the rest of the library needs AVX-512 only.
-        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        self.int8 = bool(probe and probe())
+        self.int8 = int8_supported()
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
                       out: Tensor) -> None:

@@ -52,9 +52,11 @@ export interface ClientSettings {
   languages: string[];
 }
 
+/** Rust only by default: the model was trained on Rust, and elsewhere its suggestions are noise. package.json's
+ * `activationEvents` (`onLanguage:rust`) and `m31r.languages` default mirror this (a test checks it). */
 export const CLIENT_DEFAULTS: Readonly<ClientSettings> = Object.freeze({
   path: 'm31r',
-  languages: ['*'],
+  languages: ['rust'],
 });
 
 /** The subset of `vscode.WorkspaceConfiguration` this module needs. */

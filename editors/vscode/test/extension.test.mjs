@@ -47,7 +47,11 @@ test('starts `m31r lsp` over stdio with defaults', async () => {
   assert.equal(client.id, 'm31r');
   assert.deepEqual(client.serverOptions, { command: 'm31r', args: ['lsp'] });
   assert.equal(client.serverOptions.transport, undefined, 'stdio transport');
-  assert.deepEqual(client.clientOptions.documentSelector, [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  // Rust only by default: the model knows no other language.
+  assert.deepEqual(client.clientOptions.documentSelector, [
+    { scheme: 'file', language: 'rust' },
+    { scheme: 'untitled', language: 'rust' },
+  ]);
   assert.deepEqual(client.clientOptions.synchronize, { configurationSection: 'm31r' });
   assert.deepEqual(client.clientOptions.initializationOptions(), {
     enable: true,
@@ -67,13 +71,15 @@ test('path, socket and languages shape the command line and selector', async () 
   const { client } = await activate({
     'm31r.path': '/opt/m31r/bin/m31r',
     'm31r.socket': '/tmp/m31rd.sock',
-    'm31r.languages': ['rust'],
+    'm31r.languages': ['rust', 'toml'],
     'm31r.maxTokens': 99999,
   });
   assert.deepEqual(client.serverOptions, { command: '/opt/m31r/bin/m31r', args: ['lsp', '--socket', '/tmp/m31rd.sock'] });
   assert.deepEqual(client.clientOptions.documentSelector, [
     { scheme: 'file', language: 'rust' },
     { scheme: 'untitled', language: 'rust' },
+    { scheme: 'file', language: 'toml' },
+    { scheme: 'untitled', language: 'toml' },
   ]);
   const init = client.clientOptions.initializationOptions();
   assert.equal(init.socket, '/tmp/m31rd.sock');
@@ -172,6 +178,21 @@ test('changing path/socket/languages restarts the client; other settings do not'
   // Notifications from the old client no longer affect the status bar.
   first.emit('m31r/status', { state: 'unavailable', model: null, lastLatencyMs: null });
   assert.equal(fake.statusItems[0].text, '$(sparkle) M31R');
+});
+
+test('m31r.languages: "*" opts in to every language; a change restarts with the new selector', async () => {
+  const { client: first } = await activate({ 'm31r.languages': ['*'] });
+  assert.deepEqual(first.clientOptions.documentSelector, [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  await vscode.workspace.getConfiguration('m31r').update('languages', ['python'], vscode.ConfigurationTarget.Global);
+  await tick();
+  await controller.whenIdle();
+  assert.equal(clients.length, 2);
+  assert.ok(first.disposed, 'old client disposed');
+  assert.deepEqual(clients[1].clientOptions.documentSelector, [
+    { scheme: 'file', language: 'python' },
+    { scheme: 'untitled', language: 'python' },
+  ]);
+  assert.equal('languages' in clients[1].clientOptions.initializationOptions(), false, 'client-only key');
 });
 
 test('restart command creates a fresh client', async () => {

@@ -55,7 +55,9 @@ test('no contributed m31r.* setting is unknown to the code', () => {
 test('commands, activation and engine', () => {
   const cmds = pkg.contributes.commands.map((c) => c.command).sort();
   assert.deepEqual(cmds, ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);
-  assert.deepEqual(pkg.activationEvents, ['onStartupFinished']);
+  // Rust only: the extension (and its server process) must not start in windows without Rust files.
+  assert.deepEqual(pkg.activationEvents, ['onLanguage:rust']);
+  assert.deepEqual(s.CLIENT_DEFAULTS.languages, ['rust'], 'the default selector matches the activation event');
   assert.equal(pkg.main, './out/extension.js');
   // engines.vscode must be at least the @types/vscode we compile against.
   const engine = pkg.engines.vscode.replace(/^[\^~>=]+/, '');

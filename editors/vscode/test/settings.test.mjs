@@ -98,11 +98,16 @@ test('socket: trimmed, ~ expanded, non-strings rejected', () => {
 });
 
 test('client settings: path and languages', () => {
-  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['*'] });
+  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['rust'] });
   assert.deepEqual(s.toClientSettings({ path: '' }).value.path, 'm31r');
   assert.equal(s.toClientSettings({ path: '~/.local/bin/m31r' }, '/home/u/').value.path, '/home/u/.local/bin/m31r');
   assert.deepEqual(s.toClientSettings({ languages: ['rust', ' rust ', 'toml'] }).value.languages, ['rust', 'toml']);
-  assert.deepEqual(s.toClientSettings({ languages: [] }).value.languages, ['*']);
+  assert.deepEqual(s.toClientSettings({ languages: [] }).value.languages, ['rust'], 'empty: the default');
+  assert.deepEqual(s.toClientSettings({ languages: ['*'] }).value.languages, ['*'], 'opting in to every language');
+  assert.deepEqual(s.toClientSettings({ languages: null }).value.languages, ['rust']);
+  const bad = s.toClientSettings({ languages: 7 });
+  assert.deepEqual(bad.value.languages, ['rust']);
+  assert.equal(bad.warnings.length, 1);
   assert.deepEqual(s.toClientSettings({ languages: 'rust' }).value.languages, ['rust']);
   const r = s.toClientSettings({ languages: ['rust', 5] });
   assert.deepEqual(r.value.languages, ['rust']);
@@ -122,10 +127,16 @@ test('document selector: "*" = every language on file and untitled', () => {
     { scheme: 'file', language: 'rust' },
     { scheme: 'untitled', language: 'rust' },
   ]);
+  assert.deepEqual(s.documentSelector(['rust', 'toml']), [
+    { scheme: 'file', language: 'rust' },
+    { scheme: 'untitled', language: 'rust' },
+    { scheme: 'file', language: 'toml' },
+    { scheme: 'untitled', language: 'toml' },
+  ]);
 });
 
 test('needsRestart only for path, socket and languages', () => {
-  const base = { client: { path: 'm31r', languages: ['*'] }, server: { ...DEFAULT_SERVER } };
+  const base = { client: { path: 'm31r', languages: ['rust'] }, server: { ...DEFAULT_SERVER } };
   const clone = () => structuredClone(base);
   assert.equal(s.needsRestart(base, clone()), false);
   let n = clone();
@@ -139,7 +150,7 @@ test('needsRestart only for path, socket and languages', () => {
   n.server.socket = '/tmp/s';
   assert.equal(s.needsRestart(base, n), true);
   n = clone();
-  n.client.languages = ['rust'];
+  n.client.languages = ['rust', 'toml'];
   assert.equal(s.needsRestart(base, n), true);
 });
 

@@ -1,0 +1,381 @@
+"""`m31r doctor`: check this machine's setup and explain it, one line per check (ok / warn / fail).
+
+Each check is a plain function of a Context that returns one Check (or None: nothing to report, e.g. an editor
+that is not installed). warn means "works, but slower or not set up"; only fail makes the command exit non-zero.
+The checks reuse the code that decides at run time (m31r.native, m31r.engine.fast_bf16, m31r.bundle,
+m31rd.sockets.check_folder, the blocking status client, m31rd.service), so doctor says what the daemon would do.
+torch is imported only by the checks that need it (kernels, bf16, bundle); no model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+Level = Literal["ok", "warn", "fail"]
+VSCODE_EXTENSION = "m31r.m31r"  # publisher.name in editors/vscode/package.json
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: Level
+    detail: str
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the checks look at: the socket and bundle a client or daemon started here would use."""
+
+    socket: Path
+    socket_source: str
+    bundle: Path
+    bundle_source: str
+
+    @classmethod
+    def create(cls, socket: Path | None = None, bundle: Path | None = None) -> Context:
+        from m31r_protocol.paths import default_socket_path
+        from m31rd.main import default_bundle
+
+        sock_src = "--socket" if socket else "$M31R_SOCKET" if os.environ.get("M31R_SOCKET") else "default"
+        bundle_src = "--bundle" if bundle else "$M31R_BUNDLE" if os.environ.get("M31R_BUNDLE") else "default"
+        return cls(socket or default_socket_path(), sock_src, bundle or default_bundle(), bundle_src)
+
+
+def _run(cmd: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess[str] | None:
+    """The command's result, or None where it is missing, hangs or cannot start."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _config_home() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    return Path(base) if os.path.isabs(base) else Path.home() / ".config"
+
+
+# -- the CPU and what runs on it --------------------------------------------------------------------------------
+
+X86_FEATURES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX-512F", "avx512_bf16": "AVX512-BF16",
+                "amx_tile": "AMX"}
+ARM_FEATURES = {"asimd": "NEON", "asimddp": "dotprod"}
+
+
+def cpu_info() -> tuple[str, set[str], str]:
+    """(model name, feature flags in /proc/cpuinfo spelling, architecture), best effort on Linux and macOS."""
+    arch = platform.machine().lower()
+    name, flags = platform.processor() or arch, set()
+    if sys.platform == "linux":
+        try:
+            text = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("model name", "cpu model") and value.strip():
+                name = value.strip()
+            elif key in ("flags", "features") and not flags:
+                flags = set(value.split())
+    elif sys.platform == "darwin":
+        out = _run(["sysctl", "-n", "machdep.cpu.brand_string"])
+        if out and out.returncode == 0 and out.stdout.strip():
+            name = out.stdout.strip()
+        if arch == "arm64":
+            flags = {"asimd"}  # every Apple arm64 CPU has NEON
+            dp = _run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"])
+            if dp and dp.stdout.strip() == "1":
+                flags.add("asimddp")
+        else:
+            out = _run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"])
+            words = set((out.stdout if out else "").lower().split())  # e.g. "FMA F16C" and "AVX2 AVX512F"
+            flags = {f for f in X86_FEATURES if f in words or f.replace("_", "") in words}
+    return name, flags, arch
+
+
+def check_cpu(ctx: Context) -> Check:
+    name, flags, arch = cpu_info()
+    if not flags:
+        return Check("cpu", "warn", f"{name} ({arch}): its features could not be read")
+    table = ARM_FEATURES if arch in ("aarch64", "arm64") else X86_FEATURES
+    have = [label for flag, label in table.items() if flag in flags]
+    lacks = [label for flag, label in table.items() if flag not in flags]
+    detail = f"{name} ({arch}): {' '.join(have) or 'none of the features that matter'}"
+    if lacks:
+        detail += f"; no {' '.join(lacks)}"
+    basic = {"avx2", "fma"} if table is X86_FEATURES else {"asimd"}
+    if not basic <= flags:
+        return Check("cpu", "warn", detail + " (torch runs its slowest kernels here)")
+    return Check("cpu", "ok", detail)
+
+
+def check_compiler(ctx: Context) -> Check:
+    from m31r.native import compiler
+
+    cc = compiler()
+    if cc is None:
+        return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built")
+    return Check("compiler", "ok", f"{cc} (builds m31r/kernels.c on the first engine load)")
+
+
+def check_kernels(ctx: Context) -> Check:
+    from m31r import native
+
+    why = native.unavailable()
+    if why is None:
+        kernels = native.load()  # builds once (~0.3 s) into the cache the daemon uses, or finds the cached build
+        if kernels is None:
+            why = "the build failed (run `m31r daemon --log-level info` to see the compiler's message)"
+        elif kernels.int8:
+            return Check("kernels", "ok", f"native decode attention and int8 matmul ({kernels.path})")
+        else:
+            return Check("kernels", "ok", f"native decode attention ({kernels.path}); int8 layers on torch's kernel "
+                                          "(no AVX512-BF16)")
+    return Check("kernels", "warn", f"native kernels off: {why}; decode attention runs in eager torch, int8 layers "
+                                    "on torch's kernel (slower)")
+
+
+def check_bf16(ctx: Context) -> Check:
+    import torch
+
+    from m31r.engine import fast_bf16
+
+    if fast_bf16(torch.device("cpu")):
+        return Check("bf16", "ok", "native (AVX512-BF16 or AMX): the daemon serves bf16 activations with int8 weights "
+                                   "by default")
+    return Check("bf16", "warn", "emulated by torch on this CPU (slower than fp32): the daemon serves fp32 by default")
+
+
+# -- the model bundle ---------------------------------------------------------------------------------------------
+
+
+def check_bundle(ctx: Context) -> Check:
+    from m31r.bundle import BundleError, open_bundle
+
+    try:
+        b = open_bundle(ctx.bundle)  # checksums, config, tokenizer, tensor shapes; the weights are not loaded
+    except (BundleError, OSError, ValueError) as e:
+        return Check("bundle", "fail", f"{ctx.bundle} ({ctx.bundle_source}): {e}")
+    meta = b.metadata
+    q = b.quantization
+    quant = (f"{q['method']} weights" + (f" (group {q['group_size']})" if q.get("group_size") else "")) if q \
+        else "float weights"
+    return Check("bundle", "ok", f"{b.path} ({ctx.bundle_source}): {b.model_id}, {meta['parameter_count']:,} params, "
+                                 f"{meta['dtype']}, {quant}, fingerprint {b.fingerprint}; checksums match")
+
+
+# -- the socket and the daemon ------------------------------------------------------------------------------------
+
+
+def check_socket(ctx: Context) -> Check:
+    import stat
+
+    from m31rd.sockets import UnsafeSocketFolder, check_folder
+
+    folder = ctx.socket.parent
+    where = f"{ctx.socket} ({ctx.socket_source})"
+    if not os.path.lexists(folder):
+        return Check("socket", "ok", f"{where}: its folder does not exist yet; the daemon creates it 0700")
+    try:
+        check_folder(folder)  # the daemon's own test: ours alone, no group or other bits
+    except UnsafeSocketFolder as e:
+        return Check("socket", "fail", f"{where}: {e}")
+    if os.path.lexists(ctx.socket) and not stat.S_ISSOCK(os.lstat(ctx.socket).st_mode):
+        return Check("socket", "fail", f"{where} exists and is not a socket: the daemon will not replace it")
+    mode = stat.S_IMODE(os.stat(folder).st_mode)
+    return Check("socket", "ok", f"{where}: folder owned by you, mode {mode:04o}")
+
+
+def check_daemon(ctx: Context) -> Check:
+    from m31r_protocol import blocking
+    from m31r_protocol.peer import ForeignPeer
+
+    try:
+        s = blocking.status(ctx.socket, timeout=2.0)
+    except ForeignPeer as e:
+        return Check("daemon", "fail", str(e))
+    except (FileNotFoundError, ConnectionRefusedError):
+        return Check("daemon", "warn", f"none answers on {ctx.socket}: `m31r generate`, `fim`, `lsp` and `serve` "
+                                       "start one on first use")
+    except PermissionError as e:
+        return Check("daemon", "fail", f"{ctx.socket}: {e.strerror or e}: the socket is not yours to use")
+    except TimeoutError:
+        return Check("daemon", "warn", f"{ctx.socket} accepts connections but gave no status within 2 s (a daemon "
+                                       "still loading, or a service starting?)")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return Check("daemon", "fail", f"something answers on {ctx.socket}, but not as this m31r's daemon does: {e}")
+    quant = f", {s['quant']} weights" if s.get("quant") else ""
+    return Check("daemon", "ok", f"pid {s.get('pid')} serves {s.get('model')} ({s.get('device')}, {s.get('dtype')}"
+                                 f"{quant}) from {s.get('bundle')}; up {s.get('uptime_s', 0):.0f} s, "
+                                 f"{s.get('requests')} requests")
+
+
+# -- the service units --------------------------------------------------------------------------------------------
+
+
+def check_service(ctx: Context) -> Check:
+    from m31rd import service
+
+    try:
+        kind = service.detect_kind()
+    except ValueError as e:
+        return Check("service", "warn", str(e))
+    paths = service.unit_paths(kind)
+    present = [p for p in paths if p.exists()]
+    if not present:
+        return Check("service", "warn", f"not installed (`m31r service install` runs the daemon as a {kind} user "
+                                        "service; clients start one on demand without it)")
+    if len(present) < len(paths):
+        missing = ", ".join(str(p) for p in paths if p not in present)
+        return Check("service", "fail", f"half installed: {missing} is missing; run `m31r service install` again")
+    return _systemd_state(paths) if kind == "systemd" else _launchd_state(paths[0])
+
+
+def _systemd_state(paths: list[Path]) -> Check:
+    from m31rd.service import unit_dir
+
+    for line in paths[1].read_text(errors="replace").splitlines():  # m31rd.service: does its command still exist?
+        if line.startswith("ExecStart="):
+            try:  # systemd_quote's quoting is a subset of the shell's
+                exe = shlex.split(line.removeprefix("ExecStart="))[0]
+            except (ValueError, IndexError):
+                return Check("service", "fail", f"{paths[1]}: cannot read its ExecStart= line")
+            if not os.path.exists(exe):
+                return Check("service", "fail", f"{paths[1]} runs {exe}, which no longer exists: run "
+                                                "`m31r service install` again")
+    if shutil.which("systemctl") is None:
+        return Check("service", "warn", f"units installed in {unit_dir('systemd')}; systemctl not found")
+    enabled = _run(["systemctl", "--user", "is-enabled", "m31rd.socket"])
+    active = _run(["systemctl", "--user", "is-active", "m31rd.socket"])
+    if enabled is None or active is None or "bus" in (enabled.stderr + active.stderr).lower():
+        return Check("service", "warn", f"units installed in {unit_dir('systemd')}; no systemd user manager answers")
+    state = f"m31rd.socket {enabled.stdout.strip() or 'unknown'}, {active.stdout.strip() or 'unknown'}"
+    if enabled.returncode != 0 or active.returncode != 0:
+        return Check("service", "warn", f"{state}: `systemctl --user enable --now m31rd.socket` starts it")
+    return Check("service", "ok", f"{state} (the daemon starts on the first connection)")
+
+
+def _launchd_state(plist: Path) -> Check:
+    from m31rd.service import LAUNCHD_LABEL
+
+    out = _run(["launchctl", "print", f"gui/{os.getuid()}/{LAUNCHD_LABEL}"])
+    if out is None or out.returncode != 0:
+        return Check("service", "warn", f"{plist} installed but not loaded: `launchctl bootstrap gui/{os.getuid()} "
+                                        f"{plist}` loads it")
+    return Check("service", "ok", f"{LAUNCHD_LABEL} loaded ({plist})")
+
+
+# -- editors: only those found are reported -----------------------------------------------------------------------
+
+
+def _mentions_m31r(files: list[Path], limit: int = 2000) -> Path | None:
+    """The first of `files` (at most `limit`, each under 1 MB) that mentions m31r."""
+    for f in files[:limit]:
+        try:
+            if f.is_file() and f.stat().st_size < 1 << 20 and "m31r" in f.read_text(errors="replace").lower():
+                return f
+        except OSError:
+            continue
+    return None
+
+
+def check_vscode(ctx: Context) -> Check | None:
+    code = shutil.which("code")
+    if code is not None:
+        out = _run([code, "--list-extensions"], timeout=20)
+        if out is not None and out.returncode == 0:
+            if VSCODE_EXTENSION in out.stdout.lower().split():
+                return Check("vscode", "ok", f"extension {VSCODE_EXTENSION} installed")
+            return Check("vscode", "warn", "the M31R extension is not installed: `make vsix`, then "
+                                           "`code --install-extension editors/vscode/m31r.vsix`")
+    ext_dir = Path.home() / ".vscode" / "extensions"
+    if not ext_dir.is_dir():
+        return None if code is None else Check("vscode", "warn", "`code --list-extensions` did not answer")
+    found = sorted(ext_dir.glob(f"{VSCODE_EXTENSION}-*"))
+    if found:
+        return Check("vscode", "ok", f"extension installed in {found[-1]}")
+    return Check("vscode", "warn", f"the M31R extension is not in {ext_dir}: `make vsix`, then "
+                                   "`code --install-extension editors/vscode/m31r.vsix`")
+
+
+def check_neovim(ctx: Context) -> Check | None:
+    conf = _config_home() / "nvim"
+    if not conf.is_dir():
+        return Check("neovim", "warn", "nvim found but no config folder: see editors/neovim/README.md") \
+            if shutil.which("nvim") else None
+    files = sorted(p for p in conf.rglob("*") if p.suffix in (".lua", ".vim"))
+    hit = _mentions_m31r(files)
+    if hit:
+        return Check("neovim", "ok", f"{hit} sets up m31r")
+    return Check("neovim", "warn", f"no file in {conf} mentions m31r: see editors/neovim/README.md")
+
+
+def check_helix(ctx: Context) -> Check | None:
+    conf = _config_home() / "helix"
+    langs = conf / "languages.toml"
+    if not langs.is_file():
+        if conf.is_dir() or shutil.which("hx") or shutil.which("helix"):
+            return Check("helix", "warn", f"no {langs}: merge editors/helix/languages.toml into it")
+        return None
+    if _mentions_m31r([langs]):
+        return Check("helix", "ok", f"{langs} has the m31r language server")
+    return Check("helix", "warn", f"{langs} has no m31r language server: merge editors/helix/languages.toml")
+
+
+def check_emacs(ctx: Context) -> Check | None:
+    home = Path.home()
+    inits = [home / ".emacs", home / ".emacs.el", home / ".emacs.d" / "init.el", _config_home() / "emacs" / "init.el"]
+    present = [p for p in inits if p.is_file()]
+    if not present:
+        return Check("emacs", "warn", "emacs found but no init file: see editors/emacs/README.md") \
+            if shutil.which("emacs") else None
+    hit = _mentions_m31r(present)
+    if hit:
+        return Check("emacs", "ok", f"{hit} loads m31r")
+    return Check("emacs", "warn", f"{', '.join(map(str, present))} does not mention m31r: see "
+                                  "editors/emacs/README.md")
+
+
+EDITOR_CHECKS: tuple[Callable[[Context], Check | None], ...] = (check_vscode, check_neovim, check_helix, check_emacs)
+CHECKS: tuple[Callable[[Context], Check | None], ...] = (
+    check_cpu, check_compiler, check_kernels, check_bf16, check_bundle, check_socket, check_daemon, check_service,
+)
+
+
+def _safely(fn: Callable[[Context], Check | None], ctx: Context) -> Check | None:
+    """A check that breaks is reported as a fail naming the error, never as a traceback that hides the others."""
+    try:
+        return fn(ctx)
+    except Exception as e:  # every other check must still run
+        return Check(fn.__name__.removeprefix("check_"), "fail", f"the check itself failed: {type(e).__name__}: {e}")
+
+
+def run_checks(ctx: Context) -> list[Check]:
+    results = [c for fn in CHECKS if (c := _safely(fn, ctx)) is not None]
+    editors = [c for fn in EDITOR_CHECKS if (c := _safely(fn, ctx)) is not None]
+    if not editors:
+        editors = [Check("editors", "warn", "no VS Code, Neovim, Helix or Emacs setup found (see editors/README.md)")]
+    return results + editors
+
+
+def failed(checks: list[Check]) -> bool:
+    return any(c.level == "fail" for c in checks)
+
+
+def render_text(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    return "\n".join(f"{c.level:<4}  {c.name:<{width}}  {c.detail}" for c in checks)
+
+
+def render_json(checks: list[Check]) -> str:
+    return json.dumps({"ok": not failed(checks), "checks": [asdict(c) for c in checks]}, indent=2)

@@ -1,0 +1,129 @@
+"""`m31r doctor` as a real subprocess: a healthy setup (a real daemon on a tmp socket), a corrupted bundle, an unsafe
+socket folder, no daemon. Each run gets its own HOME and XDG_CONFIG_HOME, so the service and editor checks see an
+empty user setup instead of this machine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon_util import start_daemon, stop_daemon
+
+from m31r import doctor
+
+
+def user_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("M31R_SOCKET", "M31R_BUNDLE")}
+    env.update(HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    return env
+
+
+def run_doctor(tmp_path: Path, *args: str, as_json: bool = True) -> tuple[int, dict | str]:
+    cmd = [sys.executable, "-m", "m31r.cli", "doctor", *args, *(["--json"] if as_json else [])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=user_env(tmp_path))
+    assert r.returncode in (0, 1), r.stderr  # 1: a check failed; anything else is a crash
+    if not as_json:
+        return r.returncode, r.stdout
+    out = json.loads(r.stdout)
+    assert out["ok"] == (r.returncode == 0), "exit status and `ok` agree"
+    return r.returncode, {c["name"]: c for c in out["checks"]}
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_bundle, tmp_path_factory: pytest.TempPathFactory):
+    sock = tmp_path_factory.mktemp("doctor") / "run" / "m31rd.sock"  # the daemon creates run/ 0700
+    proc = start_daemon(tiny_bundle.path, sock)
+    yield proc, sock
+    stop_daemon(proc)
+
+
+def test_healthy_setup_exits_0_and_says_ok(daemon, tiny_bundle, tmp_path: Path) -> None:
+    proc, sock = daemon
+    code, text = run_doctor(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path), as_json=False)
+    assert code == 0, text
+    lines = {line.split()[1]: line for line in text.splitlines()}
+    for name in ("bundle", "socket", "daemon"):
+        assert lines[name].startswith("ok "), lines[name]
+    assert tiny_bundle.model_id in lines["bundle"] and "checksums match" in lines["bundle"]
+    assert f"pid {proc.pid} serves {tiny_bundle.model_id}" in lines["daemon"]
+    assert "mode 0700" in lines["socket"]
+    for name in ("cpu", "compiler", "kernels", "bf16", "service", "editors"):
+        assert lines[name].split()[0] in ("ok", "warn"), lines[name]  # depends on the machine, never a fail
+    assert "not installed" in lines["service"]  # an empty HOME: no units
+
+
+def test_corrupted_bundle_fails_and_says_why(tiny_bundle, tmp_path: Path) -> None:
+    bad = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, bad)
+    weights = bad / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code, checks = run_doctor(tmp_path, "--socket", str(tmp_path / "run" / "d.sock"), "--bundle", str(bad))
+    assert code == 1
+    assert checks["bundle"]["level"] == "fail"
+    assert "model.safetensors" in checks["bundle"]["detail"] and "checksum mismatch" in checks["bundle"]["detail"]
+    assert [c for c in checks.values() if c["level"] == "fail"] == [checks["bundle"]]
+
+
+def test_socket_folder_open_to_others_fails(tiny_bundle, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    code, checks = run_doctor(tmp_path, "--socket", str(shared / "d.sock"), "--bundle", str(tiny_bundle.path))
+    assert code == 1
+    assert checks["socket"]["level"] == "fail"
+    assert "0777" in checks["socket"]["detail"] and "0700" in checks["socket"]["detail"]
+
+
+def test_no_daemon_is_a_warning_not_a_failure(tiny_bundle, tmp_path: Path) -> None:
+    sock = tmp_path / "run" / "d.sock"
+    code, checks = run_doctor(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path))
+    assert checks["daemon"]["level"] == "warn" and "none answers" in checks["daemon"]["detail"]
+    assert checks["socket"]["level"] == "ok" and "does not exist yet" in checks["socket"]["detail"]
+    assert code == 0, [c for c in checks.values() if c["level"] == "fail"]
+
+
+def test_client_side_checks_do_not_import_torch(tmp_path: Path) -> None:
+    code = ("import sys; from pathlib import Path; from m31r import doctor as d; "
+            f"ctx = d.Context.create(Path({str(tmp_path / 'd.sock')!r}), Path('release')); "
+            "[f(ctx) for f in (d.check_cpu, d.check_socket, d.check_daemon, d.check_service, *d.EDITOR_CHECKS)]; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=user_env(tmp_path))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd units")
+def test_half_installed_service_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    units = tmp_path / "systemd" / "user"
+    units.mkdir(parents=True)
+    (units / "m31rd.socket").write_text("[Socket]\n")
+    ctx = doctor.Context.create(tmp_path / "d.sock", tmp_path)
+    check = doctor.check_service(ctx)
+    assert check.level == "fail" and "m31rd.service" in check.detail
+    (units / "m31rd.service").write_text(f"[Service]\nExecStart={tmp_path / 'gone' / 'm31r'} daemon\n")
+    check = doctor.check_service(ctx)
+    assert check.level == "fail" and "no longer exists" in check.detail
+
+
+def test_editor_configs_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    ctx = doctor.Context.create(tmp_path / "d.sock", tmp_path)
+    (tmp_path / "helix").mkdir()
+    (tmp_path / "helix" / "languages.toml").write_text('[language-server.rust-analyzer]\ncommand = "rust-analyzer"\n')
+    assert doctor.check_helix(ctx).level == "warn"
+    shutil.copyfile(Path(__file__).parents[1] / "editors" / "helix" / "languages.toml",
+                    tmp_path / "helix" / "languages.toml")
+    assert doctor.check_helix(ctx).level == "ok"
+    nvim = tmp_path / "nvim" / "lua" / "plugins"
+    nvim.mkdir(parents=True)
+    (nvim / "lsp.lua").write_text('return { "neovim/nvim-lspconfig" }\n')
+    assert doctor.check_neovim(ctx).level == "warn"
+    (nvim / "m31r.lua").write_text('return { dir = "~/src/m31r/editors/neovim", opts = {} }\n')
+    assert doctor.check_neovim(ctx).level == "ok"
