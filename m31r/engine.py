@@ -411,11 +411,14 @@ class Engine:
     # -- generation -----------------------------------------------------------------------------------
 
     def _healing(self, logits: torch.Tensor, owed: bytes) -> torch.Tensor:
-        """Logits with every token that cannot continue the owed text at -inf (the masks are cached)."""
+        """Logits with every token that cannot continue the owed text at -inf (the masks are cached). `owed`
+        empty: the step after healed whitespace, where stopping stays allowed."""
         allowed = self._heal_masks.get(owed)
         if allowed is None:
             allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
             allowed[self.tokenizer.heal_ids(owed)] = True
+            if not owed:
+                allowed[list(self.stop_ids)] = True
             allowed = allowed.to(logits.device)
             if len(self._heal_masks) >= 4096:
                 self._heal_masks.clear()
@@ -488,19 +491,26 @@ class Engine:
         res.finish_reason = "length"
         hit = False
         owed, skip = heal.encode(), len(heal)  # healed bytes still to write; healed characters to hold back
+        # Healed text ending in whitespace, written exactly: the next token must not add to that whitespace.
+        after_space = False
         for i in range(max_tokens):
             hist = torch.tensor(history, device=self.device) if need_history else None
             if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
                 logits = logits.index_fill(0, self.unused_ids, float("-inf"))
-            if owed:
+            if owed or after_space:
                 logits = self._healing(logits, owed)
             tok = sampler(logits, hist)
             if tok in self.stop_ids:
                 res.finish_reason = "stop"
                 break
+            after_space = False
             if owed:
                 written = self.tokenizer.token_bytes[tok] or b""
-                owed = owed[len(written):] if owed.startswith(written) else b""
+                if owed.startswith(written):
+                    after_space = written == owed and owed[-1:] in (b" ", b"\t")
+                    owed = owed[len(written):]
+                else:
+                    owed = b""
             res.tokens.append(tok)
             res.completion_tokens += 1
             if need_history:

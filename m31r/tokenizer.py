@@ -75,9 +75,24 @@ class Tokenizer:
 
     def heal_ids(self, rest: bytes) -> list[int]:
         """Ids a healed completion may continue with while `rest` (bytes already in the text) is still owed:
-        tokens that start with all of it, or that are a prefix of it."""
-        return [i for i, b in enumerate(self.token_bytes)
-                if b and (b.startswith(rest) or rest.startswith(b))]
+        tokens that start with all of it, or that are a prefix of it. Where it ends in a space or tab, a token
+        may not go on with more of them: the cursor stands after that whitespace, and a completion that adds
+        to it (a second space, deeper indentation) is the doubled space healing is there to prevent. An empty
+        `rest` (the healed text just written, exactly) allows every token not opening with a space or tab."""
+        if not rest:
+            return [i for i, b in enumerate(self.token_bytes) if b and b[:1] not in (b" ", b"\t")]
+        after_space = rest[-1:] in (b" ", b"\t")
+        out = []
+        for i, b in enumerate(self.token_bytes):
+            if not b:
+                continue
+            if b.startswith(rest):
+                if after_space and b[len(rest) : len(rest) + 1] in (b" ", b"\t"):
+                    continue
+                out.append(i)
+            elif rest.startswith(b):
+                out.append(i)
+        return out
 
     def stream(self, context: list[int] | None = None) -> TextStream:
         return TextStream(self, context)

@@ -52,6 +52,10 @@ def test_heal_ids_continue_the_owed_text(bpe):
         b = bpe.token_bytes[i]
         assert b.startswith(owed) or owed.startswith(b)
     assert bpe.encode(" let")[0] not in ids and bpe.eos_id not in ids
+    # The cursor stands after that whitespace: no token may add to it (8 spaces, a space then more).
+    assert bpe.encode("        ")[0] not in ids and all(bpe.token_bytes[i].strip(b" ") == b"" for i in ids)
+    assert not any(bpe.token_bytes[i][:1] in (b" ", b"\t") for i in bpe.heal_ids(b""))
+    assert bpe.encode(" foo")[0] in bpe.heal_ids(b" ") and bpe.encode("  ")[0] not in bpe.heal_ids(b" ")
 
 
 def test_prompt_leaves_the_healed_token_out(bpe):
@@ -104,6 +108,27 @@ def test_healed_generation_writes_the_token_again_and_returns_only_what_follows(
     assert rest.startswith(res.text) and (res.text == rest or rest != written.decode("utf-8", "replace")[len(p.heal):])
     unhealed = run(bpe_engine, p.ids, "")
     assert not b"".join(tok.token_bytes[i] for i in unhealed.tokens).startswith(p.heal.encode())
+    if p.heal[-1] in " \t":  # after whitespace the completion never opens with more of it
+        assert res.text[:1] not in (" ", "\t") and written[len(p.heal.encode()) :][:1] not in (b" ", b"\t")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_completion_doubles_the_whitespace_before_the_cursor(bpe_engine, seed):
+    """Random cursors after indentation or a space, sampled (random weights, so whitespace tokens get drawn)."""
+    from m31r.sampling import SamplingParams
+
+    tok = bpe_engine.tokenizer
+    budget = FimBudget.for_context(bpe_engine.config.max_context)
+    rng = random.Random(seed)
+    line = rng.choice(["    ", "        ", "\t", "    let x = ", "    foo(a, ", "    // note: "])
+    p = build_fim_prompt(tok, "fn f() {\n" + line, "\n}\n", budget)
+    from m31r.engine import Generation
+
+    res = Generation(prompt_tokens=0)
+    for _ in bpe_engine.generate(p.ids, max_tokens=4, result=res, heal=p.heal,
+                                 sampling=SamplingParams(temperature=1.5, seed=seed)):
+        pass
+    assert res.text[:1] not in (" ", "\t"), (line, res.text)
 
 
 def test_healing_is_the_unhealed_prompt_when_one_token_spells_it(tiny_engine):
