@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -35,22 +34,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-
-
-def cpu() -> str:
-    """The CPU's name and the flags that decide which kernels a step runs on."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
-    return f"{name}, {os.cpu_count()} CPUs, flags: {' '.join(f for f in wanted if f in flags) or 'none of note'}"
 
 
 def matmul_peak(dtype, threads: int, n: int = 1536, reps: int = 5) -> float:
@@ -84,6 +67,7 @@ def main() -> int:
 
     import torch
 
+    from m31r.cpu import describe
     from m31r.engine import fast_bf16
     from m31r.model import Transformer, init_weights
     from m31r.tokenizer import Tokenizer
@@ -154,7 +138,7 @@ def main() -> int:
                      "tflops": round(tflops, 4), "mfu": round(tflops / peak, 3),
                      "data_share": round(statistics.median(data_times) / t, 3)})
     base = rows[0]["tok_s"] if not args.skip_old else None
-    print(f"machine: {cpu()}, torch {torch.__version__}, {args.threads} threads")
+    print(f"machine: {describe()}, torch {torch.__version__}, {args.threads} threads")
     print(f"model: {mc.name}, {mc.param_count() / 1e6:.1f}M params; matmul peak here: fp32 {peak32:.3f} TFLOP/s"
           + (f", bf16 {peak16:.3f}" if peak16 else " (bf16 is emulated on this CPU)"))
     print(f"{'variant':<10} {'dtype':<5} {'seq':>5} {'tok/step':>8} {'step s':>7} {'tok/s':>8} {'TFLOP/s':>8} "
@@ -165,7 +149,7 @@ def main() -> int:
               f"{r['tok_s']:>8.0f} {r['tflops']:>8.3f} {r['mfu']:>6.1%} {r['data_share']:>6.1%} {rel:>7}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"machine": cpu(), "threads": args.threads, "model": mc.name,
+        args.out.write_text(json.dumps({"machine": describe(), "threads": args.threads, "model": mc.name,
                                         "peak_tflops_fp32": peak32, "peak_tflops_bf16": peak16, "rows": rows},
                                        indent=2) + "\n")
     return 0

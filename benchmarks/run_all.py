@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -95,16 +94,9 @@ ROWS = [
 
 def machine() -> str:
     """The CPU and what its bf16 matmuls run on: the issue's targets were set on 2 Sapphire Rapids cores (AMX)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    from m31r.cpu import cpu_info
+
+    model, flags, _ = cpu_info()
     bf16 = "AMX" if "amx_bf16" in flags else "AVX512-BF16, no AMX" if "avx512_bf16" in flags else "no native bf16"
     return f"{model}, {os.cpu_count()} CPUs, {bf16}"
 

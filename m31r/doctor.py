@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from m31r.cpu import ARM_FEATURES, X86_FEATURES, cpu_info
 
 Level = Literal["ok", "warn", "fail"]
 VSCODE_EXTENSION = "m31r.m31r"  # publisher.name in editors/vscode/package.json
@@ -65,43 +65,6 @@ def _config_home() -> Path:
 
 
 # -- the CPU and what runs on it --------------------------------------------------------------------------------
-
-X86_FEATURES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX-512F", "avx512_bf16": "AVX512-BF16",
-                "amx_tile": "AMX"}
-ARM_FEATURES = {"asimd": "NEON", "asimddp": "dotprod"}
-
-
-def cpu_info() -> tuple[str, set[str], str]:
-    """(model name, feature flags in /proc/cpuinfo spelling, architecture), best effort on Linux and macOS."""
-    arch = platform.machine().lower()
-    name, flags = platform.processor() or arch, set()
-    if sys.platform == "linux":
-        try:
-            text = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            text = ""
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip().lower()
-            if key in ("model name", "cpu model") and value.strip():
-                name = value.strip()
-            elif key in ("flags", "features") and not flags:
-                flags = set(value.split())
-    elif sys.platform == "darwin":
-        out = _run(["sysctl", "-n", "machdep.cpu.brand_string"])
-        if out and out.returncode == 0 and out.stdout.strip():
-            name = out.stdout.strip()
-        if arch == "arm64":
-            flags = {"asimd"}  # every Apple arm64 CPU has NEON
-            dp = _run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"])
-            if dp and dp.stdout.strip() == "1":
-                flags.add("asimddp")
-        else:
-            out = _run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"])
-            words = set((out.stdout if out else "").lower().split())  # e.g. "FMA F16C" and "AVX2 AVX512F"
-            flags = {f for f in X86_FEATURES if f in words or f.replace("_", "") in words}
-    return name, flags, arch
-
 
 def check_cpu(ctx: Context) -> Check:
     name, flags, arch = cpu_info()

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from tqdm import tqdm
 
 from m31r.bundle import Bundle, sha256_file, write_bundle
 from m31r.config import ModelConfig, load_config
+from m31r.cpu import cpu_info
 from m31r.engine import fast_bf16
 from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
@@ -104,11 +104,7 @@ def device_name(dev: torch.device) -> str:
     """What trained the model, for the bundle's metadata: the GPU's name, or the CPU's and its threads."""
     if dev.type == "cuda":
         return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), name)
-    return f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}"
+    return f"{cpu_info()[0]}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}"
 
 
 def flops_per_token(mc: ModelConfig, seq: int) -> float:
