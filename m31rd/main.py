@@ -108,28 +108,36 @@ def run(opts: DaemonOptions) -> int:
             return 1
         owned = opts.socket
 
-    def interrupted(signum: int, frame: object) -> None:
-        raise _Interrupted(f"signal {signal.Signals(signum).name} during warm-up")
+    # SIGTERM/SIGINT before the event loop takes them over: during warm-up, leave at once; after it, stop as soon
+    # as the loop runs.
+    warming, early_stop = True, []
 
+    def interrupted(signum: int, frame: object) -> None:
+        reason = f"signal {signal.Signals(signum).name}"
+        if warming:
+            raise _Interrupted(f"{reason} during warm-up")
+        early_stop.append(reason)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupted)
     # The socket listens but answers nothing until warm-up is done: a client that connects now waits in the backlog
     # (as under systemd socket activation), so its first request runs on a warm engine as soon as warm-up ends, and
     # READY=1 means ready to serve.
-    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         torch_thread.call(_warm_up, daemon, opts.threads)
+        warming = False
     except _Interrupted as e:
         if owned is not None:
             owned.unlink(missing_ok=True)
         log.info("stopped", extra={"fields": {"reason": str(e)}})
         return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
     def on_ready() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop, f"signal {signal.Signals(sig).name}")
+        if early_stop:
+            daemon.request_stop(early_stop[0])
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
