@@ -607,7 +607,8 @@ def test_autostart(tiny_bundle, tmp_path):
                 await asyncio.wait_for(c.closed.wait(), 30)
 
         asyncio.run(stop_it())
-    assert "daemon ready" in srv.log.read_text()
+    log = srv.log.read_text()
+    assert "starting the m31r daemon" in log and "connected to the daemon" in log
 
 
 def test_security_helpers(tmp_path):
