@@ -445,11 +445,16 @@ class Engine:
         result: Generation | None = None,
         batched: bool = False,
         heal: str = "",
+        deadline: float | None = None,
     ) -> Iterator[Token | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
         `heal` is text the prompt left out of its end (m31r.fim's token healing): the first tokens are held to
         writing it again, and it is not part of the text streamed back.
+
+        `deadline` (a time.perf_counter() value) is a hard limit: past it no further model call is made, so
+        generation ends (finish_reason "deadline") with what was produced so far, before any token if it passes
+        during prefill. A token holding a line end that arrives past it ends the text at that line end.
 
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
@@ -473,7 +478,14 @@ class Engine:
         start = self.reusable(cache, ids)
         res.cached_tokens = start
         logits = None
+        def late() -> bool:
+            return deadline is not None and time.perf_counter() >= deadline
+
         for chunk in self.chunks(cache, ids, start):
+            if late():
+                res.finish_reason = "deadline"
+                res.prefill_ms = res.total_ms = (time.perf_counter() - t0) * 1000
+                return
             if batched:
                 out = yield chunk
             else:
@@ -520,14 +532,23 @@ class Engine:
                 n = min(skip, len(piece))
                 piece, skip = piece[n:], skip - n
             piece, hit = stops.feed(piece)
+            if not hit and "\n" in piece and late():  # past the deadline, a line end is where the text ends
+                piece, hit = piece[: piece.index("\n")], True
+                res.finish_reason = "deadline"
+                if not piece:
+                    break
             res.text += piece
             if res.first_token_ms is None:
                 res.first_token_ms = (time.perf_counter() - t0) * 1000
             yield Token(tok, piece)
             if hit:
-                res.finish_reason = "stop"
+                if res.finish_reason != "deadline":
+                    res.finish_reason = "stop"
                 break
             if i + 1 < max_tokens:
+                if late():
+                    res.finish_reason = "deadline"
+                    break
                 logits = (yield Decode(cache, tok)) if batched else self.decode_step(cache, tok)
         if not hit and (tail := stops.flush()):
             res.text += tail

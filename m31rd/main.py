@@ -100,9 +100,6 @@ def run(opts: DaemonOptions) -> int:
     daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
                     max_active=opts.max_active, grace_s=opts.grace_s, max_per_connection=opts.max_per_connection,
                     max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None)
-    # Warm-up runs on the torch thread while the socket opens: requests queue behind it (the scheduler's loop is
-    # submitted after it), Status and handshakes are answered at once.
-    torch_thread.submit(_warm_up, daemon)
     if sock is None:
         try:
             sock = bind_unix(opts.socket)
@@ -111,14 +108,40 @@ def run(opts: DaemonOptions) -> int:
             return 1
         owned = opts.socket
 
+    # SIGTERM/SIGINT before the event loop takes them over: during warm-up, leave at once; after it, stop as soon
+    # as the loop runs.
+    warming, early_stop = True, []
+
+    def interrupted(signum: int, frame: object) -> None:
+        reason = f"signal {signal.Signals(signum).name}"
+        if warming:
+            raise _Interrupted(f"{reason} during warm-up")
+        early_stop.append(reason)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupted)
+    # The socket listens but answers nothing until warm-up is done: a client that connects now waits in the backlog
+    # (as under systemd socket activation), so its first request runs on a warm engine as soon as warm-up ends, and
+    # READY=1 means ready to serve.
+    try:
+        torch_thread.call(_warm_up, daemon, opts.threads)
+        warming = False
+    except _Interrupted as e:
+        if owned is not None:
+            owned.unlink(missing_ok=True)
+        log.info("stopped", extra={"fields": {"reason": str(e)}})
+        return 0
+
     def on_ready() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop, f"signal {signal.Signals(sig).name}")
+        if early_stop:
+            daemon.request_stop(early_stop[0])
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
-            "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant,
+            "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant, "threads": daemon.threads,
             "socket": str(owned or "systemd-activated"),
             "load_ms": round(load_ms, 1),
             "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
@@ -136,9 +159,22 @@ def run(opts: DaemonOptions) -> int:
     return 0
 
 
-def _warm_up(daemon) -> None:
+class _Interrupted(Exception):
+    """SIGTERM or SIGINT before the daemon serves: nothing to drain, just leave."""
+
+
+def _warm_up(daemon, threads: int | None) -> None:
     """Probe the decode widths and run one short generation through a cache slot, so the first real request pays
-    no first-call costs. A failure is logged, not fatal: requests then pay those costs themselves."""
+    no first-call costs. A failure is logged, not fatal: requests then pay those costs themselves.
+
+    Runs on the torch thread with the daemon's --threads (set again here, so that nothing run since the engine
+    loaded can have changed it): on a busy machine, OpenMP teams wider than the cores free make every op of the
+    probe wait for descheduled workers."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    daemon.threads = torch.get_num_threads()
     t0 = time.perf_counter()
     try:
         engine = daemon.engine
@@ -153,6 +189,7 @@ def _warm_up(daemon) -> None:
         log.exception("warm-up failed")
         return
     log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
-                                       "decode_widths": widths, "chunks_share_passes": engine.fuse,
+                                       "threads": daemon.threads, "decode_widths": widths,
+                                       "chunks_share_passes": engine.fuse,
                                        "native_attention": engine.model.native is not None,
                                        "native_int8": engine.native_int8}})

@@ -4,8 +4,10 @@ The asyncio side hands jobs over through a queue; results go back with `loop.cal
 thread works in rounds: each active job advances to its next model call (a prefill chunk or a decode step),
 then the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes.
 A short request is never stuck behind a long prefill, concurrent streams share the cost of reading the
-weights, and every round boundary is a point where cancellation takes effect. The engine shares passes only in
-ways that give a row the same bits, so a request's output does not depend on what runs beside it.
+weights, and every round boundary is a point where cancellation and deadlines take effect: the engine makes no
+model call for a job past its deadline (Engine.generate), and a queued job past it is answered without starting.
+The engine shares passes only in ways that give a row the same bits, so a request's output does not depend on
+what runs beside it.
 The loop runs on the daemon's TorchThread, the thread that loaded the model (see torch_thread).
 """
 
@@ -105,9 +107,13 @@ class Scheduler:
                     item = self.inbox.get_nowait()
             except queue.Empty:
                 pass
-            for job in [j for j in pending if j.cancel_reason]:  # answer cancelled waiters now, not at the head
-                pending.remove(job)
-                self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
+            now = time.perf_counter()
+            for job in [j for j in pending if j.cancel_reason or (j.deadline is not None and now >= j.deadline)]:
+                pending.remove(job)  # answer cancelled and expired waiters now, not when they reach the head
+                if job.cancel_reason:
+                    self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
+                else:
+                    self._send(job, self._expired(job), True)
             while pending and len(active) < self.max_active:
                 job = pending[0]
                 if job.cancel_reason:
@@ -161,7 +167,7 @@ class Scheduler:
         job.result = Generation(prompt_tokens=len(job.ids))
         job.gen = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
-            result=job.result, batched=True, heal=job.heal)
+            result=job.result, batched=True, heal=job.heal, deadline=job.deadline)
         return True
 
     def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:
@@ -185,6 +191,13 @@ class Scheduler:
                               first_token_ms=first,
                               total_ms=round((time.perf_counter() - job.received) * 1000, 2)))
 
+    def _expired(self, job: Job) -> m.Done:
+        """The answer to a job whose deadline passed before it started: no tokens."""
+        prompt = len(job.ids) if job.ids is not None else 0
+        ms = round((time.perf_counter() - job.received) * 1000, 2)
+        return m.Done(id=job.rid, finish_reason="deadline", usage=m.Usage(prompt_tokens=prompt),
+                      timings=m.Timings(queue_ms=ms, total_ms=ms))
+
     def _step(self, job: Job) -> bool:
         """Advance a job to its next model call (a prefill chunk or a decode step, collected for this round),
         sending the tokens produced on the way. True when it has finished."""
@@ -206,15 +219,6 @@ class Scheduler:
             if isinstance(ev, Chunk | Decode):
                 job.call = ev
                 return False
-            text = ev.text
-            if job.deadline is not None and "\n" in text and time.perf_counter() >= job.deadline:
-                text = text[: text.index("\n")]
-                if text:
-                    job.text += text
-                    job.ends.append(len(job.text))
-                    self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
-                job.result.finish_reason = "deadline"
-                return self._finish(job, self._done(job))
-            job.text += text
+            job.text += ev.text
             job.ends.append(len(job.text))
-            self._send(job, m.Token(id=job.rid, text=text, token=ev.id))
+            self._send(job, m.Token(id=job.rid, text=ev.text, token=ev.id))

@@ -204,6 +204,7 @@ class Daemon:
         self.preparing: set[asyncio.Task] = set()
         self.enc, self.dec = m.encoder(), m.client_decoder()
         self.max_active = max_active
+        self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
         self.in_flight: set[Job] = set()
         self.by_document: dict[str, Job] = {}
         self.typed: OrderedDict[str, Typed] = OrderedDict()
@@ -227,7 +228,7 @@ class Daemon:
             active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
             cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
-            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant)
+            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant, threads=self.threads)
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -250,7 +251,7 @@ class Daemon:
             sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.repetition_penalty, req.seed)
         except ValueError as e:
             return refuse("bad_request", str(e))
-        if isinstance(req, m.Fim) and req.deadline_ms is not None and req.deadline_ms < 0:
+        if req.deadline_ms is not None and req.deadline_ms < 0:
             return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
             what = "the prompt has" if isinstance(req, m.Generate) else "prefix and suffix have"
@@ -267,10 +268,10 @@ class Daemon:
             return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
         self.requests += 1
         job = Job(rid=req.id, request=req, sampling=sampling, conn=conn)
+        if req.deadline_ms is not None:  # counted from arrival: tokenising and queueing spend it too
+            job.deadline = job.received + req.deadline_ms / 1000
         if isinstance(req, m.Fim):
             job.document = req.document
-            if req.deadline_ms is not None:
-                job.deadline = job.received + req.deadline_ms / 1000
             if req.document:
                 if superseded is not None:
                     superseded.cancel("superseded by a newer request for the same document")

@@ -206,11 +206,11 @@ class Client:
 
     async def generate(
         self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
-        seed: int | None = None, truncate: bool = False,
+        seed: int | None = None, truncate: bool = False, deadline_ms: int | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Generate(
             id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
-            seed=seed, truncate=truncate))
+            seed=seed, truncate=truncate, deadline_ms=deadline_ms))
 
     async def fim(
         self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
@@ -268,7 +268,10 @@ async def connect_or_start(
     progress: Callable[[str], None] | None = None,
     timeout: float = 120.0,
 ) -> Client:
-    """Connect to the daemon, starting one in the background first if none answers (and autostart is on)."""
+    """Connect to the daemon, starting one in the background first if none answers (and autostart is on).
+
+    `progress` is told once, in one line, that a daemon is being started: the wait is the model's load and warm-up
+    (the daemon answers the handshake when warm-up is done, so the first request is served on a warm engine)."""
     path = Path(path or default_socket_path())
     try:
         return await Client.connect(path, client=client)
@@ -278,19 +281,17 @@ async def connect_or_start(
     log = daemon_log_path()
     log.parent.mkdir(parents=True, exist_ok=True)
     if progress:
-        progress(f"starting the m31r daemon on {path} (log: {log})")
+        progress(f"starting the m31r daemon… (socket {path}, log {log})")
     cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--socket", str(path), *(daemon_args or [])]
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+    while (left := timeout - (time.monotonic() - t0)) > 0:
         await asyncio.sleep(0.1)
         try:
-            c = await Client.connect(path, client=client)
-            if progress:
-                progress(f"daemon ready after {time.monotonic() - t0:.1f}s")
-            return c
+            # Once the socket accepts, the Welcome comes when warm-up ends: wait for it as long as the budget allows.
+            return await Client.connect(path, client=client, welcome_timeout=max(1.0, left))
         except DaemonUnavailable:
             if proc.poll() is not None:
                 # Another client may have won the race to start it: its daemon is then the one to use.

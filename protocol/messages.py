@@ -54,6 +54,7 @@ class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults
     stop: list[str] = []
     seed: int | None = None
     truncate: bool = False  # keep the prompt's end instead of failing with context_overflow
+    deadline_ms: int | None = None  # a hard limit on queue + prefill + generation (see Fim)
 
 
 class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
@@ -65,7 +66,10 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     sampling: Sampling = Sampling()
     stop: list[str] = []
     seed: int | None = None
-    deadline_ms: int | None = None  # once spent, generation ends at the next line end
+    # A hard limit on the request's time in the daemon (queued, prefilling, generating), from its arrival: once
+    # spent, the answer ends within one scheduler round with what was produced so far (finish_reason "deadline"),
+    # cut at a line end if the token that ended it holds one.
+    deadline_ms: int | None = None
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):
@@ -147,6 +151,7 @@ class StatusReply(Struct, tag="status_reply"):
     cache_hit_rate: float  # share of prompt tokens served from the prefix cache
     rss_mb: float
     quant: str | None = None  # int8 | int4 weights, or None for float weights
+    threads: int | None = None  # torch intra-op threads the inference thread runs with (--threads)
 
 
 class ShutdownReply(Struct, tag="shutdown_reply"):

@@ -438,6 +438,7 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         12: {"type": "generate", "id": 12, "prompt": "fn", "sampling": {"temperature": -1.0}},
         13: {"type": "generate", "id": 13, "prompt": "fn", "max_tokens": "ten"},
         14: {"type": "fim", "id": 14, "prefix": "x", "deadline_ms": -5},
+        22: {"type": "generate", "id": 22, "prompt": "fn", "deadline_ms": -1},
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
         17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},
@@ -586,31 +587,114 @@ async def test_newest_request_for_a_document_wins(warm, tiny_engine):
             pytest.fail("the older request for the document was never superseded")
 
 
-async def test_deadline_stops_at_a_line_end(warm, tiny_engine):
+def _newline_seed(engine) -> tuple[int, Out]:
+    """A seed whose sampled FIM completion has a line end after some text. The random tiny model greedily repeats
+    the cursor's last character, so it never writes a newline at a FIM cursor; a seeded sample does, reproducibly."""
     from m31r.sampling import SamplingParams
 
-    # The random tiny model greedily repeats the cursor's last character, so it never writes a newline at a
-    # FIM cursor; a seeded sample does, reproducibly. Find one whose output has a line end after some text.
-    prefix, suffix = "fn main() {\n    let x = ", "\n}\n"
     for seed in range(40):
-        ref = fim_reference(tiny_engine, prefix, suffix, 64, SamplingParams(temperature=1.0, seed=seed))
-        if ref.text.find("\n") > 0:
-            break
-    else:
-        pytest.fail("no seed gives a completion with a newline")
-    cut = ref.text.index("\n")
+        ref = fim_reference(engine, *DEADLINE_FIM, 64, SamplingParams(temperature=1.0, seed=seed))
+        nl = next((i for i, (_, piece) in enumerate(ref.pieces) if "\n" in piece), None)
+        if nl is not None and nl > 1 and not ref.pieces[nl][1].startswith("\n"):
+            return seed, ref
+    pytest.fail("no seed gives a completion with a newline inside a token after some text")
+
+
+DEADLINE_FIM = ("fn main() {\n    let x = ", "\n}\n")
+
+
+def test_the_engine_makes_no_model_call_past_the_deadline(tiny_engine):
+    """Engine.generate(deadline=...), driven round by round as the scheduler drives it, with the clock passing the
+    deadline between two rounds: the token computed in that round is the last one (cut at its line end if it holds
+    one), no further model call is asked for, and a deadline spent before prefill gives no token at all."""
+    from m31r.engine import Chunk, Decode, Generation
+    from m31r.fim import FimBudget, build_fim_prompt
+    from m31r.sampling import SamplingParams
+
+    seed, ref = _newline_seed(tiny_engine)
     nl = next(i for i, (_, piece) in enumerate(ref.pieces) if "\n" in piece)
-    sampling = m.Sampling(temperature=1.0)
+    assert nl > 1
+    p = build_fim_prompt(tiny_engine.tokenizer, *DEADLINE_FIM, FimBudget.for_context(tiny_engine.config.max_context))
+
+    def drive(late_at: int) -> tuple[list[tuple[int | None, str]], Generation]:
+        """Run the generation with the clock passing the deadline while the call that yields token `late_at`
+        runs (the rounds before it take milliseconds; the deadline is a second away, then slept past)."""
+        res, pieces = Generation(prompt_tokens=0), []
+        deadline = time.perf_counter() + 1.0
+        gen = tiny_engine.generate(p.ids, max_tokens=64, sampling=SamplingParams(temperature=1.0, seed=seed),
+                                   result=res, batched=True, heal=p.heal, deadline=deadline)
+        out = None
+        while True:
+            try:
+                ev = gen.send(out)
+            except StopIteration:
+                return pieces, res
+            out = None
+            if isinstance(ev, Chunk):
+                out = tiny_engine.run([], [ev])[1][0]
+            elif isinstance(ev, Decode):
+                out = tiny_engine.run([ev], [])[0][0]
+                if len(pieces) == late_at:
+                    assert time.perf_counter() < deadline, "the rounds before the deadline took a second"
+                    time.sleep(max(0.0, deadline - time.perf_counter()) + 0.01)
+            else:
+                pieces.append((ev.id, ev.text))
+
+    # Past the deadline at the token holding the line end: the text ends at the line end.
+    pieces, res = drive(nl)
+    cut = ref.pieces[nl][1].index("\n")
+    assert pieces == [*ref.pieces[:nl], (ref.pieces[nl][0], ref.pieces[nl][1][:cut])]
+    assert res.finish_reason == "deadline" and res.text == ref.text[: ref.text.index("\n")]
+    # Past it at a token without one: that token is the last, and no further call is made.
+    pieces, res = drive(1)
+    assert pieces == ref.pieces[:2] and res.finish_reason == "deadline" and res.completion_tokens == 2
+    # Spent before the prefill: no model call, no token.
+    res = Generation(prompt_tokens=0)
+    gen = tiny_engine.generate(p.ids, max_tokens=64, result=res, batched=True, deadline=time.perf_counter())
+    assert list(gen) == [] and res.finish_reason == "deadline" and res.completion_tokens == 0
+
+
+async def test_a_deadline_is_hard(warm):
+    """A request with a small deadline and a large max_tokens ends with finish_reason "deadline" within about one
+    round of the deadline, whether or not a line end came, and the next request is served at once."""
+    deadline_ms, margin = 150, 0.25
     async with await Client.connect(warm.socket) as c:
-        out = await run(await c.fim(prefix, suffix, max_tokens=64, sampling=sampling, seed=seed, deadline_ms=0))
-        assert out.finish_reason == "deadline" and out.text == ref.text[:cut]
-        assert out.tokens == [t for t, _ in ref.pieces[:nl] if t is not None]
-        # A budget that is not spent changes nothing.
-        out = await run(await c.fim(prefix, suffix, max_tokens=64, sampling=sampling, seed=seed, deadline_ms=60_000))
-        assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
-        # Greedy with a spent budget: never more than the cursor line.
-        out = await run(await c.fim(prefix, suffix, max_tokens=64, deadline_ms=0))
-        assert "\n" not in out.text and out.finish_reason in ("deadline", "length", "stop")
+        # Without a deadline this request runs far longer than the bound below.
+        t0 = time.perf_counter()
+        full = await run(await c.generate("fn main() {", max_tokens=480))
+        full_s = time.perf_counter() - t0
+        assert full.finish_reason == "length" and full_s > deadline_ms / 1000 + margin, full_s
+        t0 = time.perf_counter()
+        out = await run(await c.generate("fn main() {", max_tokens=480, deadline_ms=deadline_ms))
+        elapsed = time.perf_counter() - t0
+        assert out.finish_reason == "deadline" and elapsed < deadline_ms / 1000 + margin, (out.done, elapsed)
+        assert out.done.usage.completion_tokens < 480 and full.text.startswith(out.text)
+        # Fim too: 64 tokens take longer than 1 ms.
+        t0 = time.perf_counter()
+        out = await run(await c.fim(*DEADLINE_FIM, max_tokens=64, deadline_ms=1))
+        elapsed = time.perf_counter() - t0
+        assert out.finish_reason == "deadline" and elapsed < 0.001 + margin, (out.done, elapsed)
+        assert out.done.usage.completion_tokens < 64
+        # The inference thread moved on: the next request does not wait behind the one that ran out of time.
+        nxt = await run(await c.generate("fn ok", max_tokens=2))
+        assert nxt.finish_reason == "length" and nxt.done.timings.queue_ms < margin * 1000, nxt.done
+    await until_idle(warm.socket)
+
+
+async def test_a_deadline_spent_in_the_queue_gets_done_without_tokens(cold):
+    """--max-active 1: a request queued behind a long one is answered `deadline`, with no tokens, when its time
+    runs out, not when it reaches the head; deadline_ms 0 is spent on arrival."""
+    async with await Client.connect(cold.socket) as c:
+        long = await c.generate("fn main() {", max_tokens=480)
+        waiting = await c.generate("fn x", max_tokens=8, deadline_ms=100)
+        out = await run(waiting, timeout=10)
+        assert out.finish_reason == "deadline" and out.pieces == [] and out.done.usage.completion_tokens == 0
+        assert out.done.usage.prompt_tokens > 0 and out.done.timings.queue_ms >= 100
+        assert long.done is None  # still running: the expired one did not wait for it
+        await long.cancel()
+        out = await run(await c.fim("fn ", "", max_tokens=8, deadline_ms=0))
+        assert out.finish_reason == "deadline" and out.pieces == []
+    await until_idle(cold.socket)
 
 
 async def test_typed_through(warm, tiny_engine):
@@ -779,8 +863,8 @@ def test_auto_precision_is_resolved_and_reported(life):
     want = ("bfloat16", "int8") if native else ("float32", None)
     ready = life.wait_logs(lambda x: x.get("msg") == "ready")[0]
     assert (ready["dtype"], ready["quant"]) == want
-    warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # after ready: the probe and a short generation
-    assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] >= ready["ts"]
+    warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
+    assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
 
     async def ask() -> tuple[str, str | None, str]:
         async with await Client.connect(life.socket) as c:

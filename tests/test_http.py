@@ -233,6 +233,18 @@ def test_generate_stream_sse(http):
     assert done.usage.completion_tokens == plain["usage"]["completion_tokens"]
 
 
+def test_native_deadlines_reach_the_daemon(http):
+    """deadline_ms on /generate and /fim is the daemon's hard deadline: a request that would run for a second or
+    more ends early with finish_reason `deadline`."""
+    for path, body in (("/generate", {"prompt": "fn main() {", "max_tokens": 480}),
+                       ("/fim", {"prefix": "fn main() {\n    let x = ", "suffix": "\n}\n", "max_tokens": 64})):
+        r = http.post(path, json={**body, "deadline_ms": 1})
+        assert r.status_code == 200, r.text
+        out = msgspec.json.decode(r.content, type=s.GenerateResponse)
+        assert out.finish_reason == "deadline" and out.usage.completion_tokens < body["max_tokens"], out
+    assert http.post("/generate", json={"prompt": "fn", "deadline_ms": -1}).status_code == 400
+
+
 def test_fim(http):
     body = {"prefix": "fn add(a: u32, b: u32) -> u32 {\n    ", "suffix": "\n}\n", "max_tokens": 10}
     r = http.post("/fim", json=body)
@@ -595,7 +607,8 @@ def test_autostart(tiny_bundle, tmp_path):
                 await asyncio.wait_for(c.closed.wait(), 30)
 
         asyncio.run(stop_it())
-    assert "daemon ready" in srv.log.read_text()
+    log = srv.log.read_text()
+    assert "starting the m31r daemon" in log and "connected to the daemon" in log
 
 
 def test_security_helpers(tmp_path):

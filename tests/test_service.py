@@ -7,6 +7,7 @@ the tests that need them are skipped on macOS and fail on a Linux without them."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import plistlib
 import shutil
@@ -270,3 +271,70 @@ def test_socket_activation_and_ready_notification(tiny_bundle, tmp_path: Path):
     assert notify.recv(256) == b"STOPPING=1"
     notify.close()
     assert sock_path.exists()  # the socket belongs to the activator, not the daemon: it is left alone
+
+
+def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(tiny_bundle, tmp_path: Path):
+    """READY=1 and the first connection's Welcome arrive only once the warm-up has finished (its log line is
+    already written when they come), and the warm-up ran with --threads (reported in the warm line and in
+    `m31r status`), not with every core. A wide --decode-width makes the warm-up's probe long."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(120)
+    sock_path, log = tmp_path / "run" / "m31rd.sock", tmp_path / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's default: every core
+    env.update(PYTHONUNBUFFERED="1", NOTIFY_SOCKET=str(tmp_path / "notify"))
+    cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--socket", str(sock_path),
+           "--threads", "1", "--dtype", "float32", "--quant", "none", "--decode-width", "32"]
+    with log.open("w") as logf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf, env=env, cwd=REPO)
+
+    def warm_logged() -> bool:
+        return '"msg": "warm"' in log.read_text()
+
+    try:
+        t0 = time.monotonic()
+        while not sock_path.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() - t0 < 60, "the daemon never listened"
+            time.sleep(0.01)
+        from m31r_protocol.blocking import status
+
+        reply = status(sock_path, timeout=60)  # connects at once; answered only after the warm-up
+        assert warm_logged(), log.read_text()
+        assert notify.recv(256) == b"READY=1"
+        assert warm_logged()
+        assert reply["threads"] == 1
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        [warm] = [x for x in lines if x["msg"] == "warm"]
+        assert warm["threads"] == 1 and len(warm["decode_widths"]) > 8
+        st = subprocess.run([sys.executable, "-m", "m31r.cli", "status", "--socket", str(sock_path)],
+                            capture_output=True, text=True, timeout=60, env=env)
+        assert st.returncode == 0 and json.loads(st.stdout)["threads"] == 1, st.stderr
+    finally:
+        proc.terminate()
+        rc = proc.wait(30)
+    assert rc == 0 and not sock_path.exists(), log.read_text()
+    assert notify.recv(256) == b"STOPPING=1"
+    notify.close()
+
+
+def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
+    """A daemon stopped while it warms up (its socket already listening) exits 0 and removes its socket."""
+    sock_path = tmp_path / "run" / "m31rd.sock"
+    cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--socket", str(sock_path),
+           "--threads", "1", "--dtype", "float32", "--quant", "none", "--decode-width", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        t0 = time.monotonic()
+        while not sock_path.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 60
+            time.sleep(0.01)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not sock_path.exists(), err
+    assert '"msg": "stopped"' in err and "Traceback" not in err, err

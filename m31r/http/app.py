@@ -490,7 +490,8 @@ class Service:
         self.check_cap(r.max_tokens)
         sampling = self.sampling(r.temperature, r.top_k, r.top_p)
         return Generation(self, "/generate", lambda c: c.generate(
-            r.prompt, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop, seed=r.seed, truncate=r.truncate),
+            r.prompt, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop, seed=r.seed, truncate=r.truncate,
+            deadline_ms=r.deadline_ms or None),
             NativeRenderer(), r.stream)
 
     async def fim(self, request: Request) -> Generation:

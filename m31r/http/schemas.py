@@ -34,7 +34,9 @@ Seed = Annotated[int, Meta(ge=0, le=INT63, description="Makes sampling (temperat
 Stop = Annotated[list[str], Meta(max_length=16, description="Stop sequences; not included in the output.")]
 Stream = Annotated[bool, Meta(description="Server-Sent Events: one `chunk` event per text chunk, then `done`.")]
 DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
-    "Once spent, generation ends at the next line end (finish_reason `deadline`); 0 = no deadline."))]
+    "A hard limit on the request's time in the daemon (queued, prefilling, generating): once spent, the answer ends "
+    "with what was written so far (finish_reason `deadline`), at a line end if its last token holds one; "
+    "0 = no deadline."))]
 Document = Annotated[str, Meta(max_length=4096, description=(
     "A key for the file being edited (its path): the newest request for it cancels older ones (409) and its "
     "prefix-cache slot is kept warm."))]
@@ -63,6 +65,7 @@ class GenerateRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
     prompt: Annotated[str, Meta(min_length=1, description="The text to continue.")]
     truncate: Annotated[bool, Meta(description=(
         "Keep the prompt's end when prompt + max_tokens exceed the model's context, instead of a 400."))] = False
+    deadline_ms: DeadlineMs = 0
 
 
 class FimRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
