@@ -196,7 +196,7 @@ def edit_similarity(pred: str, target: str) -> float:
 
 
 def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True) -> list[Result]:
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt
 
     budget = FimBudget.for_context(engine.config.max_context)
@@ -205,7 +205,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     for k, t in enumerate(tasks):
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
         single = t.kind == "single"
-        res = Generation(prompt_tokens=len(prompt.ids))
+        res = Outcome(prompt_tokens=len(prompt.ids))
         t0 = time.perf_counter()
         for _ in engine.generate(prompt.ids, max_tokens=single_max if single else multi_max,
                                  stop=["\n"] if single else [], cache=cache, result=res, heal=prompt.heal):

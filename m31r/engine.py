@@ -78,7 +78,7 @@ class ContextOverflowError(ValueError):
 
 
 @dataclass
-class Token:
+class Piece:
     """Text that became safe to show, and the token that produced it.
 
     `text` may be empty while a UTF-8 character or a possible stop sequence is pending; `id` is None for
@@ -111,8 +111,8 @@ class Chunk:
 
 
 @dataclass
-class Generation:
-    """The outcome of one request, filled in as it runs; read it once the token iterator is exhausted."""
+class Outcome:
+    """The outcome of one generation, filled in as it runs; read it once the token iterator is exhausted."""
 
     prompt_tokens: int
     cached_tokens: int = 0
@@ -442,11 +442,11 @@ class Engine:
         stop: list[str] | tuple[str, ...] = (),
         cache: KVCache | None = None,
         truncate: bool = False,
-        result: Generation | None = None,
+        result: Outcome | None = None,
         batched: bool = False,
         heal: str = "",
         deadline: float | None = None,
-    ) -> Iterator[Token | Chunk | Decode]:
+    ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
         `heal` is text the prompt left out of its end (m31r.fim's token healing): the first tokens are held to
@@ -469,7 +469,7 @@ class Engine:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         ids = self.fit_prompt(ids, max_tokens, truncate)
-        res = result if result is not None else Generation(prompt_tokens=len(ids))
+        res = result if result is not None else Outcome(prompt_tokens=len(ids))
         res.prompt_tokens = len(ids)
         if cache is None:
             cache = self.new_cache()
@@ -540,7 +540,7 @@ class Engine:
             res.text += piece
             if res.first_token_ms is None:
                 res.first_token_ms = (time.perf_counter() - t0) * 1000
-            yield Token(tok, piece)
+            yield Piece(tok, piece)
             if hit:
                 if res.finish_reason != "deadline":
                     res.finish_reason = "stop"
@@ -552,5 +552,5 @@ class Engine:
                 logits = (yield Decode(cache, tok)) if batched else self.decode_step(cache, tok)
         if not hit and (tail := stops.flush()):
             res.text += tail
-            yield Token(None, tail)
+            yield Piece(None, tail)
         res.total_ms = (time.perf_counter() - t0) * 1000

@@ -24,14 +24,15 @@ class Slot:
 
 
 class PrefixCache:
-    def __init__(self, engine: Engine, budget_mb: float):
+    def __init__(self, engine: Engine, budget_mb: float, slots: int | None = None):
+        """`slots` overrides how many slots the budget allows (without reuse: how many working buffers)."""
         self.engine = engine
         self.fingerprint = engine.bundle.fingerprint  # one model per daemon: every entry belongs to it
         self.reuse = budget_mb > 0
         self.slot_bytes = engine.cache_bytes()
         self.budget_bytes = int(budget_mb * 2**20)
         # Without reuse one working buffer remains; with it, as many slots as the budget holds (at least one).
-        self.max_slots = max(1, self.budget_bytes // self.slot_bytes) if self.reuse else 1
+        self.max_slots = slots or (max(1, self.budget_bytes // self.slot_bytes) if self.reuse else 1)
         self.slots: list[Slot] = []
         self._tick = itertools.count(1)
         self.prompt_tokens = 0
@@ -41,9 +42,6 @@ class PrefixCache:
     def bytes_used(self) -> int:
         """What the slots hold now: each grows with its context, up to slot_bytes (which the budget counts)."""
         return sum(s.cache.nbytes for s in list(self.slots))
-
-    def has_free(self) -> bool:
-        return len(self.slots) < self.max_slots or any(not s.busy for s in self.slots)
 
     def acquire(self, ids: list[int], document: str) -> Slot | None:
         """A slot for `ids`, or None when every slot is busy (the caller waits for one)."""

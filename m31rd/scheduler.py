@@ -1,14 +1,18 @@
-"""The one inference thread: the only code in the daemon that touches torch.
+"""The inference thread's scheduler: engine-level requests in, engine-level events out.
 
-The asyncio side hands jobs over through a queue; results go back with `loop.call_soon_threadsafe`. The
-thread works in rounds: each active job advances to its next model call (a prefill chunk or a decode step),
-then the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes.
-A short request is never stuck behind a long prefill, concurrent streams share the cost of reading the
-weights, and every round boundary is a point where cancellation and deadlines take effect: the engine makes no
-model call for a job past its deadline (Engine.generate), and a queued job past it is answered without starting.
-The engine shares passes only in ways that give a row the same bits, so a request's output does not depend on
-what runs beside it.
-The loop runs on the daemon's TorchThread, the thread that loaded the model (see torch_thread).
+It knows nothing of the socket protocol. A `Request` is prompt token ids, sampling, stop sequences, token healing,
+a deadline and a `Cancellation` handle; what comes back, through the callback the request was submitted with, is a
+`Piece` per token (as the engine yields them), then one `Finished` (finish reason, usage, timings) or one `Failed`
+(code `cancelled` or `internal`). `m31rd/server.py` alone maps wire messages to and from these. The daemon runs
+`serve()` on its torch thread; tests and benchmarks drive the same scheduler in-process (`drain()`, `run_together`).
+
+It works in rounds: each running request advances to its next model call (a prefill chunk or a decode step), then
+the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes. A short
+request is never stuck behind a long prefill, concurrent streams share the cost of reading the weights, and every
+round boundary is a point where cancellation and deadlines take effect: the engine makes no model call for a
+request past its deadline (Engine.generate), and a queued request past it is answered without starting. The engine
+shares passes only in ways that give a row the same bits, so a request's output does not depend on what runs
+beside it.
 """
 
 from __future__ import annotations
@@ -18,207 +22,268 @@ import queue
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
 import torch
 
-from m31r.engine import Chunk, Decode, Engine, Generation, Token
+from m31r.engine import Chunk, Decode, Engine, Outcome, Piece
 from m31r.sampling import SamplingParams
-from m31r_protocol import messages as m
 from m31rd.prefix_cache import PrefixCache, Slot
-from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
 
-Post = Callable[["Job", msgspec.Struct, bool], None]  # (job, message, final) — runs on the event loop
+
+class Cancellation:
+    """A request's cancel handle: set from any thread, seen by the scheduler at the next round boundary."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def cancel(self, reason: str) -> None:
+        """The first reason given stays."""
+        if self.reason is None:
+            self.reason = reason
+
+    @property
+    def cancelled(self) -> bool:
+        return self.reason is not None
 
 
 @dataclass(eq=False)
-class Job:
-    rid: int
-    request: m.Generate | m.Fim
-    sampling: SamplingParams
-    conn: Any = None  # the connection that asked; only the event loop uses it
-    document: str = ""
-    received: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None
-    cancel_reason: str | None = None  # set from the event loop; read between steps
-    # Inference-thread state.
-    ids: list[int] | None = None  # the prompt, tokenised before the job is queued
-    max_tokens: int = 0
-    heal: str = ""  # token healing: text the FIM prompt left out, written again first (m31r.fim)
-    slot: Slot | None = None
-    gen: Generator[Token | Chunk | Decode, torch.Tensor | None, None] | None = None
-    call: Chunk | Decode | None = None  # the model call the job waits for
-    logits: torch.Tensor | None = None  # that call's result, sent into the generator next round
-    result: Generation | None = None
-    started: float = 0.0
-    text: str = ""  # what was sent so far (typed-through reuses it)
-    ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
-    failed: bool = False  # a batched step failed: answer `internal`
+class Request:
+    """What the scheduler runs: a tokenised prompt and the rules of its generation."""
 
-    def cancel(self, reason: str) -> None:
-        if self.cancel_reason is None:
-            self.cancel_reason = reason
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    heal: str = ""  # token healing: text the prompt left out, written again first (m31r.fim)
+    document: str = ""  # the prefix-cache slot it prefers on a tie (prefix_cache)
+    deadline: float | None = None  # a time.perf_counter() value: the hard limit (Engine.generate)
+    received: float = field(default_factory=time.perf_counter)  # timings count from here
+    cancellation: Cancellation = field(default_factory=Cancellation)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a request that ran to its end (finish_reason stop | length | deadline). Times in ms from
+    `Request.received`, except prefill_ms."""
+
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    first_token_ms: float | None = None
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last event of a request that did not run to its end: code `cancelled` or `internal`."""
+
+    code: str
+    message: str
+
+
+Event = Piece | Finished | Failed
+Emit = Callable[[Event], None]  # called on the scheduler's thread
+
+
+@dataclass(eq=False)
+class _Run:
+    """A submitted request's state on the scheduler's thread (nothing else touches it)."""
+
+    request: Request
+    emit: Emit
+    slot: Slot | None = None
+    gen: Generator[Piece | Chunk | Decode, torch.Tensor | None, None] | None = None
+    call: Chunk | Decode | None = None  # the model call it waits for
+    logits: torch.Tensor | None = None  # that call's result, sent into the generator next round
+    outcome: Outcome | None = None
+    started: float = 0.0
+    failure: str | None = None  # a shared model pass failed: answer `internal`
+
+    @property
+    def cancel_reason(self) -> str | None:
+        return self.request.cancellation.reason
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cache: PrefixCache, post: Post, call_soon: Callable, thread: TorchThread,
-                 max_active: int = 4):
+    def __init__(self, engine: Engine, cache: PrefixCache, max_active: int = 4):
         self.engine, self.cache = engine, cache
-        self._post, self._call_soon = post, call_soon
         self.max_active = max(1, max_active)
-        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.active = 0
-        self.thread = thread
-        self.finished: Future[None] | None = None
+        self.inbox: queue.SimpleQueue[tuple[Request, Emit] | None] = queue.SimpleQueue()
+        self.pending: deque[_Run] = deque()
+        self.running: list[_Run] = []
+        self.active = 0  # len(running) after the last round, for the daemon's status
+        self.stopping = False
+        self.rounds = 0  # rounds that ran model calls
+        self.mixed_rounds = 0  # of which prefill chunks ran beside decode steps
 
-    def start(self) -> None:
-        self.finished = self.thread.submit(self._run)
-
-    def submit(self, job: Job) -> None:
-        self.inbox.put(job)
+    def submit(self, request: Request, emit: Emit) -> None:
+        """Queue a request (from any thread); `emit` gets its events on the scheduler's thread."""
+        self.inbox.put((request, emit))
 
     def stop(self) -> None:
+        """Finish what was submitted, then end `serve` (from any thread)."""
         self.inbox.put(None)
 
-    # -- thread side ------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run rounds until `stop` and everything submitted before it has finished (the daemon's torch thread)."""
+        while self.round(block=True):
+            pass
 
-    def _send(self, job: Job, msg: msgspec.Struct, final: bool = False) -> None:
-        self._call_soon(self._post, job, msg, final)
+    def drain(self) -> None:
+        """Run rounds on the calling thread until everything submitted so far has finished."""
+        while self.pending or self.running or not self.inbox.empty():
+            self.round()
 
-    def _run(self) -> None:
-        pending: deque[Job] = deque()
-        active: list[Job] = []
-        stopping = False
-        while not (stopping and not active and not pending):
-            block = not active and not pending and not stopping
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.running
+
+    # -- one round ----------------------------------------------------------------------------------------
+
+    def round(self, block: bool = False) -> bool:
+        """Take what was submitted, start what fits, advance every running request to its next model call and run
+        those calls. `block`: wait for a submission when there is nothing to do. False once `stop` was called and
+        nothing is left."""
+        self._take(block and self.idle and not self.stopping)
+        now = time.perf_counter()
+        for run in [r for r in self.pending if r.cancel_reason or self._expired(r, now)]:
+            self.pending.remove(run)  # answer cancelled and expired waiters now, not when they reach the head
+            if run.cancel_reason:
+                self._emit(run, Failed("cancelled", run.cancel_reason))
+            else:
+                ms = (now - run.request.received) * 1000
+                self._emit(run, Finished("deadline", len(run.request.ids), queue_ms=ms, total_ms=ms))
+        while self.pending and len(self.running) < self.max_active:
+            run = self.pending[0]
             try:
-                item = self.inbox.get(block=block)
-                while True:
-                    if item is None:
-                        stopping = True
-                    else:
-                        pending.append(item)
-                    item = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
-            now = time.perf_counter()
-            for job in [j for j in pending if j.cancel_reason or (j.deadline is not None and now >= j.deadline)]:
-                pending.remove(job)  # answer cancelled and expired waiters now, not when they reach the head
-                if job.cancel_reason:
-                    self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
-                else:
-                    self._send(job, self._expired(job), True)
-            while pending and len(active) < self.max_active:
-                job = pending[0]
-                if job.cancel_reason:
-                    pending.popleft()
-                    self._send(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
-                    continue
-                try:
-                    started = self._start(job)
-                except Exception as e:  # never let one request kill the only inference thread
-                    log.error("starting a request failed: %s", traceback.format_exc())
-                    pending.popleft()
-                    self._send(job, m.Error(id=job.rid, code="internal", message=f"cannot start: {e!r}"), True)
-                    continue
-                if not started:
-                    break  # every slot is busy: wait for a running job to finish
-                pending.popleft()
-                active.append(job)
-            for job in list(active):
-                if self._step(job):
-                    active.remove(job)
-            self._run_calls([job for job in active if job.call is not None])
-            self.active = len(active)
+                started = self._try_start(run)
+            except Exception as e:  # never let one request kill the only inference thread
+                log.error("starting a request failed: %s", traceback.format_exc())
+                self.pending.popleft()
+                self._emit(run, Failed("internal", f"cannot start: {e!r}"))
+                continue
+            if not started:
+                break  # every slot is busy: wait for a running request to finish
+            self.pending.popleft()
+            self.running.append(run)
+        self.running = [run for run in self.running if self._advance(run)]
+        self._run_calls(self.running)
+        self.active = len(self.running)
+        return not (self.stopping and self.idle)
 
-    def _run_calls(self, jobs: list[Job]) -> None:
-        """Run the model call of every job waiting for one: one round."""
-        if not jobs:
-            return
-        decodes = [j for j in jobs if isinstance(j.call, Decode)]
-        chunks = [j for j in jobs if isinstance(j.call, Chunk)]
+    def _take(self, block: bool) -> None:
         try:
-            decoded, chunked = self.engine.run([j.call for j in decodes], [j.call for j in chunks])
+            item = self.inbox.get(block=block)
+            while True:
+                if item is None:
+                    self.stopping = True
+                else:
+                    self.pending.append(_Run(*item))
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    @staticmethod
+    def _expired(run: _Run, now: float) -> bool:
+        return run.request.deadline is not None and now >= run.request.deadline
+
+    def _emit(self, run: _Run, event: Event) -> None:
+        try:
+            run.emit(event)
+        except Exception:  # a receiver that went away must not take the inference thread with it
+            log.error("delivering an event failed: %s", traceback.format_exc())
+
+    def _run_calls(self, runs: list[_Run]) -> None:
+        """Run the model call of every request waiting for one: one round's forward passes."""
+        decodes = [r for r in runs if isinstance(r.call, Decode)]
+        chunks = [r for r in runs if isinstance(r.call, Chunk)]
+        if not decodes and not chunks:
+            return
+        self.rounds += 1
+        self.mixed_rounds += bool(decodes and chunks)
+        try:
+            decoded, chunked = self.engine.run([r.call for r in decodes], [r.call for r in chunks])  # type: ignore[misc]
         except Exception as e:
             log.error("a model pass failed: %s", traceback.format_exc())
-            for job in jobs:
-                job.call = None
-                job.cancel(f"inference failed: {e!r}")
-                job.failed = True
+            for run in decodes + chunks:
+                run.call, run.failure = None, f"inference failed: {e!r}"
             return
-        for job, logits in zip(decodes + chunks, decoded + chunked, strict=True):
-            job.call, job.logits = None, logits
+        for run, logits in zip(decodes + chunks, decoded + chunked, strict=True):
+            run.call, run.logits = None, logits
 
-    def _start(self, job: Job) -> bool:
-        """True: running; False: no free slot yet. The prompt's ids come with the job: tokenising happens on the
-        event loop's side (m31rd.server), never on this thread, where a huge prompt would stall every stream."""
-        assert job.ids is not None
-        slot = self.cache.acquire(job.ids, job.document)
+    def _try_start(self, run: _Run) -> bool:
+        """Give the request a cache slot and its generator. False: every slot is busy (it waits)."""
+        req = run.request
+        slot = self.cache.acquire(req.ids, req.document)
         if slot is None:
             return False
-        job.slot = slot
-        job.started = time.perf_counter()
-        job.result = Generation(prompt_tokens=len(job.ids))
-        job.gen = self.engine.generate(
-            job.ids, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.request.stop, cache=slot.cache,
-            result=job.result, batched=True, heal=job.heal, deadline=job.deadline)
+        run.slot, run.started = slot, time.perf_counter()
+        run.outcome = Outcome(prompt_tokens=len(req.ids))
+        run.gen = self.engine.generate(
+            req.ids, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop, cache=slot.cache,
+            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline)
         return True
 
-    def _finish(self, job: Job, msg: msgspec.Struct, ok: bool = True) -> bool:
-        if job.gen is not None:
-            job.gen.close()
-        assert job.slot is not None and job.result is not None
-        self.cache.release(job.slot, job.result.prompt_tokens, job.result.cached_tokens, ok)
-        self._send(job, msg, True)
-        return True
+    def _end(self, run: _Run, event: Finished | Failed, reusable: bool = True) -> bool:
+        if run.gen is not None:
+            run.gen.close()
+        assert run.slot is not None and run.outcome is not None
+        self.cache.release(run.slot, run.outcome.prompt_tokens, run.outcome.cached_tokens, reusable)
+        self._emit(run, event)
+        return False
 
-    def _done(self, job: Job) -> m.Done:
-        r = job.result
-        assert r is not None
-        queue_ms = (job.started - job.received) * 1000
-        first = None if r.first_token_ms is None else round(queue_ms + r.first_token_ms, 2)
-        return m.Done(
-            id=job.rid, finish_reason=r.finish_reason or "length",
-            usage=m.Usage(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-                          completion_tokens=r.completion_tokens),
-            timings=m.Timings(queue_ms=round(queue_ms, 2), prefill_ms=round(r.prefill_ms, 2),
-                              first_token_ms=first,
-                              total_ms=round((time.perf_counter() - job.received) * 1000, 2)))
+    def _finished(self, run: _Run) -> Finished:
+        o, received = run.outcome, run.request.received
+        assert o is not None
+        queue_ms = (run.started - received) * 1000
+        return Finished(
+            o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
+            prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
+            total_ms=(time.perf_counter() - received) * 1000)
 
-    def _expired(self, job: Job) -> m.Done:
-        """The answer to a job whose deadline passed before it started: no tokens."""
-        prompt = len(job.ids) if job.ids is not None else 0
-        ms = round((time.perf_counter() - job.received) * 1000, 2)
-        return m.Done(id=job.rid, finish_reason="deadline", usage=m.Usage(prompt_tokens=prompt),
-                      timings=m.Timings(queue_ms=ms, total_ms=ms))
-
-    def _step(self, job: Job) -> bool:
-        """Advance a job to its next model call (a prefill chunk or a decode step, collected for this round),
-        sending the tokens produced on the way. True when it has finished."""
-        if job.failed:
-            return self._finish(job, m.Error(id=job.rid, code="internal", message=job.cancel_reason or ""), False)
-        if job.cancel_reason:
-            return self._finish(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason))
-        assert job.gen is not None and job.result is not None
+    def _advance(self, run: _Run) -> bool:
+        """Advance a running request to its next model call (collected for this round), emitting the tokens produced
+        on the way. True while it runs on; False once it has finished (its last event emitted, its slot released)."""
+        if run.failure is not None:
+            return self._end(run, Failed("internal", run.failure), reusable=False)
+        if run.cancel_reason:
+            return self._end(run, Failed("cancelled", run.cancel_reason))
+        assert run.gen is not None
         while True:
             try:
-                logits, job.logits = job.logits, None
-                ev = job.gen.send(logits)
+                logits, run.logits = run.logits, None
+                ev = run.gen.send(logits)
             except StopIteration:
-                return self._finish(job, self._done(job))
+                return self._end(run, self._finished(run))
             except Exception as e:
                 log.error("inference failed: %s", traceback.format_exc())
-                msg = m.Error(id=job.rid, code="internal", message=f"inference failed: {e!r}")
-                return self._finish(job, msg, False)
+                return self._end(run, Failed("internal", f"inference failed: {e!r}"), reusable=False)
             if isinstance(ev, Chunk | Decode):
-                job.call = ev
-                return False
-            job.text += ev.text
-            job.ends.append(len(job.text))
-            self._send(job, m.Token(id=job.rid, text=ev.text, token=ev.id))
+                run.call = ev
+                return True
+            self._emit(run, ev)
+
+
+def run_together(engine: Engine, prompts: Sequence[str | list[int]], max_tokens: int,
+                 **kw) -> tuple[list[list[int | None]], Scheduler]:
+    """Generate for every prompt at once through a Scheduler with a slot each, on this thread: the token ids each
+    produced (None for held-back text released at the end), and the scheduler (its `rounds`, `mixed_rounds`).
+    Keyword arguments go to every Request."""
+    cache = PrefixCache(engine, 0, slots=len(prompts))
+    sched = Scheduler(engine, cache, max_active=len(prompts))
+    outs: list[list[int | None]] = [[] for _ in prompts]
+    for out, p in zip(outs, prompts, strict=True):
+        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        sched.submit(Request(ids, max_tokens, **kw),
+                     lambda ev, out=out: out.append(ev.id) if isinstance(ev, Piece) else None)
+    sched.drain()
+    return outs, sched

@@ -1,8 +1,9 @@
 """The event-loop side of the daemon: connections, request validation, newest-wins, typed-through.
 
-Data path: socket frame → protocol Struct (here) → Job → scheduler (inference thread) → engine → model →
-tokens → `post` (back on the loop) → frame to the client. Nothing a client sends can stop the daemon:
-a bad frame costs that client its connection, a bad request gets an Error, and everyone else is served.
+Data path: socket frame → protocol Struct (here) → scheduler Request (here) → scheduler (inference thread) →
+engine → model → scheduler events → `_deliver` (back on the loop) → frame to the client. This module is the only
+place that maps wire messages to and from the scheduler's requests and events. Nothing a client sends can stop
+the daemon: a bad frame costs that client its connection, a bad request gets an Error, and everyone else is served.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -30,7 +31,7 @@ from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.peer import peer_uid
 from m31rd.prefix_cache import PrefixCache
-from m31rd.scheduler import Job, Scheduler
+from m31rd.scheduler import Cancellation, Event, Failed, Finished, Request, Scheduler
 from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
@@ -91,10 +92,40 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     return engine.fit_prompt(ids, req.max_tokens, req.truncate), req.max_tokens, ""
 
 
+@dataclass(eq=False)
+class InFlight:
+    """A Generate or Fim the daemon accepted, from admission to its last frame. Only the event loop touches it;
+    the scheduler sees the Request built from it, and shares only `cancellation`."""
+
+    conn: Connection
+    wire: m.Generate | m.Fim
+    sampling: SamplingParams
+    received: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
+    cancellation: Cancellation = field(default_factory=Cancellation)
+    text: str = ""  # what was sent so far (typed-through reuses it)
+    ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
+
+    @property
+    def rid(self) -> int:
+        return self.wire.id
+
+    @property
+    def document(self) -> str:
+        return self.wire.document if isinstance(self.wire, m.Fim) else ""
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancellation.cancelled
+
+    def cancel(self, reason: str) -> None:
+        self.cancellation.cancel(reason)
+
+
 class Connection:
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.daemon, self.reader, self.writer = daemon, reader, writer
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[int, InFlight] = {}
         self.client = "?"
 
     def send(self, msg: msgspec.Struct) -> None:
@@ -205,8 +236,10 @@ class Daemon:
         self.enc, self.dec = m.encoder(), m.client_decoder()
         self.max_active = max_active
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
-        self.in_flight: set[Job] = set()
-        self.by_document: dict[str, Job] = {}
+        self.scheduler = Scheduler(engine, self.cache, max_active)
+        self.scheduler_done: concurrent.futures.Future[None] | None = None
+        self.in_flight: set[InFlight] = set()
+        self.by_document: dict[str, InFlight] = {}
         self.typed: OrderedDict[str, Typed] = OrderedDict()
         self.requests = 0
         self.started = time.time()
@@ -259,51 +292,69 @@ class Daemon:
                                          f"{self.max_prompt_chars} (--max-prompt-chars)")
         # A Fim that supersedes an older one for its document takes that one's place rather than being `busy`.
         superseded = self.by_document.get(req.document) if isinstance(req, m.Fim) and req.document else None
-        mine = sum(1 for j in conn.jobs.values() if j.cancel_reason is None and j is not superseded)
+        mine = sum(1 for j in conn.jobs.values() if not j.cancelled and j is not superseded)
         if mine >= self.max_per_connection:  # one connection must not take the whole queue from the others
             return refuse("busy", f"{mine} requests in flight on this connection (limit {self.max_per_connection} "
                                   f"per connection, --max-per-connection); retry shortly")
-        live = sum(1 for j in self.in_flight if j.cancel_reason is None and j is not superseded)
+        live = sum(1 for j in self.in_flight if not j.cancelled and j is not superseded)
         if live >= self.max_queue:
             return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
         self.requests += 1
-        job = Job(rid=req.id, request=req, sampling=sampling, conn=conn)
+        job = InFlight(conn, req, sampling)
         if req.deadline_ms is not None:  # counted from arrival: tokenising and queueing spend it too
             job.deadline = job.received + req.deadline_ms / 1000
-        if isinstance(req, m.Fim):
-            job.document = req.document
-            if req.document:
-                if superseded is not None:
-                    superseded.cancel("superseded by a newer request for the same document")
-                self.by_document[req.document] = job
-                if self.cache.reuse and sampling.greedy and self._answer_typed_through(conn, job):
-                    return
+        if isinstance(req, m.Fim) and req.document:
+            if superseded is not None:
+                superseded.cancel("superseded by a newer request for the same document")
+            self.by_document[req.document] = job
+            if self.cache.reuse and sampling.greedy and self._answer_typed_through(conn, job):
+                return
         conn.jobs[req.id] = job
         self.in_flight.add(job)
         task = asyncio.ensure_future(self._prepare(job))
         self.preparing.add(task)
         task.add_done_callback(self.preparing.discard)
 
-    async def _prepare(self, job: Job) -> None:
-        """Tokenise the job's prompt on a worker thread, then queue it for the inference thread."""
-        pool = self.prompt_pools[prompt_chars(job.request) > SMALL_PROMPT_CHARS]
+    async def _prepare(self, job: InFlight) -> None:
+        """Tokenise the request's prompt on a worker thread, then queue it for the inference thread."""
+        loop = asyncio.get_running_loop()
+        pool = self.prompt_pools[prompt_chars(job.wire) > SMALL_PROMPT_CHARS]
         try:
-            job.ids, job.max_tokens, job.heal = await asyncio.get_running_loop().run_in_executor(
-                pool, build_prompt, self.engine, self.budget, job.request)
+            ids, max_tokens, heal = await loop.run_in_executor(pool, build_prompt, self.engine, self.budget, job.wire)
         except ContextOverflowError as e:
-            return self.post(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
+            return self._answer(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
         except ValueError as e:
-            return self.post(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
+            return self._answer(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
         except Exception as e:
             log.exception("building a prompt failed")
-            return self.post(job, m.Error(id=job.rid, code="internal", message=f"cannot build the prompt: {e!r}"),
-                             True)
-        if job.cancel_reason is not None:  # cancelled, superseded or its client left while it was tokenised
-            return self.post(job, m.Error(id=job.rid, code="cancelled", message=job.cancel_reason), True)
-        self.scheduler.submit(job)
+            return self._answer(job, m.Error(id=job.rid, code="internal", message=f"cannot build the prompt: {e!r}"),
+                                True)
+        if job.cancellation.reason is not None:  # cancelled, superseded or its client left while it was tokenised
+            return self._answer(job, m.Error(id=job.rid, code="cancelled", message=job.cancellation.reason), True)
+        request = Request(ids, max_tokens, job.sampling, stop=job.wire.stop, heal=heal, document=job.document,
+                          deadline=job.deadline, received=job.received, cancellation=job.cancellation)
+        self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
-    def _answer_typed_through(self, conn: Connection, job: Job) -> bool:
-        req = job.request
+    def _deliver(self, job: InFlight, event: Event) -> None:
+        """A scheduler event, as the frame it becomes (runs on the event loop)."""
+        if isinstance(event, Finished):
+            e = event
+            first = None if e.first_token_ms is None else round(e.first_token_ms, 2)
+            self._answer(job, m.Done(
+                id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
+                usage=m.Usage(prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
+                              completion_tokens=e.completion_tokens),
+                timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
+                                  first_token_ms=first, total_ms=round(e.total_ms, 2))), True)
+        elif isinstance(event, Failed):
+            self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
+        else:
+            job.text += event.text
+            job.ends.append(len(job.text))
+            self._answer(job, m.Token(id=job.rid, text=event.text, token=event.id), False)
+
+    def _answer_typed_through(self, conn: Connection, job: InFlight) -> bool:
+        req = job.wire
         assert isinstance(req, m.Fim)
         rest = typed_through(self.typed.get(req.document), req)
         if rest is None:
@@ -322,15 +373,15 @@ class Daemon:
                                               "source": "typed_through", "total_ms": ms}})
         return True
 
-    def post(self, job: Job, msg: msgspec.Struct, final: bool) -> None:
-        """Deliver a message from the inference thread (runs on the event loop)."""
-        conn: Connection = job.conn
+    def _answer(self, job: InFlight, msg: msgspec.Struct, final: bool) -> None:
+        """Send a request's frame; after its last one, forget the request and log it (runs on the event loop)."""
+        conn = job.conn
         conn.send(msg)
         if not final:
             return
         conn.jobs.pop(job.rid, None)
         self.in_flight.discard(job)
-        req = job.request
+        req = job.wire
         if isinstance(req, m.Fim) and req.document and self.by_document.get(req.document) is job:
             del self.by_document[req.document]
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
@@ -355,11 +406,8 @@ class Daemon:
             self.stopping.set()
 
     async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None) -> None:
-        loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        self.scheduler = Scheduler(self.engine, self.cache, self.post, loop.call_soon_threadsafe, self.torch_thread,
-                                   self.max_active)
-        self.scheduler.start()
+        self.scheduler_done = self.torch_thread.submit(self.scheduler.serve)
         conns: set[asyncio.Task] = set()
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -390,8 +438,8 @@ class Daemon:
         while self.in_flight and time.monotonic() - t_cancel < 2.0:
             await asyncio.sleep(0.01)
         self.scheduler.stop()
-        if self.scheduler.finished is not None:
-            await asyncio.to_thread(concurrent.futures.wait, [self.scheduler.finished], 5.0)
+        if self.scheduler_done is not None:
+            await asyncio.to_thread(concurrent.futures.wait, [self.scheduler_done], 5.0)
         for task in [*conns, *self.preparing]:
             task.cancel()
         await asyncio.gather(*conns, *self.preparing, return_exceptions=True)

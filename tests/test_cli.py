@@ -31,7 +31,7 @@ def daemon(tiny_bundle, tmp_path_factory):
 
 
 def test_generate_json(daemon, tiny_engine):
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
 
     _, sock = daemon
     r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--socket", str(sock))
@@ -39,7 +39,7 @@ def test_generate_json(daemon, tiny_engine):
     [line] = r.stdout.splitlines()
     out = json.loads(line)
     assert {"text", "tokens", "finish_reason", "usage", "timings"} <= set(out)
-    ref = Generation(prompt_tokens=0)
+    ref = Outcome(prompt_tokens=0)
     for _ in tiny_engine.generate("fn main", max_tokens=8, result=ref):
         pass
     assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens, ref.finish_reason)
@@ -52,7 +52,7 @@ def test_generate_json(daemon, tiny_engine):
 
 
 def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt
 
     _, sock = daemon
@@ -66,7 +66,7 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     cursor = src.index("x + 2")  # line 3, column 13 (1-based)
     budget = FimBudget.for_context(tiny_engine.config.max_context)
     p = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget)
-    ref = Generation(prompt_tokens=0)
+    ref = Outcome(prompt_tokens=0)
     for _ in tiny_engine.generate(p.ids, max_tokens=6, result=ref, heal=p.heal):
         pass
     assert (out["text"], out["tokens"], out["source"]) == (ref.text, ref.tokens, "model")

@@ -131,9 +131,9 @@ class Out:
 
 def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, stop=(), heal: str = "") -> Out:
     """What the engine itself streams for a prompt, in this process, with a fresh cache."""
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
 
-    res = Generation(prompt_tokens=0)
+    res = Outcome(prompt_tokens=0)
     pieces = [(t.id, t.text) for t in engine.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                                                       result=res, heal=heal)]
     return Out(res.text, pieces, res.finish_reason)
@@ -607,7 +607,7 @@ def test_the_engine_makes_no_model_call_past_the_deadline(tiny_engine):
     """Engine.generate(deadline=...), driven round by round as the scheduler drives it, with the clock passing the
     deadline between two rounds: the token computed in that round is the last one (cut at its line end if it holds
     one), no further model call is asked for, and a deadline spent before prefill gives no token at all."""
-    from m31r.engine import Chunk, Decode, Generation
+    from m31r.engine import Chunk, Decode, Outcome
     from m31r.fim import FimBudget, build_fim_prompt
     from m31r.sampling import SamplingParams
 
@@ -616,10 +616,10 @@ def test_the_engine_makes_no_model_call_past_the_deadline(tiny_engine):
     assert nl > 1
     p = build_fim_prompt(tiny_engine.tokenizer, *DEADLINE_FIM, FimBudget.for_context(tiny_engine.config.max_context))
 
-    def drive(late_at: int) -> tuple[list[tuple[int | None, str]], Generation]:
+    def drive(late_at: int) -> tuple[list[tuple[int | None, str]], Outcome]:
         """Run the generation with the clock passing the deadline while the call that yields token `late_at`
         runs (the rounds before it take milliseconds; the deadline is a second away, then slept past)."""
-        res, pieces = Generation(prompt_tokens=0), []
+        res, pieces = Outcome(prompt_tokens=0), []
         deadline = time.perf_counter() + 1.0
         gen = tiny_engine.generate(p.ids, max_tokens=64, sampling=SamplingParams(temperature=1.0, seed=seed),
                                    result=res, batched=True, heal=p.heal, deadline=deadline)
@@ -649,7 +649,7 @@ def test_the_engine_makes_no_model_call_past_the_deadline(tiny_engine):
     pieces, res = drive(1)
     assert pieces == ref.pieces[:2] and res.finish_reason == "deadline" and res.completion_tokens == 2
     # Spent before the prefill: no model call, no token.
-    res = Generation(prompt_tokens=0)
+    res = Outcome(prompt_tokens=0)
     gen = tiny_engine.generate(p.ids, max_tokens=64, result=res, batched=True, deadline=time.perf_counter())
     assert list(gen) == [] and res.finish_reason == "deadline" and res.completion_tokens == 0
 

@@ -86,9 +86,9 @@ def bpe_engine(tmp_path_factory):
 
 
 def run(engine, ids, heal, max_tokens=6):
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
 
-    res = Generation(prompt_tokens=0)
+    res = Outcome(prompt_tokens=0)
     for _ in engine.generate(ids, max_tokens=max_tokens, result=res, heal=heal):
         pass
     return res
@@ -122,9 +122,9 @@ def test_no_completion_doubles_the_whitespace_before_the_cursor(bpe_engine, seed
     rng = random.Random(seed)
     line = rng.choice(["    ", "        ", "\t", "    let x = ", "    foo(a, ", "    // note: "])
     p = build_fim_prompt(tok, "fn f() {\n" + line, "\n}\n", budget)
-    from m31r.engine import Generation
+    from m31r.engine import Outcome
 
-    res = Generation(prompt_tokens=0)
+    res = Outcome(prompt_tokens=0)
     for _ in bpe_engine.generate(p.ids, max_tokens=4, result=res, heal=p.heal,
                                  sampling=SamplingParams(temperature=1.5, seed=seed)):
         pass

@@ -15,7 +15,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from devices import DEVICES
-from rounds import in_rounds
 from safetensors.torch import load_file, save_file
 
 from m31r import quant
@@ -28,6 +27,7 @@ from m31r.model import Transformer, rope_frequencies
 from m31r.quant import Int8Linear
 from m31r.sampling import SamplingParams
 from m31r.tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
+from m31rd.scheduler import run_together
 
 transformers = pytest.importorskip("transformers")
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -299,7 +299,8 @@ def test_streams_together_equal_streams_alone(qwen2_bundle, dtype: str, method: 
     engine = Engine(qwen2_bundle, dtype=dtype, quant=method, group_size=32, chunk_size=8, max_chunk=64)
     prompts = [PROMPTS[0], PROMPTS[1], "x", PROMPTS[3][:90]]
     alone = [[t.id for t in engine.generate(p, max_tokens=10)] for p in prompts]
-    together, _, shared = in_rounds(engine, prompts, 10)
+    together, sched = run_together(engine, prompts, 10)
+    shared = sched.mixed_rounds
     assert together == alone and shared > 0
 
 

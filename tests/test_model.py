@@ -10,13 +10,13 @@ import msgspec
 import pytest
 import torch
 from devices import DEVICES
-from rounds import in_rounds
 
 from m31r.bundle import init_bundle, open_bundle, write_bundle
 from m31r.config import ConfigError, ModelConfig, RopeScaling, load_config, parse_config
 from m31r.engine import Engine
 from m31r.model import KVCache, Transformer, init_weights
 from m31r.tokenizer import build_byte_tokenizer
+from m31rd.scheduler import run_together
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
 ATOL = 1e-5
@@ -258,7 +258,8 @@ def test_batched_decode_equals_each_stream_alone(tiny_engine) -> None:
     prompts = ["fn main() {", "struct Foo { a: u32 }\nimpl Foo {", "let x = vec![1, 2, 3];", "use std::io;\n",
                "// a longer prompt, prefilled in several chunks while the others decode\n" * 3]
     alone = [[t.id for t in tiny_engine.generate(p, max_tokens=24)] for p in prompts]
-    outs, rounds, shared = in_rounds(tiny_engine, prompts, 24)
+    outs, sched = run_together(tiny_engine, prompts, 24)
+    rounds, shared = sched.rounds, sched.mixed_rounds
     assert outs == alone
     assert tiny_engine.fuse and shared  # chunks really ran beside decode rows
     assert rounds < sum(len(o) for o in outs)  # streams really shared decode steps

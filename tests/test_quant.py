@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from devices import DEVICES
-from rounds import in_rounds
 
 from m31r import quant
 from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, open_bundle, quantize_bundle, sha256_file
 from m31r.cli import main
 from m31r.engine import Engine, chunk_layout
 from m31r.model import STACK_SPAN, row_groups
+from m31rd.scheduler import run_together
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -427,6 +427,7 @@ def test_chunks_beside_decode_rows_change_nothing(tiny_bundle: Bundle, dtype: st
     engine = Engine(tiny_bundle.path, dtype=dtype, quant=method, group_size=32, chunk_size=8, max_chunk=64)
     prompts = [_ids(n, seed=30 + n) for n in (3, 11, 17, 70, 9, 24)]  # 70 tokens: a 64-token chunk, run alone
     alone = [[t.id for t in engine.generate(p, max_tokens=10)] for p in prompts]
-    together, _, shared = in_rounds(engine, prompts, 10)
+    together, sched = run_together(engine, prompts, 10)
+    shared = sched.mixed_rounds
     assert together == alone
     assert engine.fuse and shared > 0

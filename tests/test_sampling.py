@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m31r.engine import ContextOverflowError, Engine, Generation, Token
+from m31r.engine import ContextOverflowError, Engine, Outcome, Piece
 from m31r.sampling import Sampler, SamplingParams, filtered_probs
 from m31r.stops import StopMatcher
 
@@ -17,8 +17,8 @@ def ordinary_ids(n: int) -> list[int]:
     return [5 + i % 379 for i in range(n)]
 
 
-def run(engine: Engine, prompt: str | list[int] = PROMPT, **kw) -> tuple[list[Token], Generation]:
-    res = Generation(prompt_tokens=0)
+def run(engine: Engine, prompt: str | list[int] = PROMPT, **kw) -> tuple[list[Piece], Outcome]:
+    res = Outcome(prompt_tokens=0)
     out = [t for t in engine.generate(prompt, result=res, **kw) if t is not None]
     return out, res
 
