@@ -7,7 +7,7 @@ function body deleted and retyped keystroke by keystroke (characters, Enter with
 with backspace), each keystroke awaited before the next. Three runs, each on a freshly started daemon so
 no run inherits another's prefix cache:
 
-  daemon       each keystroke is one Fim sent with m31r_protocol.Client, built by m31r.policy exactly as the
+  daemon       each keystroke is one Fim sent with m31r_protocol.Client, built by m31r_protocol.policy exactly as the
                server builds it (prefix/suffix at the cursor, stop, max_tokens, deadline); latency is
                keystroke → Done. The daemon-only figure.
   lsp          each keystroke is a didChange (incremental) followed by textDocument/inlineCompletion (debounce
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_daemon import Daemon, keystrokes, make_bundle, pct, session_document  # noqa: E402
 
-from m31r import policy  # noqa: E402
+from m31r_protocol import policy  # noqa: E402
 
 DOCUMENT = "file:///bench/typing_session.rs"
 

@@ -2,5 +2,5 @@
 
 Modules: server (pygls server, handlers, `run`), completion (requests → daemon Fim → suggestions),
 daemon_link (connection, autostart, reconnect), settings, documents (positions ↔ offsets).
-The completion policy itself is `m31r.policy`, shared with the HTTP adapter.
+The completion policy itself is `m31r_protocol.policy`, shared with the HTTP adapter.
 """

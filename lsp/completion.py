@@ -20,10 +20,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from m31r import policy
 from m31r_lsp.daemon_link import DaemonLink
 from m31r_lsp.settings import Settings
-from m31r_protocol import DaemonError, DaemonUnavailable, Sampling
+from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
 
 log = logging.getLogger("m31r_lsp.completion")
 

@@ -234,7 +234,7 @@ def create_server(defaults: Settings | None = None) -> M31rLanguageServer:
 def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
     """One item carrying the suggestion. Its edit starts at the identifier before the cursor (menus filter
     on that word), so the item's text is that word followed by the suggestion."""
-    from m31r.policy import word_before
+    from m31r_protocol.policy import word_before
 
     s, text = result.suggestion, result.text
     start = s.start

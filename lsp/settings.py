@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from m31r.policy import MULTILINE_MODES, Options
+from m31r_protocol.policy import MULTILINE_MODES, Options
 
 DEBOUNCE_MODES = ("adaptive", "fixed")
 

@@ -357,8 +357,8 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
 async def _status(socket_path: Path | None) -> None:
     import msgspec
 
-    from m31r.entry import status_json
     from m31r_protocol import Client
+    from m31r_protocol.blocking import status_json
 
     async with await Client.connect(socket_path) as client:
         click.echo(status_json(msgspec.to_builtins(await client.status())))
@@ -639,7 +639,7 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
           max_body: int, max_tokens_cap: int, request_timeout: float, log_level: str) -> None:
     """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions, Ollama's
     /api/generate."""
-    from m31r.http.server import run
+    from m31r_http.server import run
 
     if bundle_dir is not None and no_autostart:
         fail("--bundle names the bundle an autostarted daemon loads: it has no effect with --no-autostart")

@@ -1,6 +1,7 @@
 """The `m31r` command. `m31r status` is answered here without importing click, asyncio or msgspec (about 30 ms in
 all, most of it the interpreter starting); everything else, and any status that does not simply succeed (no
-daemon, a daemon still loading), goes to the click CLI in m31r.cli, which reports errors properly."""
+daemon, a daemon still loading), goes to the click CLI in m31r.cli, which reports errors properly. m31r.cli never
+imports this module: it is the console script's entry, in front of the CLI."""
 
 from __future__ import annotations
 
@@ -21,13 +22,6 @@ def _status_socket(args: list[str]) -> str | None | bool:
     return False
 
 
-def status_json(fields: dict) -> str:
-    """A StatusReply's fields as `m31r status` prints them (both the fast path and the click CLI)."""
-    import json
-
-    return json.dumps({k: v for k, v in fields.items() if k not in ("type", "id")}, indent=2)
-
-
 def quick_status(socket: str | None) -> bool:
     from m31r_protocol import blocking
     from m31r_protocol.paths import default_socket_path
@@ -36,7 +30,7 @@ def quick_status(socket: str | None) -> bool:
         reply = blocking.status(socket or default_socket_path())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    print(status_json(reply))
+    print(blocking.status_json(reply))
     return True
 
 

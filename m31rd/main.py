@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -12,27 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from m31r_protocol.logs import log_json
+
 log = logging.getLogger("m31rd")
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line on stderr: journald and `jq` friendly. Prompt text is never logged."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
-               **getattr(record, "fields", {})}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
 def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("m31rd")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    log_json(["m31rd"], level)
 
 
 def default_bundle() -> Path:

@@ -52,3 +52,10 @@ def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
         if reply.get("type") != "status_reply" or reply.get("id") != 1:
             raise ValueError(f"unexpected reply {reply.get('type')!r}")
         return reply
+
+
+def status_json(fields: dict[str, Any]) -> str:
+    """A StatusReply's fields as `m31r status` prints them (its fast path and the full CLI alike)."""
+    import json
+
+    return json.dumps({k: v for k, v in fields.items() if k not in ("type", "id")}, indent=2)

@@ -255,6 +255,12 @@ class Client:
         await self.close()
 
 
+# How a client starts a daemon: this interpreter running `m31r daemon`. A command line, never an import: the
+# protocol package sits below the daemon and the CLI (README "Layout"). `connect_or_start(daemon_command=...)`
+# starts another.
+DAEMON_COMMAND = ("-m", "m31r.cli", "daemon")
+
+
 def daemon_log_path() -> Path:
     return state_dir() / "m31rd.log"
 
@@ -264,12 +270,14 @@ async def connect_or_start(
     *,
     autostart: bool = True,
     daemon_args: list[str] | None = None,
+    daemon_command: list[str] | None = None,
     client: str = "m31r",
     progress: Callable[[str], None] | None = None,
     timeout: float = 120.0,
 ) -> Client:
     """Connect to the daemon, starting one in the background first if none answers (and autostart is on).
 
+    `daemon_command` (default: DAEMON_COMMAND) is what starts it, given `--socket PATH` and `daemon_args`.
     `progress` is told once, in one line, that a daemon is being started: the wait is the model's load and warm-up
     (the daemon answers the handshake when warm-up is done, so the first request is served on a warm engine)."""
     path = Path(path or default_socket_path())
@@ -282,7 +290,7 @@ async def connect_or_start(
     log.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         progress(f"starting the m31r daemon… (socket {path}, log {log})")
-    cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--socket", str(path), *(daemon_args or [])]
+    cmd = [*(daemon_command or [sys.executable, *DAEMON_COMMAND]), "--socket", str(path), *(daemon_args or [])]
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -27,9 +27,8 @@ from daemon_util import start_daemon, stop_daemon
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from m31r import policy
-from m31r.http import schemas as s
-from m31r_protocol import Client
+from m31r_http import schemas as s
+from m31r_protocol import Client, policy
 from m31r_protocol import messages as pm
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,7 +175,7 @@ def wait_for(pred, timeout: float = 10.0, step: float = 0.05):
 
 
 def test_never_imports_torch(server):
-    code = ("import sys, m31r.cli, m31r.http.app, m31r.http.server, m31r.http.ollama; "
+    code = ("import sys, m31r.cli, m31r_http.app, m31r_http.server, m31r_http.ollama; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     maps = Path(f"/proc/{server.proc.pid}/maps")
@@ -258,7 +257,7 @@ def test_fim(http):
 
 
 def test_completion_applies_the_shared_policy(http):
-    """/completion = m31r.policy.plan → the daemon → m31r.policy.postprocess; checked against the policy
+    """/completion = policy.plan → the daemon → policy.postprocess (m31r_protocol.policy); checked against the policy
     applied to /fim's raw text for the same plan (sampled with a fixed seed, so there is something to keep)."""
     blank = RUST.index("        \n    }") + 8  # the end of a whitespace-only line
     cursors = [RUST.index("n += ") + 5, RUST.index("{\n") + 2, RUST.index("word.len()") + 4, blank, len(RUST)]
@@ -612,8 +611,8 @@ def test_autostart(tiny_bundle, tmp_path):
 
 
 def test_security_helpers(tmp_path):
-    from m31r.http.security import HostPolicy, host_of, is_loopback, load_token
-    from m31r.http.server import check_bind
+    from m31r_http.security import HostPolicy, host_of, is_loopback, load_token
+    from m31r_http.server import check_bind
 
     assert [host_of(h) for h in ("localhost:8731", "[::1]:8731", "::1", "Example.COM.")] == [
         "localhost", "::1", "::1", "example.com"]

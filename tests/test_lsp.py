@@ -4,7 +4,7 @@ serving the tiny random-weight bundle. Nothing is mocked.
 A random-weight model writes noise: greedy decoding loops on one token (which post-processing drops as
 self-repeating), so tests that need a suggestion on screen sample (temperature 1, fixed seed) with
 multiline "always". What the server did is checked through its `m31r/stats` request (the raw daemon text,
-the Fim it sent, counters), and every suggestion is checked against `m31r.policy` applied to that raw text.
+the Fim it sent, counters), and every suggestion is checked against `m31r_protocol.policy` applied to that raw text.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from lsprotocol import types as t
 from pygls.exceptions import JsonRpcRequestCancelled
 from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
-from m31r import policy
 from m31r_lsp.documents import offset_at, position_at
-from m31r_protocol import Client
+from m31r_protocol import Client, policy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,7 +148,7 @@ async def until(pred, timeout: float = 20.0, step: float = 0.02):
 
 
 def expected(text: str, offset: int, raw: str, **opts) -> policy.Suggestion | None:
-    """What m31r.policy makes of the daemon's raw text for this cursor."""
+    """What m31r_protocol.policy makes of the daemon's raw text for this cursor."""
     return policy.postprocess(policy.plan(text, offset, policy.Options(**opts)), raw)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from daemon_util import start_daemon, stop_daemon
 
-from m31r import policy
+from m31r_protocol import policy
 
 
 def find_nvim() -> str | None:

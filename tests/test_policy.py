@@ -1,4 +1,4 @@
-"""m31r.policy: the completion policy shared by the LSP server and the HTTP adapter. Pure functions, no daemon.
+"""m31r_protocol.policy: the completion policy shared by the LSP server and the HTTP adapter. Pure functions, no daemon.
 
 Documents are written with a "|" marking the cursor; `apply` shows what the editor ends up with.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from m31r import policy
-from m31r.policy import Options, Shown, Suggestion
+from m31r_protocol import policy
+from m31r_protocol.policy import Options, Shown, Suggestion
 
 
 def cur(doc: str):

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from m31rd.main import JsonFormatter  # the daemon's log format: one JSON object per line
+from m31r_protocol.logs import log_json  # the daemon's log format: one JSON object per line
 
-log = logging.getLogger("m31r.http")
+log = logging.getLogger("m31r_http")
 
 DEFAULT_PORT = 8731
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a large source file; the daemon's own frame limit is 8 MiB
@@ -19,18 +19,12 @@ MAX_CONNECTIONS = 512  # uvicorn answers 503 beyond this many concurrent connect
 
 
 def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    for name in ("m31r.http", "uvicorn.error"):
-        lg = logging.getLogger(name)
-        lg.handlers[:] = [handler]
-        lg.setLevel(level.upper())
-        lg.propagate = False
+    log_json(["m31r_http", "uvicorn.error"], level)
 
 
 def check_bind(host: str, allow_remote: bool) -> bool:
     """True when `host` is loopback; ValueError for another address unless `allow_remote`."""
-    from m31r.http.security import is_loopback
+    from m31r_http.security import is_loopback
 
     if is_loopback(host):
         return True
@@ -47,7 +41,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM. ValueError (before binding) for a bad configuration."""
-    from m31r.http.security import load_token
+    from m31r_http.security import load_token
 
     loopback = check_bind(host, allow_remote)
     token = load_token(token_file) if token_file is not None else None
@@ -63,7 +57,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
 
     import uvicorn
 
-    from m31r.http.app import Settings, create_app
+    from m31r_http.app import Settings, create_app
 
     setup_logging(log_level)
     settings = Settings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),

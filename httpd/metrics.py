@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m31r_protocol.messages import StatusReply
 
-log = logging.getLogger("m31r.http")
+log = logging.getLogger("m31r_http")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # The classic text format: what generate_latest writes for plain metric names, and what every scraper reads.

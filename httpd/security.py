@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from m31r.http.schemas import ErrorDetail, ErrorResponse
+from m31r_http.schemas import ErrorDetail, ErrorResponse
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 

@@ -32,20 +32,19 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from m31r import policy
-from m31r.http import schemas as s
-from m31r.http.metrics import Metrics, MetricsMiddleware
-from m31r.http.security import GuardMiddleware, HostPolicy, error_body
-from m31r.http.upstream import Unavailable, Upstream
-from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream
+from m31r_http import schemas as s
+from m31r_http.metrics import Metrics, MetricsMiddleware
+from m31r_http.security import GuardMiddleware, HostPolicy, error_body
+from m31r_http.upstream import Unavailable, Upstream
+from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done
 
-log = logging.getLogger("m31r.http")
+log = logging.getLogger("m31r_http")
 
 VERSION = "0.1.0"
 ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
              "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
-OLLAMA_PREFIX = "/api/"  # Ollama's API (m31r/http/ollama.py): its own error shape
+OLLAMA_PREFIX = "/api/"  # Ollama's API (httpd/ollama.py): its own error shape
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
@@ -100,7 +99,7 @@ def _error_for(request: Request, status: int, code: str, message: str, param: st
                headers: dict[str, str] | None = None) -> Response:
     """An error in the shape the path's clients read: Ollama's under /api/, else OpenAI's."""
     if request.url.path.startswith(OLLAMA_PREFIX):
-        from m31r.http.ollama import error_response as ollama_error
+        from m31r_http.ollama import error_response as ollama_error
 
         return ollama_error(status, message, headers=headers)
     return error_response(status, code, message, param=param, headers=headers)
@@ -575,7 +574,7 @@ class Service:
 
 
 def create_app(settings: Settings | None = None, *, upstream: Upstream | None = None) -> Starlette:
-    from m31r.http import ollama
+    from m31r_http import ollama
 
     settings = settings or Settings()
     svc = Service(settings, upstream)

@@ -18,7 +18,7 @@ from pathlib import Path
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, connect_or_start
 from m31r_protocol.messages import StatusReply, Welcome
 
-log = logging.getLogger("m31r.http")
+log = logging.getLogger("m31r_http")
 
 
 class Unavailable(DaemonUnavailable):

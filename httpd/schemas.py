@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from m31r.policy import MULTILINE_MODES, Options
+from m31r_protocol.policy import MULTILINE_MODES, Options
 
 _POLICY = Options()  # the completion policy's defaults (shared with the LSP server)
 

@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from m31r.http import schemas as s
-from m31r.http.app import Generation, Renderer, Service, model_names
-from m31r.http.fim_templates import split_fim
-from m31r.http.upstream import Unavailable
+from m31r_http import schemas as s
+from m31r_http.app import Generation, Renderer, Service, model_names
+from m31r_http.fim_templates import split_fim
+from m31r_http.upstream import Unavailable
 from m31r_protocol import Client, Stream
 from m31r_protocol.messages import StatusReply
 
