@@ -1,11 +1,11 @@
-"""`m31r serve`: the localhost HTTP adapter, a thin client of the daemon socket (17_SERVING §17-19).
+"""`m31r serve`: the localhost HTTP adapter, a thin client of the daemon socket (README "HTTP adapter"); its
+connection to the daemon is m31r_protocol.reconnect's, shared with the other front ends.
 
 Importing this package (or any module in it) never imports torch: the daemon owns the model.
 
     schemas.py   request/response msgspec Structs and the OpenAPI document generated from them
     security.py  Host check (DNS rebinding), Origin allow-list, bearer token file
     metrics.py   Prometheus metrics
-    upstream.py  the shared, reconnecting connection to the daemon
     app.py       the Starlette application (endpoints, streaming, cancellation)
     ollama.py    Ollama's API (/api/generate, /api/show, /api/tags, /api/version) for plugins written for Ollama
     fim_templates.py  other model families' FIM prompt layouts, split back into prefix and suffix

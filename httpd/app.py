@@ -35,9 +35,9 @@ from starlette.types import Receive, Scope, Send
 from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import GuardMiddleware, HostPolicy, error_body
-from m31r_http.upstream import Unavailable, Upstream
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done
+from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
 
 log = logging.getLogger("m31r_http")
 
@@ -421,12 +421,12 @@ class Generation:
 
 
 class Service:
-    def __init__(self, settings: Settings, upstream: Upstream | None = None):
+    def __init__(self, settings: Settings, upstream: DaemonLink | None = None):
         self.settings = settings
         self.metrics = Metrics(ENDPOINTS)
-        daemon_args = ["--bundle", str(settings.bundle)] if settings.bundle is not None else []
-        self.upstream = upstream or Upstream(settings.socket, autostart=settings.autostart, daemon_args=daemon_args,
-                                             on_connect=lambda client: self.metrics.reconnects.inc())
+        self.upstream = upstream or DaemonLink(
+            link_config(settings.socket, autostart=settings.autostart, bundle=settings.bundle), client_name="m31r-http",
+            log=log, on_connect=lambda client: self.metrics.reconnects.inc())
         self.openapi = msgspec.json.encode(s.openapi(max_tokens_cap=settings.max_tokens_cap, version=VERSION,
                                                      token=settings.token is not None))
         self._tasks: set[asyncio.Task] = set()
@@ -573,7 +573,7 @@ class Service:
         return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
-def create_app(settings: Settings | None = None, *, upstream: Upstream | None = None) -> Starlette:
+def create_app(settings: Settings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
     from m31r_http import ollama
 
     settings = settings or Settings()

@@ -34,9 +34,9 @@ from starlette.routing import Route
 from m31r_http import schemas as s
 from m31r_http.app import Generation, Renderer, Service, model_names
 from m31r_http.fim_templates import split_fim
-from m31r_http.upstream import Unavailable
 from m31r_protocol import Client, Stream
 from m31r_protocol.messages import StatusReply
+from m31r_protocol.reconnect import Unavailable
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API this follows: clients gate features on it
 HONOURED = frozenset({"num_predict", "temperature", "top_k", "top_p", "seed", "stop"})

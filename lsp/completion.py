@@ -20,9 +20,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from m31r_lsp.daemon_link import DaemonLink
+from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.settings import Settings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
+from m31r_protocol.reconnect import Unavailable
 
 log = logging.getLogger("m31r_lsp.completion")
 
@@ -52,7 +53,7 @@ class DocState:
 
 
 class Completer:
-    def __init__(self, link: DaemonLink, settings: Callable[[], Settings],
+    def __init__(self, link: EditorLink, settings: Callable[[], Settings],
                  document: Callable[[str], tuple[str, int | None] | None],
                  tell: Callable[[str], None] | None = None):
         """`document(uri)` gives the live (text, version) of an open document, or None; `tell(message)` shows the
@@ -170,8 +171,9 @@ class Completer:
             self.stats["stale"] += 1
             return None
         plan = policy.plan(text, offset, s.options())
-        client = await self.link.get(wait=max(0.05, s.deadline_ms / 1000))
-        if client is None:
+        try:
+            client = await self.link.get(wait=max(0.05, s.deadline_ms / 1000))
+        except Unavailable:
             self.stats["unavailable"] += 1
             return None
         kwargs = plan.fim_kwargs()
@@ -197,7 +199,7 @@ class Completer:
             self.stats["daemon_timeouts"] += 1
             return None
         except DaemonUnavailable as e:
-            self.link.lost(str(e))
+            self.link.lost(client, str(e))
             self.stats["unavailable"] += 1
             return None
         except DaemonError as e:
@@ -237,8 +239,9 @@ class Completer:
         """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""
         text, offset = policy.accepted_state(shown)
         plan = policy.plan(text, offset, s.options())
-        client = await self.link.get(wait=0)
-        if client is None:
+        try:
+            client = await self.link.get(wait=0)
+        except Unavailable:
             return
         stream = None
         try:

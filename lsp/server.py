@@ -29,9 +29,11 @@ from pygls.lsp.server import LanguageServer
 
 from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
-from m31r_lsp.daemon_link import DaemonLink, LinkConfig
+from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.documents import offset_at, position_at
 from m31r_lsp.settings import Settings
+from m31r_protocol import reconnect
+from m31r_protocol.reconnect import LinkConfig
 
 log = logging.getLogger("m31r_lsp")
 
@@ -46,14 +48,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 
 def link_config(s: Settings) -> LinkConfig:
-    return LinkConfig(socket=s.socket, autostart=s.autostart, bundle=s.bundle)
+    return reconnect.link_config(s.socket, autostart=s.autostart, bundle=s.bundle)
 
 
 class M31rLanguageServer(LanguageServer):
     def __init__(self, defaults: Settings | None = None):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.config = defaults or Settings()
-        self.link = DaemonLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
+        self.link = EditorLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell)
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
 
@@ -225,7 +227,7 @@ def create_server(defaults: Settings | None = None) -> M31rLanguageServer:
 
     @server.feature(STATS_REQUEST)
     def stats(ls: M31rLanguageServer, params: object) -> dict:
-        return {**ls.completer.snapshot(), "daemon": ls.link.status(), "connects": ls.link.connects,
+        return {**ls.completer.snapshot(), "daemon": ls.link.editor_status(), "connects": ls.link.connects,
                 "positionEncoding": ls.encoding, "settings": dataclasses.asdict(ls.config)}
 
     return server

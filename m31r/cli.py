@@ -89,7 +89,7 @@ def main() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# bundle: create, import and verify release bundles (17_SERVING §5-8)
+# bundle: create, import and verify release bundles (README "The default model", "Importing Hugging Face checkpoints")
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -271,7 +271,10 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return asyncio.run(coro_fn(*args))
     except DaemonUnavailable as e:
-        fail(str(e))
+        cause = e.__cause__  # why the shared connection (m31r_protocol.reconnect) could not be made
+        if isinstance(cause, DaemonError):
+            fail(f"{cause.code}: {cause.message}")
+        fail(str(cause or e))
     except DaemonError as e:
         fail(f"{e.code}: {e.message}")
     except KeyboardInterrupt:
@@ -279,38 +282,47 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
 
 
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
+    from m31r_protocol.reconnect import DaemonLink, link_config
+
+    config = link_config(opts["socket_path"], autostart=not opts["no_autostart"])
+    link = DaemonLink(config, client_name="m31r", progress=lambda msg: click.echo(msg, err=True))
+    client = await link.get(wait=config.start_timeout + 10)  # an autostart's own limit decides
+    try:
+        await _complete(kind, payload, opts, client)
+    finally:
+        await link.close()
+
+
+async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
     import json
 
-    from m31r_protocol import Sampling, connect_or_start
+    from m31r_protocol import Sampling
 
-    client = await connect_or_start(opts["socket_path"], autostart=not opts["no_autostart"],
-                                    progress=lambda msg: click.echo(msg, err=True))
-    async with client:
-        sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
-        common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"])
-        stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
-                        else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
-                                        **common))
-        text = []
-        try:
-            async for tok in stream:
-                text.append(tok.text)
-                if not opts["as_json"]:
-                    sys.stdout.write(tok.text)
-                    sys.stdout.flush()
-        except BaseException:
-            await stream.cancel()
-            raise
-        done = stream.done
-        assert done is not None
-        if opts["as_json"]:
-            import msgspec
+    sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
+    common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"])
+    stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
+                    else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
+                                    **common))
+    text = []
+    try:
+        async for tok in stream:
+            text.append(tok.text)
+            if not opts["as_json"]:
+                sys.stdout.write(tok.text)
+                sys.stdout.flush()
+    except BaseException:
+        await stream.cancel()
+        raise
+    done = stream.done
+    assert done is not None
+    if opts["as_json"]:
+        import msgspec
 
-            click.echo(json.dumps({"text": "".join(text), "tokens": stream.tokens, "finish_reason": done.finish_reason,
-                                   "usage": msgspec.to_builtins(done.usage),
-                                   "timings": msgspec.to_builtins(done.timings), "source": done.source}))
-        elif text and not "".join(text).endswith("\n") and sys.stdout.isatty():
-            sys.stdout.write("\n")
+        click.echo(json.dumps({"text": "".join(text), "tokens": stream.tokens, "finish_reason": done.finish_reason,
+                               "usage": msgspec.to_builtins(done.usage),
+                               "timings": msgspec.to_builtins(done.timings), "source": done.source}))
+    elif text and not "".join(text).endswith("\n") and sys.stdout.isatty():
+        sys.stdout.write("\n")
 
 
 @main.command()
@@ -604,7 +616,7 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# serve: the localhost HTTP adapter, a thin client of the daemon socket (17_SERVING §17-19; never imports torch)
+# serve: the localhost HTTP adapter, a thin client of the daemon socket (README "HTTP adapter"; never imports torch)
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -85,7 +85,7 @@ def test_the_cli_may_import_anything(tmp_path: Path) -> None:
 
 def test_the_front_ends_and_the_protocol_never_import_torch() -> None:
     modules = ["m31r_protocol", "m31r_lsp", "m31r_http", "m31r_protocol.client", "m31r_protocol.policy",
-               "m31r_protocol.logs", "m31r_lsp.server", "m31r_http.app",
+               "m31r_protocol.logs", "m31r_protocol.reconnect", "m31r_lsp.server", "m31r_http.app",
                "m31r_http.ollama", "m31r_http.server"]
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"
