@@ -38,10 +38,10 @@ from m31r_http.security import GuardMiddleware, HostPolicy, error_body
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
+from m31r_protocol.version import VERSION
 
 log = logging.getLogger("m31r_http")
 
-VERSION = "0.1.0"
 ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
              "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
 OLLAMA_PREFIX = "/api/"  # Ollama's API (httpd/ollama.py): its own error shape
@@ -167,8 +167,7 @@ def _result(g: Generation) -> s.GenerateResponse:
     assert d is not None
     return s.GenerateResponse(
         text=g.text, finish_reason=d.finish_reason,
-        usage=s.Usage(d.usage.prompt_tokens, d.usage.cached_tokens, d.usage.completion_tokens),
-        timings=s.Timings(d.timings.queue_ms, d.timings.prefill_ms, d.timings.first_token_ms, d.timings.total_ms))
+        usage=d.usage, timings=d.timings)
 
 
 class NativeRenderer(Renderer):

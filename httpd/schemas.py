@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from m31r_protocol.messages import Timings, Usage
 from m31r_protocol.policy import MULTILINE_MODES, Options
 
 _POLICY = Options()  # the completion policy's defaults (shared with the LSP server)
@@ -104,19 +105,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 # -- native responses ---------------------------------------------------------------------------------------
 
 
-class Usage(Struct):
-    prompt_tokens: int
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Timings(Struct):
-    """The daemon's timings for the request, in milliseconds."""
-
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    first_token_ms: float | None = None
-    total_ms: float = 0.0
+# Usage and Timings are the daemon's own (m31r_protocol.messages), passed through unchanged.
 
 
 class GenerateResponse(Struct):
@@ -360,7 +349,7 @@ def _event(event: str | None, schema: dict) -> dict:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-def openapi(*, max_tokens_cap: int, version: str = "0.1.0", token: bool = False) -> dict:
+def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
     """The OpenAPI 3.1 document for this server (schemas: JSON Schema 2020-12, generated from the Structs)."""
     _, components = msgspec.json.schema_components(REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}")
     for name in CAPPED:

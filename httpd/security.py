@@ -1,4 +1,4 @@
-"""What keeps a localhost HTTP server local (17_SERVING §19).
+"""What keeps a localhost HTTP server local (README "HTTP adapter").
 
 - DNS rebinding: a web page can make the browser send requests to 127.0.0.1 under the attacker's own host
   name, so the Host header must be a loopback name or address (or a host allowed explicitly); else 403.

@@ -19,7 +19,6 @@ import ipaddress
 import logging
 import sys
 import threading
-from importlib.metadata import PackageNotFoundError, version
 from urllib.parse import unquote
 
 from lsprotocol import types
@@ -34,17 +33,13 @@ from m31r_lsp.documents import offset_at, position_at
 from m31r_lsp.settings import Settings
 from m31r_protocol import reconnect
 from m31r_protocol.reconnect import LinkConfig
+from m31r_protocol.version import VERSION
 
 log = logging.getLogger("m31r_lsp")
 
 STATUS_NOTIFICATION = "m31r/status"
 STATS_REQUEST = "m31r/stats"
 COMPLETION_TRIGGERS = [".", ":", "(", "{", "[", ",", "="]
-
-try:
-    VERSION = version("m31r")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    VERSION = "0.0.0"
 
 
 def link_config(s: Settings) -> LinkConfig:

@@ -1,4 +1,4 @@
-"""The release bundle (17_SERVING §5–8, 06 §28–29): write it, verify it, memory-map its weights.
+"""The release bundle (README "Layout": release/): write it, verify it, memory-map its weights.
 
 A bundle is a directory of exactly five files. `checksum.txt` is in `sha256sum` format, so the bundle
 can be checked with coreutils too. Every failure raises BundleError naming the file and the fault:

@@ -1,4 +1,4 @@
-"""The one core runtime ("Mode C"): load a bundle, prefill into a KV cache, decode, stream.
+"""The core runtime (README "How a completion flows", step 4): load a bundle, prefill into a KV cache, decode, stream.
 
 Determinism across cache reuse: a token's keys/values depend on how its prefill chunk was shaped (matmul
 blocking changes float reduction order, and kernels are chosen by row count). Prefill therefore splits a

@@ -1,4 +1,4 @@
-"""The M31R transformer (06_MODEL_ARCHITECTURE): decoder-only, RoPE, pre-norm RMSNorm, SwiGLU, tied head.
+"""The M31R transformer (README "The default model"): decoder-only, RoPE, pre-norm RMSNorm, SwiGLU, tied head.
 
 Imported Llama/Qwen2 checkpoints may also set q/k/v biases, a separate LM head and RoPE scaling (ModelConfig's
 optional fields); with the defaults the model is exactly the one trained here.
@@ -88,11 +88,6 @@ class KVCache:
         cache `ahead` positions at a time and copies it four times less often."""
         if not span_of(n) <= self.capacity <= span_of(n) + ahead:
             self._resize(span_of(n) + ahead)
-
-    @property
-    def aligned(self) -> int:
-        """Leading positions computed by full prefill chunks."""
-        return self.chunks[-1] if self.chunks else 0
 
     @property
     def nbytes(self) -> int:

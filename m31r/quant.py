@@ -1,4 +1,4 @@
-"""Inference-time linear layers: prepacked float weights, weight-only int8 and group-wise int4 (17_SERVING §11).
+"""Inference-time linear layers: prepacked float weights, weight-only int8 and group-wise int4 (README "Speed").
 
 The model (m31r.model) is written with plain nn.Linear for training; `prepare` turns a meta-device model plus a
 bundle's tensors into an inference model whose matmuls run on the fastest CPU kernel for each precision:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (17_SERVING §12: deterministic by default)
+    temperature: float = 0.0  # 0 = greedy: deterministic by default (README "The socket protocol")
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     repetition_penalty: float = 1.0  # 1 = off

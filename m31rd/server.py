@@ -30,12 +30,12 @@ from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.peer import peer_uid
+from m31r_protocol.version import VERSION
 from m31rd.prefix_cache import PrefixCache
 from m31rd.scheduler import Cancellation, Event, Failed, Finished, Request, Scheduler
 from m31rd.torch_thread import TorchThread
 
 log = logging.getLogger("m31rd")
-VERSION = "0.1.0"
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
 
 

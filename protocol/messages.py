@@ -112,6 +112,8 @@ class Usage(Struct):
 
 
 class Timings(Struct):
+    """The daemon's timings for the request, in milliseconds."""
+
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_ms: float | None = None

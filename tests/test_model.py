@@ -70,7 +70,7 @@ def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
     logits = _last(chunked.prefill(cache, ids, 0))
     torch.testing.assert_close(logits, one_shot, atol=ATOL, rtol=0)
     assert cache.tokens == ids
-    assert cache.aligned == len(ids) - len(ids) % chunk
+    assert cache.chunks[-1] == len(ids) - len(ids) % chunk  # the positions full chunks computed
     # The cache holds the keys/values a single pass writes.
     ref = engine.new_cache()
     with torch.inference_mode():
