@@ -51,7 +51,7 @@ DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before 
 
 
 @dataclass(frozen=True)
-class Settings:
+class ServeSettings:
     socket: str | Path | None = None  # None: the default daemon socket
     autostart: bool = True  # start a daemon when none answers
     bundle: str | Path | None = None  # the bundle an autostarted daemon loads (None: the daemon's default)
@@ -420,7 +420,7 @@ class Generation:
 
 
 class Service:
-    def __init__(self, settings: Settings, upstream: DaemonLink | None = None):
+    def __init__(self, settings: ServeSettings, upstream: DaemonLink | None = None):
         self.settings = settings
         self.metrics = Metrics(ENDPOINTS)
         self.upstream = upstream or DaemonLink(
@@ -572,10 +572,10 @@ class Service:
         return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
-def create_app(settings: Settings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
+def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
     from m31r_http import ollama
 
-    settings = settings or Settings()
+    settings = settings or ServeSettings()
     svc = Service(settings, upstream)
 
     @asynccontextmanager

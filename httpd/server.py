@@ -57,10 +57,10 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
 
     import uvicorn
 
-    from m31r_http.app import Settings, create_app
+    from m31r_http.app import ServeSettings, create_app
 
     setup_logging(log_level)
-    settings = Settings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),
+    settings = ServeSettings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),
                         cors_origins=tuple(cors_origins), token=token, max_body=max_body,
                         max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
     try:

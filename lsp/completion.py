@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from m31r_lsp.daemon_link import EditorLink
-from m31r_lsp.settings import Settings
+from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
 from m31r_protocol.reconnect import Unavailable
 
@@ -53,7 +53,7 @@ class DocState:
 
 
 class Completer:
-    def __init__(self, link: EditorLink, settings: Callable[[], Settings],
+    def __init__(self, link: EditorLink, settings: Callable[[], EditorSettings],
                  document: Callable[[str], tuple[str, int | None] | None],
                  tell: Callable[[str], None] | None = None):
         """`document(uri)` gives the live (text, version) of an open document, or None; `tell(message)` shows the
@@ -145,7 +145,7 @@ class Completer:
         if st.warm is not None and not st.warm.done():
             st.warm.cancel()
 
-    def debounce_s(self, s: Settings) -> float:
+    def debounce_s(self, s: EditorSettings) -> float:
         base = s.debounce_ms / 1000
         if s.debounce_mode == "fixed" or self.link.latency_ema_ms is None:
             return base
@@ -235,7 +235,7 @@ class Completer:
             self.tell(f"m31r: maxTokens {max_tokens} is above the model's limit of {limit} tokens; using {limit}.")
         return limit
 
-    async def _warm(self, uri: str, shown: policy.Shown, s: Settings) -> None:
+    async def _warm(self, uri: str, shown: policy.Shown, s: EditorSettings) -> None:
         """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""
         text, offset = policy.accepted_state(shown)
         plan = policy.plan(text, offset, s.options())

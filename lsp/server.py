@@ -30,7 +30,7 @@ from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
 from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.documents import offset_at, position_at
-from m31r_lsp.settings import Settings
+from m31r_lsp.settings import EditorSettings
 from m31r_protocol import reconnect
 from m31r_protocol.reconnect import LinkConfig
 from m31r_protocol.version import VERSION
@@ -42,14 +42,14 @@ STATS_REQUEST = "m31r/stats"
 COMPLETION_TRIGGERS = [".", ":", "(", "{", "[", ",", "="]
 
 
-def link_config(s: Settings) -> LinkConfig:
+def link_config(s: EditorSettings) -> LinkConfig:
     return reconnect.link_config(s.socket, autostart=s.autostart, bundle=s.bundle)
 
 
 class M31rLanguageServer(LanguageServer):
-    def __init__(self, defaults: Settings | None = None):
+    def __init__(self, defaults: EditorSettings | None = None):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
-        self.config = defaults or Settings()
+        self.config = defaults or EditorSettings()
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell)
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
@@ -154,7 +154,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def create_server(defaults: Settings | None = None) -> M31rLanguageServer:
+def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
     server = M31rLanguageServer(defaults)
 
     @server.feature(types.INITIALIZE)
@@ -284,7 +284,7 @@ def run(socket: str | None = None, tcp: str | None = None, autostart: bool = Tru
     address = tcp_address(tcp, allow_remote) if tcp else None
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="m31r-lsp %(levelname)s %(name)s: %(message)s")
-    server = create_server(Settings(socket=socket, autostart=autostart, bundle=bundle))
+    server = create_server(EditorSettings(socket=socket, autostart=autostart, bundle=bundle))
     if address:
         server.start_tcp(*address)
     else:

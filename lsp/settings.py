@@ -17,7 +17,7 @@ DEBOUNCE_MODES = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
-class Settings:
+class EditorSettings:
     enable: bool = True
     debounce_ms: int = 75
     debounce_mode: str = "adaptive"  # "adaptive": scales with recent daemon latency; "fixed": always debounce_ms
@@ -116,7 +116,7 @@ def section(raw: Any) -> dict | None:
     return None
 
 
-def apply(current: Settings, raw: Any) -> tuple[Settings, list[str]]:
+def apply(current: EditorSettings, raw: Any) -> tuple[EditorSettings, list[str]]:
     """Settings updated from `raw` (a payload as above), and one message per rejected or unknown key."""
     data = section(raw)
     if data is None:

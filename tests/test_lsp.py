@@ -581,9 +581,9 @@ async def test_autostart_starts_the_daemon(tiny_bundle, tmp_path):
 
 def test_empty_socket_setting_keeps_the_command_line_socket() -> None:
     """Editors send `socket: ""` for "default": that must not override `m31r lsp --socket PATH`."""
-    from m31r_lsp.settings import Settings, apply
+    from m31r_lsp.settings import EditorSettings, apply
 
-    s, problems = apply(Settings(socket="/run/user/1/m31r/x.sock"), {"m31r": {"socket": "", "maxTokens": 5}})
+    s, problems = apply(EditorSettings(socket="/run/user/1/m31r/x.sock"), {"m31r": {"socket": "", "maxTokens": 5}})
     assert s.socket == "/run/user/1/m31r/x.sock" and s.max_tokens == 5 and problems == []
     s, _ = apply(s, {"m31r": {"socket": "/tmp/other.sock"}})
     assert s.socket == "/tmp/other.sock"
