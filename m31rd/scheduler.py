@@ -60,10 +60,16 @@ class Job:
     text: str = ""  # what was sent so far (typed-through reuses it)
     ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
     failed: bool = False  # a batched step failed: answer `internal`
+    # Model calls (prefill chunks and decode steps) run for this job, and how many had run when it was cancelled:
+    # the per-request log line reports the calls made after a cancel, which the round structure keeps at most 1.
+    calls: int = 0
+    calls_at_cancel: int | None = None
+    cancelled_at: float | None = None
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
+            self.calls_at_cancel, self.cancelled_at = self.calls, time.perf_counter()
 
 
 class Scheduler:
@@ -154,6 +160,7 @@ class Scheduler:
             return
         for job, logits in zip(decodes + chunks, decoded + chunked, strict=True):
             job.call, job.logits = None, logits
+            job.calls += 1
 
     def _start(self, job: Job) -> bool:
         """True: running; False: no free slot yet. The prompt's ids come with the job: tokenising happens on the

@@ -183,7 +183,7 @@ class Connection:
 def _salvage_id(body: bytes) -> int | None:
     with contextlib.suppress(Exception):
         rid = msgspec.msgpack.decode(body).get("id")
-        return rid if isinstance(rid, int) else None
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) else None  # True is an int
     return None
 
 
@@ -344,6 +344,9 @@ class Daemon:
                           finish_reason=msg.finish_reason)
         elif isinstance(msg, m.Error):
             fields.update(code=msg.code)
+        if job.calls_at_cancel is not None and job.cancelled_at is not None:  # how fast a cancel took effect
+            fields.update(model_calls=job.calls, calls_after_cancel=job.calls - job.calls_at_cancel,
+                          cancel_ms=round((time.perf_counter() - job.cancelled_at) * 1000, 2))
         fields["rss_mb"] = round(self.process.memory_info().rss / 2**20, 1)
         log.info("request", extra={"fields": fields})
 
