@@ -2,8 +2,8 @@
 
 hypothesis draws messages over the protocol's Structs and a random source for the mutations (wrong types, missing and
 unknown fields, unknown kinds, flipped, spliced and cut bytes, bad UTF-8, deep nesting, oversize and cut frames). Each
-example is one connection (plus one per extra frame that ends a connection); after it, a valid request on a new
-connection must get the answer it got before any fuzzing. `make soak` runs the same cases a million times over.
+example is a batch: one connection, plus one per further frame that ends a connection; after it, a valid request on a
+new connection must get the answer it got before any fuzzing. `make soak` runs the same cases a million times over.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import random
 
 import pytest
 from daemon_util import start_daemon, stop_daemon
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from protocol_fuzz import (
     DICT_MUTATIONS,
-    Outcome,
     Case,
+    Outcome,
     case,
     expect,
     fuzz_connection,
@@ -32,7 +32,7 @@ from protocol_fuzz import (
 from m31r_protocol import messages as m
 
 pytestmark = pytest.mark.timeout(120)
-EXAMPLES = 200
+EXAMPLES = 100
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +43,14 @@ def daemon(tiny_bundle, tmp_path_factory):
     stop_daemon(proc)
 
 
-def connections(cases: list[Case], first: tuple[Case, str] | None) -> list[tuple]:
-    """(body, end, first) per connection: all the frames that keep one open, then one that ends it; each further
-    ending frame on a connection of its own."""
+async def one_batch(sock, cases: list[Case], first: tuple[Case, str] | None) -> list[Outcome]:
+    """All the frames that keep a connection open on one connection, ended by one that ends it; each further ending
+    frame (and a fuzzed first frame) on a connection of its own; the connections at once."""
     body, ends = split(cases)
-    plan = [(body, ends[0] if ends else None, first)]
-    plan += [([], end, None) for end in ends[1:]]
-    return plan
+    plan = [(body, ends[0] if ends else None, None)] + [([], end, None) for end in ends[1:]]
+    if first is not None:
+        plan.append(([], None, first))
+    return await asyncio.gather(*(fuzz_connection(sock, *p, timeout=30) for p in plan))
 
 
 def test_fuzz_protocol(daemon):
@@ -57,21 +58,23 @@ def test_fuzz_protocol(daemon):
     reference = probe(sock)
     total = Outcome()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+    # No shrinking: against a live daemon (busy, cache, timing) a failure does not replay exactly, and shrinking
+    # one took minutes. The failing example's violations say what went wrong.
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(st.lists(messages, min_size=1, max_size=24), st.randoms(use_true_random=False), st.integers(0, 9))
+    @given(st.lists(messages, min_size=2, max_size=12), st.randoms(use_true_random=False), st.integers(0, 9))
     def one(msgs: list[m.Hello], rnd: random.Random, handshake: int) -> None:
-        cases = [c for c in (case(msg, rnd) for msg in msgs) if c is not None]
+        # Four cases per message: drawing messages is what costs (a few ms each on a busy machine), not mutating.
+        cases = [c for c in (case(msg, rnd) for msg in msgs for _ in range(4)) if c is not None]
         first = handshake_case(msgs[0], rnd) if handshake == 0 else None
-        for body, end, hs in connections(cases, first):
-            out = asyncio.run(fuzz_connection(sock, body, end, hs, timeout=30))
+        for out in asyncio.run(one_batch(sock, cases, first)):
             total.cases += out.cases
             total.answers += out.answers
             total.codes.update(out.codes)
             total.labels.update(out.labels)
-            assert not out.violations, out.violations
-            assert proc.poll() is None, "the daemon died"
-            assert probe(sock) == reference, "a valid request on a new connection got another answer"
+            assert not out.violations, (out.violations, sorted(out.labels))
+        assert proc.poll() is None, "the daemon died"
+        assert probe(sock) == reference, "a valid request on a new connection got another answer"
 
     one()
     assert proc.poll() is None
