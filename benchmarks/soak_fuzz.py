@@ -109,6 +109,7 @@ def run(bundle: Path, work: Path, scale: float) -> JobResult:
     rnd = random.Random(0)
     total = Outcome()
     rounds = connections = probes_ok = 0
+    curve = [(0, round(rss0, 1))]
     bad_probes: list[str] = []
     t1 = time.monotonic()
     next_report = 0.1
@@ -129,6 +130,7 @@ def run(bundle: Path, work: Path, scale: float) -> JobResult:
             except (OSError, AssertionError) as e:
                 bad_probes.append(f"round {rounds}: {e!r}")
             if total.cases >= next_report * target:
+                curve.append((total.cases, round(daemon.rss_mb(), 1)))
                 rate = total.cases / (time.monotonic() - t1)
                 print(f"  fuzz: {total.cases:,} cases, {rate:,.0f}/s, {len(total.violations)} violations",
                       file=sys.stderr, flush=True)
@@ -157,7 +159,7 @@ def run(bundle: Path, work: Path, scale: float) -> JobResult:
         "pool": len(pool), "pool_seconds": round(pool_s, 1), "cases_by_kind": dict(total.labels.most_common()),
         "answers_by_code": dict(total.codes.most_common()), "violations": total.violations[:20],
         "bad_probes": bad_probes[:20], "daemon_exit": code, "log_errors": errors[:10],
-        "rss_mb": {"start": round(rss0, 1), "end": fmt(rss1)}, "daemon_args": list(daemon.args),
+        "rss_mb": {"start": round(rss0, 1), "end": fmt(rss1), "curve": curve}, "daemon_args": list(daemon.args),
         "reference_answer": reference,
     }
     return res
