@@ -6,7 +6,8 @@ nesting) or with a broken frame (oversize or cut length prefixes). A case that e
 an undecodable body) costs a connection, so only one in ten drawn is kept: about 2% of the cases sent. A round is
 CONNECTIONS connections carrying BODY cases written back to back (each answer checked as it comes), one more
 connection per further connection-ending case and per fuzzed first frame, then a probe: a valid request on a new
-connection must get the same answer as before any fuzzing. A crash is the daemon exiting, an `internal` answer, or
+connection must get the same answer as before any fuzzing. At the end, STALLS clients stop mid-frame and wait for
+the daemon's read timeout. A crash is the daemon exiting, an `internal` answer, or
 an error in its log.
 """
 
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from protocol_fuzz import Outcome, case, fuzz_connection, handshake_case, messages, probe
+from protocol_fuzz import Outcome, case, fuzz_connection, handshake_case, messages, probe, stall_case
 from soak_common import Daemon, Figure, JobResult, fmt, log_errors
 
 CASES = 1_000_000
@@ -28,6 +29,7 @@ PARALLEL = 16  # connections open at once
 # A connection-ending case costs a connection (~1 ms of both processes' time, against ~0.3 ms for a case that keeps it
 # open): a third of the mutations end one, so only one in ten of those is kept, about 2% of the cases sent.
 KEEP_ENDING = 0.1
+STALLS = 100  # connections that stop mid-frame, at the end (each waits out the daemon's 2 s --read-timeout)
 POOL = 3000  # hypothesis messages the cases are made from
 
 
@@ -65,9 +67,9 @@ def round_cases(pool: list, rnd: random.Random, size: int) -> list[tuple]:
     return plan
 
 
-async def fuzz_round(sock: Path, plan: list[tuple]) -> Outcome:
-    """The round's connections, PARALLEL at a time."""
-    gate = asyncio.Semaphore(PARALLEL)
+async def fuzz_round(sock: Path, plan: list[tuple], parallel: int = PARALLEL) -> Outcome:
+    """The round's connections, `parallel` at a time."""
+    gate = asyncio.Semaphore(parallel)
 
     async def one(body: list, end, first) -> Outcome:
         async with gate:
@@ -135,6 +137,10 @@ def run(bundle: Path, work: Path, scale: float) -> JobResult:
                 print(f"  fuzz: {total.cases:,} cases, {rate:,.0f}/s, {len(total.violations)} violations",
                       file=sys.stderr, flush=True)
                 next_report += 0.1
+        if daemon.alive:  # clients that stop mid-frame: each waits out the read timeout, so all at once
+            stalls = [([], stall_case(rnd.choice(pool), rnd), None) for _ in range(max(10, int(STALLS * scale)))]
+            merge(total, arun(fuzz_round(daemon.sock, stalls, parallel=len(stalls))))
+            connections += len(stalls)
         seconds = time.monotonic() - t1
         alive = daemon.alive
         rss1 = daemon.rss_mb() if alive else None

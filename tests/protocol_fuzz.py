@@ -12,6 +12,7 @@ A case is one frame on the wire and what the daemon must answer to it:
            one Error (`bad_request` or `frame_too_large`), then the daemon closes the connection.
   eof      a frame cut short (a short header, or fewer bytes than its length says), then the client's EOF: the
            daemon closes the connection without an answer.
+  stall    a frame cut short, then nothing: after --read-timeout, `bad_request` and the connection closed.
 
 Messages come from hypothesis strategies over the msgspec Structs of m31r_protocol.messages (Shutdown excepted: it
 is a valid request to stop). Mutations are plain functions of a `random.Random`, so the soak can make a million
@@ -121,7 +122,7 @@ def deep_nesting(d: dict, rnd: random.Random) -> bytes:
     depth (msgspec counts its nesting against Python's recursion limit), so ids would differ by process."""
     key = rnd.choice(sorted(d))
     body = msgspec.msgpack.encode({**{k: v for k, v in d.items() if k != key}, key: None})
-    depth = rnd.randint(1, 100) if rnd.random() < 0.5 else rnd.randint(5_000, 20_000)
+    depth = rnd.randint(1, 100) if rnd.random() < 0.5 else rnd.randint(2_000, 5_000)
     return body[:-1] + b"\x91" * depth + b"\xc0"
 
 
@@ -174,10 +175,10 @@ BYTE_MUTATIONS = [flip_bytes, splice_bytes, cut_body, trailing_bytes, random_bod
 @dataclass(frozen=True)
 class Case:
     wire: bytes  # exactly what is written to the socket
-    expect: str  # reply | silent | close | eof
+    expect: str  # reply | silent | close | eof | stall
     label: str  # which generator or mutation made it
     rid: int | None = None  # for reply: the id the final answer must carry
-    code: str | None = None  # for close: the Error code before the connection closes
+    code: str | None = None  # for close and stall: the Error code before the connection closes
     status: bool = False  # for reply: a Status, answered by a StatusReply
 
 
@@ -237,6 +238,13 @@ def framing_case(msg: msgspec.Struct, rnd: random.Random) -> Case:
     if kind == "short_header":
         return Case(HEADER.pack(len(body))[: rnd.randint(1, 3)], "eof", "short_header")
     return Case(pack(b""), "close", "empty_body", code="bad_request")
+
+
+def stall_case(msg: msgspec.Struct, rnd: random.Random) -> Case:
+    """A frame cut short by a client that then says nothing: after --read-timeout the daemon answers `bad_request`
+    and closes the connection."""
+    wire = pack(ENCODER.encode(msg))
+    return Case(wire[: rnd.randint(1, len(wire) - 1)], "stall", "stalled_frame", code="bad_request")
 
 
 def case(msg: msgspec.Struct, rnd: random.Random, plain: float = 0.2, framing: float = 0.03,
@@ -407,6 +415,7 @@ async def _end(frames: Frames, writer: asyncio.StreamWriter, end: Case, out: Out
     out.cases += 1
     out.labels[end.label] += 1
     writer.write(end.wire)
+    await writer.drain()
     if end.expect == "eof":
         writer.write_eof()
         if (msg := await frames.next()) is not None:
@@ -424,7 +433,8 @@ async def _end(frames: Frames, writer: asyncio.StreamWriter, end: Case, out: Out
 
 def split(cases: list[Case]) -> tuple[list[Case], list[Case]]:
     """(cases that keep a connection open, cases that end one)."""
-    return [c for c in cases if c.expect in ("reply", "silent")], [c for c in cases if c.expect in ("close", "eof")]
+    return ([c for c in cases if c.expect in ("reply", "silent")],
+            [c for c in cases if c.expect in ("close", "eof", "stall")])
 
 
 # -- the probe: a valid request on a new connection ------------------------------------------------------------
