@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -139,11 +138,3 @@ def pct(xs: list[float], q: float) -> float | None:
 def fmt(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
-
-@contextlib.contextmanager
-def timed(details: dict, key: str = "seconds"):
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
-        details[key] = round(time.monotonic() - t0, 1)
