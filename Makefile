@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode vsix lint bench bench-train train-data train export eval clean
+.PHONY: install run test test-python test-vscode vsix lint bench soak bench-train train-data train export eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ test: lint test-vscode test-python
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# Reliability figures (benchmarks/soak.py): the protocol fuzzer, vanishing clients, 100 concurrent clients, kill -9
+# under the LSP server and the HTTP adapter; tiny model, loopback only, ~10-15 minutes on 2 cores. SOAK_SCALE=0.05
+# is a quick run. Prints a table, writes bench-results/soak.json, fails if a target is missed.
+SOAK_SCALE ?= 1
+soak: install
+	$(BIN)/python benchmarks/soak.py --scale $(SOAK_SCALE)
 
 # Training the default model (see README "The default model"). DEBIAN caches the Debian packages and their
 # unpacked sources; DATA holds the corpus, tokenizer and token streams; RUN the checkpoints. All outside the repo.

@@ -46,7 +46,11 @@ class Sampler:
         p = self.params
         if p.repetition_penalty != 1.0 and history is not None and history.numel():
             seen = logits.index_select(0, history)
-            seen = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            # A penalty far from 1 over- or underflows in float32 (to inf, or to 0 and then x/0): clamp the penalty to
+            # float32's range and the penalised logits to finite values, so no inf or nan reaches the softmax.
+            f = torch.finfo(logits.dtype)
+            rp = min(max(p.repetition_penalty, f.tiny), f.max)
+            seen = torch.where(seen > 0, seen / rp, seen * rp).clamp(-f.max, f.max)
             logits = logits.index_copy(0, history, seen)
         if p.greedy:
             return int(logits.argmax())
@@ -55,8 +59,11 @@ class Sampler:
 
 def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
     """Temperature, then top-k, then top-p (nucleus); the most likely token always survives."""
-    # Shift so the best logit is 0 before dividing: a tiny temperature then gives -inf for the rest, not inf/nan.
-    logits = (logits - logits.max()) / p.temperature
+    # Shift so the best logit is 0 before dividing: a tiny temperature then gives -inf for the rest, not inf/nan. The
+    # temperature is clamped to float32's range: one that rounds to 0 (1e-50) would make 0/0, and one that rounds to
+    # inf (1e300) -inf/inf, for a masked logit; both are nan, which multinomial refuses.
+    f = torch.finfo(logits.dtype)
+    logits = (logits - logits.max()) / min(max(p.temperature, f.tiny), f.max)
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -35,17 +35,23 @@ log = logging.getLogger("m31rd")
 
 
 class Cancellation:
-    """A request's cancel handle: set from any thread, seen by the scheduler at the next round boundary."""
+    """A request's cancel handle: set from any thread, seen by the scheduler at the next round boundary.
 
-    __slots__ = ("reason",)
+    The scheduler also counts here the model calls it ran for the request, and how many of them began after the
+    cancel: the daemon's log line reports them, which is how the soak shows a cancel takes effect within a round."""
+
+    __slots__ = ("reason", "at", "calls", "calls_after")
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.at: float | None = None  # time.perf_counter() of the cancel
+        self.calls = 0
+        self.calls_after = 0
 
     def cancel(self, reason: str) -> None:
         """The first reason given stays."""
         if self.reason is None:
-            self.reason = reason
+            self.reason, self.at = reason, time.perf_counter()
 
     @property
     def cancelled(self) -> bool:
@@ -210,6 +216,10 @@ class Scheduler:
             return
         self.rounds += 1
         self.mixed_rounds += bool(decodes and chunks)
+        for run in decodes + chunks:
+            handle = run.request.cancellation
+            handle.calls += 1
+            handle.calls_after += handle.reason is not None
         try:
             decoded, chunked = self.engine.run([r.call for r in decodes], [r.call for r in chunks])  # type: ignore[misc]
         except Exception as e:

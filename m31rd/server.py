@@ -214,7 +214,7 @@ class Connection:
 def _salvage_id(body: bytes) -> int | None:
     with contextlib.suppress(Exception):
         rid = msgspec.msgpack.decode(body).get("id")
-        return rid if isinstance(rid, int) else None
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) else None  # True is an int
     return None
 
 
@@ -395,6 +395,10 @@ class Daemon:
                           finish_reason=msg.finish_reason)
         elif isinstance(msg, m.Error):
             fields.update(code=msg.code)
+        handle = job.cancellation
+        if handle.at is not None:  # how fast a cancel took effect
+            fields.update(model_calls=handle.calls, calls_after_cancel=handle.calls_after,
+                          cancel_ms=round((time.perf_counter() - handle.at) * 1000, 2))
         fields["rss_mb"] = round(self.process.memory_info().rss / 2**20, 1)
         log.info("request", extra={"fields": fields})
 

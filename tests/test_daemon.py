@@ -340,6 +340,22 @@ async def test_client_killed_mid_stream(warm):
     await still_serves(warm.socket)
 
 
+async def test_a_vanished_client_stops_generation_within_one_round(warm):
+    """The request's log line says how fast the cancel took effect: the round already running may finish (one more
+    model call), no further one starts. `make soak` checks this over 10,000 vanishing clients."""
+    rid = 424_242
+    reader, writer = await raw(warm.socket)
+    await send(writer, {"type": "generate", "id": rid, "prompt": "fn main() {", "max_tokens": 400})
+    for _ in range(3):
+        assert isinstance(await recv(reader), m.Token)
+    writer.transport.abort()  # gone mid-stream, tokens left unread
+    (line,) = await warm.await_logs(lambda x: x.get("id") == rid and x["msg"] == "request")
+    assert line["code"] == "cancelled" and "finish_reason" not in line, line
+    assert line["calls_after_cancel"] in (0, 1) and line["model_calls"] >= 3, line  # a prefill chunk and two steps
+    assert 0 <= line["cancel_ms"] < 2000, line
+    await until_idle(warm.socket)
+
+
 async def test_client_closes_without_reading_while_prefilling(warm):
     """EOF seen while jobs are queued or prefilling a long prompt cancels them at once.
 

@@ -77,6 +77,27 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     torch.testing.assert_close(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("params", [
+    {"temperature": 1e-50},  # rounds to 0 in float32: 0/0 for the best logit
+    {"temperature": 1e300},  # rounds to inf: -inf/inf for a masked logit
+    {"temperature": 1.0, "repetition_penalty": 1e-50},  # a seen logit / 0
+    {"temperature": 1.0, "repetition_penalty": 1e300},  # every seen logit to -inf
+    {"temperature": 0.0, "repetition_penalty": 1e-50},
+])
+def test_extreme_but_valid_sampling_never_makes_nan(params: dict) -> None:
+    """Found by the protocol fuzzer: finite, in-range parameters that over- or underflow in float32 made nan
+    probabilities, and multinomial raised (the daemon answered `internal`)."""
+    logits = torch.tensor([0.5, 2.0, -1.0, float("-inf"), 1.0])  # a masked id, as tokenizer gaps are
+    if params["temperature"] > 0:
+        probs = filtered_probs(logits, SamplingParams(**params))
+        assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    sampler = Sampler(SamplingParams(seed=0, **params))
+    for history in (None, torch.tensor([0, 1, 2, 4]), torch.arange(5)):  # the last: every id seen, the masked one too
+        assert sampler(logits, history) in (0, 1, 2, 4)
+    if params["temperature"] == 1e-50:
+        assert sampler(logits) == 1  # a vanishing temperature is greedy
+
+
 def test_top_k_samples_only_from_the_k_best() -> None:
     logits = torch.tensor([1.0, 3.0, 0.0, 2.9, -1.0])
     sampler = Sampler(SamplingParams(temperature=5.0, top_k=2, seed=0))

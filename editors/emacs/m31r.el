@@ -69,7 +69,8 @@ lsp-mode; for eglot it must be a list."
 
 (defcustom m31r-deadline-ms 800
   "Generation budget in milliseconds.
-Generation stops at the next line end once the budget is spent."
+A hard limit on a completion's time in the daemon, queueing and prefill
+included: once spent, the suggestion ends with what was written so far."
   :type 'integer)
 
 (defcustom m31r-max-tokens 64
