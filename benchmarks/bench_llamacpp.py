@@ -48,7 +48,7 @@ FORMATS = {
     "int8": ("int8", ("auto",), "q8_0"),
     "int4": ("int4", ("auto",), "q4_0"),
 }
-CHECK_PROMPT = "fn main() {\n    let mut total = 0;\n    for i in 0..10 {\n"
+CHECK_PROMPT = "fn main() {\n    let mut total = 0;\n    for i in 0..10 {"  # llama-completion -f drops a final newline
 CHECK_TOKENS = 24
 
 
@@ -251,11 +251,13 @@ class M31RWorker:
 def worker(spec: dict) -> None:
     """Serve `ask` requests: ping, decode (ms/token per repetition of tg-N @ d-depth), greedy (token ids)."""
     import torch
+    from tokenizers import Tokenizer as HFTokenizer
 
     from m31r.engine import Engine
 
     engine = Engine(spec["bundle"], dtype=spec["dtype"], threads=spec["threads"], decode_width=1)
     cache = engine.new_cache()
+    hf = HFTokenizer.from_file(str(Path(spec["bundle"]) / "tokenizer.json"))
 
     def prefill(ids: list[int]) -> torch.Tensor:
         cache.reset()
@@ -289,10 +291,35 @@ def worker(spec: dict) -> None:
             if req["op"] == "decode":
                 res = {"ms": decode(req)}
             elif req["op"] == "greedy":
-                res = {"ids": greedy(req), "prompt": engine.tokenizer.encode(req["text"])}
+                ids = greedy(req)
+                res = {"ids": ids, "pieces": [rendered(hf, i).hex() for i in ids],
+                       "prompt": engine.tokenizer.encode(req["text"])}
             else:
                 res = {"ok": True, "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant}
             print(json.dumps(res), flush=True)
+
+
+def byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes (GPT-2's bytes_to_unicode, inverted)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+BYTES = byte_decoder()
+
+
+def rendered(tok, token: int) -> bytes:
+    """A token as llama.cpp prints it: a special (control) token as nothing, any other as its bytes."""
+    added = tok.get_added_tokens_decoder().get(token)
+    if added is not None and added.special:
+        return b""
+    return bytes(BYTES[c] for c in tok.id_to_token(token))
 
 
 def llama_bench(bins: dict[str, Path], gguf: Path, threads: int, n: int, depth: int, reps: int) -> dict[str, list]:
@@ -306,32 +333,38 @@ def llama_bench(bins: dict[str, Path], gguf: Path, threads: int, n: int, depth: 
     return out
 
 
-EVAL = re.compile(r"^embd: \[(.*)\]\s*$", re.M)  # llama-completion's debug log of each batch it evaluates
+PROMPT_LOG = re.compile(r"^\S+ D tokens: \[ (.*?) \]$", re.M | re.S)  # llama-completion -v: the prompt's ids
 
 
-def llama_greedy(bins: dict[str, Path], gguf: Path, text: str, n: int, threads: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy ids) from llama-completion, read from its debug log of the batches it evaluates."""
+def llama_greedy(bins: dict[str, Path], gguf: Path, text: str, n: int, threads: int) -> tuple[list[int], bytes]:
+    """(prompt ids, the text of n greedy tokens) from llama-completion: f32 KV cache, temperature 0 (argmax)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
-        proc = run([bins["llama-completion"], "-m", gguf, "-f", f.name, "-n", n, "--temp", 0, "-t", threads,
-                    "-ctk", "f32", "-ctv", "f32", "-c", 512, "-no-cnv", "--no-warmup", "-v",
-                    "--no-display-prompt"], stdin=subprocess.DEVNULL)
-    batches = [[int(i) for i in re.findall(r":(\d+)(?=, '|\s*$)", b)] for b in EVAL.findall(proc.stderr)]
-    if not batches:
-        sys.exit(f"no evaluated batches in llama-completion's log:\n{proc.stderr[-3000:]}")
-    # the prompt's batch first, then each sampled token is evaluated in turn (the last sampled one never is)
-    return batches[0], [b[0] for b in batches[1:]]
+        cmd = [bins["llama-completion"], "-m", gguf, "-f", f.name, "-n", n, "--temp", 0, "-t", threads, "-ctk", "f32",
+               "-ctv", "f32", "-c", 512, "-no-cnv", "--no-warmup", "-v", "--no-display-prompt"]
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, stdin=subprocess.DEVNULL)
+    log_text = proc.stderr.decode(errors="replace")
+    found = PROMPT_LOG.search(log_text)
+    if proc.returncode or not found:
+        sys.exit(f"llama-completion failed or logged no prompt tokens:\n{log_text[-3000:]}")
+    return [int(i) for i in re.findall(r":(\d+)(?=, '|$)", found.group(1))], proc.stdout
 
 
 def check_same_model(bins, gguf: Path, m31r: M31RWorker, threads: int) -> dict:
-    prompt, theirs = llama_greedy(bins, gguf, CHECK_PROMPT, CHECK_TOKENS, threads)
+    """Greedy tokens of both engines after the same prompt ids. llama-completion prints its tokens' text, so ours are
+    rendered as llama.cpp renders them (bytes; control tokens as nothing) and compared as a prefix of its output."""
+    prompt, text = llama_greedy(bins, gguf, CHECK_PROMPT, CHECK_TOKENS, threads)
     ours = m31r.ask({"op": "greedy", "text": CHECK_PROMPT, "ids": prompt, "n": CHECK_TOKENS})
-    n = min(len(theirs), len(ours["ids"]))
-    same = next((i for i in range(n) if ours["ids"][i] != theirs[i]), n)
+    same, done = 0, b""
+    for piece in ours["pieces"]:
+        done += bytes.fromhex(piece)
+        if not text.startswith(done):
+            break
+        same += 1
     return {"prompt_tokens_equal": prompt == ours["prompt"], "prompt_tokens": len(prompt),
-            "greedy_identical": same, "compared": n,
-            "m31r": ours["ids"], "llama.cpp": theirs}
+            "greedy_identical": same, "compared": len(ours["ids"]), "m31r": ours["ids"],
+            "llama.cpp_text": text.decode(errors="replace")}
 
 
 # ------------------------------------------------------------------------------------------------------------
