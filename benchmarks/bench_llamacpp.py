@@ -127,7 +127,7 @@ def build(root: Path, src: Path, jobs: int) -> dict[str, Path]:
     return bins
 
 
-def llama_version(src: Path, bins: dict[str, Path]) -> str:
+def llama_version(bins: dict[str, Path]) -> str:
     """`version: N (commit)` as llama-bench reports it."""
     proc = subprocess.run([bins["llama-bench"], "--version"], capture_output=True, text=True)
     text = (proc.stdout + proc.stderr).strip().splitlines()
@@ -476,31 +476,39 @@ def main() -> None:
                 step()
             log(f"round {r + 1}/{args.rounds} {f}: " + ", ".join(
                 f"{e} {v} {fmt_ms(median(xs))}" for e, vs in samples[f].items() for v, xs in vs.items()))
+        if args.out:
+            write_json(args, bins, config, formats, samples, check, r + 1)
     for w in workers.values():
         w.close()
 
     rows = summarise(samples)
-    cpu, version = describe(), llama_version(src, bins)
     print(f"\ntg{args.n} @ d{args.depth}, {args.threads} threads, {config.name} ({config.param_count() / 1e6:.1f}M "
           f"params, random weights, seed {args.seed}); medians of {args.rounds} rounds x {args.reps} reps, engines "
           f"alternating; {time.perf_counter() - t0:.0f}s; load avg {os.getloadavg()[0]:.1f}")
-    print(f"CPU: {cpu}")
-    print(f"llama.cpp: llama-cpp-python {args.version} sdist, {version}; torch {torch_version()}")
+    print(f"CPU: {describe()}")
+    print(f"llama.cpp: llama-cpp-python {args.version} sdist, {llama_version(bins)}; torch {torch_version()}")
     print(table(rows, {f: FORMATS[f][2] for f in formats}))
     if check:
         print(f"same model: prompt tokens {'equal' if check['prompt_tokens_equal'] else 'DIFFER'}, greedy tokens "
               f"identical for {check['greedy_identical']} of {check['compared']} (fp32 / f32, f32 KV cache)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "llama_cpp_python": args.version,
-                  "llama_cpp": version, "torch": torch_version(), "config": str(args.config), "model": config.name,
-                  "params": config.param_count(), "seed": args.seed, "threads": args.threads, "n": args.n,
-                  "depth": args.depth, "rounds": args.rounds, "reps": args.reps,
-                  "load_avg_1m": os.getloadavg()[0], "cmake_flags": list(CMAKE_FLAGS),
-                  "formats": {f: {"m31r_bundle": FORMATS[f][0], "gguf": FORMATS[f][2]} for f in formats},
-                  "results": rows, "samples_ms": samples, "same_model": check}
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
+
+
+def write_json(args: argparse.Namespace, bins: dict[str, Path], config, formats: list[str], samples: dict,
+               check: dict | None, rounds_done: int) -> None:
+    """The results so far (rewritten after every round, so an interrupted run still leaves its figures)."""
+    from m31r.cpu import describe
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": describe(), "llama_cpp_python": args.version,
+              "llama_cpp": llama_version(bins), "torch": torch_version(), "config": str(args.config),
+              "model": config.name, "params": config.param_count(), "seed": args.seed, "threads": args.threads,
+              "n": args.n, "depth": args.depth, "rounds": args.rounds, "rounds_done": rounds_done, "reps": args.reps,
+              "load_avg_1m": os.getloadavg()[0], "cmake_flags": list(CMAKE_FLAGS),
+              "formats": {f: {"m31r_bundle": FORMATS[f][0], "gguf": FORMATS[f][2]} for f in formats},
+              "results": summarise(samples), "samples_ms": samples, "same_model": check}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def torch_version() -> str:
