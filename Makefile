@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode vsix lint bench soak bench-train train-data train export eval clean
+.PHONY: install run test test-python test-vscode vsix lint bench soak bench-llamacpp bench-train train-data train export eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench: install
 SOAK_SCALE ?= 1
 soak: install
 	$(BIN)/python benchmarks/soak.py --scale $(SOAK_SCALE)
+
+# M31R's decode beside llama.cpp's on the same weights (README "Speed"); not part of `make test`. The first run
+# downloads llama-cpp-python's source from PyPI and builds llama.cpp's tools into $XDG_CACHE_HOME/m31r/llamacpp/.
+bench-llamacpp: install
+	$(BIN)/python benchmarks/bench_llamacpp.py --out bench-results/llamacpp.json
 
 # Training the default model (see README "The default model"). DEBIAN caches the Debian packages and their
 # unpacked sources; DATA holds the corpus, tokenizer and token streams; RUN the checkpoints. All outside the repo.

@@ -1,7 +1,7 @@
 """Runtime benchmark: M31R's engine against transformers' LlamaForCausalLM on the same weights, same run.
 
 For each dtype a random-init bundle of the chosen shape (default: the medium production shape) is written,
-the same weights are written as a Hugging Face Llama checkpoint (the reverse of `bundle import-hf`), and each
+the same weights are written as a Hugging Face Llama checkpoint (`m31r bundle export-hf`), and each
 implementation is measured in its own subprocess so peak RSS is its own:
 
   load       bundle verification (ours: sha256 of every file) + building the model; HF: from_pretrained
@@ -39,47 +39,13 @@ IMPLS = ("m31r", "hf")
 # ------------------------------------------------------------------------------------------------------------
 
 
-def hf_config_dict(config) -> dict:
-    """The transformers LlamaConfig that computes what a ModelConfig computes."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model, "intermediate_size": config.ffn_hidden,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_context, "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta, "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-    }
-
-
-def to_hf_state_dict(config, sd: dict) -> dict:
-    """Reverse of m31r.hf_import: wqkv splits into q/k/v, w13 into gate/up; the head stays tied."""
-    hd, ffn = config.head_dim, config.ffn_hidden
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
-    for i in range(config.n_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        wq, wk, wv = sd[q + "attention.wqkv.weight"].split(
-            [config.n_heads * hd, config.kv_heads * hd, config.kv_heads * hd])
-        gate, up = sd[q + "feed_forward.w13.weight"].split([ffn, ffn])
-        out |= {
-            p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
-            p + "self_attn.o_proj.weight": sd[q + "attention.wo.weight"],
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": sd[q + "feed_forward.w2.weight"],
-            p + "input_layernorm.weight": sd[q + "attention_norm.weight"],
-            p + "post_attention_layernorm.weight": sd[q + "ffn_norm.weight"],
-        }
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 def prepare(config_path: Path, dtypes: list[str], seed: int, work: Path) -> dict[str, dict[str, str]]:
     """Write, per dtype, an M31R bundle and an HF checkpoint holding identical weights."""
     import torch
-    from safetensors.torch import save_file
 
     from m31r.bundle import init_bundle, load_weights, write_bundle
     from m31r.config import load_config
+    from m31r.hf_export import export_hf
     from m31r.tokenizer import build_byte_tokenizer
 
     config = load_config(config_path)
@@ -95,12 +61,7 @@ def prepare(config_path: Path, dtypes: list[str], seed: int, work: Path) -> dict
         bundle_dir = work / f"bundle-{name}"
         if name != "float32":
             write_bundle(bundle_dir, config, sd, tok, dtype=dtype, seed=seed, dataset_version="none (benchmark)")
-        hf_dir = work / f"hf-{name}"
-        hf_dir.mkdir(exist_ok=True)
-        hf_sd = {k: v.to(dtype) for k, v in to_hf_state_dict(config, sd).items()}
-        save_file(hf_sd, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-        (hf_dir / "config.json").write_text(json.dumps({**hf_config_dict(config), "dtype": name}, indent=2))
-        tok.save(str(hf_dir / "tokenizer.json"))
+        hf_dir = export_hf(bundle_dir, work / f"hf-{name}", dtype=name)  # the same weights as a Llama checkpoint
         paths[name] = {"m31r": str(bundle_dir), "hf": str(hf_dir)}
     return paths
 

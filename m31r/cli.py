@@ -152,6 +152,21 @@ def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
     click.echo(_summary(b))
 
 
+@bundle.command("export-hf")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None,
+              help="Weight dtype of the checkpoint (default: the bundle's).")
+@user_errors
+def bundle_export_hf(src: Path, out: Path, dtype: str | None) -> None:
+    """Write the float bundle SRC as a Llama (Qwen2, with q/k/v biases) Hugging Face checkpoint in OUT."""
+    from m31r.hf_export import export_hf
+
+    with _new_bundle_dir(out):
+        export_hf(src, out, dtype=dtype)
+    click.echo(f"ok {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
+
+
 @bundle.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
