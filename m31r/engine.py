@@ -29,7 +29,7 @@ from m31r import native
 from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
-from m31r.quant import DEFAULT_INT4_GROUP, Int8Linear, prepare
+from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
@@ -56,14 +56,22 @@ def auto_precision(device: torch.device, dtype: str, quant: str | None, stored: 
     auto dtype: bf16 where it is native (fast_bf16), else fp32. auto quant: a quantized bundle as stored; else
     int8 weights on a CPU with native bf16: decode reads half the bytes of bf16 at the same accuracy (validation
     perplexity of the release model: fp32 44.711, int8 44.710, bf16 44.718), and its kernels give every row the
-    same bits at any batch width. The int8/int4 kernels need bf16 activations to be fast, and run on the CPU only.
+    same bits at any batch width. torch's int8/int4 kernels need bf16 activations to be fast, and run on the CPU
+    only. Where bf16 is emulated, int8 weights with fp32 activations where the AVX2 kernel family runs (its q8
+    kernel: ~2x faster decode than fp32 weights on the medium shape, greedy agreement with fp32 within the bar of
+    benchmarks/eval_precision.py; int4 is no faster there and less accurate), else fp32 weights.
     """
     if dtype == "auto":
         dtype = "bfloat16" if fast_bf16(device) else "float32"
     if quant == "none":
         quant = None
     if quant == "auto":
-        quant = stored or ("int8" if device.type == "cpu" and DTYPES.get(dtype) == torch.bfloat16 else None)
+        quant = stored
+        if quant is None and device.type == "cpu":
+            act = DTYPES.get(dtype)
+            kernels = native.load() if act == torch.float32 else None
+            if act == torch.bfloat16 or (kernels is not None and kernels.int8_dtype == torch.float32):
+                quant = "int8"
     return dtype, quant
 
 
@@ -216,21 +224,43 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        kernels = native.load() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        if kernels is not None and native.takes(self.config.head_dim):
-            model.native = kernels
-        self.native_int8 = False  # whether int8 layers run the native kernel (warm-up log)
-        if kernels is not None and kernels.int8:
-            for module in model.modules():
-                if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
-                    module.native = kernels
-                    self.native_int8 = True
+        self.kernels = native.load() if self.device.type == "cpu" else None
+        self._use_kernels(model)
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._heal_masks: dict[bytes, torch.Tensor] = {}
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
+
+    def _use_kernels(self, model: Transformer) -> None:
+        """Hand the loaded kernel family's kernels to the modules whose dtype they take; record what runs and why
+        (`kernel_report`, the warm-up log)."""
+        kernels, dt = self.kernels, self.dtype
+        self.native_int8 = self.native_int4 = False  # whether int8 / int4 layers run a native kernel
+        if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim):
+            model.native = kernels
+        if kernels is not None and kernels.int8_dtype == dt:
+            for module in model.modules():
+                if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
+                    module.native = kernels
+                    self.native_int8 = True
+        if kernels is not None and kernels.int4_dtype == dt:
+            for module in model.modules():
+                if isinstance(module, Int4Linear) and native.takes_int4(module.out_features, module.in_features,
+                                                                        module.group_size):
+                    module.use_native(kernels)
+                    self.native_int4 = True
+        name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
+        if kernels is None:
+            why = native.why_not() if self.device.type == "cpu" else f"device {self.device.type}"
+        elif kernels.dtype != dt:
+            why = f"{kernels.name} kernels take {name} activations, this engine runs {str(dt).removeprefix('torch.')}"
+        else:
+            why = kernels.reason
+        self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
+                              "native_attention": model.native is not None, "native_int8": self.native_int8,
+                              "native_int4": self.native_int4}
 
     @property
     def decode_widths(self) -> list[int]:
