@@ -854,13 +854,13 @@ def test_other_users_are_refused(life):
 
 def test_auto_precision_is_resolved_and_reported(life):
     """`life` runs the daemon's default precision: bf16 activations with int8 weights where the CPU has native
-    bf16, else fp32 and float weights. The ready log and Status say which it chose, and it serves."""
+    bf16, else fp32 activations (with int8 weights where the AVX2 kernels run). The ready log and Status say which
+    it chose, and it serves."""
     import torch
 
-    from m31r.engine import fast_bf16
+    from m31r.engine import auto_precision
 
-    native = fast_bf16(torch.device("cpu"))
-    want = ("bfloat16", "int8") if native else ("float32", None)
+    want = auto_precision(torch.device("cpu"), "auto", "auto", None)  # test_quant checks the rules themselves
     ready = life.wait_logs(lambda x: x.get("msg") == "ready")[0]
     assert (ready["dtype"], ready["quant"]) == want
     warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
