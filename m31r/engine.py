@@ -69,7 +69,7 @@ def auto_precision(device: torch.device, dtype: str, quant: str | None, stored: 
         quant = stored
         if quant is None and device.type == "cpu":
             act = DTYPES.get(dtype)
-            kernels = native.load() if act == torch.float32 else None
+            kernels = native.load(act) if act == torch.float32 else None
             if act == torch.bfloat16 or (kernels is not None and kernels.int8_dtype == torch.float32):
                 quant = "int8"
     return dtype, quant
@@ -224,7 +224,7 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        self.kernels = native.load() if self.device.type == "cpu" else None
+        self.kernels = native.load(self.dtype) if self.device.type == "cpu" else None
         self._use_kernels(model)
         self.model = model.eval()
         self.stop_ids = self.tokenizer.special_ids
@@ -253,7 +253,7 @@ class Engine:
                     self.native_int4 = True
         name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
         if kernels is None:
-            why = native.why_not() if self.device.type == "cpu" else f"device {self.device.type}"
+            why = native.why_not(self.dtype) if self.device.type == "cpu" else f"device {self.device.type}"
         elif kernels.dtype != dt:
             why = f"{kernels.name} kernels take {name} activations, this engine runs {str(dt).removeprefix('torch.')}"
         else:

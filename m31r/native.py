@@ -100,8 +100,9 @@ def family_unsupported(name: str) -> str | None:
     return None
 
 
-def choose() -> tuple[Family | None, str]:
-    """(the family to run, why): the one M31R_KERNELS names, or with auto the widest this CPU runs."""
+def choose(dtype: torch.dtype | None = None) -> tuple[Family | None, str]:
+    """(the family to run, why): the one M31R_KERNELS names, or with auto the widest this CPU runs, preferring one
+    whose kernels take `dtype` activations (an AVX-512 CPU without bf16 serves fp32 and then runs the avx2 family)."""
     want = requested()
     if want not in CHOICES:
         return None, f"M31R_KERNELS={want} is not one of {', '.join(CHOICES)}"
@@ -113,13 +114,19 @@ def choose() -> tuple[Family | None, str]:
         if why:
             return None, f"M31R_KERNELS={want}, but {why}"
         return FAMILIES[want], f"forced by M31R_KERNELS={want}"
-    reasons = []
+    reasons, runs = [], []
     for name in FAMILIES:
         why = family_unsupported(name)
         if why is None:
-            return FAMILIES[name], "the widest family this CPU runs"
-        reasons.append(f"no {name}: {why}")
-    return None, "; ".join(reasons)
+            runs.append(FAMILIES[name])
+        else:
+            reasons.append(f"no {name}: {why}")
+    if not runs:
+        return None, "; ".join(reasons)
+    for family in runs:
+        if dtype is not None and family.dtype == dtype and family is not runs[0]:
+            return family, f"the widest family this CPU runs for {str(dtype).removeprefix('torch.')} activations"
+    return runs[0], "the widest family this CPU runs"
 
 
 def unavailable() -> str | None:
@@ -310,8 +317,8 @@ class DecodeTable:
 
 
 @cache
-def _load() -> tuple[Kernels | None, str]:
-    family, why = choose()
+def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
+    family, why = choose(dtype)
     if family is not None:
         if compiler() is None:
             why = "no C compiler found (set CC)"
@@ -324,14 +331,14 @@ def _load() -> tuple[Kernels | None, str]:
     return None, why
 
 
-def load() -> Kernels | None:
-    """The chosen family's kernels, built if needed; None (logged once) where none can run."""
-    return _load()[0]
+def load(dtype: torch.dtype | None = None) -> Kernels | None:
+    """The chosen family's kernels (see `choose`), built if needed; None (logged once) where none can run."""
+    return _load(dtype)[0]
 
 
-def why_not() -> str:
+def why_not(dtype: torch.dtype | None = None) -> str:
     """Why `load` returned None (or why it chose the family it loaded)."""
-    return _load()[1]
+    return _load(dtype)[1]
 
 
 load.cache_clear = _load.cache_clear  # type: ignore[attr-defined]  (tests reload under another environment)

@@ -406,7 +406,7 @@ def test_auto_precision_rules() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     native = fast_bf16(cpu)
     # fp32 activations: int8 weights where the AVX2 family's q8 kernel runs (torch's int8 kernels want bf16 inputs)
-    kernels = load()
+    kernels = load(torch.float32)
     fp32_int8 = "int8" if kernels is not None and kernels.int8_dtype == torch.float32 else None
     assert auto_precision(cpu, "auto", "auto", None) == (("bfloat16", "int8") if native else ("float32", fp32_int8))
     assert auto_precision(cpu, "bfloat16", "auto", None) == ("bfloat16", "int8")
