@@ -224,19 +224,27 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        self.kernels = native.load(self.dtype) if self.device.type == "cpu" else None
-        self._use_kernels(model)
-        self.model = model.eval()
+        self.model = model
+        self.use_kernels(native.load(self.dtype) if self.device.type == "cpu" else None)
+        self.model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._heal_masks: dict[bytes, torch.Tensor] = {}
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
 
-    def _use_kernels(self, model: Transformer) -> None:
-        """Hand the loaded kernel family's kernels to the modules whose dtype they take; record what runs and why
-        (`kernel_report`, the warm-up log)."""
-        kernels, dt = self.kernels, self.dtype
+    def use_kernels(self, kernels: native.Kernels | None) -> None:
+        """Hand a kernel family's kernels (None: eager torch) to the modules whose dtype they take, and record what
+        runs and why (`kernel_report`, the warm-up log). The engine loads with `native.load`'s choice; benchmarks and
+        tests switch here (the decode widths are probed again)."""
+        model, dt = self.model, self.dtype
+        self.kernels, self._probed = kernels, None
+        model.native = None
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.native = None
+            elif isinstance(module, Int4Linear):
+                module.use_native(None)
         self.native_int8 = self.native_int4 = False  # whether int8 / int4 layers run a native kernel
         if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim):
             model.native = kernels

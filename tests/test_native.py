@@ -93,8 +93,7 @@ def _engine(bundle, name: str, **kw):
 
     kernels = family(name)
     engine = Engine(bundle, **kw)
-    engine.kernels = kernels
-    engine._use_kernels(engine.model)
+    engine.use_kernels(kernels)
     return engine
 
 
