@@ -865,6 +865,8 @@ def test_auto_precision_is_resolved_and_reported(life):
     assert (ready["dtype"], ready["quant"]) == want
     warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
     assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
+    assert warm["kernels"] in ("avx512", "avx2", "eager") and warm["kernels_why"]  # which kernels run, and why
+    assert {"native_attention", "native_int8", "native_int4"} <= warm.keys()
 
     async def ask() -> tuple[str, str | None, str]:
         async with await Client.connect(life.socket) as c:
