@@ -3,7 +3,7 @@
 For fp32, bf16, int8 and int4 weights on the same bundle (the quantized ones at the activation dtype the daemon
 serves them with, `--dtype auto`: bf16 where it is native, else fp32 on the AVX2 kernels' q8 path where they run):
 
-  perplexity    eval_fim's validation perplexity (windows of max_context + 1 tokens), and its delta to fp32
+  perplexity    eval_fim's validation perplexity (windows of --ppl-context tokens), and its delta to fp32
   same output   the share of FIM tasks (eval_fim's single- and multi-line tasks, greedy) whose completion is
                 exactly fp32's completion
   exact match   eval_fim's exact match of the completion against the held-out middle
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-single", type=int, default=60)
     p.add_argument("--n-multi", type=int, default=20)
     p.add_argument("--ppl-windows", type=int, default=32)
+    p.add_argument("--ppl-context", type=int, default=1024, help="tokens per perplexity window (as eval_fim)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--precisions", default=",".join(n for n, _, _ in PRECISIONS),
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     with open(args.data / "corpus" / "val.jsonl") as f:
-        texts = [(d["path"], d["text"]) for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+    # eval_fim's layout: (path, text, crate); files outside any crate (an older corpus) count as a crate each.
+    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
     rows, reference = [], None
     for name, dtype, quant in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = eval_fim.make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max,
                                     reserve)
         results = eval_fim.run_tasks(engine, tasks, single_max, reserve, lambda _: None)
-        ppl = eval_fim.perplexity(engine, [t for _, t in texts], args.ppl_windows)
+        ppl = eval_fim.perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
         preds = [r.prediction for r in results]
         if reference is None:
             reference = {"preds": preds, "ppl": ppl["perplexity"], "loss": ppl["loss"]}
