@@ -218,8 +218,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
 @click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
               help="Weight quantization, applied to a float bundle at load (a quantized bundle is served as "
-                   "stored). auto: int8 on a CPU with native bf16 or where the AVX2 kernels run (fp32 activations), "
-                   "else none.")
+                   "stored). auto: int8 on a CPU with native bf16, else none.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,

@@ -116,8 +116,7 @@ def check_bf16(ctx: Context) -> Check:
     if fast_bf16(torch.device("cpu")):
         return Check("bf16", "ok", "native (AVX512-BF16 or AMX): the daemon serves bf16 activations with int8 weights "
                                    "by default")
-    return Check("bf16", "warn", "emulated by torch on this CPU (slower than fp32): the daemon serves fp32 activations "
-                                 "by default (with int8 weights where the AVX2 kernels run)")
+    return Check("bf16", "warn", "emulated by torch on this CPU (slower than fp32): the daemon serves fp32 by default")
 
 
 # -- the model bundle ---------------------------------------------------------------------------------------------

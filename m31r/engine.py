@@ -57,21 +57,16 @@ def auto_precision(device: torch.device, dtype: str, quant: str | None, stored: 
     int8 weights on a CPU with native bf16: decode reads half the bytes of bf16 at the same accuracy (validation
     perplexity of the release model: fp32 44.711, int8 44.710, bf16 44.718), and its kernels give every row the
     same bits at any batch width. torch's int8/int4 kernels need bf16 activations to be fast, and run on the CPU
-    only. Where bf16 is emulated, int8 weights with fp32 activations where the AVX2 kernel family runs (its q8
-    kernel: ~2x faster decode than fp32 weights on the medium shape, greedy agreement with fp32 within the bar of
-    benchmarks/eval_precision.py; int4 is no faster there and less accurate), else fp32 weights.
+    only. Where bf16 is emulated: fp32 activations and weights. The AVX2 kernels' q8 int8 path (`--quant int8`)
+    decodes ~1.9x faster on the medium shape, but its greedy agreement with fp32 measured 87.5% on the release model
+    (benchmarks/eval_precision.py, 80 FIM tasks), below the 98% bar, so auto does not pick it.
     """
     if dtype == "auto":
         dtype = "bfloat16" if fast_bf16(device) else "float32"
     if quant == "none":
         quant = None
     if quant == "auto":
-        quant = stored
-        if quant is None and device.type == "cpu":
-            act = DTYPES.get(dtype)
-            kernels = native.load(act) if act == torch.float32 else None
-            if act == torch.bfloat16 or (kernels is not None and kernels.int8_dtype == torch.float32):
-                quant = "int8"
+        quant = stored or ("int8" if device.type == "cpu" and DTYPES.get(dtype) == torch.bfloat16 else None)
     return dtype, quant
 
 

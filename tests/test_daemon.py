@@ -854,8 +854,7 @@ def test_other_users_are_refused(life):
 
 def test_auto_precision_is_resolved_and_reported(life):
     """`life` runs the daemon's default precision: bf16 activations with int8 weights where the CPU has native
-    bf16, else fp32 activations (with int8 weights where the AVX2 kernels run). The ready log and Status say which
-    it chose, and it serves."""
+    bf16, else fp32 and float weights. The ready log and Status say which it chose, and it serves."""
     import torch
 
     from m31r.engine import auto_precision
