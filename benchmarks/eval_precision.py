@@ -1,13 +1,17 @@
 """Accuracy of each serving precision against fp32, on a trained bundle and the held-out validation split.
 
-For fp32, bf16, int8 and int4 weights (bf16 activations for the quantized ones, as served) on the same bundle:
+For fp32, bf16, int8 and int4 weights on the same bundle (the quantized ones at the activation dtype the daemon
+serves them with, `--dtype auto`: bf16 where it is native, else fp32 on the AVX2 kernels' q8 path where they run):
 
-  perplexity    eval_fim's validation perplexity (windows of max_context + 1 tokens), and its delta to fp32
+  perplexity    eval_fim's validation perplexity (windows of --ppl-context tokens), and its delta to fp32
   same output   the share of FIM tasks (eval_fim's single- and multi-line tasks, greedy) whose completion is
                 exactly fp32's completion
   exact match   eval_fim's exact match of the completion against the held-out middle
 
     python benchmarks/eval_precision.py --bundle release --data data --out bench-results/precision.json
+    python benchmarks/eval_precision.py --bundle release --data data --precisions fp32,int8,int4  # no emulated bf16
+
+The run fails (exit 1) when a quantized precision's greedy agreement with fp32 is below --min-agreement (98%).
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_fim  # noqa: E402
 
-PRECISIONS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("int8", "bfloat16", "int8"),
-              ("int4", "bfloat16", "int4")]
+PRECISIONS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("int8", "auto", "int8"), ("int4", "auto", "int4")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-single", type=int, default=60)
     p.add_argument("--n-multi", type=int, default=20)
     p.add_argument("--ppl-windows", type=int, default=32)
+    p.add_argument("--ppl-context", type=int, default=1024, help="tokens per perplexity window (as eval_fim)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--precisions", default=",".join(n for n, _, _ in PRECISIONS),
+                   help="comma-separated subset (fp32 always runs first: the reference)")
+    p.add_argument("--min-agreement", type=float, default=0.98)
     args = p.parse_args(argv)
+    wanted = {"fp32", *args.precisions.split(",")}
 
+    from m31r.cpu import describe
     from m31r.engine import Engine
     from m31r.fim import FimBudget
 
@@ -43,22 +52,27 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     with open(args.data / "corpus" / "val.jsonl") as f:
-        texts = [(d["path"], d["text"]) for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+    # eval_fim's layout: (path, text, crate); files outside any crate (an older corpus) count as a crate each.
+    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
     rows, reference = [], None
-    for name, dtype, quant in PRECISIONS:
+    for name, dtype, quant in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
         engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1)
+        dtype = str(engine.dtype).removeprefix("torch.")
+        kernels = engine.kernel_report["kernels"] if engine.kernel_report["native_attention"] else "eager"
         reserve = FimBudget.for_context(engine.config.max_context).reserve
         single_max = min(48, reserve)
         tasks = eval_fim.make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max,
                                     reserve)
         results = eval_fim.run_tasks(engine, tasks, single_max, reserve, lambda _: None)
-        ppl = eval_fim.perplexity(engine, [t for _, t in texts], args.ppl_windows)
+        ppl = eval_fim.perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
         preds = [r.prediction for r in results]
         if reference is None:
             reference = {"preds": preds, "ppl": ppl["perplexity"], "loss": ppl["loss"]}
         same = sum(a == b for a, b in zip(preds, reference["preds"], strict=True)) / len(preds)
-        rows.append({"precision": name, "dtype": dtype, "quant": quant, "perplexity": ppl["perplexity"],
+        rows.append({"precision": name, "dtype": dtype, "quant": quant, "kernels": kernels,
+                     "perplexity": ppl["perplexity"],
                      "perplexity_delta": round(ppl["perplexity"] - reference["ppl"], 3),
                      "loss_delta": round(ppl["loss"] - reference["loss"], 4), "same_as_fp32": round(same, 4),
                      "exact_match": round(sum(r.exact for r in results) / len(results), 4), "tasks": len(results),
@@ -66,13 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: {rows[-1]}")
     print(f"\nprecision accuracy: {Path(args.bundle).resolve().name} bundle, {rows[0]['tasks']} greedy FIM tasks, "
           f"perplexity over {args.ppl_windows} validation windows")
-    print(f"{'precision':<9} {'perplexity':>10} {'Δ vs fp32':>9} {'same output as fp32':>19} {'exact match':>11}")
+    print(f"CPU: {describe()}")
+    print(f"{'precision':<9} {'activations':<11} {'kernels':<8} {'perplexity':>10} {'Δ vs fp32':>9} "
+          f"{'same output as fp32':>19} {'exact match':>11}")
     for r in rows:
-        print(f"{r['precision']:<9} {r['perplexity']:>10.3f} {r['perplexity_delta']:>+9.3f} "
-              f"{100 * r['same_as_fp32']:>18.1f}% {100 * r['exact_match']:>10.1f}%")
+        print(f"{r['precision']:<9} {r['dtype']:<11} {r['kernels']:<8} {r['perplexity']:>10.3f} "
+              f"{r['perplexity_delta']:>+9.3f} {100 * r['same_as_fp32']:>18.1f}% {100 * r['exact_match']:>10.1f}%")
+    failed = [r["precision"] for r in rows if r["quant"] and r["same_as_fp32"] < args.min_agreement]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"bundle": str(args.bundle), "rows": rows}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"bundle": str(args.bundle), "cpu": describe(), "rows": rows}, indent=2) + "\n")
+    if failed:
+        print(f"below {100 * args.min_agreement:.0f}% greedy agreement with fp32: {', '.join(failed)}")
+        return 1
     return 0
 
 

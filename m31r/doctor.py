@@ -88,7 +88,7 @@ def check_compiler(ctx: Context) -> Check:
     cc = compiler()
     if cc is None:
         return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built")
-    return Check("compiler", "ok", f"{cc} (builds m31r/kernels.c on the first engine load)")
+    return Check("compiler", "ok", f"{cc} (builds m31r/kernels.c or kernels_avx2.c on the first engine load)")
 
 
 def check_kernels(ctx: Context) -> Check:
@@ -99,13 +99,13 @@ def check_kernels(ctx: Context) -> Check:
         kernels = native.load()  # builds once (~0.3 s) into the cache the daemon uses, or finds the cached build
         if kernels is None:
             why = "the build failed (run `m31r daemon --log-level info` to see the compiler's message)"
-        elif kernels.int8:
-            return Check("kernels", "ok", f"native decode attention and int8 matmul ({kernels.path})")
         else:
-            return Check("kernels", "ok", f"native decode attention ({kernels.path}); int8 layers on torch's kernel "
-                                          "(no AVX512-BF16)")
-    return Check("kernels", "warn", f"native kernels off: {why}; decode attention runs in eager torch, int8 layers "
-                                    "on torch's kernel (slower)")
+            detail = f"{kernels.describe()}, {kernels.reason} ({kernels.path})"
+            if kernels.name == "avx512" and not kernels.int8:
+                detail += "; int8 layers on torch's kernel (no AVX512-BF16)"
+            return Check("kernels", "ok", detail)
+    return Check("kernels", "warn", f"native kernels off: {why}; decode attention runs in eager torch, quantized "
+                                    "layers on torch's kernels (slower)")
 
 
 def check_bf16(ctx: Context) -> Check:

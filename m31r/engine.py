@@ -29,7 +29,7 @@ from m31r import native
 from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
 from m31r.model import KVCache, Transformer, rope_tables
-from m31r.quant import DEFAULT_INT4_GROUP, Int8Linear, prepare
+from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
@@ -56,7 +56,10 @@ def auto_precision(device: torch.device, dtype: str, quant: str | None, stored: 
     auto dtype: bf16 where it is native (fast_bf16), else fp32. auto quant: a quantized bundle as stored; else
     int8 weights on a CPU with native bf16: decode reads half the bytes of bf16 at the same accuracy (validation
     perplexity of the release model: fp32 44.711, int8 44.710, bf16 44.718), and its kernels give every row the
-    same bits at any batch width. The int8/int4 kernels need bf16 activations to be fast, and run on the CPU only.
+    same bits at any batch width. torch's int8/int4 kernels need bf16 activations to be fast, and run on the CPU
+    only. Where bf16 is emulated: fp32 activations and weights. The AVX2 kernels' q8 int8 path (`--quant int8`)
+    decodes ~1.9x faster on the medium shape, but its greedy agreement with fp32 measured 87.5% on the release model
+    (benchmarks/eval_precision.py, 80 FIM tasks), below the 98% bar, so auto does not pick it.
     """
     if dtype == "auto":
         dtype = "bfloat16" if fast_bf16(device) else "float32"
@@ -216,21 +219,51 @@ class Engine:
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        kernels = native.load() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        if kernels is not None and native.takes(self.config.head_dim):
-            model.native = kernels
-        self.native_int8 = False  # whether int8 layers run the native kernel (warm-up log)
-        if kernels is not None and kernels.int8:
-            for module in model.modules():
-                if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
-                    module.native = kernels
-                    self.native_int8 = True
-        self.model = model.eval()
+        self.model = model
+        self.use_kernels(native.load(self.dtype) if self.device.type == "cpu" else None)
+        self.model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._heal_masks: dict[bytes, torch.Tensor] = {}
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
+
+    def use_kernels(self, kernels: native.Kernels | None) -> None:
+        """Hand a kernel family's kernels (None: eager torch) to the modules whose dtype they take, and record what
+        runs and why (`kernel_report`, the warm-up log). The engine loads with `native.load`'s choice; benchmarks and
+        tests switch here (the decode widths are probed again)."""
+        model, dt = self.model, self.dtype
+        self.kernels, self._probed = kernels, None
+        model.native = None
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.native = None
+            elif isinstance(module, Int4Linear):
+                module.use_native(None)
+        self.native_int8 = self.native_int4 = False  # whether int8 / int4 layers run a native kernel
+        if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim):
+            model.native = kernels
+        if kernels is not None and kernels.int8_dtype == dt:
+            for module in model.modules():
+                if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
+                    module.native = kernels
+                    self.native_int8 = True
+        if kernels is not None and kernels.int4_dtype == dt:
+            for module in model.modules():
+                if isinstance(module, Int4Linear) and native.takes_int4(module.out_features, module.in_features,
+                                                                        module.group_size):
+                    module.use_native(kernels)
+                    self.native_int4 = True
+        name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
+        if kernels is None:
+            why = native.why_not(self.dtype) if self.device.type == "cpu" else f"device {self.device.type}"
+        elif kernels.dtype != dt:
+            why = f"{kernels.name} kernels take {name} activations, this engine runs {str(dt).removeprefix('torch.')}"
+        else:
+            why = kernels.reason
+        self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
+                              "native_attention": model.native is not None, "native_int8": self.native_int8,
+                              "native_int4": self.native_int4}
 
     @property
     def decode_widths(self) -> list[int]:

@@ -373,8 +373,9 @@ class Transformer(nn.Module):
         # Inference code may set a faster module computing the tied head's product (an int8 copy of the embedding).
         # Training leaves it None.
         self.head: nn.Module | None = None
-        # Native CPU kernels (m31r.native) for decode attention; the engine sets them for bf16 activations on the
-        # CPU where they load. Every decode row, alone or batched, then runs them.
+        # Native CPU kernels (m31r.native) for decode attention; the engine sets them on the CPU where a family
+        # loads whose dtype is the activations' (avx512: bf16, avx2: fp32). Every decode row, alone or batched,
+        # then runs them.
         self.native: Kernels | None = None
 
     def forward(
@@ -412,7 +413,7 @@ class Transformer(nn.Module):
         top = max([p + 1 for p in positions] + [s + t for _, s, t in chunks])
         if top > self.config.max_context:
             raise ValueError(f"positions up to {top} exceed max_context {self.config.max_context}")
-        native = self.native is not None  # set (by the engine) only for bf16 activations on the CPU
+        native = self.native is not None  # set (by the engine) only on the CPU, for the family's dtype
         for cache, p in zip(caches, positions, strict=True):
             cache.fit(p + 1, min(NATIVE_AHEAD, span_of(self.config.max_context) - span_of(p + 1)) if native else 0)
         for cache, s, t in chunks:

@@ -1,12 +1,20 @@
-"""The native CPU kernels (m31r/kernels.c): built once with the system C compiler, cached, loaded through ctypes.
+"""The native CPU kernels: built once with the system C compiler, cached, loaded through ctypes.
 
-Two kernels: decode attention (every decode row of a step in one call per layer) and the weight-only int8 matmul
-of small row counts (AVX512-BF16 dot products; `Kernels.int8` says whether this CPU has them).
+Two families, chosen at run time by the CPU's features (never assumed):
+
+  avx512  m31r/kernels.c, for bf16 activations: decode attention over a bf16 KV cache, and the weight-only int8
+          matmul of small row counts (AVX512-BF16 dot products; `Kernels.int8_dtype` is None without them).
+  avx2    m31r/kernels_avx2.c (AVX2 + FMA + F16C: most laptops), for fp32 activations, which is what the engine
+          runs where bf16 is not native: decode attention over an fp32 KV cache, and weight-only int8 and int4
+          matmuls of small row counts on activations quantized to int8 in blocks of 32 (llama.cpp's q8_0 idea).
+
+`M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2` (a family the CPU
+lacks is refused, never run), or `eager` (none: torch only). `M31R_NATIVE=0` is the older spelling of `eager`.
 
 Building takes ~0.3 s and happens the first time an engine loads on a machine (the shared object is cached under
 $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), so from the first request on a
-daemon runs one arithmetic and never switches. Where the CPU lacks AVX-512, no C compiler exists, the build fails,
-or M31R_NATIVE=0, `load` returns None and the engine keeps its eager path (the reason is logged once).
+daemon runs one arithmetic and never switches. Where no family runs, no C compiler exists or the build fails,
+`load` returns None and the engine keeps its eager path (the reason is logged once, and `why_not` says it).
 
 The library is linked with -fopenmp and so needs libgomp.so.1: torch has loaded its own copy by then, and the
 dynamic loader reuses a loaded library of the same soname, so these kernels run on torch's OpenMP threads, not on
@@ -19,21 +27,46 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from m31r.cpu import cpu_info
+
 log = logging.getLogger("m31r.native")
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-ffp-contract=off",
-         "-fopenmp", "-shared", "-fPIC"]
+_COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    source: Path
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags it needs
+    torch_caps: tuple[str, ...]  # torch.backends.cpu.get_cpu_capability() values that have them
+    dtype: torch.dtype  # the activation (and KV cache) dtype its kernels take
+
+
+FAMILIES = {
+    "avx512": Family("avx512", Path(__file__).with_name("kernels.c"),
+                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", *_COMMON),
+                     ("avx512f", "avx512bw", "avx512vl"), ("AVX512", "AVX512_BF16", "AMX"), torch.bfloat16),
+    "avx2": Family("avx2", Path(__file__).with_name("kernels_avx2.c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON),
+                   ("avx2", "fma", "f16c"), ("AVX2", "AVX512", "AVX512_BF16", "AMX"), torch.float32),
+}
+CHOICES = ("auto", *FAMILIES, "eager")
+# Kept for callers of the single-family API: the AVX-512 family's source and flags.
+SOURCE = FAMILIES["avx512"].source
+FLAGS = list(FAMILIES["avx512"].flags)
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -42,14 +75,65 @@ def cache_dir() -> Path:
     return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "m31r" / "kernels"
 
 
-def unavailable() -> str | None:
-    """Why the native kernels cannot run here, or None."""
+def requested() -> str:
+    """The family asked for by the environment: M31R_KERNELS (auto by default), or eager under M31R_NATIVE=0."""
     if os.environ.get("M31R_NATIVE", "1") == "0":
-        return "disabled by M31R_NATIVE=0"
+        return "eager"
+    return os.environ.get("M31R_KERNELS", "auto").strip().lower() or "auto"
+
+
+def family_unsupported(name: str) -> str | None:
+    """Why this CPU cannot run a family, or None. Both the CPU's flags (/proc/cpuinfo, sysctl) and torch's own
+    detection must have its instructions; an x86-64 build of Linux only."""
+    family = FAMILIES[name]
     if sys.platform != "linux":
         return f"built for Linux only (this is {sys.platform})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return f"needs AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"x86-64 only (this is {platform.machine()})"
+    _, flags, _ = cpu_info()
+    missing = [f for f in family.cpu_flags if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in family.torch_caps:
+        return f"torch reports CPU capability {cap}"
+    return None
+
+
+def choose(dtype: torch.dtype | None = None) -> tuple[Family | None, str]:
+    """(the family to run, why): the one M31R_KERNELS names, or with auto the widest this CPU runs, preferring one
+    whose kernels take `dtype` activations (an AVX-512 CPU without bf16 serves fp32 and then runs the avx2 family)."""
+    want = requested()
+    if want not in CHOICES:
+        return None, f"M31R_KERNELS={want} is not one of {', '.join(CHOICES)}"
+    if want == "eager":
+        how = "M31R_NATIVE=0" if os.environ.get("M31R_NATIVE", "1") == "0" else "M31R_KERNELS=eager"
+        return None, f"disabled by {how}"
+    if want != "auto":
+        why = family_unsupported(want)
+        if why:
+            return None, f"M31R_KERNELS={want}, but {why}"
+        return FAMILIES[want], f"forced by M31R_KERNELS={want}"
+    reasons, runs = [], []
+    for name in FAMILIES:
+        why = family_unsupported(name)
+        if why is None:
+            runs.append(FAMILIES[name])
+        else:
+            reasons.append(f"no {name}: {why}")
+    if not runs:
+        return None, "; ".join(reasons)
+    for family in runs:
+        if dtype is not None and family.dtype == dtype and family is not runs[0]:
+            return family, f"the widest family this CPU runs for {str(dtype).removeprefix('torch.')} activations"
+    return runs[0], "the widest family this CPU runs"
+
+
+def unavailable() -> str | None:
+    """Why no native kernels can run here, or None."""
+    family, why = choose()
+    if family is None:
+        return why
     if compiler() is None:
         return "no C compiler found (set CC)"
     return None
@@ -61,40 +145,49 @@ def compiler() -> str | None:
 
 
 def int8_supported() -> bool:
-    """Whether this CPU runs the int8 matmul: it uses AVX512-BF16 instructions (the rest of the library needs
-    AVX-512 only)."""
+    """Whether this CPU runs the AVX-512 family's int8 matmul: it uses AVX512-BF16 instructions (the rest of that
+    family needs AVX-512 only)."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(probe and probe())
 
 
 def takes(head_dim: int) -> bool:
-    """Whether the kernel handles this head size (kernels.c: chunks of 16 values, MAX_CHUNKS of them)."""
+    """Whether decode attention handles this head size (kernels.c: chunks of 16 values, up to 256; kernels_avx2.c
+    takes any multiple of 8 up to 256)."""
     return head_dim % 16 == 0 and head_dim <= 256
 
 
 def takes_int8(out_features: int, in_features: int) -> bool:
-    """Whether the int8 matmul handles this weight shape (kernels.c: K in steps of 32, N in blocks of 8)."""
+    """Whether the int8 matmul handles this weight shape (K in steps of 32, N in blocks of 8; both families)."""
     return in_features % 32 == 0 and out_features % 8 == 0
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile kernels.c, or return the cached build of the same source, compiler and flags."""
+def takes_int4(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the int4 matmul (avx2 family) handles this shape: groups of a multiple of 32, N in blocks of 8."""
+    return group_size % 32 == 0 and in_features % group_size == 0 and out_features % 8 == 0
+
+
+def build(out_dir: Path | None = None, family: str | None = None) -> Path:
+    """Compile a family's source (default: the one `choose` picks, else avx512), or return the cached build of the
+    same source, compiler and flags."""
+    fam = FAMILIES[family] if family else (choose()[0] or FAMILIES["avx512"])
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([fam.source.read_text(), cc, version, *fam.flags]).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"kernels-{key}.so"
+    target = out_dir / f"kernels-{fam.name}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False)
+        done = subprocess.run([cc, *fam.flags, str(fam.source), "-o", tmp], capture_output=True, text=True,
+                              check=False)
         if done.returncode:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {fam.source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -102,46 +195,103 @@ def build(out_dir: Path | None = None) -> Path:
     return target
 
 
-class Kernels:
-    """The loaded library, with argument checks that keep a bad call from touching memory it should not."""
+def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:
+    f = getattr(lib, name)
+    f.restype = _I32
+    f.argtypes = list(argtypes)
+    return f
 
-    def __init__(self, path: Path):
+
+class Kernels:
+    """A loaded family, with argument checks that keep a bad call from touching memory it should not.
+
+    `dtype`: the activation and KV-cache dtype decode attention takes. `int8_dtype` / `int4_dtype`: the activation
+    dtype the int8 / int4 matmul takes (its output has the same dtype), None where this family or CPU has none."""
+
+    def __init__(self, path: Path, family: Family | str = "avx512", reason: str = ""):
+        self.family = FAMILIES[family] if isinstance(family, str) else family
+        self.name = self.family.name
+        self.reason = reason
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        f = self.lib.m31r_attend_decode
-        f.restype = _I32
-        f.argtypes = [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P, _F32, _P]
-        self._attend = f
-        g = self.lib.m31r_int8_mm
-        g.restype = _I32
-        g.argtypes = [_I32, _I32, _I32, _P, _P, _P, _P]
-        self._int8 = g
-        self.int8 = int8_supported()
+        self.dtype = self.family.dtype
+        self._int4 = None
+        self._int8_f32 = None
+        if self.name == "avx512":
+            self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
+                               _F32, _P)
+            self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
+            self.int8_dtype = torch.bfloat16 if int8_supported() else None
+            self.int4_dtype = None
+        else:
+            self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
+                               _P, _F32, _P)
+            self._int8 = _fn(self.lib, "m31r_int8_mm_q8", _I32, _I32, _I32, _P, _P, _P, _P)
+            self._int8_f32 = _fn(self.lib, "m31r_int8_mm_f32", _I32, _I32, _I32, _P, _P, _P, _P)
+            self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
+            self.int8_dtype = self.int4_dtype = torch.float32
+
+    @property
+    def int8(self) -> bool:
+        """Whether this family runs the int8 matmul on this CPU."""
+        return self.int8_dtype is not None
+
+    def describe(self) -> str:
+        """What runs, for the warm-up log and `m31r doctor`."""
+        parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
+        if self.int8_dtype is not None:
+            parts.append("int8 matmul" + (" (q8 activations)" if self.name == "avx2" else ""))
+        if self.int4_dtype is not None:
+            parts.append("int4 matmul (q8 activations)")
+        return f"{self.name}: " + ", ".join(parts)
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
                       out: Tensor) -> None:
         """Writes each row's new key/value into its cache, then its attention output into `out` (see kernels.c).
 
-        q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd]: contiguous bf16 on the CPU."""
+        q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd]: contiguous CPU tensors of the family's dtype."""
         rows, heads, hd = q.shape
         kv = knew.shape[1]
         for t in (q, knew, vnew, out):
-            assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu", "bf16 CPU tensors"
+            assert t.dtype == self.dtype and t.is_contiguous() and t.device.type == "cpu", f"{self.dtype} CPU tensors"
         assert rows == table.rows and knew.shape == vnew.shape == (rows, kv, hd) and out.shape == q.shape
+        assert table.dtype == self.dtype, f"caches of {table.dtype}, kernels for {self.dtype}"
         err = self._attend(rows, heads, kv, hd, q.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
                            table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
                            table.len.data_ptr(), hd**-0.5, out.data_ptr())
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
-    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-        """x [M, K] bf16 times int8 codes [N, K] (one bf16 scale per output): [M, N] bf16 (see kernels.c)."""
+    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, fp32_weights: bool = False) -> Tensor:
+        """x [M, K] (int8_dtype) times int8 codes [N, K] (one bf16 scale per output): [M, N] in x's dtype.
+
+        avx512: bf16 dot products. avx2: q8 activations and integer dot products, or with `fp32_weights` every code
+        widened to fp32 (m31r_int8_mm_f32, for comparison)."""
         m, k = x.shape
         n = codes.shape[0]
-        assert x.dtype == torch.bfloat16 and x.is_contiguous() and codes.shape[1] == k and scales.shape == (n,)
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._int8(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()):
+        assert x.dtype == self.int8_dtype and x.is_contiguous() and codes.shape[1] == k and scales.shape == (n,)
+        assert codes.dtype == torch.int8 and codes.is_contiguous() and scales.dtype == torch.bfloat16
+        assert scales.is_contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        fn = self._int8_f32 if fp32_weights and self._int8_f32 is not None else self._int8
+        if fn(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()):
             raise ValueError(f"native int8 matmul does not take [{m}, {k}] x [{n}, {k}]")
+        return y
+
+    def int4_mm(self, x: Tensor, codes: Tensor, scale: Tensor, base: Tensor, group_size: int) -> Tensor:
+        """x [M, K] fp32 times int4 codes [N, K/2] (plain nibbles, quant.quantize_int4's layout) with per-group fp32
+        scale and base [N, K/group] (w = code * scale + base): [M, N] fp32."""
+        m, k = x.shape
+        n = codes.shape[0]
+        assert self._int4 is not None, f"the {self.name} family has no int4 matmul"
+        assert x.dtype == torch.float32 and x.is_contiguous() and codes.shape == (n, k // 2)
+        assert codes.dtype == torch.uint8 and codes.is_contiguous()
+        for t in (scale, base):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n, k // group_size)
+        y = torch.empty(m, n, dtype=torch.float32)
+        if self._int4(m, n, k, group_size, x.data_ptr(), codes.data_ptr(), scale.data_ptr(), base.data_ptr(),
+                      y.data_ptr()):
+            raise ValueError(f"native int4 matmul does not take [{m}, {k}] x [{n}, {k}] in groups of {group_size}")
         return y
 
 
@@ -154,6 +304,8 @@ class DecodeTable:
         n_layers = caches[0].n_layers
         self.kernels = kernels
         self.rows = len(caches)
+        self.dtype = caches[0].dtype
+        assert all(c.dtype == self.dtype for c in caches), "one dtype for every cache of a step"
         self.k = torch.tensor([[c.k[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
         self.v = torch.tensor([[c.v[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
         self.cap = torch.tensor([c.capacity for c in caches], dtype=torch.int32)
@@ -165,13 +317,28 @@ class DecodeTable:
 
 
 @cache
-def load() -> Kernels | None:
-    """The kernels, built if needed; None (logged once) where they cannot run."""
-    why = unavailable()
-    if why is None:
-        try:
-            return Kernels(build())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            why = str(e)
-    log.info("native kernels off: %s; decode attention runs in eager torch, int8 layers on torch's kernel", why)
-    return None
+def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
+    family, why = choose(dtype)
+    if family is not None:
+        if compiler() is None:
+            why = "no C compiler found (set CC)"
+        else:
+            try:
+                return Kernels(build(family=family.name), family, why), why
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                why = str(e)
+    log.info("native kernels off: %s; decode attention runs in eager torch, quantized layers on torch's kernels", why)
+    return None, why
+
+
+def load(dtype: torch.dtype | None = None) -> Kernels | None:
+    """The chosen family's kernels (see `choose`), built if needed; None (logged once) where none can run."""
+    return _load(dtype)[0]
+
+
+def why_not(dtype: torch.dtype | None = None) -> str:
+    """Why `load` returned None (or why it chose the family it loaded)."""
+    return _load(dtype)[1]
+
+
+load.cache_clear = _load.cache_clear  # type: ignore[attr-defined]  (tests reload under another environment)

@@ -10,10 +10,14 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
           native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
           slower); larger chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its
-          output columns, 2.5x faster than aten's int8 kernel at 256 rows.
+          output columns, 2.5x faster than aten's int8 kernel at 256 rows. With fp32 activations and the AVX2
+          kernel family (m31r/kernels_avx2.c: CPUs without native bf16), small row counts run its q8 kernel
+          (activations quantized to int8 in blocks of 32, integer dot products) and larger chunks the fp32 GEMM
+          on the codes widened to fp32.
   int4    4-bit codes in groups of `group_size` along K, a bf16 scale and zero per group (asymmetric, gpt-fast
           style: w = (q - 8) * scale + zero). Decode runs `aten._weight_int4pack_mm_for_cpu`; its packed layout
-          depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load.
+          depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load. With
+          fp32 activations and the AVX2 family, decode runs its q8 int4 kernel on the plain nibbles.
 
 In the quantized precisions the tied embedding is stored as int8 (one scale per vocabulary row): the lookup
 dequantizes the rows it needs and the LM head is an int8 matmul on the same bytes. An untied head (`output`, imported
@@ -157,6 +161,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.native is not None and self.native.int8_dtype == torch.float32 and x.dtype == torch.float32:
+            return self._forward_f32(x, x2)
         if x.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         if x2.shape[0] >= INT8_GEMM_ROWS:
@@ -169,6 +175,17 @@ class Int8Linear(nn.Module):
             y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+    def _forward_f32(self, x: Tensor, x2: Tensor) -> Tensor:
+        """fp32 activations with the AVX2 family: its q8 kernel below INT8_GEMM_ROWS, else the fp32 GEMM on the codes
+        widened to fp32 (bf16 GEMMs are emulated, and slow, where that family is the one that runs)."""
+        if x2.shape[0] >= INT8_GEMM_ROWS:
+            y = F.linear(x2, self.codes.float()).mul_(self.scales.float())
+        else:
+            y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -185,6 +202,19 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros.transpose(0, 1)  # [N, K/group, 2]
         self._scale = sz[..., :1].contiguous()
         self._base = (sz[..., 1:].float() - 8 * sz[..., :1].float()).to(torch.bfloat16).contiguous()  # code 0
+        # The AVX2 family's kernel for fp32 activations below INT4_GEMM_ROWS, where the engine sets it (use_native).
+        self.native: Kernels | None = None
+        self._scale_f32: Tensor | None = None
+        self._base_f32: Tensor | None = None
+
+    def use_native(self, kernels: Kernels | None) -> None:
+        """Run `kernels`' int4 matmul for fp32 activations: it reads each group's scale and the value of code 0 in
+        fp32, [N, K/group] (base = zero - 8 * scale, exact in fp32 for bf16 scale and zero)."""
+        self.native = kernels
+        if kernels is not None and self._scale_f32 is None:
+            sz = self.scales_and_zeros.float()  # [K/group, N, 2]
+            self._scale_f32 = sz[..., 0].t().contiguous()
+            self._base_f32 = (sz[..., 1] - 8 * sz[..., 0]).t().contiguous()
 
     def dequantized(self) -> Tensor:
         """The bf16 weight, for the GEMM path (addcmul is 4x slower than mul + add_ on bf16 here)."""
@@ -194,6 +224,16 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.native is not None and x.dtype == torch.float32:
+            if x2.shape[0] >= INT4_GEMM_ROWS:  # the fp32 GEMM on the dequantized weight (bf16 is emulated here)
+                n, k, g = self.out_features, self.in_features, self.group_size
+                q = unpack_int4(self.codes).float().view(n, k // g, g)
+                y = F.linear(x2, (q * self._scale_f32[..., None]).add_(self._base_f32[..., None]).view(n, k))
+            else:
+                y = self.native.int4_mm(x2.contiguous(), self.codes, self._scale_f32, self._base_f32, self.group_size)
+            if self.bias is not None:
+                y = y.add_(self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if x.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         if x2.shape[0] >= INT4_GEMM_ROWS:

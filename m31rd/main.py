@@ -176,5 +176,4 @@ def _warm_up(daemon, threads: int | None) -> None:
     log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
                                        "threads": daemon.threads, "decode_widths": widths,
                                        "chunks_share_passes": engine.fuse,
-                                       "native_attention": engine.model.native is not None,
-                                       "native_int8": engine.native_int8}})
+                                       **engine.kernel_report}})

@@ -873,14 +873,15 @@ def test_auto_precision_is_resolved_and_reported(life):
     bf16, else fp32 and float weights. The ready log and Status say which it chose, and it serves."""
     import torch
 
-    from m31r.engine import fast_bf16
+    from m31r.engine import auto_precision
 
-    native = fast_bf16(torch.device("cpu"))
-    want = ("bfloat16", "int8") if native else ("float32", None)
+    want = auto_precision(torch.device("cpu"), "auto", "auto", None)  # test_quant checks the rules themselves
     ready = life.wait_logs(lambda x: x.get("msg") == "ready")[0]
     assert (ready["dtype"], ready["quant"]) == want
     warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
     assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
+    assert warm["kernels"] in ("avx512", "avx2", "eager") and warm["kernels_why"]  # which kernels run, and why
+    assert {"native_attention", "native_int8", "native_int4"} <= warm.keys()
 
     async def ask() -> tuple[str, str | None, str]:
         async with await Client.connect(life.socket) as c:

@@ -1,12 +1,16 @@
-"""The native kernels (m31r/kernels.c through m31r.native). Decode attention: its arithmetic against an fp32
-reference, the bits a row gets alone and batched, the cache writes it makes. The int8 matmul: against the exact
-product, rows alone and batched. Then the build cache, and engines running both.
+"""The native kernels (m31r/kernels.c and m31r/kernels_avx2.c through m31r.native), family by family.
 
-CI machines have AVX-512 and a C compiler (.ci/run installs one where missing), so these tests expect the kernels
-to load; on a CPU without AVX-512 the module is not collected (the engine runs eager attention there)."""
+Decode attention: its arithmetic against an fp32 reference, the bits a row gets alone and batched, the cache writes
+it makes. The int8 (and, AVX2, int4) matmuls: against the exact product, rows alone and batched. Then the family
+choice and M31R_KERNELS, the build cache, and engines running them.
+
+Each family's tests run where the CPU has its instructions and skip, saying so, where it does not: CI machines have
+AVX-512 and a C compiler (.ci/run installs one where missing) and run both families (AVX-512 CPUs have AVX2); a
+laptop without AVX-512 runs the AVX2 ones. Shapes are tiny: the whole module takes seconds."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -17,11 +21,80 @@ import torch
 from m31r import native
 from m31r.model import KVCache, span_of
 
-if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-    pytest.skip("the native kernels need AVX-512", allow_module_level=True)
+LOADED = native.load()
 
-KERNELS = native.load()
-assert KERNELS is not None, f"native kernels did not load: {native.unavailable()}"
+
+@functools.cache
+def _built(name: str) -> native.Kernels:
+    return native.Kernels(native.build(family=name), name)
+
+
+def family(name: str) -> native.Kernels:
+    """The loaded kernels of a family (those `native.load` chose when it is the one), or skip the test."""
+    why = native.family_unsupported(name)
+    if why is not None:
+        pytest.skip(f"the {name} kernels cannot run on this CPU: {why}")
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    return LOADED if LOADED is not None and LOADED.name == name else _built(name)
+
+
+def test_the_widest_family_this_cpu_runs_loads() -> None:
+    """Where a family runs, `load` (M31R_KERNELS unset) picks the widest; the choice names its reason."""
+    if os.environ.get("M31R_KERNELS", "auto") != "auto" or os.environ.get("M31R_NATIVE") == "0":
+        pytest.skip("M31R_KERNELS or M31R_NATIVE set for this run")
+    runs = [name for name in native.FAMILIES if native.family_unsupported(name) is None]
+    if not runs or native.compiler() is None:
+        assert LOADED is None
+        pytest.skip(f"no family runs here: {native.why_not()}")
+    assert LOADED is not None and LOADED.name == runs[0], native.why_not()
+    assert LOADED.reason == "the widest family this CPU runs"
+
+
+def test_m31r_kernels_picks_a_family_and_never_one_the_cpu_lacks(monkeypatch) -> None:
+    monkeypatch.delenv("M31R_NATIVE", raising=False)
+    for name in native.FAMILIES:
+        monkeypatch.setenv("M31R_KERNELS", name)
+        chosen, why = native.choose()
+        if native.family_unsupported(name) is None:
+            assert chosen is native.FAMILIES[name] and why == f"forced by M31R_KERNELS={name}"
+        else:
+            assert chosen is None and why.startswith(f"M31R_KERNELS={name}, but ")
+    monkeypatch.setenv("M31R_KERNELS", "eager")
+    assert native.choose() == (None, "disabled by M31R_KERNELS=eager")
+    monkeypatch.setenv("M31R_KERNELS", "sse9")
+    assert native.choose()[0] is None and "not one of auto, avx512, avx2, eager" in native.choose()[1]
+    monkeypatch.setenv("M31R_KERNELS", "avx2")
+    monkeypatch.setenv("M31R_NATIVE", "0")  # the older switch still turns them all off
+    assert native.choose() == (None, "disabled by M31R_NATIVE=0")
+    assert native.unavailable() == "disabled by M31R_NATIVE=0"
+
+
+def test_a_family_needs_the_cpu_flags_and_torch_to_agree(monkeypatch) -> None:
+    """Features are read, never assumed: a CPU whose flags lack AVX2, or a torch that reports a narrower
+    capability, runs no AVX2 kernels."""
+    if sys.platform != "linux" or native.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 Linux only")
+    name, flags, arch = native.cpu_info()
+    monkeypatch.setattr(native, "cpu_info", lambda: (name, flags - {"avx2"}, arch))
+    assert native.family_unsupported("avx2") == "the CPU lacks avx2"
+    monkeypatch.setattr(native, "cpu_info", lambda: (name, flags | {"avx2", "fma", "f16c"}, arch))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert native.family_unsupported("avx2") == "torch reports CPU capability DEFAULT"
+
+
+def K512() -> native.Kernels:  # noqa: N802
+    return family("avx512")
+
+
+def _engine(bundle, name: str, **kw):
+    """An Engine running family `name`'s kernels wherever its dtype is theirs, whichever family `load` chose."""
+    from m31r.engine import Engine
+
+    kernels = family(name)
+    engine = Engine(bundle, **kw)
+    engine.use_kernels(kernels)
+    return engine
 
 
 class Cfg:  # what KVCache reads from a model config
@@ -29,25 +102,27 @@ class Cfg:  # what KVCache reads from a model config
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
 
 
-def _caches(lengths: list[int], kv: int, hd: int, layers: int = 2, seed: int = 0, ahead: int = 0) -> list[KVCache]:
+def _caches(lengths: list[int], kv: int, hd: int, layers: int = 2, seed: int = 0, ahead: int = 0,
+            dtype: torch.dtype = torch.bfloat16) -> list[KVCache]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
-        c = KVCache(Cfg(layers, kv, hd), span_of(n) + ahead, torch.bfloat16, "cpu")
+        c = KVCache(Cfg(layers, kv, hd), span_of(n) + ahead, dtype, "cpu")
         for t in (*c.k, *c.v):
             t.copy_(torch.randn(t.shape, generator=gen))
         out.append(c)
     return out
 
 
-def _inputs(rows: int, heads: int, kv: int, hd: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+def _inputs(rows: int, heads: int, kv: int, hd: int, seed: int = 1,
+            dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    return tuple((torch.randn(rows, h, hd, generator=gen) * 2).to(torch.bfloat16) for h in (heads, kv, kv))
+    return tuple((torch.randn(rows, h, hd, generator=gen) * 2).to(dtype) for h in (heads, kv, kv))
 
 
-def _attend(caches: list[KVCache], lengths: list[int], q, k, v, layer: int = 1) -> torch.Tensor:
+def _attend(caches: list[KVCache], lengths: list[int], q, k, v, layer: int = 1, kernels=None) -> torch.Tensor:
     out = torch.empty_like(q)
-    native.DecodeTable(KERNELS, caches, [n - 1 for n in lengths]).attend(q, k, v, layer, out)
+    native.DecodeTable(kernels or family("avx512"), caches, [n - 1 for n in lengths]).attend(q, k, v, layer, out)
     return out
 
 
@@ -111,30 +186,32 @@ def test_shapes_it_does_not_take_are_refused_without_side_effects() -> None:
     assert torch.equal(caches[0].k[1], before)
 
 
-def test_the_build_is_cached_and_a_broken_compiler_is_reported(tmp_path) -> None:
-    first = native.build(tmp_path)
+@pytest.mark.parametrize("name", list(native.FAMILIES))
+def test_the_build_is_cached_and_a_broken_compiler_is_reported(tmp_path, name: str) -> None:
+    """Each family builds from its own source with its own flags, into its own cached file."""
+    family(name)
+    first = native.build(tmp_path, family=name)
     stamp = first.stat().st_mtime_ns
-    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path / "empty")}
-    code = "from m31r import native; print(native.load()); native.build()"
+    assert native.build(tmp_path, family=name) == first and first.stat().st_mtime_ns == stamp
+    assert first.name.startswith(f"kernels-{name}-")
+    if name != next(n for n in native.FAMILIES if native.family_unsupported(n) is None):
+        return  # one subprocess is enough: the first family this CPU runs
+    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path / "empty"), "M31R_KERNELS": name}
+    env.pop("M31R_NATIVE", None)
+    code = "from m31r import native; print(native.load()); print(native.why_not())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
-    assert done.stdout.strip() == "None" and "false failed on kernels.c" in done.stderr
-    off = subprocess.run([sys.executable, "-c", "from m31r import native; print(native.unavailable())"],
-                         env={**os.environ, "M31R_NATIVE": "0"}, capture_output=True, text=True, check=True)
-    assert off.stdout.strip() == "disabled by M31R_NATIVE=0"
+    assert done.stdout.startswith("None") and f"false failed on {native.FAMILIES[name].source.name}" in done.stdout
 
 
 def test_the_engine_decodes_with_it_close_to_the_eager_path(tiny_bundle) -> None:
     """bf16 engines run the kernel on every decode row; its logits stay within bf16 noise of eager attention's, and
     greedy generation is deterministic with it."""
-    from m31r.engine import Engine
-
-    engine = Engine(tiny_bundle, dtype="bfloat16")
-    assert engine.model.native is KERNELS
+    engine = _engine(tiny_bundle, "avx512", dtype="bfloat16")
+    assert engine.model.native is K512()
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
     logits = {}
     for mode in ("native", "eager"):
-        engine.model.native = KERNELS if mode == "native" else None
+        engine.model.native = K512() if mode == "native" else None
         cache = engine.new_cache()
         for _ in engine.prefill(cache, ids, 0):
             pass
@@ -142,7 +219,7 @@ def test_the_engine_decodes_with_it_close_to_the_eager_path(tiny_bundle) -> None
     assert not torch.equal(logits["native"], logits["eager"])  # the eager path really ran
     scale = logits["eager"].abs().max()
     assert (logits["native"] - logits["eager"]).abs().max() <= 0.05 * scale
-    engine.model.native = KERNELS
+    engine.model.native = K512()
     runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
@@ -158,7 +235,7 @@ def _int8_operands(m: int, n: int, k: int, seed: int = 2) -> tuple[torch.Tensor,
     return x, codes, scales
 
 
-needs_bf16 = pytest.mark.skipif(not KERNELS.int8, reason="the int8 kernel needs AVX512-BF16")
+needs_bf16 = pytest.mark.skipif(not native.int8_supported(), reason="the AVX-512 int8 kernel needs AVX512-BF16")
 
 
 @needs_bf16
@@ -167,7 +244,7 @@ def test_int8_matmul_is_the_exact_product_rounded_once(n: int, k: int) -> None:
     """Products of bf16 activations and int8 codes are exact and summed in fp32: the result is the float64 product
     to within fp32 summation error and the one bf16 rounding of the output."""
     x, codes, scales = _int8_operands(19, n, k)
-    y = KERNELS.int8_mm(x, codes, scales)
+    y = K512().int8_mm(x, codes, scales)
     exact = x.double() @ codes.double().T * scales.double()
     tolerance = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ codes.double().abs().T * scales.double())
     assert y.dtype == torch.bfloat16 and y.shape == (19, n)
@@ -180,12 +257,12 @@ def test_int8_matmul_is_the_exact_product_rounded_once(n: int, k: int) -> None:
 def test_int8_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
     """Every row count takes its own tile shape; the arithmetic of a row must not change with it."""
     x, codes, scales = _int8_operands(63, 136, 1024, seed=3)
-    full = KERNELS.int8_mm(x, codes, scales)
+    full = K512().int8_mm(x, codes, scales)
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 48):
         part = x[-m:].contiguous()
-        assert torch.equal(KERNELS.int8_mm(part, codes, scales), full[-m:]), m
+        assert torch.equal(K512().int8_mm(part, codes, scales), full[-m:]), m
     order = torch.randperm(63, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(KERNELS.int8_mm(x[order].contiguous(), codes, scales), full[order])
+    assert torch.equal(K512().int8_mm(x[order].contiguous(), codes, scales), full[order])
 
 
 @needs_bf16
@@ -193,7 +270,7 @@ def test_int8_matmul_refuses_shapes_it_does_not_take() -> None:
     assert not native.takes_int8(12, 64) and not native.takes_int8(16, 48) and native.takes_int8(16, 64)
     x, codes, scales = _int8_operands(2, 16, 48)
     with pytest.raises(ValueError, match="does not take"):
-        KERNELS.int8_mm(x, codes, scales)
+        K512().int8_mm(x, codes, scales)
 
 
 @needs_bf16
@@ -203,8 +280,8 @@ def test_an_int8_layer_takes_it_below_the_gemm_rows() -> None:
     x, codes, scales = _int8_operands(INT8_GEMM_ROWS, 512, 2048, seed=4)
     layer = Int8Linear(codes, scales)
     aten = layer(x[:48])
-    layer.native = KERNELS
-    assert torch.equal(layer(x[:48]), KERNELS.int8_mm(x[:48].contiguous(), codes, scales))
+    layer.native = K512()
+    assert torch.equal(layer(x[:48]), K512().int8_mm(x[:48].contiguous(), codes, scales))
     # The two summations differ in fp32 rounding, which the bf16 output hides for most elements, not all.
     assert not torch.equal(layer(x[:48]), aten)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, codes.to(torch.bfloat16)).mul_(scales))  # GEMM rows
@@ -214,25 +291,24 @@ def test_an_int8_layer_takes_it_below_the_gemm_rows() -> None:
 def test_an_int8_engine_runs_it_on_every_decode_row(tiny_bundle) -> None:
     """Every int8 layer of a bf16 engine takes the kernel; logits stay close to torch's int8 kernel, every decode
     width gives a row its bits (the probe), and greedy generation is deterministic."""
-    from m31r.engine import Engine
     from m31r.quant import Int8Linear
 
-    engine = Engine(tiny_bundle, dtype="bfloat16", quant="int8")
+    engine = _engine(tiny_bundle, "avx512", dtype="bfloat16", quant="int8")
     layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
-    assert len(layers) == 4 * engine.config.n_layers + 1 and all(m.native is KERNELS for m in layers)
+    assert len(layers) == 4 * engine.config.n_layers + 1 and all(m.native is K512() for m in layers)
     assert engine.decode_widths == list(range(1, engine.decode_width + 1))
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
     logits = {}
     for mode in ("native", "aten"):
         for m in layers:
-            m.native = KERNELS if mode == "native" else None
+            m.native = K512() if mode == "native" else None
         cache = engine.new_cache()
         for _ in engine.prefill(cache, ids, 0):
             pass
         logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
     assert (logits["native"] - logits["aten"]).abs().max() <= 0.05 * logits["aten"].abs().max()
     for m in layers:
-        m.native = KERNELS
+        m.native = K512()
     runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
@@ -245,7 +321,6 @@ def test_an_imported_shape_runs_both_kernels(tiny_config, tmp_path) -> None:
     import msgspec
 
     from m31r.bundle import write_bundle
-    from m31r.engine import Engine
     from m31r.model import Transformer, init_weights
     from m31r.quant import Int8Linear
     from m31r.tokenizer import build_byte_tokenizer
@@ -258,22 +333,202 @@ def test_an_imported_shape_runs_both_kernels(tiny_config, tmp_path) -> None:
             layer.attention.wqkv.bias.normal_(0, 0.5)
     bundle = write_bundle(tmp_path / "b", config, model.state_dict(), build_byte_tokenizer(300), seed=5,
                           dataset_version="test", dtype=torch.float32)
-    engine = Engine(bundle, dtype="bfloat16", quant="int8")
+    engine = _engine(bundle, "avx512", dtype="bfloat16", quant="int8")
     layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
     assert engine.model.output in layers and engine.model.head is None
-    assert len(layers) == 4 * config.n_layers + 1 and all(m.native is KERNELS for m in layers)
-    assert engine.model.native is KERNELS
+    assert len(layers) == 4 * config.n_layers + 1 and all(m.native is K512() for m in layers)
+    assert engine.model.native is K512()
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
     logits = {}
     for mode in ("native", "torch"):
         for m in [*layers, engine.model]:
-            m.native = KERNELS if mode == "native" else None
+            m.native = K512() if mode == "native" else None
         cache = engine.new_cache()
         for _ in engine.prefill(cache, ids, 0):
             pass
         logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
     assert (logits["native"] - logits["torch"]).abs().max() <= 0.05 * logits["torch"].abs().max()
     for m in [*layers, engine.model]:
-        m.native = KERNELS
+        m.native = K512()
     runs = [[t.id for t in engine.generate(ids, max_tokens=12) if t.id is not None] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0 and max(runs[0]) < 300
+
+
+# -- the AVX2 family: fp32 decode attention, q8 int8 and int4 matmuls -------------------------------------------
+
+
+def K2() -> native.Kernels:  # noqa: N802
+    return family("avx2")
+
+
+def _f32(lengths: list[int], heads: int, kv: int, hd: int, ahead: int = 0):
+    caches = _caches(lengths, kv, hd, dtype=torch.float32, ahead=ahead)
+    return caches, _inputs(len(lengths), heads, kv, hd, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("heads,kv,hd", [(16, 16, 64), (8, 2, 64), (4, 4, 16), (4, 1, 128), (2, 2, 24)])
+def test_avx2_attention_matches_fp32_and_writes_the_new_key_and_value(heads: int, kv: int, hd: int) -> None:
+    lengths = [1, 7, 17, 64, 65, 300, 1000]
+    caches, (q, k, v) = _f32(lengths, heads, kv, hd)
+    out = _attend(caches, lengths, q, k, v, kernels=K2())
+    for r, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+        assert torch.equal(cache.k[1][0, :, n - 1], k[r]) and torch.equal(cache.v[1][0, :, n - 1], v[r])
+        ref = _reference(cache, n, q[r], 1)
+        assert (out[r] - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5, (r, n)  # fp32 throughout
+    assert not torch.equal(out[0], out[1])
+
+
+def test_avx2_attention_gives_a_row_the_same_bits_alone_batched_and_in_any_order() -> None:
+    lengths = [5, 130, 64, 700, 129, 33, 256]
+    caches, (q, k, v) = _f32(lengths, 8, 4, 64)
+    together = _attend(caches, lengths, q, k, v, kernels=K2())
+    order = [3, 0, 6, 5, 1, 2, 4]
+    shuffled = _attend([caches[i] for i in order], [lengths[i] for i in order], q[order].contiguous(),
+                       k[order].contiguous(), v[order].contiguous(), kernels=K2())
+    assert torch.equal(shuffled, together[order])
+    for r, n in enumerate(lengths):
+        alone = _attend(caches[r : r + 1], [n], q[r : r + 1], k[r : r + 1], v[r : r + 1], kernels=K2())
+        assert torch.equal(alone[0], together[r]), r
+
+
+def test_avx2_attention_never_reads_past_the_context_and_refuses_what_it_does_not_take() -> None:
+    lengths = [70, 200]
+    caches, (q, k, v) = _f32(lengths, 4, 4, 64, ahead=192)
+    clean = _attend(caches, lengths, q, k, v, kernels=K2())
+    for c, n in zip(caches, lengths, strict=True):
+        for t in (*c.k, *c.v):
+            t[0, :, n:] = float("nan")
+    assert torch.equal(_attend(caches, lengths, q, k, v, kernels=K2()), clean)
+    caches, (q, k, v) = _f32([10], 4, 4, 20)
+    before = caches[0].k[1].clone()
+    with pytest.raises(ValueError, match="head_dim=20"):
+        _attend(caches, [10], q, k, v, kernels=K2())
+    assert torch.equal(caches[0].k[1], before)
+    with pytest.raises(AssertionError, match="float32"):  # bf16 tensors are the other family's
+        bf = _caches([10], 4, 64)
+        _attend(bf, [10], *_inputs(1, 4, 4, 64), kernels=K2())
+
+
+def _q8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|error| bound of a product with x quantized in blocks of 32 (half a step of each block's scale per value):
+    sum_k step_k / 2 * |w[n, k]|, plus fp32 summation noise."""
+    m, k = x.shape
+    step = x.abs().view(m, k // 32, 32).amax(-1).double() / 127
+    per_k = step.repeat_interleave(32, dim=1)  # [M, K]
+    return (per_k / 2) @ w.double().abs().T * 1.001 + 1e-5 * x.double().abs() @ w.double().abs().T
+
+
+def _x32(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen) * (torch.rand(m, k, generator=gen) * 3)  # uneven magnitudes
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (24, 96), (64, 1024), (200, 512)])
+def test_avx2_int8_matmul_is_the_product_of_q8_activations(n: int, k: int) -> None:
+    from m31r.quant import dequantize_int8, quantize_int8
+
+    x = _x32(11, k, seed=n)
+    codes, scales = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05)
+    w = dequantize_int8(codes, scales)
+    y = K2().int8_mm(x, codes, scales)
+    exact = x.double() @ w.double().T
+    assert y.dtype == torch.float32 and y.shape == (11, n)
+    assert ((y.double() - exact).abs() <= _q8_bound(x, w)).all()
+    widened = K2().int8_mm(x, codes, scales, fp32_weights=True)  # the fp32 alternative: fp32 rounding only
+    assert (widened.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_avx2_int8_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    x, codes, scales = _x32(23, 256, seed=3), *_int8_operands(1, 40, 256, seed=3)[1:]
+    full = K2().int8_mm(x, codes, scales)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+        assert torch.equal(K2().int8_mm(x[-m:].contiguous(), codes, scales), full[-m:]), m
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(K2().int8_mm(x[order].contiguous(), codes, scales), full[order])
+    with pytest.raises(ValueError, match="does not take"):
+        K2().int8_mm(x[:, :48].contiguous(), codes[:, :48].contiguous(), scales)
+
+
+def _int4(n: int, k: int, group: int, seed: int):
+    from m31r.quant import Int4Linear, dequantize_int4, quantize_int4
+
+    codes, sz = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, group)
+    layer = Int4Linear(codes, sz, group)
+    layer.use_native(K2())
+    return layer, dequantize_int4(codes, sz, group)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 64, 32), (32, 128, 64), (64, 1024, 64), (48, 512, 128)])
+def test_avx2_int4_matmul_is_the_product_of_q8_activations(n: int, k: int, group: int) -> None:
+    """Codes and group scales enter exactly; the zero points multiply the plain fp32 sum of x; only the activations
+    are quantized, so the error is within the q8 bound of the scale term."""
+    layer, w = _int4(n, k, group, seed=n)
+    x = _x32(11, k, seed=k)
+    y = K2().int4_mm(x, layer.codes, layer._scale_f32, layer._base_f32, group)
+    exact = x.double() @ w.double().T
+    scaled = (layer._scale_f32.repeat_interleave(group, 1) * torch.arange(16.0).max())  # |code * scale| <= 15 scale
+    assert ((y.double() - exact).abs() <= _q8_bound(x, scaled) + 1e-5 * exact.abs().max()).all()
+
+
+def test_avx2_int4_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    layer, _ = _int4(48, 256, 64, seed=5)
+    x = _x32(19, 256, seed=6)
+    full = layer(x)
+    for m in (1, 2, 3, 4, 5, 8, 9, 13):
+        assert torch.equal(layer(x[-m:].contiguous()), full[-m:]), m
+    order = torch.randperm(19, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(layer(x[order].contiguous()), full[order])
+
+
+def test_avx2_quantized_layers_take_it_below_the_gemm_rows_and_fp32_gemms_above() -> None:
+    from m31r.quant import INT4_GEMM_ROWS, INT8_GEMM_ROWS, Int8Linear, dequantize_int8, quantize_int8
+
+    codes, scales = quantize_int8(torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 0.05)
+    layer = Int8Linear(codes, scales, bias=torch.full((64,), 0.5))
+    layer.native = K2()
+    x = _x32(INT8_GEMM_ROWS, 128, seed=9)
+    assert torch.equal(layer(x[:5]), K2().int8_mm(x[:5].contiguous(), codes, scales) + 0.5)
+    big = layer(x.view(1, INT8_GEMM_ROWS, 128))
+    assert big.dtype == torch.float32 and big.shape == (1, INT8_GEMM_ROWS, 64)
+    torch.testing.assert_close(big[0], x @ dequantize_int8(codes, scales).T + 0.5, atol=1e-4, rtol=1e-4)
+    layer4, w4 = _int4(64, 128, 32, seed=10)
+    torch.testing.assert_close(layer4(x[:INT4_GEMM_ROWS]), x[:INT4_GEMM_ROWS] @ w4.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_an_fp32_engine_runs_the_avx2_kernels_close_to_the_eager_path(tiny_bundle, quant: str | None) -> None:
+    """fp32 engines hand every decode row's attention and every quantized layer to the AVX2 kernels; logits stay
+    close to eager torch's, the probe lets every width through for quantized weights (their kernels never change a
+    row's arithmetic with the row count), and greedy generation is deterministic."""
+    from m31r.quant import Int4Linear, Int8Linear
+
+    engine = _engine(tiny_bundle, "avx2", dtype="float32", quant=quant, group_size=32)
+    layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert engine.model.native is K2() and all(m.native is K2() for m in layers)
+    assert engine.kernel_report["kernels"] == "avx2" and engine.kernel_report["native_attention"]
+    assert engine.kernel_report["native_int8"] == (quant is not None)
+    assert engine.kernel_report["native_int4"] == (quant == "int4")
+    if quant:
+        assert engine.decode_widths == list(range(1, engine.decode_width + 1))
+    ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
+    logits = {}
+    for mode in ("native", "eager"):
+        for m in [*layers, engine.model]:
+            m.native = K2() if mode == "native" else None
+        cache = engine.new_cache()
+        for _ in engine.prefill(cache, ids, 0):
+            pass
+        logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
+    tolerance = 1e-4 if quant is None else 0.05  # eager int8/int4 layers run bf16 activations
+    assert (logits["native"] - logits["eager"]).abs().max() <= tolerance * logits["eager"].abs().max()
+    for m in [*layers, engine.model]:
+        m.native = K2()
+    runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_a_bf16_engine_on_the_avx2_family_stays_eager_and_says_why(tiny_bundle) -> None:
+    engine = _engine(tiny_bundle, "avx2", dtype="bfloat16", quant="int8")
+    report = engine.kernel_report
+    assert not report["native_attention"] and not report["native_int8"]
+    assert report["kernels_why"] == "avx2 kernels take float32 activations, this engine runs bfloat16"

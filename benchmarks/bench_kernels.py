@@ -1,0 +1,208 @@
+"""Decode speed with and without the native CPU kernels, per weight precision, interleaved in one run (issue 18).
+
+One random-init master of the chosen shape (default: the medium shape) is written as an fp32 bundle and quantized
+to int8 and int4 bundles; an engine per precision runs at the activation dtype given (default: auto, fp32 where
+bf16 is not native). Each repetition then runs every (precision, kernels) pair in turn: a prefill of
+`--context` tokens into a fresh cache, then `--tokens` greedy decode steps. Kernels are switched in place
+(`Engine.use_kernels`: the eager torch path, or the family `native.load` chose), so both variants run the same
+weights in the same process, moments apart: on a shared machine interleaving is what makes them comparable.
+Reported: the median over repetitions of each run's median ms/token, with the spread of the run medians.
+
+`--profile` then times one decode step of each pair by part: the matmuls of the layers, the LM head, decode
+attention, and the rest (norms, RoPE, the residual adds, Python between ops), from forward hooks and wrappers.
+
+    python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def decode_run(engine, prompt: list[int], tokens: int) -> list[float]:
+    """ms per decode step after a cold prefill of `prompt`, greedy."""
+    import torch
+
+    cache = engine.new_cache()
+    logits = [x for x in engine.prefill(cache, prompt, 0) if x is not None][-1]
+    times = []
+    for _ in range(tokens):
+        tok = int(torch.argmax(logits))
+        t0 = time.perf_counter()
+        logits = engine.decode_step(cache, tok)
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+class Parts:
+    """Wall time by part of a decode step, from forward hooks on the linear layers and wrappers on attention."""
+
+    def __init__(self, engine):
+        from m31r import model as model_mod
+        from m31r import native
+        from m31r.quant import FloatLinear, Int4Linear, Int8Linear
+
+        self.t = {"matmuls": 0.0, "LM head": 0.0, "attention": 0.0}
+        self.handles, self.undo = [], []
+        head = engine.model.head if engine.model.head is not None else engine.model.output
+        for m in engine.model.modules():
+            if isinstance(m, (FloatLinear, Int8Linear, Int4Linear)):
+                self._hook(m, "LM head" if m is head else "matmuls")
+
+        def wrap(obj, name: str) -> None:
+            fn = getattr(obj, name)
+
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.t["attention"] += time.perf_counter() - t0
+
+            setattr(obj, name, timed)
+            self.undo.append(lambda: setattr(obj, name, fn))
+
+        wrap(native.DecodeTable, "attend")
+        wrap(model_mod, "attend_rows")
+        self.tied_head = head is None  # an fp32 tied head is F.linear on the embedding: timed as the head call
+        if self.tied_head:
+            fn = engine.model._head
+
+            def head_timed(x):
+                t0 = time.perf_counter()
+                try:
+                    return fn(x)
+                finally:
+                    self.t["LM head"] += time.perf_counter() - t0
+
+            engine.model._head = head_timed
+            self.undo.append(lambda: delattr(engine.model, "_head"))
+
+    def _hook(self, m, part: str) -> None:
+        start = {}
+        self.handles.append(m.register_forward_pre_hook(lambda mod, a: start.__setitem__(0, time.perf_counter())))
+        self.handles.append(m.register_forward_hook(
+            lambda mod, a, out: self.t.__setitem__(part, self.t[part] + time.perf_counter() - start[0])))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for u in reversed(self.undo):
+            u()
+
+
+def profile(engine, prompt: list[int], steps: int) -> dict[str, float]:
+    """Median ms per part over `steps` decode steps."""
+    import torch
+
+    cache = engine.new_cache()
+    logits = [x for x in engine.prefill(cache, prompt, 0) if x is not None][-1]
+    rows: list[dict[str, float]] = []
+    for _ in range(steps):
+        parts = Parts(engine)
+        tok = int(torch.argmax(logits))
+        t0 = time.perf_counter()
+        logits = engine.decode_step(cache, tok)
+        total = time.perf_counter() - t0
+        parts.close()
+        row = {k: v * 1000 for k, v in parts.t.items()}
+        row["other"] = total * 1000 - sum(row.values())
+        row["total"] = total * 1000
+        rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "model" / "medium.yaml")
+    ap.add_argument("--dtype", default="auto", help="activation dtype of every engine (default auto)")
+    ap.add_argument("--precisions", default="fp32,int8,int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens before decoding (default 300)")
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps per run (default 64)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="time one decode step by part, per pair")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+
+    from m31r import native
+    from m31r.bundle import init_bundle, quantize_bundle
+    from m31r.config import load_config
+    from m31r.cpu import describe
+    from m31r.engine import Engine
+    from m31r.tokenizer import build_byte_tokenizer
+
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    names = [n for n in args.precisions.split(",") if n]
+    with tempfile.TemporaryDirectory(prefix="m31r-kernels-") as tmp:
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        base = work / "bundle-fp32"
+        if not base.exists():
+            init_bundle(config, base, seed=args.seed, tokenizer=build_byte_tokenizer(config.vocab_size),
+                        dtype=torch.float32)
+        engines = {}
+        for name in names:
+            path = base if name == "fp32" else work / f"bundle-{name}"
+            if name != "fp32" and not path.exists():
+                quantize_bundle(base, path, name)
+            engines[name] = Engine(path, dtype=args.dtype, threads=args.threads, decode_width=1)
+        kernels = {name: e.kernels for name, e in engines.items()}
+        pairs = [(n, k) for n in names for k in ("eager", "native")]
+        gen = torch.Generator().manual_seed(1234)
+        prompt = torch.randint(5, config.vocab_size, (args.context,), generator=gen).tolist()
+        runs: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+        first = next(iter(engines.values()))
+        print(f"# {describe()}; torch {torch.__version__}, {args.threads} threads; kernels: "
+              f"{first.kernels.describe() if first.kernels else 'none'} ({native.why_not(first.dtype)})",
+              file=sys.stderr)
+        with torch.inference_mode():
+            for name, kind in pairs:  # warm-up: kernels, allocator, probes
+                engines[name].use_kernels(kernels[name] if kind == "native" else None)
+                decode_run(engines[name], prompt[:64], 4)
+            for rep in range(args.reps):
+                for name, kind in pairs:
+                    e = engines[name]
+                    e.use_kernels(kernels[name] if kind == "native" else None)
+                    runs[(name, kind)].append(statistics.median(decode_run(e, prompt, args.tokens)))
+                print(f"# rep {rep + 1}/{args.reps}: " + ", ".join(f"{n}/{k} {runs[(n, k)][-1]:.1f}"
+                                                                  for n, k in pairs), file=sys.stderr)
+            parts = {}
+            if args.profile:
+                for name, kind in pairs:
+                    engines[name].use_kernels(kernels[name] if kind == "native" else None)
+                    parts[(name, kind)] = profile(engines[name], prompt, 16)
+    dtype = str(first.dtype).removeprefix("torch.")
+    print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), {dtype} activations, {args.threads} threads, "
+          f"{args.context}-token context, {args.tokens} decode steps x {args.reps} interleaved reps, "
+          f"load avg {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {describe()}")
+    print(f"kernels: {first.kernels.describe() if first.kernels else 'none: ' + native.why_not(first.dtype)}")
+    print(f"{'weights':8} {'eager ms/tok':>13} {'native ms/tok':>14} {'speed-up':>9}   (run medians: min-max)")
+    for name in names:
+        e, n = (statistics.median(runs[(name, k)]) for k in ("eager", "native"))
+        spread = " ".join(f"{min(runs[(name, k)]):.1f}-{max(runs[(name, k)]):.1f}" for k in ("eager", "native"))
+        print(f"{name:8} {e:>13.1f} {n:>14.1f} {e / n:>8.2f}x   ({spread})")
+    if parts:
+        keys = ["matmuls", "LM head", "attention", "other", "total"]
+        print(f"\none decode step by part (median of 16 steps at {args.context} context, ms)")
+        print(f"{'weights/kernels':16}" + "".join(f"{k:>11}" for k in keys))
+        for (name, kind), p in parts.items():
+            print(f"{name + '/' + kind:16}" + "".join(f"{p[k]:>11.2f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()

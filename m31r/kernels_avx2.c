@@ -1,0 +1,395 @@
+/* Native CPU kernels for m31r, AVX2 + FMA family (built and loaded by m31r/native.py with -mavx2 -mfma -mf16c;
+ * OpenMP through torch's runtime). The sibling of kernels.c (AVX-512, bf16 activations) for the CPUs most laptops
+ * have, where bf16 is not native and the engine runs fp32 activations and an fp32 KV cache.
+ *
+ * decode attention (m31r_attend_decode_f32): one query per (row, head) over that row's own fp32 KV cache, for any
+ * number of rows in one call, as kernels.c does in bf16.
+ *
+ * weight-only int8 and int4 matmuls of fp32 activations (m31r_q8_quantize, m31r_int8_mm_q8, m31r_int4_mm_q8): each
+ * activation row is quantized to int8 in blocks of 32 values with one fp32 scale per block (llama.cpp's q8_0, with
+ * an fp32 scale), then multiplied with the weight codes in integer arithmetic (vpmaddubsw + vpmaddwd: 32 products
+ * per two instructions, exact in int32), each block's integer sum scaled by its activation scale in fp32, and the
+ * channel's (int8) or group's (int4) weight scale applied to the sum. The fp32 alternative, widening each code to
+ * fp32 and one fused multiply-add per weight and row, is m31r_int8_mm_f32 (kept for comparison: see README "Speed").
+ *
+ * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
+ * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_CHUNKS 32 /* head_dim up to 256, in chunks of 8 */
+#define MAX_KEYS 65536
+#define PREFETCH_KEYS 8
+
+static inline float hsum8(__m256 v) { /* fixed fold: halves, then quarters, ... */
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+/* exp(x) for x <= 0, as kernels.c's exp_nonpositive: Cephes' degree-7 polynomial on x - k ln2, scaled by 2^k
+ * (built from the exponent bits: k >= -126 here). About 1 ulp; 0 below -87. */
+static inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] fp32 each). */
+static void attend_head(const float* q, const float* K, const float* V, int n, int hd, float scale, float* s,
+                        float* out) {
+  const int nc = hd / 8;
+  __m256 qv[MAX_CHUNKS], acc[MAX_CHUNKS];
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), sc);
+
+  float m = -INFINITY;
+  for (int j = 0; j < n; ++j) {
+    const float* kj = K + (long)j * hd;
+    for (int c = 0; c < nc; c += 2) { /* one cache line per 16 values */
+      _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 8 * c), _MM_HINT_T0);
+      _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c), _MM_HINT_T0);
+    }
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+    for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
+    s[j] = hsum8(a);
+    m = s[j] > m ? s[j] : m;
+  }
+
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */
+    float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;
+    __m256 e = exp_nonpositive(_mm256_loadu_ps(t));
+    _mm256_storeu_ps(t, e);
+    for (int i = 0; j + i < n; ++i) s[j + i] = t[i];
+    total = _mm256_add_ps(total, e);
+  }
+  const float inv = 1.0f / hsum8(total);
+
+  for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+  for (int jj = 0; jj < n; ++jj) {
+    const float* vj = V + (long)jj * hd;
+    const __m256 p = _mm256_set1_ps(s[jj]);
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+}
+
+/* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
+ * kernels.c's m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
+ * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1. Returns nonzero,
+ * having done nothing, for shapes it does not handle. */
+int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
+                           const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                           const int32_t* len, float scale, float* out) {
+  if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      memcpy((float*)kptr[r] + at, knew + (long)t * hd, (size_t)hd * 4);
+      memcpy((float*)vptr[r] + at, vnew + (long)t * hd, (size_t)hd * 4);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float s[len[r] + 8];
+      attend_head(q + (long)t * hd, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale,
+                  s, out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Activations to q8: x [M, K] fp32 → codes [M, K] int8 (|code| <= 127), |codes| [M, K] uint8 and one fp32 scale per
+ * block of 32 values [M, K/32]: scale = max|x| / 127, code = round-to-nearest-even(x / scale). `nibble_order` lays
+ * each block out as the int4 kernel reads its codes: the 16 even positions, then the 16 odd ones. `sums` (optional)
+ * gets each row's plain fp32 sum of x per `group` values (for int4's zero points), summed in order. */
+static void q8_row(const float* x, int K, int nibble_order, int8_t* q, uint8_t* aq, float* d, float* sums,
+                   int group) {
+  for (int b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float t[32];
+    if (nibble_order)
+      for (int i = 0; i < 16; ++i) t[i] = xb[2 * i], t[16 + i] = xb[2 * i + 1];
+    else
+      memcpy(t, xb, sizeof t);
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 32; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(t + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    const float scale = mx / 127.0f;
+    d[b] = scale;
+    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 127.0f / mx : 0.0f);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(t + 8 * i), inv));
+    /* pack 32 int32 → 32 int8 in order (packs interleave 128-bit lanes; the permute restores the order) */
+    __m256i p16a = _mm256_packs_epi32(v[0], v[1]), p16b = _mm256_packs_epi32(v[2], v[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    p8 = _mm256_max_epi8(p8, _mm256_set1_epi8(-127));
+    _mm256_storeu_si256((__m256i*)(q + 32 * b), p8);
+    _mm256_storeu_si256((__m256i*)(aq + 32 * b), _mm256_abs_epi8(p8));
+  }
+  if (sums)
+    for (int g = 0; g < K / group; ++g) {
+      float s = 0.0f;
+      for (int i = 0; i < group; ++i) s += x[g * group + i];
+      sums[g] = s;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * int8 weights [N, K], one bf16 scale per output channel: y[m, n] = scale[n] * sum_b d[m, b] * sum_{k in b} xq * w. */
+
+static inline float bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* 32 products of one block, summed pairwise to 8 int32: |x| * (w with x's sign) = x * w, exact (|x|, |w| <= 127). */
+static inline __m256 dot32(__m256i aq, __m256i xq, __m256i w) {
+  __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(w, xq));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+#define Q8_TILE(R, C)                                                                                              \
+  static void q8_tile_##R##_##C(const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,     \
+                                const uint16_t* s, float* y, int N) {                                            \
+    __m256 acc[R * C];                                                                                           \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();                                                \
+    const int nb = K / 32;                                                                                       \
+    for (int b = 0; b < nb; ++b) {                                                                               \
+      __m256i wv[C];                                                                                             \
+      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256((const __m256i*)(w + (long)c * K + 32 * b));        \
+      if (!(b & 1))                                                                                              \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + 32 * b + 64), _MM_HINT_T0); \
+      for (int r = 0; r < R; ++r) {                                                                              \
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (long)r * K + 32 * b));                      \
+        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + (long)r * K + 32 * b));                      \
+        const __m256 dv = _mm256_broadcast_ss(d + (long)r * nb + b);                                             \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(dot32(av, xv, wv[c]), dv, acc[r * C + c]);   \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = hsum8(acc[r * C + c]) * bf16_value(s[c]);                \
+  }
+Q8_TILE(1, 4)
+Q8_TILE(2, 4)
+Q8_TILE(3, 2)
+Q8_TILE(4, 2)
+Q8_TILE(5, 1)
+Q8_TILE(6, 1)
+Q8_TILE(7, 1)
+Q8_TILE(8, 1)
+
+#define BLOCK 8 /* columns per unit of work; N must be a multiple */
+
+static void q8_block(int R, const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,
+                     const uint16_t* s, float* y, int N) {
+#define Q8_RUN(R, C)                                                                                        \
+  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, aq, d, K, w + (long)c * K, s + c, y + c, N); \
+  break;
+  switch (R) {
+    case 1: Q8_RUN(1, 4)
+    case 2: Q8_RUN(2, 4)
+    case 3: Q8_RUN(3, 2)
+    case 4: Q8_RUN(4, 2)
+    case 5: Q8_RUN(5, 1)
+    case 6: Q8_RUN(6, 1)
+    case 7: Q8_RUN(7, 1)
+    case 8: Q8_RUN(8, 1)
+  }
+#undef Q8_RUN
+}
+
+/* x [M, K] fp32, w [N, K] int8, scale [N] bf16, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a
+ * multiple of 32 and N of BLOCK (2 when out of memory). */
+int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
+  if (M < 1 || K % 32 || N % BLOCK) return 1;
+  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
+  if (!work) return 2;
+  int8_t* xq = (int8_t*)work;
+  uint8_t* aq = (uint8_t*)work + (long)M * K;
+  float* d = (float*)((uint8_t*)work + 2L * M * K);
+  for (int m = 0; m < M; ++m) q8_row(x + (long)m * K, K, 0, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), 0, 32);
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      q8_block(M - m < 8 ? M - m : 8, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), K, w + n * K,
+               scale + n, y + (long)m * N + n, N);
+  }
+  free(work);
+  return 0;
+}
+
+/* The fp32 alternative: each code widened to fp32, one fused multiply-add per weight and row (8 columns at a time,
+ * rows one by one). Same contract as m31r_int8_mm_q8 without the work buffer; for comparison (README "Speed"). */
+int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
+  if (M < 1 || K % 32 || N % BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n0 = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 2) {
+      const int R = M - m < 2 ? 1 : 2;
+      for (int c = 0; c < BLOCK; c += 4) {
+        __m256 acc[2][4];
+        for (int r = 0; r < 2; ++r)
+          for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+        for (int k = 0; k < K; k += 8) {
+          __m256 wv[4];
+          for (int i = 0; i < 4; ++i)
+            wv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + (n0 + c + i) * K + k))));
+          for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + (long)(m + r) * K + k);
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(xv, wv[i], acc[r][i]);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int i = 0; i < 4; ++i)
+            y[(long)(m + r) * N + n0 + c + i] = hsum8(acc[r][i]) * bf16_value(scale[n0 + c + i]);
+      }
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * int4 weights: codes [N, K/2] (two per byte, the even column in the low nibble), per (channel, group of G values)
+ * an fp32 scale and base (the value of code 0): w = q * scale + base. Then
+ *   y[m, n] = sum_g scale[n, g] * sum_{b in g} d[m, b] * sum_{k in b} xq * q  +  sum_g base[n, g] * xsum[m, g]
+ * with the activations quantized in nibble order (q8_row) and xsum their plain fp32 sums per group. */
+
+static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes → 32 codes: 16 low nibbles, then 16 high */
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+  return _mm256_set_m128i(hi, lo);
+}
+
+static inline __m256 udot32(__m256i q, __m256i xq) { /* codes 0..15 (unsigned) times signed activations */
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1)));
+}
+
+#define I4_TILE(R, C)                                                                                              \
+  static void i4_tile_##R##_##C(const int8_t* xq, const float* d, const float* xs, int K, int G, const uint8_t* w, \
+                                const float* sc, const float* base, float* y, int N) {                           \
+    __m256 acc[R * C];                                                                                           \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();                                                \
+    const int nb = K / 32, ng = K / G, per = G / 32;                                                             \
+    for (int g = 0; g < ng; ++g) {                                                                               \
+      __m256 part[R * C];                                                                                        \
+      for (int i = 0; i < R * C; ++i) part[i] = _mm256_setzero_ps();                                             \
+      for (int b = g * per; b < (g + 1) * per; ++b) {                                                            \
+        __m256i wv[C];                                                                                           \
+        for (int c = 0; c < C; ++c) wv[c] = nibbles32(w + (long)c * (K / 2) + 16 * b);                            \
+        if (!(b & 3))                                                                                            \
+          for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * (K / 2) + 16 * b + 64), _MM_HINT_T0); \
+        for (int r = 0; r < R; ++r) {                                                                            \
+          const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (long)r * K + 32 * b));                    \
+          const __m256 dv = _mm256_broadcast_ss(d + (long)r * nb + b);                                           \
+          for (int c = 0; c < C; ++c) part[r * C + c] = _mm256_fmadd_ps(udot32(wv[c], xv), dv, part[r * C + c]); \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int c = 0; c < C; ++c) {                                                                              \
+        const __m256 sv = _mm256_broadcast_ss(sc + (long)c * ng + g);                                            \
+        for (int r = 0; r < R; ++r) acc[r * C + c] = _mm256_fmadd_ps(part[r * C + c], sv, acc[r * C + c]);       \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) {                                                                              \
+        float z = 0.0f;                                                                                          \
+        for (int g = 0; g < ng; ++g) z += base[(long)c * ng + g] * xs[(long)r * ng + g];                         \
+        y[(long)r * N + c] = hsum8(acc[r * C + c]) + z;                                                          \
+      }                                                                                                          \
+  }
+I4_TILE(1, 4)
+I4_TILE(2, 2)
+I4_TILE(3, 2)
+I4_TILE(4, 1)
+I4_TILE(5, 1)
+I4_TILE(6, 1)
+I4_TILE(7, 1)
+I4_TILE(8, 1)
+
+static void i4_block(int R, const int8_t* xq, const float* d, const float* xs, int K, int G, const uint8_t* w,
+                     const float* sc, const float* base, float* y, int N) {
+  const int ng = K / G;
+#define I4_RUN(R, C)                                                                                              \
+  for (int c = 0; c < BLOCK; c += C)                                                                              \
+    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N); \
+  break;
+  switch (R) {
+    case 1: I4_RUN(1, 4)
+    case 2: I4_RUN(2, 2)
+    case 3: I4_RUN(3, 2)
+    case 4: I4_RUN(4, 1)
+    case 5: I4_RUN(5, 1)
+    case 6: I4_RUN(6, 1)
+    case 7: I4_RUN(7, 1)
+    case 8: I4_RUN(8, 1)
+  }
+#undef I4_RUN
+}
+
+/* x [M, K] fp32, codes [N, K/2] uint8, scale/base [N, K/G] fp32, y [M, N] fp32. Returns nonzero, having done
+ * nothing, unless G is a multiple of 32 dividing K and N a multiple of BLOCK (2 when out of memory). */
+int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
+                    const float* base, float* y) {
+  if (M < 1 || G < 32 || G % 32 || K % G || N % BLOCK) return 1;
+  const int nb = K / 32, ng = K / G;
+  void* work = malloc(2L * M * K + (long)M * nb * 4 + (long)M * ng * 4);
+  if (!work) return 2;
+  int8_t* xq = (int8_t*)work;
+  uint8_t* aq = (uint8_t*)work + (long)M * K;
+  float* d = (float*)((uint8_t*)work + 2L * M * K);
+  float* xs = d + (long)M * nb;
+  for (int m = 0; m < M; ++m)
+    q8_row(x + (long)m * K, K, 1, xq + (long)m * K, aq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, G);
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      i4_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, K, G,
+               w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
+  }
+  free(work);
+  return 0;
+}
