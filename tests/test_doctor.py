@@ -19,7 +19,9 @@ from m31r import doctor
 
 def user_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("M31R_SOCKET", "M31R_BUNDLE")}
-    env.update(HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    # A fresh home, but the kernel build cache every other test shares: a build per doctor run cost ~3 s each.
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    env.update(HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_CACHE_HOME=cache)
     return env
 
 
