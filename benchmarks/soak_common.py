@@ -17,6 +17,8 @@ for extra in (REPO / "tests", REPO / "benchmarks"):  # tests/protocol_fuzz.py, t
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
+from bench_daemon import pct  # noqa: E402,F401  (the soak jobs take it from here, with the rest of what they share)
+
 # The soak runs on the tiny test shape, with what the tests pass (one thread, fp32): figures about reliability,
 # not speed, bounded in time on a 2-core machine.
 DAEMON_ARGS = ["--threads", "1", "--dtype", "float32", "--quant", "none"]
@@ -122,17 +124,6 @@ def answers(sock: Path) -> bool:
 def log_errors(lines: list[dict]) -> list[dict]:
     """Log lines a healthy daemon never writes: errors, exceptions, anything that is not a JSON line."""
     return [x for x in lines if x.get("level") not in ("info", "debug") or "exc" in x]
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
