@@ -59,12 +59,6 @@ def fake_bundle(tmp_path: Path) -> Path:
     return b
 
 
-def test_configs_hold_the_packaged_templates():
-    for name, folder in [("m31rd.socket", "systemd"), ("m31rd.service", "systemd"),
-                         ("dev.m31r.m31rd.plist", "launchd")]:
-        assert (REPO / "configs" / folder / name).read_bytes() == (UNITS / name).read_bytes(), name
-
-
 def test_socket_unit_template():
     text = (UNITS / "m31rd.socket").read_text()
     assert "ListenStream=%t/m31r/m31rd.sock" in text
