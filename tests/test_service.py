@@ -312,6 +312,49 @@ def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(
     notify.close()
 
 
+# The daemon, with bind_unix slowed down after it has made the socket file: a client that sees the file and signals
+# at once lands in the window where the file exists but the daemon has not yet recorded it as its own to remove.
+SLOW_BIND = """
+import sys, time
+import m31rd.sockets as sockets
+bind = sockets.bind_unix
+def slow_bind(path):
+    sock = bind(path)
+    time.sleep(1.0)
+    return sock
+sockets.bind_unix = slow_bind
+from m31r.cli import main
+sys.argv[0] = "m31r"
+main()
+"""
+
+
+@pytest.mark.parametrize("socket_file", ["probe", "serving"])
+def test_sigterm_while_the_socket_file_is_made_exits_cleanly(tiny_bundle, tmp_path: Path, socket_file: str):
+    """A signal that arrives as a socket file appears (before the model loads, the probe that no other daemon is
+    live; after it, the socket it serves on) never meets the default handler: exit 0, no socket file left."""
+    sock_path = tmp_path / "run" / "m31rd.sock"
+    cmd = [sys.executable, "-c", SLOW_BIND, "daemon", "--bundle", str(tiny_bundle.path), "--socket", str(sock_path),
+           "--threads", "1", "--dtype", "float32", "--quant", "none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        t0 = time.monotonic()
+        # Wait out: no file yet; for "serving" also the probe's file, then no file while the model loads.
+        for present in [False, True, False] if socket_file == "serving" else [False]:
+            while sock_path.exists() is present:
+                assert proc.poll() is None and time.monotonic() - t0 < 60
+                time.sleep(0.005)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not sock_path.exists(), err
+    assert '"msg": "stopped"' in err and "Traceback" not in err, err
+
+
 def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
     """A daemon stopped while it warms up (its socket already listening) exits 0 and removes its socket."""
     sock_path = tmp_path / "run" / "m31rd.sock"
