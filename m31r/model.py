@@ -428,7 +428,7 @@ class Transformer(nn.Module):
 
 
 def init_weights(model: Transformer, seed: int) -> None:
-    """Deterministic random init (06 §21): the same seed gives the same bytes on any machine.
+    """Deterministic random init: the same seed gives the same bytes on any machine.
 
     Drawn on the CPU from a private generator, GPT-2 style: N(0, 0.02), residual outputs scaled down by
     sqrt(2 * n_layers) so the residual stream does not grow with depth.
