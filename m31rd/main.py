@@ -72,7 +72,7 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
         try:
             # Fail fast before loading the model if another daemon is live; bind for real afterwards.
             with start_up.held():
-                bind_unix(opts.socket).close()
+                bind_unix(opts.socket, listen=False).close()
                 opts.socket.unlink(missing_ok=True)
         except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             log.error("cannot listen: %s", e)

@@ -318,9 +318,9 @@ SLOW_BIND = """
 import sys, time
 import m31rd.sockets as sockets
 bind = sockets.bind_unix
-def slow_bind(path):
-    sock = bind(path)
-    time.sleep(1.0)
+def slow_bind(path, listen=True):
+    sock = bind(path, listen)
+    time.sleep(0.5)
     return sock
 sockets.bind_unix = slow_bind
 from m31r.cli import main
@@ -345,6 +345,9 @@ def test_sigterm_while_the_socket_file_is_made_exits_cleanly(tiny_bundle, tmp_pa
             while sock_path.exists() is present:
                 assert proc.poll() is None and time.monotonic() - t0 < 60
                 time.sleep(0.005)
+        if socket_file == "probe":  # bound, never listening: a client is refused, not left waiting in a backlog
+            with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.connect(str(sock_path))
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     finally:
