@@ -188,7 +188,7 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         _check_quantization(path / "metadata.json", quantization)
     _check_tokenizer(path / "tokenizer.json", config)
     _check_weights(path / "model.safetensors", config, quantization)
-    # Traceability (06 §29): the recorded hashes must describe the files actually shipped.
+    # Traceability: the recorded hashes must describe the files actually shipped (metadata.json names them).
     if metadata["config_hash"] != config.config_hash():
         raise BundleError(f"{path / 'config.yaml'}: does not match config_hash in metadata.json (edited after export?)")
     if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):

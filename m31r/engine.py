@@ -459,6 +459,9 @@ class Engine:
         return logits.masked_fill(~allowed, float("-inf"))
 
     def fit_prompt(self, ids: list[int], max_tokens: int, truncate: bool = False) -> list[int]:
+        """The prompt ids that leave room for `max_tokens` in the context: `ids` themselves, or with `truncate` their
+        end. The caller fits a prompt once, before `generate`, which refuses one that does not fit rather than
+        cutting it where the caller cannot see. Raises ContextOverflowError."""
         limit = self.config.max_context
         if len(ids) + max_tokens <= limit:
             return ids
@@ -474,13 +477,15 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop: list[str] | tuple[str, ...] = (),
         cache: KVCache | None = None,
-        truncate: bool = False,
         result: Outcome | None = None,
         batched: bool = False,
         heal: str = "",
         deadline: float | None = None,
     ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
+
+        The prompt and `max_tokens` must fit the context together: a prompt that does not is refused
+        (ContextOverflowError, a ValueError), never cut here; `fit_prompt` is how a caller keeps a long prompt's end.
 
         `heal` is text the prompt left out of its end (m31r.fim's token healing): the first tokens are held to
         writing it again, and it is not part of the text streamed back.
@@ -501,7 +506,8 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}), the model's vocabulary")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        ids = self.fit_prompt(ids, max_tokens, truncate)
+        if len(ids) + max_tokens > self.config.max_context:
+            raise ContextOverflowError(len(ids), max_tokens, self.config.max_context)
         res = result if result is not None else Outcome(prompt_tokens=len(ids))
         res.prompt_tokens = len(ids)
         if cache is None:

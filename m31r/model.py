@@ -168,16 +168,12 @@ class Attention(nn.Module):
             ck, cv = cache.k[layer], cache.v[layer]
             ck[:, :, start:end] = k
             cv[:, :, start:end] = v
-            if t == 1:  # one new token sees every cached position (eager decode arithmetic; the engine decodes in step)
-                span = span_of(end)
-                y = attend_one(q, ck[:, :, :span], cv[:, :, :span], end)
-            else:
-                y = self._attend_chunk(q, ck[:, :, :end], cv[:, :, :end], start)
+            y = self._attend_chunk(q, ck[:, :, :end], cv[:, :, :end], start)  # decode steps run in `step`
         return self.wo(y.transpose(1, 2).reshape(b, t, h * self.hd))
 
     @staticmethod
     def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        """Causal attention of a prefill chunk of t > 1 queries at `start` over cached k/v [0, start + t)."""
+        """Causal attention of a prefill chunk of t queries at `start` over cached k/v [0, start + t)."""
         t, gqa = q.shape[2], k.shape[1] != q.shape[1]
         if t >= CHUNK_MIN_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu":
             y = attend_chunk(q, k, v, start)
@@ -290,15 +286,6 @@ def attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], mask: Tensor | No
         scores.masked_fill_(mask, float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v, out=out)
-
-
-def attend_one(q: Tensor, k: Tensor, v: Tensor, n: int) -> Tensor:
-    """attend_rows for a single sequence: q [1, heads, 1, hd] unscaled, k/v [1, n_kv, span_of(n), hd]."""
-    b, h, _, hd = q.shape
-    n_kv, span = k.shape[1], k.shape[2]
-    assert span == span_of(n), f"attend_one needs span_of({n}) positions, got {span}"
-    qg = (q * hd**-0.5).view(b, n_kv, h // n_kv, hd)
-    return attend_rows(qg, [k], [v], span_mask([n], span, q.device)).view(b, h, 1, hd)
 
 
 CHUNK_HEADS = 4  # query heads per block in attend_chunk: their scores for a 256-token chunk at 2k fit in L2
@@ -441,7 +428,7 @@ class Transformer(nn.Module):
 
 
 def init_weights(model: Transformer, seed: int) -> None:
-    """Deterministic random init (06 §21): the same seed gives the same bytes on any machine.
+    """Deterministic random init: the same seed gives the same bytes on any machine.
 
     Drawn on the CPU from a private generator, GPT-2 style: N(0, 0.02), residual outputs scaled down by
     sqrt(2 * n_layers) so the residual stream does not grow with depth.

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,16 +50,30 @@ class DaemonOptions:
 
 def run(opts: DaemonOptions) -> int:
     setup_logging(opts.log_level)
+    # Before any socket file exists: a client that sees the file and signals must never meet the default handler,
+    # which kills the process and leaves the file behind.
+    start_up = _StartUp()
+    try:
+        return _run(opts, start_up)
+    except _Interrupted as e:
+        start_up.defer()  # a second signal must not cut the clean-up short
+        if start_up.owned is not None:
+            start_up.owned.unlink(missing_ok=True)
+        log.info("stopped", extra={"fields": {"reason": str(e)}})
+        return 0
+
+
+def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify
 
     t0 = time.perf_counter()
     sock = activated_socket()
-    owned: Path | None = None
     if sock is None:
         try:
             # Fail fast before loading the model if another daemon is live; bind for real afterwards.
-            bind_unix(opts.socket).close()
-            opts.socket.unlink(missing_ok=True)
+            with start_up.held():
+                bind_unix(opts.socket, listen=False).close()
+                opts.socket.unlink(missing_ok=True)
         except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             log.error("cannot listen: %s", e)
             print(f"m31rd: {e}", file=sys.stderr)
@@ -87,42 +103,25 @@ def run(opts: DaemonOptions) -> int:
                     max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None)
     if sock is None:
         try:
-            sock = bind_unix(opts.socket)
+            with start_up.held():
+                sock = bind_unix(opts.socket)
+                start_up.owned = opts.socket
         except (SocketInUse, UnsafeSocketFolder, OSError) as e:
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
-        owned = opts.socket
-
-    # SIGTERM/SIGINT before the event loop takes them over: during warm-up, leave at once; after it, stop as soon
-    # as the loop runs.
-    warming, early_stop = True, []
-
-    def interrupted(signum: int, frame: object) -> None:
-        reason = f"signal {signal.Signals(signum).name}"
-        if warming:
-            raise _Interrupted(f"{reason} during warm-up")
-        early_stop.append(reason)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, interrupted)
+    owned = start_up.owned
     # The socket listens but answers nothing until warm-up is done: a client that connects now waits in the backlog
     # (as under systemd socket activation), so its first request runs on a warm engine as soon as warm-up ends, and
     # READY=1 means ready to serve.
-    try:
-        torch_thread.call(_warm_up, daemon, opts.threads)
-        warming = False
-    except _Interrupted as e:
-        if owned is not None:
-            owned.unlink(missing_ok=True)
-        log.info("stopped", extra={"fields": {"reason": str(e)}})
-        return 0
+    torch_thread.call(_warm_up, daemon, opts.threads)
+    start_up.defer()
 
     def on_ready() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop, f"signal {signal.Signals(sig).name}")
-        if early_stop:
-            daemon.request_stop(early_stop[0])
+        if start_up.pending:
+            daemon.request_stop(start_up.pending)
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
@@ -144,8 +143,44 @@ def run(opts: DaemonOptions) -> int:
     return 0
 
 
-class _Interrupted(Exception):
-    """SIGTERM or SIGINT before the daemon serves: nothing to drain, just leave."""
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT before the daemon serves: nothing to drain, just leave. A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` on the way (imports, model loading) swallows it."""
+
+
+class _StartUp:
+    """SIGTERM/SIGINT until the event loop takes them over: before warm-up has finished, leave at once
+    (_Interrupted); after it, stop as soon as the loop runs (`pending`). `owned` is the socket file this process
+    made, which leaving removes."""
+
+    def __init__(self) -> None:
+        self.owned: Path | None = None
+        self.pending: str | None = None  # the first signal that was held or came after warm-up
+        self._interrupt = True
+        self._held = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.pending = self.pending or f"signal {signal.Signals(signum).name}"
+        if self._interrupt and not self._held:
+            raise _Interrupted(f"{self.pending} during start-up")
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A signal waits for the end of the block, then interrupts: for a socket file and the record of whose it
+        is, which a signal must not come between."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+        if self._interrupt and self.pending:
+            raise _Interrupted(f"{self.pending} during start-up")
+
+    def defer(self) -> None:
+        """From now on a signal is only recorded (`pending`): after warm-up, the daemon stops once its loop runs."""
+        self._interrupt = False
 
 
 def _warm_up(daemon, threads: int | None) -> None:

@@ -4,8 +4,7 @@ Linux: two systemd user units, m31rd.socket (socket activation on %t/m31r/m31rd.
 and m31rd.service (Type=notify), written to $XDG_CONFIG_HOME/systemd/user (default ~/.config/systemd/user).
 macOS: a launchd agent, ~/Library/LaunchAgents/dev.m31r.m31rd.plist, started at login.
 
-The templates ship in m31rd/units/ (configs/systemd and configs/launchd hold the same files,
-kept so by tests/test_one_source.py); installing fills
+The templates ship in m31rd/units/, their only copy (package data, so an installed m31rd has them); installing fills
 in the absolute path of the m31r command of this environment, the bundle and (launchd) the socket and log.
 This module imports only the standard library: the CLI must not pay for torch.
 """

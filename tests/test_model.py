@@ -80,6 +80,17 @@ def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
         torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=ATOL, rtol=0)
 
 
+def test_one_token_forward_over_a_cache_equals_one_shot(engine: Engine) -> None:
+    """Transformer.forward with a cache and a single new token (engines decode in `step`; this is the plain path a
+    direct caller gets) attends over every cached position."""
+    ids = _ids(70, seed=11)
+    cache = engine.new_cache()
+    with torch.inference_mode():
+        engine.model(torch.tensor([ids[:-1]], device=engine.device), start=0, cache=cache)
+        last = engine.model(torch.tensor([ids[-1:]], device=engine.device), start=len(ids) - 1, cache=cache)[0, -1]
+    torch.testing.assert_close(last, _full_logits(engine, ids)[-1], atol=ATOL, rtol=0)
+
+
 def test_prefill_continues_from_a_cached_prefix(engine: Engine) -> None:
     """A second prefill that reuses aligned cached positions gives the logits of a cold one."""
     ids = _ids(90, seed=7)

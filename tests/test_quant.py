@@ -123,9 +123,10 @@ def test_int8_embedding_dequantizes_rows() -> None:
 @pytest.mark.parametrize("n", [1, 37, 64, 65, 100])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_decode_attention_matches_sdpa_and_ignores_the_padding(n: int, kv_heads: int) -> None:
-    """attend_one reads span_of(n) positions; whatever finite values lie past n (stale entries of an earlier
-    sequence) change nothing: the result is SDPA over the first n, bit for bit the same as with zeros there."""
-    from m31r.model import attend_one, span_of
+    """A decode row attends over span_of(n) positions (attend_rows with span_mask); whatever finite values lie past
+    n (stale entries of an earlier sequence) change nothing: the result is SDPA over the first n, bit for bit the
+    same as with zeros there."""
+    from m31r.model import attend_rows, span_mask, span_of
 
     span = span_of(n)
     k, v = (torch.randn(1, kv_heads, span, 16, generator=GEN) for _ in range(2))
@@ -133,13 +134,16 @@ def test_decode_attention_matches_sdpa_and_ignores_the_padding(n: int, kv_heads:
     v[:, :, n:] *= 1e4
     q = torch.randn(1, 4, 1, 16, generator=GEN)
     expected = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], enable_gqa=kv_heads != 4)
-    got = attend_one(q, k, v, n)
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qg = (q * 16**-0.5).view(1, kv_heads, 4 // kv_heads, 16)  # query heads grouped by their k/v head, scaled
+        return attend_rows(qg, [k], [v], span_mask([n], span, q.device)).view(1, 4, 1, 16)
+
+    got = attend(k, v)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     zeroed_k, zeroed_v = k.clone(), v.clone()
     zeroed_k[:, :, n:], zeroed_v[:, :, n:] = 0, 0
-    assert torch.equal(attend_one(q, zeroed_k, zeroed_v, n), got)
-    with pytest.raises(AssertionError, match="span_of"):
-        attend_one(q, k[:, :, :n] if n != span else k[:, :, : n - 1], v, n)
+    assert torch.equal(attend(zeroed_k, zeroed_v), got)
 
 
 def test_kv_cache_capacity_follows_the_context(tiny_engine, monkeypatch) -> None:

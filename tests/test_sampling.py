@@ -227,14 +227,26 @@ def test_context_overflow_names_the_numbers(tiny_engine: Engine) -> None:
     assert isinstance(e.value, ValueError)
 
 
-def test_truncate_keeps_the_end_of_the_prompt(tiny_engine: Engine) -> None:
+def test_fit_prompt_keeps_the_end_of_the_prompt(tiny_engine: Engine) -> None:
     ids = ordinary_ids(500)
-    _, res = run(tiny_engine, ids, max_tokens=20, truncate=True)
+    assert tiny_engine.fit_prompt(ids, 12) == ids  # fits as it is
+    fitted = tiny_engine.fit_prompt(ids, 20, truncate=True)
+    assert fitted == ids[-492:]
+    _, res = run(tiny_engine, fitted, max_tokens=20)
     assert res.prompt_tokens == 492 and res.completion_tokens > 0
-    _, direct = run(tiny_engine, ids[-492:], max_tokens=20)
-    assert res.tokens == direct.tokens
     with pytest.raises(ContextOverflowError):
-        run(tiny_engine, ids, max_tokens=512, truncate=True)  # nothing of the prompt would fit
+        tiny_engine.fit_prompt(ids, 20)  # truncation not asked for
+    with pytest.raises(ContextOverflowError):
+        tiny_engine.fit_prompt(ids, 512, truncate=True)  # nothing of the prompt would fit
+
+
+def test_generate_refuses_a_prompt_one_token_too_long(tiny_engine: Engine) -> None:
+    """The engine never cuts a prompt itself (the caller fits it once, with fit_prompt): one token over the context
+    is a clear ValueError before any model call, not a silently shortened prompt."""
+    with pytest.raises(ContextOverflowError, match="493 tokens"):
+        run(tiny_engine, ordinary_ids(493), max_tokens=20)
+    with pytest.raises(TypeError):
+        run(tiny_engine, ordinary_ids(10), max_tokens=20, truncate=True)  # no longer the engine's job
 
 
 def test_prompt_that_exactly_fills_the_context(tiny_engine: Engine) -> None:

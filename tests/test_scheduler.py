@@ -172,6 +172,20 @@ def test_a_failing_start_answers_internal_and_the_scheduler_goes_on(sched, tiny_
     assert isinstance(bad[-1], Finished)
 
 
+def test_a_prompt_over_the_context_is_refused_not_cut(sched, tiny_engine) -> None:
+    """The scheduler runs the ids it is given: fitting a prompt is the caller's job (m31rd.server fits it once), and
+    one that does not fit fails before any model call instead of losing its start unseen."""
+    over = tiny_engine.config.max_context - 4 + 1
+    events = Events()
+    sched.submit(Request([10 + i % 200 for i in range(over)], 4), events.append)
+    sched.drain()
+    assert [type(e) for e in events] == [Failed] and "ContextOverflowError" in events[0].message
+    assert sched.rounds == 0
+    _, ok = submit(sched, tiny_engine, PROMPTS[0], max_tokens=3)
+    sched.drain()
+    assert isinstance(ok.last, Finished) and ok.last.completion_tokens == 3
+
+
 def test_serve_returns_after_stop_once_everything_finished(sched, tiny_engine) -> None:
     _, ev = submit(sched, tiny_engine, PROMPTS[0], max_tokens=5)
     sched.stop()

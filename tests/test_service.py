@@ -59,12 +59,6 @@ def fake_bundle(tmp_path: Path) -> Path:
     return b
 
 
-def test_configs_hold_the_packaged_templates():
-    for name, folder in [("m31rd.socket", "systemd"), ("m31rd.service", "systemd"),
-                         ("dev.m31r.m31rd.plist", "launchd")]:
-        assert (REPO / "configs" / folder / name).read_bytes() == (UNITS / name).read_bytes(), name
-
-
 def test_socket_unit_template():
     text = (UNITS / "m31rd.socket").read_text()
     assert "ListenStream=%t/m31r/m31rd.sock" in text
@@ -316,6 +310,52 @@ def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(
     assert rc == 0 and not sock_path.exists(), log.read_text()
     assert notify.recv(256) == b"STOPPING=1"
     notify.close()
+
+
+# The daemon, with bind_unix slowed down after it has made the socket file: a client that sees the file and signals
+# at once lands in the window where the file exists but the daemon has not yet recorded it as its own to remove.
+SLOW_BIND = """
+import sys, time
+import m31rd.sockets as sockets
+bind = sockets.bind_unix
+def slow_bind(path, listen=True):
+    sock = bind(path, listen)
+    time.sleep(0.5)
+    return sock
+sockets.bind_unix = slow_bind
+from m31r.cli import main
+sys.argv[0] = "m31r"
+main()
+"""
+
+
+@pytest.mark.parametrize("socket_file", ["probe", "serving"])
+def test_sigterm_while_the_socket_file_is_made_exits_cleanly(tiny_bundle, tmp_path: Path, socket_file: str):
+    """A signal that arrives as a socket file appears (before the model loads, the probe that no other daemon is
+    live; after it, the socket it serves on) never meets the default handler: exit 0, no socket file left."""
+    sock_path = tmp_path / "run" / "m31rd.sock"
+    cmd = [sys.executable, "-c", SLOW_BIND, "daemon", "--bundle", str(tiny_bundle.path), "--socket", str(sock_path),
+           "--threads", "1", "--dtype", "float32", "--quant", "none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        t0 = time.monotonic()
+        # Wait out: no file yet; for "serving" also the probe's file, then no file while the model loads.
+        for present in [False, True, False] if socket_file == "serving" else [False]:
+            while sock_path.exists() is present:
+                assert proc.poll() is None and time.monotonic() - t0 < 60
+                time.sleep(0.005)
+        if socket_file == "probe":  # bound, never listening: a client is refused, not left waiting in a backlog
+            with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.connect(str(sock_path))
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not sock_path.exists(), err
+    assert '"msg": "stopped"' in err and "Traceback" not in err, err
 
 
 def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):

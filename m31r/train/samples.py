@@ -1,6 +1,7 @@
 """Training rows: plain next-token text and FIM samples in the exact serving layout, with loss categories.
 
-Every target token carries a category that decides which loss term it feeds (06 §20):
+Every target token carries a category that decides which loss term it feeds (README "The default model",
+Objectives):
   NEXT  next-token prediction on ordinary code,
   FIM   the middle of a FIM sample and its closing <|endoftext|>,
   COT   "reasoning comments": a block of `//` line comments (not `///` or `//!` docs) directly followed by
