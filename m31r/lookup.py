@@ -1,0 +1,64 @@
+"""Prompt-lookup drafts: guesses of the next tokens, copied from the document itself (no draft model).
+
+Code repeats itself: a completion often re-types identifiers, argument lists, `self.`-chains or whole lines that
+already stand in the prefix or the suffix around the cursor. When the last few generated tokens also occur earlier
+in the context, the tokens that followed them there are a cheap guess of what comes next. The engine runs such a
+guess as extra rows of one decode step and keeps the part that greedy decoding confirms (Engine.generate), so the
+guesses only decide how many tokens one step yields, never which.
+"""
+
+from __future__ import annotations
+
+MAX_NGRAM = 3  # the longest suffix of the context looked up (longer matches are rarer and add little)
+
+
+class Lookup:
+    """The context seen so far (prompt, then every generated token), indexed by its n-grams.
+
+    `index[n-gram]` is the position just after the latest occurrence of that n-gram that is not the context's own
+    suffix, so a lookup costs one dict access per n-gram length, and each appended token adds MAX_NGRAM entries.
+    """
+
+    def __init__(self, tokens: list[int], max_ngram: int = MAX_NGRAM):
+        self.tokens: list[int] = []
+        self.max_ngram = max_ngram
+        self.index: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def _add(self, end: int) -> None:
+        """Index the n-grams that end at position `end` (exclusive)."""
+        t = self.tokens
+        for n in range(1, min(self.max_ngram, end) + 1):
+            self.index[tuple(t[end - n : end])] = end
+
+    def append(self, token: int) -> None:
+        # The n-grams ending at the old end become "earlier occurrences" only once a token follows them.
+        self.tokens.append(token)
+        if len(self.tokens) > 1:
+            self._add(len(self.tokens) - 1)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def drafts(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix (1 to
+        max_ngram tokens) of the context; [] when none of its suffixes occurred before."""
+        t = self.tokens
+        if k <= 0 or not t:
+            return []
+        for n in range(min(self.max_ngram, len(t)), 0, -1):
+            end = self.index.get(tuple(t[len(t) - n :]))
+            if end is not None:
+                return t[end : end + k]
+        return []
+
+
+def find_drafts(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Lookup(tokens).drafts(k) without keeping the index: the plain definition, for tests and one-off calls."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[len(tokens) - n :]
+        for end in range(len(tokens) - 1, n - 1, -1):  # latest first; never the suffix itself (end < len)
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + k]
+    return []
