@@ -14,6 +14,7 @@ from pathlib import Path
 from m31r_protocol.logs import log_json
 
 log = logging.getLogger("m31rd")
+LOOKAHEAD = 4  # prompt-lookup drafts per decode step by default (README "Speed": measured on the typing session)
 
 
 def setup_logging(level: str) -> None:
@@ -41,6 +42,7 @@ class DaemonOptions:
     max_active: int = 8
     chunk_size: int = 8
     decode_width: int = 8
+    lookahead: int = LOOKAHEAD
     quant: str | None = "auto"  # auto | int8 | int4 | none (see m31r.engine.auto_precision)
     grace_s: float = 5.0
     log_level: str = "info"
@@ -84,7 +86,8 @@ def run(opts: DaemonOptions) -> int:
 
     daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
                     max_active=opts.max_active, grace_s=opts.grace_s, max_per_connection=opts.max_per_connection,
-                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None)
+                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None,
+                    lookahead=opts.lookahead)
     if sock is None:
         try:
             sock = bind_unix(opts.socket)

@@ -240,6 +240,29 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
 
 
+async def test_lookahead_streams_the_same_text(warm, tiny_engine):
+    """Prompt-lookup decoding over the socket: with drafts (the daemon's default, and asked for) a request streams
+    what it streams without them (lookahead 0) and what the engine streams, in fewer decode steps."""
+    long_fim = ("fn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n" * 4 + "fn sub(a: i32, b: i32) -> i32 {\n", "\n}\n")
+    accepted = 0
+    async with await Client.connect(warm.socket) as c:
+        for prefix, suffix in [*FIM_CASES, long_fim]:
+            ref = fim_reference(tiny_engine, prefix, suffix, 40)
+            off = await run(await c.fim(prefix, suffix, max_tokens=40, lookahead=0))
+            assert off.pieces == ref.pieces and off.done.usage.draft_tokens == 0
+            for k in (None, 2, 7, 50):  # None: the daemon's default; past the decode width: clamped
+                on = await run(await c.fim(prefix, suffix, max_tokens=40, lookahead=k))
+                assert on.pieces == ref.pieces and on.finish_reason == ref.finish_reason, (prefix, k)
+                u = on.done.usage
+                assert u.decode_steps + u.accepted_tokens == max(0, u.completion_tokens - 1)
+                assert u.accepted_tokens <= u.draft_tokens
+                accepted += u.accepted_tokens
+        for prompt in GEN_PROMPTS:
+            on = await run(await c.generate(prompt, max_tokens=30, lookahead=4))
+            assert on.pieces == reference(tiny_engine, prompt, 30).pieces
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_bf16_daemon_streams_what_its_engine_streams(tiny_bundle, tmp_path, device):
     """A bf16 daemon on each device this machine has (CUDA where there is one) streams exactly what an in-process
@@ -455,6 +478,7 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         13: {"type": "generate", "id": 13, "prompt": "fn", "max_tokens": "ten"},
         14: {"type": "fim", "id": 14, "prefix": "x", "deadline_ms": -5},
         22: {"type": "generate", "id": 22, "prompt": "fn", "deadline_ms": -1},
+        23: {"type": "fim", "id": 23, "prefix": "x", "lookahead": -1},
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
         17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},
