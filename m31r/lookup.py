@@ -50,8 +50,17 @@ class Lookup:
         for n in range(min(self.max_ngram, len(t)), 0, -1):
             end = self.index.get(tuple(t[len(t) - n :]))
             if end is not None:
-                return t[end : end + k]
+                return continuation(t, end, k)
         return []
+
+
+def continuation(tokens: list[int], end: int, k: int) -> list[int]:
+    """k tokens copied from `end` on; a copy that reaches the end of `tokens` goes on with its own start, as a
+    repeat does (for a match just behind the end, as in `0, 0, 0` or `.0.0.0`, the period goes on)."""
+    out = tokens[end : end + k]
+    while len(out) < k:
+        out.append(out[len(out) - (len(tokens) - end)])
+    return out
 
 
 def find_drafts(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -60,5 +69,5 @@ def find_drafts(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
         suffix = tokens[len(tokens) - n :]
         for end in range(len(tokens) - 1, n - 1, -1):  # latest first; never the suffix itself (end < len)
             if tokens[end - n : end] == suffix:
-                return tokens[end : end + k]
+                return continuation(tokens, end, k)
     return []

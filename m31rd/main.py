@@ -14,7 +14,7 @@ from pathlib import Path
 from m31r_protocol.logs import log_json
 
 log = logging.getLogger("m31rd")
-LOOKAHEAD = 4  # prompt-lookup drafts per decode step by default (README "Speed": measured on the typing session)
+LOOKAHEAD = 3  # prompt-lookup drafts per decode step by default (README "Prompt-lookup decoding")
 
 
 def setup_logging(level: str) -> None:

@@ -47,7 +47,8 @@ def test_drafts_copy_what_followed_the_latest_longest_match() -> None:
     assert find_drafts(t, 3) == [4, 8, 5]  # "1 2" last occurred at 4..6, followed by 4 8 5 (not 3 9 from earlier)
     assert find_drafts([1, 2, 3, 7, 2, 3, 1, 2, 3], 2) == [7, 2]  # 3-gram "1 2 3" beats the later 2-gram "2 3"
     assert find_drafts([5, 6, 7], 4) == []  # no suffix occurred before
-    assert find_drafts([4, 4, 4], 5) == [4]  # overlapping: the copy may run up to the end
+    assert find_drafts([4, 4, 4], 5) == [4] * 5  # a copy that reaches the end repeats: the period goes on
+    assert find_drafts([7, 1, 0, 1, 0, 1], 5) == [0, 1, 0, 1, 0]  # "0 1" ended at 4: copy 0 1, then repeat it
     assert find_drafts([1, 2, 1], 0) == [] and find_drafts([], 3) == [] and find_drafts([1], 3) == []
 
 
@@ -155,3 +156,12 @@ def test_a_decode_wider_than_the_pass_is_refused(tiny_engine: Engine) -> None:
     with pytest.raises(ValueError, match="exceeds decode_width"):
         tiny_engine.run([Decode(cache, 4, [5] * tiny_engine.decode_width)], [])
     assert torch.is_tensor(tiny_engine.run([Decode(cache, 4, [5, 6])], [])[0][0])
+
+
+def test_the_daemon_default_is_one_number() -> None:
+    """`m31r daemon --lookahead`'s default is DaemonOptions' (the CLI must not import m31rd at startup)."""
+    from m31r.cli import daemon
+    from m31rd.main import LOOKAHEAD, DaemonOptions
+
+    option = next(p for p in daemon.params if p.name == "lookahead")
+    assert option.default == LOOKAHEAD == DaemonOptions.__dataclass_fields__["lookahead"].default
