@@ -38,8 +38,15 @@ class Lookup:
             self._add(len(self.tokens) - 1)
 
     def extend(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.append(t)
+        """append() for each token, in bulk: a 1k-token prompt is indexed in well under a decode step."""
+        t, old = self.tokens, len(self.tokens)
+        t.extend(tokens)
+        lo, hi = max(old, 1), len(t) - 1  # the n-gram ends to index: old..len-1, as append() would have
+        for n in range(1, self.max_ngram + 1):
+            start = max(lo, n)
+            if start <= hi:  # keys t[e-n:e] for e in start..hi, later ends overwriting earlier ones
+                grams = zip(*(t[start - n + i : hi - n + i + 1] for i in range(n)), strict=True)
+                self.index.update(zip(grams, range(start, hi + 1), strict=True))
 
     def drafts(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix (1 to

@@ -165,3 +165,16 @@ def test_the_daemon_default_is_one_number() -> None:
 
     option = next(p for p in daemon.params if p.name == "lookahead")
     assert option.default == LOOKAHEAD == DaemonOptions.__dataclass_fields__["lookahead"].default
+
+
+def test_bulk_indexing_equals_token_by_token() -> None:
+    rng = random.Random(1)
+    for _ in range(100):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        one = Lookup([])
+        for t in tokens:
+            one.append(t)
+        cut = rng.randrange(0, len(tokens) + 1)
+        bulk = Lookup(tokens[:cut])
+        bulk.extend(tokens[cut:])
+        assert bulk.index == one.index and bulk.tokens == one.tokens
