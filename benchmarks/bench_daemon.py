@@ -463,7 +463,7 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[],
                     choices=["cold", "warm", "lookahead", "roundtrip", "throughput"])
     ap.add_argument("--lookahead", type=int, default=3,
-                    help="The --lookahead compared with 0 in the prompt-lookup run (the daemon's default is 3).")
+                    help="The --lookahead compared with 0 in the prompt-lookup run (the daemon's default is 0).")
     ap.add_argument("--seconds", type=float, default=None, help="Throughput window per client count.")
     ap.add_argument("--out", type=Path, help="Write the results as JSON.")
     args = ap.parse_args()

@@ -229,10 +229,10 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--decode-width", type=int, default=8, show_default=True,
               help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
                    "beside them; 1 gives the lowest single-stream latency but no batching.")
-@click.option("--lookahead", type=click.IntRange(min=0), default=3, show_default=True,
+@click.option("--lookahead", type=click.IntRange(min=0), default=0, show_default=True,
               help="Prompt-lookup decoding: draft tokens copied from the prompt, verified per decode step (greedy "
                    "requests only; the output is the same, it comes faster where the completion repeats the "
-                   "document). 0 turns it off; a request's `lookahead` field overrides it.")
+                   "document; 3 measured best). 0 turns it off; a request's `lookahead` field overrides it.")
 @click.option("--chunk-size", type=int, default=8, show_default=True,
               help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
 @click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
