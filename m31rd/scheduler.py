@@ -7,7 +7,8 @@ a deadline and a `Cancellation` handle; what comes back, through the callback th
 `serve()` on its torch thread; tests and benchmarks drive the same scheduler in-process (`drain()`, `run_together`).
 
 It works in rounds: each running request advances to its next model call (a prefill chunk or a decode step), then
-the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes. A short
+the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes (a decode
+step with prompt-lookup drafts takes a row per draft). A short
 request is never stuck behind a long prefill, concurrent streams share the cost of reading the weights, and every
 round boundary is a point where cancellation and deadlines take effect: the engine makes no model call for a
 request past its deadline (Engine.generate), and a queued request past it is answered without starting. The engine
