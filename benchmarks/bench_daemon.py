@@ -7,6 +7,10 @@ subprocess on a real Unix socket, measured from the client side (what an editor 
               max_tokens 16), each awaited before the next keystroke. Reported: keystroke→first token and
               keystroke→done latency p50/p90, and the share of prompt tokens served from the prefix cache,
               cold (`--cache-mb 0`, a fresh prefill every keystroke) against warm (default cache).
+  lookahead   prompt-lookup decoding: the same typing session against two warm daemons, `--lookahead 0` and
+              `--lookahead K`, interleaved keystroke by keystroke (which one goes first alternates). Reported: tokens
+              and accepted drafts per decode step, keystroke→done/first token p50/p95 both ways, and whether every
+              completion was the same text (it must be). Acceptance needs a trained model: pass --bundle release.
   roundtrip   1-token Generate latency p50 on an open connection (and the daemon's own total_ms, so the
               difference is the socket + protocol overhead), and the wall time of `m31r status` as a user
               runs it (a new process: interpreter start, imports, connect, handshake).
@@ -21,6 +25,7 @@ measure a trained bundle instead.
 
     python benchmarks/bench_daemon.py --out bench-results/daemon.json      # medium shape
     python benchmarks/bench_daemon.py --shape tiny --quick                 # smoke test
+    python benchmarks/bench_daemon.py --bundle release --skip cold warm roundtrip throughput   # prompt lookup only
 """
 
 from __future__ import annotations
@@ -188,6 +193,10 @@ class Sample:
     server_first_ms: float | None
     prefill_ms: float
     source: str
+    text: str = ""
+    decode_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -208,7 +217,11 @@ class TypingResult:
             "mode": self.mode, "keystrokes": self.keystrokes,
             "first_keystroke_done_ms": self.samples[0].done_ms if self.samples else None,
             "first_token_ms_p50": pct(first, 50), "first_token_ms_p90": pct(first, 90),
-            "done_ms_p50": pct(done, 50), "done_ms_p90": pct(done, 90),
+            "first_token_ms_p95": pct(first, 95),
+            "done_ms_p50": pct(done, 50), "done_ms_p90": pct(done, 90), "done_ms_p95": pct(done, 95),
+            # the keystrokes the model answered (the rest were typed through, in microseconds)
+            "model_done_ms_p50": pct(ran := [s.done_ms for s in rest if s.source == "model"], 50),
+            "model_done_ms_p95": pct(ran, 95),
             "server_prefill_ms_p50": pct([s.prefill_ms for s in rest if s.source == "model"], 50),
             "prompt_tokens_mean": prompt / len(model) if model else 0,
             "cached_share": sum(s.cached_tokens for s in model) / prompt if prompt else 0.0,
@@ -216,7 +229,19 @@ class TypingResult:
                                          / max(1, sum(s.prompt_tokens for s in model[1:]))),
             "typed_through": len(self.samples) - len(model),
             "completion_tokens": sum(s.completion_tokens for s in self.samples),
+            **self.steps(),
         }
+
+    def steps(self) -> dict:
+        """Prompt-lookup decoding's figures over the session: completion tokens per decode step (1 without it),
+        and accepted drafts per step and per draft."""
+        steps = sum(s.decode_steps for s in self.samples)
+        drafts = sum(s.draft_tokens for s in self.samples)
+        accepted = sum(s.accepted_tokens for s in self.samples)
+        return {"decode_steps": steps, "draft_tokens": drafts, "accepted_tokens": accepted,
+                "tokens_per_step": (steps + accepted) / steps if steps else None,
+                "accepted_per_step": accepted / steps if steps else None,
+                "draft_acceptance": accepted / drafts if drafts else None}
 
 
 async def typing_session(sock: Path, mode: str, limit: int | None, max_tokens: int) -> TypingResult:
@@ -227,19 +252,44 @@ async def typing_session(sock: Path, mode: str, limit: int | None, max_tokens: i
     result = TypingResult(mode, len(strokes))
     async with await Client.connect(sock, client="bench", timeout=60) as c:
         for prefix in replay(before, strokes):
-            t0 = time.perf_counter()
-            stream = await c.fim(prefix, after, document=DOCUMENT, max_tokens=max_tokens)
-            first = None
-            async for _ in stream:
-                if first is None:
-                    first = (time.perf_counter() - t0) * 1000
-            done_ms = (time.perf_counter() - t0) * 1000
-            d = stream.done
-            assert d is not None
-            result.samples.append(Sample(first, done_ms, d.usage.prompt_tokens, d.usage.cached_tokens,
-                                         d.usage.completion_tokens, d.timings.first_token_ms,
-                                         d.timings.prefill_ms, d.source))
+            result.samples.append(await keystroke(c, prefix, after, max_tokens))
     return result
+
+
+async def keystroke(c, prefix: str, after: str, max_tokens: int) -> Sample:
+    """One keystroke's Fim, timed from the client."""
+    t0 = time.perf_counter()
+    stream = await c.fim(prefix, after, document=DOCUMENT, max_tokens=max_tokens)
+    first, text = None, []
+    async for tok in stream:
+        if first is None:
+            first = (time.perf_counter() - t0) * 1000
+        text.append(tok.text)
+    done_ms = (time.perf_counter() - t0) * 1000
+    d = stream.done
+    assert d is not None
+    u = d.usage
+    return Sample(first, done_ms, u.prompt_tokens, u.cached_tokens, u.completion_tokens, d.timings.first_token_ms,
+                  d.timings.prefill_ms, d.source, "".join(text), u.decode_steps, u.draft_tokens, u.accepted_tokens)
+
+
+async def lookahead_session(socks: dict[str, Path], limit: int | None, max_tokens: int) -> dict[str, TypingResult]:
+    """The typing session against each daemon in `socks` (name: socket), keystroke by keystroke in turn, the
+    order alternating, so that both see the same machine load; each daemon keeps its own warm cache."""
+    from m31r_protocol import Client
+
+    before, target, after = session_document()
+    strokes = keystrokes(target)[:limit]
+    results = {name: TypingResult(name, len(strokes)) for name in socks}
+    clients = {name: await Client.connect(sock, client="bench", timeout=60) for name, sock in socks.items()}
+    try:
+        for i, prefix in enumerate(replay(before, strokes)):
+            for name in list(socks)[:: 1 if i % 2 == 0 else -1]:
+                results[name].samples.append(await keystroke(clients[name], prefix, after, max_tokens))
+    finally:
+        for c in clients.values():
+            await c.close()
+    return results
 
 
 async def roundtrip(sock: Path, n: int) -> dict:
@@ -325,6 +375,15 @@ def print_tables(res: dict) -> None:
     m = res["meta"]
     print(f"\nm31rd daemon benchmark: shape {m['shape']} ({m['model']}), dtype {m['dtype']}, "
           f"threads {m['threads'] or 'default'}, tokenizer {Path(m['tokenizer']).name}, {m['cpus']} CPUs")
+    print_typing(res)
+    print_lookahead(res)
+    print_others(res)
+
+
+def print_typing(res: dict) -> None:
+    if not res["typing"]:
+        return
+    m = res["meta"]
     print(f"\ntyping session: one Fim per keystroke (max_tokens {m['fim_max_tokens']}, greedy), "
           "latency seen by the client")
     hdr = (f"{'mode':<6} {'keys':>4} {'1st key':>8} {'first p50':>10} {'first p90':>10} {'done p50':>9} "
@@ -340,6 +399,31 @@ def print_tables(res: dict) -> None:
           "percentiles are over the keystrokes after it. first = keystroke → first token, done = keystroke → "
           "Done, prefill and prompt tokens as the daemon reports them, cached = share of all prompt tokens "
           "served from the prefix cache, typed-thr = answered from the previous completion without the model)")
+
+
+def print_lookahead(res: dict) -> None:
+    if "lookahead" in res:
+        la = res["lookahead"]
+        print(f"\nprompt-lookup decoding: the typing session against --lookahead 0 and --lookahead {la['k']}, "
+              f"interleaved ({la['keystrokes']} keystrokes; same text every time: {la['same_text']})")
+        hdr = (f"{'lookahead':>9} {'done p50':>9} {'done p95':>9} {'model p50':>10} {'model p95':>10} "
+               f"{'first p50':>10} {'tokens/step':>11} {'accepted/step':>13} {'drafts kept':>11}")
+        print(hdr)
+        print("-" * len(hdr))
+        for name in ("off", "on"):
+            s = la[name]
+            kept = s["draft_acceptance"]
+            print(f"{0 if name == 'off' else la['k']:>9} {fmt(s['done_ms_p50']):>9} {fmt(s['done_ms_p95']):>9} "
+                  f"{fmt(s['model_done_ms_p50']):>10} {fmt(s['model_done_ms_p95']):>10} "
+                  f"{fmt(s['first_token_ms_p50']):>10} {fmt(s['tokens_per_step'], 2):>11} "
+                  f"{fmt(s['accepted_per_step'], 2):>13} {'-' if kept is None else f'{100 * kept:.0f}%':>11}")
+        print("(ms, keystroke → Done over the keystrokes after the first; model = only those the model answered, "
+              "the rest were typed through; first = keystroke → first token; tokens/step = completion tokens per "
+              "decode step; drafts kept = accepted drafts / drafts fed)")
+
+
+def print_others(res: dict) -> None:
+    m = res["meta"]
     if "roundtrip" in res:
         r = res["roundtrip"]
         print(f"\nround trip: 1-token Generate p50 {fmt(r['generate_1tok_ms_p50'], 2)} ms "
@@ -376,7 +460,10 @@ def main() -> None:
     ap.add_argument("--keystrokes", type=int, default=None, help="Limit the typing session to N keystrokes.")
     ap.add_argument("--cold-keystrokes", type=int, default=None,
                     help="Limit the cold run (a full prefill per keystroke) to N keystrokes.")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["cold", "warm", "roundtrip", "throughput"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["cold", "warm", "lookahead", "roundtrip", "throughput"])
+    ap.add_argument("--lookahead", type=int, default=3,
+                    help="The --lookahead compared with 0 in the prompt-lookup run (the daemon's default is 0).")
     ap.add_argument("--seconds", type=float, default=None, help="Throughput window per client count.")
     ap.add_argument("--out", type=Path, help="Write the results as JSON.")
     args = ap.parse_args()
@@ -445,6 +532,24 @@ def main() -> None:
                             res["throughput"].append(asyncio.run(throughput(sock, clients, seconds, gen_tokens)))
                 finally:
                     d.stop()
+            if "lookahead" not in args.skip:
+                names = {"off": 0, "on": args.lookahead}
+                daemons = {name: Daemon(bundle, tmpd / f"{name}.sock", log, [*daemon_args, "--lookahead", str(k)])
+                           for name, k in names.items()}
+                try:
+                    print(f"lookahead: --lookahead 0 against {args.lookahead}, typing {keys or 'all'} keystrokes",
+                          file=sys.stderr)
+                    runs = asyncio.run(lookahead_session({n: d.sock for n, d in daemons.items()}, keys,
+                                                         fim_tokens))
+                finally:
+                    for d in daemons.values():
+                        d.stop()
+                res["lookahead"] = {
+                    "k": args.lookahead, "keystrokes": runs["on"].keystrokes,
+                    "same_text": [s.text for s in runs["on"].samples] == [s.text for s in runs["off"].samples],
+                    **{name: r.summary() for name, r in runs.items()}}
+                res.setdefault("typing_samples", {}).update({f"lookahead-{n}": [asdict(s) for s in r.samples]
+                                                             for n, r in runs.items()})
         except BaseException:
             if log.exists():
                 print(log.read_text()[-3000:], file=sys.stderr)
@@ -455,6 +560,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2) + "\n")
         print(f"\nwrote {args.out}")
+    if not res.get("lookahead", {}).get("same_text", True):
+        sys.exit("prompt-lookup decoding changed a completion: greedy output must not depend on --lookahead")
 
 
 if __name__ == "__main__":

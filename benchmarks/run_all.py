@@ -29,6 +29,10 @@ SUITE = [
     # concurrency again with bf16 weights, whose batched matmuls cost little more than one row's (int8's do)
     ("daemon-bf16", "bench_daemon.py", ["--quant", "none", "--skip", "cold", "roundtrip", "--keystrokes", "3"]),
     ("lsp", "bench_lsp.py", []),  # keystroke → suggestion through the language server
+    # prompt-lookup decoding: the typing session on the release model (acceptance needs a trained model) against
+    # --lookahead 0 and the default, interleaved; the `daemon` run above measures it on the medium shape too
+    ("lookahead", "bench_daemon.py", ["--bundle", str(HERE.parent / "release"), "--skip", "cold", "warm",
+                                      "roundtrip", "throughput"]),
 ]
 
 
@@ -51,6 +55,10 @@ def daemon(part: str, key: str) -> Callable[[dict], float | None]:
 
 def typing(key: str) -> Callable[[dict], float | None]:
     return lambda r: next((t.get(key) for t in r.get("daemon", {}).get("typing", []) if t["mode"] == "warm"), None)
+
+
+def lookahead(key: str, which: str = "on", suite: str = "lookahead") -> Callable[[dict], float | None]:
+    return lambda r: r.get(suite, {}).get("lookahead", {}).get(which, {}).get(key)
 
 
 def clients(n: int, suite: str = "daemon") -> Callable[[dict], float | None]:
@@ -82,6 +90,13 @@ ROWS = [
     Row("peak RSS, int8 engine (MiB)", speed("int8", "peak_rss_mb"), "< 700", speed("hf-bf16", "peak_rss_mb")),
     Row("keystroke -> first token p50 (ms)", typing("first_token_ms_p50"), "<= 50"),
     Row("keystroke -> 16-token suggestion p50 (ms)", typing("done_ms_p50"), "<= 300", None, "644 (--spm-infill)"),
+    Row("  same, prompt lookup on (--lookahead 3)", lookahead("done_ms_p50", "on", "daemon"), "<= 300"),
+    Row("prompt lookup, release model: tokens/step", lookahead("tokens_per_step"), "> 1"),
+    Row("  accepted drafts per step", lookahead("accepted_per_step"), "> 0"),
+    Row("  suggestion p50, lookup on (ms)", lookahead("done_ms_p50"), "-"),
+    Row("  suggestion p50, lookup off (ms)", lookahead("done_ms_p50", "off"), "-"),
+    Row("  suggestion p95, lookup on (ms)", lookahead("done_ms_p95"), "-"),
+    Row("  suggestion p95, lookup off (ms)", lookahead("done_ms_p95", "off"), "-"),
     Row("daemon ready, int8 bundle (s)", daemon("meta", "warm_daemon_ready_s"), "< 1.5", None,
         "8-10 (cold 1st req)"),
     Row("`m31r status` wall p50 (ms)", daemon("roundtrip", "status_wall_ms_p50"), "< 50"),

@@ -28,7 +28,8 @@ import torch
 from m31r import native
 from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
-from m31r.model import KVCache, Transformer, rope_tables
+from m31r.lookup import Lookup
+from m31r.model import KVCache, Transformer, rope_tables, span_of
 from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
@@ -96,10 +97,18 @@ class Piece:
 class Decode:
     """What a batched generator asks its driver for: run `token` at the end of `cache`, send back the logits.
 
-    The scheduler collects these from all its streams and answers them with one `decode_rows` call."""
+    `drafts` (prompt-lookup decoding, m31r.lookup) are guesses of the tokens after `token`: they run in the same
+    forward pass as further rows on the same cache, at the positions after it, and the logits come back as one
+    row per token fed ([1 + len(drafts), vocab]; without drafts a single [vocab] row). The scheduler collects
+    these from all its streams and answers them with one `Engine.run` call."""
 
     cache: KVCache
     token: int
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[int]:
+        return [self.token, *self.drafts]
 
 
 @dataclass
@@ -126,6 +135,9 @@ class Outcome:
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
+    decode_steps: int = 0  # decode model calls (each one forward pass row group: a token and its drafts)
+    drafted: int = 0  # draft tokens fed to those calls (prompt-lookup decoding)
+    accepted: int = 0  # of which greedy decoding confirmed: tokens produced without a call of their own
 
 
 @dataclass
@@ -134,7 +146,7 @@ class Pass:
 
     decodes: list[Decode]
     chunks: list[int] = field(default_factory=list)
-    rows: int = 0
+    rows: int = 0  # decode rows (padded to a probed width) and chunk tokens
 
 
 def chunk_layout(n: int, chunk_size: int, max_chunk: int) -> list[int]:
@@ -383,8 +395,19 @@ class Engine:
         neighbours), longer chunks run by themselves."""
         out_d: list[torch.Tensor] = []
         out_c: list[torch.Tensor | None] = [None] * len(chunks)
-        passes = [Pass(group, rows=self._width(len(group)))
-                  for group in (decodes[i : i + self.decode_width] for i in range(0, len(decodes), self.decode_width))]
+        passes: list[Pass] = []
+        used = 0
+        for d in decodes:  # in order, up to decode_width rows a pass (a decode's drafts stay in its pass)
+            n = len(d.rows)
+            if n > self.decode_width:
+                raise ValueError(f"a decode of {n} rows (token and drafts) exceeds decode_width {self.decode_width}")
+            if not passes or used + n > self.decode_width:
+                passes.append(Pass([]))
+                used = 0
+            passes[-1].decodes.append(d)
+            used += n
+        for p in passes:
+            p.rows = self._width(sum(len(d.rows) for d in p.decodes))
         for i, c in enumerate(chunks):
             t = len(c.ids)
             if t > FUSE_CHUNK:
@@ -407,20 +430,27 @@ class Engine:
         return next(w for w in self.decode_widths if w >= n)
 
     def _run_pass(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        width = self._width(len(decodes)) if decodes else 0
-        ids = [d.token for d in decodes] + [0] * (width - len(decodes)) + [i for c in chunks for i in c.ids]
+        # A decode's token and drafts are rows on one cache at consecutive positions: each row writes its key/value
+        # before any row attends, and attends over positions up to its own, so row j sees exactly the context that
+        # j plain decode steps would have built, and (the probed property) gets the bits a plain step gets.
+        rows = [(d.cache, len(d.cache.tokens) + j, t) for d in decodes for j, t in enumerate(d.rows)]
+        width = self._width(len(rows)) if rows else 0
+        ids = [t for _, _, t in rows] + [0] * (width - len(rows)) + [i for c in chunks for i in c.ids]
         # Never fewer rows than the narrowest probed width: bf16 and fp32 matmuls round differently at one row.
         ids += [0] * (self.decode_widths[0] - len(ids))
-        caches = [d.cache for d in decodes]
         with torch.inference_mode():
-            decoded, ends = self.model.step(torch.tensor(ids, device=self.device), caches,
-                                            [len(c.tokens) for c in caches], width,
+            decoded, ends = self.model.step(torch.tensor(ids, device=self.device), [c for c, _, _ in rows],
+                                            [p for _, p, _ in rows], width,
                                             [(c.cache, c.start, len(c.ids)) for c in chunks])
+        out, o = [], 0
         for d in decodes:
-            d.cache.tokens.append(d.token)
+            n = len(d.rows)
+            d.cache.tokens.extend(d.rows)
+            out.append(decoded[o].float() if n == 1 else decoded[o : o + n].float())
+            o += n
         for c in chunks:
             self._ran(c)
-        return list(decoded.float()), [e.float() for e in ends]
+        return out, [e.float() for e in ends]
 
     def _run_long(self, c: Chunk) -> torch.Tensor | None:
         x = torch.tensor([c.ids], dtype=torch.long, device=self.device)
@@ -458,6 +488,15 @@ class Engine:
             self._heal_masks[owed] = allowed
         return logits.masked_fill(~allowed, float("-inf"))
 
+    def _drafts(self, lookup: Lookup, k: int, position: int, room: int) -> list[int]:
+        """Up to k drafts to feed after the token at `position`: at most `room` (the tokens still to pick after the
+        next one) and, where decode attention runs in eager torch, none past the SPAN block of `position`: a row attends
+        over its cache's whole capacity there, which a plain step keeps at exactly that block (KVCache.fit)."""
+        k = min(k, room)
+        if self.model.native is None:
+            k = min(k, span_of(position + 1) - position - 1)
+        return lookup.drafts(k) if k > 0 else []
+
     def fit_prompt(self, ids: list[int], max_tokens: int, truncate: bool = False) -> list[int]:
         """The prompt ids that leave room for `max_tokens` in the context: `ids` themselves, or with `truncate` their
         end. The caller fits a prompt once, before `generate`, which refuses one that does not fit rather than
@@ -481,6 +520,7 @@ class Engine:
         batched: bool = False,
         heal: str = "",
         deadline: float | None = None,
+        lookahead: int = 0,
     ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
@@ -497,6 +537,12 @@ class Engine:
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
         logits: a scheduler's round boundaries, where it checks for cancellation.
+
+        `lookahead` (greedy decoding without a repetition penalty only; elsewhere ignored) is prompt-lookup decoding:
+        each decode step also feeds up to this many draft tokens copied from the context (m31r.lookup), and every
+        draft that equals what greedy decoding picks yields its successor without a call of its own. The output is
+        the one lookahead 0 gives, bit for bit (see _run_pass); tokens are still emitted, and stop sequences,
+        max_tokens and the deadline still checked, one at a time.
         """
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -544,51 +590,75 @@ class Engine:
         owed, skip = heal.encode(), len(heal)  # healed bytes still to write; healed characters to hold back
         # Healed text ending in whitespace, written exactly: the next token must not add to that whitespace.
         after_space = False
-        for i in range(max_tokens):
-            hist = torch.tensor(history, device=self.device) if need_history else None
-            if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
-                logits = logits.index_fill(0, self.unused_ids, float("-inf"))
-            if owed or after_space:
-                logits = self._healing(logits, owed)
-            tok = sampler(logits, hist)
-            if tok in self.stop_ids:
-                res.finish_reason = "stop"
-                break
-            after_space = False
-            if owed:
-                written = self.tokenizer.token_bytes[tok] or b""
-                if owed.startswith(written):
-                    after_space = written == owed and owed[-1:] in (b" ", b"\t")
-                    owed = owed[len(written):]
-                else:
-                    owed = b""
-            res.tokens.append(tok)
-            res.completion_tokens += 1
-            if need_history:
-                history.append(tok)
-            piece = stream.step(tok)
-            if skip:
-                n = min(skip, len(piece))
-                piece, skip = piece[n:], skip - n
-            piece, hit = stops.feed(piece)
-            if not hit and "\n" in piece and late():  # past the deadline, a line end is where the text ends
-                piece, hit = piece[: piece.index("\n")], True
-                res.finish_reason = "deadline"
-                if not piece:
-                    break
-            res.text += piece
-            if res.first_token_ms is None:
-                res.first_token_ms = (time.perf_counter() - t0) * 1000
-            yield Piece(tok, piece)
-            if hit:
-                if res.finish_reason != "deadline":
+        lookahead = min(lookahead, self.decode_width - 1) if sampler.params.greedy and not need_history else 0
+        lookup = Lookup(ids) if lookahead > 0 else None
+        ahead: list[tuple[int, torch.Tensor]] = []  # drafts fed after the last token, each with the logits after it
+        valid = len(ids)  # cache positions that hold this sequence; drafts past them were not accepted
+        try:
+            for i in range(max_tokens):
+                hist = torch.tensor(history, device=self.device) if need_history else None
+                if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
+                    logits = logits.index_fill(0, self.unused_ids, float("-inf"))
+                if owed or after_space:
+                    logits = self._healing(logits, owed)
+                tok = sampler(logits, hist)
+                if tok in self.stop_ids:
                     res.finish_reason = "stop"
-                break
-            if i + 1 < max_tokens:
-                if late():
-                    res.finish_reason = "deadline"
                     break
-                logits = (yield Decode(cache, tok)) if batched else self.decode_step(cache, tok)
+                after_space = False
+                if owed:
+                    written = self.tokenizer.token_bytes[tok] or b""
+                    if owed.startswith(written):
+                        after_space = written == owed and owed[-1:] in (b" ", b"\t")
+                        owed = owed[len(written):]
+                    else:
+                        owed = b""
+                res.tokens.append(tok)
+                res.completion_tokens += 1
+                if need_history:
+                    history.append(tok)
+                piece = stream.step(tok)
+                if skip:
+                    n = min(skip, len(piece))
+                    piece, skip = piece[n:], skip - n
+                piece, hit = stops.feed(piece)
+                if not hit and "\n" in piece and late():  # past the deadline, a line end is where the text ends
+                    piece, hit = piece[: piece.index("\n")], True
+                    res.finish_reason = "deadline"
+                    if not piece:
+                        break
+                res.text += piece
+                if res.first_token_ms is None:
+                    res.first_token_ms = (time.perf_counter() - t0) * 1000
+                yield Piece(tok, piece)
+                if hit:
+                    if res.finish_reason != "deadline":
+                        res.finish_reason = "stop"
+                    break
+                if i + 1 < max_tokens:
+                    if late():
+                        res.finish_reason = "deadline"
+                        break
+                    if lookup is not None:
+                        lookup.append(tok)
+                    if ahead and ahead[0][0] == tok:  # a confirmed draft: its successor's logits are computed
+                        logits = ahead.pop(0)[1]
+                        valid += 1
+                        res.accepted += 1
+                        continue
+                    ahead = []
+                    del cache.tokens[valid:]  # rejected drafts: their positions are written again from here
+                    drafts: list[int] = []
+                    if lookup is not None and not (owed or after_space):  # no drafts while healing masks apply
+                        drafts = self._drafts(lookup, lookahead, valid, max_tokens - i - 2)
+                    call = Decode(cache, tok, drafts)
+                    out = (yield call) if batched else self.run([call], [])[0][0]
+                    valid += 1
+                    res.decode_steps += 1
+                    res.drafted += len(drafts)
+                    logits, ahead = (out[0], list(zip(drafts, out[1:], strict=True))) if drafts else (out, [])
+        finally:
+            del cache.tokens[valid:]
         if not hit and (tail := stops.flush()):
             res.text += tail
             yield Piece(None, tail)

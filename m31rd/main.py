@@ -16,6 +16,9 @@ from pathlib import Path
 from m31r_protocol.logs import log_json
 
 log = logging.getLogger("m31rd")
+# Prompt-lookup drafts per decode step by default: off, because it is not never slower (README "Prompt-lookup
+# decoding": faster at the typing session's p50, but a keystroke whose completion repeats nothing pays the wider step).
+LOOKAHEAD = 0
 
 
 def setup_logging(level: str) -> None:
@@ -43,6 +46,7 @@ class DaemonOptions:
     max_active: int = 8
     chunk_size: int = 8
     decode_width: int = 8
+    lookahead: int = LOOKAHEAD
     quant: str | None = "auto"  # auto | int8 | int4 | none (see m31r.engine.auto_precision)
     grace_s: float = 5.0
     log_level: str = "info"
@@ -100,7 +104,8 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
 
     daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
                     max_active=opts.max_active, grace_s=opts.grace_s, max_per_connection=opts.max_per_connection,
-                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None)
+                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None,
+                    lookahead=opts.lookahead)
     if sock is None:
         try:
             with start_up.held():

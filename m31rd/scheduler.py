@@ -7,7 +7,8 @@ a deadline and a `Cancellation` handle; what comes back, through the callback th
 `serve()` on its torch thread; tests and benchmarks drive the same scheduler in-process (`drain()`, `run_together`).
 
 It works in rounds: each running request advances to its next model call (a prefill chunk or a decode step), then
-the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes. A short
+the engine runs every collected call (Engine.run), decode rows and short chunks in shared forward passes (a decode
+step with prompt-lookup drafts takes a row per draft). A short
 request is never stuck behind a long prefill, concurrent streams share the cost of reading the weights, and every
 round boundary is a point where cancellation and deadlines take effect: the engine makes no model call for a
 request past its deadline (Engine.generate), and a queued request past it is answered without starting. The engine
@@ -69,6 +70,7 @@ class Request:
     heal: str = ""  # token healing: text the prompt left out, written again first (m31r.fim)
     document: str = ""  # the prefix-cache slot it prefers on a tie (prefix_cache)
     deadline: float | None = None  # a time.perf_counter() value: the hard limit (Engine.generate)
+    lookahead: int = 0  # prompt-lookup drafts per decode step (Engine.generate; greedy only, same output)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
     cancellation: Cancellation = field(default_factory=Cancellation)
 
@@ -86,6 +88,9 @@ class Finished:
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
+    decode_steps: int = 0  # prompt-lookup decoding's figures (Outcome)
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,7 @@ class Scheduler:
         run.outcome = Outcome(prompt_tokens=len(req.ids))
         run.gen = self.engine.generate(
             req.ids, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop, cache=slot.cache,
-            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline)
+            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline, lookahead=req.lookahead)
         return True
 
     def _end(self, run: _Run, event: Finished | Failed, reusable: bool = True) -> bool:
@@ -258,7 +263,8 @@ class Scheduler:
         return Finished(
             o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
-            total_ms=(time.perf_counter() - received) * 1000)
+            total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
+            accepted=o.accepted)
 
     def _advance(self, run: _Run) -> bool:
         """Advance a running request to its next model call (collected for this round), emitting the tokens produced

@@ -221,8 +221,9 @@ def _salvage_id(body: bytes) -> int | None:
 class Daemon:
     def __init__(self, engine: Engine, torch_thread: TorchThread, *, cache_mb: float, max_queue: int = 32,
                  max_active: int = 4, grace_s: float = 5.0, max_per_connection: int = 16,
-                 max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0):
-        """`torch_thread` must be the thread that built `engine`: the scheduler serves from it."""
+                 max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0, lookahead: int = 0):
+        """`torch_thread` must be the thread that built `engine`: the scheduler serves from it. `lookahead`: the
+        prompt-lookup drafts per decode step of a request that does not choose (Engine.generate)."""
         self.engine, self.torch_thread = engine, torch_thread
         self.cache = PrefixCache(engine, cache_mb)
         self.max_queue, self.grace_s = max_queue, grace_s
@@ -235,6 +236,7 @@ class Daemon:
         self.preparing: set[asyncio.Task] = set()
         self.enc, self.dec = m.encoder(), m.client_decoder()
         self.max_active = max_active
+        self.lookahead = lookahead
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
         self.scheduler = Scheduler(engine, self.cache, max_active)
         self.scheduler_done: concurrent.futures.Future[None] | None = None
@@ -286,6 +288,8 @@ class Daemon:
             return refuse("bad_request", str(e))
         if req.deadline_ms is not None and req.deadline_ms < 0:
             return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
+        if req.lookahead is not None and req.lookahead < 0:
+            return refuse("bad_request", f"lookahead must be >= 0, got {req.lookahead}")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
             what = "the prompt has" if isinstance(req, m.Generate) else "prefix and suffix have"
             return refuse("bad_request", f"{what} {chars} characters; this daemon takes at most "
@@ -331,8 +335,10 @@ class Daemon:
                                 True)
         if job.cancellation.reason is not None:  # cancelled, superseded or its client left while it was tokenised
             return self._answer(job, m.Error(id=job.rid, code="cancelled", message=job.cancellation.reason), True)
+        lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         request = Request(ids, max_tokens, job.sampling, stop=job.wire.stop, heal=heal, document=job.document,
-                          deadline=job.deadline, received=job.received, cancellation=job.cancellation)
+                          deadline=job.deadline, lookahead=lookahead, received=job.received,
+                          cancellation=job.cancellation)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
     def _deliver(self, job: InFlight, event: Event) -> None:
@@ -343,7 +349,8 @@ class Daemon:
             self._answer(job, m.Done(
                 id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
                 usage=m.Usage(prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
-                              completion_tokens=e.completion_tokens),
+                              completion_tokens=e.completion_tokens, decode_steps=e.decode_steps,
+                              draft_tokens=e.drafted, accepted_tokens=e.accepted),
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
                                   first_token_ms=first, total_ms=round(e.total_ms, 2))), True)
         elif isinstance(event, Failed):

@@ -55,6 +55,7 @@ class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults
     seed: int | None = None
     truncate: bool = False  # keep the prompt's end instead of failing with context_overflow
     deadline_ms: int | None = None  # a hard limit on queue + prefill + generation (see Fim)
+    lookahead: int | None = None  # prompt-lookup drafts per decode step (see Fim)
 
 
 class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
@@ -70,6 +71,10 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # spent, the answer ends within one scheduler round with what was produced so far (finish_reason "deadline"),
     # cut at a line end if the token that ended it holds one.
     deadline_ms: int | None = None
+    # Prompt-lookup decoding: up to this many draft tokens, copied from the prompt, verified per decode step. Greedy
+    # output is the same with any value (it changes only how fast it comes); 0 turns it off; None: the daemon's
+    # --lookahead. Sampling ignores it. Values past the daemon's decode width are clamped to it.
+    lookahead: int | None = None
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):
@@ -109,6 +114,9 @@ class Usage(Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    decode_steps: int = 0  # decode forward passes the request took part in
+    draft_tokens: int = 0  # prompt-lookup drafts fed to them
+    accepted_tokens: int = 0  # drafts greedy decoding confirmed: completion tokens without a step of their own
 
 
 class Timings(Struct):
@@ -162,7 +170,8 @@ class ShutdownReply(Struct, tag="shutdown_reply"):
 
 ServerMessage = Welcome | Token | Done | Error | StatusReply | ShutdownReply
 
-CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline"]
+CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline",
+                "lookahead"]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -80,7 +80,7 @@ def daemons(tiny_bundle, tmp_path_factory):
     stale.close()
     assert stat.S_ISSOCK(life.lstat().st_mode)
     specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1",
-                                                "--read-timeout", "1"),
+                                                "--read-timeout", "1", "--lookahead", "3"),
              "life": (life, "--dtype", "auto", "--quant", "auto")}  # the daemon's own precision defaults
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(launch, tiny_bundle.path, *spec) for name, spec in specs.items()}
@@ -104,7 +104,8 @@ def warm(daemons) -> Daemon:
 
 @pytest.fixture(scope="module")
 def cold(daemons) -> Daemon:
-    """No prefix cache (the reference for cache determinism) and a queue of two (for `busy`)."""
+    """No prefix cache (the reference for cache determinism), a queue of two (for `busy`), prompt-lookup drafts on
+    (--lookahead 3: what it streams must not change)."""
     return daemons["cold"]
 
 
@@ -238,6 +239,36 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             out = await run(await c.fim(prefix, suffix, max_tokens=n))
             ref = fim_reference(tiny_engine, prefix, suffix, n)
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
+
+
+async def test_lookahead_streams_the_same_text(warm, cold, tiny_engine):
+    """Prompt-lookup decoding over the socket: with drafts (a daemon's --lookahead, and asked for) a request streams
+    what it streams without them (lookahead 0) and what the engine streams, in fewer decode steps."""
+    long_fim = ("fn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n" * 4 + "fn sub(a: i32, b: i32) -> i32 {\n", "\n}\n")
+    accepted = 0
+    async with await Client.connect(warm.socket) as c:
+        for prefix, suffix in [*FIM_CASES, long_fim]:
+            ref = fim_reference(tiny_engine, prefix, suffix, 40)
+            off = await run(await c.fim(prefix, suffix, max_tokens=40, lookahead=0))
+            assert off.pieces == ref.pieces and off.done.usage.draft_tokens == 0
+            for k in (None, 2, 7, 50):  # None: the daemon's default (off); past the decode width: clamped
+                on = await run(await c.fim(prefix, suffix, max_tokens=40, lookahead=k))
+                assert on.pieces == ref.pieces and on.finish_reason == ref.finish_reason, (prefix, k)
+                u = on.done.usage
+                assert u.decode_steps + u.accepted_tokens == max(0, u.completion_tokens - 1)
+                assert u.accepted_tokens <= u.draft_tokens
+                accepted += u.accepted_tokens
+        for prompt in GEN_PROMPTS:
+            on = await run(await c.generate(prompt, max_tokens=30, lookahead=4))
+            assert on.pieces == reference(tiny_engine, prompt, 30).pieces
+    assert accepted > 0
+    drafted = 0
+    async with await Client.connect(cold.socket) as c:  # --lookahead 3: requests that do not choose get drafts
+        for prefix, suffix in [*FIM_CASES, long_fim]:
+            on = await run(await c.fim(prefix, suffix, max_tokens=40))
+            assert on.pieces == fim_reference(tiny_engine, prefix, suffix, 40).pieces
+            drafted += on.done.usage.draft_tokens
+    assert drafted > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -455,6 +486,7 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         13: {"type": "generate", "id": 13, "prompt": "fn", "max_tokens": "ten"},
         14: {"type": "fim", "id": 14, "prefix": "x", "deadline_ms": -5},
         22: {"type": "generate", "id": 22, "prompt": "fn", "deadline_ms": -1},
+        23: {"type": "fim", "id": 23, "prefix": "x", "lookahead": -1},
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
         17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},
