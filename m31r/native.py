@@ -250,7 +250,8 @@ class Kernels:
         self.dtype = self.family.dtype
         self._int4 = None
         self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
-        self._checked: tuple[bool, str] | None = None
+        self._checked: dict[str, tuple[bool, str]] = {}
+        self.int8_mode = "q16"  # the avx2 int8 matmul int8_mm runs by default (benchmarks switch it; see INT8_MODES)
         if self.name == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
                                _F32, _P)
@@ -275,14 +276,16 @@ class Kernels:
     def int8_kernel(self) -> str:
         """The int8 matmul engines run, in words (the warm-up log's `int8_kernel`)."""
         if self.name == "avx2":
-            return "avx2 q16: int16 activations per block of 32, vpmaddwd on int8 codes widened to int16"
+            return {"q16": "avx2 q16: int16 activations per block of 32, vpmaddwd on int8 codes widened to int16",
+                    "q8": "avx2 q8: int8 activations per block of 32, vpmaddubsw on int8 codes",
+                    "f32": "avx2 f32: int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
         return "avx512 bf16: vdpbf16ps on int8 codes widened to bf16"
 
     def describe(self) -> str:
         """What runs, for the warm-up log and `m31r doctor`."""
         parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
         if self.int8_dtype is not None:
-            parts.append("int8 matmul" + (" (q16 activations)" if self.name == "avx2" else ""))
+            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self.name == "avx2" else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
         return f"{self.name}: " + ", ".join(parts)
@@ -304,12 +307,13 @@ class Kernels:
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
-    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, mode: str = "q16") -> Tensor:
+    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, mode: str | None = None) -> Tensor:
         """x [M, K] (int8_dtype) times int8 codes [N, K] (one bf16 scale per output): [M, N] in x's dtype.
 
-        avx512: bf16 dot products (`mode` does not apply). avx2: `mode` q16 (what the engine runs: int16
-        activations per block of 32, integer dot products), q8 (int8 activations, ~258x coarser, for comparison)
-        or f32 (every code widened to fp32, one FMA per weight and row, for comparison)."""
+        avx512: bf16 dot products (`mode` does not apply). avx2: `mode` (default `int8_mode`) q16 (int16
+        activations per block of 32, integer dot products: what engines run), q8 (int8 activations, ~258x coarser,
+        for comparison) or f32 (every code widened to fp32, one FMA per weight and row, for comparison)."""
+        mode = mode or self.int8_mode
         m, k = x.shape
         n = codes.shape[0]
         assert x.dtype == self.int8_dtype and x.is_contiguous() and codes.shape[1] == k and scales.shape == (n,)
@@ -324,15 +328,16 @@ class Kernels:
         return y
 
     def int8_check(self) -> tuple[bool, str]:
-        """The start-up self-check of the int8 matmul (run once per loaded library, ~1 ms): (passed, what it found).
+        """The start-up self-check of the int8 matmul (`int8_mode`'s; run once per library and mode, ~1 ms):
+        (passed, what it found).
 
         A fixed random product (8 rows of uneven magnitudes, K=512, N=64) against the float64 product of the same
         activations and dequantized weights must stay within the error the family's activation rounding allows per
         element (`int8_error_bound`), and each row must get the same bits alone as in the batch. A miscompiled or
         misdetected kernel, or the coarse q8 activations, fail it; `--quant auto` then keeps float weights."""
-        if self._checked is None:
-            self._checked = self._int8_check()
-        return self._checked
+        if self.int8_mode not in self._checked:
+            self._checked[self.int8_mode] = self._int8_check()
+        return self._checked[self.int8_mode]
 
     def _int8_check(self) -> tuple[bool, str]:
         from m31r.quant import dequantize_int8, quantize_int8
@@ -350,7 +355,7 @@ class Kernels:
             return False, f"int8 self-check could not run: {e}"
         w = dequantize_int8(codes, scales).double()
         err = (y.double() - x.double() @ w.T).abs()
-        bound = int8_error_bound(self.name, x, w)
+        bound = int8_error_bound(self.name, x, w)  # q16's step: the q8 kernel fails it
         worst = (err / bound).max().item()
         if not torch.equal(alone, y):
             return False, "int8 self-check failed: a row got other bits alone than batched"
