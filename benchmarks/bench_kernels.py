@@ -13,7 +13,8 @@ attention, and the rest (norms, RoPE, the residual adds, Python between ops), fr
 
 `--matmuls` times only the AVX2 family's int8 matmuls instead, kernel against kernel: the four weight matrices of
 one layer of the shape (wqkv, wo, w13, w2; random int8 codes) at 1, 2, 4 and 8 rows, for each of its activation
-modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call; ms per layer, the median of all calls.
+modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call; ms per layer, the median of all calls and
+(in parentheses) their 10th percentile, which a shared machine's stalls disturb less.
 
     python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
     M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --config configs/model/mini.yaml --threads 1 --matmuls
@@ -158,12 +159,13 @@ def matmuls(config, threads: int, reps: int, modes: list[str]) -> None:
     print(f"{config.name}: int8 matmuls of one layer ({' + '.join(f'{n}x{k}' for n, k in shapes)}), {threads} "
           f"threads, ms per layer (median of {reps} reps x 50 layer calls), load avg {os.getloadavg()[0]:.1f}")
     print(f"CPU: {describe()}; kernels: {kernels.describe()} ({native.why_not(torch.float32)})")
-    print(f"{'rows':>4}" + "".join(f"{mode + ' ms':>10}" for mode in modes)
-          + ("   q16 / q8" if {"q8", "q16"} <= set(modes) else ""))
+    print(f"{'rows':>4}" + "".join(f"{mode + ' ms (p10)':>18}" for mode in modes)
+          + ("   q16 / q8 (p10)" if {"q8", "q16"} <= set(modes) else ""))
     for m in rows:
         med = {mode: statistics.median(times[(m, mode)]) for mode in modes}
-        ratio = f"   {med['q16'] / med['q8']:.2f}" if {"q8", "q16"} <= set(modes) else ""
-        print(f"{m:>4}" + "".join(f"{med[mode]:>10.3f}" for mode in modes) + ratio)
+        p10 = {mode: statistics.quantiles(times[(m, mode)], n=10)[0] for mode in modes}
+        ratio = f"   {med['q16'] / med['q8']:.2f} ({p10['q16'] / p10['q8']:.2f})" if {"q8", "q16"} <= set(modes) else ""
+        print(f"{m:>4}" + "".join(f"{med[mode]:>10.3f} ({p10[mode]:.3f})" for mode in modes) + ratio)
 
 
 def main() -> None:
