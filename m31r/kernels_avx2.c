@@ -5,12 +5,14 @@
  * decode attention (m31r_attend_decode_f32): one query per (row, head) over that row's own fp32 KV cache, for any
  * number of rows in one call, as kernels.c does in bf16.
  *
- * weight-only int8 and int4 matmuls of fp32 activations (m31r_q8_quantize, m31r_int8_mm_q8, m31r_int4_mm_q8): each
- * activation row is quantized to int8 in blocks of 32 values with one fp32 scale per block (llama.cpp's q8_0, with
- * an fp32 scale), then multiplied with the weight codes in integer arithmetic (vpmaddubsw + vpmaddwd: 32 products
- * per two instructions, exact in int32), each block's integer sum scaled by its activation scale in fp32, and the
- * channel's (int8) or group's (int4) weight scale applied to the sum. The fp32 alternative, widening each code to
- * fp32 and one fused multiply-add per weight and row, is m31r_int8_mm_f32 (kept for comparison: see README "Speed").
+ * weight-only int8 and int4 matmuls of fp32 activations. int8 (m31r_int8_mm_q16, what engines run): each activation
+ * row is quantized to int16 in blocks of 32 values with one fp32 scale per block (q16), multiplied with the codes
+ * sign-extended to int16 (vpmaddwd, exact in int32), each block's sum scaled by its activation scale in fp32 and the
+ * channel's weight scale applied to the sum. int4 (m31r_int4_mm_q8) and the older int8 m31r_int8_mm_q8: activations
+ * quantized to int8 per block of 32 (llama.cpp's q8_0, with an fp32 scale) and vpmaddubsw + vpmaddwd (32 products per
+ * two instructions); for int8, q8's ~258x coarser rounding changed greedy output (README "Speed"), so it stays for
+ * comparison only. The fp32 alternative, widening each code to fp32 and one fused multiply-add per weight and row,
+ * is m31r_int8_mm_f32 (kept for comparison too).
  *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
