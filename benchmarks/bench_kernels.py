@@ -13,8 +13,8 @@ attention, and the rest (norms, RoPE, the residual adds, Python between ops), fr
 
 `--matmuls` times only the AVX2 family's int8 matmuls instead, kernel against kernel: the four weight matrices of
 one layer of the shape (wqkv, wo, w13, w2; random int8 codes) at 1, 2, 4 and 8 rows, for each of its activation
-modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call; ms per layer, the median of all calls and
-(in parentheses) their 10th percentile, which a shared machine's stalls disturb less.
+modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call in a rotating order; ms per layer, the median
+of all calls and (in parentheses) their 10th percentile, which a shared machine's stalls disturb less.
 
     python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
     M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --config configs/model/mini.yaml --threads 1 --matmuls
@@ -148,9 +148,9 @@ def matmuls(config, threads: int, reps: int, modes: list[str]) -> None:
     xs = {m: [torch.randn(m, k, generator=gen) for _, k in shapes] for m in rows}
     times: dict[tuple[int, str], list[float]] = {(m, mode): [] for m in rows for mode in modes}
     for rep in range(reps + 1):  # modes alternate call by call: a busy moment hits them alike
-        for _ in range(50):
+        for i in range(50):
             for m in rows:
-                for mode in modes:
+                for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # each mode first as often
                     t0 = time.perf_counter()
                     for (codes, scales), x in zip(weights, xs[m], strict=True):
                         kernels.int8_mm(x, codes, scales, mode=mode)
