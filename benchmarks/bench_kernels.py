@@ -11,7 +11,13 @@ Reported: the median over repetitions of each run's median ms/token, with the sp
 `--profile` then times one decode step of each pair by part: the matmuls of the layers, the LM head, decode
 attention, and the rest (norms, RoPE, the residual adds, Python between ops), from forward hooks and wrappers.
 
+`--matmuls` times only the AVX2 family's int8 matmuls instead, kernel against kernel: the four weight matrices of
+one layer of the shape (wqkv, wo, w13, w2; random int8 codes) at 1, 2, 4 and 8 rows, for each of its activation
+modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call in a rotating order; ms per layer, the median
+of all calls and (in parentheses) their 10th percentile, which a shared machine's stalls disturb less.
+
     python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
+    M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --config configs/model/mini.yaml --threads 1 --matmuls
 """
 
 from __future__ import annotations
@@ -121,6 +127,47 @@ def profile(engine, prompt: list[int], steps: int) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+def matmuls(config, threads: int, reps: int, modes: list[str]) -> None:
+    """ms per layer of the AVX2 int8 matmul in each activation mode (see the module docstring)."""
+    import torch
+
+    from m31r import native
+    from m31r.cpu import describe
+    from m31r.quant import quantize_int8
+
+    kernels = native.load(torch.float32)
+    if kernels is None or kernels.name != "avx2":
+        raise SystemExit(f"the avx2 kernels do not run here ({native.why_not(torch.float32)}); try M31R_KERNELS=avx2")
+    torch.set_num_threads(threads)
+    d, hd = config.d_model, config.head_dim
+    shapes = [((config.n_heads + 2 * config.kv_heads) * hd, d), (d, config.n_heads * hd), (2 * config.ffn_hidden, d),
+              (d, config.ffn_hidden)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [quantize_int8(torch.randn(n, k, generator=gen) * 0.05) for n, k in shapes]
+    rows = (1, 2, 4, 8)
+    xs = {m: [torch.randn(m, k, generator=gen) for _, k in shapes] for m in rows}
+    times: dict[tuple[int, str], list[float]] = {(m, mode): [] for m in rows for mode in modes}
+    for rep in range(reps + 1):  # modes alternate call by call: a busy moment hits them alike
+        for i in range(50):
+            for m in rows:
+                for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # each mode first as often
+                    t0 = time.perf_counter()
+                    for (codes, scales), x in zip(weights, xs[m], strict=True):
+                        kernels.int8_mm(x, codes, scales, mode=mode)
+                    if rep:  # the first repetition warms up and is dropped
+                        times[(m, mode)].append((time.perf_counter() - t0) * 1000)
+    print(f"{config.name}: int8 matmuls of one layer ({' + '.join(f'{n}x{k}' for n, k in shapes)}), {threads} "
+          f"threads, ms per layer (median of {reps} reps x 50 layer calls), load avg {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {describe()}; kernels: {kernels.describe()} ({native.why_not(torch.float32)})")
+    print(f"{'rows':>4}" + "".join(f"{mode + ' ms (p10)':>18}" for mode in modes)
+          + ("   q16 / q8 (p10)" if {"q8", "q16"} <= set(modes) else ""))
+    for m in rows:
+        med = {mode: statistics.median(times[(m, mode)]) for mode in modes}
+        p10 = {mode: statistics.quantiles(times[(m, mode)], n=10)[0] for mode in modes}
+        ratio = f"   {med['q16'] / med['q8']:.2f} ({p10['q16'] / p10['q8']:.2f})" if {"q8", "q16"} <= set(modes) else ""
+        print(f"{m:>4}" + "".join(f"{med[mode]:>10.3f} ({p10[mode]:.3f})" for mode in modes) + ratio)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "model" / "medium.yaml")
@@ -131,6 +178,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per run (default 64)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="time one decode step by part, per pair")
+    ap.add_argument("--matmuls", action="store_true",
+                    help="time the AVX2 int8 matmuls of one layer per activation mode instead (q8, q16, f32)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -146,6 +195,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
+    if args.matmuls:
+        return matmuls(config, args.threads, args.reps, list(native.INT8_MODES))
     names = [n for n in args.precisions.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="m31r-kernels-") as tmp:
         work = args.workdir or Path(tmp)

@@ -116,7 +116,12 @@ def check_bf16(ctx: Context) -> Check:
     if fast_bf16(torch.device("cpu")):
         return Check("bf16", "ok", "native (AVX512-BF16 or AMX): the daemon serves bf16 activations with int8 weights "
                                    "by default")
-    return Check("bf16", "warn", "emulated by torch on this CPU (slower than fp32): the daemon serves fp32 by default")
+    from m31r.precision import resolve
+
+    p = resolve(torch.device("cpu"), "float32", "auto", None)  # builds or finds the kernels check_kernels loaded
+    weights = "int8 weights (the AVX2 kernel's q16 activations)" if p.quant == "int8" else "float weights"
+    return Check("bf16", "warn", f"emulated by torch on this CPU (slower than fp32): the daemon serves fp32 "
+                                 f"activations with {weights} by default")
 
 
 # -- the model bundle ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from m31r.bundle import Bundle, load_weights, open_bundle
 from m31r.checksums import verify_in_background
 from m31r.lookup import Lookup
 from m31r.model import KVCache, Transformer, rope_tables, span_of
+from m31r.precision import auto_precision, fast_bf16, resolve  # noqa: F401  (the first two: re-exported)
 from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
@@ -39,36 +40,6 @@ FUSE_CHUNK = 32  # prefill chunks of up to this many tokens share forward passes
 FUSE_ROWS = 48  # the rows of such a shared pass; below 64, where the int8/int4 layers switch kernels (quant)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run natively here: CUDA, or a CPU with AVX512-BF16 / AMX (elsewhere torch emulates
-    bf16 on the CPU, slower than fp32)."""
-    if device.type == "cuda":
-        return True
-    cpu = torch.cpu
-    probes = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
-    return any(p is not None and p() for p in probes)
-
-
-def auto_precision(device: torch.device, dtype: str, quant: str | None, stored: str | None) -> tuple[str, str | None]:
-    """Resolve "auto" for the activation dtype and the weight quantization (the daemon's defaults).
-
-    auto dtype: bf16 where it is native (fast_bf16), else fp32. auto quant: a quantized bundle as stored; else
-    int8 weights on a CPU with native bf16: decode reads half the bytes of bf16 at the same accuracy (validation
-    perplexity of the release model: fp32 44.711, int8 44.710, bf16 44.718), and its kernels give every row the
-    same bits at any batch width. torch's int8/int4 kernels need bf16 activations to be fast, and run on the CPU
-    only. Where bf16 is emulated: fp32 activations and weights. The AVX2 kernels' q8 int8 path (`--quant int8`)
-    decodes ~1.9x faster on the medium shape, but its greedy agreement with fp32 measured 87.5% on the release model
-    (benchmarks/eval_precision.py, 80 FIM tasks), below the 98% bar, so auto does not pick it.
-    """
-    if dtype == "auto":
-        dtype = "bfloat16" if fast_bf16(device) else "float32"
-    if quant == "none":
-        quant = None
-    if quant == "auto":
-        quant = stored or ("int8" if device.type == "cpu" and DTYPES.get(dtype) == torch.bfloat16 else None)
-    return dtype, quant
 
 
 class ContextOverflowError(ValueError):
@@ -185,7 +156,7 @@ class Engine:
     ):
         """`quant` (int8 | int4) quantizes a float bundle's weights at load; a quantized bundle is loaded as it
         was stored (`quant`, if given, must name its method). `dtype` is the precision of everything else:
-        activations, norms, attention and the KV cache. Either may be "auto" (see auto_precision). `verified`
+        activations, norms, attention and the KV cache. Either may be "auto" (see m31r.precision). `verified`
         is a checksum verification of `bundle` the caller started already (checksums.verify_in_background)."""
         if threads:
             torch.set_num_threads(threads)
@@ -216,7 +187,8 @@ class Engine:
         self.bundle = bundle
         self.config = bundle.config
         stored = bundle.quantization or {}
-        dtype, quant = auto_precision(self.device, dtype, quant, stored.get("method"))
+        precision = resolve(self.device, dtype, quant, stored.get("method"))
+        dtype, quant, self.precision_why = precision.dtype, precision.quant, precision.why
         self.dtype = DTYPES[dtype]
         if stored and quant not in (None, stored["method"]):
             raise ValueError(f"{bundle.path} holds {stored['method']} weights; it cannot be served as {quant} "
@@ -275,7 +247,10 @@ class Engine:
             why = kernels.reason
         self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
                               "native_attention": model.native is not None, "native_int8": self.native_int8,
-                              "native_int4": self.native_int4}
+                              "native_int4": self.native_int4, "precision_why": self.precision_why}
+        if self.native_int8:  # which int8 matmul runs, and its start-up self-check (cached per library)
+            self.kernel_report["int8_kernel"] = kernels.int8_kernel
+            self.kernel_report["int8_check"] = kernels.int8_check()[1]
 
     @property
     def decode_widths(self) -> list[int]:

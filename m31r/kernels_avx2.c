@@ -5,12 +5,14 @@
  * decode attention (m31r_attend_decode_f32): one query per (row, head) over that row's own fp32 KV cache, for any
  * number of rows in one call, as kernels.c does in bf16.
  *
- * weight-only int8 and int4 matmuls of fp32 activations (m31r_q8_quantize, m31r_int8_mm_q8, m31r_int4_mm_q8): each
- * activation row is quantized to int8 in blocks of 32 values with one fp32 scale per block (llama.cpp's q8_0, with
- * an fp32 scale), then multiplied with the weight codes in integer arithmetic (vpmaddubsw + vpmaddwd: 32 products
- * per two instructions, exact in int32), each block's integer sum scaled by its activation scale in fp32, and the
- * channel's (int8) or group's (int4) weight scale applied to the sum. The fp32 alternative, widening each code to
- * fp32 and one fused multiply-add per weight and row, is m31r_int8_mm_f32 (kept for comparison: see README "Speed").
+ * weight-only int8 and int4 matmuls of fp32 activations. int8 (m31r_int8_mm_q16, what engines run): each activation
+ * row is quantized to int16 in blocks of 32 values with one fp32 scale per block (q16), multiplied with the codes
+ * sign-extended to int16 (vpmaddwd, exact in int32), each block's sum scaled by its activation scale in fp32 and the
+ * channel's weight scale applied to the sum. int4 (m31r_int4_mm_q8) and the older int8 m31r_int8_mm_q8: activations
+ * quantized to int8 per block of 32 (llama.cpp's q8_0, with an fp32 scale) and vpmaddubsw + vpmaddwd (32 products per
+ * two instructions); for int8, q8's ~258x coarser rounding changed greedy output (README "Speed"), so it stays for
+ * comparison only. The fp32 alternative, widening each code to fp32 and one fused multiply-add per weight and row,
+ * is m31r_int8_mm_f32 (kept for comparison too).
  *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
@@ -255,6 +257,113 @@ int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const 
     for (int m = 0; m < M; m += 8)
       q8_block(M - m < 8 ? M - m : 8, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), K, w + n * K,
                scale + n, y + (long)m * N + n, N);
+  }
+  free(work);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The accurate int8 path: activations to q16, int16 codes in blocks of 32 (|code| <= 32767) with one fp32 scale
+ * per block, scale = max|x| / 32767: a rounding step 258 times finer than q8's max|x| / 127, so the activations'
+ * rounding stays well below the int8 weights' own. The weights are sign-extended to int16 (vpmovsxbw) and each
+ * block multiplied with vpmaddwd: every int32 lane then sums 4 products of at most 32767 * 127, below 2^24, so the
+ * block's integer sum is exact and so is its conversion to fp32. Per block and row, two vpmaddwd, one add, one
+ * conversion and one FMA: as many instructions as q8's vpsignb + vpmaddubsw + vpmaddwd + conversion + FMA, plus
+ * the widening of each weight once per tile (shared by its rows), and activations of 2 bytes instead of 2 x 1. */
+static void q16_row(const float* x, int K, int16_t* q, float* d) {
+  for (int b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 32; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    d[b] = mx / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    for (int h = 0; h < 2; ++h) { /* 16 values: 2 x 8 int32 → 16 int16 (packs interleaves 128-bit lanes) */
+      __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h), inv));
+      __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h + 8), inv));
+      __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+      _mm256_storeu_si256((__m256i*)(q + 32 * b + 16 * h), _mm256_max_epi16(p, _mm256_set1_epi16(-32767)));
+    }
+  }
+}
+
+static inline __m256i widen16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+
+/* One block of 32: int16 activations x, weights widened to int16 in w0 (values 0-15) and w1 (16-31). */
+static inline __m256 wdot32(const int16_t* x, __m256i w0, __m256i w1) {
+  __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)x));
+  __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(x + 16)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+
+#define Q16_TILE(R, C)                                                                                             \
+  static void q16_tile_##R##_##C(const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s,    \
+                                 float* y, int N) {                                                              \
+    __m256 acc[R * C];                                                                                           \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();                                                \
+    const int nb = K / 32;                                                                                       \
+    for (int b = 0; b < nb; ++b) {                                                                               \
+      __m256i w0[C], w1[C];                                                                                      \
+      for (int c = 0; c < C; ++c) {                                                                              \
+        w0[c] = widen16(w + (long)c * K + 32 * b);                                                               \
+        w1[c] = widen16(w + (long)c * K + 32 * b + 16);                                                          \
+      }                                                                                                          \
+      if (!(b & 1))                                                                                              \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + 32 * b + 64), _MM_HINT_T0); \
+      for (int r = 0; r < R; ++r) {                                                                              \
+        const __m256 dv = _mm256_broadcast_ss(d + (long)r * nb + b);                                             \
+        for (int c = 0; c < C; ++c)                                                                              \
+          acc[r * C + c] = _mm256_fmadd_ps(wdot32(xq + (long)r * K + 32 * b, w0[c], w1[c]), dv, acc[r * C + c]);  \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = hsum8(acc[r * C + c]) * bf16_value(s[c]);                \
+  }
+Q16_TILE(1, 4)
+Q16_TILE(2, 2)
+Q16_TILE(3, 2)
+Q16_TILE(4, 2)
+Q16_TILE(5, 1)
+Q16_TILE(6, 1)
+Q16_TILE(7, 1)
+Q16_TILE(8, 1)
+
+static void q16_block(int R, const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
+                      int N) {
+#define Q16_RUN(R, C)                                                                                \
+  for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N); \
+  break;
+  switch (R) {
+    case 1: Q16_RUN(1, 4)
+    case 2: Q16_RUN(2, 2)
+    case 3: Q16_RUN(3, 2)
+    case 4: Q16_RUN(4, 2)
+    case 5: Q16_RUN(5, 1)
+    case 6: Q16_RUN(6, 1)
+    case 7: Q16_RUN(7, 1)
+    case 8: Q16_RUN(8, 1)
+  }
+#undef Q16_RUN
+}
+
+/* Same contract as m31r_int8_mm_q8, on q16 activations: the int8 matmul fp32 engines run. */
+int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
+  if (M < 1 || K % 32 || N % BLOCK) return 1;
+  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
+  if (!work) return 2;
+  int16_t* xq = (int16_t*)work;
+  float* d = (float*)((uint8_t*)work + 2L * M * K);
+  for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + (long)m * (K / 32));
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      q16_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * (K / 32), K, w + n * K, scale + n,
+                y + (long)m * N + n, N);
   }
   free(work);
   return 0;

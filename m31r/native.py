@@ -5,8 +5,13 @@ Two families, chosen at run time by the CPU's features (never assumed):
   avx512  m31r/kernels.c, for bf16 activations: decode attention over a bf16 KV cache, and the weight-only int8
           matmul of small row counts (AVX512-BF16 dot products; `Kernels.int8_dtype` is None without them).
   avx2    m31r/kernels_avx2.c (AVX2 + FMA + F16C: most laptops), for fp32 activations, which is what the engine
-          runs where bf16 is not native: decode attention over an fp32 KV cache, and weight-only int8 and int4
-          matmuls of small row counts on activations quantized to int8 in blocks of 32 (llama.cpp's q8_0 idea).
+          runs where bf16 is not native: decode attention over an fp32 KV cache, and weight-only matmuls of small
+          row counts: int8 on activations quantized to int16 in blocks of 32 (q16, accurate enough for greedy
+          decoding to keep fp32's choices), int4 on activations quantized to int8 in blocks of 32 (q8, llama.cpp's
+          q8_0 idea). The q8 int8 kernel stays for comparison (`int8_mm(..., mode="q8")`).
+
+`Kernels.int8_check` is the start-up self-check `--quant auto` relies on before it picks int8 for fp32 engines: a
+small product against a float64 reference, within the error its activation rounding allows.
 
 `M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2` (a family the CPU
 lacks is refused, never run), or `eager` (none: torch only). `M31R_NATIVE=0` is the older spelling of `eager`.
@@ -68,6 +73,9 @@ CHOICES = ("auto", *FAMILIES, "eager")
 SOURCE = FAMILIES["avx512"].source
 FLAGS = list(FAMILIES["avx512"].flags)
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+INT8_MODES = ("q16", "q8", "f32")  # the avx2 family's int8 matmuls (Kernels.int8_mm); q16 is the one engines run
+# Activation rounding step per block of 32, relative to the block's max |x| (Kernels.int8_check).
+ACTIVATION_STEP = {"q16": 1 / 32767, "q8": 1 / 127}
 
 
 def cache_dir() -> Path:
@@ -97,6 +105,14 @@ def family_unsupported(name: str) -> str | None:
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in family.torch_caps:
         return f"torch reports CPU capability {cap}"
+    return None
+
+
+def forced() -> Family | None:
+    """The family M31R_KERNELS names, where this CPU runs it; None for auto, eager, or one it cannot run."""
+    want = requested()
+    if want in FAMILIES and family_unsupported(want) is None:
+        return FAMILIES[want]
     return None
 
 
@@ -149,6 +165,23 @@ def int8_supported() -> bool:
     family needs AVX-512 only)."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(probe and probe())
+
+
+def int8_error_bound(family: str, x: Tensor, w: Tensor, mode: str = "q16") -> Tensor:
+    """Per element [M, N], the largest error an int8 matmul of x [M, K] by the dequantized weights w [N, K] may
+    make against their exact product (float64), from how the family rounds its input and output.
+
+    avx2: each activation rounded to half a step of its block's scale (`ACTIVATION_STEP[mode]` of the block's max
+    |x|), times |w|, plus fp32 rounding. avx512: x is already bf16 (exact), the sum is fp32 and the output is
+    rounded once to bf16 (half an ulp: up to 2^-8 relative)."""
+    xd, wd = x.double(), w.double().abs()
+    m, k = x.shape
+    # fp32 rounding: one per block of 32 in each accumulator, the lanes' fold, the scales (2^-24 relative each)
+    noise = (k / 32 + 8) * 2.0**-24 * (xd.abs() @ wd.T)
+    if family == "avx512":
+        return (xd @ w.double().T).abs() * 2.0**-8 + 2 * noise
+    step = xd.abs().view(m, k // 32, 32).amax(-1) * ACTIVATION_STEP[mode]
+    return (step.repeat_interleave(32, dim=1) / 2) @ wd.T * 1.001 + noise
 
 
 def takes(head_dim: int) -> bool:
@@ -216,7 +249,9 @@ class Kernels:
         self.lib = ctypes.CDLL(str(path))
         self.dtype = self.family.dtype
         self._int4 = None
-        self._int8_f32 = None
+        self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
+        self._checked: dict[str, tuple[bool, str]] = {}
+        self.int8_mode = "q16"  # the avx2 int8 matmul int8_mm runs by default (benchmarks switch it; see INT8_MODES)
         if self.name == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
                                _F32, _P)
@@ -226,8 +261,9 @@ class Kernels:
         else:
             self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                _P, _F32, _P)
-            self._int8 = _fn(self.lib, "m31r_int8_mm_q8", _I32, _I32, _I32, _P, _P, _P, _P)
-            self._int8_f32 = _fn(self.lib, "m31r_int8_mm_f32", _I32, _I32, _I32, _P, _P, _P, _P)
+            self._int8_modes = {mode: _fn(self.lib, f"m31r_int8_mm_{mode}", _I32, _I32, _I32, _P, _P, _P, _P)
+                                for mode in INT8_MODES}
+            self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
             self.int8_dtype = self.int4_dtype = torch.float32
 
@@ -236,11 +272,20 @@ class Kernels:
         """Whether this family runs the int8 matmul on this CPU."""
         return self.int8_dtype is not None
 
+    @property
+    def int8_kernel(self) -> str:
+        """The int8 matmul engines run, in words (the warm-up log's `int8_kernel`)."""
+        if self.name == "avx2":
+            return {"q16": "avx2 q16: int16 activations per block of 32, vpmaddwd on int8 codes widened to int16",
+                    "q8": "avx2 q8: int8 activations per block of 32, vpmaddubsw on int8 codes",
+                    "f32": "avx2 f32: int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
+        return "avx512 bf16: vdpbf16ps on int8 codes widened to bf16"
+
     def describe(self) -> str:
         """What runs, for the warm-up log and `m31r doctor`."""
         parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
         if self.int8_dtype is not None:
-            parts.append("int8 matmul" + (" (q8 activations)" if self.name == "avx2" else ""))
+            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self.name == "avx2" else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
         return f"{self.name}: " + ", ".join(parts)
@@ -262,21 +307,61 @@ class Kernels:
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
-    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, fp32_weights: bool = False) -> Tensor:
+    def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, mode: str | None = None) -> Tensor:
         """x [M, K] (int8_dtype) times int8 codes [N, K] (one bf16 scale per output): [M, N] in x's dtype.
 
-        avx512: bf16 dot products. avx2: q8 activations and integer dot products, or with `fp32_weights` every code
-        widened to fp32 (m31r_int8_mm_f32, for comparison)."""
+        avx512: bf16 dot products (`mode` does not apply). avx2: `mode` (default `int8_mode`) q16 (int16
+        activations per block of 32, integer dot products: what engines run), q8 (int8 activations, ~258x coarser,
+        for comparison) or f32 (every code widened to fp32, one FMA per weight and row, for comparison)."""
+        mode = mode or self.int8_mode
         m, k = x.shape
         n = codes.shape[0]
         assert x.dtype == self.int8_dtype and x.is_contiguous() and codes.shape[1] == k and scales.shape == (n,)
         assert codes.dtype == torch.int8 and codes.is_contiguous() and scales.dtype == torch.bfloat16
         assert scales.is_contiguous()
         y = torch.empty(m, n, dtype=x.dtype)
-        fn = self._int8_f32 if fp32_weights and self._int8_f32 is not None else self._int8
+        if self._int8_modes and mode not in self._int8_modes:
+            raise ValueError(f"int8 mode {mode!r}: the {self.name} kernels have {', '.join(self._int8_modes)}")
+        fn = self._int8_modes.get(mode, self._int8)
         if fn(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()):
             raise ValueError(f"native int8 matmul does not take [{m}, {k}] x [{n}, {k}]")
         return y
+
+    def int8_check(self) -> tuple[bool, str]:
+        """The start-up self-check of the int8 matmul (`int8_mode`'s; run once per library and mode, ~1 ms):
+        (passed, what it found).
+
+        A fixed random product (8 rows of uneven magnitudes, K=512, N=64) against the float64 product of the same
+        activations and dequantized weights must stay within the error the family's activation rounding allows per
+        element (`int8_error_bound`), and each row must get the same bits alone as in the batch. A miscompiled or
+        misdetected kernel, or the coarse q8 activations, fail it; `--quant auto` then keeps float weights."""
+        if self.int8_mode not in self._checked:
+            self._checked[self.int8_mode] = self._int8_check()
+        return self._checked[self.int8_mode]
+
+    def _int8_check(self) -> tuple[bool, str]:
+        from m31r.quant import dequantize_int8, quantize_int8
+
+        if self.int8_dtype is None:
+            return False, f"the {self.name} kernels run no int8 matmul on this CPU"
+        gen = torch.Generator().manual_seed(18)
+        x = torch.randn(8, 512, generator=gen) * (torch.rand(8, 512, generator=gen) * 3)
+        codes, scales = quantize_int8(torch.randn(64, 512, generator=gen) * 0.05)
+        x = x.to(self.int8_dtype)
+        try:
+            y = self.int8_mm(x, codes, scales)
+            alone = torch.cat([self.int8_mm(x[r : r + 1].contiguous(), codes, scales) for r in range(8)])
+        except (ValueError, AssertionError) as e:
+            return False, f"int8 self-check could not run: {e}"
+        w = dequantize_int8(codes, scales).double()
+        err = (y.double() - x.double() @ w.T).abs()
+        bound = int8_error_bound(self.name, x, w)  # q16's step: the q8 kernel fails it
+        worst = (err / bound).max().item()
+        if not torch.equal(alone, y):
+            return False, "int8 self-check failed: a row got other bits alone than batched"
+        if not worst <= 1.0:
+            return False, f"int8 self-check failed: error {worst:.3g}x its bound"
+        return True, f"int8 self-check passed (worst error {worst:.2g}x its bound)"
 
     def int4_mm(self, x: Tensor, codes: Tensor, scale: Tensor, base: Tensor, group_size: int) -> Tensor:
         """x [M, K] fp32 times int4 codes [N, K/2] (plain nibbles, quant.quantize_int4's layout) with per-group fp32

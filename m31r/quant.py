@@ -11,9 +11,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
           slower); larger chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its
           output columns, 2.5x faster than aten's int8 kernel at 256 rows. With fp32 activations and the AVX2
-          kernel family (m31r/kernels_avx2.c: CPUs without native bf16), small row counts run its q8 kernel
-          (activations quantized to int8 in blocks of 32, integer dot products) and larger chunks the fp32 GEMM
-          on the codes widened to fp32.
+          kernel family (m31r/kernels_avx2.c: CPUs without native bf16), small row counts run its q16 kernel
+          (activations quantized to int16 in blocks of 32, integer dot products on the codes widened to int16)
+          and larger chunks the fp32 GEMM on the codes widened to fp32.
   int4    4-bit codes in groups of `group_size` along K, a bf16 scale and zero per group (asymmetric, gpt-fast
           style: w = (q - 8) * scale + zero). Decode runs `aten._weight_int4pack_mm_for_cpu`; its packed layout
           depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load. With
@@ -177,7 +177,7 @@ class Int8Linear(nn.Module):
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
     def _forward_f32(self, x: Tensor, x2: Tensor) -> Tensor:
-        """fp32 activations with the AVX2 family: its q8 kernel below INT8_GEMM_ROWS, else the fp32 GEMM on the codes
+        """fp32 activations with the AVX2 family: its q16 kernel below INT8_GEMM_ROWS, else the fp32 GEMM on the codes
         widened to fp32 (bf16 GEMMs are emulated, and slow, where that family is the one that runs)."""
         if x2.shape[0] >= INT8_GEMM_ROWS:
             y = F.linear(x2, self.codes.float()).mul_(self.scales.float())

@@ -914,6 +914,9 @@ def test_auto_precision_is_resolved_and_reported(life):
     assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
     assert warm["kernels"] in ("avx512", "avx2", "eager") and warm["kernels_why"]  # which kernels run, and why
     assert {"native_attention", "native_int8", "native_int4"} <= warm.keys()
+    assert warm["precision_why"].startswith("dtype ")  # how auto resolved
+    if warm["native_int8"]:
+        assert warm["int8_kernel"] and warm["int8_check"].startswith("int8 self-check passed")
 
     async def ask() -> tuple[str, str | None, str]:
         async with await Client.connect(life.socket) as c:

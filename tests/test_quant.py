@@ -403,19 +403,89 @@ def test_daemon_serves_int8_quantized_at_load(tiny_bundle: Bundle, tmp_path: Pat
     assert got == expected and len(got) == 8
 
 
-def test_auto_precision_rules() -> None:
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """Set M31R_KERNELS for a test: native.load's cached choice is cleared before and after."""
+    from m31r import native
+
+    def use(value: str | None) -> None:
+        monkeypatch.delenv("M31R_NATIVE", raising=False)
+        if value is None:
+            monkeypatch.delenv("M31R_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("M31R_KERNELS", value)
+        native.load.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    native.load.cache_clear()
+
+
+def _avx2_int8() -> bool:
+    """Whether the AVX2 family's int8 kernel can run here (it then passes its self-check: test_native)."""
+    from m31r import native
+
+    return native.family_unsupported("avx2") is None and native.compiler() is not None
+
+
+def test_auto_precision_rules(kernel_env) -> None:
     from m31r.engine import auto_precision, fast_bf16
+    from m31r.precision import resolve
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    native = fast_bf16(cpu)
-    # fp32 activations: float weights (the AVX2 q8 int8 path misses the accuracy bar; torch's wants bf16 inputs)
-    assert auto_precision(cpu, "auto", "auto", None) == (("bfloat16", "int8") if native else ("float32", None))
+    native_bf16, avx2 = fast_bf16(cpu), _avx2_int8()
+    fp32_quant = "int8" if avx2 else None  # fp32 activations: int8 only on the AVX2 q16 kernel, once it checks out
+    kernel_env(None)
+    default = ("bfloat16", "int8") if native_bf16 else ("float32", fp32_quant)
+    assert auto_precision(cpu, "auto", "auto", None) == default
     assert auto_precision(cpu, "bfloat16", "auto", None) == ("bfloat16", "int8")
-    assert auto_precision(cpu, "float32", "auto", None) == ("float32", None)
+    assert auto_precision(cpu, "float32", "auto", None) == ("float32", fp32_quant)
     assert auto_precision(cpu, "bfloat16", "auto", "int4") == ("bfloat16", "int4")  # a quantized bundle as stored
     assert auto_precision(cpu, "bfloat16", "none", None) == ("bfloat16", None)
     assert auto_precision(cpu, "float32", "int4", None) == ("float32", "int4")  # explicit choices stand
+    assert auto_precision(cpu, "float16", "auto", None) == ("float16", None)
     assert auto_precision(cuda, "auto", "auto", None) == ("bfloat16", None)  # the int8/int4 kernels are CPU-only
+    assert resolve(cpu, "float32", "int8", None).why == ""  # nothing was auto
+    if avx2:
+        why = resolve(cpu, "float32", "auto", None).why
+        assert why == "int8 weights: the avx2 int8 kernel (q16 activations) passed its self-check"
+    # eager: fp32 engines have no int8 kernel worth running, bf16 ones keep torch's int8 kernel
+    kernel_env("eager")
+    assert auto_precision(cpu, "float32", "auto", None) == ("float32", None)
+    assert auto_precision(cpu, "auto", "auto", None) == (("bfloat16", "int8") if native_bf16 else ("float32", None))
+    assert "disabled by M31R_KERNELS=eager" in resolve(cpu, "float32", "auto", None).why
+    if not avx2:
+        return
+    # a forced AVX2 family serves as an AVX2 machine would, whatever else the CPU has
+    kernel_env("avx2")
+    p = resolve(cpu, "auto", "auto", None)
+    assert (p.dtype, p.quant) == ("float32", "int8")
+    assert p.why.startswith("dtype float32: the avx2 kernels M31R_KERNELS forces take it; int8 weights: ")
+    assert auto_precision(cpu, "bfloat16", "auto", None) == ("bfloat16", "int8")
+    assert auto_precision(cpu, "auto", "auto", "int4") == ("float32", "int4")
+    # and where the kernel fails its check (here: switched to q8 activations), float weights
+    from m31r import native
+
+    kernels = native.load(torch.float32)
+    kernels.int8_mode = "q8"
+    try:
+        p = resolve(cpu, "auto", "auto", None)
+    finally:
+        kernels.int8_mode = "q16"
+    assert (p.dtype, p.quant) == ("float32", None) and "failed its check (int8 self-check failed: error" in p.why
+
+
+def test_a_forced_avx2_engine_resolves_auto_to_int8_on_q16_and_says_why(tiny_bundle: Bundle, kernel_env) -> None:
+    if not _avx2_int8():
+        pytest.skip("the AVX2 kernels cannot run here")
+    kernel_env("avx2")
+    engine = Engine(tiny_bundle.path, dtype="auto", quant="auto")
+    assert engine.dtype == torch.float32 and engine.quant == "int8"
+    report = engine.kernel_report
+    assert report["kernels"] == "avx2" and report["native_int8"] and report["native_attention"]
+    assert report["int8_kernel"].startswith("avx2 q16") and report["int8_check"].startswith("int8 self-check passed")
+    assert "M31R_KERNELS forces" in report["precision_why"] and "passed its self-check" in report["precision_why"]
+    assert [t.id for t in engine.generate("fn main() {", max_tokens=4)]
 
 
 def test_engine_auto_precision_serves(tiny_bundle: Bundle) -> None:
