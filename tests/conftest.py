@@ -40,3 +40,18 @@ def tiny_engine(tiny_bundle):
     from m31r.engine import Engine
 
     return Engine(tiny_bundle, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def shared_daemon(tiny_bundle, tmp_path_factory: pytest.TempPathFactory):
+    """One real m31rd with the default test options (daemon_util.start_daemon's) on the tiny bundle, shared by the
+    modules that only need "a daemon": each start costs a torch import and a model load (~2.5 s of CPU). Its socket
+    is in a `run/` folder the daemon created (0700). Tests leave it idle and running; a test that stops, restarts or
+    reconfigures a daemon, or counts a daemon's lifetime events, starts its own. Yields the Popen (with
+    `log_lines`, lines from every test that used it) and the socket path."""
+    from daemon_util import start_daemon, stop_daemon
+
+    sock = tmp_path_factory.mktemp("shared") / "run" / "m31rd.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    yield proc, sock
+    stop_daemon(proc)

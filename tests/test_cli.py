@@ -23,11 +23,8 @@ def cli(*args: str, env: dict | None = None, input: str | None = None,
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_bundle, tmp_path_factory):
-    sock = tmp_path_factory.mktemp("cli") / "m31rd.sock"
-    proc = start_daemon(tiny_bundle.path, sock)
-    yield proc, sock
-    stop_daemon(proc)
+def daemon(shared_daemon):
+    return shared_daemon
 
 
 def test_generate_json(daemon, tiny_engine):
@@ -140,9 +137,13 @@ def test_autostart(tiny_bundle, tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_stop(daemon):
-    proc, sock = daemon
-    r = cli("stop", "--socket", str(sock))
-    assert r.returncode == 0, r.stderr
-    assert proc.wait(20) == 0
-    assert not sock.exists()
+def test_stop(tiny_bundle, tmp_path):
+    sock = tmp_path / "m31rd.sock"
+    proc = start_daemon(tiny_bundle.path, sock)  # its own: the shared daemon keeps running for other modules
+    try:
+        r = cli("stop", "--socket", str(sock))
+        assert r.returncode == 0, r.stderr
+        assert proc.wait(20) == 0
+        assert not sock.exists()
+    finally:
+        stop_daemon(proc)

@@ -69,8 +69,7 @@ def launch(bundle: Path, sock: Path, *extra: str) -> Daemon:
 
 @pytest.fixture(scope="module")
 def daemons(tiny_bundle, tmp_path_factory):
-    """The module's three daemons, started (and stopped) side by side to halve the wait."""
-    warm = tmp_path_factory.mktemp("warm") / "run" / "m31rd.sock"
+    """The module's own two daemons, started (and stopped) side by side to halve the wait."""
     cold = tmp_path_factory.mktemp("cold") / "m31rd.sock"
     # `life` starts on top of a stale socket file: a daemon that died without cleaning up.
     life = tmp_path_factory.mktemp("life") / "run" / "m31rd.sock"
@@ -79,8 +78,8 @@ def daemons(tiny_bundle, tmp_path_factory):
     stale.bind(str(life))
     stale.close()
     assert stat.S_ISSOCK(life.lstat().st_mode)
-    specs = {"warm": (warm,), "cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1",
-                                                "--read-timeout", "1", "--lookahead", "3"),
+    specs = {"cold": (cold, "--cache-mb", "0", "--max-queue", "2", "--max-active", "1", "--read-timeout", "1",
+                      "--lookahead", "3"),
              "life": (life, "--dtype", "auto", "--quant", "auto")}  # the daemon's own precision defaults
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(launch, tiny_bundle.path, *spec) for name, spec in specs.items()}
@@ -97,9 +96,10 @@ def daemons(tiny_bundle, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def warm(daemons) -> Daemon:
-    """Default options."""
-    return daemons["warm"]
+def warm(shared_daemon) -> Daemon:
+    """Default options: the session's shared daemon (conftest.py), which other modules use too; its socket is in
+    a run/ folder it created. Tests here pick out their own log lines by request id or client name."""
+    return Daemon(*shared_daemon)
 
 
 @pytest.fixture(scope="module")

@@ -53,11 +53,8 @@ NOISE = {"multiline": "always", "temperature": 1.0, "seed": 7, "debounceMode": "
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_bundle, tmp_path_factory):
-    sock = tmp_path_factory.mktemp("lspd") / "d.sock"
-    proc = start_daemon(tiny_bundle.path, sock)
-    yield sock
-    stop_daemon(proc)
+def daemon(shared_daemon):
+    return shared_daemon[1]
 
 
 class Session:

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_util import start_daemon, stop_daemon
 
 from m31r_protocol import policy
 
@@ -124,11 +123,8 @@ fn count(text: &str) -> HashMap<String, usize> {
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_bundle, tmp_path_factory):
-    sock = tmp_path_factory.mktemp("nvimd") / "d.sock"
-    proc = start_daemon(tiny_bundle.path, sock)
-    yield sock
-    stop_daemon(proc)
+def daemon(shared_daemon):
+    return shared_daemon[1]
 
 
 def offset_of(text: str, line: int, character: int, encoding: str) -> int:

@@ -13,7 +13,6 @@ from datetime import datetime
 import httpx
 import ollama
 import pytest
-from daemon_util import start_daemon, stop_daemon
 from test_http import Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,16 +22,13 @@ PREFIX, SUFFIX = "fn add(a: u32, b: u32) -> u32 {\n    ", "\n}\n"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_bundle, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ollama")
-    daemon = start_daemon(tiny_bundle.path, tmp / "d.sock", "--cache-mb", "16")
-    srv = Server(tmp, tmp / "d.sock", "--max-tokens-cap", str(CAP))
+def server(shared_daemon, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("ollama"), shared_daemon[1], "--max-tokens-cap", str(CAP))
     try:
         srv.wait_healthy()
         yield srv
     finally:
         srv.stop()
-        stop_daemon(daemon)
 
 
 @pytest.fixture(scope="module")
