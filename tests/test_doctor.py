@@ -1,6 +1,7 @@
-"""`m31r doctor` as a real subprocess: a healthy setup (a real daemon on a tmp socket), a corrupted bundle, an unsafe
-socket folder, no daemon. Each run gets its own HOME and XDG_CONFIG_HOME, so the service and editor checks see an
-empty user setup instead of this machine's."""
+"""`m31r doctor`: a healthy setup (a real daemon on a tmp socket) as a real subprocess; a corrupted bundle, an unsafe
+socket folder and no daemon through the same click command in this process (each subprocess run cost a torch
+import, ~2 s). Each run gets its own HOME and XDG_CONFIG_HOME, so the service and editor checks see an empty user
+setup instead of this machine's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_util import start_daemon, stop_daemon
 
 from m31r import doctor
 
@@ -25,23 +25,38 @@ def user_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _parse(code: int, out: str, as_json: bool) -> tuple[int, dict | str]:
+    if not as_json:
+        return code, out
+    parsed = json.loads(out)
+    assert parsed["ok"] == (code == 0), "exit status and `ok` agree"
+    return code, {c["name"]: c for c in parsed["checks"]}
+
+
 def run_doctor(tmp_path: Path, *args: str, as_json: bool = True) -> tuple[int, dict | str]:
+    """`m31r doctor` as a real subprocess."""
     cmd = [sys.executable, "-m", "m31r.cli", "doctor", *args, *(["--json"] if as_json else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=user_env(tmp_path))
     assert r.returncode in (0, 1), r.stderr  # 1: a check failed; anything else is a crash
-    if not as_json:
-        return r.returncode, r.stdout
-    out = json.loads(r.stdout)
-    assert out["ok"] == (r.returncode == 0), "exit status and `ok` agree"
-    return r.returncode, {c["name"]: c for c in out["checks"]}
+    return _parse(r.returncode, r.stdout, as_json)
+
+
+def run_doctor_here(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    """The same command and environment (user_env's) in this process, through click's runner, JSON output."""
+    from click.testing import CliRunner
+
+    from m31r.cli import main
+
+    env: dict[str, str | None] = dict(user_env(tmp_path))
+    env.update({k: None for k in os.environ if k not in env})  # the runner unsets these for the run
+    r = CliRunner().invoke(main, ["doctor", *args, "--json"], env=env, catch_exceptions=False)
+    assert r.exit_code in (0, 1), r.output  # 1: a check failed; anything else is a crash
+    return _parse(r.exit_code, r.stdout, True)
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_bundle, tmp_path_factory: pytest.TempPathFactory):
-    sock = tmp_path_factory.mktemp("doctor") / "run" / "m31rd.sock"  # the daemon creates run/ 0700
-    proc = start_daemon(tiny_bundle.path, sock)
-    yield proc, sock
-    stop_daemon(proc)
+def daemon(shared_daemon):
+    return shared_daemon  # its socket is in a run/ folder the daemon created 0700
 
 
 def test_healthy_setup_exits_0_and_says_ok(daemon, tiny_bundle, tmp_path: Path) -> None:
@@ -66,7 +81,7 @@ def test_corrupted_bundle_fails_and_says_why(tiny_bundle, tmp_path: Path) -> Non
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    code, checks = run_doctor(tmp_path, "--socket", str(tmp_path / "run" / "d.sock"), "--bundle", str(bad))
+    code, checks = run_doctor_here(tmp_path, "--socket", str(tmp_path / "run" / "d.sock"), "--bundle", str(bad))
     assert code == 1
     assert checks["bundle"]["level"] == "fail"
     assert "model.safetensors" in checks["bundle"]["detail"] and "checksum mismatch" in checks["bundle"]["detail"]
@@ -77,7 +92,7 @@ def test_socket_folder_open_to_others_fails(tiny_bundle, tmp_path: Path) -> None
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    code, checks = run_doctor(tmp_path, "--socket", str(shared / "d.sock"), "--bundle", str(tiny_bundle.path))
+    code, checks = run_doctor_here(tmp_path, "--socket", str(shared / "d.sock"), "--bundle", str(tiny_bundle.path))
     assert code == 1
     assert checks["socket"]["level"] == "fail"
     assert "0777" in checks["socket"]["detail"] and "0700" in checks["socket"]["detail"]
@@ -85,7 +100,7 @@ def test_socket_folder_open_to_others_fails(tiny_bundle, tmp_path: Path) -> None
 
 def test_no_daemon_is_a_warning_not_a_failure(tiny_bundle, tmp_path: Path) -> None:
     sock = tmp_path / "run" / "d.sock"
-    code, checks = run_doctor(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path))
+    code, checks = run_doctor_here(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path))
     assert checks["daemon"]["level"] == "warn" and "none answers" in checks["daemon"]["detail"]
     assert checks["socket"]["level"] == "ok" and "does not exist yet" in checks["socket"]["detail"]
     assert code == 0, [c for c in checks.values() if c["level"] == "fail"]
