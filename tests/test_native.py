@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 
 import pytest
@@ -188,7 +187,7 @@ def test_shapes_it_does_not_take_are_refused_without_side_effects() -> None:
 
 
 @pytest.mark.parametrize("name", list(native.FAMILIES))
-def test_the_build_is_cached_and_a_broken_compiler_is_reported(tmp_path, name: str) -> None:
+def test_the_build_is_cached_and_a_broken_compiler_is_reported(tmp_path, name: str, monkeypatch) -> None:
     """Each family builds from its own source with its own flags, into its own cached file."""
     family(name)
     first = native.build(tmp_path, family=name)
@@ -196,12 +195,19 @@ def test_the_build_is_cached_and_a_broken_compiler_is_reported(tmp_path, name: s
     assert native.build(tmp_path, family=name) == first and first.stat().st_mtime_ns == stamp
     assert first.name.startswith(f"kernels-{name}-")
     if name != next(n for n in native.FAMILIES if native.family_unsupported(n) is None):
-        return  # one subprocess is enough: the first family this CPU runs
-    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path / "empty"), "M31R_KERNELS": name}
-    env.pop("M31R_NATIVE", None)
-    code = "from m31r import native; print(native.load()); print(native.why_not())"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
-    assert done.stdout.startswith("None") and f"false failed on {native.FAMILIES[name].source.name}" in done.stdout
+        return  # one family is enough: the first this CPU runs
+    # A broken compiler and an empty cache, in this process (load's cache cleared before and after: a
+    # subprocess for it cost a torch import).
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("M31R_KERNELS", name)
+    monkeypatch.delenv("M31R_NATIVE", raising=False)
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert f"false failed on {native.FAMILIES[name].source.name}" in native.why_not()
+    finally:
+        native.load.cache_clear()  # the next load sees the restored environment
 
 
 def test_the_engine_decodes_with_it_close_to_the_eager_path(tiny_bundle) -> None:
