@@ -36,15 +36,23 @@ lint: install
 test-python: install
 	$(BIN)/python -m pytest -q
 
+# The extension's node_modules: `npm ci` (which deletes and reinstalls them all) only when package.json or
+# package-lock.json changed since the last install, preferring npm's cache to the network.
+VSCODE := editors/vscode
+NPM_STAMP := $(VSCODE)/node_modules/.m31r-installed
+$(NPM_STAMP): $(VSCODE)/package.json $(VSCODE)/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm is needed to build the VS Code extension" >&2; exit 1; }
+	cd $(VSCODE) && npm ci --no-audit --no-fund --prefer-offline
+	touch $@
+
 test-vscode:
 	@if command -v npm >/dev/null 2>&1; then \
-		cd editors/vscode && npm ci --no-audit --no-fund && npm test && npm run package; \
+		$(MAKE) --no-print-directory $(NPM_STAMP) && cd $(VSCODE) && npm test && npm run package; \
 	else echo "npm not found: skipping the VS Code extension build" >&2; fi
 
 # The VS Code extension package, built offline after `npm ci` with the @vscode/vsce that package-lock.json pins.
-vsix:
-	@command -v npm >/dev/null 2>&1 || { echo "npm is needed to build the VS Code extension" >&2; exit 1; }
-	cd editors/vscode && npm ci --no-audit --no-fund && npm run package
+vsix: $(NPM_STAMP)
+	cd $(VSCODE) && npm run package
 	@echo "built editors/vscode/m31r.vsix: code --install-extension editors/vscode/m31r.vsix" >&2
 
 test: lint test-vscode test-python
