@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode vsix lint bench soak bench-llamacpp bench-train train-data train export eval clean
+.PHONY: install run test test-python test-vscode vsix lint bench bench-ab soak bench-llamacpp bench-train train-data train export eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ test: lint test-vscode test-python
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# Is this working tree slower than BASE? The same benchmark run alternately in BASE (a temporary git worktree) and
+# here, ROUNDS times each (benchmarks/ab.py; README "Speed"). BASE defaults to HEAD~1: on main after a merge, the
+# main before it; on a branch pass BASE=main. Writes bench-results/ab.json; fails on a regression beyond the noise.
+BASE   ?= HEAD~1
+ROUNDS ?= 5
+bench-ab: install
+	$(BIN)/python benchmarks/ab.py --base $(BASE) --rounds $(ROUNDS)
 
 # Reliability figures (benchmarks/soak.py): the protocol fuzzer, vanishing clients, 100 concurrent clients, kill -9
 # under the LSP server and the HTTP adapter; tiny model, loopback only, ~10-15 minutes on 2 cores. SOAK_SCALE=0.05
