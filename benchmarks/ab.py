@@ -101,8 +101,9 @@ def run_once(command: list[str], python: str, tree: Path, env: dict[str, str], o
 
 def leaves(data: object, prefix: str = "") -> dict[str, float]:
     """Every numeric leaf of a JSON value, by dotted path."""
-    if isinstance(data, dict):
-        return {k: v for key, val in data.items() for k, v in leaves(val, f"{prefix}{key}.").items()}
+    if isinstance(data, dict | list):
+        items = data.items() if isinstance(data, dict) else enumerate(data)  # a list's items by index: typing.1.x
+        return {k: v for key, val in items for k, v in leaves(val, f"{prefix}{key}.").items()}
     if isinstance(data, (int, float)) and not isinstance(data, bool):
         return {prefix.rstrip("."): float(data)}
     return {}
@@ -129,12 +130,12 @@ def compare(a: list[float], b: list[float], higher: bool, tolerance: float) -> d
 
 
 def table(figures: dict[str, dict]) -> str:
-    head = f"{'figure':42} {'median A':>10} {'median B':>10} {'B/A':>7} {'noise ±':>8}  verdict"
+    head = f"{'figure':42} {'median A':>10} {'median B':>10} {'B/A':>7} {'noise':>7}  verdict"
     lines = [head, "-" * len(head)]
     for name, f in figures.items():
         better = "higher" if f["higher_is_better"] else "lower"
         lines.append(f"{name:42} {f['median_a']:>10.4g} {f['median_b']:>10.4g} {f['ratio_b_over_a']:>7.3f} "
-                     f"{100 * f['noise']:>7.1f}%  {f['verdict']} ({better} is better)")
+                     f"{100 * f['noise']:>6.1f}%  {f['verdict']} ({better} is better)")
     return "\n".join(lines)
 
 

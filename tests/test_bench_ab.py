@@ -4,6 +4,7 @@ is flagged while an unchanged figure is not. Torch-free; a few seconds."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 AB = Path(__file__).resolve().parents[1] / "benchmarks" / "ab.py"
+_spec = importlib.util.spec_from_file_location("bench_ab", AB)
+ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
 BENCH = """\
 import json, sys, time
 import m31r_demo
@@ -78,3 +82,14 @@ def test_ab_sees_no_regression_between_equal_trees(tmp_path: Path):
                            "{out}"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert list(json.loads(out.read_text())["figures"]) == ["run.fixed_s"]
+
+
+def test_figures_lists_and_the_noise_band():
+    assert ab.leaves({"typing": [{"mode": "warm", "done_ms": 3}], "ok": True, "n": 2.5}) == {"typing.0.done_ms": 3.0,
+                                                                                             "n": 2.5}
+    # B 10% slower; A's rounds spread 20%: within noise. The same slowdown with tight rounds is a regression.
+    assert ab.compare([9.0, 10.0, 11.0], [11.0, 11.0, 11.0], False, 0.03)["verdict"] == "within noise"
+    assert ab.compare([10.0, 10.1, 10.0], [11.0, 11.0, 11.1], False, 0.03)["verdict"] == "regression"
+    # Higher is better: B's lower throughput is the regression, B's higher one an improvement.
+    assert ab.compare([100.0, 101.0], [80.0, 80.5], True, 0.03)["verdict"] == "regression"
+    assert ab.compare([100.0, 101.0], [120.0, 121.0], True, 0.03)["verdict"] == "improvement"
