@@ -16,6 +16,7 @@ Variants:
   fp32-unfused the old step without the bf16 cast: full-context rows, unfused AdamW
   new-<len>    the trainer now: autocast only where bf16 is native, fused AdamW, rows of <len> tokens (the context
                schedule's stages), the same tokens per step
+  compiled-<len>  the same with torch.compile (`compile: true`; `--compile`)
 
     python benchmarks/bench_train.py --config configs/train/mini.yaml --data ~/.cache/m31r/data --steps 3
 """
@@ -59,6 +60,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--lengths", default="256,512,1024", help="row lengths of the new trainer to measure")
     ap.add_argument("--skip-old", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="also the new trainer with torch.compile (compile: true), at each --lengths")
     ap.add_argument("--old-seq", type=int, default=256,
                     help="the old variant's step is one row of this many tokens: where bf16 is emulated it runs ~30x "
                          "slower than fp32, and a full step would take many minutes")
@@ -89,21 +92,24 @@ def main() -> int:
     data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
     new_cast = autocast_dtype("auto", torch.device("cpu"))
     full = rows_per_micro_batch(tc, mc.max_context, mc.max_context)
-    # (name, autocast dtype, fused AdamW, row length, rows per micro-batch, micro-batches per step)
-    variants = [] if args.skip_old else [("old", torch.bfloat16, False, args.old_seq, 1, 1)]
-    variants += [("fp32-unfused", None, False, mc.max_context, full, tc.grad_accum)]
-    variants += [(f"new-{n}", new_cast, True, int(n), rows_per_micro_batch(tc, int(n), mc.max_context),
-                  tc.grad_accum) for n in args.lengths.split(",")]
+    # (name, autocast dtype, fused AdamW, row length, rows per micro-batch, micro-batches per step, compiled)
+    variants = [] if args.skip_old else [("old", torch.bfloat16, False, args.old_seq, 1, 1, False)]
+    variants += [("fp32-unfused", None, False, mc.max_context, full, tc.grad_accum, False)]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    for compiled in (False, True) if args.compile else (False,):
+        variants += [(f"{'compiled' if compiled else 'new'}-{n}", new_cast, True, n,
+                      rows_per_micro_batch(tc, n, mc.max_context), tc.grad_accum, compiled) for n in lengths]
 
     states = {}
-    for name, cast, fused, seq, rows, accum in variants:
+    for name, cast, fused, seq, rows, accum, compiled in variants:
         model = Transformer(mc)
         init_weights(model, tc.seed)
         model.train()
-        states[name] = (model, make_optimizer(model, tc, fused=fused), cast, seq, rows, accum, [], [])
+        fwd = torch.compile(model) if compiled else model
+        states[name] = (model, fwd, make_optimizer(model, tc, fused=fused), cast, seq, rows, accum, [], [])
 
     def step(name: str, i: int) -> None:
-        model, opt, cast, seq, n_rows, accum, times, data_times = states[name]
+        model, fwd, opt, cast, seq, n_rows, accum, times, data_times = states[name]
         rng = random.Random(1000 + i)
         t0 = time.perf_counter()
         data_s = 0.0
@@ -111,7 +117,7 @@ def main() -> int:
             d0 = time.perf_counter()
             rows, cats = data.batch("train", rng, n_rows, seq)
             data_s += time.perf_counter() - d0
-            (total_loss(loss_terms(model, rows, cats, cast), tc) / accum).backward()
+            (total_loss(loss_terms(fwd, rows, cats, cast), tc) / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,7 +126,8 @@ def main() -> int:
             data_times.append(data_s)
 
     for name in states:
-        step(name, -1)  # warm-up: allocator, oneDNN primitives
+        step(name, -1)  # warm-up: allocator, oneDNN primitives, torch.compile's compilation
+        step(name, -1)
     for i in range(args.steps):
         for name in states:
             step(name, i)
@@ -128,7 +135,7 @@ def main() -> int:
     peak32 = matmul_peak(torch.float32, args.threads)
     peak16 = matmul_peak(torch.bfloat16, args.threads) if fast_bf16(torch.device("cpu")) else None
     rows = []
-    for name, (_, _, cast, seq, n_rows, accum, times, data_times) in states.items():
+    for name, (_, _, _, cast, seq, n_rows, accum, times, data_times) in states.items():
         tokens = accum * n_rows * seq
         t = statistics.median(times)
         tflops = tokens * flops_per_token(mc, seq) / t / 1e12
