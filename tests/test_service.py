@@ -329,6 +329,19 @@ main()
 """
 
 
+def _terminate_expecting_a_clean_stop(proc: subprocess.Popen, sock_path: Path) -> None:
+    """SIGTERM the daemon; it must exit 0, say "stopped" without a traceback and leave no socket file."""
+    try:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not sock_path.exists(), err
+    assert '"msg": "stopped"' in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("socket_file", ["probe", "serving"])
 def test_sigterm_while_the_socket_file_is_made_exits_cleanly(tiny_bundle, tmp_path: Path, socket_file: str):
     """A signal that arrives as a socket file appears (before the model loads, the probe that no other daemon is
@@ -348,14 +361,11 @@ def test_sigterm_while_the_socket_file_is_made_exits_cleanly(tiny_bundle, tmp_pa
         if socket_file == "probe":  # bound, never listening: a client is refused, not left waiting in a backlog
             with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
                 c.connect(str(sock_path))
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0 and not sock_path.exists(), err
-    assert '"msg": "stopped"' in err and "Traceback" not in err, err
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    _terminate_expecting_a_clean_stop(proc, sock_path)
 
 
 def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
@@ -370,11 +380,8 @@ def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
         while not sock_path.exists():
             assert proc.poll() is None and time.monotonic() - t0 < 60
             time.sleep(0.01)
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0 and not sock_path.exists(), err
-    assert '"msg": "stopped"' in err and "Traceback" not in err, err
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    _terminate_expecting_a_clean_stop(proc, sock_path)
