@@ -11,13 +11,16 @@ Reported: the median over repetitions of each run's median ms/token, with the sp
 `--profile` then times one decode step of each pair by part: the matmuls of the layers, the LM head, decode
 attention, and the rest (norms, RoPE, the residual adds, Python between ops), from forward hooks and wrappers.
 
-`--matmuls` times only the AVX2 family's int8 matmuls instead, kernel against kernel: the four weight matrices of
-one layer of the shape (wqkv, wo, w13, w2; random int8 codes) at 1, 2, 4 and 8 rows, for each of its activation
-modes (q8, q16, f32: `native.INT8_MODES`), alternating call by call in a rotating order; ms per layer, the median
-of all calls and (in parentheses) their 10th percentile, which a shared machine's stalls disturb less.
+`--matmuls` times only the AVX2 family's int8 and int4 matmuls instead, kernel against kernel: the four weight
+matrices of one layer of the shape (wqkv, wo, w13, w2; random int8 codes, int4 codes in the default group size) at
+1, 2, 4 and 8 rows, for each of `--modes` (the int8 activation modes q8, q16, f32 of `native.INT8_MODES`, and
+int4), alternating call by call in a rotating order; ms per layer, the median of all calls and (in parentheses)
+their 10th percentile, which a shared machine's stalls disturb less. `--families avx2,avx2vnni` runs each mode on
+both builds in that rotation (plain AVX2 against AVX-VNNI dot products) and adds their ratio per mode.
 
     python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
     M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --config configs/model/mini.yaml --threads 1 --matmuls
+    python benchmarks/bench_kernels.py --matmuls --modes q8,q16,int4 --families avx2,avx2vnni
 """
 
 from __future__ import annotations
@@ -127,45 +130,83 @@ def profile(engine, prompt: list[int], steps: int) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def matmuls(config, threads: int, reps: int, modes: list[str]) -> None:
-    """ms per layer of the AVX2 int8 matmul in each activation mode (see the module docstring)."""
+def matmuls(config, threads: int, reps: int, modes: list[str], families: list[str]) -> None:
+    """ms per layer of the AVX2 int8 matmul in each activation mode, and of the int4 matmul, per family (see the
+    module docstring)."""
     import torch
 
     from m31r import native
     from m31r.cpu import describe
-    from m31r.quant import quantize_int8
+    from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, quantize_int4, quantize_int8
 
-    kernels = native.load(torch.float32)
-    if kernels is None or kernels.name != "avx2":
-        raise SystemExit(f"the avx2 kernels do not run here ({native.why_not(torch.float32)}); try M31R_KERNELS=avx2")
+    if families:
+        bad = {f: native.family_unsupported(f) for f in families if f not in native.FAMILIES
+               or native.FAMILIES[f].base != "avx2" or native.family_unsupported(f)}
+        if bad:
+            raise SystemExit("not an avx2 family this CPU runs: "
+                             + "; ".join(f"{f} ({why or 'not avx2-based'})" for f, why in bad.items()))
+        kernels = {f: native.Kernels(native.build(family=f), f, "--families") for f in families}
+    else:
+        loaded = native.load(torch.float32)
+        if loaded is None or loaded.family.base != "avx2":
+            raise SystemExit(f"the avx2 kernels do not run here ({native.why_not(torch.float32)}); "
+                             "try M31R_KERNELS=avx2")
+        kernels = {loaded.name: loaded}
     torch.set_num_threads(threads)
     d, hd = config.d_model, config.head_dim
     shapes = [((config.n_heads + 2 * config.kv_heads) * hd, d), (d, config.n_heads * hd), (2 * config.ffn_hidden, d),
               (d, config.ffn_hidden)]
     gen = torch.Generator().manual_seed(0)
-    weights = [quantize_int8(torch.randn(n, k, generator=gen) * 0.05) for n, k in shapes]
+    masters = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
+    weights = [quantize_int8(w) for w in masters]
+    int4 = [Int4Linear(*quantize_int4(w, DEFAULT_INT4_GROUP), DEFAULT_INT4_GROUP) for w in masters]
+    for layer in int4:
+        layer.use_native(next(iter(kernels.values())))  # builds its fp32 scale and base: the same for every family
     rows = (1, 2, 4, 8)
     xs = {m: [torch.randn(m, k, generator=gen) for _, k in shapes] for m in rows}
-    times: dict[tuple[int, str], list[float]] = {(m, mode): [] for m in rows for mode in modes}
-    for rep in range(reps + 1):  # modes alternate call by call: a busy moment hits them alike
+
+    def layer_call(kern, mode: str, m: int) -> None:
+        if mode == "int4":
+            for lin, x in zip(int4, xs[m], strict=True):
+                kern.int4_mm(x, lin.codes, lin._scale_f32, lin._base_f32, DEFAULT_INT4_GROUP)
+        else:
+            for (codes, scales), x in zip(weights, xs[m], strict=True):
+                kern.int8_mm(x, codes, scales, mode=mode)
+
+    variants = [(f, mode) for mode in modes for f in kernels]
+    times: dict[tuple[int, str, str], list[float]] = {(m, f, mode): [] for m in rows for f, mode in variants}
+    for rep in range(reps + 1):  # variants alternate call by call: a busy moment hits them alike
         for i in range(50):
             for m in rows:
-                for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # each mode first as often
+                for f, mode in variants[i % len(variants):] + variants[: i % len(variants)]:  # each first as often
                     t0 = time.perf_counter()
-                    for (codes, scales), x in zip(weights, xs[m], strict=True):
-                        kernels.int8_mm(x, codes, scales, mode=mode)
+                    layer_call(kernels[f], mode, m)
                     if rep:  # the first repetition warms up and is dropped
-                        times[(m, mode)].append((time.perf_counter() - t0) * 1000)
-    print(f"{config.name}: int8 matmuls of one layer ({' + '.join(f'{n}x{k}' for n, k in shapes)}), {threads} "
-          f"threads, ms per layer (median of {reps} reps x 50 layer calls), load avg {os.getloadavg()[0]:.1f}")
-    print(f"CPU: {describe()}; kernels: {kernels.describe()} ({native.why_not(torch.float32)})")
-    print(f"{'rows':>4}" + "".join(f"{mode + ' ms (p10)':>18}" for mode in modes)
-          + ("   q16 / q8 (p10)" if {"q8", "q16"} <= set(modes) else ""))
-    for m in rows:
-        med = {mode: statistics.median(times[(m, mode)]) for mode in modes}
-        p10 = {mode: statistics.quantiles(times[(m, mode)], n=10)[0] for mode in modes}
-        ratio = f"   {med['q16'] / med['q8']:.2f} ({p10['q16'] / p10['q8']:.2f})" if {"q8", "q16"} <= set(modes) else ""
-        print(f"{m:>4}" + "".join(f"{med[mode]:>10.3f} ({p10[mode]:.3f})" for mode in modes) + ratio)
+                        times[(m, f, mode)].append((time.perf_counter() - t0) * 1000)
+    print(f"{config.name}: int8/int4 matmuls of one layer ({' + '.join(f'{n}x{k}' for n, k in shapes)}; int4 in "
+          f"groups of {DEFAULT_INT4_GROUP}), {threads} threads, ms per layer (median of {reps} reps x 50 layer "
+          f"calls), load avg {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {describe()}")
+    for kern in kernels.values():
+        print(f"kernels: {kern.describe()} ({kern.reason or native.why_not(torch.float32)})")
+    med = {key: statistics.median(t) for key, t in times.items()}
+    p10 = {key: statistics.quantiles(t, n=10)[0] for key, t in times.items()}
+    for f in kernels:
+        print(f"\n{f}\n{'rows':>4}" + "".join(f"{mode + ' ms (p10)':>18}" for mode in modes)
+              + ("   q16 / q8 (p10)" if {"q8", "q16"} <= set(modes) else ""))
+        for m in rows:
+            ratio = (f"   {med[(m, f, 'q16')] / med[(m, f, 'q8')]:.2f} ({p10[(m, f, 'q16')] / p10[(m, f, 'q8')]:.2f})"
+                     if {"q8", "q16"} <= set(modes) else "")
+            print(f"{m:>4}" + "".join(f"{med[(m, f, mode)]:>10.3f} ({p10[(m, f, mode)]:.3f})" for mode in modes)
+                  + ratio)
+    if len(kernels) > 1:
+        first, *others = kernels
+        for f in others:
+            print(f"\n{f} / {first}: time ratio, median (p10); below 1 is faster")
+            print(f"{'rows':>4}" + "".join(f"{mode:>16}" for mode in modes))
+            for m in rows:
+                print(f"{m:>4}" + "".join(f"{med[(m, f, mode)] / med[(m, first, mode)]:>9.3f} "
+                                          f"({p10[(m, f, mode)] / p10[(m, first, mode)]:.3f})" for mode in modes))
 
 
 def main() -> None:
@@ -179,7 +220,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="time one decode step by part, per pair")
     ap.add_argument("--matmuls", action="store_true",
-                    help="time the AVX2 int8 matmuls of one layer per activation mode instead (q8, q16, f32)")
+                    help="time the AVX2 int8 and int4 matmuls of one layer per mode instead (q8, q16, f32, int4)")
+    ap.add_argument("--modes", default="",
+                    help="--matmuls: the int8 activation modes and/or int4 to time (default all: q8,q16,f32,int4)")
+    ap.add_argument("--families", default="",
+                    help="--matmuls: avx2 families to time side by side, e.g. avx2,avx2vnni (default: the one "
+                         "M31R_KERNELS / auto picks for fp32)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -196,7 +242,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
     if args.matmuls:
-        return matmuls(config, args.threads, args.reps, list(native.INT8_MODES))
+        modes = [m for m in args.modes.split(",") if m] or [*native.INT8_MODES, "int4"]
+        if not set(modes) <= {*native.INT8_MODES, "int4"}:
+            raise SystemExit(f"--modes takes {', '.join((*native.INT8_MODES, 'int4'))}")
+        return matmuls(config, args.threads, args.reps, modes, [f for f in args.families.split(",") if f])
     names = [n for n in args.precisions.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="m31r-kernels-") as tmp:
         work = args.workdir or Path(tmp)

@@ -16,12 +16,30 @@
  *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
+ *
+ * AVX-VNNI (native.py builds this file a second time with -mavxvnni, the avx2vnni family, where the CPU has
+ * avx_vnni): each block's integer dot product takes the fused VEX instructions instead, vpdpwssd for q16 (two per
+ * block instead of vpmaddwd + vpmaddwd + vpaddd) and vpdpbusd for q8 and int4 (one instead of vpmaddubsw +
+ * vpmaddwd). Every int32 lane then holds the same 4 products as before, summed exactly, so the results are the
+ * plain build's bit for bit, for all inputs: vpmaddubsw saturates its int16 pair sums where vpdpbusd does not, but
+ * its operands here never reach that (q8: |x| <= 127 times a code of [-128, 127], a pair at most 2 * 127 * 128 =
+ * 32512; int4: codes 0..15 times |x| <= 127, at most 3810; the limit is 32767), and vpmaddwd's one overflow (all
+ * four operands -32768) cannot occur on q16 activations clamped to [-32767, 32767].
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef __AVXVNNI__
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+/* Whether this build's integer dot products are AVX-VNNI's (native.Kernels checks it against its family). */
+int m31r_avx2_vnni(void) { return VNNI; }
 
 #define MAX_CHUNKS 32 /* head_dim up to 256, in chunks of 8 */
 #define MAX_KEYS 65536
@@ -187,8 +205,12 @@ static inline float bf16_value(uint16_t h) {
 
 /* 32 products of one block, summed pairwise to 8 int32: |x| * (w with x's sign) = x * w, exact (|x|, |w| <= 127). */
 static inline __m256 dot32(__m256i aq, __m256i xq, __m256i w) {
+#if VNNI
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aq, _mm256_sign_epi8(w, xq)));
+#else
   __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(w, xq));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
 }
 
 #define Q8_TILE(R, C)                                                                                              \
@@ -295,9 +317,14 @@ static inline __m256i widen16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm
 
 /* One block of 32: int16 activations x, weights widened to int16 in w0 (values 0-15) and w1 (16-31). */
 static inline __m256 wdot32(const int16_t* x, __m256i w0, __m256i w1) {
+#if VNNI
+  __m256i a = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_loadu_si256((const __m256i*)x));
+  return _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(a, w1, _mm256_loadu_si256((const __m256i*)(x + 16))));
+#else
   __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)x));
   __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(x + 16)));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+#endif
 }
 
 #define Q16_TILE(R, C)                                                                                             \
@@ -414,7 +441,11 @@ static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes → 32 codes: 16
 }
 
 static inline __m256 udot32(__m256i q, __m256i xq) { /* codes 0..15 (unsigned) times signed activations */
+#if VNNI
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xq));
+#else
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1)));
+#endif
 }
 
 #define I4_TILE(R, C)                                                                                              \

@@ -1,6 +1,6 @@
 """The native CPU kernels: built once with the system C compiler, cached, loaded through ctypes.
 
-Two families, chosen at run time by the CPU's features (never assumed):
+Three families, chosen at run time by the CPU's features (never assumed):
 
   avx512  m31r/kernels.c, for bf16 activations: decode attention over a bf16 KV cache, and the weight-only int8
           matmul of small row counts (AVX512-BF16 dot products; `Kernels.int8_dtype` is None without them).
@@ -9,12 +9,17 @@ Two families, chosen at run time by the CPU's features (never assumed):
           row counts: int8 on activations quantized to int16 in blocks of 32 (q16, accurate enough for greedy
           decoding to keep fp32's choices), int4 on activations quantized to int8 in blocks of 32 (q8, llama.cpp's
           q8_0 idea). The q8 int8 kernel stays for comparison (`int8_mm(..., mode="q8")`).
+  avx2vnni  the same source built with -mavxvnni, where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since
+          Zen 5): each block's integer dot product takes vpdpwssd / vpdpbusd, fewer instructions for the same
+          exact int32 sums, so its results are the avx2 build's bit for bit (kernels_avx2.c says why).
 
 `Kernels.int8_check` is the start-up self-check `--quant auto` relies on before it picks int8 for fp32 engines: a
 small product against a float64 reference, within the error its activation rounding allows.
 
-`M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2` (a family the CPU
-lacks is refused, never run), or `eager` (none: torch only). `M31R_NATIVE=0` is the older spelling of `eager`.
+`M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2vnni`, `avx2` (plain
+AVX2 even where the CPU has AVX-VNNI; a family the CPU lacks is refused, never run), or `eager` (none: torch only).
+`M31R_NATIVE=0` is the older spelling of `eager`. Under `auto`, a compiler that cannot build avx2vnni (GCC < 11,
+clang < 12 lack -mavxvnni) leaves the plain avx2 build running, with the reason said.
 
 Building takes ~0.3 s and happens the first time an engine loads on a machine (the shared object is cached under
 $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), so from the first request on a
@@ -59,14 +64,21 @@ class Family:
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags it needs
     torch_caps: tuple[str, ...]  # torch.backends.cpu.get_cpu_capability() values that have them
     dtype: torch.dtype  # the activation (and KV cache) dtype its kernels take
+    base: str  # the family whose source and entry points it has (itself, or the one auto falls back to)
 
 
+_AVX2_CAPS = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+# Widest first: `auto` takes the first this CPU runs (for the engine's activation dtype).
 FAMILIES = {
     "avx512": Family("avx512", Path(__file__).with_name("kernels.c"),
                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", *_COMMON),
-                     ("avx512f", "avx512bw", "avx512vl"), ("AVX512", "AVX512_BF16", "AMX"), torch.bfloat16),
-    "avx2": Family("avx2", Path(__file__).with_name("kernels_avx2.c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON),
-                   ("avx2", "fma", "f16c"), ("AVX2", "AVX512", "AVX512_BF16", "AMX"), torch.float32),
+                     ("avx512f", "avx512bw", "avx512vl"), ("AVX512", "AVX512_BF16", "AMX"), torch.bfloat16,
+                     "avx512"),
+    "avx2vnni": Family("avx2vnni", Path(__file__).with_name("kernels_avx2.c"), (*_AVX2_FLAGS, "-mavxvnni", *_COMMON),
+                       ("avx2", "fma", "f16c", "avx_vnni"), _AVX2_CAPS, torch.float32, "avx2"),
+    "avx2": Family("avx2", Path(__file__).with_name("kernels_avx2.c"), (*_AVX2_FLAGS, *_COMMON),
+                   ("avx2", "fma", "f16c"), _AVX2_CAPS, torch.float32, "avx2"),
 }
 CHOICES = ("auto", *FAMILIES, "eager")
 # Kept for callers of the single-family API: the AVX-512 family's source and flags.
@@ -171,9 +183,9 @@ def int8_error_bound(family: str, x: Tensor, w: Tensor, mode: str = "q16") -> Te
     """Per element [M, N], the largest error an int8 matmul of x [M, K] by the dequantized weights w [N, K] may
     make against their exact product (float64), from how the family rounds its input and output.
 
-    avx2: each activation rounded to half a step of its block's scale (`ACTIVATION_STEP[mode]` of the block's max
-    |x|), times |w|, plus fp32 rounding. avx512: x is already bf16 (exact), the sum is fp32 and the output is
-    rounded once to bf16 (half an ulp: up to 2^-8 relative)."""
+    avx2 and avx2vnni: each activation rounded to half a step of its block's scale (`ACTIVATION_STEP[mode]` of the
+    block's max |x|), times |w|, plus fp32 rounding. avx512: x is already bf16 (exact), the sum is fp32 and the
+    output is rounded once to bf16 (half an ulp: up to 2^-8 relative)."""
     xd, wd = x.double(), w.double().abs()
     m, k = x.shape
     # fp32 rounding: one per block of 32 in each accumulator, the lanes' fold, the scales (2^-24 relative each)
@@ -202,7 +214,7 @@ def takes_int4(out_features: int, in_features: int, group_size: int) -> bool:
 
 def build(out_dir: Path | None = None, family: str | None = None) -> Path:
     """Compile a family's source (default: the one `choose` picks, else avx512), or return the cached build of the
-    same source, compiler and flags."""
+    same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files)."""
     fam = FAMILIES[family] if family else (choose()[0] or FAMILIES["avx512"])
     cc = compiler()
     if cc is None:
@@ -252,7 +264,8 @@ class Kernels:
         self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
         self._checked: dict[str, tuple[bool, str]] = {}
         self.int8_mode = "q16"  # the avx2 int8 matmul int8_mm runs by default (benchmarks switch it; see INT8_MODES)
-        if self.name == "avx512":
+        self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
+        if self.family.base == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
                                _F32, _P)
             self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
@@ -266,6 +279,9 @@ class Kernels:
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
             self.int8_dtype = self.int4_dtype = torch.float32
+            self.vnni = bool(_fn(self.lib, "m31r_avx2_vnni")())
+            if self.vnni != ("-mavxvnni" in self.family.flags):  # the build is what its family promises, or unused
+                raise RuntimeError(f"{path.name}: built {'with' if self.vnni else 'without'} AVX-VNNI for {self.name}")
 
     @property
     def int8(self) -> bool:
@@ -275,19 +291,23 @@ class Kernels:
     @property
     def int8_kernel(self) -> str:
         """The int8 matmul engines run, in words (the warm-up log's `int8_kernel`)."""
-        if self.name == "avx2":
-            return {"q16": "avx2 q16: int16 activations per block of 32, vpmaddwd on int8 codes widened to int16",
-                    "q8": "avx2 q8: int8 activations per block of 32, vpmaddubsw on int8 codes",
-                    "f32": "avx2 f32: int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
+        if self.family.base == "avx2":
+            dot16, dot8 = ("vpdpwssd", "vpdpbusd") if self.vnni else ("vpmaddwd", "vpmaddubsw")
+            how = {"q16": f"int16 activations per block of 32, {dot16} on int8 codes widened to int16",
+                   "q8": f"int8 activations per block of 32, {dot8} on int8 codes",
+                   "f32": "int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
+            return f"{self.name} {self.int8_mode}: {how}"
         return "avx512 bf16: vdpbf16ps on int8 codes widened to bf16"
 
     def describe(self) -> str:
         """What runs, for the warm-up log and `m31r doctor`."""
         parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
         if self.int8_dtype is not None:
-            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self.name == "avx2" else ""))
+            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self.family.base == "avx2" else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
+        if self.vnni:
+            parts.append("AVX-VNNI dot products")
         return f"{self.name}: " + ", ".join(parts)
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
@@ -355,7 +375,7 @@ class Kernels:
             return False, f"int8 self-check could not run: {e}"
         w = dequantize_int8(codes, scales).double()
         err = (y.double() - x.double() @ w.T).abs()
-        bound = int8_error_bound(self.name, x, w)  # q16's step: the q8 kernel fails it
+        bound = int8_error_bound(self.family.base, x, w)  # q16's step: the q8 kernel fails it
         worst = (err / bound).max().item()
         if not torch.equal(alone, y):
             return False, "int8 self-check failed: a row got other bits alone than batched"
@@ -412,6 +432,14 @@ def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
                 return Kernels(build(family=family.name), family, why), why
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 why = str(e)
+            base = FAMILIES[family.base]
+            if base is not family and requested() == "auto" and family_unsupported(base.name) is None:
+                # a compiler without the variant's flag: the plain build runs, and says why
+                why = f"the widest family that builds here ({family.name} did not: {why.splitlines()[0][:300]})"
+                try:
+                    return Kernels(build(family=base.name), base, why), why
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    why = str(e)
     log.info("native kernels off: %s; decode attention runs in eager torch, quantized layers on torch's kernels", why)
     return None, why
 

@@ -447,8 +447,11 @@ def test_auto_precision_rules(kernel_env) -> None:
     assert auto_precision(cuda, "auto", "auto", None) == ("bfloat16", None)  # the int8/int4 kernels are CPU-only
     assert resolve(cpu, "float32", "int8", None).why == ""  # nothing was auto
     if avx2:
+        from m31r import native
+
         why = resolve(cpu, "float32", "auto", None).why
-        assert why == "int8 weights: the avx2 int8 kernel (q16 activations) passed its self-check"
+        name = native.load(torch.float32).name  # avx2vnni where the CPU has AVX-VNNI (test_native_vnni), else avx2
+        assert why == f"int8 weights: the {name} int8 kernel (q16 activations) passed its self-check"
     # eager: fp32 engines have no int8 kernel worth running, bf16 ones keep torch's int8 kernel
     kernel_env("eager")
     assert auto_precision(cpu, "float32", "auto", None) == ("float32", None)
