@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -471,8 +472,9 @@ def test_decode_attention_refuses_what_it_does_not_take_and_leaves_the_caches(bu
 
 
 def _arm(monkeypatch, flags: set[str], system: str = "linux", machine: str = "aarch64") -> None:
-    monkeypatch.setattr(native.sys, "platform", system)
-    monkeypatch.setattr(native.platform, "machine", lambda: machine)
+    """native.py as it sees an Arm machine: its OS, architecture, CPU flags and torch's capability level."""
+    monkeypatch.setattr(native, "sys", SimpleNamespace(platform=system))
+    monkeypatch.setattr(native, "platform", SimpleNamespace(machine=lambda: machine))
     monkeypatch.setattr(native, "cpu_info", lambda: ("an Arm CPU", flags, machine.lower()))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # torch's level on aarch64
 
@@ -512,3 +514,28 @@ def test_the_neon_build_uses_dot_products_where_the_cpu_has_them() -> None:
     assert native.flags_for(neon, {"asimd"}, "darwin")[0] == "-march=armv8-a"
     for name in ("avx512", "avx2"):
         assert native.flags_for(native.FAMILIES[name], {"asimddp", "avx2"}, "linux") == native.FAMILIES[name].flags
+
+
+def test_native_builds_the_library_an_arm_machine_loads(tmp_path, monkeypatch) -> None:
+    """`native.build` on an aarch64 CPU (simulated, with the cross compiler as CC) compiles kernels_neon.c as a shared
+    aarch64 library exporting what `Kernels` binds: with sdot where the CPU lists asimddp, without it elsewhere,
+    each cached under its own flags."""
+    require_cross_tools()
+    monkeypatch.setenv("CC", CROSS_CC)
+    libs = {}
+    for name, flags in (("dotprod", {"asimd", "asimddp"}), ("plain", {"asimd"})):
+        _arm(monkeypatch, flags)
+        libs[name] = native.build(tmp_path, family="neon")
+        assert libs[name].name.startswith("kernels-neon-") and native.build(tmp_path, family="neon") == libs[name]
+    assert libs["dotprod"] != libs["plain"]
+    binds = {"m31r_attend_decode_f32", "m31r_int4_mm_q8", "m31r_neon_dotprod",
+             *(f"m31r_int8_mm_{mode}" for mode in native.INT8_MODES)}
+    for name, lib in libs.items():
+        head = lib.read_bytes()[:20]
+        assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183, name  # EM_AARCH64
+        tools = "aarch64-linux-gnu-"  # binutils-aarch64-linux-gnu, which the cross compiler depends on
+        symbols = subprocess.run([f"{tools}nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        assert binds <= set(symbols), name
+        code = subprocess.run([f"{tools}objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+        assert ("\tsdot\t" in code) == (name == "dotprod"), name
