@@ -516,17 +516,19 @@ def test_the_neon_build_uses_dot_products_where_the_cpu_has_them() -> None:
         assert native.flags_for(native.FAMILIES[name], {"asimddp", "avx2"}, "linux") == native.FAMILIES[name].flags
 
 
-def test_native_builds_the_library_an_arm_machine_loads(tmp_path, monkeypatch) -> None:
+def test_native_builds_the_library_an_arm_machine_loads(pytestconfig, tmp_path, monkeypatch) -> None:
     """`native.build` on an aarch64 CPU (simulated, with the cross compiler as CC) compiles kernels_neon.c as a shared
     aarch64 library exporting what `Kernels` binds: with sdot where the CPU lists asimddp, without it elsewhere,
-    each cached under its own flags."""
+    each cached under its own flags (here in pytest's cache, as the drivers: a build takes seconds)."""
     require_cross_tools()
+    cache = getattr(pytestconfig, "cache", None)
+    out = cache.mkdir("kernels-neon-libs") if cache is not None else tmp_path
     monkeypatch.setenv("CC", CROSS_CC)
     libs = {}
     for name, flags in (("dotprod", {"asimd", "asimddp"}), ("plain", {"asimd"})):
         _arm(monkeypatch, flags)
-        libs[name] = native.build(tmp_path, family="neon")
-        assert libs[name].name.startswith("kernels-neon-") and native.build(tmp_path, family="neon") == libs[name]
+        libs[name] = native.build(out, family="neon")
+        assert libs[name].name.startswith("kernels-neon-") and native.build(out, family="neon") == libs[name]
     assert libs["dotprod"] != libs["plain"]
     binds = {"m31r_attend_decode_f32", "m31r_int4_mm_q8", "m31r_neon_dotprod",
              *(f"m31r_int8_mm_{mode}" for mode in native.INT8_MODES)}
