@@ -141,15 +141,15 @@ def matmuls(config, threads: int, reps: int, modes: list[str], families: list[st
 
     if families:
         bad = {f: native.family_unsupported(f) for f in families if f not in native.FAMILIES
-               or native.FAMILIES[f].base != "avx2" or native.family_unsupported(f)}
+               or native.FAMILIES[f].base not in ("avx2", "neon") or native.family_unsupported(f)}
         if bad:
-            raise SystemExit("not an avx2 family this CPU runs: "
-                             + "; ".join(f"{f} ({why or 'not avx2-based'})" for f, why in bad.items()))
+            raise SystemExit("not an avx2 (or neon) family this CPU runs: "
+                             + "; ".join(f"{f} ({why or 'not avx2- or neon-based'})" for f, why in bad.items()))
         kernels = {f: native.Kernels(native.build(family=f), f, "--families") for f in families}
     else:
         loaded = native.load(torch.float32)
-        if loaded is None or loaded.family.base != "avx2":
-            raise SystemExit(f"the avx2 kernels do not run here ({native.why_not(torch.float32)}); "
+        if loaded is None or loaded.family.base not in ("avx2", "neon"):
+            raise SystemExit(f"the avx2 (or neon) kernels do not run here ({native.why_not(torch.float32)}); "
                              "try M31R_KERNELS=avx2")
         kernels = {loaded.name: loaded}
     torch.set_num_threads(threads)

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1)
         if name == "int8-q8":
-            if not engine.native_int8 or engine.kernels.family.base != "avx2":
-                log("int8-q8: skipped, the AVX2 int8 kernel does not run here (try M31R_KERNELS=avx2)")
+            if not engine.native_int8 or engine.kernels.family.base not in ("avx2", "neon"):
+                log("int8-q8: skipped, the AVX2 (or NEON) int8 kernel does not run here (try M31R_KERNELS=avx2)")
                 continue
             engine.kernels.int8_mode = "q8"  # shared with later engines of this process: set back below
         dtype = str(engine.dtype).removeprefix("torch.")

@@ -88,7 +88,7 @@ def check_compiler(ctx: Context) -> Check:
     cc = compiler()
     if cc is None:
         return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built")
-    return Check("compiler", "ok", f"{cc} (builds m31r/kernels.c or kernels_avx2.c on the first engine load)")
+    return Check("compiler", "ok", f"{cc} (builds the native kernels, m31r/kernels*.c, on the first engine load)")
 
 
 def check_kernels(ctx: Context) -> Check:

@@ -361,8 +361,8 @@ class Transformer(nn.Module):
         # Training leaves it None.
         self.head: nn.Module | None = None
         # Native CPU kernels (m31r.native) for decode attention; the engine sets them on the CPU where a family
-        # loads whose dtype is the activations' (avx512: bf16, avx2: fp32). Every decode row, alone or batched,
-        # then runs them.
+        # loads whose dtype is the activations' (avx512: bf16, avx2 and neon: fp32). Every decode row, alone or
+        # batched, then runs them.
         self.native: Kernels | None = None
 
     def forward(

@@ -1,6 +1,6 @@
 """The native CPU kernels: built once with the system C compiler, cached, loaded through ctypes.
 
-Three families, chosen at run time by the CPU's features (never assumed):
+Four families, chosen at run time by the CPU's features (never assumed):
 
   avx512  m31r/kernels.c, for bf16 activations: decode attention over a bf16 KV cache, and the weight-only int8
           matmul of small row counts (AVX512-BF16 dot products; `Kernels.int8_dtype` is None without them).
@@ -12,12 +12,18 @@ Three families, chosen at run time by the CPU's features (never assumed):
   avx2vnni  the same source built with -mavxvnni, where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since
           Zen 5): each block's integer dot product takes vpdpwssd / vpdpbusd, fewer instructions for the same
           exact int32 sums, so its results are the avx2 build's bit for bit (kernels_avx2.c says why).
+  neon    m31r/kernels_neon.c (aarch64: Linux, and macOS without OpenMP), the avx2 family's functions in NEON, down to
+          its bits. Built with -march=armv8.2-a+dotprod where the CPU lists the dot-product extension (asimddp:
+          sdot for the q8 products; FEAT_DotProd is an Armv8.2 option, and GCC's arm_neon.h offers vdotq_s32 only
+          from armv8.2-a), else with plain -march=armv8-a, which every aarch64 CPU runs (`flags_for`). Tested on
+          x86-64 by cross-compiling and running under qemu-user (tests/test_native_neon.py).
 
 `Kernels.int8_check` is the start-up self-check `--quant auto` relies on before it picks int8 for fp32 engines: a
 small product against a float64 reference, within the error its activation rounding allows.
 
 `M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2vnni`, `avx2` (plain
-AVX2 even where the CPU has AVX-VNNI; a family the CPU lacks is refused, never run), or `eager` (none: torch only).
+AVX2 even where the CPU has AVX-VNNI), `neon` (a family the CPU lacks is refused, never run), or `eager` (none:
+torch only).
 `M31R_NATIVE=0` is the older spelling of `eager`. Under `auto`, a compiler that cannot build avx2vnni (GCC < 11,
 clang < 12 lack -mavxvnni) leaves the plain avx2 build running, with the reason said.
 
@@ -26,9 +32,9 @@ $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), 
 daemon runs one arithmetic and never switches. Where no family runs, no C compiler exists or the build fails,
 `load` returns None and the engine keeps its eager path (the reason is logged once, and `why_not` says it).
 
-The library is linked with -fopenmp and so needs libgomp.so.1: torch has loaded its own copy by then, and the
-dynamic loader reuses a loaded library of the same soname, so these kernels run on torch's OpenMP threads, not on
-a second pool competing with it for the cores.
+The library is linked with -fopenmp (except on macOS, whose Apple clang has no OpenMP) and so needs libgomp.so.1:
+torch has loaded its own copy by then, and the dynamic loader reuses a loaded library of the same soname, so these
+kernels run on torch's OpenMP threads, not on a second pool competing with it for the cores.
 """
 
 from __future__ import annotations
@@ -62,9 +68,14 @@ class Family:
     source: Path
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags it needs
-    torch_caps: tuple[str, ...]  # torch.backends.cpu.get_cpu_capability() values that have them
+    torch_caps: tuple[str, ...]  # torch.backends.cpu.get_cpu_capability() values that have them (empty: no say)
     dtype: torch.dtype  # the activation (and KV cache) dtype its kernels take
     base: str  # the family whose source and entry points it has (itself, or the one auto falls back to)
+    machines: tuple[str, ...] = ("x86_64", "amd64")  # platform.machine() values it is written for
+    arch: str = "x86-64"
+    platforms: tuple[str, ...] = ("linux",)  # sys.platform values it is built and tested for
+    # (CPU flag, compiler flags used instead of `flags` where the CPU has it): the first that applies wins
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _AVX2_CAPS = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
@@ -79,13 +90,17 @@ FAMILIES = {
                        ("avx2", "fma", "f16c", "avx_vnni"), _AVX2_CAPS, torch.float32, "avx2"),
     "avx2": Family("avx2", Path(__file__).with_name("kernels_avx2.c"), (*_AVX2_FLAGS, *_COMMON),
                    ("avx2", "fma", "f16c"), _AVX2_CAPS, torch.float32, "avx2"),
+    # torch has no capability level for NEON (it is aarch64's baseline), so only the CPU's flags decide.
+    "neon": Family("neon", Path(__file__).with_name("kernels_neon.c"), ("-march=armv8-a", *_COMMON), ("asimd",), (),
+                   torch.float32, "neon", ("aarch64", "arm64"), "aarch64", ("linux", "darwin"),
+                   (("asimddp", ("-march=armv8.2-a+dotprod", *_COMMON)),)),
 }
 CHOICES = ("auto", *FAMILIES, "eager")
 # Kept for callers of the single-family API: the AVX-512 family's source and flags.
 SOURCE = FAMILIES["avx512"].source
 FLAGS = list(FAMILIES["avx512"].flags)
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-INT8_MODES = ("q16", "q8", "f32")  # the avx2 family's int8 matmuls (Kernels.int8_mm); q16 is the one engines run
+INT8_MODES = ("q16", "q8", "f32")  # the avx2 and neon int8 matmuls (Kernels.int8_mm); q16 is the one engines run
 # Activation rounding step per block of 32, relative to the block's max |x| (Kernels.int8_check).
 ACTIVATION_STEP = {"q16": 1 / 32767, "q8": 1 / 127}
 
@@ -102,22 +117,34 @@ def requested() -> str:
     return os.environ.get("M31R_KERNELS", "auto").strip().lower() or "auto"
 
 
+_OS_NAMES = {"linux": "Linux", "darwin": "macOS"}
+
+
 def family_unsupported(name: str) -> str | None:
     """Why this CPU cannot run a family, or None. Both the CPU's flags (/proc/cpuinfo, sysctl) and torch's own
-    detection must have its instructions; an x86-64 build of Linux only."""
+    detection (where it has one for the family) must have its instructions, on the family's architecture and OS:
+    the x86 families on Linux, neon on Linux and macOS."""
     family = FAMILIES[name]
-    if sys.platform != "linux":
-        return f"built for Linux only (this is {sys.platform})"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"x86-64 only (this is {platform.machine()})"
+    if sys.platform not in family.platforms:
+        return f"built for {' and '.join(_OS_NAMES[p] for p in family.platforms)} only (this is {sys.platform})"
+    if platform.machine().lower() not in family.machines:
+        return f"{family.arch} only (this is {platform.machine()})"
     _, flags, _ = cpu_info()
     missing = [f for f in family.cpu_flags if f not in flags]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in family.torch_caps:
+    if family.torch_caps and cap not in family.torch_caps:
         return f"torch reports CPU capability {cap}"
     return None
+
+
+def flags_for(family: Family, cpu_flags: set[str], system: str = sys.platform) -> tuple[str, ...]:
+    """The compiler flags that build `family` for a CPU with these flags: its first variant whose CPU flag is there
+    (neon: dot products where asimddp is), else its plain flags; without -fopenmp on macOS (Apple clang has no
+    OpenMP: the kernels' `#pragma omp` lines are then ignored and they run on one thread)."""
+    flags = next((extra for flag, extra in family.variants if flag in cpu_flags), family.flags)
+    return tuple(f for f in flags if f != "-fopenmp") if system == "darwin" else flags
 
 
 def forced() -> Family | None:
@@ -183,9 +210,9 @@ def int8_error_bound(family: str, x: Tensor, w: Tensor, mode: str = "q16") -> Te
     """Per element [M, N], the largest error an int8 matmul of x [M, K] by the dequantized weights w [N, K] may
     make against their exact product (float64), from how the family rounds its input and output.
 
-    avx2 and avx2vnni: each activation rounded to half a step of its block's scale (`ACTIVATION_STEP[mode]` of the
-    block's max |x|), times |w|, plus fp32 rounding. avx512: x is already bf16 (exact), the sum is fp32 and the
-    output is rounded once to bf16 (half an ulp: up to 2^-8 relative)."""
+    avx2, avx2vnni and neon (which compute the same bits): each activation rounded to half a step of its block's
+    scale (`ACTIVATION_STEP[mode]` of the block's max |x|), times |w|, plus fp32 rounding. avx512: x is already
+    bf16 (exact), the sum is fp32 and the output is rounded once to bf16 (half an ulp: up to 2^-8 relative)."""
     xd, wd = x.double(), w.double().abs()
     m, k = x.shape
     # fp32 rounding: one per block of 32 in each accumulator, the lanes' fold, the scales (2^-24 relative each)
@@ -198,17 +225,18 @@ def int8_error_bound(family: str, x: Tensor, w: Tensor, mode: str = "q16") -> Te
 
 def takes(head_dim: int) -> bool:
     """Whether decode attention handles this head size (kernels.c: chunks of 16 values, up to 256; kernels_avx2.c
-    takes any multiple of 8 up to 256)."""
+    and kernels_neon.c take any multiple of 8 up to 256)."""
     return head_dim % 16 == 0 and head_dim <= 256
 
 
 def takes_int8(out_features: int, in_features: int) -> bool:
-    """Whether the int8 matmul handles this weight shape (K in steps of 32, N in blocks of 8; both families)."""
+    """Whether the int8 matmul handles this weight shape (K in steps of 32, N in blocks of 8; every family)."""
     return in_features % 32 == 0 and out_features % 8 == 0
 
 
 def takes_int4(out_features: int, in_features: int, group_size: int) -> bool:
-    """Whether the int4 matmul (avx2 family) handles this shape: groups of a multiple of 32, N in blocks of 8."""
+    """Whether the int4 matmul (avx2 and neon families) handles this shape: groups of a multiple of 32, N in blocks
+    of 8."""
     return group_size % 32 == 0 and in_features % group_size == 0 and out_features % 8 == 0
 
 
@@ -219,8 +247,9 @@ def build(out_dir: Path | None = None, family: str | None = None) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
+    flags = flags_for(fam, cpu_info()[1])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([fam.source.read_text(), cc, version, *fam.flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([fam.source.read_text(), cc, version, *flags]).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"kernels-{fam.name}-{key}.so"
     if target.exists():
@@ -229,7 +258,7 @@ def build(out_dir: Path | None = None, family: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *fam.flags, str(fam.source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(fam.source), "-o", tmp], capture_output=True, text=True,
                               check=False)
         if done.returncode:
             raise RuntimeError(f"{cc} failed on {fam.source.name}: {done.stderr.strip()[-2000:]}")
@@ -263,8 +292,9 @@ class Kernels:
         self._int4 = None
         self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
         self._checked: dict[str, tuple[bool, str]] = {}
-        self.int8_mode = "q16"  # the avx2 int8 matmul int8_mm runs by default (benchmarks switch it; see INT8_MODES)
+        self.int8_mode = "q16"  # the avx2/neon int8 matmul int8_mm runs by default (benchmarks switch; INT8_MODES)
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
+        self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         if self.family.base == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
                                _F32, _P)
@@ -279,9 +309,15 @@ class Kernels:
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
             self.int8_dtype = self.int4_dtype = torch.float32
-            self.vnni = bool(_fn(self.lib, "m31r_avx2_vnni")())
-            if self.vnni != ("-mavxvnni" in self.family.flags):  # the build is what its family promises, or unused
-                raise RuntimeError(f"{path.name}: built {'with' if self.vnni else 'without'} AVX-VNNI for {self.name}")
+            if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
+                self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
+                if self.dotprod and "asimddp" not in cpu_info()[1]:
+                    raise RuntimeError(f"{path.name}: built with dot products for a CPU without them (asimddp)")
+            else:
+                self.vnni = bool(_fn(self.lib, "m31r_avx2_vnni")())
+                if self.vnni != ("-mavxvnni" in self.family.flags):  # the build is what its family promises
+                    raise RuntimeError(f"{path.name}: built {'with' if self.vnni else 'without'} AVX-VNNI for "
+                                       f"{self.name}")
 
     @property
     def int8(self) -> bool:
@@ -291,8 +327,10 @@ class Kernels:
     @property
     def int8_kernel(self) -> str:
         """The int8 matmul engines run, in words (the warm-up log's `int8_kernel`)."""
-        if self.family.base == "avx2":
+        if self.family.base in ("avx2", "neon"):
             dot16, dot8 = ("vpdpwssd", "vpdpbusd") if self.vnni else ("vpmaddwd", "vpmaddubsw")
+            if self.family.base == "neon":
+                dot16, dot8 = "smull/smlal", "sdot" if self.dotprod else "smull and pairwise adds"
             how = {"q16": f"int16 activations per block of 32, {dot16} on int8 codes widened to int16",
                    "q8": f"int8 activations per block of 32, {dot8} on int8 codes",
                    "f32": "int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
@@ -303,11 +341,13 @@ class Kernels:
         """What runs, for the warm-up log and `m31r doctor`."""
         parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
         if self.int8_dtype is not None:
-            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self.family.base == "avx2" else ""))
+            parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self._int8_modes else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
         if self.vnni:
             parts.append("AVX-VNNI dot products")
+        if self.dotprod:
+            parts.append("sdot dot products")
         return f"{self.name}: " + ", ".join(parts)
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
@@ -330,7 +370,7 @@ class Kernels:
     def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, mode: str | None = None) -> Tensor:
         """x [M, K] (int8_dtype) times int8 codes [N, K] (one bf16 scale per output): [M, N] in x's dtype.
 
-        avx512: bf16 dot products (`mode` does not apply). avx2: `mode` (default `int8_mode`) q16 (int16
+        avx512: bf16 dot products (`mode` does not apply). avx2 and neon: `mode` (default `int8_mode`) q16 (int16
         activations per block of 32, integer dot products: what engines run), q8 (int8 activations, ~258x coarser,
         for comparison) or f32 (every code widened to fp32, one FMA per weight and row, for comparison)."""
         mode = mode or self.int8_mode

@@ -7,11 +7,11 @@ a CPU with AVX512-BF16/AMX: elsewhere torch emulates bf16, slower than fp32), el
 auto quant: a quantized bundle as stored. Else, on the CPU, int8 weights:
   - with bf16 activations: decode reads half the bytes of bf16 at the same accuracy (validation perplexity of the
     release model: fp32 44.711, int8 44.710, bf16 44.718), on the AVX-512 kernel or torch's;
-  - with fp32 activations, only where the AVX2 family's int8 kernel runs and passes its start-up self-check
-    (native.Kernels.int8_check). That kernel quantizes activations to int16 per block of 32 (q16); its earlier q8
-    activations kept fp32's greedy choice in only 87.5% of FIM tasks (benchmarks/eval_precision.py), below the 98%
-    bar. torch's int8 kernel needs bf16 activations to be fast, so fp32 engines without the native kernel (no AVX2,
-    no C compiler, M31R_KERNELS=eager) keep float weights.
+  - with fp32 activations, only where the AVX2 (on Arm: NEON) family's int8 kernel runs and passes its start-up
+    self-check (native.Kernels.int8_check). That kernel quantizes activations to int16 per block of 32 (q16); its
+    earlier q8 activations kept fp32's greedy choice in only 87.5% of FIM tasks (benchmarks/eval_precision.py),
+    below the 98% bar. torch's int8 kernel needs bf16 activations to be fast, so fp32 engines without the native
+    kernel (neither AVX2 nor NEON, no C compiler, M31R_KERNELS=eager) keep float weights.
 Never on CUDA: the int8/int4 kernels are CPU-only. Explicit choices always stand.
 """
 

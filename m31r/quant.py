@@ -11,13 +11,14 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
           slower); larger chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its
           output columns, 2.5x faster than aten's int8 kernel at 256 rows. With fp32 activations and the AVX2
-          kernel family (m31r/kernels_avx2.c: CPUs without native bf16), small row counts run its q16 kernel
+          kernel family (m31r/kernels_avx2.c: CPUs without native bf16; on Arm its NEON twin, m31r/kernels_neon.c),
+          small row counts run its q16 kernel
           (activations quantized to int16 in blocks of 32, integer dot products on the codes widened to int16)
           and larger chunks the fp32 GEMM on the codes widened to fp32.
   int4    4-bit codes in groups of `group_size` along K, a bf16 scale and zero per group (asymmetric, gpt-fast
           style: w = (q - 8) * scale + zero). Decode runs `aten._weight_int4pack_mm_for_cpu`; its packed layout
           depends on the CPU's vector width, so bundles store plain nibbles and packing happens at load. With
-          fp32 activations and the AVX2 family, decode runs its q8 int4 kernel on the plain nibbles.
+          fp32 activations and the AVX2 (or NEON) family, decode runs its q8 int4 kernel on the plain nibbles.
 
 In the quantized precisions the tied embedding is stored as int8 (one scale per vocabulary row): the lookup
 dequantizes the rows it needs and the LM head is an int8 matmul on the same bytes. An untied head (`output`, imported
@@ -202,7 +203,7 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros.transpose(0, 1)  # [N, K/group, 2]
         self._scale = sz[..., :1].contiguous()
         self._base = (sz[..., 1:].float() - 8 * sz[..., :1].float()).to(torch.bfloat16).contiguous()  # code 0
-        # The AVX2 family's kernel for fp32 activations below INT4_GEMM_ROWS, where the engine sets it (use_native).
+        # The AVX2 (NEON) family's kernel for fp32 activations below INT4_GEMM_ROWS, where the engine sets it.
         self.native: Kernels | None = None
         self._scale_f32: Tensor | None = None
         self._base_f32: Tensor | None = None

@@ -7,7 +7,8 @@ choice and M31R_KERNELS, the build cache, and engines running them.
 
 Each family's tests run where the CPU has its instructions and skip, saying so, where it does not: CI machines have
 AVX-512 and a C compiler (.ci/run installs one where missing) and run both families (AVX-512 CPUs have AVX2); a
-laptop without AVX-512 runs the AVX2 ones. Shapes are tiny: the whole module takes seconds."""
+laptop without AVX-512 runs the AVX2 ones, an Arm machine runs them on the neon family (test_native_neon.py
+runs that family on x86-64, under qemu-user). Shapes are tiny: the whole module takes seconds."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_m31r_kernels_picks_a_family_and_never_one_the_cpu_lacks(monkeypatch) ->
     monkeypatch.setenv("M31R_KERNELS", "eager")
     assert native.choose() == (None, "disabled by M31R_KERNELS=eager")
     monkeypatch.setenv("M31R_KERNELS", "sse9")
-    assert native.choose()[0] is None and "not one of auto, avx512, avx2vnni, avx2, eager" in native.choose()[1]
+    assert native.choose()[0] is None and "not one of auto, avx512, avx2vnni, avx2, neon, eager" in native.choose()[1]
     monkeypatch.setenv("M31R_KERNELS", "avx2")
     monkeypatch.setenv("M31R_NATIVE", "0")  # the older switch still turns them all off
     assert native.choose() == (None, "disabled by M31R_NATIVE=0")
@@ -362,10 +363,14 @@ def test_an_imported_shape_runs_both_kernels(tiny_config, tmp_path) -> None:
 
 
 # -- the AVX2 family: fp32 decode attention, q16 int8 and q8 int4 matmuls -------------------------------------------
+# On Arm machines the neon family (kernels_neon.c: the same functions, down to the bits) runs these tests; on x86-64
+# tests/test_native_neon.py runs it under qemu-user.
+
+FP32 = "neon" if native.platform.machine().lower() in ("aarch64", "arm64") else "avx2"  # the fp32 family to test
 
 
 def K2() -> native.Kernels:  # noqa: N802
-    return family("avx2")
+    return family(FP32)
 
 
 def _f32(lengths: list[int], heads: int, kv: int, hd: int, ahead: int = 0):
@@ -459,17 +464,17 @@ def test_avx2_int8_matmul_gives_a_row_the_same_bits_alone_and_batched(mode: str)
         K2().int8_mm(x[:, :48].contiguous(), codes[:, :48].contiguous(), scales, mode=mode)
 
 
-@pytest.mark.parametrize("name", ["avx2", "avx512"])
+@pytest.mark.parametrize("name", [FP32, "avx512"])
 def test_the_int8_self_check_passes_the_kernels_engines_run_and_fails_q8(name: str) -> None:
     """`int8_check` (what --quant auto relies on for fp32 engines) passes each family's engine kernel and fails the
-    avx2 family's q8 kernel, whose activation rounding is the accuracy problem it guards against."""
+    avx2 (neon) family's q8 kernel, whose activation rounding is the accuracy problem it guards against."""
+    family(name)  # skips where the CPU lacks the family
     kernels = native.Kernels(native.build(family=name), name)  # a private instance: int8_mode is switched below
     if name == "avx512" and not kernels.int8:
         pytest.skip("the AVX-512 int8 kernel needs AVX512-BF16")
-    family(name)  # skips where the CPU lacks the family
     ok, detail = kernels.int8_check()
     assert ok and detail.startswith("int8 self-check passed"), detail
-    if name == "avx2":
+    if name == FP32:
         kernels.int8_mode = "q8"
         ok, detail = kernels.int8_check()
         assert not ok and "self-check failed: error" in detail, detail
@@ -532,10 +537,10 @@ def test_an_fp32_engine_runs_the_avx2_kernels_close_to_the_eager_path(tiny_bundl
     row's arithmetic with the row count), and greedy generation is deterministic."""
     from m31r.quant import Int4Linear, Int8Linear
 
-    engine = _engine(tiny_bundle, "avx2", dtype="float32", quant=quant, group_size=32)
+    engine = _engine(tiny_bundle, FP32, dtype="float32", quant=quant, group_size=32)
     layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert engine.model.native is K2() and all(m.native is K2() for m in layers)
-    assert engine.kernel_report["kernels"] == "avx2" and engine.kernel_report["native_attention"]
+    assert engine.kernel_report["kernels"] == FP32 and engine.kernel_report["native_attention"]
     assert engine.kernel_report["native_int8"] == (quant is not None)
     assert engine.kernel_report["native_int4"] == (quant == "int4")
     if quant:
@@ -562,10 +567,10 @@ def test_a_tiny_int8_engine_on_q16_stays_close_to_fp32_activations_and_q8_does_n
     int8 weights on fp32 activations (the f32 kernel), ~100x closer than q8 activations; greedy tokens are fp32's."""
     from m31r.quant import Int8Linear
 
-    engine = _engine(tiny_bundle, "avx2", dtype="float32", quant="int8")
-    kernels = native.Kernels(native.build(family="avx2"), "avx2")  # a private instance: int8_mode is switched
+    engine = _engine(tiny_bundle, FP32, dtype="float32", quant="int8")
+    kernels = native.Kernels(native.build(family=FP32), FP32)  # a private instance: int8_mode is switched
     engine.use_kernels(kernels)
-    assert engine.kernel_report["native_int8"] and engine.kernel_report["int8_kernel"].startswith("avx2 q16")
+    assert engine.kernel_report["native_int8"] and engine.kernel_report["int8_kernel"].startswith(f"{FP32} q16")
     assert engine.kernel_report["int8_check"].startswith("int8 self-check passed")
     assert all(m.native is kernels for m in engine.model.modules() if isinstance(m, Int8Linear))
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
@@ -585,7 +590,7 @@ def test_a_tiny_int8_engine_on_q16_stays_close_to_fp32_activations_and_q8_does_n
 
 
 def test_a_bf16_engine_on_the_avx2_family_stays_eager_and_says_why(tiny_bundle) -> None:
-    engine = _engine(tiny_bundle, "avx2", dtype="bfloat16", quant="int8")
+    engine = _engine(tiny_bundle, FP32, dtype="bfloat16", quant="int8")
     report = engine.kernel_report
     assert not report["native_attention"] and not report["native_int8"]
-    assert report["kernels_why"] == "avx2 kernels take float32 activations, this engine runs bfloat16"
+    assert report["kernels_why"] == f"{FP32} kernels take float32 activations, this engine runs bfloat16"

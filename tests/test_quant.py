@@ -421,11 +421,13 @@ def kernel_env(monkeypatch):
     native.load.cache_clear()
 
 
-def _avx2_int8() -> bool:
-    """Whether the AVX2 family's int8 kernel can run here (it then passes its self-check: test_native)."""
+def _fp32_int8() -> str | None:
+    """The fp32 family (avx2, or neon on Arm) whose int8 kernel can run here (it then passes its self-check:
+    test_native), or None."""
     from m31r import native
 
-    return native.family_unsupported("avx2") is None and native.compiler() is not None
+    runs = [name for name in ("avx2", "neon") if native.family_unsupported(name) is None]
+    return runs[0] if runs and native.compiler() is not None else None
 
 
 def test_auto_precision_rules(kernel_env) -> None:
@@ -433,8 +435,8 @@ def test_auto_precision_rules(kernel_env) -> None:
     from m31r.precision import resolve
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    native_bf16, avx2 = fast_bf16(cpu), _avx2_int8()
-    fp32_quant = "int8" if avx2 else None  # fp32 activations: int8 only on the AVX2 q16 kernel, once it checks out
+    native_bf16, fp32 = fast_bf16(cpu), _fp32_int8()
+    fp32_quant = "int8" if fp32 else None  # fp32 activations: int8 only on a q16 kernel (AVX2, NEON) that checks out
     kernel_env(None)
     default = ("bfloat16", "int8") if native_bf16 else ("float32", fp32_quant)
     assert auto_precision(cpu, "auto", "auto", None) == default
@@ -446,24 +448,24 @@ def test_auto_precision_rules(kernel_env) -> None:
     assert auto_precision(cpu, "float16", "auto", None) == ("float16", None)
     assert auto_precision(cuda, "auto", "auto", None) == ("bfloat16", None)  # the int8/int4 kernels are CPU-only
     assert resolve(cpu, "float32", "int8", None).why == ""  # nothing was auto
-    if avx2:
+    if fp32:
         from m31r import native
 
         why = resolve(cpu, "float32", "auto", None).why
-        name = native.load(torch.float32).name  # avx2vnni where the CPU has AVX-VNNI (test_native_vnni), else avx2
+        name = native.load(torch.float32).name  # avx2vnni where the CPU has AVX-VNNI (test_native_vnni), else fp32
         assert why == f"int8 weights: the {name} int8 kernel (q16 activations) passed its self-check"
     # eager: fp32 engines have no int8 kernel worth running, bf16 ones keep torch's int8 kernel
     kernel_env("eager")
     assert auto_precision(cpu, "float32", "auto", None) == ("float32", None)
     assert auto_precision(cpu, "auto", "auto", None) == (("bfloat16", "int8") if native_bf16 else ("float32", None))
     assert "disabled by M31R_KERNELS=eager" in resolve(cpu, "float32", "auto", None).why
-    if not avx2:
+    if not fp32:
         return
-    # a forced AVX2 family serves as an AVX2 machine would, whatever else the CPU has
-    kernel_env("avx2")
+    # a forced AVX2 (NEON) family serves as an AVX2 machine would, whatever else the CPU has
+    kernel_env(fp32)
     p = resolve(cpu, "auto", "auto", None)
     assert (p.dtype, p.quant) == ("float32", "int8")
-    assert p.why.startswith("dtype float32: the avx2 kernels M31R_KERNELS forces take it; int8 weights: ")
+    assert p.why.startswith(f"dtype float32: the {fp32} kernels M31R_KERNELS forces take it; int8 weights: ")
     assert auto_precision(cpu, "bfloat16", "auto", None) == ("bfloat16", "int8")
     assert auto_precision(cpu, "auto", "auto", "int4") == ("float32", "int4")
     # and where the kernel fails its check (here: switched to q8 activations), float weights
@@ -479,14 +481,15 @@ def test_auto_precision_rules(kernel_env) -> None:
 
 
 def test_a_forced_avx2_engine_resolves_auto_to_int8_on_q16_and_says_why(tiny_bundle: Bundle, kernel_env) -> None:
-    if not _avx2_int8():
-        pytest.skip("the AVX2 kernels cannot run here")
-    kernel_env("avx2")
+    fp32 = _fp32_int8()
+    if not fp32:
+        pytest.skip("neither the AVX2 nor the NEON kernels can run here")
+    kernel_env(fp32)
     engine = Engine(tiny_bundle.path, dtype="auto", quant="auto")
     assert engine.dtype == torch.float32 and engine.quant == "int8"
     report = engine.kernel_report
-    assert report["kernels"] == "avx2" and report["native_int8"] and report["native_attention"]
-    assert report["int8_kernel"].startswith("avx2 q16") and report["int8_check"].startswith("int8 self-check passed")
+    assert report["kernels"] == fp32 and report["native_int8"] and report["native_attention"]
+    assert report["int8_kernel"].startswith(f"{fp32} q16") and report["int8_check"].startswith("int8 self-check passed")
     assert "M31R_KERNELS forces" in report["precision_why"] and "passed its self-check" in report["precision_why"]
     assert [t.id for t in engine.generate("fn main() {", max_tokens=4)]
 

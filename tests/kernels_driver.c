@@ -1,0 +1,160 @@
+/* A test driver for the fp32 kernel families (m31r/kernels_avx2.c, m31r/kernels_neon.c): it calls their exported
+ * functions on arrays read from files and writes the results to files, so that tests/test_native_neon.py can run
+ * the same calls on a build for this machine and on cross-compiled Arm builds under qemu-user, where ctypes cannot
+ * reach.
+ *
+ * Commands come on stdin, one a line (the arrays are raw little-endian files of exactly the size the shapes imply);
+ * each prints one line, "rc N" with the kernel's return value, or "error ..." for a malformed line or file:
+ *   variant                                                  prints "dotprod 1", "dotprod 0" (NEON), "dotprod -1"
+ *   int8 MODE M N K x w scale y                              MODE q16, q8 or f32; x fp32 [M,K], w int8 [N,K],
+ *                                                            scale bf16 [N]; writes y fp32 [M,N]
+ *   int4 M N K G x w scale base y                            w uint8 [N,K/2], scale/base fp32 [N,K/G]
+ *   attend ROWS HEADS KV HD SCALE q knew vnew k v cap len out kout vout
+ *        SCALE a C float (hex is exact); k/v all rows' caches one after the other, row r [KV, cap[r], HD]; cap/len
+ *        int32 [ROWS]; writes out [ROWS, HEADS, HD] and the caches as the call left them to kout/vout.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
+                           const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                           const int32_t* len, float scale, float* out);
+int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
+int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
+int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
+int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
+                    const float* base, float* y);
+int m31r_neon_dotprod(void) __attribute__((weak)); /* the NEON family's only */
+
+#define MAX_ARGS 24
+
+/* The whole file, which must hold exactly `size` bytes; NULL (and a message on stdout) otherwise. */
+static void* slurp(const char* path, long size) {
+  FILE* f = fopen(path, "rb");
+  if (!f) {
+    printf("error cannot open %s\n", path);
+    return NULL;
+  }
+  void* buf = malloc(size > 0 ? size : 1);
+  long got = buf ? (long)fread(buf, 1, size, f) : -1;
+  int extra = fgetc(f) != EOF;
+  fclose(f);
+  if (got != size || extra) {
+    printf("error %s does not hold %ld bytes\n", path, size);
+    free(buf);
+    return NULL;
+  }
+  return buf;
+}
+
+static int spill(const char* path, const void* buf, long size) {
+  FILE* f = fopen(path, "wb");
+  int ok = f && (long)fwrite(buf, 1, size, f) == size;
+  if (f) ok = (fclose(f) == 0) && ok;
+  if (!ok) printf("error cannot write %s\n", path);
+  return ok;
+}
+
+static void int8_cmd(char** a, int n) {
+  if (n != 9) {
+    printf("error int8 takes 8 arguments\n");
+    return;
+  }
+  const int M = atoi(a[2]), N = atoi(a[3]), K = atoi(a[4]);
+  int (*fn)(int, int, int, const float*, const int8_t*, const uint16_t*, float*) =
+      !strcmp(a[1], "q16") ? m31r_int8_mm_q16 : !strcmp(a[1], "q8") ? m31r_int8_mm_q8
+                                              : !strcmp(a[1], "f32") ? m31r_int8_mm_f32 : NULL;
+  if (!fn) {
+    printf("error no int8 mode %s\n", a[1]);
+    return;
+  }
+  float* x = slurp(a[5], 4L * M * K);
+  int8_t* w = x ? slurp(a[6], (long)N * K) : NULL;
+  uint16_t* s = w ? slurp(a[7], 2L * N) : NULL;
+  float* y = calloc((size_t)M * N + 1, 4);
+  if (s) {
+    int rc = fn(M, N, K, x, w, s, y);
+    if (spill(a[8], y, 4L * M * N)) printf("rc %d\n", rc);
+  }
+  free(x), free(w), free(s), free(y);
+}
+
+static void int4_cmd(char** a, int n) {
+  if (n != 10) {
+    printf("error int4 takes 9 arguments\n");
+    return;
+  }
+  const int M = atoi(a[1]), N = atoi(a[2]), K = atoi(a[3]), G = atoi(a[4]);
+  const long groups = G > 0 ? (long)N * (K / G) : 0;
+  float* x = slurp(a[5], 4L * M * K);
+  uint8_t* w = x ? slurp(a[6], (long)N * (K / 2)) : NULL;
+  float* s = w ? slurp(a[7], 4 * groups) : NULL;
+  float* b = s ? slurp(a[8], 4 * groups) : NULL;
+  float* y = calloc((size_t)M * N + 1, 4);
+  if (b) {
+    int rc = m31r_int4_mm_q8(M, N, K, G, x, w, s, b, y);
+    if (spill(a[9], y, 4L * M * N)) printf("rc %d\n", rc);
+  }
+  free(x), free(w), free(s), free(b), free(y);
+}
+
+static void attend_cmd(char** a, int n) {
+  if (n != 16) {
+    printf("error attend takes 15 arguments\n");
+    return;
+  }
+  const int rows = atoi(a[1]), heads = atoi(a[2]), kv = atoi(a[3]), hd = atoi(a[4]);
+  const float scale = strtof(a[5], NULL);
+  int32_t* cap = slurp(a[11], 4L * rows);
+  int32_t* len = cap ? slurp(a[12], 4L * rows) : NULL;
+  if (!len) {
+    free(cap);
+    return;
+  }
+  long total = 0;
+  for (int r = 0; r < rows; ++r) total += (long)kv * cap[r] * hd;
+  float* q = slurp(a[6], 4L * rows * heads * hd);
+  float* kn = q ? slurp(a[7], 4L * rows * kv * hd) : NULL;
+  float* vn = kn ? slurp(a[8], 4L * rows * kv * hd) : NULL;
+  float* k = vn ? slurp(a[9], 4 * total) : NULL;
+  float* v = k ? slurp(a[10], 4 * total) : NULL;
+  float* out = calloc((size_t)rows * heads * hd + 1, 4);
+  int64_t* kp = calloc(rows + 1, 8);
+  int64_t* vp = calloc(rows + 1, 8);
+  if (v) {
+    long at = 0;
+    for (int r = 0; r < rows; ++r) {
+      kp[r] = (int64_t)(intptr_t)(k + at);
+      vp[r] = (int64_t)(intptr_t)(v + at);
+      at += (long)kv * cap[r] * hd;
+    }
+    int rc = m31r_attend_decode_f32(rows, heads, kv, hd, q, kn, vn, kp, vp, cap, len, scale, out);
+    if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
+      printf("rc %d\n", rc);
+  }
+  free(cap), free(len), free(q), free(kn), free(vn), free(k), free(v), free(out), free(kp), free(vp);
+}
+
+int main(void) {
+  char line[8192];
+  while (fgets(line, sizeof line, stdin)) {
+    char* a[MAX_ARGS];
+    int n = 0;
+    for (char* t = strtok(line, " \t\r\n"); t && n < MAX_ARGS; t = strtok(NULL, " \t\r\n")) a[n++] = t;
+    if (n == 0) continue;
+    if (!strcmp(a[0], "variant"))
+      printf("dotprod %d\n", m31r_neon_dotprod ? m31r_neon_dotprod() : -1);
+    else if (!strcmp(a[0], "int8"))
+      int8_cmd(a, n);
+    else if (!strcmp(a[0], "int4"))
+      int4_cmd(a, n);
+    else if (!strcmp(a[0], "attend"))
+      attend_cmd(a, n);
+    else
+      printf("error unknown command %s\n", a[0]);
+    fflush(stdout);
+  }
+  return 0;
+}

@@ -1,0 +1,544 @@
+"""The neon family (m31r/kernels_neon.c), tested where no Arm machine is: cross-compiled with aarch64-linux-gnu-gcc
+and run under qemu-user through a small C driver (tests/kernels_driver.c, which calls the kernels on arrays read
+from files), once built with the dot-product extension (run on qemu's `max` CPU, which has it) and once without (run
+on an emulated Cortex-A53, which lacks it: the plain build must not need it). The same driver built for this machine
+against kernels_avx2.c checks the driver and gives the bits the neon builds must reproduce.
+
+Each product against float64: int8 within the bound of its q16 activations (the AVX2 tests' bound) and, given its
+quantized activations, exact up to fp32 accumulation; int4 likewise on q8 activations, reading the even column from
+the low nibble; decode attention with grouped-query heads within 1e-5. Rows get the same bits alone or batched, and
+all builds the same bits. Then how native.py picks and builds the family on Arm machines, simulated.
+
+Linux x86-64 (CI) must have the tools: a missing one is a failure naming the Debian packages, so CI cannot pass by
+skipping (.ci/run installs them). Shapes are tiny: qemu is slow."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from m31r import native
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "kernels_driver.c"
+CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+PACKAGES = "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
+ENV = {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "passive"}  # more threads than CI's cores: another split of work
+
+
+def _x86_linux() -> bool:
+    return sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def require_cross_tools() -> None:
+    """The cross compiler and qemu-user: a failure on x86-64 Linux where they are not installed, skipped where these
+    Debian packages do not apply."""
+    if not _x86_linux():
+        pytest.skip(f"cross-testing the neon kernels runs on x86-64 Linux (this is {sys.platform} "
+                    f"{platform.machine()})")
+    missing = [tool for tool in (CROSS_CC, QEMU) if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not installed: apt-get install --no-install-recommends {PACKAGES} "
+                    "(Debian/Ubuntu; .ci/run does)")
+
+
+@dataclass(frozen=True)
+class Build:
+    name: str
+    argv: tuple[str, ...]  # how to run the driver
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: Path, out_dir: Path, name: str) -> Path:
+    """The driver linked with one kernel source, cached by sources, compiler and flags (a build takes seconds)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([DRIVER.read_text(), source.read_text(), cc, version, *flags]).encode())
+    target = out_dir / f"driver-{name}-{key.hexdigest()[:16]}"
+    if not target.exists():
+        tmp = target.with_suffix(".tmp")
+        done = subprocess.run([cc, *flags, str(DRIVER), str(source), "-lm", "-o", str(tmp)], capture_output=True,
+                              text=True, check=False)
+        assert done.returncode == 0, f"{cc} failed: {done.stderr[-3000:]}"
+        tmp.replace(target)
+    return target
+
+
+def _driver_flags(family: str, cpu_flags: set[str]) -> tuple[str, ...]:
+    """The flags native.py builds the family with for such a CPU, for an executable instead of a shared library."""
+    return tuple(f for f in native.flags_for(native.FAMILIES[family], cpu_flags, "linux")
+                 if f not in ("-shared", "-fPIC"))
+
+
+@pytest.fixture(scope="module")
+def builds(pytestconfig, tmp_path_factory) -> dict[str, Build]:
+    """neon+dotprod and neon (always, under qemu), and avx2 for this machine where its CPU runs that family."""
+    require_cross_tools()
+    cache = getattr(pytestconfig, "cache", None)
+    out = cache.mkdir("kernels-drivers") if cache is not None else tmp_path_factory.mktemp("drivers")
+    neon = native.FAMILIES["neon"].source
+    found = {
+        "neon+dotprod": Build("neon+dotprod", (QEMU, "-cpu", "max", str(_compile(
+            CROSS_CC, (*_driver_flags("neon", {"asimd", "asimddp"}), "-static"), neon, out, "neon-dotprod")))),
+        "neon": Build("neon", (QEMU, "-cpu", "cortex-a53", str(_compile(
+            CROSS_CC, (*_driver_flags("neon", {"asimd"}), "-static"), neon, out, "neon")))),
+    }
+    if native.family_unsupported("avx2") is None and native.compiler() is not None:
+        found["avx2"] = Build("avx2", (str(_compile(native.compiler(), _driver_flags("avx2", set()),
+                                                    native.FAMILIES["avx2"].source, out, "avx2")),))
+    return found
+
+
+def _no_core() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def run_driver(build: Build, lines: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(build.argv, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ENV}, preexec_fn=_no_core, check=False)
+    if check:
+        assert done.returncode == 0, f"{build.name}: driver exited {done.returncode}: {done.stderr[-2000:]}"
+    return done
+
+
+class Calls:
+    """Kernel calls whose inputs are written to files once, then run on each build in one process (qemu starts
+    cost more than these tiny products)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.lines: list[str] = []
+        self.outputs: list[list[tuple[str, np.dtype, tuple[int, ...]]]] = []  # per call: (name, dtype, shape)
+        self._n = 0
+
+    def file(self, t: torch.Tensor) -> str:
+        self._n += 1
+        path = self.folder / f"in{self._n}.bin"
+        t = t.contiguous()
+        (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tofile(path)
+        return str(path)
+
+    def _add(self, line: str, outputs: list[tuple[str, np.dtype, tuple[int, ...]]]) -> int:
+        self.lines.append(line)
+        self.outputs.append(outputs)
+        return len(self.lines) - 1
+
+    def int8(self, mode: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> int:
+        (m, k), n = x.shape, codes.shape[0]
+        return self._add(f"int8 {mode} {m} {n} {k} {self.file(x)} {self.file(codes)} {self.file(scales)} @y",
+                         [("y", np.float32, (m, n))])
+
+    def int4(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, group: int) -> int:
+        (m, k), n = x.shape, codes.shape[0]
+        return self._add(f"int4 {m} {n} {k} {group} {self.file(x)} {self.file(codes)} {self.file(scale)} "
+                         f"{self.file(base)} @y", [("y", np.float32, (m, n))])
+
+    def attend(self, q, knew, vnew, k: list[torch.Tensor], v: list[torch.Tensor], lengths: list[int]) -> int:
+        """q [rows, heads, hd], knew/vnew [rows, kv, hd]; row r's caches k[r]/v[r] [kv, cap_r, hd]."""
+        rows, heads, hd = q.shape
+        kv = knew.shape[1]
+        cap = torch.tensor([c.shape[1] for c in k], dtype=torch.int32)
+        size = int(sum(c.numel() for c in k))
+        scale = float(np.float32(hd**-0.5)).hex()
+        files = [self.file(t) for t in (q, knew, vnew, torch.cat([c.flatten() for c in k]),
+                                        torch.cat([c.flatten() for c in v]), cap,
+                                        torch.tensor(lengths, dtype=torch.int32))]
+        return self._add(f"attend {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
+                         [("out", np.float32, (rows, heads, hd)), ("k", np.float32, (size,)),
+                          ("v", np.float32, (size,))])
+
+    def run(self, build: Build) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Per call: (the kernel's return value, its outputs)."""
+        out_dir = self.folder / build.name
+        out_dir.mkdir(exist_ok=True)
+        lines = [" ".join(str(out_dir / f"{i}-{w[1:]}.bin") if w.startswith("@") else w for w in line.split())
+                 for i, line in enumerate(self.lines)]
+        printed = run_driver(build, lines).stdout.splitlines()
+        assert len(printed) == len(lines) and all(p.startswith("rc ") for p in printed), (build.name, printed[:5])
+        results = []
+        for i, (said, outputs) in enumerate(zip(printed, self.outputs, strict=True)):
+            arrays = {name: torch.from_numpy(np.fromfile(out_dir / f"{i}-{name}.bin", dtype).reshape(shape))
+                      for name, dtype, shape in outputs}
+            results.append((int(said.split()[1]), arrays))
+        return results
+
+
+def run_all(calls: Calls, builds: dict[str, Build]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Every build's results; they must be the same bits (neon reproduces avx2's arithmetic exactly, with or without
+    the dot-product extension). Returns one build's."""
+    results = {name: calls.run(build) for name, build in builds.items()}
+    first = results["neon+dotprod"]
+    for name, res in results.items():
+        for i, ((rc, arrays), (rc0, arrays0)) in enumerate(zip(res, first, strict=True)):
+            assert rc == rc0, (name, calls.lines[i])
+            for key in arrays:
+                same = np.array_equal(arrays[key].numpy().view(np.uint32), arrays0[key].numpy().view(np.uint32))
+                assert same, f"{name} and neon+dotprod differ in {key} of: {calls.lines[i][:60]}"
+    return first
+
+
+# -- the builds ------------------------------------------------------------------------------------------------
+
+
+def test_the_builds_are_what_they_claim_and_the_plain_one_needs_no_dot_products(builds, tmp_path) -> None:
+    """The library reports its variant (native.Kernels.dotprod); the dotprod build really runs sdot (a CPU without
+    the extension stops it), while the plain build has just run on such a CPU."""
+    said = {name: run_driver(b, ["variant"]).stdout.strip() for name, b in builds.items()}
+    assert said["neon+dotprod"] == "dotprod 1" and said["neon"] == "dotprod 0"
+    assert said.get("avx2", "dotprod -1") == "dotprod -1"
+    calls = Calls(tmp_path)
+    x, codes, scales = _x32(2, 64, seed=1), *_int8_weights(8, 64, seed=1)
+    calls.int8("q8", x, codes, scales)
+    plain = calls.run(builds["neon"])
+    assert plain[0][0] == 0 and plain[0][1]["y"].abs().sum() > 0
+    argv = builds["neon+dotprod"].argv
+    on_a53 = Build("dotprod-on-a53", (argv[0], "-cpu", "cortex-a53", *argv[3:]))
+    line = calls.lines[0].replace("@y", str(tmp_path / "y.bin"))
+    stopped = run_driver(on_a53, [line], check=False)
+    assert stopped.returncode in (-4, 132), (stopped.returncode, stopped.stderr[-500:])  # SIGILL
+
+
+def test_the_driver_reports_bad_input_instead_of_reading_past_it(builds, tmp_path) -> None:
+    short = tmp_path / "short.bin"
+    np.zeros(3, np.float32).tofile(short)
+    for build in builds.values():
+        out = run_driver(build, [f"int8 q16 1 8 32 {short} {short} {short} {tmp_path / 'y.bin'}", "frobnicate",
+                                 "int8 q4 1 8 32 a b c d"]).stdout.splitlines()
+        assert out[0] == f"error {short} does not hold 128 bytes"
+        assert out[1:] == ["error unknown command frobnicate", "error no int8 mode q4"]
+
+
+# -- int8 ------------------------------------------------------------------------------------------------------
+
+
+def _x32(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen) * (torch.rand(m, k, generator=gen) * 3)  # uneven magnitudes
+
+
+def _int8_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from m31r.quant import quantize_int8
+
+    return quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 100)) * 0.05)
+
+
+def quantized(x: torch.Tensor, top: int, order: torch.Tensor | None = None) -> torch.Tensor:
+    """x as the kernels round it, in float64: per block of 32, scale = max|x| / top and codes round(x / scale) to the
+    nearest even, computed in fp32 as the C code does (x * (top / max|x|)). Only the scale term is rounded."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    mx = xb.abs().amax(-1)
+    d = mx / top
+    inv = torch.where(mx > 0, top / mx, torch.zeros_like(mx))
+    codes = torch.round(xb * inv[..., None]).clamp(-top, top)
+    return (codes.double() * d.double()[..., None]).view(m, k)
+
+
+def fp32_noise(k: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation error of a product of a [M, K] and b [N, K] summed in blocks of 32 (one rounding per block
+    in each lane, the lanes' fold and the scales): a bound, relative to the sum of |terms|."""
+    return (k / 32 + 8) * 2.0**-24 * (a.double().abs() @ b.double().abs().T)
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (24, 96), (64, 1024), (200, 512)])
+def test_int8_is_exact_on_its_quantized_activations_and_within_the_avx2_bound(builds, tmp_path, n: int,
+                                                                               k: int) -> None:
+    """q16 (what engines run) and q8: the integer block sums are exact, so against the float64 product of the
+    activations as rounded, only fp32 accumulation remains; against the exact product the error stays within
+    int8_error_bound (the AVX2 tests' bound). f32 widens the codes: fp32 rounding only."""
+    from m31r.quant import dequantize_int8
+
+    x = _x32(11, k, seed=n)
+    codes, scales = _int8_weights(n, k, seed=k)
+    w = dequantize_int8(codes, scales)
+    calls = Calls(tmp_path)
+    for mode in ("q16", "q8", "f32"):
+        calls.int8(mode, x, codes, scales)
+    calls.int8("q16", _x32(11, 48, seed=0), torch.ones(n, 48, dtype=torch.int8), scales)  # K not in blocks of 32
+    if n > 8:
+        calls.int8("q16", x, codes[:12].contiguous(), scales[:12].contiguous())  # N not in blocks of 8
+    (rc16, y16), (rc8, y8), (rcf, yf), (rc48, _), *rest = run_all(calls, builds)
+    assert rc16 == rc8 == rcf == 0 and rc48 == 1 and all(rc == 1 for rc, _ in rest)
+    exact = x.double() @ w.double().T
+    for mode, top, y in (("q16", 32767, y16["y"]), ("q8", 127, y8["y"])):
+        rounded = quantized(x, top)
+        err = (y.double() - rounded @ w.double().T).abs()
+        assert (err <= fp32_noise(k, rounded, w)).all(), mode
+        assert ((y.double() - exact).abs() <= native.int8_error_bound("neon", x, w, mode)).all(), mode
+    assert ((y8["y"].double() - exact).abs() / native.int8_error_bound("neon", x, w)).max() > 10  # q8 is coarser
+    assert (yf["y"].double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_int8_block_sums_are_exact_at_the_largest_codes(builds, tmp_path) -> None:
+    """Activations of equal magnitude throughout (every q16 code ±32767, q8 ±127) against codes ±127 of the same
+    sign: every product is the largest it can be and all add up. An int16 accumulator would overflow and an int32
+    lane summing more than 4 such products would round on its way to fp32; the result must be the float64 one."""
+    gen = torch.Generator().manual_seed(7)
+    k, n = 256, 16
+    signs = torch.randint(0, 2, (1, k), generator=gen).float() * 2 - 1
+    x = torch.cat([signs * 3.0, -signs * 0.5, signs * torch.linspace(0.25, 8, k).view(1, k).floor()])
+    codes = (signs * 127).to(torch.int8).expand(n, k).contiguous()
+    scales = torch.full((n,), 0.01).to(torch.bfloat16)
+    w = codes.double() * scales.double()[:, None]
+    calls = Calls(tmp_path)
+    calls.int8("q16", x, codes, scales)
+    calls.int8("q8", x, codes, scales)
+    (_, y16), (_, y8) = run_all(calls, builds)
+    for top, y in ((32767, y16["y"]), (127, y8["y"])):
+        rounded = quantized(x, top)
+        assert (rounded[:2].abs() == rounded[:2].abs()[:, :1]).all()  # the largest codes everywhere
+        ref = rounded @ w.T
+        assert ((y.double() - ref).abs() <= fp32_noise(k, rounded, w)).all(), top
+
+
+@pytest.mark.parametrize("mode", ["q16", "q8", "f32", "int4"])
+def test_a_row_gets_the_same_bits_alone_and_batched(builds, tmp_path, mode: str) -> None:
+    """1 to 8 rows (each its own tile shape) and 17 (two blocks of 8 and one), against the same rows in a batch of
+    17, and the batch in another order."""
+    x = _x32(17, 256, seed=3)
+    calls = Calls(tmp_path)
+    order = torch.randperm(17, generator=torch.Generator().manual_seed(0))
+    if mode == "int4":
+        codes4, scale, base = _int4_weights(48, 256, 64, seed=3)
+    else:
+        codes8, scales8 = _int8_weights(40, 256, seed=3)
+
+    def call(rows: torch.Tensor) -> None:
+        if mode == "int4":
+            calls.int4(rows, codes4, scale, base, 64)
+        else:
+            calls.int8(mode, rows, codes8, scales8)
+
+    call(x)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 17):
+        call(x[-m:].contiguous())
+    call(x[order].contiguous())
+    (_, full), *parts, (_, shuffled) = run_all(calls, builds)
+    for m, (rc, part) in zip((1, 2, 3, 4, 5, 6, 7, 8, 17), parts, strict=True):
+        assert rc == 0 and torch.equal(part["y"], full["y"][-m:]), m
+    assert torch.equal(shuffled["y"], full["y"][order])
+
+
+# -- int4 ------------------------------------------------------------------------------------------------------
+
+
+def _int4_weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K/2] as quant.quantize_int4 packs them, and fp32 scale and base (the value of code 0) [N, K/group]
+    as Int4Linear.use_native hands them to the kernel."""
+    from m31r.quant import quantize_int4
+
+    codes, sz = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, group)
+    sz = sz.float()  # [K/group, N, 2]
+    return codes, sz[..., 0].t().contiguous(), (sz[..., 1] - 8 * sz[..., 0]).t().contiguous()
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 64, 32), (32, 128, 64), (64, 1024, 64), (48, 512, 128)])
+def test_int4_is_the_product_of_its_q8_activations(builds, tmp_path, n: int, k: int, group: int) -> None:
+    """Codes and group scales enter exactly and the zero points multiply the plain fp32 sum of x: against the
+    float64 product of the rounded activations only fp32 accumulation remains, and against the exact product the
+    error stays within the AVX2 tests' bound."""
+    from m31r.quant import unpack_int4
+
+    codes, scale, base = _int4_weights(n, k, group, seed=n)
+    x = _x32(11, k, seed=k)
+    calls = Calls(tmp_path)
+    calls.int4(x, codes, scale, base, group)
+    calls.int4(x[:, :48].contiguous(), codes[:, :24].contiguous(), scale[:, :1].contiguous(),
+               base[:, :1].contiguous(), 48)  # groups of 48: refused
+    (rc, y), (rc48, _) = run_all(calls, builds)
+    assert rc == 0 and rc48 == 1
+    q = unpack_int4(codes).double()
+    qs = q * scale.double().repeat_interleave(group, 1)  # the scale term of each weight
+    bs = base.double().repeat_interleave(group, 1)
+    rounded = quantized(x, 127)
+    ref = rounded @ qs.T + x.double() @ bs.T
+    noise = (k / 32 + 8 + group) * 2.0**-24 * (rounded.abs() @ qs.abs().T + x.double().abs() @ bs.abs().T)
+    assert ((y["y"].double() - ref).abs() <= noise).all()
+    exact = x.double() @ (qs + bs).T
+    bound = native.int8_error_bound("neon", x, scale.repeat_interleave(group, 1) * 15, "q8") + 1e-5 * exact.abs().max()
+    assert ((y["y"].double() - exact).abs() <= bound).all()
+
+
+def test_int4_reads_the_even_column_from_the_low_nibble(builds, tmp_path) -> None:
+    """Rows of x that pick one column each (even, odd, at block and group edges) return that column of the weights:
+    each byte's two nibbles differ, so a swapped order would return the neighbour's."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, group = 16, 128, 64
+    lo = torch.randint(0, 16, (n, k // 2), generator=gen)
+    hi = (lo + torch.randint(1, 16, (n, k // 2), generator=gen)) % 16
+    codes = (lo | (hi << 4)).to(torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    base = torch.randn(n, k // group, generator=gen) * 0.1
+    w = torch.stack([lo, hi], -1).view(n, k).double() * scale.double().repeat_interleave(group, 1) \
+        + base.double().repeat_interleave(group, 1)
+    cols = [0, 1, 2, 31, 32, 33, 63, 64, 65, 127]
+    x = torch.zeros(len(cols), k)
+    for i, c in enumerate(cols):
+        x[i, c] = 1.0
+    calls = Calls(tmp_path)
+    calls.int4(x, codes, scale, base, group)
+    ((rc, y),) = run_all(calls, builds)
+    assert rc == 0
+    for i, c in enumerate(cols):
+        got = y["y"][i].double()
+        assert (got - w[:, c]).abs().max() <= 1e-6 * w.abs().max(), c
+        assert (got - w[:, c ^ 1]).abs().max() > 1e-3, c  # the other nibble of the byte is another weight
+
+
+# -- decode attention ------------------------------------------------------------------------------------------
+
+
+def _caches(lengths: list[int], kv: int, hd: int, ahead: int, seed: int) -> tuple[list[torch.Tensor], ...]:
+    """Per row, k and v [kv, len + ahead, hd]: random up to the new token's position, NaN from there on (the kernel
+    writes the new token before it reads, and never reads past it)."""
+    gen = torch.Generator().manual_seed(seed)
+    ks, vs = [], []
+    for n in lengths:
+        for out in (ks, vs):
+            c = torch.randn(kv, n + ahead, hd, generator=gen)
+            c[:, n - 1 :] = float("nan")
+            out.append(c)
+    return ks, vs
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 attention of q [heads, hd] over k/v [kv, n, hd]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    p = torch.softmax((q.double()[:, None, :] * q.shape[-1] ** -0.5 * k).sum(-1), dim=-1)
+    return (p[:, :, None] * v).sum(1)
+
+
+@pytest.mark.parametrize(("heads", "kv", "hd"), [(16, 16, 64), (8, 2, 64), (4, 1, 128), (6, 3, 24), (2, 2, 8)])
+def test_decode_attention_with_grouped_heads_matches_float64(builds, tmp_path, heads: int, kv: int, hd: int) -> None:
+    """Each row writes its new key and value at its last position (and nothing else), then attends over its own
+    cache: within 1e-5 of float64 (the AVX2 tests' bound), reading nothing past its context (NaN there), and with
+    the same bits alone as batched."""
+    lengths = [1, 7, 8, 9, 17, 64, 65, 300]
+    ks, vs = _caches(lengths, kv, hd, ahead=5, seed=hd)
+    gen = torch.Generator().manual_seed(heads)
+    q, knew, vnew = (torch.randn(len(lengths), h, hd, generator=gen) * 2 for h in (heads, kv, kv))
+    calls = Calls(tmp_path)
+    calls.attend(q, knew, vnew, ks, vs, lengths)
+    for r in range(len(lengths)):
+        calls.attend(q[r : r + 1], knew[r : r + 1], vnew[r : r + 1], ks[r : r + 1], vs[r : r + 1], lengths[r : r + 1])
+    (rc, batch), *alone = run_all(calls, builds)
+    assert rc == 0
+    at = 0
+    for r, n in enumerate(lengths):
+        size = ks[r].numel()
+        for name, before, new in (("k", ks[r], knew[r]), ("v", vs[r], vnew[r])):
+            after = batch[name][at : at + size].view(ks[r].shape)
+            expected = before.clone()
+            expected[:, n - 1] = new
+            assert np.array_equal(after.numpy().view(np.uint32), expected.numpy().view(np.uint32)), (name, r)
+        ref = _reference(q[r], batch["k"][at : at + size].view(ks[r].shape)[:, :n],
+                         batch["v"][at : at + size].view(vs[r].shape)[:, :n])
+        out = batch["out"][r]
+        assert torch.isfinite(out).all() and (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5, n
+        assert alone[r][0] == 0 and torch.equal(alone[r][1]["out"][0], out), n
+        at += size
+    assert not torch.equal(batch["out"][0], batch["out"][1])
+
+
+def test_decode_attention_refuses_what_it_does_not_take_and_leaves_the_caches(builds, tmp_path) -> None:
+    """Head sizes off the multiples of 8 or above 256, heads not a multiple of kv heads, a context longer than its
+    cache: nonzero, and nothing written."""
+    calls = Calls(tmp_path)
+    for heads, kv, hd, lengths, cap in ((4, 4, 20, [10], 12), (4, 4, 264, [3], 4), (6, 4, 16, [5], 8),
+                                        (2, 2, 16, [9], 8)):
+        gen = torch.Generator().manual_seed(hd)
+        ks = [torch.randn(kv, cap, hd, generator=gen)]
+        vs = [torch.randn(kv, cap, hd, generator=gen)]
+        q, knew, vnew = (torch.randn(1, h, hd, generator=gen) for h in (heads, kv, kv))
+        calls.attend(q, knew, vnew, ks, vs, lengths)
+    for i, (rc, out) in enumerate(run_all(calls, builds)):
+        assert rc == 1, calls.lines[i][:40]
+        written = [np.fromfile(p, np.float32) for p in calls.lines[i].split()[9:11]]
+        assert np.array_equal(out["k"].numpy(), written[0]) and np.array_equal(out["v"].numpy(), written[1])
+
+
+# -- native.py on Arm machines (simulated) ---------------------------------------------------------------------
+
+
+def _arm(monkeypatch, flags: set[str], system: str = "linux", machine: str = "aarch64") -> None:
+    """native.py as it sees an Arm machine: its OS, architecture, CPU flags and torch's capability level."""
+    monkeypatch.setattr(native, "sys", SimpleNamespace(platform=system))
+    monkeypatch.setattr(native, "platform", SimpleNamespace(machine=lambda: machine))
+    monkeypatch.setattr(native, "cpu_info", lambda: ("an Arm CPU", flags, machine.lower()))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # torch's level on aarch64
+
+
+def test_an_arm_cpu_runs_the_neon_family_and_no_x86_one(monkeypatch) -> None:
+    monkeypatch.delenv("M31R_NATIVE", raising=False)
+    monkeypatch.delenv("M31R_KERNELS", raising=False)
+    _arm(monkeypatch, {"fp", "asimd", "asimddp"})
+    assert native.family_unsupported("neon") is None
+    assert native.family_unsupported("avx2") == "x86-64 only (this is aarch64)"
+    assert native.choose() == (native.FAMILIES["neon"], "the widest family this CPU runs")
+    assert native.choose(torch.float32)[0] is native.FAMILIES["neon"]
+    monkeypatch.setenv("M31R_KERNELS", "neon")
+    assert native.forced() is native.FAMILIES["neon"]
+    assert native.choose() == (native.FAMILIES["neon"], "forced by M31R_KERNELS=neon")
+    monkeypatch.setenv("M31R_KERNELS", "avx512")
+    assert native.choose() == (None, "M31R_KERNELS=avx512, but x86-64 only (this is aarch64)")
+    _arm(monkeypatch, {"fp"})  # features read, never assumed
+    assert native.family_unsupported("neon") == "the CPU lacks asimd"
+    _arm(monkeypatch, {"asimd"}, system="darwin", machine="arm64")
+    assert native.family_unsupported("neon") is None
+    assert native.family_unsupported("avx2") == "built for Linux only (this is darwin)"
+    _arm(monkeypatch, {"asimd"}, system="win32", machine="ARM64")
+    assert native.family_unsupported("neon") == "built for Linux and macOS only (this is win32)"
+
+
+def test_the_neon_build_uses_dot_products_where_the_cpu_has_them() -> None:
+    """armv8.2-a+dotprod where the CPU lists asimddp (FEAT_DotProd is an Armv8.2 option; GCC's arm_neon.h offers
+    vdotq_s32 from armv8.2-a only), plain armv8-a elsewhere; OpenMP except on macOS, whose Apple clang has none.
+    The x86 families keep their flags."""
+    neon = native.FAMILIES["neon"]
+    dot = native.flags_for(neon, {"asimd", "asimddp"}, "linux")
+    plain = native.flags_for(neon, {"asimd"}, "linux")
+    assert dot[0] == "-march=armv8.2-a+dotprod" and plain[0] == "-march=armv8-a"
+    assert "-fopenmp" in dot and "-fopenmp" in plain and "-ffp-contract=off" in plain
+    assert "-fopenmp" not in native.flags_for(neon, {"asimd", "asimddp"}, "darwin")
+    assert native.flags_for(neon, {"asimd"}, "darwin")[0] == "-march=armv8-a"
+    for family in native.FAMILIES.values():
+        if family.base != "neon":
+            assert native.flags_for(family, {"asimddp", "avx2", "avx_vnni"}, "linux") == family.flags, family.name
+
+
+def test_native_builds_the_library_an_arm_machine_loads(pytestconfig, tmp_path, monkeypatch) -> None:
+    """`native.build` on an aarch64 CPU (simulated, with the cross compiler as CC) compiles kernels_neon.c as a shared
+    aarch64 library exporting what `Kernels` binds: with sdot where the CPU lists asimddp, without it elsewhere,
+    each cached under its own flags (here in pytest's cache, as the drivers: a build takes seconds)."""
+    require_cross_tools()
+    cache = getattr(pytestconfig, "cache", None)
+    out = cache.mkdir("kernels-neon-libs") if cache is not None else tmp_path
+    monkeypatch.setenv("CC", CROSS_CC)
+    libs = {}
+    for name, flags in (("dotprod", {"asimd", "asimddp"}), ("plain", {"asimd"})):
+        _arm(monkeypatch, flags)
+        libs[name] = native.build(out, family="neon")
+        assert libs[name].name.startswith("kernels-neon-") and native.build(out, family="neon") == libs[name]
+    assert libs["dotprod"] != libs["plain"]
+    binds = {"m31r_attend_decode_f32", "m31r_int4_mm_q8", "m31r_neon_dotprod",
+             *(f"m31r_int8_mm_{mode}" for mode in native.INT8_MODES)}
+    for name, lib in libs.items():
+        head = lib.read_bytes()[:20]
+        assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183, name  # EM_AARCH64
+        tools = "aarch64-linux-gnu-"  # binutils-aarch64-linux-gnu, which the cross compiler depends on
+        symbols = subprocess.run([f"{tools}nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        assert binds <= set(symbols), name
+        code = subprocess.run([f"{tools}objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+        assert ("\tsdot\t" in code) == (name == "dotprod"), name
