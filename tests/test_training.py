@@ -231,6 +231,7 @@ def test_resume_matches_uninterrupted(full_run, data_dir: Path, monkeypatch):
     state = train(data_dir.parent / "train.yaml", data_dir, run, log=logs.append)
     assert any(f"at step {STEPS // 2}" in m for m in logs)
     assert state["step"] == STEPS and state["tokens"] == full_state["tokens"]
+    assert "config_changes" not in state  # the same config: nothing to record
     assert [h["train_next"] for h in state["history"]] == [h["train_next"] for h in full_state["history"]]
     a = torch.load(full_dir / "ckpt.pt", weights_only=False)
     b = torch.load(run / "ckpt.pt", weights_only=False)
@@ -393,6 +394,12 @@ def test_weights_travel_as_shards_and_training_continues(full_run, data_dir: Pat
     logs: list[str] = []
     more = train(cfg, data_dir, tmp_path / "run-back", log=logs.append)
     assert more["step"] == STEPS + 2 and any("no optimizer state" in m for m in logs)
+    # The resumed run followed the edited config, and its state and the exported metadata say so.
+    assert more["train_config"]["max_steps"] == STEPS + 2
+    assert more["config_changes"] == [{"step": STEPS, "changed": {"max_steps": [STEPS, STEPS + 2]}}]
+    meta = export(tmp_path / "run-back", data_dir, tmp_path / "bundle-more").metadata
+    assert meta["train_config"]["max_steps"] == STEPS + 2
+    assert meta["train_config_changes"] == more["config_changes"]
 
 
 def test_autocast_only_where_bf16_is_native():

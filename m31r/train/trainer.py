@@ -328,6 +328,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
         model.load_state_dict(saved["model"])
         state = saved["state"]
         log(f"resumed {ckpt} at step {state['step']}")
+        record_config_change(state, msgspec.to_builtins(tc))
     elif init_from or tc.init_from:
         source = init_from or tc.init_from
         load_weights(model, source)
@@ -401,6 +402,16 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     return state
 
 
+def record_config_change(state: dict, config: dict) -> None:
+    """A resumed run follows its config file as it is now (max_steps raised or lowered to fit a session): the state
+    then records that config, and from which step each changed value held, so a bundle's metadata says what ran."""
+    before = state["train_config"]
+    changed = {k: [before.get(k), v] for k, v in config.items() if before.get(k) != v}
+    if changed:
+        state.setdefault("config_changes", []).append({"step": state["step"], "changed": changed})
+        state["train_config"] = config
+
+
 def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0") -> Bundle:
     """Write the run's latest checkpoint as a release bundle (16-bit weights)."""
     run_dir, data_dir = Path(run_dir), Path(data_dir)
@@ -415,6 +426,7 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
         "tokens_seen": state["tokens"],
         "train_seconds": round(state["seconds"]),
         "train_config": state["train_config"],
+        "train_config_changes": state.get("config_changes", []),
         "init_from": bundle_identity(init) if isinstance(init := state.get("init_from"), str) else init,
         "hardware": "; ".join(state.get("hardware", [])) or f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
         # What the dataset version's hash was made from: every source package with its version, and the crates
