@@ -14,6 +14,9 @@
  * comparison only. The fp32 alternative, widening each code to fp32 and one fused multiply-add per weight and row,
  * is m31r_int8_mm_f32 (kept for comparison too).
  *
+ * fp32 weights (m31r_f32_mm): float layers of fp32 engines below 64 rows (decode rows, short chunks), for the
+ * summation order below, which torch's fp32 matmuls do not keep across row counts.
+ *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
  *
@@ -531,5 +534,72 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
                w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
   }
   free(work);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * fp32 weights [N, K] (torch's Linear layout, row-major), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], for
+ * decode rows and short chunks of fp32 engines. A decode step streams every weight once, so it is bound by memory
+ * bandwidth; what this kernel adds over torch's GEMV/GEMM paths is a summation order that never depends on the row
+ * count: each (row, column) has its own accumulator of 8 lanes walking k in steps of 8, folded by hsum8 at the end,
+ * whatever tile, row count or thread count computes it. So a row gets the same bits alone or batched, and fp32
+ * engines can decode a lone stream at one row (torch's fp32 matmuls round differently at 1, 2-3 and 4+ rows, which
+ * the engine's probe used to pay for with padding rows). The x values feed the FMAs straight from memory (L1: a
+ * tile's rows are at most 8 x K floats), the weights of a tile's columns once per step of 8, and the next tile's
+ * columns are prefetched a cache line ahead, as in the int8 kernels. */
+#define F32_TILE(R, C)                                                                                             \
+  static void f32_tile_##R##_##C(const float* x, int K, const float* w, float* y, int N) {                         \
+    __m256 acc[R * C];                                                                                           \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();                                                \
+    for (int k = 0; k < K; k += 8) {                                                                             \
+      __m256 wv[C];                                                                                              \
+      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + (long)c * K + k);                                  \
+      if (!(k & 15))                                                                                             \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k + 16), _MM_HINT_T0);     \
+      for (int r = 0; r < R; ++r) {                                                                              \
+        const __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);                                                  \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(xv, wv[c], acc[r * C + c]);                 \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = hsum8(acc[r * C + c]);                                    \
+  }
+F32_TILE(1, 4)
+F32_TILE(2, 4)
+F32_TILE(3, 2)
+F32_TILE(4, 2)
+F32_TILE(5, 2)
+F32_TILE(6, 2)
+F32_TILE(7, 1)
+F32_TILE(8, 1)
+
+static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
+#define F32_RUN(R, C)                                                                \
+  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
+  break;
+  switch (R) {
+    case 1: F32_RUN(1, 4)
+    case 2: F32_RUN(2, 4)
+    case 3: F32_RUN(3, 2)
+    case 4: F32_RUN(4, 2)
+    case 5: F32_RUN(5, 2)
+    case 6: F32_RUN(6, 2)
+    case 7: F32_RUN(7, 1)
+    case 8: F32_RUN(8, 1)
+  }
+#undef F32_RUN
+}
+
+/* x [M, K] fp32, w [N, K] fp32, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a multiple of 8
+ * and N of BLOCK. Rows past 8 run in groups of 8 over each block of columns, whose weights are then read from
+ * cache. */
+int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  if (M < 1 || K < 8 || K % 8 || N % BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      f32_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+  }
   return 0;
 }
