@@ -317,6 +317,10 @@ class Kernels:
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
             self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
+            self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
+                                   _P, _F32, _P)
+            self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
+            self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
             self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
@@ -434,6 +438,44 @@ class Kernels:
             return False, f"int8 self-check failed: error {worst:.3g}x its bound"
         return True, f"int8 self-check passed (worst error {worst:.2g}x its bound)"
 
+    def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, table: DecodeTable, layer: int,
+                   out: Tensor) -> None:
+        """attend_decode on the wqkv projection itself (avx2 family): qkv [rows, (heads + 2 kv_heads) * hd] as the
+        fused matmul writes it, each row's RoPE tables cos/sin [rows, hd] at its position; the kernel rotates queries
+        and keys (torch's bits: apply_rope's fused multiply-add), writes each new key/value into its cache and the
+        attention output into out [rows, heads * hd]."""
+        rows, kv, hd = qkv.shape[0], table.kv_heads, table.head_dim
+        heads = qkv.shape[1] // hd - 2 * kv
+        for t in (qkv, cos, sin, out):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
+        assert rows == table.rows and qkv.shape == (rows, (heads + 2 * kv) * hd) and out.shape == (rows, heads * hd)
+        assert cos.shape == sin.shape == (rows, hd) and table.dtype == torch.float32
+        err = self._attend_qkv(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
+                               table.len.data_ptr(), hd**-0.5, out.data_ptr())
+        if err:
+            raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out: Tensor) -> None:
+        """x += delta (the residual add; none for None), then out = RMSNorm(x) with `weight` (avx2 family; rows of
+        d fp32 values, d a multiple of 8)."""
+        d = x.shape[-1]
+        for t in (x, weight, out, *([] if delta is None else [delta])):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
+        assert out.shape == x.shape and weight.shape == (d,) and (delta is None or delta.shape == x.shape)
+        if self._norm(x.numel() // d, d, x.data_ptr(), None if delta is None else delta.data_ptr(),
+                      weight.data_ptr(), eps, out.data_ptr()):
+            raise ValueError(f"native RMSNorm does not take rows of {d}")
+
+    def swiglu(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up for rows of [gate | up] (avx2 family; [..., 2h] fp32 → [..., h], h a multiple of 8)."""
+        h = gate_up.shape[-1] // 2
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
+        out = torch.empty(*gate_up.shape[:-1], h, dtype=torch.float32)
+        if self._swiglu(gate_up.numel() // (2 * h), h, gate_up.data_ptr(), out.data_ptr()):
+            raise ValueError(f"native SwiGLU does not take rows of {2 * h}")
+        return out
+
     def f32_mm(self, x: Tensor, w: Tensor) -> Tensor:
         """x [M, K] times fp32 weights w [N, K] (nn.Linear's layout): [M, N] fp32, every (row, column) summed in
         the same order whatever M (kernels_avx2.c)."""
@@ -473,6 +515,7 @@ class DecodeTable:
         n_layers = caches[0].n_layers
         self.kernels = kernels
         self.rows = len(caches)
+        self.kv_heads, self.head_dim = caches[0].kv_heads, caches[0].head_dim
         self.dtype = caches[0].dtype
         assert all(c.dtype == self.dtype for c in caches), "one dtype for every cache of a step"
         self.k = torch.tensor([[c.k[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
@@ -483,6 +526,9 @@ class DecodeTable:
 
     def attend(self, q: Tensor, knew: Tensor, vnew: Tensor, layer: int, out: Tensor) -> None:
         self.kernels.attend_decode(q, knew, vnew, self, layer, out)
+
+    def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, layer: int, out: Tensor) -> None:
+        self.kernels.attend_qkv(qkv, cos, sin, self, layer, out)
 
 
 @cache

@@ -421,6 +421,67 @@ def test_avx2_attention_never_reads_past_the_context_and_refuses_what_it_does_no
         _attend(bf, [10], *_inputs(1, 4, 4, 64), kernels=K2())
 
 
+@pytest.mark.parametrize("heads,kv,hd", [(16, 16, 64), (8, 2, 64), (4, 1, 128), (2, 2, 16)])
+def test_avx2_attention_on_the_projection_is_rope_then_attention_bit_for_bit(heads: int, kv: int, hd: int) -> None:
+    """attend_qkv (decode rows of fp32 engines) reads the wqkv projection as it is and rotates q and k itself: the
+    keys it writes, and its outputs, are torch's apply_rope followed by attend_decode, bit for bit."""
+    from m31r.config import ModelConfig
+    from m31r.model import apply_rope, rope_tables
+
+    lengths = [1, 40, 64, 65, 300, 700]
+    rows = len(lengths)
+    gen = torch.Generator().manual_seed(hd)
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=gen) * 2
+    cos_t, sin_t = rope_tables(ModelConfig(n_layers=1, d_model=heads * hd, n_heads=heads, n_kv_heads=kv,
+                                           ffn_hidden=8, vocab_size=8, max_context=1024))
+    pos = torch.tensor([n - 1 for n in lengths])
+    cos, sin = cos_t[pos].contiguous(), sin_t[pos].contiguous()
+    fused, plain = (_caches(lengths, kv, hd, dtype=torch.float32, seed=3) for _ in range(2))
+    out = torch.empty(rows, heads * hd)
+    native.DecodeTable(K2(), fused, pos.tolist()).attend_qkv(qkv, cos, sin, 1, out)
+    heads4 = qkv.view(rows, heads + 2 * kv, 1, hd)
+    qk = apply_rope(heads4[:, : heads + kv], cos.view(rows, 1, 1, hd), sin.view(rows, 1, 1, hd))
+    q, k, v = (t.reshape(rows, -1, hd).contiguous() for t in (qk[:, :heads], qk[:, heads:], heads4[:, heads + kv :]))
+    ref = _attend(plain, lengths, q, k, v, kernels=K2())
+    assert torch.equal(out.view(rows, heads, hd), ref)
+    for a, b in zip(fused, plain, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip((*a.k, *a.v), (*b.k, *b.v), strict=True))
+    with pytest.raises(ValueError, match="head_dim=24"):  # RoPE's halves must be whole chunks of 8
+        table = native.DecodeTable(K2(), _caches([10], 2, 24, dtype=torch.float32), [9])
+        table.attend_qkv(torch.zeros(1, 6 * 24), torch.zeros(1, 24), torch.zeros(1, 24), 1, torch.zeros(1, 48))
+
+
+def test_avx2_residual_norm_and_swiglu_match_torch_and_keep_rows_apart() -> None:
+    """The per-token ops of fp32 engines: x += delta exactly as torch adds, RMSNorm and silu(gate) * up within fp32
+    rounding of torch's (model.RMSNorm, F.silu), each row the same bits alone as batched; shapes they do not take
+    are refused."""
+    from m31r.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    x, delta = _x32(9, 256, seed=5) * 3, torch.randn(9, 256, generator=gen)
+    norm = RMSNorm(256, 1e-5)
+    norm.weight.data = torch.rand(256, generator=gen) + 0.5
+    h, summed = torch.empty_like(x), x.clone()
+    K2().add_rmsnorm(summed, delta, norm.weight.data, 1e-5, h)
+    assert torch.equal(summed, x + delta)
+    with torch.no_grad():
+        ref = norm(x + delta)
+    assert (h - ref).abs().max() <= 4e-7 * ref.abs().max()
+    alone = torch.empty(1, 256)
+    K2().add_rmsnorm((x + delta)[4:5].contiguous(), None, norm.weight.data, 1e-5, alone)
+    assert torch.equal(alone[0], h[4])
+    gate_up = torch.randn(9, 2 * 96, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    y = K2().swiglu(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    assert y.shape == (9, 96) and ((y - ref).abs() <= 1e-6 * ref.abs() + 1e-30).all()
+    assert torch.equal(K2().swiglu(gate_up[3:4].contiguous())[0], y[3])
+    with pytest.raises(ValueError, match="rows of 12"):
+        K2().swiglu(torch.zeros(2, 12))
+    with pytest.raises(ValueError, match="rows of 20"):
+        K2().add_rmsnorm(torch.zeros(2, 20), None, torch.ones(20), 1e-5, torch.zeros(2, 20))
+
+
 def _x32(m: int, k: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=gen) * (torch.rand(m, k, generator=gen) * 3)  # uneven magnitudes
