@@ -429,7 +429,7 @@ class Engine:
         rows = [(d.cache, len(d.cache.tokens) + j, t) for d in decodes for j, t in enumerate(d.rows)]
         width = self._width(len(rows)) if rows else 0
         ids = [t for _, _, t in rows] + [0] * (width - len(rows)) + [i for c in chunks for i in c.ids]
-        # Never fewer rows than the narrowest probed width: bf16 and fp32 matmuls round differently at one row.
+        # Never fewer rows than the narrowest probed width: torch's bf16 and fp32 matmuls round differently at one row.
         ids += [0] * (self.decode_widths[0] - len(ids))
         with torch.inference_mode():
             decoded, ends = self.model.step(torch.tensor(ids, device=self.device), [c for c, _, _ in rows],

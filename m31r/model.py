@@ -196,8 +196,8 @@ class Attention(nn.Module):
         h, kv = self.n_heads, self.n_kv
         flat = self.wqkv(x)  # [rows, 1, (heads + 2 kv_heads) * hd]
         y = flat.new_zeros(m, h, 1, self.hd)
-        # The fp32 kernels (avx2 family) take the projection as it is and rotate q/k themselves: decode rows need
-        # no RoPE or layout ops here, only the chunks' rows (from `width` on).
+        # The fp32 kernels (avx2, neon) take the projection as it is and rotate q/k themselves: decode rows need no
+        # RoPE or layout ops here, only the chunks' rows (from `width` on).
         fused = isinstance(groups, DecodeTable) and groups.kernels.float_dtype == flat.dtype
         if fused:
             n = len(caches)
@@ -448,7 +448,7 @@ class Transformer(nn.Module):
         return self.config.d_model % 8 == 0 and self.config.ffn_hidden % 8 == 0
 
     def _layers_native(self, x: Tensor, attend) -> Tensor:
-        """Transformer.step's layers with the fp32 kernels' per-token ops (avx2 family): each residual add and the
+        """Transformer.step's layers with the fp32 kernels' per-token ops (avx2, neon): each residual add and the
         RMSNorm after it are one call, SwiGLU's product another, and decode attention takes the projection as it is
         (Attention.step), so a layer runs its four matmuls, its attention and three small calls. Adds into x in
         place; returns the final norm of every row (the head's input)."""

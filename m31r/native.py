@@ -236,7 +236,8 @@ def takes_int8(out_features: int, in_features: int) -> bool:
 
 
 def takes_f32(out_features: int, in_features: int) -> bool:
-    """Whether the fp32 matmul (avx2 family) handles this weight shape: K in steps of 8, N in blocks of 8."""
+    """Whether the fp32 matmul (avx2 and neon families) handles this weight shape: K in steps of 8, N in blocks of
+    8."""
     return in_features % 8 == 0 and in_features > 0 and out_features % 8 == 0
 
 
@@ -440,7 +441,7 @@ class Kernels:
 
     def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, table: DecodeTable, layer: int,
                    out: Tensor) -> None:
-        """attend_decode on the wqkv projection itself (avx2 family): qkv [rows, (heads + 2 kv_heads) * hd] as the
+        """attend_decode on the wqkv projection itself (avx2, neon): qkv [rows, (heads + 2 kv_heads) * hd] as the
         fused matmul writes it, each row's RoPE tables cos/sin [rows, hd] at its position; the kernel rotates queries
         and keys (torch's bits: apply_rope's fused multiply-add), writes each new key/value into its cache and the
         attention output into out [rows, heads * hd]."""
@@ -457,7 +458,7 @@ class Kernels:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
     def add_rmsnorm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out: Tensor) -> None:
-        """x += delta (the residual add; none for None), then out = RMSNorm(x) with `weight` (avx2 family; rows of
+        """x += delta (the residual add; none for None), then out = RMSNorm(x) with `weight` (avx2, neon; rows of
         d fp32 values, d a multiple of 8)."""
         d = x.shape[-1]
         for t in (x, weight, out, *([] if delta is None else [delta])):
@@ -468,7 +469,7 @@ class Kernels:
             raise ValueError(f"native RMSNorm does not take rows of {d}")
 
     def swiglu(self, gate_up: Tensor) -> Tensor:
-        """silu(gate) * up for rows of [gate | up] (avx2 family; [..., 2h] fp32 → [..., h], h a multiple of 8)."""
+        """silu(gate) * up for rows of [gate | up] (avx2, neon; [..., 2h] fp32 → [..., h], h a multiple of 8)."""
         h = gate_up.shape[-1] // 2
         assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
         out = torch.empty(*gate_up.shape[:-1], h, dtype=torch.float32)

@@ -5,7 +5,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
 
   float   fp32/bf16 weights prepacked for oneDNN (`mkldnn._linear_pointwise`): the same numbers as F.linear for
           bf16, within fp32 rounding for fp32 (F.linear uses MKL there). On the medium model it makes a decode
-          step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x).
+          step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x). fp32 engines on the
+          AVX2 (NEON) family keep the weights plain instead: rows below F32_GEMM_ROWS run the family's fp32
+          matmul, which sums in one order at any row count, more rows oneDNN's GEMM on the plain weight.
   int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run the
           native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
@@ -29,8 +31,9 @@ determinism and cache-hit equality hold within each precision.
 
 Row independence (what batching decode steps relies on), measured with torch 2.13 on AVX-512, 1 and 2 threads,
 M = 1..63: the bf16 oneDNN, int8 (aten's and the native one) and int4 kernels give a row the same bits whatever the
-row count; oneDNN fp32 does for M >= 2 only (M = 1 takes a GEMV path that rounds differently); MKL's fp32
-F.linear differs for small M.
+row count; oneDNN fp32 does for M >= 2 only (M = 1 takes a GEMV path that rounds differently, and on some CPUs
+M = 2-3 round differently from 4 and up); MKL's fp32 F.linear differs for small M. The native fp32 matmul does at any
+M (tested for 1-17).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ INT8_ALWAYS = ("tok_embeddings.weight", "output.weight")  # int8 in int4 bundles
 # kernel is ~100-145 GFLOP/s at any M, the bf16 GEMM ~170 at M=32 and ~380 from M=128; int4 similar).
 INT8_GEMM_ROWS = 64
 INT4_GEMM_ROWS = 64
-# fp32 layers on the AVX2 family's fp32 matmul (fp32 engines) run it below this many rows: every row of a decode
+# fp32 layers on the AVX2 (NEON) family's fp32 matmul (fp32 engines) run it below this many rows: every row of a decode
 # step or of a pass that short chunks share (engine.FUSE_ROWS) then goes through one kernel, whose bits do not depend
 # on the row count. From 64 rows (prefill chunks of 64 and more) oneDNN's GEMM is faster (README "fp32 decode").
 F32_GEMM_ROWS = 64
@@ -132,7 +135,7 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int) ->
 
 class FloatLinear(nn.Module):
     """A linear layer on float weights: prepacked for oneDNN where the CPU supports it (F.linear else), or, where
-    the engine hands it the AVX2 family's fp32 matmul (`use_native`), kept plain for that kernel below
+    the engine hands it the AVX2 (or NEON) family's fp32 matmul (`use_native`), kept plain for that kernel below
     F32_GEMM_ROWS rows and for oneDNN's GEMM from there (as fast on a plain weight as on a packed one from 64 rows).
     Either way one copy of the weight is kept. `pack=False` leaves the weight plain until `use_native` decides."""
 
@@ -142,7 +145,7 @@ class FloatLinear(nn.Module):
         self.weight: Tensor | None = weight
         self.bias = bias
         self.packed = None
-        # The AVX2 family's fp32 matmul, where the engine sets it (use_native): rows below F32_GEMM_ROWS run it.
+        # The AVX2 (NEON) family's fp32 matmul, where the engine sets it (use_native): rows below F32_GEMM_ROWS run it.
         self.native: Kernels | None = None
         if pack:
             self._pack()
