@@ -8,8 +8,15 @@ bf16 is not native). Each repetition then runs every (precision, kernels) pair i
 weights in the same process, moments apart: on a shared machine interleaving is what makes them comparable.
 Reported: the median over repetitions of each run's median ms/token, with the spread of the run medians.
 
-`--profile` then times one decode step of each pair by part: the matmuls of the layers, the LM head, decode
-attention, and the rest (norms, RoPE, the residual adds, Python between ops), from forward hooks and wrappers.
+`--profile` then times one decode step of each pair by part (Parts): the matmuls of the layers, the LM head, decode
+attention, the norms, RoPE, SwiGLU, the ops between them, and the engine around the step, from forward hooks and
+wrappers. The wrappers find their targets by name and skip those a tree lacks, so the same script profiles an older
+checkout (copy it there) part for part.
+
+`--fp32-matmuls` times the float weights of a whole decode step instead (every layer's four matrices, so the weights
+stream from memory as in a real step): the AVX2 family's fp32 matmul against oneDNN on the packed weights (what
+fp32 layers ran before it) and torch's F.linear (MKL), at the row counts of `--rows`, alternating in a rotating
+order; ms per step (minimum and median over `--reps`) and the weight bytes per second the minimum implies.
 
 `--matmuls` times only the AVX2 family's int8 and int4 matmuls instead, kernel against kernel: the four weight
 matrices of one layer of the shape (wqkv, wo, w13, w2; random int8 codes, int4 codes in the default group size) at
@@ -21,6 +28,7 @@ both builds in that rotation (plain AVX2 against AVX-VNNI dot products) and adds
     python benchmarks/bench_kernels.py --threads 2 --reps 5 --profile
     M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --config configs/model/mini.yaml --threads 1 --matmuls
     python benchmarks/bench_kernels.py --matmuls --modes q8,q16,int4 --families avx2,avx2vnni
+    M31R_KERNELS=avx2 python benchmarks/bench_kernels.py --fp32-matmuls --threads 1 --rows 1,2,4,8,16,32,48
 """
 
 from __future__ import annotations
@@ -52,49 +60,60 @@ def decode_run(engine, prompt: list[int], tokens: int) -> list[float]:
     return times
 
 
+PARTS = ["matmuls", "LM head", "attention", "norms", "RoPE", "SwiGLU", "attention glue", "step rest", "engine"]
+
+
 class Parts:
-    """Wall time by part of a decode step, from forward hooks on the linear layers and wrappers on attention."""
+    """Wall time by part of a decode step, from forward hooks on the linear layers and wrappers on everything else:
+    the layer matmuls, the LM head, decode attention (the kernel call, or the eager attention), the RMSNorms (with
+    the fp32 kernels: each residual add and the norm after it), RoPE, SwiGLU's product (silu * up), the attention
+    module's own ops between those (layouts, copies, cache writes of the eager path), the rest of
+    Transformer.step (embedding, residual adds, the decode table, cache fitting) and the engine around it (Engine.run
+    and its pass set-up). Each wrapper counts its own time less the parts inside it, so the parts add up to the step
+    (the hooks' own overhead, a few microseconds each, lands in the part that calls them)."""
 
     def __init__(self, engine):
         from m31r import model as model_mod
         from m31r import native
         from m31r.quant import FloatLinear, Int4Linear, Int8Linear
 
-        self.t = {"matmuls": 0.0, "LM head": 0.0, "attention": 0.0}
+        self.t = dict.fromkeys(PARTS, 0.0)
         self.handles, self.undo = [], []
         head = engine.model.head if engine.model.head is not None else engine.model.output
         for m in engine.model.modules():
             if isinstance(m, (FloatLinear, Int8Linear, Int4Linear)):
                 self._hook(m, "LM head" if m is head else "matmuls")
 
-        def wrap(obj, name: str) -> None:
-            fn = getattr(obj, name)
+        def wrap(obj, name: str, part: str, inside: tuple[str, ...] = ()) -> None:
+            fn = getattr(obj, name, None)
+            if fn is None:  # a path this tree does not have
+                return
 
             def timed(*a, **k):
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), sum(self.t[p] for p in inside)
                 try:
                     return fn(*a, **k)
                 finally:
-                    self.t["attention"] += time.perf_counter() - t0
+                    self.t[part] += time.perf_counter() - t0 - (sum(self.t[p] for p in inside) - before)
 
             setattr(obj, name, timed)
-            self.undo.append(lambda: setattr(obj, name, fn))
+            # a class gets its function back; an instance loses the attribute that shadowed its method
+            self.undo.append(lambda: setattr(obj, name, fn) if isinstance(obj, type) or obj is model_mod
+                             else delattr(obj, name))
 
-        wrap(native.DecodeTable, "attend")
-        wrap(model_mod, "attend_rows")
-        self.tied_head = head is None  # an fp32 tied head is F.linear on the embedding: timed as the head call
-        if self.tied_head:
-            fn = engine.model._head
-
-            def head_timed(x):
-                t0 = time.perf_counter()
-                try:
-                    return fn(x)
-                finally:
-                    self.t["LM head"] += time.perf_counter() - t0
-
-            engine.model._head = head_timed
-            self.undo.append(lambda: delattr(engine.model, "_head"))
+        wrap(native.DecodeTable, "attend", "attention")
+        wrap(native.DecodeTable, "attend_qkv", "attention")
+        wrap(model_mod, "attend_rows", "attention")
+        wrap(model_mod.RMSNorm, "forward", "norms")
+        wrap(native.Kernels, "add_rmsnorm", "norms")
+        wrap(model_mod, "apply_rope", "RoPE")
+        wrap(native.Kernels, "swiglu", "SwiGLU")
+        wrap(model_mod.FeedForward, "forward", "SwiGLU", ("matmuls",))
+        wrap(model_mod.Attention, "step", "attention glue", ("matmuls", "attention", "RoPE"))
+        if head is None:  # an fp32 tied head without the fp32 kernels is F.linear on the embedding
+            wrap(engine.model, "_head", "LM head")
+        wrap(model_mod.Transformer, "step", "step rest", tuple(PARTS[:7]))
+        wrap(engine, "run", "engine", tuple(PARTS[:8]))
 
     def _hook(self, m, part: str) -> None:
         start = {}
@@ -124,7 +143,7 @@ def profile(engine, prompt: list[int], steps: int) -> dict[str, float]:
         total = time.perf_counter() - t0
         parts.close()
         row = {k: v * 1000 for k, v in parts.t.items()}
-        row["other"] = total * 1000 - sum(row.values())
+        row["other"] = total * 1000 - sum(row.values())  # decode_step around Engine.run; ~0 but for the hooks
         row["total"] = total * 1000
         rows.append(row)
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -209,6 +228,53 @@ def matmuls(config, threads: int, reps: int, modes: list[str], families: list[st
                                           f"({p10[(m, f, mode)] / p10[(m, first, mode)]:.3f})" for mode in modes))
 
 
+def fp32_matmuls(config, threads: int, reps: int, rows: list[int]) -> None:
+    """ms per decode step of the fp32 layer matmuls: native fp32 matmul, oneDNN packed, F.linear (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from m31r import native
+    from m31r.cpu import describe
+    from m31r.quant import FloatLinear
+
+    kernels = native.load(torch.float32)
+    if kernels is None or kernels.float_dtype != torch.float32:
+        raise SystemExit(f"the avx2 kernels do not run here ({native.why_not(torch.float32)}); try M31R_KERNELS=avx2")
+    torch.set_num_threads(threads)
+    d, hd = config.d_model, config.head_dim
+    shapes = [((config.n_heads + 2 * config.kv_heads) * hd, d), (d, config.n_heads * hd), (2 * config.ffn_hidden, d),
+              (d, config.ffn_hidden)]
+    gen = torch.Generator().manual_seed(0)
+    plain = [[torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes] for _ in range(config.n_layers)]
+    packed = [[FloatLinear(w.clone()) for w in layer] for layer in plain]
+    xs = {m: [torch.randn(m, k, generator=gen) for _, k in shapes] for m in rows}
+    variants = {
+        "native fp32": lambda m: [kernels.f32_mm(x, w) for layer in plain for w, x in zip(layer, xs[m], strict=True)],
+        "oneDNN packed": lambda m: [lin(x) for layer in packed for lin, x in zip(layer, xs[m], strict=True)],
+        "F.linear": lambda m: [F.linear(x, w) for layer in plain for w, x in zip(layer, xs[m], strict=True)],
+    }
+    names = list(variants)
+    times: dict[tuple[int, str], list[float]] = {(m, v): [] for m in rows for v in names}
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first repetition warms up and is dropped
+            for m in rows:
+                for v in names[rep % len(names):] + names[: rep % len(names)]:
+                    t0 = time.perf_counter()
+                    variants[v](m)
+                    if rep:
+                        times[(m, v)].append((time.perf_counter() - t0) * 1000)
+    gb = sum(n * k for n, k in shapes) * 4 * config.n_layers / 1e9
+    print(f"{config.name}: fp32 layer matmuls of a decode step ({config.n_layers} x "
+          f"{' + '.join(f'{n}x{k}' for n, k in shapes)}, {gb * 1000:.0f} MB), {threads} threads, ms per step "
+          f"(min / median of {reps}; GB/s of weights at the min), load avg {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {describe()}; kernels: {kernels.name}")
+    print(f"{'rows':>4}" + "".join(f"{v:>26}" for v in names) + "   native / oneDNN (min)")
+    for m in rows:
+        cells = "".join(f"{min(times[(m, v)]):>9.1f} / {statistics.median(times[(m, v)]):>6.1f} "
+                        f"({gb / min(times[(m, v)]) * 1000:4.1f})" for v in names)
+        print(f"{m:>4}{cells}   {min(times[(m, names[0])]) / min(times[(m, names[1])]):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "model" / "medium.yaml")
@@ -221,6 +287,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="time one decode step by part, per pair")
     ap.add_argument("--matmuls", action="store_true",
                     help="time the AVX2 int8 and int4 matmuls of one layer per mode instead (q8, q16, f32, int4)")
+    ap.add_argument("--fp32-matmuls", action="store_true",
+                    help="time the fp32 layer matmuls of a decode step instead: native fp32 matmul, oneDNN, F.linear")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,48", help="--fp32-matmuls: the row counts (default 1..48)")
     ap.add_argument("--modes", default="",
                     help="--matmuls: the int8 activation modes and/or int4 to time (default all: q8,q16,f32,int4)")
     ap.add_argument("--families", default="",
@@ -241,6 +310,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
+    if args.fp32_matmuls:
+        return fp32_matmuls(config, args.threads, args.reps, [int(r) for r in args.rows.split(",") if r])
     if args.matmuls:
         modes = [m for m in args.modes.split(",") if m] or [*native.INT8_MODES, "int4"]
         if not set(modes) <= {*native.INT8_MODES, "int4"}:
@@ -297,11 +368,11 @@ def main() -> None:
         spread = " ".join(f"{min(runs[(name, k)]):.1f}-{max(runs[(name, k)]):.1f}" for k in ("eager", "native"))
         print(f"{name:8} {e:>13.1f} {n:>14.1f} {e / n:>8.2f}x   ({spread})")
     if parts:
-        keys = ["matmuls", "LM head", "attention", "other", "total"]
-        print(f"\none decode step by part (median of 16 steps at {args.context} context, ms)")
-        print(f"{'weights/kernels':16}" + "".join(f"{k:>11}" for k in keys))
+        keys = [*PARTS, "other", "total"]
+        print(f"\none decode step by part (median of 16 steps at {args.context} context, ms; % of the step)")
+        print(f"{'weights/kernels':16}" + "".join(f"{k:>15}" for k in keys))
         for (name, kind), p in parts.items():
-            print(f"{name + '/' + kind:16}" + "".join(f"{p[k]:>11.2f}" for k in keys))
+            print(f"{name + '/' + kind:16}" + "".join(f"{p[k]:>7.2f} ({100 * p[k] / p['total']:4.1f})" for k in keys))
 
 
 if __name__ == "__main__":

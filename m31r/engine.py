@@ -31,7 +31,7 @@ from m31r.checksums import verify_in_background
 from m31r.lookup import Lookup
 from m31r.model import KVCache, Transformer, rope_tables, span_of
 from m31r.precision import auto_precision, fast_bf16, resolve  # noqa: F401  (the first two: re-exported)
-from m31r.quant import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, prepare
+from m31r.quant import DEFAULT_INT4_GROUP, FloatLinear, Int4Linear, Int8Linear, prepare
 from m31r.sampling import Sampler, SamplingParams
 from m31r.stops import StopMatcher
 from m31r.tokenizer import Tokenizer
@@ -198,13 +198,16 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(bundle.tokenizer_path, self.config.special_tokens, self.config.vocab_size)
         with torch.device("meta"):
             model = Transformer(self.config)
+        kernels = native.load(self.dtype) if self.device.type == "cpu" else None
+        # Float weights that the native fp32 matmul will read stay plain: packing them for oneDNN would be undone.
+        plain = kernels is not None and kernels.float_dtype == self.dtype
         model = prepare(model, load_weights(bundle), dtype=self.dtype, device=self.device, method=self.quant,
-                        group_size=self.group_size)
+                        group_size=self.group_size, pack=not plain)
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
         cos, sin = rope_tables(self.config)
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.model = model
-        self.use_kernels(native.load(self.dtype) if self.device.type == "cpu" else None)
+        self.use_kernels(kernels)
         self.model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._heal_masks: dict[bytes, torch.Tensor] = {}
@@ -219,6 +222,8 @@ class Engine:
         model, dt = self.model, self.dtype
         self.kernels, self._probed = kernels, None
         model.native = None
+        if isinstance(model.head, FloatLinear):  # the tied fp32 head on the fp32 matmul: set again below
+            model.head = None
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.native = None
@@ -238,6 +243,18 @@ class Engine:
                                                                         module.group_size):
                     module.use_native(kernels)
                     self.native_int4 = True
+        # fp32 weights: every float layer the kernel takes, and the tied head (which shares the embedding's weight)
+        f32 = kernels is not None and kernels.float_dtype == dt
+        self.native_f32 = False
+        for module in list(model.modules()):
+            if isinstance(module, FloatLinear):
+                runs = f32 and native.takes_f32(module.out_features, module.in_features)
+                module.use_native(kernels if runs else None)
+                self.native_f32 = self.native_f32 or runs
+        emb = model.tok_embeddings
+        if f32 and model.head is None and model.output is None and native.takes_f32(*emb.weight.shape):
+            model.head = FloatLinear(emb.weight.detach(), pack=False)  # the same storage
+            model.head.use_native(kernels)
         name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
         if kernels is None:
             why = native.why_not(self.dtype) if self.device.type == "cpu" else f"device {self.device.type}"
@@ -247,7 +264,8 @@ class Engine:
             why = kernels.reason
         self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
                               "native_attention": model.native is not None, "native_int8": self.native_int8,
-                              "native_int4": self.native_int4, "precision_why": self.precision_why}
+                              "native_int4": self.native_int4, "native_f32": self.native_f32,
+                              "precision_why": self.precision_why}
         if self.native_int8:  # which int8 matmul runs, and its start-up self-check (cached per library)
             self.kernel_report["int8_kernel"] = kernels.int8_kernel
             self.kernel_report["int8_check"] = kernels.int8_check()[1]
@@ -411,7 +429,7 @@ class Engine:
         rows = [(d.cache, len(d.cache.tokens) + j, t) for d in decodes for j, t in enumerate(d.rows)]
         width = self._width(len(rows)) if rows else 0
         ids = [t for _, _, t in rows] + [0] * (width - len(rows)) + [i for c in chunks for i in c.ids]
-        # Never fewer rows than the narrowest probed width: bf16 and fp32 matmuls round differently at one row.
+        # Never fewer rows than the narrowest probed width: torch's bf16 and fp32 matmuls round differently at one row.
         ids += [0] * (self.decode_widths[0] - len(ids))
         with torch.inference_mode():
             decoded, ends = self.model.step(torch.tensor(ids, device=self.device), [c for c, _, _ in rows],

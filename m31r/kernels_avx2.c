@@ -14,6 +14,9 @@
  * comparison only. The fp32 alternative, widening each code to fp32 and one fused multiply-add per weight and row,
  * is m31r_int8_mm_f32 (kept for comparison too).
  *
+ * fp32 weights (m31r_f32_mm): float layers of fp32 engines below 64 rows (decode rows, short chunks), for the
+ * summation order below, which torch's fp32 matmuls do not keep across row counts.
+ *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold.
  *
@@ -146,6 +149,55 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
       float s[len[r] + 8];
       attend_head(q + (long)t * hd, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale,
                   s, out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+/* Rotate-half RoPE of one head (hd values): out = x * cos + roll(x, hd/2) * sin, the second product fused into the
+ * sum as torch's addcmul does it (apply_rope in m31r/model.py), so a key or query gets torch's bits. `sin` carries
+ * rotate-half's sign (model.rope_tables). */
+static inline void rope_head(const float* x, const float* cos, const float* sin, int hd, float* out) {
+  const int half = hd / 2;
+  for (int i = 0; i < hd; i += 8) {
+    const int j = i < half ? i + half : i - half; /* hd % 16 == 0: a chunk of 8 never straddles the halves */
+    const __m256 xc = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(cos + i));
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sin + i), xc));
+  }
+}
+
+/* m31r_attend_decode_f32 on the query/key/value projection as the fused wqkv matmul writes it, RoPE included: row r
+ * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables
+ * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
+ * before they attend. Writes out [rows, heads * hd]. Replaces the layout copies and the RoPE ops of the torch side
+ * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here). */
+int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out) {
+  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+  const long width = (long)(heads + 2 * kv_heads) * hd;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      const float* row = qkv + r * width;
+      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, (float*)kptr[r] + at);
+      memcpy((float*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, (size_t)hd * 4);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float q[8 * MAX_CHUNKS];
+      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
+      float s[len[r] + 8];
+      attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
+                  out + (long)t * hd);
     }
   }
   return 0;
@@ -531,5 +583,117 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
                w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
   }
   free(work);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * fp32 weights [N, K] (torch's Linear layout, row-major), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], for
+ * decode rows and short chunks of fp32 engines. A decode step streams every weight once, so it is bound by memory
+ * bandwidth; what this kernel adds over torch's GEMV/GEMM paths is a summation order that never depends on the row
+ * count: each (row, column) has its own accumulator of 8 lanes walking k in steps of 8, folded by hsum8 at the end,
+ * whatever tile, row count or thread count computes it. So a row gets the same bits alone or batched, and fp32
+ * engines can decode a lone stream at one row (torch's fp32 matmuls round differently at 1, 2-3 and 4+ rows, which
+ * the engine's probe used to pay for with padding rows). The x values feed the FMAs straight from memory (L1: a
+ * tile's rows are at most 8 x K floats), the weights of a tile's columns once per step of 8, and the next tile's
+ * columns are prefetched a cache line ahead, as in the int8 kernels. */
+#define F32_TILE(R, C)                                                                                             \
+  static void f32_tile_##R##_##C(const float* x, int K, const float* w, float* y, int N) {                         \
+    __m256 acc[R * C];                                                                                           \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();                                                \
+    for (int k = 0; k < K; k += 8) {                                                                             \
+      __m256 wv[C];                                                                                              \
+      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + (long)c * K + k);                                  \
+      if (!(k & 15))                                                                                             \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k + 16), _MM_HINT_T0);     \
+      for (int r = 0; r < R; ++r) {                                                                              \
+        const __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);                                                  \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(xv, wv[c], acc[r * C + c]);                 \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = hsum8(acc[r * C + c]);                                    \
+  }
+F32_TILE(1, 4)
+F32_TILE(2, 4)
+F32_TILE(3, 2)
+F32_TILE(4, 2)
+F32_TILE(5, 2)
+F32_TILE(6, 2)
+F32_TILE(7, 1)
+F32_TILE(8, 1)
+
+static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
+#define F32_RUN(R, C)                                                                \
+  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
+  break;
+  switch (R) {
+    case 1: F32_RUN(1, 4)
+    case 2: F32_RUN(2, 4)
+    case 3: F32_RUN(3, 2)
+    case 4: F32_RUN(4, 2)
+    case 5: F32_RUN(5, 2)
+    case 6: F32_RUN(6, 2)
+    case 7: F32_RUN(7, 1)
+    case 8: F32_RUN(8, 1)
+  }
+#undef F32_RUN
+}
+
+/* x [M, K] fp32, w [N, K] fp32, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a multiple of 8
+ * and N of BLOCK. Rows past 8 run in groups of 8 over each block of columns, whose weights are then read from
+ * cache. */
+int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  if (M < 1 || K < 8 || K % 8 || N % BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      f32_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The per-token work between the matmuls of fp32 engines (model.Transformer.step), each one call for all rows of a
+ * step instead of a chain of small torch ops. Row by row, so a row's bits never depend on the others.
+ *
+ * RMSNorm after the residual add: x += delta (delta may be NULL: the first layer's norm), then
+ * out = w * (x / sqrt(mean(x^2) + eps)), the squares summed in 8 lanes over d in order and folded by hsum8, in the
+ * order torch's RMSNorm applies them (model.RMSNorm). d must be a multiple of 8. */
+int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out) {
+  if (d < 8 || d % 8) return 1;
+  for (int r = 0; r < rows; ++r) {
+    float* xr = x + (long)r * d;
+    __m256 ss = _mm256_setzero_ps();
+    for (int k = 0; k < d; k += 8) {
+      __m256 v = _mm256_loadu_ps(xr + k);
+      if (delta) {
+        v = _mm256_add_ps(v, _mm256_loadu_ps(delta + (long)r * d + k));
+        _mm256_storeu_ps(xr + k, v);
+      }
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    for (int k = 0; k < d; k += 8)
+      _mm256_storeu_ps(out + (long)r * d + k,
+                       _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), inv)));
+  }
+  return 0;
+}
+
+/* SwiGLU's product: rows of [gate (h values) | up (h values)] as the fused w13 matmul writes them, to
+ * out [rows, h] = silu(gate) * up, silu(g) = g / (1 + e^-g) from e^-|g| (exp_nonpositive): g / (1 + t) for g >= 0,
+ * g * t / (1 + t) below, so the exponential never overflows. h must be a multiple of 8. */
+int m31r_swiglu_f32(int rows, int h, const float* gu, float* out) {
+  if (h < 8 || h % 8) return 1;
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < h; k += 8) {
+      const __m256 g = _mm256_loadu_ps(gu + 2L * r * h + k);
+      const __m256 t = exp_nonpositive(_mm256_or_ps(g, sign)); /* e^-|g| */
+      const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, t), g); /* sign bit set: g < 0 (or -0) */
+      const __m256 silu = _mm256_div_ps(num, _mm256_add_ps(one, t));
+      _mm256_storeu_ps(out + (long)r * h + k, _mm256_mul_ps(silu, _mm256_loadu_ps(gu + 2L * r * h + h + k)));
+    }
   return 0;
 }

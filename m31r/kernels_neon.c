@@ -16,6 +16,9 @@
  * int4 (m31r_int4_mm_q8) and int8 m31r_int8_mm_q8: activations to int8 per block of 32 (q8); sdot where the CPU has
  * the dot-product extension (__ARM_FEATURE_DOTPROD), smull + pairwise adds otherwise. m31r_int8_mm_f32 widens each
  * code to fp32 (for comparison, as in kernels_avx2.c).
+ * fp32 weights (m31r_f32_mm) and the per-token ops of fp32 engines: decode attention on the wqkv projection with RoPE
+ * (m31r_attend_qkv_f32), the residual add with the RMSNorm after it (m31r_add_rmsnorm_f32), SwiGLU's product
+ * (m31r_swiglu_f32).
  *
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold. Built with
@@ -548,5 +551,147 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
                w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
   }
   free(work);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * fp32 weights [N, K] (torch's Linear layout), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], as
+ * kernels_avx2.c's m31r_f32_mm: each (row, column) one accumulator of 8 lanes walking k in steps of 8 with fused
+ * multiply-adds, folded by hsum8, whatever the tile, row count or thread count. */
+#define F32_TILE(R, C)                                                                                             \
+  static void f32_tile_##R##_##C(const float* x, int K, const float* w, float* y, int N) {                         \
+    f8 acc[R * C];                                                                                               \
+    for (int i = 0; i < R * C; ++i) acc[i] = f8_zero();                                                          \
+    for (int k = 0; k < K; k += 8) {                                                                             \
+      f8 wv[C];                                                                                                  \
+      for (int c = 0; c < C; ++c) wv[c] = f8_load(w + (long)c * K + k);                                          \
+      if (!(k & 15))                                                                                             \
+        for (int c = 0; c < C; ++c) __builtin_prefetch(w + (long)(C + c) * K + k + 16);                          \
+      for (int r = 0; r < R; ++r) {                                                                              \
+        const f8 xv = f8_load(x + (long)r * K + k);                                                              \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = f8_fma(acc[r * C + c], xv, wv[c]);                          \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = hsum8(acc[r * C + c]);                                    \
+  }
+F32_TILE(1, 4)
+F32_TILE(2, 4)
+F32_TILE(3, 2)
+F32_TILE(4, 2)
+F32_TILE(5, 2)
+F32_TILE(6, 2)
+F32_TILE(7, 1)
+F32_TILE(8, 1)
+
+static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
+#define F32_RUN(R, C)                                                                     \
+  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
+  break;
+  switch (R) {
+    case 1: F32_RUN(1, 4)
+    case 2: F32_RUN(2, 4)
+    case 3: F32_RUN(3, 2)
+    case 4: F32_RUN(4, 2)
+    case 5: F32_RUN(5, 2)
+    case 6: F32_RUN(6, 2)
+    case 7: F32_RUN(7, 1)
+    case 8: F32_RUN(8, 1)
+  }
+#undef F32_RUN
+}
+
+/* x [M, K] fp32, w [N, K] fp32, y [M, N] fp32; same contract as kernels_avx2.c's. */
+int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  if (M < 1 || K < 8 || K % 8 || N % BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      f32_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+  }
+  return 0;
+}
+
+/* Rotate-half RoPE of one head, as kernels_avx2.c's rope_head: x * cos, then roll(x, hd/2) * sin fused into it. */
+static inline void rope_head(const float* x, const float* cos, const float* sin, int hd, float* out) {
+  const int half = hd / 2;
+  for (int i = 0; i < hd; i += 4) {
+    const int j = i < half ? i + half : i - half;
+    const float32x4_t xc = vmulq_f32(vld1q_f32(x + i), vld1q_f32(cos + i));
+    vst1q_f32(out + i, vfmaq_f32(xc, vld1q_f32(x + j), vld1q_f32(sin + i)));
+  }
+}
+
+/* kernels_avx2.c's m31r_attend_qkv_f32: decode attention on the wqkv projection, RoPE included; same contract. */
+int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out) {
+  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+  const long width = (long)(heads + 2 * kv_heads) * hd;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      const float* row = qkv + r * width;
+      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, (float*)kptr[r] + at);
+      memcpy((float*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, (size_t)hd * 4);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float q[8 * MAX_CHUNKS];
+      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
+      float s[len[r] + 8];
+      attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
+                  out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+/* kernels_avx2.c's m31r_add_rmsnorm_f32: x += delta (delta may be NULL), then out = w * (x / sqrt(mean(x^2) + eps)),
+ * the squares summed in 8 lanes over d in order and folded by hsum8. */
+int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out) {
+  if (d < 8 || d % 8) return 1;
+  for (int r = 0; r < rows; ++r) {
+    float* xr = x + (long)r * d;
+    f8 ss = f8_zero();
+    for (int k = 0; k < d; k += 8) {
+      f8 v = f8_load(xr + k);
+      if (delta) {
+        const f8 e = f8_load(delta + (long)r * d + k);
+        v = (f8){vaddq_f32(v.lo, e.lo), vaddq_f32(v.hi, e.hi)};
+        vst1q_f32(xr + k, v.lo);
+        vst1q_f32(xr + k + 4, v.hi);
+      }
+      ss = f8_fma(ss, v, v);
+    }
+    const float32x4_t inv = vdupq_n_f32(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    for (int k = 0; k < d; k += 4)
+      vst1q_f32(out + (long)r * d + k, vmulq_f32(vld1q_f32(w + k), vmulq_f32(vld1q_f32(xr + k), inv)));
+  }
+  return 0;
+}
+
+/* kernels_avx2.c's m31r_swiglu_f32: out = silu(gate) * up from e^-|gate|, picking by the sign bit as blendv does. */
+int m31r_swiglu_f32(int rows, int h, const float* gu, float* out) {
+  if (h < 8 || h % 8) return 1;
+  const float32x4_t one = vdupq_n_f32(1.0f);
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < h; k += 4) {
+      const float32x4_t g = vld1q_f32(gu + 2L * r * h + k);
+      const float32x4_t t = exp_nonpositive(vnegq_f32(vabsq_f32(g)));
+      const uint32x4_t neg = vreinterpretq_u32_s32(vshrq_n_s32(vreinterpretq_s32_f32(g), 31));
+      const float32x4_t num = vbslq_f32(neg, vmulq_f32(g, t), g);
+      const float32x4_t silu = vdivq_f32(num, vaddq_f32(one, t));
+      vst1q_f32(out + (long)r * h + k, vmulq_f32(silu, vld1q_f32(gu + 2L * r * h + h + k)));
+    }
   return 0;
 }

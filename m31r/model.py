@@ -194,14 +194,26 @@ class Attention(nn.Module):
         Padding rows attend to nothing."""
         m = x.shape[0]
         h, kv = self.n_heads, self.n_kv
-        qkv = self.wqkv(x).view(m, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
-        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # cos/sin: [rows, 1, 1, hd], each row at its own position
-        y = qkv.new_zeros(m, h, 1, self.hd)
-        if isinstance(groups, DecodeTable):
+        flat = self.wqkv(x)  # [rows, 1, (heads + 2 kv_heads) * hd]
+        y = flat.new_zeros(m, h, 1, self.hd)
+        # The fp32 kernels (avx2, neon) take the projection as it is and rotate q/k themselves: decode rows need no
+        # RoPE or layout ops here, only the chunks' rows (from `width` on).
+        fused = isinstance(groups, DecodeTable) and groups.kernels.float_dtype == flat.dtype
+        if fused:
             n = len(caches)
-            parts = (qk[:n, :h], qk[:n, h:], qkv[:n, h + kv :])
-            q, k, v = (part.reshape(n, -1, self.hd).contiguous() for part in parts)
-            groups.attend(q, k, v, layer, y[:n].view(n, h, self.hd))
+            groups.attend_qkv(flat.view(m, -1)[:n], cos.view(m, -1)[:n], sin.view(m, -1)[:n], layer,
+                              y[:n].view(n, h * self.hd))
+            if not chunks:
+                return self.wo(y.view(m, 1, h * self.hd))
+        r0 = width if fused else 0  # the rows from here need rotated q/k in torch
+        qkv = flat[r0:].view(m - r0, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
+        qk = apply_rope(qkv[:, : h + kv], cos[r0:], sin[r0:])  # cos/sin: [rows, 1, 1, hd], each row at its position
+        if isinstance(groups, DecodeTable):
+            if not fused:  # the bf16 kernels (avx512 family) take rotated q and k, and v, as dense tensors
+                n = len(caches)
+                parts = (qk[:n, :h], qk[:n, h:], qkv[:n, h + kv :])
+                q, k, v = (part.reshape(n, -1, self.hd).contiguous() for part in parts)
+                groups.attend(q, k, v, layer, y[:n].view(n, h, self.hd))
         elif width:
             q = (qk[:width, :h] * self.hd**-0.5).view(width, kv, h // kv, self.hd)  # [w, kv, group, hd]
             k, v = qk[:width, h:], qkv[:width, h + kv :]
@@ -219,7 +231,7 @@ class Attention(nn.Module):
         o = width
         for cache, start, t in chunks:
             end = start + t
-            q, k, v = (part[o : o + t].transpose(0, 2) for part in (qk[:, :h], qk[:, h:], qkv[:, h + kv :]))
+            q, k, v = (part[o - r0 : o - r0 + t].transpose(0, 2) for part in (qk[:, :h], qk[:, h:], qkv[:, h + kv :]))
             ck, cv = cache.k[layer], cache.v[layer]  # q/k/v: [1, heads, t, hd]
             ck[:, :, start:end] = k
             cv[:, :, start:end] = v
@@ -413,13 +425,42 @@ class Transformer(nn.Module):
         sin = self.rope_sin[pos].view(m, 1, 1, -1).to(x.dtype)
         groups = DecodeTable(self.native, caches, positions) if native and caches else row_groups(positions,
                                                                                                   tokens.device)
-        for i, layer in enumerate(self.layers):
-            x = x + layer.attention.step(layer.attention_norm(x), cos, sin, caches, positions, i, groups, width,
-                                         chunks)
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-        decoded = self._head(self.norm(x[:width]))[: len(caches), -1] if width else x.new_empty(0)
+        def attend(h: Tensor, i: int) -> Tensor:
+            return self.layers[i].attention.step(h, cos, sin, caches, positions, i, groups, width, chunks)
+
+        if native and self.native.float_dtype == x.dtype and self._fits_step_ops():
+            normed = self._layers_native(x, attend)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = x + attend(layer.attention_norm(x), i)
+                x = x + layer.feed_forward(layer.ffn_norm(x))
+            normed = None
+
+        def head(rows: slice) -> Tensor:
+            return self._head(self.norm(x[rows]) if normed is None else normed[rows])
+
+        decoded = head(slice(0, width))[: len(caches), -1] if width else x.new_empty(0)
         ends = list(accumulate((t for _, _, t in chunks), initial=width))[1:]  # the row after each chunk's last
-        return decoded, [self._head(self.norm(x[e - 1 : e]))[0, -1] for e in ends]
+        return decoded, [head(slice(e - 1, e))[0, -1] for e in ends]
+
+    def _fits_step_ops(self) -> bool:
+        """Whether the fp32 kernels' per-token ops take this shape (rows of a multiple of 8 values)."""
+        return self.config.d_model % 8 == 0 and self.config.ffn_hidden % 8 == 0
+
+    def _layers_native(self, x: Tensor, attend) -> Tensor:
+        """Transformer.step's layers with the fp32 kernels' per-token ops (avx2, neon): each residual add and the
+        RMSNorm after it are one call, SwiGLU's product another, and decode attention takes the projection as it is
+        (Attention.step), so a layer runs its four matmuls, its attention and three small calls. Adds into x in
+        place; returns the final norm of every row (the head's input)."""
+        kern, h = self.native, torch.empty_like(x)
+        kern.add_rmsnorm(x, None, self.layers[0].attention_norm.weight, self.layers[0].attention_norm.eps, h)
+        for i, layer in enumerate(self.layers):
+            a = attend(h, i)
+            kern.add_rmsnorm(x, a, layer.ffn_norm.weight, layer.ffn_norm.eps, h)
+            f = layer.feed_forward.w2(kern.swiglu(layer.feed_forward.w13(h)))
+            after = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else self.norm
+            kern.add_rmsnorm(x, f, after.weight, after.eps, h)
+        return h
 
     def _head(self, x: Tensor) -> Tensor:
         if self.head is not None:

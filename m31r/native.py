@@ -8,7 +8,8 @@ Four families, chosen at run time by the CPU's features (never assumed):
           runs where bf16 is not native: decode attention over an fp32 KV cache, and weight-only matmuls of small
           row counts: int8 on activations quantized to int16 in blocks of 32 (q16, accurate enough for greedy
           decoding to keep fp32's choices), int4 on activations quantized to int8 in blocks of 32 (q8, llama.cpp's
-          q8_0 idea). The q8 int8 kernel stays for comparison (`int8_mm(..., mode="q8")`).
+          q8_0 idea), and fp32 weights (`f32_mm`: a summation order that no row count changes, so an fp32 row
+          gets the same bits alone or batched). The q8 int8 kernel stays for comparison (`int8_mm(..., mode="q8")`).
   avx2vnni  the same source built with -mavxvnni, where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since
           Zen 5): each block's integer dot product takes vpdpwssd / vpdpbusd, fewer instructions for the same
           exact int32 sums, so its results are the avx2 build's bit for bit (kernels_avx2.c says why).
@@ -234,6 +235,12 @@ def takes_int8(out_features: int, in_features: int) -> bool:
     return in_features % 32 == 0 and out_features % 8 == 0
 
 
+def takes_f32(out_features: int, in_features: int) -> bool:
+    """Whether the fp32 matmul (avx2 and neon families) handles this weight shape: K in steps of 8, N in blocks of
+    8."""
+    return in_features % 8 == 0 and in_features > 0 and out_features % 8 == 0
+
+
 def takes_int4(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether the int4 matmul (avx2 and neon families) handles this shape: groups of a multiple of 32, N in blocks
     of 8."""
@@ -279,8 +286,9 @@ def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:
 class Kernels:
     """A loaded family, with argument checks that keep a bad call from touching memory it should not.
 
-    `dtype`: the activation and KV-cache dtype decode attention takes. `int8_dtype` / `int4_dtype`: the activation
-    dtype the int8 / int4 matmul takes (its output has the same dtype), None where this family or CPU has none."""
+    `dtype`: the activation and KV-cache dtype decode attention takes. `int8_dtype` / `int4_dtype` / `float_dtype`:
+    the activation dtype the int8 / int4 / float-weight matmul takes (its output and, for the last, its weights have
+    the same dtype), None where this family or CPU has none."""
 
     def __init__(self, path: Path, family: Family | str = "avx512", reason: str = ""):
         self.family = FAMILIES[family] if isinstance(family, str) else family
@@ -300,7 +308,8 @@ class Kernels:
                                _F32, _P)
             self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
             self.int8_dtype = torch.bfloat16 if int8_supported() else None
-            self.int4_dtype = None
+            self.int4_dtype = self.float_dtype = None
+            self._f32 = None
         else:
             self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                _P, _F32, _P)
@@ -308,7 +317,12 @@ class Kernels:
                                 for mode in INT8_MODES}
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
-            self.int8_dtype = self.int4_dtype = torch.float32
+            self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
+            self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
+                                   _P, _F32, _P)
+            self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
+            self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
+            self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
                 if self.dotprod and "asimddp" not in cpu_info()[1]:
@@ -344,6 +358,8 @@ class Kernels:
             parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self._int8_modes else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
+        if self.float_dtype is not None:
+            parts.append("fp32 matmul")
         if self.vnni:
             parts.append("AVX-VNNI dot products")
         if self.dotprod:
@@ -423,6 +439,57 @@ class Kernels:
             return False, f"int8 self-check failed: error {worst:.3g}x its bound"
         return True, f"int8 self-check passed (worst error {worst:.2g}x its bound)"
 
+    def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, table: DecodeTable, layer: int,
+                   out: Tensor) -> None:
+        """attend_decode on the wqkv projection itself (avx2, neon): qkv [rows, (heads + 2 kv_heads) * hd] as the
+        fused matmul writes it, each row's RoPE tables cos/sin [rows, hd] at its position; the kernel rotates queries
+        and keys (torch's bits: apply_rope's fused multiply-add), writes each new key/value into its cache and the
+        attention output into out [rows, heads * hd]."""
+        rows, kv, hd = qkv.shape[0], table.kv_heads, table.head_dim
+        heads = qkv.shape[1] // hd - 2 * kv
+        for t in (qkv, cos, sin, out):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
+        assert rows == table.rows and qkv.shape == (rows, (heads + 2 * kv) * hd) and out.shape == (rows, heads * hd)
+        assert cos.shape == sin.shape == (rows, hd) and table.dtype == torch.float32
+        err = self._attend_qkv(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
+                               table.len.data_ptr(), hd**-0.5, out.data_ptr())
+        if err:
+            raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out: Tensor) -> None:
+        """x += delta (the residual add; none for None), then out = RMSNorm(x) with `weight` (avx2, neon; rows of
+        d fp32 values, d a multiple of 8)."""
+        d = x.shape[-1]
+        for t in (x, weight, out, *([] if delta is None else [delta])):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
+        assert out.shape == x.shape and weight.shape == (d,) and (delta is None or delta.shape == x.shape)
+        if self._norm(x.numel() // d, d, x.data_ptr(), None if delta is None else delta.data_ptr(),
+                      weight.data_ptr(), eps, out.data_ptr()):
+            raise ValueError(f"native RMSNorm does not take rows of {d}")
+
+    def swiglu(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up for rows of [gate | up] (avx2, neon; [..., 2h] fp32 → [..., h], h a multiple of 8)."""
+        h = gate_up.shape[-1] // 2
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
+        out = torch.empty(*gate_up.shape[:-1], h, dtype=torch.float32)
+        if self._swiglu(gate_up.numel() // (2 * h), h, gate_up.data_ptr(), out.data_ptr()):
+            raise ValueError(f"native SwiGLU does not take rows of {2 * h}")
+        return out
+
+    def f32_mm(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [M, K] times fp32 weights w [N, K] (nn.Linear's layout): [M, N] fp32, every (row, column) summed in
+        the same order whatever M (kernels_avx2.c)."""
+        m, k = x.shape
+        n = w.shape[0]
+        assert self._f32 is not None, f"the {self.name} family has no fp32 matmul"
+        assert x.dtype == w.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous() and w.shape[1] == k
+        assert x.device.type == w.device.type == "cpu"
+        y = torch.empty(m, n, dtype=torch.float32)
+        if self._f32(m, n, k, x.data_ptr(), w.data_ptr(), y.data_ptr()):
+            raise ValueError(f"native fp32 matmul does not take [{m}, {k}] x [{n}, {k}]")
+        return y
+
     def int4_mm(self, x: Tensor, codes: Tensor, scale: Tensor, base: Tensor, group_size: int) -> Tensor:
         """x [M, K] fp32 times int4 codes [N, K/2] (plain nibbles, quant.quantize_int4's layout) with per-group fp32
         scale and base [N, K/group] (w = code * scale + base): [M, N] fp32."""
@@ -449,6 +516,7 @@ class DecodeTable:
         n_layers = caches[0].n_layers
         self.kernels = kernels
         self.rows = len(caches)
+        self.kv_heads, self.head_dim = caches[0].kv_heads, caches[0].head_dim
         self.dtype = caches[0].dtype
         assert all(c.dtype == self.dtype for c in caches), "one dtype for every cache of a step"
         self.k = torch.tensor([[c.k[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
@@ -459,6 +527,9 @@ class DecodeTable:
 
     def attend(self, q: Tensor, knew: Tensor, vnew: Tensor, layer: int, out: Tensor) -> None:
         self.kernels.attend_decode(q, knew, vnew, self, layer, out)
+
+    def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, layer: int, out: Tensor) -> None:
+        self.kernels.attend_qkv(qkv, cos, sin, self, layer, out)
 
 
 @cache

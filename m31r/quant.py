@@ -5,7 +5,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
 
   float   fp32/bf16 weights prepacked for oneDNN (`mkldnn._linear_pointwise`): the same numbers as F.linear for
           bf16, within fp32 rounding for fp32 (F.linear uses MKL there). On the medium model it makes a decode
-          step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x).
+          step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x). fp32 engines on the
+          AVX2 (NEON) family keep the weights plain instead: rows below F32_GEMM_ROWS run the family's fp32
+          matmul, which sums in one order at any row count, more rows oneDNN's GEMM on the plain weight.
   int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run the
           native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
@@ -29,8 +31,9 @@ determinism and cache-hit equality hold within each precision.
 
 Row independence (what batching decode steps relies on), measured with torch 2.13 on AVX-512, 1 and 2 threads,
 M = 1..63: the bf16 oneDNN, int8 (aten's and the native one) and int4 kernels give a row the same bits whatever the
-row count; oneDNN fp32 does for M >= 2 only (M = 1 takes a GEMV path that rounds differently); MKL's fp32
-F.linear differs for small M.
+row count; oneDNN fp32 does for M >= 2 only (M = 1 takes a GEMV path that rounds differently, and on some CPUs
+M = 2-3 round differently from 4 and up); MKL's fp32 F.linear differs for small M. The native fp32 matmul does at any
+M (tested for 1-17).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ INT8_ALWAYS = ("tok_embeddings.weight", "output.weight")  # int8 in int4 bundles
 # kernel is ~100-145 GFLOP/s at any M, the bf16 GEMM ~170 at M=32 and ~380 from M=128; int4 similar).
 INT8_GEMM_ROWS = 64
 INT4_GEMM_ROWS = 64
+# fp32 layers on the AVX2 (NEON) family's fp32 matmul (fp32 engines) run it below this many rows: every row of a decode
+# step or of a pass that short chunks share (engine.FUSE_ROWS) then goes through one kernel, whose bits do not depend
+# on the row count. From 64 rows (prefill chunks of 64 and more) oneDNN's GEMM is faster (README "fp32 decode").
+F32_GEMM_ROWS = 64
 _int8_mm = torch.ops.aten._weight_int8pack_mm
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 _mkldnn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # absent from builds without oneDNN
@@ -127,22 +134,49 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int) ->
 
 
 class FloatLinear(nn.Module):
-    """A linear layer whose weight is prepacked for oneDNN where the CPU supports it (F.linear else)."""
+    """A linear layer on float weights: prepacked for oneDNN where the CPU supports it (F.linear else), or, where
+    the engine hands it the AVX2 (or NEON) family's fp32 matmul (`use_native`), kept plain for that kernel below
+    F32_GEMM_ROWS rows and for oneDNN's GEMM from there (as fast on a plain weight as on a packed one from 64 rows).
+    Either way one copy of the weight is kept. `pack=False` leaves the weight plain until `use_native` decides."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight
+        self.weight: Tensor | None = weight
         self.bias = bias
         self.packed = None
-        if _mkldnn_ok(weight):
+        # The AVX2 (NEON) family's fp32 matmul, where the engine sets it (use_native): rows below F32_GEMM_ROWS run it.
+        self.native: Kernels | None = None
+        if pack:
+            self._pack()
+
+    def _pack(self) -> None:
+        if self.weight is not None and _mkldnn_ok(self.weight):
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), 1)
                 self.weight = None  # the packed copy is the only one kept
             except RuntimeError:  # e.g. a CPU without the ISA oneDNN needs for this dtype
                 self.packed = None
 
+    def use_native(self, kernels: Kernels | None) -> None:
+        """Run `kernels`' fp32 matmul below F32_GEMM_ROWS rows (None: oneDNN's packed weight at every row count).
+        The kernel reads the plain weight, which then replaces the packed copy, and the other way round."""
+        self.native = kernels
+        if kernels is not None and self.packed is not None:
+            self.weight, self.packed = self.packed.to_dense(), None
+        elif kernels is None and self.packed is None:
+            self._pack()
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.native is not None and x.dtype == torch.float32:
+            x2 = x.reshape(-1, self.in_features)
+            if x2.shape[0] < F32_GEMM_ROWS:
+                y = self.native.f32_mm(x2.contiguous(), self.weight)
+                if self.bias is not None:
+                    y = y.add_(self.bias)
+                return y.view(*x.shape[:-1], self.out_features)
+            if _mkldnn_ok(self.weight):
+                return _mkldnn_linear(x, self.weight, self.bias, "none", [], "")
         if self.packed is not None:
             return _mkldnn_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -333,11 +367,12 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype, device: torch.device,
-            method: str | None, group_size: int = DEFAULT_INT4_GROUP) -> nn.Module:
+            method: str | None, group_size: int = DEFAULT_INT4_GROUP, pack: bool = True) -> nn.Module:
     """Fill a meta-device Transformer with inference modules built from `tensors`.
 
     `tensors` is a float state dict (quantized here when `method` is set) or a quantized bundle's tensors (then
-    `method` must name its quantization). Norm gains and float weights are cast to `dtype` on `device`.
+    `method` must name its quantization). Norm gains and float weights are cast to `dtype` on `device`. `pack=False`
+    keeps float weights plain (copies), for an engine that hands them the native fp32 matmul (FloatLinear).
     """
     check_method(method, group_size)
     if method is not None and device.type != "cpu":
@@ -353,7 +388,9 @@ def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype,
         if base + ".weight_int4" in tensors:
             return Int4Linear(tensors[base + ".weight_int4"], tensors[base + ".scales_and_zeros"], group_size, bias)
         bias = None if bias is None else bias.to(device, dtype, copy=True)
-        return FloatLinear(tensors[base + ".weight"].to(device, dtype), bias)  # packed: a copy
+        if pack:
+            return FloatLinear(tensors[base + ".weight"].to(device, dtype), bias)  # packed: a copy
+        return FloatLinear(tensors[base + ".weight"].to(device, dtype, copy=True).contiguous(), bias, pack=False)
 
     for i in range(model.config.n_layers):
         for name in LINEARS:

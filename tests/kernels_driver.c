@@ -12,6 +12,11 @@
  *   attend ROWS HEADS KV HD SCALE q knew vnew k v cap len out kout vout
  *        SCALE a C float (hex is exact); k/v all rows' caches one after the other, row r [KV, cap[r], HD]; cap/len
  *        int32 [ROWS]; writes out [ROWS, HEADS, HD] and the caches as the call left them to kout/vout.
+ *   f32mm M N K x w y                                        x fp32 [M,K], w fp32 [N,K]; writes y fp32 [M,N]
+ *   qkv ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
+ *        attend on the projection: qkv [ROWS, (HEADS + 2 KV) * HD], cos/sin [ROWS, HD]; the rest as attend
+ *   norm ROWS D EPS x delta w out xout                       delta "-" for none; writes out and x as left [ROWS, D]
+ *   swiglu ROWS H gu out                                     gu [ROWS, 2H]; writes out [ROWS, H]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -26,6 +31,12 @@ int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const 
 int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
 int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
                     const float* base, float* y);
+int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y);
+int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out);
+int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out);
+int m31r_swiglu_f32(int rows, int h, const float* gu, float* out);
 int m31r_neon_dotprod(void) __attribute__((weak)); /* the NEON family's only */
 
 #define MAX_ARGS 24
@@ -137,6 +148,93 @@ static void attend_cmd(char** a, int n) {
   free(cap), free(len), free(q), free(kn), free(vn), free(k), free(v), free(out), free(kp), free(vp);
 }
 
+static void f32mm_cmd(char** a, int n) {
+  if (n != 7) {
+    printf("error f32mm takes 6 arguments\n");
+    return;
+  }
+  const int M = atoi(a[1]), N = atoi(a[2]), K = atoi(a[3]);
+  float* x = slurp(a[4], 4L * M * K);
+  float* w = x ? slurp(a[5], 4L * N * K) : NULL;
+  float* y = calloc((size_t)M * N + 1, 4);
+  if (w) {
+    int rc = m31r_f32_mm(M, N, K, x, w, y);
+    if (spill(a[6], y, 4L * M * N)) printf("rc %d\n", rc);
+  }
+  free(x), free(w), free(y);
+}
+
+static void qkv_cmd(char** a, int n) {
+  if (n != 16) {
+    printf("error qkv takes 15 arguments\n");
+    return;
+  }
+  const int rows = atoi(a[1]), heads = atoi(a[2]), kv = atoi(a[3]), hd = atoi(a[4]);
+  const float scale = strtof(a[5], NULL);
+  int32_t* cap = slurp(a[11], 4L * rows);
+  int32_t* len = cap ? slurp(a[12], 4L * rows) : NULL;
+  if (!len) {
+    free(cap);
+    return;
+  }
+  long total = 0;
+  for (int r = 0; r < rows; ++r) total += (long)kv * cap[r] * hd;
+  float* qkv = slurp(a[6], 4L * rows * (heads + 2 * kv) * hd);
+  float* cos = qkv ? slurp(a[7], 4L * rows * hd) : NULL;
+  float* sin = cos ? slurp(a[8], 4L * rows * hd) : NULL;
+  float* k = sin ? slurp(a[9], 4 * total) : NULL;
+  float* v = k ? slurp(a[10], 4 * total) : NULL;
+  float* out = calloc((size_t)rows * heads * hd + 1, 4);
+  int64_t* kp = calloc(rows + 1, 8);
+  int64_t* vp = calloc(rows + 1, 8);
+  if (v) {
+    long at = 0;
+    for (int r = 0; r < rows; ++r) {
+      kp[r] = (int64_t)(intptr_t)(k + at);
+      vp[r] = (int64_t)(intptr_t)(v + at);
+      at += (long)kv * cap[r] * hd;
+    }
+    int rc = m31r_attend_qkv_f32(rows, heads, kv, hd, qkv, cos, sin, kp, vp, cap, len, scale, out);
+    if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
+      printf("rc %d\n", rc);
+  }
+  free(cap), free(len), free(qkv), free(cos), free(sin), free(k), free(v), free(out), free(kp), free(vp);
+}
+
+static void norm_cmd(char** a, int n) {
+  if (n != 9) {
+    printf("error norm takes 8 arguments\n");
+    return;
+  }
+  const int rows = atoi(a[1]), d = atoi(a[2]);
+  const float eps = strtof(a[3], NULL);
+  const int has_delta = strcmp(a[5], "-") != 0;
+  float* x = slurp(a[4], 4L * rows * d);
+  float* delta = x && has_delta ? slurp(a[5], 4L * rows * d) : NULL;
+  float* w = x && (delta || !has_delta) ? slurp(a[6], 4L * d) : NULL;
+  float* out = calloc((size_t)rows * d + 1, 4);
+  if (w) {
+    int rc = m31r_add_rmsnorm_f32(rows, d, x, delta, w, eps, out);
+    if (spill(a[7], out, 4L * rows * d) && spill(a[8], x, 4L * rows * d)) printf("rc %d\n", rc);
+  }
+  free(x), free(delta), free(w), free(out);
+}
+
+static void swiglu_cmd(char** a, int n) {
+  if (n != 5) {
+    printf("error swiglu takes 4 arguments\n");
+    return;
+  }
+  const int rows = atoi(a[1]), h = atoi(a[2]);
+  float* gu = slurp(a[3], 8L * rows * h);
+  float* out = calloc((size_t)rows * h + 1, 4);
+  if (gu) {
+    int rc = m31r_swiglu_f32(rows, h, gu, out);
+    if (spill(a[4], out, 4L * rows * h)) printf("rc %d\n", rc);
+  }
+  free(gu), free(out);
+}
+
 int main(void) {
   char line[8192];
   while (fgets(line, sizeof line, stdin)) {
@@ -152,6 +250,14 @@ int main(void) {
       int4_cmd(a, n);
     else if (!strcmp(a[0], "attend"))
       attend_cmd(a, n);
+    else if (!strcmp(a[0], "f32mm"))
+      f32mm_cmd(a, n);
+    else if (!strcmp(a[0], "qkv"))
+      qkv_cmd(a, n);
+    else if (!strcmp(a[0], "norm"))
+      norm_cmd(a, n);
+    else if (!strcmp(a[0], "swiglu"))
+      swiglu_cmd(a, n);
     else
       printf("error unknown command %s\n", a[0]);
     fflush(stdout);

@@ -421,6 +421,67 @@ def test_avx2_attention_never_reads_past_the_context_and_refuses_what_it_does_no
         _attend(bf, [10], *_inputs(1, 4, 4, 64), kernels=K2())
 
 
+@pytest.mark.parametrize("heads,kv,hd", [(16, 16, 64), (8, 2, 64), (4, 1, 128), (2, 2, 16)])
+def test_avx2_attention_on_the_projection_is_rope_then_attention_bit_for_bit(heads: int, kv: int, hd: int) -> None:
+    """attend_qkv (decode rows of fp32 engines) reads the wqkv projection as it is and rotates q and k itself: the
+    keys it writes, and its outputs, are torch's apply_rope followed by attend_decode, bit for bit."""
+    from m31r.config import ModelConfig
+    from m31r.model import apply_rope, rope_tables
+
+    lengths = [1, 40, 64, 65, 300, 700]
+    rows = len(lengths)
+    gen = torch.Generator().manual_seed(hd)
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=gen) * 2
+    cos_t, sin_t = rope_tables(ModelConfig(n_layers=1, d_model=heads * hd, n_heads=heads, n_kv_heads=kv,
+                                           ffn_hidden=8, vocab_size=8, max_context=1024))
+    pos = torch.tensor([n - 1 for n in lengths])
+    cos, sin = cos_t[pos].contiguous(), sin_t[pos].contiguous()
+    fused, plain = (_caches(lengths, kv, hd, dtype=torch.float32, seed=3) for _ in range(2))
+    out = torch.empty(rows, heads * hd)
+    native.DecodeTable(K2(), fused, pos.tolist()).attend_qkv(qkv, cos, sin, 1, out)
+    heads4 = qkv.view(rows, heads + 2 * kv, 1, hd)
+    qk = apply_rope(heads4[:, : heads + kv], cos.view(rows, 1, 1, hd), sin.view(rows, 1, 1, hd))
+    q, k, v = (t.reshape(rows, -1, hd).contiguous() for t in (qk[:, :heads], qk[:, heads:], heads4[:, heads + kv :]))
+    ref = _attend(plain, lengths, q, k, v, kernels=K2())
+    assert torch.equal(out.view(rows, heads, hd), ref)
+    for a, b in zip(fused, plain, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip((*a.k, *a.v), (*b.k, *b.v), strict=True))
+    with pytest.raises(ValueError, match="head_dim=24"):  # RoPE's halves must be whole chunks of 8
+        table = native.DecodeTable(K2(), _caches([10], 2, 24, dtype=torch.float32), [9])
+        table.attend_qkv(torch.zeros(1, 6 * 24), torch.zeros(1, 24), torch.zeros(1, 24), 1, torch.zeros(1, 48))
+
+
+def test_avx2_residual_norm_and_swiglu_match_torch_and_keep_rows_apart() -> None:
+    """The per-token ops of fp32 engines: x += delta exactly as torch adds, RMSNorm and silu(gate) * up within fp32
+    rounding of torch's (model.RMSNorm, F.silu), each row the same bits alone as batched; shapes they do not take
+    are refused."""
+    from m31r.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    x, delta = _x32(9, 256, seed=5) * 3, torch.randn(9, 256, generator=gen)
+    norm = RMSNorm(256, 1e-5)
+    norm.weight.data = torch.rand(256, generator=gen) + 0.5
+    h, summed = torch.empty_like(x), x.clone()
+    K2().add_rmsnorm(summed, delta, norm.weight.data, 1e-5, h)
+    assert torch.equal(summed, x + delta)
+    with torch.no_grad():
+        ref = norm(x + delta)
+    assert (h - ref).abs().max() <= 4e-7 * ref.abs().max()
+    alone = torch.empty(1, 256)
+    K2().add_rmsnorm((x + delta)[4:5].contiguous(), None, norm.weight.data, 1e-5, alone)
+    assert torch.equal(alone[0], h[4])
+    gate_up = torch.randn(9, 2 * 96, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    y = K2().swiglu(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    assert y.shape == (9, 96) and ((y - ref).abs() <= 1e-6 * ref.abs() + 1e-30).all()
+    assert torch.equal(K2().swiglu(gate_up[3:4].contiguous())[0], y[3])
+    with pytest.raises(ValueError, match="rows of 12"):
+        K2().swiglu(torch.zeros(2, 12))
+    with pytest.raises(ValueError, match="rows of 20"):
+        K2().add_rmsnorm(torch.zeros(2, 20), None, torch.ones(20), 1e-5, torch.zeros(2, 20))
+
+
 def _x32(m: int, k: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=gen) * (torch.rand(m, k, generator=gen) * 3)  # uneven magnitudes
@@ -515,6 +576,71 @@ def test_avx2_int4_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
     assert torch.equal(layer(x[order].contiguous()), full[order])
 
 
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (24, 96), (64, 1024), (200, 520), (16, 4096)])
+def test_avx2_f32_matmul_is_the_exact_product_within_fp32_rounding(n: int, k: int) -> None:
+    """Each output is a sum of k products in fp32: per lane k/8 fused multiply-adds (one rounding each), then three
+    adds across the 8 lanes, so its error against the float64 product stays below (k/8 + 3) roundings of the sum of
+    |x * w| (2^-24 relative each, first order). A product of a few elements checks the indexing exactly."""
+    x = _x32(11, k, seed=n)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    y = K2().f32_mm(x, w)
+    assert y.dtype == torch.float32 and y.shape == (11, n)
+    exact = x.double() @ w.double().T
+    bound = (k / 8 + 3) * 2.0**-24 * (x.double().abs() @ w.double().abs().T) * 1.01
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert (y.double() - exact).abs().max() > 0 or k == 8  # the bound is fp32's, not exactness by accident
+    ints = torch.randint(-8, 8, (11, k), generator=torch.Generator().manual_seed(1)).float()
+    iw = torch.randint(-8, 8, (n, k), generator=torch.Generator().manual_seed(2)).float()
+    assert torch.equal(K2().f32_mm(ints, iw), (ints.double() @ iw.double().T).float())  # exact sums below 2^24
+
+
+def test_avx2_f32_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    """Every row count from 1 to 17 (tiles of 1 to 8 rows, and a second group past 8), any order, any thread count:
+    what lets an fp32 engine decode a lone stream at one row."""
+    x, w = _x32(17, 256, seed=4), torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    full = K2().f32_mm(x, w)
+    for m in range(1, 18):
+        assert torch.equal(K2().f32_mm(x[-m:].contiguous(), w), full[-m:]), m
+        assert torch.equal(K2().f32_mm(x[:m].contiguous(), w), full[:m]), m
+    order = torch.randperm(17, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(K2().f32_mm(x[order].contiguous(), w), full[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(K2().f32_mm(x, w), full)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="does not take"):
+        K2().f32_mm(x[:, :12].contiguous(), w[:, :12].contiguous())  # K not a multiple of 8
+    with pytest.raises(ValueError, match="does not take"):
+        K2().f32_mm(x, w[:36].contiguous())  # N not a multiple of 8
+    with pytest.raises(AssertionError):
+        K2().f32_mm(x.t(), w)  # not contiguous
+
+
+def test_an_fp32_layer_takes_it_below_the_gemm_rows_and_keeps_one_copy_of_its_weight() -> None:
+    """FloatLinear on the fp32 matmul: rows below F32_GEMM_ROWS run the kernel (a bias added after), more rows
+    oneDNN's GEMM on the same plain weight; handing it back to torch packs the weight for oneDNN again."""
+    from m31r.quant import F32_GEMM_ROWS, FloatLinear
+
+    gen = torch.Generator().manual_seed(11)
+    w, bias = torch.randn(64, 128, generator=gen) * 0.05, torch.randn(64, generator=gen)
+    layer = FloatLinear(w.clone(), bias)
+    x = _x32(F32_GEMM_ROWS, 128, seed=11)
+    eager = layer(x)
+    layer.use_native(K2())
+    assert layer.packed is None and torch.equal(layer.weight, w)
+    assert torch.equal(layer(x[:5].view(5, 1, 128)).view(5, 64), K2().f32_mm(x[:5].contiguous(), w) + bias)
+    assert torch.equal(layer(x[:F32_GEMM_ROWS - 1]), K2().f32_mm(x[:F32_GEMM_ROWS - 1].contiguous(), w) + bias)
+    big = layer(x.view(1, F32_GEMM_ROWS, 128))
+    assert big.shape == (1, F32_GEMM_ROWS, 64)
+    torch.testing.assert_close(big[0], eager, atol=1e-5, rtol=1e-5)
+    layer.use_native(None)
+    if layer.packed is not None:  # oneDNN runs here: the plain copy is dropped again
+        assert layer.weight is None
+    assert torch.equal(layer(x), eager)
+
+
 def test_avx2_quantized_layers_take_it_below_the_gemm_rows_and_fp32_gemms_above() -> None:
     from m31r.quant import INT4_GEMM_ROWS, INT8_GEMM_ROWS, Int8Linear, dequantize_int8, quantize_int8
 
@@ -532,34 +658,76 @@ def test_avx2_quantized_layers_take_it_below_the_gemm_rows_and_fp32_gemms_above(
 
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_an_fp32_engine_runs_the_avx2_kernels_close_to_the_eager_path(tiny_bundle, quant: str | None) -> None:
-    """fp32 engines hand every decode row's attention and every quantized layer to the AVX2 kernels; logits stay
-    close to eager torch's, the probe lets every width through for quantized weights (their kernels never change a
-    row's arithmetic with the row count), and greedy generation is deterministic."""
-    from m31r.quant import Int4Linear, Int8Linear
+    """fp32 engines hand every decode row's attention and every weight matrix (fp32, int8 or int4; the tied fp32
+    head too) to the AVX2 kernels; logits stay close to eager torch's, the probe lets every width through and
+    short chunks share passes (no kernel changes a row's arithmetic with the row count), and greedy generation is
+    deterministic."""
+    from m31r.quant import FloatLinear, Int4Linear, Int8Linear
 
     engine = _engine(tiny_bundle, FP32, dtype="float32", quant=quant, group_size=32)
-    layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    layers = [m for m in engine.model.modules() if isinstance(m, (FloatLinear, Int8Linear, Int4Linear))]
+    assert len(layers) == 4 * engine.config.n_layers + 1  # the head included
     assert engine.model.native is K2() and all(m.native is K2() for m in layers)
     assert engine.kernel_report["kernels"] == FP32 and engine.kernel_report["native_attention"]
     assert engine.kernel_report["native_int8"] == (quant is not None)
     assert engine.kernel_report["native_int4"] == (quant == "int4")
-    if quant:
-        assert engine.decode_widths == list(range(1, engine.decode_width + 1))
+    assert engine.kernel_report["native_f32"] == (quant is None)
+    assert engine.decode_widths == list(range(1, engine.decode_width + 1)) and engine.fuse
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
     logits = {}
     for mode in ("native", "eager"):
-        for m in [*layers, engine.model]:
-            m.native = K2() if mode == "native" else None
+        engine.use_kernels(K2() if mode == "native" else None)
         cache = engine.new_cache()
         for _ in engine.prefill(cache, ids, 0):
             pass
         logits[mode] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13)])
+    assert not any(m.native for m in engine.model.modules() if isinstance(m, (FloatLinear, Int8Linear, Int4Linear)))
     tolerance = 1e-4 if quant is None else 0.05  # eager int8/int4 layers run bf16 activations
     assert (logits["native"] - logits["eager"]).abs().max() <= tolerance * logits["eager"].abs().max()
-    for m in [*layers, engine.model]:
-        m.native = K2()
+    engine.use_kernels(K2())
     runs = [[t.id for t in engine.generate(ids, max_tokens=12)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_an_fp32_engine_on_the_f32_matmul_picks_eager_fp32s_tokens_alone_and_batched(tiny_bundle) -> None:
+    """Greedy decoding of several prompts, fed eager fp32's own tokens step by step (teacher forcing): the fp32
+    matmul picks eager's token wherever eager's top two logits are not a near-tie. Then its own greedy output is
+    the same run after run, and a stream gets the same logits decoded alone (one row) as beside three others."""
+    engine = _engine(tiny_bundle, FP32, dtype="float32")
+    assert engine.kernel_report["native_f32"] and engine.decode_widths[0] == 1
+    prompts = ["fn add(a: u32, b: u32) -> u32 {\n", "let mut v = Vec::new();\n", "impl Display for", "// sum\n"]
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    engine.use_kernels(None)
+    eager = [[t.id for t in engine.generate(p, max_tokens=16) if t.id is not None] for p in ids]
+
+    def forced(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        cache = engine.new_cache()
+        out = [x for x in engine.prefill(cache, prompt, 0) if x is not None]
+        return torch.stack(out + [engine.decode_step(cache, t) for t in tokens[:-1]])
+
+    reference = [forced(p, toks) for p, toks in zip(ids, eager, strict=True)]
+    engine.use_kernels(K2())
+    compared = 0
+    for p, toks, ref in zip(ids, eager, reference, strict=True):
+        logits = forced(p, toks)
+        assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3 * ref.abs().max()
+        assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+        compared += int(clear.sum())
+    assert compared >= 0.9 * sum(len(t) for t in eager)
+    runs = [[[t.id for t in engine.generate(p, max_tokens=16)] for p in ids] for _ in range(2)]
+    assert runs[0] == runs[1]
+    caches = [engine.new_cache() for _ in ids]
+    for cache, p in zip(caches, ids, strict=True):
+        for _ in engine.prefill(cache, p, 0):
+            pass
+    alone_cache = engine.new_cache()
+    for _ in engine.prefill(alone_cache, ids[2], 0):
+        pass
+    for step in range(4):
+        together = engine.decode_rows(caches, [40 + step] * len(caches))
+        assert torch.equal(engine.decode_step(alone_cache, 40 + step), together[2])
 
 
 def test_a_tiny_int8_engine_on_q16_stays_close_to_fp32_activations_and_q8_does_not(tiny_bundle) -> None:

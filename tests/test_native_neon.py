@@ -157,6 +157,34 @@ class Calls:
                          [("out", np.float32, (rows, heads, hd)), ("k", np.float32, (size,)),
                           ("v", np.float32, (size,))])
 
+    def f32mm(self, x: torch.Tensor, w: torch.Tensor) -> int:
+        (m, k), n = x.shape, w.shape[0]
+        return self._add(f"f32mm {m} {n} {k} {self.file(x)} {self.file(w)} @y", [("y", np.float32, (m, n))])
+
+    def qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k: list[torch.Tensor],
+            v: list[torch.Tensor], lengths: list[int]) -> int:
+        """qkv [rows, (heads + 2 kv) * hd] as the wqkv matmul writes it, cos/sin [rows, hd]; caches as `attend`."""
+        rows, hd, kv = qkv.shape[0], cos.shape[1], k[0].shape[0]
+        cap = torch.tensor([c.shape[1] for c in k], dtype=torch.int32)
+        size = int(sum(c.numel() for c in k))
+        scale = float(np.float32(hd**-0.5)).hex()
+        files = [self.file(t) for t in (qkv, cos, sin, torch.cat([c.flatten() for c in k]),
+                                        torch.cat([c.flatten() for c in v]), cap,
+                                        torch.tensor(lengths, dtype=torch.int32))]
+        return self._add(f"qkv {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
+                         [("out", np.float32, (rows, heads * hd)), ("k", np.float32, (size,)),
+                          ("v", np.float32, (size,))])
+
+    def norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> int:
+        rows, d = x.shape
+        eps_hex = float(np.float32(eps)).hex()
+        return self._add(f"norm {rows} {d} {eps_hex} {self.file(x)} {'-' if delta is None else self.file(delta)} "
+                         f"{self.file(w)} @out @x", [("out", np.float32, (rows, d)), ("x", np.float32, (rows, d))])
+
+    def swiglu(self, gate_up: torch.Tensor) -> int:
+        rows, h = gate_up.shape[0], gate_up.shape[1] // 2
+        return self._add(f"swiglu {rows} {h} {self.file(gate_up)} @out", [("out", np.float32, (rows, h))])
+
     def run(self, build: Build) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """Per call: (the kernel's return value, its outputs)."""
         out_dir = self.folder / build.name
@@ -466,6 +494,103 @@ def test_decode_attention_refuses_what_it_does_not_take_and_leaves_the_caches(bu
         assert rc == 1, calls.lines[i][:40]
         written = [np.fromfile(p, np.float32) for p in calls.lines[i].split()[9:11]]
         assert np.array_equal(out["k"].numpy(), written[0]) and np.array_equal(out["v"].numpy(), written[1])
+
+
+# -- fp32 weights and the per-token ops of fp32 engines ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (24, 96), (64, 1024)])
+def test_the_fp32_matmul_is_the_exact_product_within_fp32_rounding(builds, tmp_path, n: int, k: int) -> None:
+    """k/8 fused multiply-adds per lane and the lanes' fold: within (k/8 + 3) roundings of the sum of |x * w|; shapes
+    off the blocks of 8 are refused."""
+    x = _x32(11, k, seed=n)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    calls = Calls(tmp_path)
+    calls.f32mm(x, w)
+    calls.f32mm(x[:, :4].contiguous(), w[:, :4].contiguous())  # K not in steps of 8
+    calls.f32mm(x, w[:4].contiguous())  # N not in blocks of 8
+    (rc, y), (rc4, _), (rcn, _) = run_all(calls, builds)
+    assert rc == 0 and rc4 == 1 and rcn == 1
+    exact = x.double() @ w.double().T
+    bound = (k / 8 + 3) * 2.0**-24 * (x.double().abs() @ w.double().abs().T) * 1.01
+    assert ((y["y"].double() - exact).abs() <= bound).all()
+
+
+def test_the_fp32_matmul_gives_a_row_the_same_bits_alone_and_batched(builds, tmp_path) -> None:
+    x, w = _x32(17, 256, seed=4), torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    calls = Calls(tmp_path)
+    calls.f32mm(x, w)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
+        calls.f32mm(x[-m:].contiguous(), w)
+    (_, full), *parts = run_all(calls, builds)
+    for m, (rc, part) in zip((1, 2, 3, 4, 5, 6, 7, 8, 9, 16), parts, strict=True):
+        assert rc == 0 and torch.equal(part["y"], full["y"][-m:]), m
+
+
+def test_attention_on_the_projection_rotates_as_torch_and_attends_as_the_reference(builds, tmp_path) -> None:
+    """m31r_attend_qkv_f32 with grouped-query heads: the keys it writes are torch's apply_rope, bit for bit, the
+    values are copied, and the outputs are fp32 attention of the rotated queries within 1e-5; hd = 24 (RoPE halves
+    not whole chunks of 8) is refused."""
+    from m31r.config import ModelConfig
+    from m31r.model import apply_rope, rope_tables
+
+    heads, kv, hd, lengths = 8, 2, 32, [1, 9, 70]
+    rows = len(lengths)
+    gen = torch.Generator().manual_seed(21)
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=gen) * 2
+    cos_t, sin_t = rope_tables(ModelConfig(n_layers=1, d_model=heads * hd, n_heads=heads, n_kv_heads=kv,
+                                           ffn_hidden=8, vocab_size=8, max_context=128))
+    pos = torch.tensor([n - 1 for n in lengths])
+    cos, sin = cos_t[pos].contiguous(), sin_t[pos].contiguous()
+    caps = [64, 64, 128]
+    k = [torch.randn(kv, c, hd, generator=gen) for c in caps]
+    v = [torch.randn(kv, c, hd, generator=gen) for c in caps]
+    calls = Calls(tmp_path)
+    calls.qkv(qkv, cos, sin, heads, k, v, lengths)
+    calls.qkv(torch.zeros(1, 12 * 24), torch.zeros(1, 24), torch.zeros(1, 24), 8, [torch.zeros(2, 64, 24)],
+              [torch.zeros(2, 64, 24)], [5])
+    (rc, res), (rc24, _) = run_all(calls, builds)
+    assert rc == 0 and rc24 == 1
+    parts = qkv.view(rows, heads + 2 * kv, 1, hd)
+    qk = apply_rope(parts[:, : heads + kv], cos.view(rows, 1, 1, hd), sin.view(rows, 1, 1, hd))[:, :, 0]
+    at = 0
+    for r, n in enumerate(lengths):
+        kc = res["k"][at : at + k[r].numel()].view(kv, caps[r], hd)
+        vc = res["v"][at : at + k[r].numel()].view(kv, caps[r], hd)
+        at += k[r].numel()
+        assert torch.equal(kc[:, n - 1], qk[r, heads:]) and torch.equal(vc[:, n - 1], parts[r, heads + kv :, 0])
+        keys, values = kc[:, :n].repeat_interleave(heads // kv, 0), vc[:, :n].repeat_interleave(heads // kv, 0)
+        p = torch.softmax((qk[r, :heads, None, :].double() * hd**-0.5 * keys).sum(-1), -1)
+        ref = (p[:, :, None] * values).sum(1)
+        got = res["out"][r].view(heads, hd)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, r
+
+
+def test_residual_norm_and_swiglu_match_torch(builds, tmp_path) -> None:
+    """x += delta as torch adds, RMSNorm and silu(gate) * up within fp32 rounding of torch's, with and without the
+    residual; rows of other than a multiple of 8 are refused."""
+    from m31r.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(9)
+    x, delta = _x32(5, 64, seed=9) * 3, torch.randn(5, 64, generator=gen)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.rand(64, generator=gen) + 0.5
+    gate_up = torch.randn(5, 2 * 48, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    calls = Calls(tmp_path)
+    calls.norm(x, delta, norm.weight.data, 1e-5)
+    calls.norm(x, None, norm.weight.data, 1e-5)
+    calls.swiglu(gate_up)
+    calls.norm(torch.zeros(2, 12), None, torch.ones(12), 1e-5)
+    calls.swiglu(torch.zeros(2, 24))
+    (rc1, added), (rc2, plain), (rc3, sw), (rcn, _), (rcs, _) = run_all(calls, builds)
+    assert rc1 == rc2 == rc3 == 0 and rcn == rcs == 1
+    assert torch.equal(added["x"], x + delta) and torch.equal(plain["x"], x)
+    with torch.no_grad():
+        for got, ref in ((added["out"], norm(x + delta)), (plain["out"], norm(x))):
+            assert (got - ref).abs().max() <= 4e-7 * ref.abs().max()
+    ref = torch.nn.functional.silu(gate_up[:, :48]) * gate_up[:, 48:]
+    assert ((sw["out"] - ref).abs() <= 1e-6 * ref.abs() + 1e-30).all()
 
 
 # -- native.py on Arm machines (simulated) ---------------------------------------------------------------------

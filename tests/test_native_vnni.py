@@ -20,7 +20,7 @@ import torch
 
 from m31r import native
 from m31r.precision import resolve
-from m31r.quant import Int4Linear, Int8Linear, quantize_int4
+from m31r.quant import FloatLinear, Int4Linear, Int8Linear, quantize_int4
 
 
 @functools.cache
@@ -103,6 +103,15 @@ def test_int8_matmuls_are_the_plain_builds_bit_for_bit(mode: str, m: int, n: int
     assert y.isfinite().all() and not torch.equal(y[0], y[1])
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 8), (9, 24, 96), (17, 64, 1024)])
+def test_the_fp32_matmul_is_the_plain_builds_bit_for_bit(m: int, n: int, k: int) -> None:
+    plain, vnni = both()
+    x = _activations(m + 6, k, seed=k)  # the rows of extremes, then m random ones
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    y = vnni.f32_mm(x, w)
+    assert torch.equal(bits(y), bits(plain.f32_mm(x, w))) and y.isfinite().all()
+
+
 def test_the_largest_pair_sums_are_exact_in_both_builds() -> None:
     """vpmaddubsw's int16 pair sums at their largest (q8: 127 * -128 twice = -32512; the limit is -32768) and q16's
     int32 lanes at theirs: both builds give the exact product up to fp32 rounding. A positive constant block
@@ -155,10 +164,11 @@ def test_a_row_gets_the_same_bits_alone_and_batched() -> None:
     assert torch.equal(layer4(x[order].contiguous()), full[order])
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_an_fp32_engine_decodes_the_same_bits_on_either_build(tiny_bundle, quant: str) -> None:
-    """Attention, int8 and int4 layers: the decode logits and greedy tokens of the VNNI build are the plain
-    build's, so its agreement with fp32 is theirs (README "Speed")."""
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_an_fp32_engine_decodes_the_same_bits_on_either_build(tiny_bundle, quant: str | None) -> None:
+    """Attention, fp32, int8 and int4 layers: the decode logits and greedy tokens of the VNNI build are the plain
+    build's, so its agreement with fp32 is theirs (README "Speed"). The fp32 matmul has no integer dot products:
+    the flag must not change its code either."""
     from m31r.engine import Engine
 
     plain, vnni = both()
@@ -168,15 +178,17 @@ def test_an_fp32_engine_decodes_the_same_bits_on_either_build(tiny_bundle, quant
     for k in (plain, vnni):
         engine.use_kernels(k)
         assert engine.kernel_report["kernels"] == k.name and engine.kernel_report["native_attention"]
-        assert engine.kernel_report["native_int8"] and engine.kernel_report["native_int4"] == (quant == "int4")
-        layers = [mod for mod in engine.model.modules() if isinstance(mod, (Int8Linear, Int4Linear))]
+        assert engine.kernel_report["native_int8"] == (quant is not None)
+        assert engine.kernel_report["native_int4"] == (quant == "int4")
+        assert engine.kernel_report["native_f32"] == (quant is None)
+        layers = [mod for mod in engine.model.modules() if isinstance(mod, (FloatLinear, Int8Linear, Int4Linear))]
         assert layers and all(mod.native is k for mod in layers)
         cache = engine.new_cache()
         for _ in engine.prefill(cache, ids, 0):
             pass
         logits[k.name] = torch.stack([engine.decode_step(cache, t) for t in (11, 12, 13, 14)])
         tokens[k.name] = [t.id for t in engine.generate(ids, max_tokens=12)]
-    assert "vpdpwssd" in engine.kernel_report["int8_kernel"]
+    assert quant is None or "vpdpwssd" in engine.kernel_report["int8_kernel"]
     assert torch.equal(logits["avx2vnni"], logits["avx2"]) and tokens["avx2vnni"] == tokens["avx2"]
     assert len(tokens["avx2"]) == 12
 
