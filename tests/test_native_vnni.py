@@ -11,36 +11,22 @@ elsewhere; the choice and fallback tests run on any x86-64 Linux CPU with AVX2 (
 
 from __future__ import annotations
 
-import functools
 import shutil
 import sys
 
 import pytest
 import torch
+from test_native import family  # the loaded or built kernels of a family, or skip
 
 from m31r import native
 from m31r.precision import resolve
 from m31r.quant import FloatLinear, Int4Linear, Int8Linear, quantize_int4
 
 
-@functools.cache
-def _built(name: str) -> native.Kernels:
-    return native.Kernels(native.build(family=name), name)
-
-
-def kernels(name: str) -> native.Kernels:
-    why = native.family_unsupported(name)
-    if why is not None:
-        pytest.skip(f"the {name} kernels cannot run on this CPU: {why}")
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    return _built(name)
-
-
 def both() -> tuple[native.Kernels, native.Kernels]:
     """(plain avx2, avx2vnni); the CPU runs both where it runs the second."""
-    vnni = kernels("avx2vnni")
-    return kernels("avx2"), vnni
+    vnni = family("avx2vnni")
+    return family("avx2"), vnni
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
