@@ -1,12 +1,13 @@
 """Accuracy of each serving precision against fp32, on a trained bundle and the held-out validation split.
 
 For fp32, bf16, int8 and int4 weights on the same bundle (the quantized ones at the activation dtype the daemon
-serves them with, `--dtype auto`: bf16 where it is native, else fp32 on the AVX2 kernels where they run, whose
-int8 matmul takes q16 activations; `int8-q8` runs the same int8 weights on its older q8 activations, for comparison):
+serves them with, `--dtype auto`: fp32 where the fp32 kernels (avx2vnni, avx2, neon) run, whose int8 matmul takes
+q16 activations, else bf16 where it is native. For comparison, when asked for: `int8-q8` runs the same int8 weights
+on the kernel's older q8 activations, `int8-f32` on exact fp32 activations, which isolates what the weights change):
 
   perplexity    eval_fim's validation perplexity (windows of --ppl-context tokens), and its delta to fp32
   same output   the share of FIM tasks (eval_fim's single- and multi-line tasks, greedy) whose completion is
-                exactly fp32's completion
+                exactly fp32's completion; also per kind (long multi-line completions diverge first)
   exact match   eval_fim's exact match of the completion against the held-out middle
 
     python benchmarks/eval_precision.py --bundle release --data data --out bench-results/precision.json
@@ -28,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_fim  # noqa: E402
 
 PRECISIONS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("int8", "auto", "int8"), ("int4", "auto", "int4"),
-              ("int8-q8", "float32", "int8")]  # the last: the AVX2 kernel's q8 activations, only when asked for
+              ("int8-q8", "float32", "int8"), ("int8-f32", "float32", "int8")]
+# The last two only when asked for: the AVX2 (NEON) int8 kernel on its coarser q8 activations, and on exact fp32 ones
+# (the codes widened to fp32: what the int8 weights alone change).
 DEFAULT = "fp32,bf16,int8,int4"
 
 
@@ -63,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, dtype, quant in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
         engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1)
-        if name == "int8-q8":
+        if name in ("int8-q8", "int8-f32"):
             if not engine.native_int8 or engine.kernels.family.base not in ("avx2", "neon"):
-                log("int8-q8: skipped, the AVX2 (or NEON) int8 kernel does not run here (try M31R_KERNELS=avx2)")
+                log(f"{name}: skipped, the AVX2 (or NEON) int8 kernel does not run here (try M31R_KERNELS=avx2)")
                 continue
-            engine.kernels.int8_mode = "q8"  # shared with later engines of this process: set back below
+            engine.kernels.int8_mode = name[5:]  # shared with later engines of this process: set back below
         dtype = str(engine.dtype).removeprefix("torch.")
         kernels = engine.kernel_report["kernels"] if engine.kernel_report["native_attention"] else "eager"
         reserve = FimBudget.for_context(engine.config.max_context).reserve
@@ -80,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         if reference is None:
             reference = {"preds": preds, "ppl": ppl["perplexity"], "loss": ppl["loss"]}
         same = sum(a == b for a, b in zip(preds, reference["preds"], strict=True)) / len(preds)
+        by_kind = {kind: [a == b for a, b, r in zip(preds, reference["preds"], results, strict=True) if r.kind == kind]
+                   for kind in ("single", "multi")}  # long multi-line completions diverge first
         rows.append({"precision": name, "dtype": dtype, "quant": quant, "kernels": kernels,
                      "perplexity": ppl["perplexity"],
                      "perplexity_delta": round(ppl["perplexity"] - reference["ppl"], 3),
                      "loss_delta": round(ppl["loss"] - reference["loss"], 4), "same_as_fp32": round(same, 4),
+                     **{f"same_{k}": round(sum(v) / len(v), 4) for k, v in by_kind.items() if v},
                      "exact_match": round(sum(r.exact for r in results) / len(results), 4), "tasks": len(results),
                      "seconds": round(time.perf_counter() - t0, 1)})
         if engine.kernels is not None:
@@ -93,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
           f"perplexity over {args.ppl_windows} validation windows")
     print(f"CPU: {describe()}")
     print(f"{'precision':<9} {'activations':<11} {'kernels':<8} {'perplexity':>10} {'Δ vs fp32':>9} "
-          f"{'same output as fp32':>19} {'exact match':>11}")
+          f"{'same output as fp32':>19} {'single / multi-line':>19} {'exact match':>11}")
     for r in rows:
+        kinds = f"{100 * r.get('same_single', 0):.1f}% / {100 * r.get('same_multi', 0):.1f}%"
         print(f"{r['precision']:<9} {r['dtype']:<11} {r['kernels']:<8} {r['perplexity']:>10.3f} "
-              f"{r['perplexity_delta']:>+9.3f} {100 * r['same_as_fp32']:>18.1f}% {100 * r['exact_match']:>10.1f}%")
-    failed = [r["precision"] for r in rows  # int8-q8 is the known-inaccurate comparison: reported, never a failure
-              if r["quant"] and r["precision"] != "int8-q8" and r["same_as_fp32"] < args.min_agreement]
+              f"{r['perplexity_delta']:>+9.3f} {100 * r['same_as_fp32']:>18.1f}% {kinds:>19} "
+              f"{100 * r['exact_match']:>10.1f}%")
+    comparisons = ("int8-q8", "int8-f32")  # reported, never a failure
+    failed = [r["precision"] for r in rows
+              if r["quant"] and r["precision"] not in comparisons and r["same_as_fp32"] < args.min_agreement]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"bundle": str(args.bundle), "cpu": describe(), "rows": rows}, indent=2) + "\n")

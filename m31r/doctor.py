@@ -112,16 +112,15 @@ def check_bf16(ctx: Context) -> Check:
     import torch
 
     from m31r.engine import fast_bf16
-
-    if fast_bf16(torch.device("cpu")):
-        return Check("bf16", "ok", "native (AVX512-BF16 or AMX): the daemon serves bf16 activations with int8 weights "
-                                   "by default")
     from m31r.precision import resolve
 
-    p = resolve(torch.device("cpu"), "float32", "auto", None)  # builds or finds the kernels check_kernels loaded
-    weights = "int8 weights (the AVX2 kernel's q16 activations)" if p.quant == "int8" else "float weights"
-    return Check("bf16", "warn", f"emulated by torch on this CPU (slower than fp32): the daemon serves fp32 "
-                                 f"activations with {weights} by default")
+    p = resolve(torch.device("cpu"), "auto", "auto", None)  # builds or finds the kernels check_kernels loaded
+    weights = {"int8": "int8 weights", "int4": "int4 weights", None: "float weights"}[p.quant]
+    serves = f"the daemon serves {'bf16' if p.dtype == 'bfloat16' else 'fp32'} activations with {weights} by default"
+    if fast_bf16(torch.device("cpu")):
+        extra = "" if p.dtype == "bfloat16" else " (bf16 moves greedy output; `--dtype bfloat16` prefills faster)"
+        return Check("bf16", "ok", f"native (AVX512-BF16 or AMX): {serves}{extra}")
+    return Check("bf16", "warn", f"emulated by torch on this CPU (slower than fp32): {serves}")
 
 
 # -- the model bundle ---------------------------------------------------------------------------------------------

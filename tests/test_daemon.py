@@ -909,8 +909,8 @@ def test_other_users_are_refused(life):
 
 
 def test_auto_precision_is_resolved_and_reported(life):
-    """`life` runs the daemon's default precision: bf16 activations with int8 weights where the CPU has native
-    bf16, else fp32 and float weights. The ready log and Status say which it chose, and it serves."""
+    """`life` runs the daemon's default precision (m31r.precision: fp32 activations with int8 weights where the fp32
+    kernels run and pass their self-check). The ready log and Status say which it chose, and it serves."""
     import torch
 
     from m31r.engine import auto_precision
