@@ -1,4 +1,5 @@
-"""`m31r daemon`: load the bundle, warm up, listen, serve until SIGTERM/SIGINT or a Shutdown request."""
+"""`m31r daemon`: load the bundle, listen, warm up while answering Status, serve until SIGTERM/SIGINT or a Shutdown
+request."""
 
 from __future__ import annotations
 
@@ -115,18 +116,20 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
     owned = start_up.owned
-    # The socket listens but answers nothing until warm-up is done: a client that connects now waits in the backlog
-    # (as under systemd socket activation), so its first request runs on a warm engine as soon as warm-up ends, and
-    # READY=1 means ready to serve.
-    torch_thread.call(_warm_up, daemon, opts.threads)
+    # Warm-up runs on the torch thread while the event loop already serves: Status answers at once (`warming`
+    # true), and a Generate or Fim waits in the scheduler's queue, which the torch thread takes up only after
+    # warm-up, so the first request still runs on a warm engine. READY=1 and the "ready" log mean ready to complete.
+    warming = torch_thread.submit(_warm_up, daemon, opts.threads)
     start_up.defer()
 
-    def on_ready() -> None:
+    def on_serving() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop, f"signal {signal.Signals(sig).name}")
         if start_up.pending:
             daemon.request_stop(start_up.pending)
+
+    def on_ready() -> None:
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
@@ -139,9 +142,9 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     try:
         import uvloop
 
-        uvloop.run(daemon.serve(sock, owned, on_ready))
+        uvloop.run(daemon.serve(sock, owned, on_ready, on_serving, warming))
     except ImportError:
-        asyncio.run(daemon.serve(sock, owned, on_ready))
+        asyncio.run(daemon.serve(sock, owned, on_ready, on_serving, warming))
     torch_thread.close(5.0)
     sd_notify("STOPPING=1")
     log.info("stopped", extra={"fields": {"reason": daemon.stop_reason}})
@@ -154,8 +157,8 @@ class _Interrupted(BaseException):
 
 
 class _StartUp:
-    """SIGTERM/SIGINT until the event loop takes them over: before warm-up has finished, leave at once
-    (_Interrupted); after it, stop as soon as the loop runs (`pending`). `owned` is the socket file this process
+    """SIGTERM/SIGINT until the event loop takes them over: while the model loads, leave at once (_Interrupted);
+    once warm-up has started, stop as soon as the loop runs (`pending`). `owned` is the socket file this process
     made, which leaving removes."""
 
     def __init__(self) -> None:
@@ -184,7 +187,7 @@ class _StartUp:
             raise _Interrupted(f"{self.pending} during start-up")
 
     def defer(self) -> None:
-        """From now on a signal is only recorded (`pending`): after warm-up, the daemon stops once its loop runs."""
+        """From now on a signal is only recorded (`pending`): the daemon stops once its loop runs."""
         self._interrupt = False
 
 

@@ -238,6 +238,7 @@ class Daemon:
         self.max_active = max_active
         self.lookahead = lookahead
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
+        self.warming = False  # warm-up still runs (serve): Status answers, requests wait
         self.scheduler = Scheduler(engine, self.cache, max_active)
         self.scheduler_done: concurrent.futures.Future[None] | None = None
         self.in_flight: set[InFlight] = set()
@@ -263,7 +264,8 @@ class Daemon:
             active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
             cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
-            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant, threads=self.threads)
+            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant, threads=self.threads,
+            warming=self.warming)
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -416,8 +418,12 @@ class Daemon:
             self.stop_reason = reason
             self.stopping.set()
 
-    async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None) -> None:
+    async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None, on_serving=None,
+                    warming: concurrent.futures.Future | None = None) -> None:
+        """Serve until a stop is requested. `warming` is the warm-up running on the torch thread: until it ends,
+        Status says so and the scheduler (queued behind it there) takes no request; then `on_ready` runs."""
         self.stopping = asyncio.Event()
+        self.warming = warming is not None and not warming.done()
         self.scheduler_done = self.torch_thread.submit(self.scheduler.serve)
         conns: set[asyncio.Task] = set()
 
@@ -435,9 +441,19 @@ class Daemon:
                 conns.discard(task)
 
         server = await asyncio.start_unix_server(on_connect, sock=sock, limit=2**16)
-        if on_ready:
-            on_ready()
+        if on_serving:
+            on_serving()
+
+        async def ready() -> None:
+            if warming is not None:
+                await asyncio.wrap_future(warming)
+            self.warming = False
+            if on_ready and not self.stopping.is_set():
+                on_ready()
+
+        readying = asyncio.ensure_future(ready())
         await self.stopping.wait()
+        readying.cancel()
         log.info("stopping", extra={"fields": {"reason": self.stop_reason, "in_flight": len(self.in_flight)}})
         server.close()  # stop accepting; connections already open keep being served
         deadline = time.monotonic() + self.grace_s

@@ -162,6 +162,7 @@ class StatusReply(Struct, tag="status_reply"):
     rss_mb: float
     quant: str | None = None  # int8 | int4 weights, or None for float weights
     threads: int | None = None  # torch intra-op threads the inference thread runs with (--threads)
+    warming: bool = False  # still warming up: requests are queued and answered once it ends
 
 
 class ShutdownReply(Struct, tag="shutdown_reply"):

@@ -268,9 +268,9 @@ def test_socket_activation_and_ready_notification(tiny_bundle, tmp_path: Path):
 
 
 def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(tiny_bundle, tmp_path: Path):
-    """READY=1 and the first connection's Welcome arrive only once the warm-up has finished (its log line is
-    already written when they come), and the warm-up ran with --threads (reported in the warm line and in
-    `m31r status`), not with every core. A wide --decode-width makes the warm-up's probe long."""
+    """READY=1 arrives only once the warm-up has finished (its log line is already written when it comes), while
+    Status answers throughout (`warming` until then), and the warm-up ran with --threads (reported in the warm line
+    and in `m31r status`), not with every core. A wide --decode-width makes the warm-up's probe long."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(120)
@@ -293,11 +293,12 @@ def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(
             time.sleep(0.01)
         from m31r_protocol.blocking import status
 
-        reply = status(sock_path, timeout=60)  # connects at once; answered only after the warm-up
-        assert warm_logged(), log.read_text()
+        reply = status(sock_path, timeout=60)  # answered at once, during the warm-up or after it
+        assert reply["warming"] or warm_logged(), log.read_text()
         assert notify.recv(256) == b"READY=1"
-        assert warm_logged()
-        assert reply["threads"] == 1
+        assert warm_logged()  # READY=1 only once the warm-up has ended
+        reply = status(sock_path, timeout=60)
+        assert reply["threads"] == 1 and not reply["warming"]
         lines = [json.loads(line) for line in log.read_text().splitlines()]
         [warm] = [x for x in lines if x["msg"] == "warm"]
         assert warm["threads"] == 1 and len(warm["decode_widths"]) > 8
@@ -385,3 +386,69 @@ def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
         proc.wait()
         raise
     _terminate_expecting_a_clean_stop(proc, sock_path)
+
+
+# The daemon, with its warm-up held until a file exists: what it answers while warming up, deterministically.
+GATED_WARM_UP = """
+import sys, time
+from pathlib import Path
+import m31rd.main as daemon_main
+warm, gate = daemon_main._warm_up, Path(sys.argv.pop(1))
+def gated(daemon, threads):
+    while not gate.exists():
+        time.sleep(0.01)
+    warm(daemon, threads)
+daemon_main._warm_up = gated
+from m31r.cli import main
+sys.argv[0] = "m31r"
+main()
+"""
+
+
+def test_status_answers_during_warm_up_and_requests_wait_for_it(tiny_bundle, tmp_path: Path):
+    """Launch → `m31r status` does not wait for warm-up (issue 18's launch figure): Status answers with `warming`
+    true, a Generate sent meanwhile is answered only once warm-up has ended, and "ready" is logged only then."""
+    from m31r_protocol import messages as m
+    from m31r_protocol.client import Client, DaemonUnavailable
+
+    sock_path, gate, log = tmp_path / "run" / "m31rd.sock", tmp_path / "gate", tmp_path / "daemon.log"
+    cmd = [sys.executable, "-c", GATED_WARM_UP, str(gate), "daemon", "--bundle", str(tiny_bundle.path), "--socket",
+           str(sock_path), "--threads", "1", "--dtype", "float32", "--quant", "none"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    async def session() -> None:
+        t0 = time.monotonic()
+        while True:  # the probe for a live daemon makes the file once, refusing connections: try until it serves
+            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
+            try:
+                client = await Client.connect(sock_path, timeout=1.0, welcome_timeout=5.0)
+                break
+            except DaemonUnavailable:
+                await asyncio.sleep(0.02)
+        async with client as c:
+            st = await c.status()
+            assert st.warming and st.threads is None  # the warm-up sets the threads it ran with
+
+            async def ask() -> tuple[str, m.Done]:
+                return await (await c.generate("fn main() {", max_tokens=4)).collect()
+
+            answer = asyncio.ensure_future(ask())
+            await asyncio.sleep(0.5)
+            assert not answer.done() and '"msg": "ready"' not in log.read_text()  # queued behind the warm-up
+            assert (await c.status()).warming
+            gate.touch()
+            text, done = await asyncio.wait_for(answer, 60)
+            assert done.usage.completion_tokens >= 1, text
+            st = await c.status()
+            assert not st.warming and st.threads == 1 and st.requests == 1
+        assert '"msg": "ready"' in log.read_text()
+
+    try:
+        asyncio.run(session())
+    finally:
+        gate.touch()
+        proc.terminate()
+        rc = proc.wait(30)
+    assert rc == 0 and not sock_path.exists(), log.read_text()
