@@ -159,7 +159,7 @@ WELCOME = m.Welcome(protocol=m.PROTOCOL_VERSION, model="fake", fingerprint="0" *
                     capabilities=list(m.CAPABILITIES), daemon_version="0")
 STATUS = dict(model="fake", fingerprint="0" * 16, bundle="/nowhere", device="cpu", dtype="float32", pid=4242,
               uptime_s=1.0, queue=0, active=0, requests=0, cache_slots=1, cache_slots_used=0, cache_mb=0.0,
-              cache_budget_mb=0.0, cache_hit_rate=0.0, rss_mb=1.0, quant="int8", threads=2)
+              cache_budget_mb=0.0, cache_hit_rate=0.0, rss_mb=1.0, quant="int8", threads=2, warming=True)
 
 
 async def send(writer: asyncio.StreamWriter, msg: object) -> None:
