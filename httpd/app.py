@@ -556,7 +556,7 @@ class Service:
                             headers={"Retry-After": "1"}, media_type="application/json")
         body = s.HealthResponse(status="ok", model=st.model, fingerprint=st.fingerprint, max_context=w.max_context,
                                 daemon_version=w.daemon_version, device=st.device, dtype=st.dtype, queue=st.queue,
-                                active=st.active, uptime_s=st.uptime_s)
+                                active=st.active, uptime_s=st.uptime_s, warming=st.warming)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def metrics_endpoint(self, request: Request) -> Response:

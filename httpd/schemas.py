@@ -158,6 +158,7 @@ class HealthResponse(Struct):
     queue: int
     active: int
     uptime_s: float
+    warming: bool = False  # the daemon still warms up: a request sent now is answered once it ends (~1 s)
 
 
 class HealthUnavailable(Struct):

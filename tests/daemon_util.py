@@ -15,7 +15,8 @@ DAEMON = [sys.executable, "-m", "m31r.cli", "daemon"]
 
 def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: float = 60.0,
                  env: dict | None = None) -> subprocess.Popen:
-    """Start `m31r daemon` and return once it answers on `socket`; its stderr lines collect in `proc.log_lines`."""
+    """Start `m31r daemon` and return once it has warmed up (it answers Status during warm-up, saying so); its stderr
+    lines collect in `proc.log_lines`."""
     socket = Path(socket)
     cmd = [*DAEMON, "--bundle", str(bundle), "--socket", str(socket), "--threads", "1", "--dtype", "float32",
            "--quant", "none", *extra]  # the fp32 engine the tests compare with; later flags win
@@ -36,16 +37,13 @@ def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: f
             drainer.join(5)
             raise RuntimeError(f"daemon exited with {proc.returncode}: {''.join(proc.log_lines)[-2000:]}")
         if socket.exists():
-            import socket as so
+            from m31r_protocol.blocking import status
 
-            s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
             try:
-                s.connect(str(socket))
-                return proc
-            except OSError:
+                if not status(socket, timeout=timeout)["warming"]:
+                    return proc
+            except (OSError, ValueError):  # not listening yet (the probe for a live daemon), or gone
                 pass
-            finally:
-                s.close()
         time.sleep(0.05)
     stop_daemon(proc)
     raise TimeoutError(f"daemon not ready after {timeout}s")
