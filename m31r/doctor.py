@@ -96,7 +96,13 @@ def check_kernels(ctx: Context) -> Check:
 
     why = native.unavailable()
     if why is None:
-        kernels = native.load()  # builds once (~0.3 s) into the cache the daemon uses, or finds the cached build
+        import torch
+
+        from m31r.precision import resolve
+
+        # the family for the daemon's default activations; built once (~0.3 s) into the cache the daemon uses
+        dtype = getattr(torch, resolve(torch.device("cpu"), "auto", "auto", None).dtype)
+        kernels = native.load(dtype)
         if kernels is None:
             why = "the build failed (run `m31r daemon --log-level info` to see the compiler's message)"
         else:
