@@ -83,7 +83,7 @@ bench-llamacpp: install
 # Training the default model (see README "The default model"). DEBIAN caches the Debian packages and their
 # unpacked sources; DATA holds the corpus, tokenizer and token streams; RUN the checkpoints. All outside the repo.
 DEBIAN ?= $(or $(M31R_DEBIAN),$(HOME)/.cache/m31r/debian)
-TRAIN  ?= configs/train/mini-phase5.yaml
+TRAIN  ?= configs/train/mini-phase6.yaml
 BUNDLE ?= release
 
 train-data: install
