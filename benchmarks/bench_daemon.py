@@ -155,8 +155,8 @@ class Daemon:
                 self.stop()
                 raise TimeoutError("daemon not ready after 600 s")
             time.sleep(0.05)
-        self.listening_s = time.monotonic() - t0  # the socket accepts; the daemon answers nothing before warm-up
-        # launch → `m31r status` answers (issue 18's figure): the client waits in the backlog until the daemon serves
+        self.listening_s = time.monotonic() - t0  # the socket accepts: the model is loaded, Status is answered
+        # launch → `m31r status` answers (issue 18's figure), as a user's shell sees it
         subprocess.run([*m31r_cmd(), "status", "--socket", str(sock)], check=True, stdout=subprocess.DEVNULL)
         self.ready_s = time.monotonic() - t0
 

@@ -238,7 +238,7 @@ class Daemon:
         self.max_active = max_active
         self.lookahead = lookahead
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
-        self.warming = False  # warm-up still runs (serve): Status answers, requests wait
+        self.warm_up: concurrent.futures.Future | None = None  # while it runs (serve), Status answers, requests wait
         self.scheduler = Scheduler(engine, self.cache, max_active)
         self.scheduler_done: concurrent.futures.Future[None] | None = None
         self.in_flight: set[InFlight] = set()
@@ -265,7 +265,7 @@ class Daemon:
             cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
             rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant, threads=self.threads,
-            warming=self.warming)
+            warming=self.warm_up is not None and not self.warm_up.done())
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -423,7 +423,7 @@ class Daemon:
         """Serve until a stop is requested. `warming` is the warm-up running on the torch thread: until it ends,
         Status says so and the scheduler (queued behind it there) takes no request; then `on_ready` runs."""
         self.stopping = asyncio.Event()
-        self.warming = warming is not None and not warming.done()
+        self.warm_up = warming
         self.scheduler_done = self.torch_thread.submit(self.scheduler.serve)
         conns: set[asyncio.Task] = set()
 
@@ -447,7 +447,6 @@ class Daemon:
         async def ready() -> None:
             if warming is not None:
                 await asyncio.wrap_future(warming)
-            self.warming = False
             if on_ready and not self.stopping.is_set():
                 on_ready()
 

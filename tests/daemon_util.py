@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from m31r_protocol.blocking import status
+
 DAEMON = [sys.executable, "-m", "m31r.cli", "daemon"]
 
 
@@ -37,8 +39,6 @@ def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: f
             drainer.join(5)
             raise RuntimeError(f"daemon exited with {proc.returncode}: {''.join(proc.log_lines)[-2000:]}")
         if socket.exists():
-            from m31r_protocol.blocking import status
-
             try:
                 if not status(socket, timeout=timeout)["warming"]:
                     return proc

@@ -111,6 +111,17 @@ static void int4_cmd(char** a, int n) {
   free(x), free(w), free(s), free(b), free(y);
 }
 
+/* Each row's k and v cache, laid out one after another in k and v: their addresses, as DecodeTable passes them. */
+static void cache_pointers(int rows, int kv, int hd, const int32_t* cap, float* k, float* v, int64_t* kp,
+                           int64_t* vp) {
+  long at = 0;
+  for (int r = 0; r < rows; ++r) {
+    kp[r] = (int64_t)(intptr_t)(k + at);
+    vp[r] = (int64_t)(intptr_t)(v + at);
+    at += (long)kv * cap[r] * hd;
+  }
+}
+
 static void attend_cmd(char** a, int n) {
   if (n != 16) {
     printf("error attend takes 15 arguments\n");
@@ -135,12 +146,7 @@ static void attend_cmd(char** a, int n) {
   int64_t* kp = calloc(rows + 1, 8);
   int64_t* vp = calloc(rows + 1, 8);
   if (v) {
-    long at = 0;
-    for (int r = 0; r < rows; ++r) {
-      kp[r] = (int64_t)(intptr_t)(k + at);
-      vp[r] = (int64_t)(intptr_t)(v + at);
-      at += (long)kv * cap[r] * hd;
-    }
+    cache_pointers(rows, kv, hd, cap, k, v, kp, vp);
     int rc = m31r_attend_decode_f32(rows, heads, kv, hd, q, kn, vn, kp, vp, cap, len, scale, out);
     if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
       printf("rc %d\n", rc);
@@ -188,12 +194,7 @@ static void qkv_cmd(char** a, int n) {
   int64_t* kp = calloc(rows + 1, 8);
   int64_t* vp = calloc(rows + 1, 8);
   if (v) {
-    long at = 0;
-    for (int r = 0; r < rows; ++r) {
-      kp[r] = (int64_t)(intptr_t)(k + at);
-      vp[r] = (int64_t)(intptr_t)(v + at);
-      at += (long)kv * cap[r] * hd;
-    }
+    cache_pointers(rows, kv, hd, cap, k, v, kp, vp);
     int rc = m31r_attend_qkv_f32(rows, heads, kv, hd, qkv, cos, sin, kp, vp, cap, len, scale, out);
     if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
       printf("rc %d\n", rc);
