@@ -84,6 +84,7 @@ bench-llamacpp: install
 # unpacked sources; DATA holds the corpus, tokenizer and token streams; RUN the checkpoints. All outside the repo.
 DEBIAN ?= $(or $(M31R_DEBIAN),$(HOME)/.cache/m31r/debian)
 TRAIN  ?= configs/train/mini-phase6.yaml
+DEVICE ?= cpu
 BUNDLE ?= release
 
 train-data: install
@@ -93,7 +94,7 @@ train-data: install
 
 # Resumes RUN's checkpoint; a new run starts from release/'s weights with a fresh optimizer.
 train: install
-	$(BIN)/m31r train model $(TRAIN) --data $(DATA) --run $(RUN) --init-from release
+	$(BIN)/m31r train model $(TRAIN) --data $(DATA) --run $(RUN) --init-from release --device $(DEVICE)
 
 export: install
 	$(BIN)/m31r train export --run $(RUN) --data $(DATA) --out release

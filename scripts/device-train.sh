@@ -3,15 +3,22 @@
 # (scripts/train-on-device.md gives the whole procedure). Every call ends with the run's weights as bf16
 # shards in $OUT, because the machine, and everything on it, may be gone before the next call.
 #
-#   bash scripts/device-train.sh            train for MINUTES (resuming the run on a warm machine), then
-#                                           return shards 0-3, state.json and log.jsonl
+#   bash scripts/device-train.sh            unpack, train until BUDGET seconds after the call began (resuming the
+#                                           run on a warm machine), then return shards 0-3, state.json, log.jsonl
 #   bash scripts/device-train.sh collect K  return shards 4K..4K+3 of the last call (a model over ~60 MB)
 #
-#   CONFIG   training config (default configs/train/gpu-small.yaml)
-#   MINUTES  training minutes in this call (default 8)
+#   CONFIG   training config (default configs/train/gpu-mini.yaml). One scheduled by `minutes` gets the minutes
+#            the call has left once the corpus is tokenised, so its learning rate has decayed when the call ends.
+#   BUDGET   seconds from the start of this script to the end of its training (default 530; the call's limit is 600)
+#   MINUTES  for a config scheduled by steps: training minutes in this call (default 8)
 #   DEVICE, PYTHON  cuda and python3 by default (a dry run here: DEVICE=cpu PYTHON=.venv/bin/python)
+#
+# The run starts from .device/shards (weights sent back by an earlier call) when present, else from the bundle in
+# .device/init (an int8 copy of the release: half the bytes of the bf16 one), else from scratch.
 set -euo pipefail
-CONFIG=${CONFIG:-configs/train/gpu-small.yaml}
+START=$(date +%s)
+CONFIG=${CONFIG:-configs/train/gpu-mini.yaml}
+BUDGET=${BUDGET:-530}
 MINUTES=${MINUTES:-8}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
@@ -47,18 +54,62 @@ if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   cp .device/manifest.json "$W/data/corpus/"
   for s in train val; do xz -dc -T0 ".device/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
 fi
+INIT=
 if [ ! -f "$W/run/ckpt.pt" ] && [ -d .device/shards ]; then  # a fresh machine: continue the weights sent back
   "$PY" -c "from pathlib import Path; from m31r.train.shards import import_shards; \
 import_shards(Path('.device/shards'), Path('$W/run'))"
+elif [ ! -f "$W/run/ckpt.pt" ] && [ -f .device/init/model.safetensors ]; then
+  INIT=.device/init
 fi
 if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
+"$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
+
 "$PY" - <<PY
+import math, time, traceback
+from pathlib import Path
+
+import torch
+import yaml
+
 from m31r.train.trainer import train
-state = train("$CONFIG", "$W/data", "$W/run", max_minutes=$MINUTES, device="$DEVICE")
-print(f"step {state['step']}, {state['tokens']:,} tokens, {state['seconds']:.0f} s of training")
+
+config, run = Path("$CONFIG"), Path("$W/run")
+deadline = $START + $BUDGET
+
+
+def left() -> float:
+    return (deadline - time.time()) / 60
+
+
+def attempt(compile_: bool) -> dict:
+    """Train with the config, its minutes set to what this call has left (on top of what the run has trained)."""
+    spec = yaml.safe_load(config.read_text())
+    stop = None if spec.get("minutes") else $MINUTES
+    if spec.get("minutes"):
+        before = torch.load(run / "ckpt.pt", weights_only=False)["state"]["seconds"] if (run / "ckpt.pt").exists() else 0
+        spec["minutes"] = round(before / 60 + left() - 0.4, 2)  # 0.4: loading, evaluations and checkpoints
+        stop = left()
+        print(f"this call trains {spec['minutes'] - before / 60:.2f} min (the schedule's minutes: {spec['minutes']})")
+    spec["compile"] = compile_ and spec.get("compile", False)
+    derived = config.with_name("device-run.yaml")
+    derived.write_text(yaml.safe_dump(spec))
+    return train(derived, "$W/data", run, max_minutes=stop, device="$DEVICE", init_from="$INIT" or None)
+
+
+try:
+    state = attempt(True)
+except Exception:  # torch.compile is the part most likely to fail on an image not tried before: go on without it
+    traceback.print_exc()
+    if left() < 1:
+        raise
+    print("training again without torch.compile")
+    state = attempt(False)
+print(f"step {state['step']}, {state['tokens']:,} tokens, {state['seconds']:.0f} s of training, "
+      f"{state['tokens'] / max(1e-9, state['seconds']):,.0f} tokens/s")
 PY
 rm -rf "$W/shards"
 "$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \
 write_shards(Path('$W/run/ckpt.pt'), Path('$W/shards'))"
 send_shards 0
 cp "$W/run/log.jsonl" "$OUT/"
+echo "call: $(( $(date +%s) - START )) s"

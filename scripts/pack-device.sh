@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here, before a GPU session's first device call: pack what the trainer needs into .device/ and .whl/ (both
 # ignored by git, both named in the call's `carry`). The working tree that travels is at most 64 MiB, so the
-# corpus goes as xz, and release/model.safetensors must be moved out of the tree for the calls (see
-# scripts/train-on-device.md). Weights brought back earlier go along from .device/shards/ when present.
+# corpus goes as xz, the starting weights as int8, and release/model.safetensors must be moved out of the tree
+# for the calls (see scripts/train-on-device.md). Weights brought back earlier go along from .device/shards/ when present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-$HOME/.cache/m31r/data}
@@ -11,6 +11,10 @@ for s in train val; do
   [ -f ".device/$s.jsonl.xz" ] || xz -T0 -6 -c "$DATA/corpus/$s.jsonl" > ".device/$s.jsonl.xz"
 done
 cp "$DATA/tokenizer.json" "$DATA/corpus/manifest.json" .device/
+# The run's start: an int8 copy of the release (29 MB), since the bf16 one (59 MB) and the corpus are over 64 MiB.
+if [ ! -d .device/shards ] && [ ! -f .device/init/model.safetensors ]; then
+  .venv/bin/m31r bundle quantize --quant int8 release .device/init
+fi
 # The device's Python is 3.12 on x86-64 (the device tool's KINDS.md); msgspec is the one package missing there.
 version=$(.venv/bin/python -c 'import msgspec; print(msgspec.__version__)')
 rm -f .whl/msgspec-*.whl

@@ -17,6 +17,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from daemon_util import start_daemon, stop_daemon
+from safetensors.torch import load_file
 
 from m31r.bundle import load_weights, open_bundle
 from m31r.train import trainer as trainer_mod
@@ -377,9 +378,12 @@ def test_weights_travel_as_shards_and_training_continues(full_run, data_dir: Pat
     from m31r.train.shards import import_shards, write_shards
 
     run, full_state = full_run
-    files = write_shards(run / "ckpt.pt", tmp_path / "shards", max_bytes=200_000)
+    # The embedding (512 x 64 bf16 = 64 KiB) is over the limit: it travels split by rows across shards.
+    files = write_shards(run / "ckpt.pt", tmp_path / "shards", max_bytes=48_000)
     shards = [f for f in files if f.suffix == ".safetensors"]
-    assert len(shards) > 1 and all(f.stat().st_size <= 200_000 for f in shards)
+    assert len(shards) > 1 and all(f.stat().st_size <= 48_000 for f in shards)
+    names = [k for f in shards for k in load_file(str(f))]
+    assert sum(k.startswith("tok_embeddings.weight@") for k in names) >= 2, names
     state = import_shards(tmp_path / "shards", tmp_path / "run-back")
     assert state["step"] == full_state["step"] and state["tokens"] == full_state["tokens"]
     a = torch.load(run / "ckpt.pt", weights_only=False)["model"]
@@ -400,6 +404,47 @@ def test_weights_travel_as_shards_and_training_continues(full_run, data_dir: Pat
     meta = export(tmp_path / "run-back", data_dir, tmp_path / "bundle-more").metadata
     assert meta["train_config"]["max_steps"] == STEPS + 2
     assert meta["train_config_changes"] == more["config_changes"]
+
+
+def test_a_run_starts_from_an_int8_bundle(full_run, data_dir: Path, tmp_path: Path):
+    """An int8 bundle (half the bytes, for a narrow transfer) starts a run from its dequantized weights."""
+    from m31r.bundle import quantize_bundle
+
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    int8 = quantize_bundle(bundle.path, tmp_path / "bundle-int8", "int8")
+    cfg = data_dir.parent / "train-int8.yaml"
+    cfg.write_text(train_yaml())
+    from_float = train(cfg, data_dir, tmp_path / "run-float", init_from=bundle.path, max_steps=1, log=lambda s: None)
+    from_int8 = train(cfg, data_dir, tmp_path / "run-int8", init_from=int8.path, max_steps=1, log=lambda s: None)
+    first = from_float["history"][0]["train_next"]
+    assert from_int8["history"][0]["train_next"] == pytest.approx(first, abs=0.05)
+    assert from_int8["history"][0]["train_next"] != first  # the weights did go through int8
+    int4 = quantize_bundle(bundle.path, tmp_path / "bundle-int4", "int4", group_size=32)
+    with pytest.raises(ValueError, match="int4 bundle"):
+        train(cfg, data_dir, tmp_path / "run-int4", init_from=int4.path, max_steps=1, log=lambda s: None)
+
+
+def test_schedule_by_minutes(data_dir: Path, tmp_path: Path):
+    """A run scheduled by minutes decays its lr over training time and ends when the minutes are spent."""
+    from m31r.train.trainer import TrainConfig, lr_at
+
+    tc = TrainConfig(model="m", lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, minutes=2.0)
+    assert lr_at(5, tc, seconds=0.0) == pytest.approx(6e-4)  # warm-up still counts steps
+    assert lr_at(50, tc, seconds=60.0) == pytest.approx(5.5e-4)  # half the minutes: half-way down the cosine
+    assert lr_at(11, tc, seconds=120.0) == pytest.approx(1e-4) == lr_at(99, tc, seconds=500.0)
+    cfg = data_dir.parent / "train-minutes.yaml"
+    cfg.write_text(train_yaml(max_steps=100_000, minutes=0.02, warmup_steps=2, eval_interval=100_000,
+                              ckpt_interval=100_000))
+    state = train(cfg, data_dir, tmp_path / "run-minutes", log=lambda s: None)
+    hist = state["history"]
+    assert 2 < state["step"] < 100_000 and 1.2 <= state["seconds"] < 1.2 + 3.0  # ends at the step after
+    lrs = [h["lr"] for h in hist[2:]]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 3e-4 * 1.2  # decayed to about min_lr
+    assert "val_next" in hist[-1] and (tmp_path / "run-minutes" / "ckpt.pt").exists()  # the end evaluates and saves
+    cfg.write_text(train_yaml(minutes=1.0, context_schedule=[[0.0, 64]]))
+    with pytest.raises(ValueError, match="no context_schedule"):
+        train(cfg, data_dir, tmp_path / "run-bad", log=lambda s: None)
 
 
 def test_autocast_only_where_bf16_is_native():

@@ -18,24 +18,40 @@ MAX_SHARD_BYTES = 15 * 2**20
 
 
 def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Split a checkpoint's weights (as bf16) into shards of at most max_bytes, plus its state as JSON."""
+    """Pack a checkpoint's weights (as bf16) into as few shards of at most max_bytes as they fit, plus its state as
+    JSON. A tensor that does not fit the room left is split by rows (parts named NAME@0, NAME@1, ...): mini's
+    embedding alone is 16 MiB, and filling every shard keeps its 59 MB to four files."""
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     out.mkdir(parents=True, exist_ok=True)
+    room_per_shard = max_bytes - min(64 * 1024, max_bytes // 4)  # room for the header
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    room = room_per_shard
     for name, t in saved["model"].items():
         t = t.detach().to(torch.bfloat16).contiguous()
-        if t.nbytes > max_bytes:
-            raise ValueError(f"{name} alone ({t.nbytes} bytes) is over the shard limit of {max_bytes}")
-        if size + t.nbytes > max_bytes - 64 * 1024:  # room for the header
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
+        if t.nbytes <= room or t.dim() == 0:
+            if t.nbytes > room:
+                shards.append({})
+                room = room_per_shard
+            shards[-1][name] = t
+            room -= t.nbytes
+            continue
+        row_bytes = t[0].nbytes
+        if row_bytes > room_per_shard:
+            raise ValueError(f"{name}: one row ({row_bytes} bytes) is over the shard limit of {max_bytes}")
+        part = 0
+        while len(t):
+            rows = min(len(t), room // row_bytes)
+            if rows == 0:
+                shards.append({})
+                room = room_per_shard
+                continue
+            shards[-1][f"{name}@{part}"] = t[:rows].clone()
+            t, room, part = t[rows:], room - t[:rows].nbytes, part + 1
+    shards = [s for s in shards if s]
     paths = []
     for i, part in enumerate(shards):
         paths.append(out / f"weights-{i:02d}-of-{len(shards):02d}.safetensors")
-        save_file(part, str(paths[-1]))
+        save_file({k: v.contiguous() for k, v in part.items()}, str(paths[-1]))
     state = {k: v for k, v in saved["state"].items()}
     (out / "state.json").write_text(json.dumps(state))
     return [*paths, out / "state.json"]
@@ -50,8 +66,18 @@ def import_shards(folder: Path, run_dir: Path) -> dict:
     if len(shards) != expected:
         raise ValueError(f"{folder}: {len(shards)} of {expected} shards present")
     model: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
     for s in shards:
-        model.update({k: v.float() for k, v in load_file(str(s)).items()})
+        for k, v in load_file(str(s)).items():
+            if "@" in k:
+                name, i = k.rsplit("@", 1)
+                parts.setdefault(name, {})[int(i)] = v
+            else:
+                model[k] = v.float()
+    for name, pieces in parts.items():
+        if sorted(pieces) != list(range(len(pieces))):
+            raise ValueError(f"{folder}: parts {sorted(pieces)} of {name} do not run 0..{len(pieces) - 1}")
+        model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
     state = json.loads((Path(folder) / "state.json").read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"model": model, "optimizer": None, "state": state}, run_dir / "ckpt.pt")

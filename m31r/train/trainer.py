@@ -35,6 +35,7 @@ from m31r.cpu import cpu_info
 from m31r.engine import fast_bf16
 from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
+from m31r.quant import dequantize_int8
 from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
 from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_documents
 
@@ -64,11 +65,18 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     init_from: str | None = None  # a bundle whose weights start a new run (relative to the config's folder)
     compile: bool = False  # torch.compile the model for training
     data_workers: int = 0  # processes building rows ahead of the model (a GPU outruns one Python process)
+    # > 0: the schedule runs on training time instead of steps. The lr decays over this many minutes of training
+    # and the run ends when they are spent (max_steps still caps it): for a lent machine whose speed is not known
+    # beforehand, so that a run cut by the clock has still finished its decay. Needs no context_schedule.
+    minutes: float = 0.0
 
 
 def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
     path = Path(path)
     tc = msgspec.convert(yaml.safe_load(path.read_text()), TrainConfig)
+    if tc.minutes < 0 or (tc.minutes > 0 and tc.context_schedule):
+        raise ValueError(f"{path}: minutes must be >= 0, and a run scheduled by minutes has no context_schedule "
+                         f"(its steps are not known beforehand)")
     if tc.init_from is not None and not Path(tc.init_from).is_absolute():
         tc = msgspec.structs.replace(tc, init_from=str((path.parent / tc.init_from).resolve()))
     return tc, load_config((path.parent / tc.model).resolve())
@@ -245,10 +253,15 @@ def total_loss(terms: dict[str, torch.Tensor], tc: TrainConfig) -> torch.Tensor:
     return terms["next"] + tc.alpha * terms["fim"] + tc.beta * terms["cot"]
 
 
-def lr_at(step: int, tc: TrainConfig) -> float:
+def lr_at(step: int, tc: TrainConfig, seconds: float = 0.0) -> float:
+    """Linear warm-up over warmup_steps, then cosine to min_lr over the steps (or, with tc.minutes, the training
+    seconds) of the run."""
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
-    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+    if tc.minutes > 0:
+        progress = min(1.0, seconds / (60 * tc.minutes))
+    else:
+        progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -268,14 +281,18 @@ def bundle_identity(bundle_dir: str | Path) -> dict:
 
 
 def load_weights(model: Transformer, bundle_dir: str | Path) -> None:
-    """Start from a float bundle's weights (the model config must match the bundle's shape)."""
+    """Start from a bundle's weights (the model config must match the bundle's shape). An int8 bundle starts from
+    its dequantized weights: half the bytes of a bf16 one, for a transfer too narrow for the float bundle."""
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(bundle_dir) / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(".weight_int8")]:
+        base = name.removesuffix(".weight_int8")
+        weights[base + ".weight"] = dequantize_int8(weights.pop(name), weights.pop(base + ".scales"))
     own = model.state_dict()
     if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
-        raise ValueError(f"{bundle_dir}: its weights do not fit this model config (a quantized bundle, or another "
-                         f"shape); start from a float bundle of the same shape")
+        raise ValueError(f"{bundle_dir}: its weights do not fit this model config (an int4 bundle, or another "
+                         f"shape); start from a float or int8 bundle of the same shape")
     model.load_state_dict({k: v.float() for k, v in weights.items()})
 
 
@@ -358,7 +375,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             seq = seq_len_at(step, tc, mc.max_context)
             n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
             t0 = time.perf_counter()
-            lr = lr_at(step, tc)
+            lr = lr_at(step, tc, state["seconds"])
             for g in opt.param_groups:
                 g["lr"] = lr
             parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
@@ -381,10 +398,10 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
                       "tok_s": round(tokens / dt, 1), "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
                       **{f"train_{k}": v for k, v in parts.items()}}
-            last = state["step"] == stop_at
+            last = state["step"] == stop_at or (tc.minutes > 0 and state["seconds"] >= 60 * tc.minutes)
             out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
             if state["step"] % tc.eval_interval == 0 or last or out_of_time:
-                val = evaluate(fwd, data, tc, cast)
+                val = evaluate(model, data, tc, cast)  # eager: a compiled model would recompile for eval mode
                 record.update({f"val_{k}": v for k, v in val.items()})
                 log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
                     f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
@@ -395,6 +412,8 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
                 save_checkpoint(ckpt, model, opt, state)
             if out_of_time:
                 log(f"stopping at step {state['step']}: time budget of {max_minutes} min spent")
+                break
+            if last:
                 break
     finally:
         batches.close()
