@@ -2,7 +2,10 @@
 never saw in training (m31r.train.corpus splits by crate).
 
 Greedy decoding through `m31r.engine.Engine` with the serving prompt layout (`build_fim_prompt` with
-`FimBudget.for_context(max_context)`, the daemon's budget), stopping at `<|endoftext|>`.
+`FimBudget.for_context(max_context)`, the daemon's budget), stopping at `<|endoftext|>` and at the daemon's
+serving stops: where the completion writes the suffix's next line again (`m31r.fim.suffix_stop`), and before a
+line that repeats the line above it (`m31r.stops.RepeatedLine`). `--no-serving-stops` leaves those two out, for
+comparison with figures from before them.
 
 Tasks, drawn deterministically from a seeded RNG (same --seed and val split, same tasks):
 
@@ -78,6 +81,7 @@ class Result:
     finish_reason: str
     ms: float
     prefix_end: str = ""  # the prefix's last character: a stray space after indentation shows against it
+    serving_stop: bool = False  # ended by a serving stop (suffix, repeated line), not by the model or the task
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -195,9 +199,10 @@ def edit_similarity(pred: str, target: str) -> float:
 # -- running ----------------------------------------------------------------------------------------------
 
 
-def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True) -> list[Result]:
+def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True,
+              serving_stops: bool = True) -> list[Result]:
     from m31r.engine import Outcome
-    from m31r.fim import FimBudget, build_fim_prompt
+    from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 
     budget = FimBudget.for_context(engine.config.max_context)
     cache = engine.new_cache()
@@ -206,16 +211,20 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
         single = t.kind == "single"
         res = Outcome(prompt_tokens=len(prompt.ids))
+        at_suffix = suffix_stop(t.prefix, t.suffix) if serving_stops and not single else None
         t0 = time.perf_counter()
         for _ in engine.generate(prompt.ids, max_tokens=single_max if single else multi_max,
-                                 stop=["\n"] if single else [], cache=cache, result=res, heal=prompt.heal):
+                                 stop=["\n"] if single else [at_suffix] if at_suffix else [], cache=cache,
+                                 result=res, heal=prompt.heal,
+                                 repeat_context=line_context(t.prefix) if serving_stops else None):
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text
         p, g = normalize(pred), normalize(t.target)
         results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
                               len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
-                              t.prefix[-1:]))
+                              t.prefix[-1:],
+                              res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence")))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -255,7 +264,10 @@ def summarize(results: list[Result], kind: str) -> dict:
     return {"n": n, "exact_match": round(sum(r.exact for r in rs) / n, 4),
             "edit_similarity": round(sum(r.edit_similarity for r in rs) / n, 4),
             "completion_tokens": round(sum(r.completion_tokens for r in rs) / n, 2),
-            "stopped": round(sum(r.finish_reason == "stop" for r in rs) / n, 4),
+            # ended by the model's end-of-middle or the task's own stop (a single line's newline): comparable with
+            # figures from before the serving stops
+            "stopped": round(sum(r.finish_reason == "stop" and not r.serving_stop for r in rs) / n, 4),
+            "serving_stopped": round(sum(r.serving_stop for r in rs) / n, 4),
             # completions that open with whitespace right after a prefix ending in whitespace: the doubled space
             # of a cursor inside a token (what token healing prevents); the targets never do this
             "doubled_space": sum(r.prefix_end in (" ", "\t") and r.prediction[:1] in (" ", "\t") for r in rs),
@@ -277,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-heal", action="store_true", help="prompts without token healing (for comparison)")
+    p.add_argument("--no-serving-stops", action="store_true",
+                   help="without the daemon's suffix and repeated-line stops (for comparison)")
     args = p.parse_args(argv)
 
     from m31r.bundle import sha256_file
@@ -306,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, multi_max)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
-    results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal)
+    results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal,
+                        serving_stops=not args.no_serving_stops)
     t_ppl = time.perf_counter()
     ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
@@ -323,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "val_files": len(texts),
         "val_crates": len({c for _, _, c in texts}),
         "token_healing": not args.no_heal,
+        "serving_stops": not args.no_serving_stops,
         "seed": args.seed,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
@@ -336,12 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [("single-line", report["single_line"]), ("multi-line", report["multi_line"])]
     print(f"\nFIM evaluation of {report['model']} ({args.dtype}, {report['threads']} threads, seed {args.seed})")
-    print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'ms/task':>8} "
-          f"{'2x space':>8}")
+    print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'serving':>7} "
+          f"{'ms/task':>8} {'2x space':>8}")
     for name, s in rows:
         if s["n"]:
             print(f"{name:<12} {s['n']:>5} {s['exact_match']:>8.1%} {s['edit_similarity']:>9.3f} "
-                  f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['ms_per_task']:>8.0f} "
+                  f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['serving_stopped']:>7.0%} "
+                  f"{s['ms_per_task']:>8.0f} "
                   f"{s['doubled_space']:>8}")
         else:
             print(f"{name:<12} {0:>5}")

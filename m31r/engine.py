@@ -103,6 +103,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | deadline
+    stopped_by: str | None = None  # what a "stop" was: end (the model's end token) | sequence | repeat (m31r.stops)
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
@@ -514,6 +515,7 @@ class Engine:
         heal: str = "",
         deadline: float | None = None,
         lookahead: int = 0,
+        repeat_context: str | None = None,
     ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
@@ -526,6 +528,9 @@ class Engine:
         `deadline` (a time.perf_counter() value) is a hard limit: past it no further model call is made, so
         generation ends (finish_reason "deadline") with what was produced so far, before any token if it passes
         during prefill. A token holding a line end that arrives past it ends the text at that line end.
+
+        `repeat_context` (the document before the completion) turns on the repeated-line stop (m31r.stops): the
+        completion ends, finish_reason "stop", before a line that repeats the line before it.
 
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
@@ -575,7 +580,7 @@ class Engine:
             res.finish_reason = "length"
             res.total_ms = res.prefill_ms
             return
-        stops = StopMatcher(stop)
+        stops = StopMatcher(stop, repeat_context)
         stream = self.tokenizer.stream(ids)
         history = list(ids) if need_history else []
         res.finish_reason = "length"
@@ -596,7 +601,7 @@ class Engine:
                     logits = self._healing(logits, owed)
                 tok = sampler(logits, hist)
                 if tok in self.stop_ids:
-                    res.finish_reason = "stop"
+                    res.finish_reason, res.stopped_by = "stop", "end"
                     break
                 after_space = False
                 if owed:
@@ -627,6 +632,7 @@ class Engine:
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"
+                        res.stopped_by = "repeat" if stops.repeated else "sequence"
                     break
                 if i + 1 < max_tokens:
                     if late():

@@ -120,3 +120,26 @@ def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget
     l_ids, healed = heal_split(tok, l_ids) if heal else (l_ids, "")
     ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_ids, tok.fim_middle_id, *l_ids]
     return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line, healed)
+
+
+def suffix_stop(prefix: str, suffix: str) -> str | None:
+    """A stop sequence that ends a completion where it starts to write the code after the cursor again.
+
+    A model that misses its end-of-middle runs on into the suffix: a block body followed by the block's own `}`,
+    then the code below, to the token limit. The suffix's first whole non-blank line after the cursor's line (or
+    the cursor's line itself, when the cursor is at its start), written as a whole line of the completion at the
+    same indentation, is that point. Whole line only: `    } else {` does not match `    }`.
+    """
+    lines = suffix.split("\n")
+    at_line_start = prefix == "" or prefix.endswith("\n")
+    for line in lines[0 if at_line_start else 1 : -1]:  # the last piece has no newline: not a whole line
+        if line.strip():
+            return "\n" + line.rstrip() + ("\r\n" if line.endswith("\r") else "\n")
+    return None
+
+
+def line_context(prefix: str) -> str:
+    """The prefix's last whole line and the cursor line's text: what the repeated-line stop (m31r.stops) compares
+    a completion's first lines with, so that a completion repeating the line above the cursor ends too."""
+    i = prefix.rfind("\n")
+    return prefix[prefix.rfind("\n", 0, max(i, 0)) + 1 :]

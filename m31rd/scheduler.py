@@ -71,6 +71,7 @@ class Request:
     document: str = ""  # the prefix-cache slot it prefers on a tie (prefix_cache)
     deadline: float | None = None  # a time.perf_counter() value: the hard limit (Engine.generate)
     lookahead: int = 0  # prompt-lookup drafts per decode step (Engine.generate; greedy only, same output)
+    repeat_context: str | None = None  # the document before a completion: the repeated-line stop (m31r.stops)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
     cancellation: Cancellation = field(default_factory=Cancellation)
 
@@ -245,7 +246,8 @@ class Scheduler:
         run.outcome = Outcome(prompt_tokens=len(req.ids))
         run.gen = self.engine.generate(
             req.ids, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop, cache=slot.cache,
-            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline, lookahead=req.lookahead)
+            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline, lookahead=req.lookahead,
+            repeat_context=req.repeat_context)
         return True
 
     def _end(self, run: _Run, event: Finished | Failed, reusable: bool = True) -> bool:

@@ -25,7 +25,7 @@ import msgspec
 import psutil
 
 from m31r.engine import ContextOverflowError, Engine
-from m31r.fim import FimBudget, build_fim_prompt
+from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
@@ -72,6 +72,14 @@ def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str]:
     if hits := [i for i in (text.find(s) for s in stop if s) if i >= 0]:
         text, reason = text[: min(hits)], "stop"
     return text, reason
+
+
+def request_stops(req: m.Generate | m.Fim) -> list[str]:
+    """The request's stop sequences; a Fim's also end where the completion writes the suffix's next line again
+    (m31r.fim.suffix_stop), so a model that misses its end-of-middle does not repeat the code below the cursor."""
+    if isinstance(req, m.Fim) and (at_suffix := suffix_stop(req.prefix, req.suffix)):
+        return [*req.stop, at_suffix]
+    return list(req.stop)
 
 
 def prompt_chars(req: m.Generate | m.Fim) -> int:
@@ -338,9 +346,10 @@ class Daemon:
         if job.cancellation.reason is not None:  # cancelled, superseded or its client left while it was tokenised
             return self._answer(job, m.Error(id=job.rid, code="cancelled", message=job.cancellation.reason), True)
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
-        request = Request(ids, max_tokens, job.sampling, stop=job.wire.stop, heal=heal, document=job.document,
+        fim = isinstance(job.wire, m.Fim)
+        request = Request(ids, max_tokens, job.sampling, stop=request_stops(job.wire), heal=heal, document=job.document,
                           deadline=job.deadline, lookahead=lookahead, received=job.received,
-                          cancellation=job.cancellation)
+                          cancellation=job.cancellation, repeat_context=line_context(job.wire.prefix) if fim else None)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
     def _deliver(self, job: InFlight, event: Event) -> None:
@@ -372,7 +381,7 @@ class Daemon:
         self.typed[req.document] = rest
         self.typed.move_to_end(req.document)
         del self.by_document[req.document]
-        text, finish_reason = clip(rest, req.max_tokens, req.stop)
+        text, finish_reason = clip(rest, req.max_tokens, request_stops(req))
         ms = round((time.perf_counter() - job.received) * 1000, 3)
         if text:
             conn.send(m.Token(id=req.id, text=text))

@@ -190,6 +190,31 @@ def test_no_stops_passes_text_through() -> None:
     assert m.feed("abc") == ("abc", False) and m.flush() == ""
 
 
+def repeat_feed(context: str, text: str, stops: list[str] | None = None, split: int = 0) -> tuple[str, bool]:
+    """The text a StopMatcher with the repeated-line stop lets through, fed whole or in pieces of `split` chars."""
+    pieces = [text[i : i + split] for i in range(0, len(text), split)] if split else [text]
+    m = StopMatcher(stops or [], repeat_context=context)
+    out, hit = feed_all(m, pieces)
+    return out, hit or m.repeated
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
+def test_repeated_line_stop(split: int) -> None:
+    body = "    let a = 1;\n"
+    # A line repeating the line before it ends the text; the repeat is left out.
+    assert repeat_feed("fn f() {\n", body + body + "    b();\n", split=split) == (body, True)
+    # Also the line above the cursor: the document's lines count.
+    assert repeat_feed("fn f() {\n" + body + "    ", "let a = 1;\n    b();\n", split=split) == ("", True)
+    # A line that only begins like the line before is held while it could repeat, then released whole.
+    text = body + "    let a = 2;\n    } else {\n    }\n"
+    assert repeat_feed("fn f() {\n", text, split=split) == (text, False)
+    # Blank lines and lines that are not whole (no line end yet) never count.
+    assert repeat_feed("", "a;\n\n\na;\na;", split=split) == ("a;\n\n\na;\na;", False)
+    # Together with a stop sequence that holds line ends back.
+    assert repeat_feed("x\n", "    }\n    }\n", ["\n}\n"], split=split) == ("    }\n", True)
+    assert repeat_feed("x\n", "  a\n  b\n}\n  b\n", ["\n}\n"], split=split) == ("  a\n  b", True)
+
+
 def test_engine_stops_on_a_stop_sequence(tiny_engine: Engine) -> None:
     _, free = run(tiny_engine, max_tokens=48)
     assert len(free.text) >= 24, free.text
