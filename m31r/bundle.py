@@ -11,7 +11,6 @@ loading stays a memory map (int4 codes are packed for the CPU's kernel at load).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import struct
@@ -27,6 +26,7 @@ from m31r.checksums import (
     CONTENT_FILES,
     BundleError,
     check_present,
+    fingerprint,
     sha256_file,
     verify_checksums,
 )
@@ -193,8 +193,7 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         raise BundleError(f"{path / 'config.yaml'}: does not match config_hash in metadata.json (edited after export?)")
     if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):
         raise BundleError(f"{path / 'tokenizer.json'}: does not match tokenizer_hash in metadata.json")
-    fingerprint = hashlib.sha256((path / CHECKSUM_FILE).read_bytes()).hexdigest()[:16]
-    return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint)
+    return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path))
 
 
 def _check_tokenizer(f: Path, config: ModelConfig) -> None:

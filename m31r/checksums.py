@@ -15,6 +15,11 @@ class BundleError(RuntimeError):
     """A bundle that must not be loaded; the message names the file and what is wrong."""
 
 
+def fingerprint(path: Path) -> str:
+    """What identifies a bundle's exact bytes (clients and cache entries key on it): a hash of its checksum file."""
+    return hashlib.sha256((Path(path) / CHECKSUM_FILE).read_bytes()).hexdigest()[:16]
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

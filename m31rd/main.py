@@ -69,56 +69,48 @@ def run(opts: DaemonOptions) -> int:
 
 
 def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
+    """Listen at once and serve while the model loads: importing torch and building the engine (~1–2 s) happen on
+    the torch thread while the event loop already answers Hello and Status (`warming`), so a launch is seen to be up
+    in a fraction of that (README "Medium shape": launch → status). Requests wait for the model, then run warm."""
+    from m31r.checksums import verify_in_background
+    from m31rd.server import BundleIdentity, Daemon
     from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify
+    from m31rd.torch_thread import TorchThread
 
     t0 = time.perf_counter()
     sock = activated_socket()
-    if sock is None:
-        try:
-            # Fail fast before loading the model if another daemon is live; bind for real afterwards.
-            with start_up.held():
-                bind_unix(opts.socket, listen=False).close()
-                opts.socket.unlink(missing_ok=True)
-        except (SocketInUse, UnsafeSocketFolder, OSError) as e:
-            log.error("cannot listen: %s", e)
-            print(f"m31rd: {e}", file=sys.stderr)
-            return 1
-    from m31r.checksums import BundleError, verify_in_background
-
-    try:
-        # Hashing the weights takes ~0.1 s per 200 MB and needs no torch: it runs on the other core while this one
-        # imports torch (~0.8 s, with the engine), instead of after it.
-        verified = verify_in_background(opts.bundle)
-        from m31r.engine import Engine
-        from m31rd.torch_thread import TorchThread
-
-        torch_thread = TorchThread()  # every torch call from here on runs there (see torch_thread)
-        engine = torch_thread.call(Engine, opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
-                                   chunk_size=opts.chunk_size, quant=opts.quant, decode_width=opts.decode_width,
-                                   verified=verified)
-    except (BundleError, ValueError, OSError) as e:
-        log.error("cannot load the model: %s", e)
-        print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
-        return 1
-    load_ms = (time.perf_counter() - t0) * 1000
-    from m31rd.server import Daemon
-
-    daemon = Daemon(engine, torch_thread, cache_mb=opts.cache_mb, max_queue=opts.max_queue,
-                    max_active=opts.max_active, grace_s=opts.grace_s, max_per_connection=opts.max_per_connection,
-                    max_prompt_chars=opts.max_prompt_chars, read_timeout=opts.read_timeout or None,
-                    lookahead=opts.lookahead)
+    owned = None
     if sock is None:
         try:
             with start_up.held():
                 sock = bind_unix(opts.socket)
-                start_up.owned = opts.socket
+                start_up.owned = owned = opts.socket
         except (SocketInUse, UnsafeSocketFolder, OSError) as e:
+            log.error("cannot listen: %s", e)
             print(f"m31rd: {e}", file=sys.stderr)
             return 1
-    owned = start_up.owned
-    # Warm-up runs on the torch thread while the event loop already serves: Status answers at once (`warming`
-    # true), and a Generate or Fim waits in the scheduler's queue, which the torch thread takes up only after
-    # warm-up, so the first request still runs on a warm engine. READY=1 and the "ready" log mean ready to complete.
+    # Hashing the weights needs no torch: it runs on the other core while the torch thread imports torch.
+    verified = verify_in_background(opts.bundle)
+    torch_thread = TorchThread()  # every torch call from here on runs there (see torch_thread)
+    daemon = Daemon(torch_thread, BundleIdentity.read(opts.bundle), cache_mb=opts.cache_mb,
+                    max_queue=opts.max_queue, max_active=opts.max_active, grace_s=opts.grace_s,
+                    max_per_connection=opts.max_per_connection, max_prompt_chars=opts.max_prompt_chars,
+                    read_timeout=opts.read_timeout or None, lookahead=opts.lookahead, device=opts.device,
+                    dtype=opts.dtype)
+    load_ms = 0.0
+
+    def load() -> None:
+        nonlocal load_ms
+        from m31r.engine import Engine
+
+        daemon.attach(Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
+                             chunk_size=opts.chunk_size, quant=opts.quant, decode_width=opts.decode_width,
+                             verified=verified))
+        load_ms = (time.perf_counter() - t0) * 1000
+
+    # Loading, then warm-up, then the scheduler's rounds (Daemon.serve queues those): the torch thread runs them in
+    # order, so the first request runs on a warm engine. READY=1 and the "ready" log mean ready to complete.
+    loading = torch_thread.submit(load)
     warming = torch_thread.submit(_warm_up, daemon, opts.threads)
     start_up.defer()
 
@@ -130,6 +122,7 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
             daemon.request_stop(start_up.pending)
 
     def on_ready() -> None:
+        engine = daemon.engine
         sd_notify("READY=1")
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
@@ -142,10 +135,13 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     try:
         import uvloop
 
-        uvloop.run(daemon.serve(sock, owned, on_ready, on_serving, warming))
+        uvloop.run(daemon.serve(sock, owned, loading, warming, on_ready, on_serving))
     except ImportError:
-        asyncio.run(daemon.serve(sock, owned, on_ready, on_serving, warming))
+        asyncio.run(daemon.serve(sock, owned, loading, warming, on_ready, on_serving))
     torch_thread.close(5.0)
+    if daemon.load_error is not None:
+        print(f"m31rd: cannot load the model: {daemon.load_error}", file=sys.stderr)
+        return 1
     sd_notify("STOPPING=1")
     log.info("stopped", extra={"fields": {"reason": daemon.stop_reason}})
     return 0
@@ -198,6 +194,8 @@ def _warm_up(daemon, threads: int | None) -> None:
     Runs on the torch thread with the daemon's --threads (set again here, so that nothing run since the engine
     loaded can have changed it): on a busy machine, OpenMP teams wider than the cores free make every op of the
     probe wait for descheduled workers."""
+    if daemon.engine is None or daemon.closing.is_set():  # the model did not load, or the daemon is stopping
+        return
     import torch
 
     if threads:

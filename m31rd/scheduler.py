@@ -30,33 +30,10 @@ import torch
 
 from m31r.engine import Chunk, Decode, Engine, Outcome, Piece
 from m31r.sampling import SamplingParams
+from m31rd.cancellation import Cancellation
 from m31rd.prefix_cache import PrefixCache, Slot
 
 log = logging.getLogger("m31rd")
-
-
-class Cancellation:
-    """A request's cancel handle: set from any thread, seen by the scheduler at the next round boundary.
-
-    The scheduler also counts here the model calls it ran for the request, and how many of them began after the
-    cancel: the daemon's log line reports them, which is how the soak shows a cancel takes effect within a round."""
-
-    __slots__ = ("reason", "at", "calls", "calls_after")
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self.at: float | None = None  # time.perf_counter() of the cancel
-        self.calls = 0
-        self.calls_after = 0
-
-    def cancel(self, reason: str) -> None:
-        """The first reason given stays."""
-        if self.reason is None:
-            self.reason, self.at = reason, time.perf_counter()
-
-    @property
-    def cancelled(self) -> bool:
-        return self.reason is not None
 
 
 @dataclass(eq=False)

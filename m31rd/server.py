@@ -15,28 +15,56 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import psutil
 
-from m31r.engine import ContextOverflowError, Engine
+from m31r.checksums import BundleError, fingerprint
+from m31r.config import load_config
 from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
-from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
-from m31rd.prefix_cache import PrefixCache
-from m31rd.scheduler import Cancellation, Event, Failed, Finished, Request, Scheduler
+from m31rd.cancellation import Cancellation
 from m31rd.torch_thread import TorchThread
+
+if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Status before it has loaded
+    from m31r.engine import Engine
+    from m31r.sampling import SamplingParams
+    from m31rd.scheduler import Event
 
 log = logging.getLogger("m31rd")
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
+
+
+@dataclass(frozen=True)
+class BundleIdentity:
+    """What Hello and Status say of the model before it has loaded: read from the bundle's small files, without
+    torch. The engine checks the bundle in full as it loads; a bundle it refuses ends the daemon."""
+
+    model: str
+    fingerprint: str
+    path: str
+    max_context: int
+
+    @classmethod
+    def read(cls, path: Path) -> BundleIdentity:
+        import json
+
+        try:
+            meta = json.loads((path / "metadata.json").read_text())
+            return cls(f"{meta['model_name']}@{meta['model_version']}", fingerprint(path), str(path),
+                       load_config(path / "config.yaml").max_context)
+        except Exception:  # the engine's load names the fault
+            return cls("?", "?", str(path), 0)
 
 
 @dataclass
@@ -209,6 +237,8 @@ class Connection:
         elif isinstance(msg, m.Cancel):
             if job := self.jobs.get(msg.id):
                 job.cancel("cancelled by the client")
+            else:
+                self.daemon.cancel_waiting(self, msg.id)
         elif isinstance(msg, m.Status):
             self.send(self.daemon.status(msg.id))
         elif isinstance(msg, m.Shutdown):
@@ -227,17 +257,27 @@ def _salvage_id(body: bytes) -> int | None:
 
 
 class Daemon:
-    def __init__(self, engine: Engine, torch_thread: TorchThread, *, cache_mb: float, max_queue: int = 32,
+    def __init__(self, torch_thread: TorchThread, identity: BundleIdentity, *, cache_mb: float, max_queue: int = 32,
                  max_active: int = 4, grace_s: float = 5.0, max_per_connection: int = 16,
-                 max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0, lookahead: int = 0):
-        """`torch_thread` must be the thread that built `engine`: the scheduler serves from it. `lookahead`: the
-        prompt-lookup drafts per decode step of a request that does not choose (Engine.generate)."""
-        self.engine, self.torch_thread = engine, torch_thread
-        self.cache = PrefixCache(engine, cache_mb)
+                 max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0, lookahead: int = 0,
+                 device: str = "cpu", dtype: str = "auto"):
+        """The daemon serves from before its model has loaded: `attach` (on `torch_thread`, which builds the
+        engine and serves the scheduler) brings the engine; until then Hello and Status are answered from
+        `identity`, and requests wait. `lookahead`: the prompt-lookup drafts per decode step of a request that does
+        not choose (Engine.generate)."""
+        self.torch_thread, self.identity = torch_thread, identity
+        self.device, self.dtype, self.cache_mb = device, dtype, cache_mb
+        self.engine: Engine | None = None  # these four come with `attach`
+        self.cache = None
+        self.budget: FimBudget | None = None
+        self.scheduler = None
+        self.loaded = False  # on the event loop: attach has happened and the loop has seen it
+        self.load_error: str | None = None
+        self.waiting: list[tuple[Connection, m.Generate | m.Fim]] = []  # requests that came before the model
+        self.closing = threading.Event()  # set at shutdown: the torch thread's queued start-up work is skipped
         self.max_queue, self.grace_s = max_queue, grace_s
         self.max_per_connection, self.max_prompt_chars = max_per_connection, max_prompt_chars
         self.read_timeout = read_timeout
-        self.budget = FimBudget.for_context(engine.config.max_context)
         # Small prompts get a worker of their own, so that a huge prompt being tokenised never delays them.
         self.prompt_pools = (ThreadPoolExecutor(1, thread_name_prefix="m31rd-prompt"),
                              ThreadPoolExecutor(2, thread_name_prefix="m31rd-prompt-large"))
@@ -247,7 +287,6 @@ class Daemon:
         self.lookahead = lookahead
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
         self.warm_up: concurrent.futures.Future | None = None  # while it runs (serve), Status answers, requests wait
-        self.scheduler = Scheduler(engine, self.cache, max_active)
         self.scheduler_done: concurrent.futures.Future[None] | None = None
         self.in_flight: set[InFlight] = set()
         self.by_document: dict[str, InFlight] = {}
@@ -258,21 +297,36 @@ class Daemon:
         self.stop_reason = ""
         self.process = psutil.Process()
 
+    def attach(self, engine: Engine) -> None:
+        """The loaded engine, with the prefix cache and scheduler built on it (on the torch thread)."""
+        from m31rd.prefix_cache import PrefixCache
+        from m31rd.scheduler import Scheduler
+
+        self.cache = PrefixCache(engine, self.cache_mb)
+        self.budget = FimBudget.for_context(engine.config.max_context)
+        self.scheduler = Scheduler(engine, self.cache, self.max_active)
+        self.engine = engine
+
     def welcome(self) -> m.Welcome:
-        b = self.engine.bundle
-        return m.Welcome(protocol=m.PROTOCOL_VERSION, model=b.model_id, fingerprint=b.fingerprint,
-                         max_context=b.config.max_context, capabilities=list(m.CAPABILITIES), daemon_version=VERSION)
+        i = self.identity
+        return m.Welcome(protocol=m.PROTOCOL_VERSION, model=i.model, fingerprint=i.fingerprint,
+                         max_context=i.max_context, capabilities=list(m.CAPABILITIES), daemon_version=VERSION)
 
     def status(self, rid: int) -> m.StatusReply:
-        b, c = self.engine.bundle, self.cache
+        i, rss = self.identity, round(self.process.memory_info().rss / 2**20, 1)
+        common = dict(id=rid, model=i.model, fingerprint=i.fingerprint, bundle=i.path, pid=os.getpid(),
+                      uptime_s=round(time.time() - self.started, 1), requests=self.requests, rss_mb=rss,
+                      threads=self.threads)
+        if not self.loaded:  # the model is loading: the precision is still the asked-for one ("auto")
+            return m.StatusReply(**common, device=self.device, dtype=self.dtype, queue=len(self.waiting), active=0,
+                                 cache_slots=0, cache_slots_used=0, cache_mb=0.0, cache_budget_mb=0.0,
+                                 cache_hit_rate=0.0, quant=None, warming=True)
+        c, engine = self.cache, self.engine
         return m.StatusReply(
-            id=rid, model=b.model_id, fingerprint=b.fingerprint, bundle=str(b.path), device=str(self.engine.device),
-            dtype=str(self.engine.dtype).removeprefix("torch."), pid=os.getpid(),
-            uptime_s=round(time.time() - self.started, 1), queue=max(0, len(self.in_flight) - self.scheduler.active),
-            active=self.scheduler.active, requests=self.requests, cache_slots=c.max_slots,
-            cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
-            cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4),
-            rss_mb=round(self.process.memory_info().rss / 2**20, 1), quant=self.engine.quant, threads=self.threads,
+            **common, device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+            queue=max(0, len(self.in_flight) - self.scheduler.active), active=self.scheduler.active,
+            cache_slots=c.max_slots, cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
+            cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4), quant=engine.quant,
             warming=self.warm_up is not None and not self.warm_up.done())
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -284,6 +338,13 @@ class Daemon:
 
         if self.stopping is not None and self.stopping.is_set():
             return refuse("shutting_down", "the daemon is shutting down")
+        if not self.loaded:  # checked and run once the model has loaded (`_loaded`)
+            if req.id in conn.jobs or any(c is conn and r.id == req.id for c, r in self.waiting):
+                return refuse("bad_request", f"request id {req.id} is already in flight on this connection")
+            self.waiting.append((conn, req))
+            return
+        from m31r.sampling import SamplingParams
+
         if req.id in conn.jobs:
             return refuse("bad_request", f"request id {req.id} is already in flight on this connection")
         limit = self.engine.config.max_context
@@ -329,8 +390,35 @@ class Daemon:
         self.preparing.add(task)
         task.add_done_callback(self.preparing.discard)
 
+    def cancel_waiting(self, conn: Connection, rid: int) -> bool:
+        """Cancel a request that came before the model loaded; False if there is none of that id."""
+        for k, (c, r) in enumerate(self.waiting):
+            if c is conn and r.id == rid:
+                del self.waiting[k]
+                conn.send(m.Error(id=rid, code="cancelled", message="cancelled by the client"))
+                return True
+        return False
+
+    def _loaded(self, loading: concurrent.futures.Future) -> None:
+        """On the event loop, once the model has loaded (or failed to): run or refuse the requests that waited."""
+        waiting, self.waiting = self.waiting, []
+        if (e := loading.exception()) is not None:
+            known = isinstance(e, ValueError | OSError | BundleError)
+            self.load_error = str(e) if known else f"{type(e).__name__}: {e}"
+            log.error("cannot load the model: %s", self.load_error)
+            for conn, req in waiting:
+                conn.send(m.Error(id=req.id, code="internal", message=f"cannot load the model: {self.load_error}"))
+            return self.request_stop("cannot load the model")
+        self.loaded = True
+        for conn, req in waiting:
+            if not conn.writer.is_closing():
+                self.submit(conn, req)
+
     async def _prepare(self, job: InFlight) -> None:
         """Tokenise the request's prompt on a worker thread, then queue it for the inference thread."""
+        from m31r.engine import ContextOverflowError
+        from m31rd.scheduler import Request
+
         loop = asyncio.get_running_loop()
         pool = self.prompt_pools[prompt_chars(job.wire) > SMALL_PROMPT_CHARS]
         try:
@@ -354,6 +442,8 @@ class Daemon:
 
     def _deliver(self, job: InFlight, event: Event) -> None:
         """A scheduler event, as the frame it becomes (runs on the event loop)."""
+        from m31rd.scheduler import Failed, Finished
+
         if isinstance(event, Finished):
             e = event
             first = None if e.first_token_ms is None else round(e.first_token_ms, 2)
@@ -422,18 +512,32 @@ class Daemon:
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
+    def _serve_scheduler(self) -> None:
+        """The scheduler's rounds, on the torch thread, queued behind the model's load and warm-up."""
+        if self.scheduler is not None and not self.closing.is_set():
+            self.scheduler.serve()
+
     def request_stop(self, reason: str) -> None:
         if self.stopping is not None and not self.stopping.is_set():
             self.stop_reason = reason
             self.stopping.set()
 
-    async def serve(self, sock: socket.socket, owned_path: Path | None, on_ready=None, on_serving=None,
-                    warming: concurrent.futures.Future | None = None) -> None:
-        """Serve until a stop is requested. `warming` is the warm-up running on the torch thread: until it ends,
-        Status says so and the scheduler (queued behind it there) takes no request; then `on_ready` runs."""
+    async def serve(self, sock: socket.socket, owned_path: Path | None, loading: concurrent.futures.Future,
+                    warming: concurrent.futures.Future | None = None, on_ready=None, on_serving=None) -> None:
+        """Serve until a stop is requested. `loading` (the engine being built and attached) and `warming` (its
+        warm-up) run on the torch thread, in that order: until both end, Status says `warming`, and requests wait
+        (for the model here, then in the scheduler's queue, which the torch thread takes up after warm-up); then
+        `on_ready` runs. A model that fails to load stops the daemon (`load_error`)."""
         self.stopping = asyncio.Event()
         self.warm_up = warming
-        self.scheduler_done = self.torch_thread.submit(self.scheduler.serve)
+        self.scheduler_done = self.torch_thread.submit(self._serve_scheduler)
+        loop = asyncio.get_running_loop()
+
+        def loaded(f: concurrent.futures.Future) -> None:  # on the torch thread
+            with contextlib.suppress(RuntimeError):  # the loop has ended (stopped while loading): no one to tell
+                loop.call_soon_threadsafe(self._loaded, f)
+
+        loading.add_done_callback(loaded)
         conns: set[asyncio.Task] = set()
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -454,14 +558,20 @@ class Daemon:
             on_serving()
 
         async def ready() -> None:
-            if warming is not None:
-                await asyncio.wrap_future(warming)
+            for step in (loading, warming):
+                if step is not None:
+                    await asyncio.wrap_future(step)
+            while not self.loaded:  # the loop has yet to run `_loaded`
+                await asyncio.sleep(0)
             if on_ready and not self.stopping.is_set():
                 on_ready()
 
         readying = asyncio.ensure_future(ready())
         await self.stopping.wait()
+        self.closing.set()
         readying.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await readying
         log.info("stopping", extra={"fields": {"reason": self.stop_reason, "in_flight": len(self.in_flight)}})
         server.close()  # stop accepting; connections already open keep being served
         deadline = time.monotonic() + self.grace_s
@@ -472,8 +582,9 @@ class Daemon:
         t_cancel = time.monotonic()
         while self.in_flight and time.monotonic() - t_cancel < 2.0:
             await asyncio.sleep(0.01)
-        self.scheduler.stop()
-        if self.scheduler_done is not None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.scheduler_done is not None and self.scheduler_done.running():
             await asyncio.to_thread(concurrent.futures.wait, [self.scheduler_done], 5.0)
         for task in [*conns, *self.preparing]:
             task.cancel()

@@ -17,7 +17,7 @@ from m31r.sampling import SamplingParams
 from m31r_protocol import messages as m
 from m31rd.prefix_cache import PrefixCache
 from m31rd.scheduler import Failed, Finished, Request, Scheduler, run_together
-from m31rd.server import Daemon
+from m31rd.server import BundleIdentity, Daemon
 from m31rd.torch_thread import TorchThread
 
 PROMPTS = ["fn main() {", "struct Foo { a: u32 }\nimpl Foo {", "let x = vec![1, 2, 3];\n"]
@@ -295,7 +295,10 @@ class Conn:
 @pytest.fixture
 async def daemon(tiny_engine):
     thread = TorchThread("test-scheduler")
-    d = Daemon(tiny_engine, thread, cache_mb=8, max_queue=3, max_per_connection=2)
+    d = Daemon(thread, BundleIdentity.read(tiny_engine.bundle.path), cache_mb=8, max_queue=3, max_per_connection=2)
+    loaded = thread.submit(d.attach, tiny_engine)  # as the daemon's start-up does, without the socket
+    loaded.result(30)
+    d._loaded(loaded)
     d.scheduler_done = thread.submit(d.scheduler.serve)
     yield d
     for job in list(d.in_flight):
