@@ -323,13 +323,25 @@ def rendered(tok, token: int) -> bytes:
 
 
 def llama_bench(bins: dict[str, Path], gguf: Path, threads: int, n: int, depth: int, reps: int) -> dict[str, list]:
-    """ms/token per repetition of tg-n @ d-depth, flash attention off and on (one llama-bench run, two tests)."""
-    proc = run([bins["llama-bench"], "-m", gguf, "-t", threads, "-p", 0, "-n", n, "-d", depth, "-fa", "off,on",
-                "-r", reps, "-o", "json"])
+    """ms/token per repetition of tg-n @ d-depth, flash attention off and on (one llama-bench run, two tests).
+
+    llama.cpp repacks quantized weights for this CPU's fastest kernels by default. Where that path crashes (0.3.36's
+    q8_0 and q4_0 segfault on a 2-core Sapphire Rapids with AMX, 2026-11-26), the run is repeated with
+    `--repack 0`, and its variants are named so ("fa-off, repack off")."""
+    cmd = [bins["llama-bench"], "-m", gguf, "-t", threads, "-p", 0, "-n", n, "-d", depth, "-fa", "off,on", "-r", reps,
+           "-o", "json"]
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    suffix = ""
+    if proc.returncode < 0:  # killed by a signal: the repacked kernels crashed on this CPU
+        log(f"llama-bench crashed (signal {-proc.returncode}) on {gguf.name} with repacked weights; again with "
+            f"--repack 0")
+        proc, suffix = run([*cmd, "--repack", 0]), ", repack off"
+    elif proc.returncode:
+        run(cmd)  # fails again, and says why
     out: dict[str, list] = {}
     for test in json.loads(proc.stdout):
         fa = "fa-on" if test["flash_attn"] in (1, True, "on", "enabled") else "fa-off"
-        out[fa] = [ns / 1e6 / n for ns in test["samples_ns"]]
+        out[fa + suffix] = [ns / 1e6 / n for ns in test["samples_ns"]]
     return out
 
 
@@ -458,7 +470,7 @@ def main() -> None:
             f"{check['greedy_identical']} of {check['compared']}")
 
     samples: dict = {f: {"m31r": {workers[(f, d)].dtype: [] for d in dtypes[f]},
-                         "llama.cpp": {"fa-off": [], "fa-on": []}} for f in formats}
+                         "llama.cpp": {}} for f in formats}
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for i, f in enumerate(formats):
@@ -470,7 +482,7 @@ def main() -> None:
             def theirs(f=f) -> None:
                 for fa, ms in llama_bench(bins, ggufs[FORMATS[f][2]], args.threads, args.n, args.depth,
                                           args.reps).items():
-                    samples[f]["llama.cpp"][fa] += ms
+                    samples[f]["llama.cpp"].setdefault(fa, []).extend(ms)
 
             for step in ((ours, theirs) if (r + i) % 2 == 0 else (theirs, ours)):
                 step()
