@@ -75,6 +75,16 @@ from m31r.train.trainer import train
 
 config, run = Path("$CONFIG"), Path("$W/run")
 deadline = $START + $BUDGET
+init = "$INIT" or None
+if init:  # the init bundle is mini's: a config of another shape starts from scratch instead
+    from m31r.config import load_config
+    from m31r.train.trainer import load_train_config
+
+    want, have = load_train_config(config)[1], load_config(Path(init) / "config.yaml")
+    if (want.n_layers, want.d_model, want.ffn_hidden, want.vocab_size) != (
+            have.n_layers, have.d_model, have.ffn_hidden, have.vocab_size):
+        print(f"not starting from {init}: {have.name} is not {want.name}'s shape; from scratch")
+        init = None
 
 
 def left() -> float:
@@ -93,7 +103,7 @@ def attempt(compile_: bool) -> dict:
     spec["compile"] = compile_ and spec.get("compile", False)
     derived = config.with_name("device-run.yaml")
     derived.write_text(yaml.safe_dump(spec))
-    return train(derived, "$W/data", run, max_minutes=stop, device="$DEVICE", init_from="$INIT" or None)
+    return train(derived, "$W/data", run, max_minutes=stop, device="$DEVICE", init_from=init)
 
 
 try:
