@@ -34,6 +34,20 @@ def tiny_bundle(tiny_config, tmp_path_factory: pytest.TempPathFactory):
     return init_bundle(tiny_config, tmp_path_factory.mktemp("tiny") / "bundle", seed=0, dtype=torch.float32)
 
 
+@pytest.fixture
+def corrupt_bundle(tiny_bundle, tmp_path: Path) -> Path:
+    """A copy of the tiny bundle whose weights' last byte is flipped: its checksum no longer matches."""
+    import shutil
+
+    bad = tmp_path / "corrupt-bundle"
+    shutil.copytree(tiny_bundle.path, bad)
+    weights = bad / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return bad
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_bundle):
     """An fp32 Engine on the tiny bundle, shared: callers pass their own caches (the default is a fresh one)."""

@@ -74,13 +74,8 @@ def test_healthy_setup_exits_0_and_says_ok(daemon, tiny_bundle, tmp_path: Path) 
     assert "not installed" in lines["service"]  # an empty HOME: no units
 
 
-def test_corrupted_bundle_fails_and_says_why(tiny_bundle, tmp_path: Path) -> None:
-    bad = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.path, bad)
-    weights = bad / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0xFF
-    weights.write_bytes(bytes(data))
+def test_corrupted_bundle_fails_and_says_why(corrupt_bundle: Path, tmp_path: Path) -> None:
+    bad = corrupt_bundle
     code, checks = run_doctor_here(tmp_path, "--socket", str(tmp_path / "run" / "d.sock"), "--bundle", str(bad))
     assert code == 1
     assert checks["bundle"]["level"] == "fail"

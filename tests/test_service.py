@@ -382,6 +382,25 @@ def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
     _terminate_expecting_a_clean_stop(proc, sock_path)
 
 
+def run_gated_daemon(script: str, bundle: Path, tmp_path: Path, session) -> None:
+    """Start `m31r daemon` through `script` (which holds part of the start-up until the file `gate` exists), run
+    `await session(proc, sock_path, gate, log)`, then open the gate and stop the daemon: it must exit 0 and leave no
+    socket file."""
+    sock_path, gate, log = tmp_path / "run" / "m31rd.sock", tmp_path / "gate", tmp_path / "daemon.log"
+    cmd = [sys.executable, "-c", script, str(gate), "daemon", "--bundle", str(bundle), "--socket", str(sock_path),
+           "--threads", "1", "--dtype", "float32", "--quant", "none"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        asyncio.run(session(proc, sock_path, gate, log))
+    finally:
+        gate.touch()
+        proc.terminate()
+        rc = proc.wait(30)
+    assert rc == 0 and not sock_path.exists(), log.read_text()
+
+
 # The daemon, with its warm-up held until a file exists: what it answers while warming up, deterministically.
 GATED_WARM_UP = """
 import sys, time
@@ -405,14 +424,7 @@ def test_status_answers_during_warm_up_and_requests_wait_for_it(tiny_bundle, tmp
     from m31r_protocol import messages as m
     from m31r_protocol.client import Client, DaemonUnavailable
 
-    sock_path, gate, log = tmp_path / "run" / "m31rd.sock", tmp_path / "gate", tmp_path / "daemon.log"
-    cmd = [sys.executable, "-c", GATED_WARM_UP, str(gate), "daemon", "--bundle", str(tiny_bundle.path), "--socket",
-           str(sock_path), "--threads", "1", "--dtype", "float32", "--quant", "none"]
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    async def session() -> None:
+    async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
         t0 = time.monotonic()
         while True:  # the probe for a live daemon makes the file once, refusing connections: try until it serves
             assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
@@ -439,13 +451,7 @@ def test_status_answers_during_warm_up_and_requests_wait_for_it(tiny_bundle, tmp
             assert not st.warming and st.threads == 1 and st.requests == 1
         assert '"msg": "ready"' in log.read_text()
 
-    try:
-        asyncio.run(session())
-    finally:
-        gate.touch()
-        proc.terminate()
-        rc = proc.wait(30)
-    assert rc == 0 and not sock_path.exists(), log.read_text()
+    run_gated_daemon(GATED_WARM_UP, tiny_bundle.path, tmp_path, session)
 
 
 # The daemon with `import torch` held until a file exists: what it does before torch, and the model, have loaded.
@@ -483,15 +489,9 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
     from m31r_protocol import messages as m
     from m31r_protocol.client import Client, DaemonError
 
-    sock_path, gate, log = tmp_path / "run" / "m31rd.sock", tmp_path / "gate", tmp_path / "daemon.log"
-    cmd = [sys.executable, "-c", GATED_TORCH, str(gate), "daemon", "--bundle", str(tiny_bundle.path), "--socket",
-           str(sock_path), "--threads", "1", "--dtype", "float32", "--quant", "none"]
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     bundle = open_bundle(tiny_bundle.path)
 
-    async def session() -> None:
+    async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
         t0 = time.monotonic()
         while not sock_path.exists():
             assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
@@ -519,26 +519,13 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
             assert not st.warming and st.requests == 1 and st.dtype == "float32"
         assert '"msg": "ready"' in log.read_text()
 
-    try:
-        asyncio.run(session())
-    finally:
-        gate.touch()
-        proc.terminate()
-        rc = proc.wait(30)
-    assert rc == 0 and not sock_path.exists(), log.read_text()
+    run_gated_daemon(GATED_TORCH, tiny_bundle.path, tmp_path, session)
 
 
-def test_a_model_that_fails_to_load_ends_the_daemon(tiny_bundle, tmp_path: Path):
+def test_a_model_that_fails_to_load_ends_the_daemon(corrupt_bundle: Path, tmp_path: Path):
     """The daemon listens before its model loads; a bundle the engine refuses still ends it: exit 1, the reason
     on stderr, no socket file left."""
-    import shutil
-
-    bad = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.path, bad)
-    weights = bad / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    bad = corrupt_bundle
     sock_path = tmp_path / "run" / "m31rd.sock"
     proc = subprocess.run([sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(bad), "--socket",
                            str(sock_path), "--threads", "1"], capture_output=True, text=True, cwd=REPO, timeout=120)
