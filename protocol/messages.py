@@ -162,7 +162,9 @@ class StatusReply(Struct, tag="status_reply"):
     rss_mb: float
     quant: str | None = None  # int8 | int4 weights, or None for float weights
     threads: int | None = None  # torch intra-op threads the inference thread runs with (--threads)
-    warming: bool = False  # still warming up: requests are queued and answered once it ends
+    # Still loading the model or warming up: requests are queued and answered once it ends. While the model loads,
+    # dtype is the one asked for ("auto"), quant is None and the cache figures are 0.
+    warming: bool = False
 
 
 class ShutdownReply(Struct, tag="shutdown_reply"):
