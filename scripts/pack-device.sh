@@ -12,7 +12,8 @@ for s in train val; do
 done
 cp "$DATA/tokenizer.json" "$DATA/corpus/manifest.json" .device/
 # The run's start: an int8 copy of the release (29 MB), since the bf16 one (59 MB) and the corpus are over 64 MiB.
-if [ ! -d .device/shards ] && [ ! -f .device/init/model.safetensors ]; then
+rm -rf .device/init  # made again each time: release/ may have changed since
+if [ ! -d .device/shards ]; then
   .venv/bin/m31r bundle quantize --quant int8 release .device/init
 fi
 # The device's Python is 3.12 on x86-64 (the device tool's KINDS.md); msgspec is the one package missing there.
