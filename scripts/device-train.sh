@@ -12,6 +12,7 @@
 #   BUDGET   seconds from the start of this script to the end of its training (default 530; the call's limit is 600)
 #   MINUTES  for a config scheduled by steps: training minutes in this call (default 8)
 #   DEVICE, PYTHON  cuda and python3 by default (a dry run here: DEVICE=cpu PYTHON=.venv/bin/python)
+#   PACKED   the folder pack-device.sh filled (default .device; tests point it elsewhere)
 #
 # The run starts from .device/shards (weights sent back by an earlier call) when present, else from the bundle in
 # .device/init (an int8 copy of the release: half the bytes of the bf16 one), else from scratch.
@@ -23,6 +24,7 @@ MINUTES=${MINUTES:-8}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 W=${WORK:-/tmp/m31r-device}  # kept between calls while the machine stays warm
+P=${PACKED:-.device}
 OUT=${OUT:?OUT is set by the device tool}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 
@@ -50,16 +52,16 @@ export PYTHONPATH=/tmp/site:$PWD
 
 if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   mkdir -p "$W/data/corpus"
-  cp .device/tokenizer.json "$W/data/"
-  cp .device/manifest.json "$W/data/corpus/"
-  for s in train val; do xz -dc -T0 ".device/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
+  cp "$P/tokenizer.json" "$W/data/"
+  cp "$P/manifest.json" "$W/data/corpus/"
+  for s in train val; do xz -dc -T0 "$P/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
 fi
 INIT=
-if [ ! -f "$W/run/ckpt.pt" ] && [ -d .device/shards ]; then  # a fresh machine: continue the weights sent back
+if [ ! -f "$W/run/ckpt.pt" ] && [ -d "$P/shards" ]; then  # a fresh machine: continue the weights sent back
   "$PY" -c "from pathlib import Path; from m31r.train.shards import import_shards; \
-import_shards(Path('.device/shards'), Path('$W/run'))"
-elif [ ! -f "$W/run/ckpt.pt" ] && [ -f .device/init/model.safetensors ]; then
-  INIT=.device/init
+import_shards(Path('$P/shards'), Path('$W/run'))"
+elif [ ! -f "$W/run/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
+  INIT=$P/init
 fi
 if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
 "$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
@@ -97,8 +99,8 @@ def attempt(compile_: bool) -> dict:
     stop = None if spec.get("minutes") else $MINUTES
     if spec.get("minutes"):
         before = torch.load(run / "ckpt.pt", weights_only=False)["state"]["seconds"] if (run / "ckpt.pt").exists() else 0
-        spec["minutes"] = round(before / 60 + left() - 0.4, 2)  # 0.4: loading, evaluations and checkpoints
-        stop = left()
+        spec["minutes"] = round(before / 60 + max(0.1, left() - 0.4), 2)  # 0.4: loading, evaluations, checkpoints
+        stop = max(left(), spec["minutes"] - before / 60 + 0.2)  # the wall-clock guard, never short of them
         print(f"this call trains {spec['minutes'] - before / 60:.2f} min (the schedule's minutes: {spec['minutes']})")
     spec["compile"] = compile_ and spec.get("compile", False)
     derived = config.with_name("device-run.yaml")

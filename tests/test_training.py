@@ -425,6 +425,47 @@ def test_a_run_starts_from_an_int8_bundle(full_run, data_dir: Path, tmp_path: Pa
         train(cfg, data_dir, tmp_path / "run-int4", init_from=int4.path, max_steps=1, log=lambda s: None)
 
 
+def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir: Path, tmp_path: Path):
+    """scripts/device-train.sh as a lent GPU machine runs it, here on the CPU: it unpacks the packed corpus, starts
+    from the int8 init bundle, trains for the minutes its call has left (a config scheduled by minutes) and leaves
+    the weights as shards with the log in OUT; the shards import back into a run."""
+    import lzma
+    import os
+    import shutil
+    import subprocess
+
+    from m31r.bundle import quantize_bundle
+    from m31r.train.shards import import_shards
+
+    run, _ = full_run
+    packed, out = tmp_path / "packed", tmp_path / "out"
+    packed.mkdir()
+    out.mkdir()
+    for split in ("train", "val"):
+        text = (data_dir / "corpus" / f"{split}.jsonl").read_bytes()
+        (packed / f"{split}.jsonl.xz").write_bytes(lzma.compress(text))
+    shutil.copy(data_dir / "tokenizer.json", packed)
+    shutil.copy(data_dir / "corpus" / "manifest.json", packed)
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    quantize_bundle(bundle.path, packed / "init", "int8")
+    shutil.copy(data_dir.parent / "model.yaml", tmp_path / "model.yaml")
+    cfg = tmp_path / "device.yaml"
+    cfg.write_text(train_yaml(max_steps=100_000, minutes=1.0, warmup_steps=2, eval_interval=100_000,
+                              ckpt_interval=100_000, data_workers=2))
+    env = {**os.environ, "CONFIG": str(cfg), "BUDGET": "30", "DEVICE": "cpu", "PYTHON": sys.executable,
+           "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed)}
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "new run from the weights of" in proc.stdout + proc.stderr
+    assert (out / "log.jsonl").exists() and (out / "shards" / "state.json").exists()
+    state = import_shards(out / "shards", tmp_path / "back")
+    assert state["step"] >= 1 and state["init_from"]["model"] == bundle.model_id
+    assert 0.1 <= state["train_config"]["minutes"] < 0.5  # what the call had left, not the config's 1.0
+    assert state["history"][-1]["lr"] < 3e-4 * 1.2  # decayed to about min_lr by the end of those minutes
+
+
 def test_schedule_by_minutes(data_dir: Path, tmp_path: Path):
     """A run scheduled by minutes decays its lr over training time and ends when the minutes are spent."""
     from m31r.train.trainer import TrainConfig, lr_at
