@@ -130,11 +130,18 @@ def suffix_stop(prefix: str, suffix: str) -> str | None:
     the cursor's line itself, when the cursor is at its start), written as a whole line of the completion at the
     same indentation, is that point. Whole line only: `    } else {` does not match `    }`.
     """
-    lines = suffix.split("\n")
-    at_line_start = prefix == "" or prefix.endswith("\n")
-    for line in lines[0 if at_line_start else 1 : -1]:  # the last piece has no newline: not a whole line
+    # Line by line from the cursor, not a split of the whole suffix: it runs per request (and per typed-through
+    # keystroke) on the daemon's event loop, and a suffix can be megabytes.
+    start = 0
+    if prefix and not prefix.endswith("\n"):  # the cursor's line goes on in the suffix: start after it
+        start = suffix.find("\n") + 1
+        if start == 0:
+            return None
+    while (end := suffix.find("\n", start)) >= 0:  # a last line without its line end is not a whole line
+        line = suffix[start:end]
         if line.strip():
             return "\n" + line.rstrip() + ("\r\n" if line.endswith("\r") else "\n")
+        start = end + 1
     return None
 
 

@@ -153,9 +153,9 @@ class _Interrupted(BaseException):
 
 
 class _StartUp:
-    """SIGTERM/SIGINT until the event loop takes them over: while the model loads, leave at once (_Interrupted);
-    once warm-up has started, stop as soon as the loop runs (`pending`). `owned` is the socket file this process
-    made, which leaving removes."""
+    """SIGTERM/SIGINT until the event loop takes them over: until the socket is bound, leave at once (_Interrupted);
+    from then on (the model loads on the torch thread while the loop starts), stop as soon as the loop runs
+    (`pending`). `owned` is the socket file this process made, which leaving removes."""
 
     def __init__(self) -> None:
         self.owned: Path | None = None

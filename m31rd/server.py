@@ -271,7 +271,7 @@ class Daemon:
         self.cache = None
         self.budget: FimBudget | None = None
         self.scheduler = None
-        self.loaded = False  # on the event loop: attach has happened and the loop has seen it
+        self.loaded = False  # on the event loop: the engine is attached and the waiting requests were submitted
         self.load_error: str | None = None
         self.waiting: list[tuple[Connection, m.Generate | m.Fim]] = []  # requests that came before the model
         self.closing = threading.Event()  # set at shutdown: the torch thread's queued start-up work is skipped
@@ -531,13 +531,6 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.warm_up = warming
         self.scheduler_done = self.torch_thread.submit(self._serve_scheduler)
-        loop = asyncio.get_running_loop()
-
-        def loaded(f: concurrent.futures.Future) -> None:  # on the torch thread
-            with contextlib.suppress(RuntimeError):  # the loop has ended (stopped while loading): no one to tell
-                loop.call_soon_threadsafe(self._loaded, f)
-
-        loading.add_done_callback(loaded)
         conns: set[asyncio.Task] = set()
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -558,11 +551,13 @@ class Daemon:
             on_serving()
 
         async def ready() -> None:
-            for step in (loading, warming):
-                if step is not None:
-                    await asyncio.wrap_future(step)
-            while not self.loaded:  # the loop has yet to run `_loaded`
-                await asyncio.sleep(0)
+            with contextlib.suppress(Exception):  # `_loaded` reads the failure from the future
+                await asyncio.wrap_future(loading)
+            self._loaded(loading)
+            if not self.loaded:
+                return
+            if warming is not None:
+                await asyncio.wrap_future(warming)
             if on_ready and not self.stopping.is_set():
                 on_ready()
 

@@ -56,10 +56,8 @@ def check_folder(folder: Path) -> None:
             f"another socket path (--socket)")
 
 
-def bind_unix(path: Path, listen: bool = True) -> socket.socket:
+def bind_unix(path: Path) -> socket.socket:
     """A listening socket at `path`, created 0600; a stale socket file is replaced, a live one is refused.
-    `listen=False` makes a probe that only proves the path can be bound: a client that connects to it meanwhile is
-    refused at once instead of waiting in a backlog that nobody will accept from.
 
     A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). One that
     exists must already be this user's alone (check_folder); its mode is never changed."""
@@ -82,8 +80,7 @@ def bind_unix(path: Path, listen: bool = True) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
-    if listen:
-        sock.listen(128)
+    sock.listen(128)
     sock.setblocking(False)
     return sock
 

@@ -319,8 +319,8 @@ SLOW_BIND = """
 import sys, time
 import m31rd.sockets as sockets
 bind = sockets.bind_unix
-def slow_bind(path, listen=True):
-    sock = bind(path, listen)
+def slow_bind(path):
+    sock = bind(path)
     time.sleep(0.5)
     return sock
 sockets.bind_unix = slow_bind

@@ -51,7 +51,7 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
     paths = []
     for i, part in enumerate(shards):
         paths.append(out / f"weights-{i:02d}-of-{len(shards):02d}.safetensors")
-        save_file({k: v.contiguous() for k, v in part.items()}, str(paths[-1]))
+        save_file(part, str(paths[-1]))
     state = {k: v for k, v in saved["state"].items()}
     (out / "state.json").write_text(json.dumps(state))
     return [*paths, out / "state.json"]
