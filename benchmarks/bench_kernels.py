@@ -13,6 +13,9 @@ attention, the norms, RoPE, SwiGLU, the ops between them, and the engine around 
 wrappers. The wrappers find their targets by name and skip those a tree lacks, so the same script profiles an older
 checkout (copy it there) part for part.
 
+`--kv-cache` compares the engines' default KV cache (float16 where the fp32 kernels read one) against one in the
+activation dtype instead of eager against native, both on the native kernels.
+
 `--fp32-matmuls` times the float weights of a whole decode step instead (every layer's four matrices, so the weights
 stream from memory as in a real step): the AVX2 family's fp32 matmul against oneDNN on the packed weights (what
 fp32 layers ran before it) and torch's F.linear (MKL), at the row counts of `--rows`, alternating in a rotating
@@ -275,6 +278,11 @@ def fp32_matmuls(config, threads: int, reps: int, rows: list[int]) -> None:
         print(f"{m:>4}{cells}   {min(times[(m, names[0])]) / min(times[(m, names[1])]):.2f}")
 
 
+def first_dtype(engines: dict) -> str:
+    """The activation dtype of the first engine, in words."""
+    return str(next(iter(engines.values())).dtype).removeprefix("torch.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "model" / "medium.yaml")
@@ -295,6 +303,9 @@ def main() -> None:
     ap.add_argument("--families", default="",
                     help="--matmuls: avx2 families to time side by side, e.g. avx2,avx2vnni (default: the one "
                          "M31R_KERNELS / auto picks for fp32)")
+    ap.add_argument("--kv-cache", action="store_true",
+                    help="compare the native kernels on a KV cache of the activation dtype against the engine's "
+                         "default (float16 under the fp32 kernels), instead of eager against native")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -331,8 +342,19 @@ def main() -> None:
             if name != "fp32" and not path.exists():
                 quantize_bundle(base, path, name)
             engines[name] = Engine(path, dtype=args.dtype, threads=args.threads, decode_width=1)
+            if args.kv_cache:  # the same weights, caches in the activation dtype
+                act = str(engines[name].dtype).removeprefix("torch.")
+                engines[name + "/kv"] = Engine(path, dtype=act, threads=args.threads, decode_width=1, kv_dtype=act)
         kernels = {name: e.kernels for name, e in engines.items()}
-        pairs = [(n, k) for n in names for k in ("eager", "native")]
+        kinds = ("kv " + str(first_dtype(engines)), "kv auto") if args.kv_cache else ("eager", "native")
+        pairs = [(n, k) for n in names for k in kinds]
+
+        def engine(name: str, kind: str):
+            """The pair's engine, its kernels set."""
+            e = engines[name + "/kv" if kind == kinds[0] and args.kv_cache else name]
+            e.use_kernels(kernels[name] if kind != "eager" else None)
+            return e
+
         gen = torch.Generator().manual_seed(1234)
         prompt = torch.randint(5, config.vocab_size, (args.context,), generator=gen).tolist()
         runs: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
@@ -342,31 +364,30 @@ def main() -> None:
               file=sys.stderr)
         with torch.inference_mode():
             for name, kind in pairs:  # warm-up: kernels, allocator, probes
-                engines[name].use_kernels(kernels[name] if kind == "native" else None)
-                decode_run(engines[name], prompt[:64], 4)
+                decode_run(engine(name, kind), prompt[:64], 4)
             for rep in range(args.reps):
                 for name, kind in pairs:
-                    e = engines[name]
-                    e.use_kernels(kernels[name] if kind == "native" else None)
-                    runs[(name, kind)].append(statistics.median(decode_run(e, prompt, args.tokens)))
+                    runs[(name, kind)].append(statistics.median(decode_run(engine(name, kind), prompt, args.tokens)))
                 print(f"# rep {rep + 1}/{args.reps}: " + ", ".join(f"{n}/{k} {runs[(n, k)][-1]:.1f}"
                                                                   for n, k in pairs), file=sys.stderr)
             parts = {}
             if args.profile:
                 for name, kind in pairs:
-                    engines[name].use_kernels(kernels[name] if kind == "native" else None)
-                    parts[(name, kind)] = profile(engines[name], prompt, 16)
+                    parts[(name, kind)] = profile(engine(name, kind), prompt, 16)
     dtype = str(first.dtype).removeprefix("torch.")
     print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), {dtype} activations, {args.threads} threads, "
           f"{args.context}-token context, {args.tokens} decode steps x {args.reps} interleaved reps, "
           f"load avg {os.getloadavg()[0]:.1f}")
     print(f"CPU: {describe()}")
     print(f"kernels: {first.kernels.describe() if first.kernels else 'none: ' + native.why_not(first.dtype)}")
-    print(f"{'weights':8} {'eager ms/tok':>13} {'native ms/tok':>14} {'speed-up':>9}   (run medians: min-max)")
+    if args.kv_cache:
+        print("kv auto: " + "; ".join(f"{n} {engines[n].kernel_report['kv_cache']}" for n in names))
+    print(f"{'weights':8} {kinds[0] + ' ms/tok':>17} {kinds[1] + ' ms/tok':>17} {'speed-up':>9}"
+          "   (run medians: min-max)")
     for name in names:
-        e, n = (statistics.median(runs[(name, k)]) for k in ("eager", "native"))
-        spread = " ".join(f"{min(runs[(name, k)]):.1f}-{max(runs[(name, k)]):.1f}" for k in ("eager", "native"))
-        print(f"{name:8} {e:>13.1f} {n:>14.1f} {e / n:>8.2f}x   ({spread})")
+        e, n = (statistics.median(runs[(name, k)]) for k in kinds)
+        spread = " ".join(f"{min(runs[(name, k)]):.1f}-{max(runs[(name, k)]):.1f}" for k in kinds)
+        print(f"{name:8} {e:>17.1f} {n:>17.1f} {e / n:>8.2f}x   ({spread})")
     if parts:
         keys = [*PARTS, "other", "total"]
         print(f"\none decode step by part (median of 16 steps at {args.context} context, ms; % of the step)")

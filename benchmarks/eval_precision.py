@@ -3,7 +3,9 @@
 For fp32, bf16, int8 and int4 weights on the same bundle (the quantized ones at the activation dtype the daemon
 serves them with, `--dtype auto`: fp32 where the fp32 kernels (avx2vnni, avx2, neon) run, whose int8 matmul takes
 q16 activations, else bf16 where it is native. For comparison, when asked for: `int8-q8` runs the same int8 weights
-on the kernel's older q8 activations, `int8-f32` on exact fp32 activations, which isolates what the weights change):
+on the kernel's older q8 activations, `int8-f32` on exact fp32 activations, which isolates what the weights change).
+The fp32 reference keeps its KV cache in fp32; `fp32-kv16` is fp32 weights with the float16 cache the fp32 kernels
+read by default (Engine's kv_dtype), and the quantized rows run their engines' default cache too:
 
   perplexity    eval_fim's validation perplexity (windows of --ppl-context tokens), and its delta to fp32
   same output   the share of FIM tasks (eval_fim's single- and multi-line tasks, greedy) whose completion is
@@ -28,11 +30,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_fim  # noqa: E402
 
-PRECISIONS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("int8", "auto", "int8"), ("int4", "auto", "int4"),
-              ("int8-q8", "float32", "int8"), ("int8-f32", "float32", "int8")]
+PRECISIONS = [("fp32", "float32", None, "float32"), ("fp32-kv16", "float32", None, "auto"),
+              ("bf16", "bfloat16", None, "auto"), ("int8", "auto", "int8", "auto"), ("int4", "auto", "int4", "auto"),
+              ("int8-q8", "float32", "int8", "auto"), ("int8-f32", "float32", "int8", "auto")]
 # The last two only when asked for: the AVX2 (NEON) int8 kernel on its coarser q8 activations, and on exact fp32 ones
 # (the codes widened to fp32: what the int8 weights alone change).
-DEFAULT = "fp32,bf16,int8,int4"
+# The reference, fp32, keeps its KV cache in fp32; fp32-kv16 is fp32 weights as engines serve them where the fp32
+# kernels read a float16 cache (Engine's kv_dtype auto; skipped elsewhere). The rest run their engines' defaults.
+DEFAULT = "fp32,fp32-kv16,bf16,int8,int4"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     wanted = {"fp32", *args.precisions.split(",")}
 
+    import torch
+
     from m31r.cpu import describe
     from m31r.engine import Engine
     from m31r.fim import FimBudget
@@ -63,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     # eval_fim's layout: (path, text, crate); files outside any crate (an older corpus) count as a crate each.
     texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
     rows, reference = [], None
-    for name, dtype, quant in [p for p in PRECISIONS if p[0] in wanted]:
+    for name, dtype, quant, kv in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
-        engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1)
+        engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1, kv_dtype=kv)
+        if name == "fp32-kv16" and engine.kv_dtype != torch.float16:
+            log(f"{name}: skipped, this machine's fp32 engine keeps its KV cache in "
+                f"{str(engine.kv_dtype).removeprefix('torch.')} ({engine.kernel_report['kv_why']})")
+            continue
         if name in ("int8-q8", "int8-f32"):
             if not engine.native_int8 or engine.kernels.family.base not in ("avx2", "neon"):
                 log(f"{name}: skipped, the AVX2 (or NEON) int8 kernel does not run here (try M31R_KERNELS=avx2)")
@@ -86,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         by_kind = {kind: [a == b for a, b, r in zip(preds, reference["preds"], results, strict=True) if r.kind == kind]
                    for kind in ("single", "multi")}  # long multi-line completions diverge first
         rows.append({"precision": name, "dtype": dtype, "quant": quant, "kernels": kernels,
+                     "kv_cache": engine.kernel_report["kv_cache"],
                      "perplexity": ppl["perplexity"],
                      "perplexity_delta": round(ppl["perplexity"] - reference["ppl"], 3),
                      "loss_delta": round(ppl["loss"] - reference["loss"], 4), "same_as_fp32": round(same, 4),
@@ -98,16 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nprecision accuracy: {Path(args.bundle).resolve().name} bundle, {rows[0]['tasks']} greedy FIM tasks, "
           f"perplexity over {args.ppl_windows} validation windows")
     print(f"CPU: {describe()}")
-    print(f"{'precision':<9} {'activations':<11} {'kernels':<8} {'perplexity':>10} {'Δ vs fp32':>9} "
+    print(f"{'precision':<9} {'activations':<11} {'kv cache':<9} {'kernels':<8} {'perplexity':>10} {'Δ vs fp32':>9} "
           f"{'same output as fp32':>19} {'single / multi-line':>19} {'exact match':>11}")
     for r in rows:
         kinds = f"{100 * r.get('same_single', 0):.1f}% / {100 * r.get('same_multi', 0):.1f}%"
-        print(f"{r['precision']:<9} {r['dtype']:<11} {r['kernels']:<8} {r['perplexity']:>10.3f} "
+        print(f"{r['precision']:<9} {r['dtype']:<11} {r['kv_cache']:<9} {r['kernels']:<8} {r['perplexity']:>10.3f} "
               f"{r['perplexity_delta']:>+9.3f} {100 * r['same_as_fp32']:>18.1f}% {kinds:>19} "
               f"{100 * r['exact_match']:>10.1f}%")
     comparisons = ("int8-q8", "int8-f32")  # reported, never a failure
     failed = [r["precision"] for r in rows
-              if r["quant"] and r["precision"] not in comparisons and r["same_as_fp32"] < args.min_agreement]
+              if (r["quant"] or r["precision"] == "fp32-kv16") and r["precision"] not in comparisons
+              and r["same_as_fp32"] < args.min_agreement]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"bundle": str(args.bundle), "cpu": describe(), "rows": rows}, indent=2) + "\n")

@@ -154,15 +154,21 @@ class Engine:
         quant: str | None = None,
         group_size: int | None = None,
         verified: Future | None = None,
+        kv_dtype: str = "auto",
     ):
         """`quant` (int8 | int4) quantizes a float bundle's weights at load; a quantized bundle is loaded as it
         was stored (`quant`, if given, must name its method). `dtype` is the precision of everything else:
         activations, norms, attention and the KV cache. Either may be "auto" (see m31r.precision). `verified`
-        is a checksum verification of `bundle` the caller started already (checksums.verify_in_background)."""
+        is a checksum verification of `bundle` the caller started already (checksums.verify_in_background).
+        `kv_dtype`: the KV cache's dtype; auto is float16 where the fp32 kernels' decode attention reads it (half
+        the bytes a step reads from its context), else the activation dtype, which may also be named."""
         if threads:
             torch.set_num_threads(threads)
         if dtype not in DTYPES and dtype != "auto":
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
+        if kv_dtype not in ("auto", "float16", *DTYPES):
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose auto, float16 or one of {', '.join(DTYPES)}")
+        self.kv_request = kv_dtype
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.device = torch.device(device)
@@ -209,6 +215,9 @@ class Engine:
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.model = model
         self.use_kernels(kernels)
+        if self.kv_request not in ("auto", dtype) and self.kv_dtype != DTYPES.get(self.kv_request, torch.float16):
+            raise ValueError(f"kv_dtype {self.kv_request}: this engine's decode attention reads "
+                             f"{str(self.kv_dtype).removeprefix('torch.')} caches ({self.kernel_report['kv_why']})")
         self.model.eval()
         self.stop_ids = self.tokenizer.special_ids
         self._heal_masks: dict[bytes, torch.Tensor] = {}
@@ -256,6 +265,14 @@ class Engine:
         if f32 and model.head is None and model.output is None and native.takes_f32(*emb.weight.shape):
             model.head = FloatLinear(emb.weight.detach(), pack=False)  # the same storage
             model.head.use_native(kernels)
+        # The KV cache: float16 where the fp32 family's fused decode attention reads it (and auto or float16 asks).
+        half = (model.native is not None and kernels.float_dtype == dt and torch.float16 in kernels.kv_dtypes
+                and self.kv_request in ("auto", "float16"))
+        self.kv_dtype = torch.float16 if half else dt
+        kv_why = (f"{kernels.name} decode attention reads float16 caches: half the bytes of "
+                  f"{str(dt).removeprefix('torch.')}" if half else "the activation dtype")
+        if not half and self.kv_request == "auto" and kernels is not None and kernels.float_dtype == dt:
+            kv_why += f" ({kernels.name} decode attention reads no float16 cache)"
         name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
         if kernels is None:
             why = native.why_not(self.dtype) if self.device.type == "cpu" else f"device {self.device.type}"
@@ -266,7 +283,8 @@ class Engine:
         self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
                               "native_attention": model.native is not None, "native_int8": self.native_int8,
                               "native_int4": self.native_int4, "native_f32": self.native_f32,
-                              "precision_why": self.precision_why}
+                              "precision_why": self.precision_why,
+                              "kv_cache": str(self.kv_dtype).removeprefix("torch."), "kv_why": kv_why}
         if self.native_int8:  # which int8 matmul runs, and its start-up self-check (cached per library)
             self.kernel_report["int8_kernel"] = kernels.int8_kernel
             self.kernel_report["int8_check"] = kernels.int8_check()[1]
@@ -333,12 +351,12 @@ class Engine:
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty cache; it grows with the context it holds (KVCache)."""
-        return KVCache(self.config, capacity, self.dtype, self.device)
+        return KVCache(self.config, capacity, self.kv_dtype, self.device)
 
     def cache_bytes(self, capacity: int | None = None) -> int:
         """The size of a cache holding `capacity` positions (default: a whole context, a slot's upper bound)."""
         c = self.config
-        return 2 * c.n_layers * c.kv_heads * (capacity or c.max_context) * c.head_dim * self.dtype.itemsize
+        return 2 * c.n_layers * c.kv_heads * (capacity or c.max_context) * c.head_dim * self.kv_dtype.itemsize
 
     def layout(self, n: int) -> list[int]:
         return chunk_layout(n, self.chunk_size, self.max_chunk)

@@ -74,52 +74,64 @@ static inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] fp32 each). */
-static void attend_head(const float* q, const float* K, const float* V, int n, int hd, float scale, float* s,
-                        float* out) {
-  const int nc = hd / 8;
-  __m256 qv[MAX_CHUNKS], acc[MAX_CHUNKS];
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), sc);
+/* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] each, of type T: fp32, or
+ * fp16 for a half-size cache, whose values LOAD widens to fp32 exactly). Everything after the load is the same
+ * arithmetic for both: an fp16 cache changes what is stored, not how it is summed. */
+#define ATTEND_HEAD(NAME, T, LOAD)                                                                                   \
+  static void NAME(const float* q, const T* K, const T* V, int n, int hd, float scale, float* s, float* out) {      \
+    const int nc = hd / 8;                                                                                           \
+    __m256 qv[MAX_CHUNKS], acc[MAX_CHUNKS];                                                                          \
+    const __m256 sc = _mm256_set1_ps(scale);                                                                         \
+    for (int c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), sc);                             \
+                                                                                                                     \
+    float m = -INFINITY;                                                                                             \
+    for (int j = 0; j < n; ++j) {                                                                                    \
+      const T* kj = K + (long)j * hd;                                                                                \
+      for (int c = 0; c < nc; c += 64 / (8 * (int)sizeof(T))) { /* one cache line at a time */                       \
+        _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 8 * c), _MM_HINT_T0);                                   \
+        _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c), _MM_HINT_T0);                        \
+      }                                                                                                              \
+      __m256 a = _mm256_mul_ps(qv[0], LOAD(kj));                                                                     \
+      for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], LOAD(kj + 8 * c), a);                                  \
+      s[j] = hsum8(a);                                                                                               \
+      m = s[j] > m ? s[j] : m;                                                                                       \
+    }                                                                                                                \
+                                                                                                                     \
+    const __m256 vm = _mm256_set1_ps(m);                                                                             \
+    __m256 total = _mm256_setzero_ps();                                                                              \
+    int j = 0;                                                                                                       \
+    for (; j + 8 <= n; j += 8) {                                                                                     \
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));                                         \
+      _mm256_storeu_ps(s + j, e);                                                                                    \
+      total = _mm256_add_ps(total, e);                                                                               \
+    }                                                                                                                \
+    if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */                                \
+      float t[8];                                                                                                    \
+      for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;                                       \
+      __m256 e = exp_nonpositive(_mm256_loadu_ps(t));                                                                \
+      _mm256_storeu_ps(t, e);                                                                                        \
+      for (int i = 0; j + i < n; ++i) s[j + i] = t[i];                                                               \
+      total = _mm256_add_ps(total, e);                                                                               \
+    }                                                                                                                \
+    const float inv = 1.0f / hsum8(total);                                                                           \
+                                                                                                                     \
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();                                                       \
+    for (int jj = 0; jj < n; ++jj) {                                                                                 \
+      const T* vj = V + (long)jj * hd;                                                                               \
+      const __m256 p = _mm256_set1_ps(s[jj]);                                                                        \
+      for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, LOAD(vj + 8 * c), acc[c]);                            \
+    }                                                                                                                \
+    for (int c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));         \
+  }
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+ATTEND_HEAD(attend_head, float, LOAD_F32)
+ATTEND_HEAD(attend_head_f16, uint16_t, LOAD_F16)
 
-  float m = -INFINITY;
-  for (int j = 0; j < n; ++j) {
-    const float* kj = K + (long)j * hd;
-    for (int c = 0; c < nc; c += 2) { /* one cache line per 16 values */
-      _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 8 * c), _MM_HINT_T0);
-      _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c), _MM_HINT_T0);
-    }
-    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-    for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
-    s[j] = hsum8(a);
-    m = s[j] > m ? s[j] : m;
-  }
-
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 total = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-    _mm256_storeu_ps(s + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */
-    float t[8];
-    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;
-    __m256 e = exp_nonpositive(_mm256_loadu_ps(t));
-    _mm256_storeu_ps(t, e);
-    for (int i = 0; j + i < n; ++i) s[j + i] = t[i];
-    total = _mm256_add_ps(total, e);
-  }
-  const float inv = 1.0f / hsum8(total);
-
-  for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
-  for (int jj = 0; jj < n; ++jj) {
-    const float* vj = V + (long)jj * hd;
-    const __m256 p = _mm256_set1_ps(s[jj]);
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
-  }
-  for (int c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+/* hd fp32 values into an fp16 cache row, rounded to nearest even (as torch's fp32 -> fp16 cast). */
+static inline void store_f16(uint16_t* dst, const float* src, int hd) {
+  for (int i = 0; i < hd; i += 8)
+    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
@@ -198,6 +210,44 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
       float s[len[r] + 8];
       attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
                   out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+/* m31r_attend_qkv_f32 over an fp16 cache ([kv_heads, cap, hd] fp16 per row and layer): the new key (rotated) and
+ * value are rounded to fp16 on their way in, and every read widens them back (F16C). A decode step reads its whole
+ * context's keys and values per layer, the step's largest read after the weights: half the bytes, as llama.cpp's
+ * default f16 cache. */
+int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out) {
+  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+  const long width = (long)(heads + 2 * kv_heads) * hd;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      const float* row = qkv + r * width;
+      float k[8 * MAX_CHUNKS];
+      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, k);
+      store_f16((uint16_t*)kptr[r] + at, k, hd);
+      store_f16((uint16_t*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, hd);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float q[8 * MAX_CHUNKS];
+      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
+      float s[len[r] + 8];
+      attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
+                      out + (long)t * hd);
     }
   }
   return 0;

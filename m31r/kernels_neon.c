@@ -85,63 +85,74 @@ static inline float32x4_t exp_nonpositive(float32x4_t x) {
 
 static inline f8 f8_exp(f8 x) { return (f8){exp_nonpositive(x.lo), exp_nonpositive(x.hi)}; }
 
-/* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] fp32 each). */
-static void attend_head(const float* q, const float* K, const float* V, int n, int hd, float scale, float* s,
-                        float* out) {
-  const int nc = hd / 8;
-  f8 qv[MAX_CHUNKS], acc[MAX_CHUNKS];
-  const float32x4_t sc = vdupq_n_f32(scale);
-  for (int c = 0; c < nc; ++c) {
-    const f8 x = f8_load(q + 8 * c);
-    qv[c] = (f8){vmulq_f32(x.lo, sc), vmulq_f32(x.hi, sc)};
-  }
+/* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] each, of type T: fp32, or
+ * fp16 for a half-size cache, which LOAD widens to fp32 exactly); as kernels_avx2.c's ATTEND_HEAD. */
+#define ATTEND_HEAD(NAME, T, LOAD)                                                                                     \
+static void NAME(const float* q, const T* K, const T* V, int n, int hd, float scale, float* s, float* out) {          \
+  const int nc = hd / 8;                                                                                              \
+  f8 qv[MAX_CHUNKS], acc[MAX_CHUNKS];                                                                                 \
+  const float32x4_t sc = vdupq_n_f32(scale);                                                                          \
+  for (int c = 0; c < nc; ++c) {                                                                                      \
+    const f8 x = f8_load(q + 8 * c);                                                                                  \
+    qv[c] = (f8){vmulq_f32(x.lo, sc), vmulq_f32(x.hi, sc)};                                                           \
+  }                                                                                                                   \
+                                                                                                                      \
+  float m = -INFINITY;                                                                                                \
+  for (int j = 0; j < n; ++j) {                                                                                       \
+    const T* kj = K + (long)j * hd;                                                                                   \
+    for (int c = 0; c < nc; c += 64 / (8 * (int)sizeof(T))) { /* one cache line at a time */                          \
+      __builtin_prefetch(kj + PREFETCH_KEYS * hd + 8 * c);                                                            \
+      __builtin_prefetch(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c);                                                 \
+    }                                                                                                                 \
+    const f8 k0 = LOAD(kj);                                                                                           \
+    f8 a = {vmulq_f32(qv[0].lo, k0.lo), vmulq_f32(qv[0].hi, k0.hi)};                                                  \
+    for (int c = 1; c < nc; ++c) a = f8_fma(a, qv[c], LOAD(kj + 8 * c));                                              \
+    s[j] = hsum8(a);                                                                                                  \
+    m = s[j] > m ? s[j] : m;                                                                                          \
+  }                                                                                                                   \
+                                                                                                                      \
+  const float32x4_t vm = vdupq_n_f32(m);                                                                              \
+  f8 total = f8_zero();                                                                                               \
+  int j = 0;                                                                                                          \
+  for (; j + 8 <= n; j += 8) {                                                                                        \
+    const f8 x = f8_load(s + j);                                                                                      \
+    const f8 e = f8_exp((f8){vsubq_f32(x.lo, vm), vsubq_f32(x.hi, vm)});                                              \
+    vst1q_f32(s + j, e.lo);                                                                                           \
+    vst1q_f32(s + j + 4, e.hi);                                                                                       \
+    total = (f8){vaddq_f32(total.lo, e.lo), vaddq_f32(total.hi, e.hi)};                                               \
+  }                                                                                                                   \
+  if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */                                   \
+    float t[8];                                                                                                       \
+    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;                                          \
+    const f8 e = f8_exp(f8_load(t));                                                                                  \
+    vst1q_f32(t, e.lo);                                                                                               \
+    vst1q_f32(t + 4, e.hi);                                                                                           \
+    for (int i = 0; j + i < n; ++i) s[j + i] = t[i];                                                                  \
+    total = (f8){vaddq_f32(total.lo, e.lo), vaddq_f32(total.hi, e.hi)};                                               \
+  }                                                                                                                   \
+  const float inv = 1.0f / hsum8(total);                                                                              \
+                                                                                                                      \
+  for (int c = 0; c < nc; ++c) acc[c] = f8_zero();                                                                    \
+  for (int jj = 0; jj < n; ++jj) {                                                                                    \
+    const T* vj = V + (long)jj * hd;                                                                                  \
+    const float32x4_t p = vdupq_n_f32(s[jj]);                                                                         \
+    for (int c = 0; c < nc; ++c) acc[c] = f8_fma1(acc[c], LOAD(vj + 8 * c), p);                                       \
+  }                                                                                                                   \
+  const float32x4_t vi = vdupq_n_f32(inv);                                                                            \
+  for (int c = 0; c < nc; ++c) {                                                                                      \
+    vst1q_f32(out + 8 * c, vmulq_f32(acc[c].lo, vi));                                                                 \
+    vst1q_f32(out + 8 * c + 4, vmulq_f32(acc[c].hi, vi));                                                             \
+  }                                                                                                                   \
+}
+static inline f8 f8_load_f16(const uint16_t* p) {
+  return (f8){vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
+}
+ATTEND_HEAD(attend_head, float, f8_load)
+ATTEND_HEAD(attend_head_f16, uint16_t, f8_load_f16)
 
-  float m = -INFINITY;
-  for (int j = 0; j < n; ++j) {
-    const float* kj = K + (long)j * hd;
-    for (int c = 0; c < nc; c += 2) { /* one cache line per 16 values */
-      __builtin_prefetch(kj + PREFETCH_KEYS * hd + 8 * c);
-      __builtin_prefetch(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c);
-    }
-    const f8 k0 = f8_load(kj);
-    f8 a = {vmulq_f32(qv[0].lo, k0.lo), vmulq_f32(qv[0].hi, k0.hi)};
-    for (int c = 1; c < nc; ++c) a = f8_fma(a, qv[c], f8_load(kj + 8 * c));
-    s[j] = hsum8(a);
-    m = s[j] > m ? s[j] : m;
-  }
-
-  const float32x4_t vm = vdupq_n_f32(m);
-  f8 total = f8_zero();
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const f8 x = f8_load(s + j);
-    const f8 e = f8_exp((f8){vsubq_f32(x.lo, vm), vsubq_f32(x.hi, vm)});
-    vst1q_f32(s + j, e.lo);
-    vst1q_f32(s + j + 4, e.hi);
-    total = (f8){vaddq_f32(total.lo, e.lo), vaddq_f32(total.hi, e.hi)};
-  }
-  if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */
-    float t[8];
-    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;
-    const f8 e = f8_exp(f8_load(t));
-    vst1q_f32(t, e.lo);
-    vst1q_f32(t + 4, e.hi);
-    for (int i = 0; j + i < n; ++i) s[j + i] = t[i];
-    total = (f8){vaddq_f32(total.lo, e.lo), vaddq_f32(total.hi, e.hi)};
-  }
-  const float inv = 1.0f / hsum8(total);
-
-  for (int c = 0; c < nc; ++c) acc[c] = f8_zero();
-  for (int jj = 0; jj < n; ++jj) {
-    const float* vj = V + (long)jj * hd;
-    const float32x4_t p = vdupq_n_f32(s[jj]);
-    for (int c = 0; c < nc; ++c) acc[c] = f8_fma1(acc[c], f8_load(vj + 8 * c), p);
-  }
-  const float32x4_t vi = vdupq_n_f32(inv);
-  for (int c = 0; c < nc; ++c) {
-    vst1q_f32(out + 8 * c, vmulq_f32(acc[c].lo, vi));
-    vst1q_f32(out + 8 * c + 4, vmulq_f32(acc[c].hi, vi));
-  }
+/* hd fp32 values into an fp16 cache row, rounded to nearest even (FPCR's default mode: F16C's and torch's). */
+static inline void store_f16(uint16_t* dst, const float* src, int hd) {
+  for (int i = 0; i < hd; i += 4) vst1_u16(dst + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + i))));
 }
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; contract as kernels_avx2.c's:
@@ -651,6 +662,41 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
       float s[len[r] + 8];
       attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
                   out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+/* kernels_avx2.c's m31r_attend_qkv_f32_kv16: the same over fp16 caches. */
+int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out) {
+  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+  const long width = (long)(heads + 2 * kv_heads) * hd;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      const float* row = qkv + r * width;
+      float k[8 * MAX_CHUNKS];
+      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, k);
+      store_f16((uint16_t*)kptr[r] + at, k, hd);
+      store_f16((uint16_t*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, hd);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float q[8 * MAX_CHUNKS];
+      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
+      float s[len[r] + 8];
+      attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
+                      out + (long)t * hd);
     }
   }
   return 0;

@@ -175,6 +175,8 @@ class Attention(nn.Module):
     def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Causal attention of a prefill chunk of t queries at `start` over cached k/v [0, start + t)."""
         t, gqa = q.shape[2], k.shape[1] != q.shape[1]
+        if k.dtype != q.dtype:  # a half-size cache (float16 under fp32 activations): read back widened
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if t >= CHUNK_MIN_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu":
             y = attend_chunk(q, k, v, start)
         elif start == 0:
@@ -293,6 +295,8 @@ def attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], mask: Tensor | No
     """
     k = ks[0] if len(ks) == 1 else torch.cat(ks)
     v = vs[0] if len(vs) == 1 else torch.cat(vs)
+    if k.dtype != q.dtype:  # a float16 cache made for the native kernels, read by the eager path
+        k, v = k.to(q.dtype), v.to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [rows, n_kv, group, span]
     if mask is not None:
         scores.masked_fill_(mask, float("-inf"))

@@ -301,6 +301,8 @@ class Kernels:
         self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
         self._checked: dict[str, tuple[bool, str]] = {}
         self.int8_mode = "q16"  # the avx2/neon int8 matmul int8_mm runs by default (benchmarks switch; INT8_MODES)
+        # The KV-cache dtypes decode attention reads (attend_qkv of the avx2 builds: float32 or float16 caches).
+        self.kv_dtypes: tuple[torch.dtype, ...] = (self.family.dtype,)
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         if self.family.base == "avx512":
@@ -320,6 +322,10 @@ class Kernels:
             self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
             self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                    _P, _F32, _P)
+            if hasattr(self.lib, "m31r_attend_qkv_f32_kv16"):  # avx2 builds: decode attention over an fp16 cache
+                self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P,
+                                         _P, _P, _P, _P, _F32, _P)
+                self.kv_dtypes = (torch.float32, torch.float16)
             self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
             self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
             self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
@@ -353,7 +359,8 @@ class Kernels:
 
     def describe(self) -> str:
         """What runs, for the warm-up log and `m31r doctor`."""
-        parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')})"]
+        caches = " or ".join(str(d).removeprefix("torch.") for d in self.kv_dtypes)
+        parts = [f"decode attention ({str(self.dtype).removeprefix('torch.')}, over {caches} caches)"]
         if self.int8_dtype is not None:
             parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self._int8_modes else ""))
         if self.int4_dtype is not None:
@@ -450,8 +457,9 @@ class Kernels:
         for t in (qkv, cos, sin, out):
             assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
         assert rows == table.rows and qkv.shape == (rows, (heads + 2 * kv) * hd) and out.shape == (rows, heads * hd)
-        assert cos.shape == sin.shape == (rows, hd) and table.dtype == torch.float32
-        err = self._attend_qkv(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        assert cos.shape == sin.shape == (rows, hd) and table.dtype in self.kv_dtypes, f"{table.dtype} caches"
+        fn = self._attend_qkv16 if table.dtype == torch.float16 else self._attend_qkv
+        err = fn(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
                                table.len.data_ptr(), hd**-0.5, out.data_ptr())
         if err:

@@ -15,6 +15,8 @@
  *   f32mm M N K x w y                                        x fp32 [M,K], w fp32 [N,K]; writes y fp32 [M,N]
  *   qkv ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
  *        attend on the projection: qkv [ROWS, (HEADS + 2 KV) * HD], cos/sin [ROWS, HD]; the rest as attend
+ *   qkv16 ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
+ *        qkv over fp16 caches (k, v and kout, vout: fp16 values, 2 bytes each)
  *   norm ROWS D EPS x delta w out xout                       delta "-" for none; writes out and x as left [ROWS, D]
  *   swiglu ROWS H gu out                                     gu [ROWS, 2H]; writes out [ROWS, H]
  */
@@ -35,6 +37,9 @@ int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y);
 int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
                         const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                         const int32_t* len, float scale, float* out);
+int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                             const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                             const int32_t* len, float scale, float* out);
 int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out);
 int m31r_swiglu_f32(int rows, int h, const float* gu, float* out);
 int m31r_neon_dotprod(void) __attribute__((weak)); /* the NEON family's only */
@@ -112,12 +117,12 @@ static void int4_cmd(char** a, int n) {
 }
 
 /* Each row's k and v cache, laid out one after another in k and v: their addresses, as DecodeTable passes them. */
-static void cache_pointers(int rows, int kv, int hd, const int32_t* cap, float* k, float* v, int64_t* kp,
+static void cache_pointers(int rows, int kv, int hd, const int32_t* cap, void* k, void* v, int size, int64_t* kp,
                            int64_t* vp) {
   long at = 0;
   for (int r = 0; r < rows; ++r) {
-    kp[r] = (int64_t)(intptr_t)(k + at);
-    vp[r] = (int64_t)(intptr_t)(v + at);
+    kp[r] = (int64_t)(intptr_t)((char*)k + at * size);
+    vp[r] = (int64_t)(intptr_t)((char*)v + at * size);
     at += (long)kv * cap[r] * hd;
   }
 }
@@ -146,7 +151,7 @@ static void attend_cmd(char** a, int n) {
   int64_t* kp = calloc(rows + 1, 8);
   int64_t* vp = calloc(rows + 1, 8);
   if (v) {
-    cache_pointers(rows, kv, hd, cap, k, v, kp, vp);
+    cache_pointers(rows, kv, hd, cap, k, v, 4, kp, vp);
     int rc = m31r_attend_decode_f32(rows, heads, kv, hd, q, kn, vn, kp, vp, cap, len, scale, out);
     if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
       printf("rc %d\n", rc);
@@ -170,9 +175,9 @@ static void f32mm_cmd(char** a, int n) {
   free(x), free(w), free(y);
 }
 
-static void qkv_cmd(char** a, int n) {
+static void qkv_cmd(char** a, int n, int half) {
   if (n != 16) {
-    printf("error qkv takes 15 arguments\n");
+    printf("error qkv%s takes 15 arguments\n", half ? "16" : "");
     return;
   }
   const int rows = atoi(a[1]), heads = atoi(a[2]), kv = atoi(a[3]), hd = atoi(a[4]);
@@ -188,15 +193,17 @@ static void qkv_cmd(char** a, int n) {
   float* qkv = slurp(a[6], 4L * rows * (heads + 2 * kv) * hd);
   float* cos = qkv ? slurp(a[7], 4L * rows * hd) : NULL;
   float* sin = cos ? slurp(a[8], 4L * rows * hd) : NULL;
-  float* k = sin ? slurp(a[9], 4 * total) : NULL;
-  float* v = k ? slurp(a[10], 4 * total) : NULL;
+  const int size = half ? 2 : 4; /* bytes per cached value */
+  void* k = sin ? slurp(a[9], size * total) : NULL;
+  void* v = k ? slurp(a[10], size * total) : NULL;
   float* out = calloc((size_t)rows * heads * hd + 1, 4);
   int64_t* kp = calloc(rows + 1, 8);
   int64_t* vp = calloc(rows + 1, 8);
   if (v) {
-    cache_pointers(rows, kv, hd, cap, k, v, kp, vp);
-    int rc = m31r_attend_qkv_f32(rows, heads, kv, hd, qkv, cos, sin, kp, vp, cap, len, scale, out);
-    if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
+    cache_pointers(rows, kv, hd, cap, k, v, size, kp, vp);
+    int rc = (half ? m31r_attend_qkv_f32_kv16 : m31r_attend_qkv_f32)(rows, heads, kv, hd, qkv, cos, sin, kp, vp, cap,
+                                                                      len, scale, out);
+    if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, size * total) && spill(a[15], v, size * total))
       printf("rc %d\n", rc);
   }
   free(cap), free(len), free(qkv), free(cos), free(sin), free(k), free(v), free(out), free(kp), free(vp);
@@ -254,7 +261,9 @@ int main(void) {
     else if (!strcmp(a[0], "f32mm"))
       f32mm_cmd(a, n);
     else if (!strcmp(a[0], "qkv"))
-      qkv_cmd(a, n);
+      qkv_cmd(a, n, 0);
+    else if (!strcmp(a[0], "qkv16"))
+      qkv_cmd(a, n, 1);
     else if (!strcmp(a[0], "norm"))
       norm_cmd(a, n);
     else if (!strcmp(a[0], "swiglu"))

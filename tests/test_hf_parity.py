@@ -122,7 +122,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     assert c.kv_heads == overrides.get("num_key_value_heads", 4) and bundle.metadata["dtype"] == "float32"
     assert c.tie_embeddings == overrides.get("tie_word_embeddings", True) and c.qkv_bias == (family == "Qwen2")
     assert c.rope_theta == rope[0] and (c.rope_scaling is None) == (rope[1] is None)
-    engine = Engine(bundle, dtype="float32", device=device)
+    engine = Engine(bundle, dtype="float32", device=device, kv_dtype="float32")  # parity to 1e-4: an fp32 cache
     assert len(engine.tokenizer.unused_ids) >= VOCAB - tokens
     return _reference(hf_dir, family), engine
 

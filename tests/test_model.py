@@ -32,7 +32,8 @@ def engine(request: pytest.FixtureRequest, tiny_config: ModelConfig, tmp_path_fa
     kind, device = request.param
     config = tiny_config if kind == "mha" else _gqa(tiny_config)
     b = init_bundle(config, tmp_path_factory.mktemp(kind) / "b", seed=1, dtype=torch.float32)
-    return Engine(b, dtype="float32", device=device)
+    # fp32 caches: these tests hold the cache's bookkeeping to fp32 exactness (fp16 caches: tests/test_native.py)
+    return Engine(b, dtype="float32", device=device, kv_dtype="float32")
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
@@ -65,7 +66,7 @@ def test_kv_cache_decode_equals_full_recomputation(engine: Engine) -> None:
 def test_chunked_prefill_equals_one_shot(engine: Engine, chunk: int) -> None:
     ids = _ids(77, seed=chunk)
     one_shot = _full_logits(engine, ids)[-1]
-    chunked = Engine(engine.bundle, dtype="float32", chunk_size=chunk, device=str(engine.device))
+    chunked = Engine(engine.bundle, dtype="float32", chunk_size=chunk, device=str(engine.device), kv_dtype="float32")
     cache = chunked.new_cache()
     logits = _last(chunked.prefill(cache, ids, 0))
     torch.testing.assert_close(logits, one_shot, atol=ATOL, rtol=0)
@@ -242,7 +243,7 @@ def test_untied_head_and_biases_cache_like_a_full_recomputation(tiny_config: Mod
             layer.attention.wqkv.bias.normal_(0, 0.5)
     b = write_bundle(tmp_path / "b", config, model.state_dict(), build_byte_tokenizer(config.vocab_size), seed=3,
                      dataset_version="test", dtype=torch.float32)
-    engine = Engine(b, dtype="float32", chunk_size=8, max_chunk=32)
+    engine = Engine(b, dtype="float32", chunk_size=8, max_chunk=32, kv_dtype="float32")
     ids = _ids(90, seed=5)
     with torch.inference_mode():
         full = model(torch.tensor([ids]))[0]

@@ -762,3 +762,105 @@ def test_a_bf16_engine_on_the_avx2_family_stays_eager_and_says_why(tiny_bundle) 
     report = engine.kernel_report
     assert not report["native_attention"] and not report["native_int8"]
     assert report["kernels_why"] == f"{FP32} kernels take float32 activations, this engine runs bfloat16"
+
+
+# -- fp16 KV caches under the fp32 kernels -------------------------------------------------------------------------
+
+
+def _half_inputs(lengths: list[int], heads: int, kv: int, hd: int):
+    """The same caches twice, fp16 and fp32 (holding the fp16 values widened), and a wqkv projection to attend."""
+    half = _caches(lengths, kv, hd, dtype=torch.float16, seed=3)
+    wide = _caches(lengths, kv, hd, dtype=torch.float32, seed=3)
+    for h, w in zip(half, wide, strict=True):
+        for a, b in zip((*h.k, *h.v), (*w.k, *w.v), strict=True):
+            b.copy_(a.float())
+    gen = torch.Generator().manual_seed(hd)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv) * hd, generator=gen) * 2
+    return half, wide, qkv
+
+
+def _rope_at(lengths: list[int], heads: int, kv: int, hd: int):
+    from m31r.config import ModelConfig
+    from m31r.model import rope_tables
+
+    cos_t, sin_t = rope_tables(ModelConfig(n_layers=1, d_model=heads * hd, n_heads=heads, n_kv_heads=kv,
+                                           ffn_hidden=8, vocab_size=8, max_context=1024))
+    pos = torch.tensor([n - 1 for n in lengths])
+    return cos_t[pos].contiguous(), sin_t[pos].contiguous()
+
+
+@pytest.mark.parametrize("heads,kv,hd", [(16, 16, 64), (8, 2, 64), (4, 1, 128), (2, 2, 16)])
+def test_avx2_attention_over_an_fp16_cache_is_the_fp32_kernel_on_its_values(heads: int, kv: int, hd: int) -> None:
+    """attend_qkv over fp16 caches: the new key (rotated) and value go in as torch's fp16 cast of them, and the
+    output is the fp32 kernel's, bit for bit, on fp32 caches holding the same values (the new key and value rounded
+    alike): an fp16 cache changes what is stored, never how it is summed."""
+    from m31r.model import apply_rope
+
+    if torch.float16 not in K2().kv_dtypes:
+        pytest.skip(f"the {FP32} kernels read no fp16 cache")
+    lengths = [1, 40, 64, 65, 300, 700]
+    half, wide, qkv = _half_inputs(lengths, heads, kv, hd)
+    cos, sin = _rope_at(lengths, heads, kv, hd)
+    rows, pos = len(lengths), [n - 1 for n in lengths]
+    out16 = torch.empty(rows, heads * hd)
+    native.DecodeTable(K2(), half, pos).attend_qkv(qkv, cos, sin, 1, out16)
+    heads4 = qkv.view(rows, heads + 2 * kv, 1, hd)
+    qk = apply_rope(heads4[:, : heads + kv], cos.view(rows, 1, 1, hd), sin.view(rows, 1, 1, hd))
+    q, k, v = (t.reshape(rows, -1, hd).contiguous() for t in (qk[:, :heads], qk[:, heads:], heads4[:, heads + kv :]))
+    for h, n, kr, vr in zip(half, lengths, k, v, strict=True):
+        assert torch.equal(h.k[1][0, :, n - 1], kr.half()) and torch.equal(h.v[1][0, :, n - 1], vr.half())
+    ref = _attend(wide, lengths, q, k.half().float(), v.half().float(), kernels=K2())
+    assert torch.equal(out16.view(rows, heads, hd), ref)
+    assert not torch.equal(ref, _attend(wide, lengths, q, k, v, kernels=K2()))  # the rounding shows
+
+
+def test_avx2_attention_over_fp16_caches_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    if torch.float16 not in K2().kv_dtypes:
+        pytest.skip(f"the {FP32} kernels read no fp16 cache")
+    lengths = [5, 130, 64, 700, 129]
+    heads, kv, hd = 8, 4, 64
+    half, _, qkv = _half_inputs(lengths, heads, kv, hd)
+    cos, sin = _rope_at(lengths, heads, kv, hd)
+    together = torch.empty(len(lengths), heads * hd)
+    native.DecodeTable(K2(), half, [n - 1 for n in lengths]).attend_qkv(qkv, cos, sin, 1, together)
+    for r, n in enumerate(lengths):
+        alone = torch.empty(1, heads * hd)
+        native.DecodeTable(K2(), half[r : r + 1], [n - 1]).attend_qkv(qkv[r : r + 1], cos[r : r + 1],
+                                                                      sin[r : r + 1], 1, alone)
+        assert torch.equal(alone[0], together[r]), r
+
+
+def test_an_fp32_engine_keeps_an_fp16_cache_where_its_kernels_read_one(tiny_bundle) -> None:
+    """kv_dtype auto: fp16 caches under the fp32 kernels (half the bytes; the warm-up log says so), the activation
+    dtype otherwise or when asked. Decode logits stay within fp16's rounding of the fp32 cache's, an fp16 cache
+    prefilled under the kernels also serves the eager path, and a dtype no kernel reads is refused."""
+    from m31r.engine import Engine
+
+    engine = _engine(tiny_bundle, FP32, dtype="float32")
+    if torch.float16 not in K2().kv_dtypes:
+        assert engine.kv_dtype == torch.float32 and "no float16 cache" in engine.kernel_report["kv_why"]
+        return
+    assert engine.kv_dtype == torch.float16 and engine.kernel_report["kv_cache"] == "float16"
+    assert "half the bytes" in engine.kernel_report["kv_why"]
+    full = _engine(tiny_bundle, FP32, dtype="float32", kv_dtype="float32")
+    assert full.kv_dtype == torch.float32 and full.cache_bytes(128) == 2 * engine.cache_bytes(128)
+    ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
+    logits, caches = {}, {}
+    for name, e in (("half", engine), ("full", full)):
+        cache = caches[name] = e.new_cache()
+        assert cache.k[0].dtype == e.kv_dtype
+        for _ in e.prefill(cache, ids, 0):
+            pass
+        logits[name] = torch.stack([e.decode_step(cache, t) for t in (11, 12, 13)])
+    scale = logits["full"].abs().max()
+    assert 0 < (logits["half"] - logits["full"]).abs().max() <= 2e-3 * scale
+    engine.use_kernels(None)  # the eager path reads the fp16 cache made under the kernels, widened
+    assert engine.kv_dtype == torch.float32
+    eager = engine.decode_step(caches["half"], 14)
+    engine.use_kernels(K2())
+    assert (eager - full.decode_step(caches["full"], 14)).abs().max() <= 2e-3 * scale
+    with pytest.raises(ValueError, match="kv_dtype float16"):
+        Engine(tiny_bundle, dtype="float32", kv_dtype="float16") if native.load(torch.float32) is None else \
+            Engine(tiny_bundle, dtype="bfloat16", kv_dtype="float16")
+    with pytest.raises(ValueError, match="unknown kv_dtype"):
+        Engine(tiny_bundle, dtype="float32", kv_dtype="int8")

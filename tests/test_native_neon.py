@@ -163,7 +163,9 @@ class Calls:
 
     def qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k: list[torch.Tensor],
             v: list[torch.Tensor], lengths: list[int]) -> int:
-        """qkv [rows, (heads + 2 kv) * hd] as the wqkv matmul writes it, cos/sin [rows, hd]; caches as `attend`."""
+        """qkv [rows, (heads + 2 kv) * hd] as the wqkv matmul writes it, cos/sin [rows, hd]; caches as `attend`
+        (fp16 caches: m31r_attend_qkv_f32_kv16)."""
+        half = k[0].dtype == torch.float16
         rows, hd, kv = qkv.shape[0], cos.shape[1], k[0].shape[0]
         cap = torch.tensor([c.shape[1] for c in k], dtype=torch.int32)
         size = int(sum(c.numel() for c in k))
@@ -171,9 +173,9 @@ class Calls:
         files = [self.file(t) for t in (qkv, cos, sin, torch.cat([c.flatten() for c in k]),
                                         torch.cat([c.flatten() for c in v]), cap,
                                         torch.tensor(lengths, dtype=torch.int32))]
-        return self._add(f"qkv {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
-                         [("out", np.float32, (rows, heads * hd)), ("k", np.float32, (size,)),
-                          ("v", np.float32, (size,))])
+        cached = np.float16 if half else np.float32
+        return self._add(f"qkv{'16' if half else ''} {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
+                         [("out", np.float32, (rows, heads * hd)), ("k", cached, (size,)), ("v", cached, (size,))])
 
     def norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> int:
         rows, d = x.shape
@@ -210,7 +212,7 @@ def run_all(calls: Calls, builds: dict[str, Build]) -> list[tuple[int, dict[str,
         for i, ((rc, arrays), (rc0, arrays0)) in enumerate(zip(res, first, strict=True)):
             assert rc == rc0, (name, calls.lines[i])
             for key in arrays:
-                same = np.array_equal(arrays[key].numpy().view(np.uint32), arrays0[key].numpy().view(np.uint32))
+                same = np.array_equal(arrays[key].numpy().view(np.uint8), arrays0[key].numpy().view(np.uint8))
                 assert same, f"{name} and neon+dotprod differ in {key} of: {calls.lines[i][:60]}"
     return first
 
@@ -563,6 +565,42 @@ def test_attention_on_the_projection_rotates_as_torch_and_attends_as_the_referen
         p = torch.softmax((qk[r, :heads, None, :].double() * hd**-0.5 * keys).sum(-1), -1)
         ref = (p[:, :, None] * values).sum(1)
         got = res["out"][r].view(heads, hd)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, r
+
+
+def test_attention_over_fp16_caches_rounds_what_it_writes_and_attends_in_fp32(builds, tmp_path) -> None:
+    """m31r_attend_qkv_f32_kv16: the new key and value go into the fp16 caches as torch's fp16 cast of what the fp32
+    kernel writes, the rest of the caches is untouched, and the output is fp32 attention over the caches' values
+    within 1e-5; every build gives the x86 build's bits (run_all)."""
+    from m31r.model import apply_rope
+
+    heads, kv, hd, lengths = 4, 2, 32, [1, 9, 70]
+    rows = len(lengths)
+    gen = torch.Generator().manual_seed(23)
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=gen) * 2
+    cos, sin = torch.randn(rows, hd, generator=gen), torch.randn(rows, hd, generator=gen)
+    caps = [64, 64, 128]
+    k = [torch.randn(kv, c, hd, generator=gen).half() for c in caps]
+    v = [torch.randn(kv, c, hd, generator=gen).half() for c in caps]
+    calls = Calls(tmp_path)
+    calls.qkv(qkv, cos, sin, heads, k, v, lengths)
+    calls.qkv(qkv, cos, sin, heads, [c.float() for c in k], [c.float() for c in v], lengths)  # the fp32 kernel
+    (rc, half), (rc32, full) = run_all(calls, builds)
+    assert rc == rc32 == 0
+    assert torch.equal(half["k"], full["k"].half()) and torch.equal(half["v"], full["v"].half())
+    parts = qkv.view(rows, heads + 2 * kv, 1, hd)
+    q = apply_rope(parts[:, :heads], cos.view(rows, 1, 1, hd), sin.view(rows, 1, 1, hd))[:, :, 0]
+    at = 0
+    for r, n in enumerate(lengths):
+        size = kv * caps[r] * hd
+        kc = half["k"][at : at + size].view(kv, caps[r], hd).double()
+        vc = half["v"][at : at + size].view(kv, caps[r], hd).double()
+        at += size
+        assert torch.equal(kc[:, : n - 1], k[r][:, : n - 1].double())
+        keys, values = kc[:, :n].repeat_interleave(heads // kv, 0), vc[:, :n].repeat_interleave(heads // kv, 0)
+        p = torch.softmax((q[r, :, None, :].double() * hd**-0.5 * keys).sum(-1), -1)
+        ref = (p[:, :, None] * values).sum(1)
+        got = half["out"][r].view(heads, hd)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, r
 
 
