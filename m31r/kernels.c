@@ -217,7 +217,8 @@ static void i8_block(int R, const uint16_t* x, int K, const int8_t* w, const uin
  * for shapes it does not take (K a multiple of 32, N of I8_BLOCK). */
 int m31r_int8_mm(int M, int N, int K, const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y) {
   if (M < 1 || K % 32 || N % I8_BLOCK) return 1;
-#pragma omp parallel for schedule(static)
+  /* Columns 16 blocks at a time as threads come free (kernels_avx2.c, "Threads"); bits never depend on the thread. */
+#pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / I8_BLOCK; ++b) {
     const long n = (long)b * I8_BLOCK;
     for (int m = 0; m < M; m += 8)

@@ -23,6 +23,9 @@
  * Arithmetic is fixed whatever the row count, thread count or tile, so a row gets the same bits alone or batched:
  * every (row, column) has its own accumulator walking k in order, lanes summed in a fixed fold. Built with
  * -ffp-contract=off so that the compiler fuses nothing the source does not.
+ *
+ * Threads: the int8 and int4 matmuls hand out columns 16 blocks at a time (schedule(dynamic, 16)), as kernels_avx2.c
+ * explains; a thread never changes a column's bits.
  */
 #include <arm_neon.h>
 #include <math.h>
@@ -321,7 +324,7 @@ int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const 
   int8_t* xq = (int8_t*)work;
   float* d = (float*)((uint8_t*)work + (long)M * K);
   for (int m = 0; m < M; ++m) q8_row(x + (long)m * K, K, 0, xq + (long)m * K, d + (long)m * (K / 32), 0, 32);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / BLOCK; ++b) {
     const long n = (long)b * BLOCK;
     for (int m = 0; m < M; m += 8)
@@ -423,7 +426,7 @@ int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const
   int16_t* xq = (int16_t*)work;
   float* d = (float*)((uint8_t*)work + 2L * M * K);
   for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + (long)m * (K / 32));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / BLOCK; ++b) {
     const long n = (long)b * BLOCK;
     for (int m = 0; m < M; m += 8)
@@ -438,7 +441,7 @@ int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const
  * rows one by one), lane j taking k = j mod 8 as in kernels_avx2.c. For comparison. */
 int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
   if (M < 1 || K % 32 || N % BLOCK) return 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / BLOCK; ++b) {
     const long n0 = (long)b * BLOCK;
     for (int m = 0; m < M; m += 2) {
@@ -554,7 +557,7 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
   float* xs = d + (long)M * nb;
   for (int m = 0; m < M; ++m)
     q8_row(x + (long)m * K, K, 1, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, G);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / BLOCK; ++b) {
     const long n = (long)b * BLOCK;
     for (int m = 0; m < M; m += 8)
