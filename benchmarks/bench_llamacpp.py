@@ -9,7 +9,7 @@
    convert_hf_to_gguf.py turns into GGUF f32 and bf16, and llama-quantize into q8_0 and q4_0. Kept beside the
    build, keyed by shape and seed.
 3. **Check** that both engines compute the same model: the greedy tokens of f32 llama.cpp (f32 KV cache) and fp32
-   M31R after the same prompt.
+   M31R (its default KV cache: fp16 under the fp32 kernels) after the same prompt.
 4. **Measure** tg64 @ d300 with 2 threads: `llama-bench -t 2 -p 0 -n 64 -d 300` (flash attention off and on, the
    better median kept) against M31R decoding 64 tokens after a 300-token prefill (Engine.decode_step, the
    daemon's path for one stream), per format. Engines and formats alternate, round after round (`--rounds`), on a
@@ -293,7 +293,8 @@ def worker(spec: dict) -> None:
             elif req["op"] == "greedy":
                 ids = greedy(req)
                 res = {"ids": ids, "pieces": [rendered(hf, i).hex() for i in ids],
-                       "prompt": engine.tokenizer.encode(req["text"])}
+                       "prompt": engine.tokenizer.encode(req["text"]),
+                       "kv_cache": engine.kernel_report.get("kv_cache", "?")}
             else:
                 res = {"ok": True, "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant}
             print(json.dumps(res), flush=True)
@@ -375,7 +376,7 @@ def check_same_model(bins, gguf: Path, m31r: M31RWorker, threads: int) -> dict:
             break
         same += 1
     return {"prompt_tokens_equal": prompt == ours["prompt"], "prompt_tokens": len(prompt),
-            "greedy_identical": same, "compared": len(ours["ids"]), "m31r": ours["ids"],
+            "greedy_identical": same, "compared": len(ours["ids"]), "m31r": ours["ids"], "m31r_kv": ours["kv_cache"],
             "llama.cpp_text": text.decode(errors="replace")}
 
 
@@ -502,7 +503,8 @@ def main() -> None:
     print(table(rows, {f: FORMATS[f][2] for f in formats}))
     if check:
         print(f"same model: prompt tokens {'equal' if check['prompt_tokens_equal'] else 'DIFFER'}, greedy tokens "
-              f"identical for {check['greedy_identical']} of {check['compared']} (fp32 / f32, f32 KV cache)")
+              f"identical for {check['greedy_identical']} of {check['compared']} (fp32 / f32; KV cache "
+              f"{check['m31r_kv']} / f32)")
     if args.out:
         print(f"wrote {args.out}")
 
