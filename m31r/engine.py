@@ -231,7 +231,7 @@ class Engine:
         tests switch here (the decode widths are probed again)."""
         model, dt = self.model, self.dtype
         self.kernels, self._probed = kernels, None
-        model.native = None
+        model.native, model._plan = None, None
         if isinstance(model.head, FloatLinear):  # the tied fp32 head on the fp32 matmul: set again below
             model.head = None
         for module in model.modules():

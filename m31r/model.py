@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from m31r import native
 from m31r.config import ModelConfig
 from m31r.native import DecodeTable, Kernels
 
@@ -380,6 +381,7 @@ class Transformer(nn.Module):
         # loads whose dtype is the activations' (avx512: bf16, avx2 and neon: fp32). Every decode row, alone or
         # batched, then runs them.
         self.native: Kernels | None = None
+        self._plan: tuple | None = None  # (kernels and int8 mode, LayerPlan or None): layer_plan's cache
 
     def forward(
         self, tokens: Tensor, start: int = 0, cache: KVCache | None = None, last_only: bool = False
@@ -433,7 +435,8 @@ class Transformer(nn.Module):
             return self.layers[i].attention.step(h, cos, sin, caches, positions, i, groups, width, chunks)
 
         if native and self.native.float_dtype == x.dtype and self._fits_step_ops():
-            normed = self._layers_native(x, attend)
+            plan = self.layer_plan(m) if not chunks and isinstance(groups, DecodeTable) else None
+            normed = self._layers_fused(x, plan, cos, sin, groups) if plan else self._layers_native(x, attend)
         else:
             for i, layer in enumerate(self.layers):
                 x = x + attend(layer.attention_norm(x), i)
@@ -466,10 +469,60 @@ class Transformer(nn.Module):
             kern.add_rmsnorm(x, f, after.weight, after.eps, h)
         return h
 
+    def layer_plan(self, rows: int) -> LayerPlan | None:
+        """The layers as one call each (m31r_decode_layer_f32) can run them for a decode pass of `rows` rows: every
+        matrix on the fp32 family's kernels, no biases; None where any is not (the per-call path runs). Built once
+        per kernels and int8 mode (the engine drops it when it switches kernels)."""
+        from m31r.quant import F32_GEMM_ROWS, INT4_GEMM_ROWS, INT8_GEMM_ROWS
+
+        kern = self.native
+        if kern is None or not kern.decode_layer or rows >= min(F32_GEMM_ROWS, INT8_GEMM_ROWS, INT4_GEMM_ROWS):
+            return None
+        key = (id(kern), kern.int8_mode)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, LayerPlan.build(self))
+        return self._plan[1]
+
+    def _layers_fused(self, x: Tensor, plan: LayerPlan, cos: Tensor, sin: Tensor, table: DecodeTable) -> Tensor:
+        """_layers_native in one native call per layer, the same kernels on the same operands (the same bits)."""
+        kern, m = self.native, x.shape[0]
+        x2, h = x.view(m, -1), torch.empty(m, x.shape[-1], dtype=x.dtype)
+        first = self.layers[0].attention_norm
+        kern.add_rmsnorm(x2, None, first.weight, first.eps, h)
+        scratch = torch.empty(kern.decode_scratch(m, plan.shape), dtype=torch.float32)
+        c, s = cos.view(m, -1), sin.view(m, -1)
+        for i, (mats, norms) in enumerate(plan.layers):
+            kern.decode_layer_f32(plan.shape, mats, norms, x2, h, c, s, table, i, scratch)
+        return h.view_as(x)
+
     def _head(self, x: Tensor) -> Tensor:
         if self.head is not None:
             return self.head(x)
         return self.output(x) if self.output is not None else F.linear(x, self.tok_embeddings.weight)
+
+
+class LayerPlan:
+    """Per layer, its four matrices (native.Mat: wqkv, wo, w13, w2) and its norms (the ffn norm's weight and eps,
+    then the next attention norm's, or the final norm's), as m31r_decode_layer_f32 takes them."""
+
+    def __init__(self, shape: tuple[int, ...], layers: list):
+        self.shape, self.layers = shape, layers
+
+    @staticmethod
+    def build(model: Transformer) -> LayerPlan | None:
+        from m31r.quant import native_mat
+
+        c = model.config
+        layers = []
+        for i, layer in enumerate(model.layers):
+            mods = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+            mats = [native_mat(mod) for mod in mods]
+            after = model.layers[i + 1].attention_norm if i + 1 < len(model.layers) else model.norm
+            norms = (layer.ffn_norm.weight, after.weight)
+            if any(m is None for m in mats) or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return None
+            layers.append(((native.Mat * 4)(*mats), (norms[0], layer.ffn_norm.eps, norms[1], after.eps)))
+        return LayerPlan((c.d_model, c.n_heads, c.kv_heads, c.head_dim, c.ffn_hidden), layers)
 
 
 def init_weights(model: Transformer, seed: int) -> None:

@@ -101,6 +101,15 @@ CHOICES = ("auto", *FAMILIES, "eager")
 SOURCE = FAMILIES["avx512"].source
 FLAGS = list(FAMILIES["avx512"].flags)
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+class Mat(ctypes.Structure):
+    """One weight matrix as m31r_decode_layer_f32 takes it (kernels_avx2.c's m31r_mat): its kind, shape and data."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("w", ctypes.c_int64), ("scale", ctypes.c_int64), ("base", ctypes.c_int64)]
+
+
+MAT_F32, MAT_INT4 = 0, 4
+MAT_INT8 = {"q16": 1, "q8": 2, "f32": 3}  # by the int8 activation mode
 INT8_MODES = ("q16", "q8", "f32")  # the avx2 and neon int8 matmuls (Kernels.int8_mm); q16 is the one engines run
 # Activation rounding step per block of 32, relative to the block's max |x| (Kernels.int8_check).
 ACTIVATION_STEP = {"q16": 1 / 32767, "q8": 1 / 127}
@@ -328,6 +337,9 @@ class Kernels:
                 self.kv_dtypes = (torch.float32, torch.float16)
             self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
             self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
+            self._layer = (_fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 8,
+                               _F32, _I32, _P)
+                           if hasattr(self.lib, "m31r_decode_layer_f32") else None)
             self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
@@ -484,6 +496,33 @@ class Kernels:
         if self._swiglu(gate_up.numel() // (2 * h), h, gate_up.data_ptr(), out.data_ptr()):
             raise ValueError(f"native SwiGLU does not take rows of {2 * h}")
         return out
+
+    @property
+    def decode_layer(self) -> bool:
+        """Whether this build runs a whole decoder layer of a decode pass in one call (decode_layer_f32)."""
+        return getattr(self, "_layer", None) is not None
+
+    def decode_layer_f32(self, shape: tuple[int, ...], mats: ctypes.Array, norms: tuple[Tensor, float, Tensor, float],
+                         x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, table: DecodeTable, layer: int,
+                         scratch: Tensor) -> None:
+        """One layer of a decode pass (kernels_avx2.c's m31r_decode_layer_f32): x [rows, d] += attention and
+        feed-forward, h [rows, d] from this layer's attention norm to the next one's. `shape`: (d, heads, kv_heads,
+        head_dim, ffn_hidden); `mats`: wqkv, wo, w13, w2 as Mat; `norms`: (ffn norm weight, eps, next norm weight,
+        eps); cos/sin [>= table.rows, hd] fp32; scratch holds decode_scratch(rows, shape) floats. The caller has
+        checked the operands once (Transformer.layer_plan); this is the per-token path."""
+        d, heads, kv, hd, ffn = shape
+        rows, n = x.shape[0], table.rows
+        err = self._layer(rows, n, d, heads, kv, hd, ffn, mats, norms[0].data_ptr(), norms[1], norms[2].data_ptr(),
+                          norms[3], x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
+                          table.len.data_ptr(), hd**-0.5, int(table.dtype == torch.float16), scratch.data_ptr())
+        if err:
+            raise ValueError(f"native decode layer does not take rows={rows}, d={d}, heads={heads}, hd={hd}")
+
+    @staticmethod
+    def decode_scratch(rows: int, shape: tuple[int, ...]) -> int:
+        d, heads, kv, hd, ffn = shape
+        return rows * ((heads + 2 * kv) * hd + heads * hd + 2 * d + 3 * ffn)
 
     def f32_mm(self, x: Tensor, w: Tensor) -> Tensor:
         """x [M, K] times fp32 weights w [N, K] (nn.Linear's layout): [M, N] fp32, every (row, column) summed in

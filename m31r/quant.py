@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from m31r.config import ModelConfig
-from m31r.native import Kernels
+from m31r.native import MAT_F32, MAT_INT4, MAT_INT8, Kernels, Mat
 
 METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -279,6 +279,24 @@ class Int4Linear(nn.Module):
             y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+def native_mat(module: nn.Module) -> Mat | None:
+    """The layer as m31r_decode_layer_f32 reads it, where its forward would run the fp32 family's kernel on a
+    decode row (fp32 activations, below the GEMM rows, no bias); None otherwise (the per-call path then runs)."""
+    kern = getattr(module, "native", None)
+    if kern is None or kern.float_dtype != torch.float32 or getattr(module, "bias", None) is not None:
+        return None
+    if isinstance(module, FloatLinear) and module.weight is not None and module.weight.dtype == torch.float32:
+        w = module.weight
+        return Mat(MAT_F32, module.out_features, module.in_features, 0, w.data_ptr(), 0, 0)
+    if isinstance(module, Int8Linear) and kern.int8_dtype == torch.float32:
+        return Mat(MAT_INT8[kern.int8_mode], module.out_features, module.in_features, 0, module.codes.data_ptr(),
+                   module.scales.data_ptr(), 0)
+    if isinstance(module, Int4Linear) and module._scale_f32 is not None:
+        return Mat(MAT_INT4, module.out_features, module.in_features, module.group_size, module.codes.data_ptr(),
+                   module._scale_f32.data_ptr(), module._base_f32.data_ptr())
+    return None
 
 
 class Int8Embedding(nn.Module):

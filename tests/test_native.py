@@ -864,3 +864,41 @@ def test_an_fp32_engine_keeps_an_fp16_cache_where_its_kernels_read_one(tiny_bund
             Engine(tiny_bundle, dtype="bfloat16", kv_dtype="float16")
     with pytest.raises(ValueError, match="unknown kv_dtype"):
         Engine(tiny_bundle, dtype="float32", kv_dtype="int8")
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_a_decode_layer_in_one_call_gives_the_per_call_paths_bits(tiny_bundle, quant: str | None,
+                                                                   monkeypatch) -> None:
+    """m31r_decode_layer_f32 runs a layer of a decode pass as one call: the logits of lone and batched decode rows
+    (fp16 and fp32 caches) are those of the per-call path, bit for bit; a pass with a prefill chunk, or a layer the
+    call does not take (a bias), runs the per-call path."""
+    from m31r.model import Transformer
+
+    if not K2().decode_layer:
+        pytest.skip(f"the {FP32} kernels have no decode-layer call")
+    prompts = ["fn add(a: u32, b: u32) -> u32 {\n", "let mut v = Vec::new();\n", "impl Display for"]
+
+    def run(engine) -> list[torch.Tensor]:
+        caches = [engine.new_cache() for _ in prompts]
+        for cache, p in zip(caches, prompts, strict=True):
+            for _ in engine.prefill(cache, engine.tokenizer.encode(p), 0):
+                pass
+        out = [engine.decode_step(caches[0], 40), engine.decode_step(caches[0], 41)]
+        return out + [engine.decode_rows(caches, [50 + i for i in range(len(caches))]) for _ in range(2)]
+
+    for kv in ("auto", "float32"):
+        engine = _engine(tiny_bundle, FP32, dtype="float32", quant=quant, group_size=32, kv_dtype=kv)
+        plan = engine.model.layer_plan(1)
+        assert plan is not None and len(plan.layers) == engine.config.n_layers
+        calls = []
+        original = Transformer._layers_fused
+        monkeypatch.setattr(Transformer, "_layers_fused", lambda *a: calls.append(1) or original(*a))
+        fused = run(engine)
+        assert len(calls) >= 4  # every decode pass (and the engine's probe of its widths)
+        monkeypatch.setattr(Transformer, "layer_plan", lambda self, rows: None)
+        per_call = run(engine)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(fused, per_call, strict=True)), (quant, kv)
+    engine.model.layers[0].attention.wo.bias = torch.zeros(engine.config.d_model)
+    engine.use_kernels(K2())
+    assert engine.model.layer_plan(1) is None
