@@ -16,6 +16,9 @@ checkout (copy it there) part for part.
 `--kv-cache` compares the engines' default KV cache (float16 where the fp32 kernels read one) against one in the
 activation dtype instead of eager against native, both on the native kernels.
 
+`--layer-calls` compares decode passes through the per-call path (about 25 torch and ctypes calls per layer) against
+one native call per layer (m31r_decode_layer_f32), both on the native kernels, the same engine switched in place.
+
 `--fp32-matmuls` times the float weights of a whole decode step instead (every layer's four matrices, so the weights
 stream from memory as in a real step): the AVX2 family's fp32 matmul against oneDNN on the packed weights (what
 fp32 layers ran before it) and torch's F.linear (MKL), at the row counts of `--rows`, alternating in a rotating
@@ -306,6 +309,9 @@ def main() -> None:
     ap.add_argument("--kv-cache", action="store_true",
                     help="compare the native kernels on a KV cache of the activation dtype against the engine's "
                          "default (float16 under the fp32 kernels), instead of eager against native")
+    ap.add_argument("--layer-calls", action="store_true",
+                    help="compare decode passes on the native kernels through the per-call path against one native "
+                         "call per layer (Transformer.layer_calls), instead of eager against native")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -346,13 +352,15 @@ def main() -> None:
                 act = str(engines[name].dtype).removeprefix("torch.")
                 engines[name + "/kv"] = Engine(path, dtype=act, threads=args.threads, decode_width=1, kv_dtype=act)
         kernels = {name: e.kernels for name, e in engines.items()}
-        kinds = ("kv " + str(first_dtype(engines)), "kv auto") if args.kv_cache else ("eager", "native")
+        kinds = (("kv " + str(first_dtype(engines)), "kv auto") if args.kv_cache
+                 else ("per call", "layer call") if args.layer_calls else ("eager", "native"))
         pairs = [(n, k) for n in names for k in kinds]
 
         def engine(name: str, kind: str):
             """The pair's engine, its kernels set."""
             e = engines[name + "/kv" if kind == kinds[0] and args.kv_cache else name]
             e.use_kernels(kernels[name] if kind != "eager" else None)
+            e.model.layer_calls = kind != "per call"
             return e
 
         gen = torch.Generator().manual_seed(1234)

@@ -382,6 +382,7 @@ class Transformer(nn.Module):
         # batched, then runs them.
         self.native: Kernels | None = None
         self._plan: tuple | None = None  # (kernels and int8 mode, LayerPlan or None): layer_plan's cache
+        self.layer_calls = True  # decode passes may run one native call per layer (layer_plan); benchmarks switch
 
     def forward(
         self, tokens: Tensor, start: int = 0, cache: KVCache | None = None, last_only: bool = False
@@ -476,7 +477,8 @@ class Transformer(nn.Module):
         from m31r.quant import F32_GEMM_ROWS, INT4_GEMM_ROWS, INT8_GEMM_ROWS
 
         kern = self.native
-        if kern is None or not kern.decode_layer or rows >= min(F32_GEMM_ROWS, INT8_GEMM_ROWS, INT4_GEMM_ROWS):
+        if (kern is None or not kern.decode_layer or not self.layer_calls
+                or rows >= min(F32_GEMM_ROWS, INT8_GEMM_ROWS, INT4_GEMM_ROWS)):
             return None
         key = (id(kern), kern.int8_mode)
         if self._plan is None or self._plan[0] != key:

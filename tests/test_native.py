@@ -892,12 +892,14 @@ def test_a_decode_layer_in_one_call_gives_the_per_call_paths_bits(tiny_bundle, q
         assert plan is not None and len(plan.layers) == engine.config.n_layers
         calls = []
         original = Transformer._layers_fused
-        monkeypatch.setattr(Transformer, "_layers_fused", lambda *a: calls.append(1) or original(*a))
+        monkeypatch.setattr(Transformer, "_layers_fused",
+                            lambda *a, calls=calls, original=original: calls.append(1) or original(*a))
         fused = run(engine)
         assert len(calls) >= 4  # every decode pass (and the engine's probe of its widths)
-        monkeypatch.setattr(Transformer, "layer_plan", lambda self, rows: None)
-        per_call = run(engine)
         monkeypatch.undo()
+        engine.model.layer_calls = False
+        assert engine.model.layer_plan(1) is None
+        per_call = run(engine)
         assert all(torch.equal(a, b) for a, b in zip(fused, per_call, strict=True)), (quant, kv)
     engine.model.layers[0].attention.wo.bias = torch.zeros(engine.config.d_model)
     engine.use_kernels(K2())
