@@ -17,9 +17,13 @@
  *        attend on the projection: qkv [ROWS, (HEADS + 2 KV) * HD], cos/sin [ROWS, HD]; the rest as attend
  *   qkv16 ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
  *        qkv over fp16 caches (k, v and kout, vout: fp16 values, 2 bytes each)
+ *   layer ROWS N D HEADS KV HD FFN KIND G KV16 EPS1 EPS2 x h cos sin k v cap len norm1 norm2 (w s b) x 4 xout hout kout vout
+ *        m31r_decode_layer_f32 with all four matrices (wqkv, wo, w13, w2) of one KIND (0 fp32, 1-3 int8 q16/q8/f32,
+ *        4 int4 in groups of G): s and b "-" where the kind has none; caches fp16 where KV16, else fp32
  *   norm ROWS D EPS x delta w out xout                       delta "-" for none; writes out and x as left [ROWS, D]
  *   swiglu ROWS H gu out                                     gu [ROWS, 2H]; writes out [ROWS, H]
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,9 +46,17 @@ int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const fl
                              const int32_t* len, float scale, float* out);
 int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out);
 int m31r_swiglu_f32(int rows, int h, const float* gu, float* out);
+typedef struct {
+  int32_t kind, n, k, group;
+  int64_t w, scale, base;
+} m31r_mat;
+int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int hd, int ffn, const m31r_mat* mats,
+                          const float* ffn_norm, float ffn_eps, const float* next_norm, float next_eps, float* x,
+                          float* h, const float* cos, const float* sin, const int64_t* kptr, const int64_t* vptr,
+                          const int32_t* cap, const int32_t* len, float scale, int kv16, float* scratch);
 int m31r_neon_dotprod(void) __attribute__((weak)); /* the NEON family's only */
 
-#define MAX_ARGS 24
+#define MAX_ARGS 48
 
 /* The whole file, which must hold exactly `size` bytes; NULL (and a message on stdout) otherwise. */
 static void* slurp(const char* path, long size) {
@@ -209,6 +221,58 @@ static void qkv_cmd(char** a, int n, int half) {
   free(cap), free(len), free(qkv), free(cos), free(sin), free(k), free(v), free(out), free(kp), free(vp);
 }
 
+static void layer_cmd(char** a, int n) {
+  if (n != 39) {
+    printf("error layer takes 38 arguments\n");
+    return;
+  }
+  const int rows = atoi(a[1]), nr = atoi(a[2]), d = atoi(a[3]), heads = atoi(a[4]), kv = atoi(a[5]), hd = atoi(a[6]);
+  const int ffn = atoi(a[7]), kind = atoi(a[8]), g = atoi(a[9]), kv16 = atoi(a[10]);
+  const float eps1 = strtof(a[11], NULL), eps2 = strtof(a[12], NULL);
+  const int size = kv16 ? 2 : 4;
+  int32_t* cap = slurp(a[19], 4L * nr);
+  int32_t* len = cap ? slurp(a[20], 4L * nr) : NULL;
+  long total = 0;
+  for (int r = 0; len && r < nr; ++r) total += (long)kv * cap[r] * hd;
+  float* x = len ? slurp(a[13], 4L * rows * d) : NULL;
+  float* h = x ? slurp(a[14], 4L * rows * d) : NULL;
+  float* cos = h ? slurp(a[15], 4L * nr * hd) : NULL;
+  float* sin = cos ? slurp(a[16], 4L * nr * hd) : NULL;
+  void* k = sin ? slurp(a[17], size * total) : NULL;
+  void* v = k ? slurp(a[18], size * total) : NULL;
+  float* n1 = v ? slurp(a[21], 4L * d) : NULL;
+  float* n2 = n1 ? slurp(a[22], 4L * d) : NULL;
+  const int shapes[4][2] = {{(heads + 2 * kv) * hd, d}, {d, heads * hd}, {2 * ffn, d}, {d, ffn}};
+  m31r_mat mats[4];
+  void* bufs[12] = {0};
+  int ok = n2 != NULL;
+  for (int i = 0; i < 4 && ok; ++i) {
+    const long N = shapes[i][0], K = shapes[i][1], groups = g > 0 ? N * (K / g) : 0;
+    const long wb = kind == 0 ? 4 * N * K : kind == 4 ? N * K / 2 : N * K;
+    const long sb = kind == 0 ? 0 : kind == 4 ? 4 * groups : 2 * N;
+    bufs[3 * i] = slurp(a[23 + 3 * i], wb);
+    if (sb) bufs[3 * i + 1] = bufs[3 * i] ? slurp(a[24 + 3 * i], sb) : NULL;
+    if (kind == 4) bufs[3 * i + 2] = bufs[3 * i + 1] ? slurp(a[25 + 3 * i], sb) : NULL;
+    ok = bufs[3 * i] && (!sb || bufs[3 * i + 1]) && (kind != 4 || bufs[3 * i + 2]);
+    mats[i] = (m31r_mat){kind, (int32_t)N, (int32_t)K, g, (int64_t)(intptr_t)bufs[3 * i],
+                         (int64_t)(intptr_t)bufs[3 * i + 1], (int64_t)(intptr_t)bufs[3 * i + 2]};
+  }
+  int64_t* kp = calloc(nr + 1, 8);
+  int64_t* vp = calloc(nr + 1, 8);
+  float* scratch = calloc((size_t)rows * ((heads + 2 * kv) * hd + heads * hd + 2 * d + 3 * ffn) + 1, 4);
+  if (ok) {
+    cache_pointers(nr, kv, hd, cap, k, v, size, kp, vp);
+    int rc = m31r_decode_layer_f32(rows, nr, d, heads, kv, hd, ffn, mats, n1, eps1, n2, eps2, x, h, cos, sin, kp, vp,
+                                   cap, len, 1.0f / sqrtf((float)hd), kv16, scratch);
+    if (spill(a[35], x, 4L * rows * d) && spill(a[36], h, 4L * rows * d) && spill(a[37], k, size * total) &&
+        spill(a[38], v, size * total))
+      printf("rc %d\n", rc);
+  }
+  for (int i = 0; i < 12; ++i) free(bufs[i]);
+  free(cap), free(len), free(x), free(h), free(cos), free(sin), free(k), free(v), free(n1), free(n2), free(kp),
+      free(vp), free(scratch);
+}
+
 static void norm_cmd(char** a, int n) {
   if (n != 9) {
     printf("error norm takes 8 arguments\n");
@@ -264,6 +328,8 @@ int main(void) {
       qkv_cmd(a, n, 0);
     else if (!strcmp(a[0], "qkv16"))
       qkv_cmd(a, n, 1);
+    else if (!strcmp(a[0], "layer"))
+      layer_cmd(a, n);
     else if (!strcmp(a[0], "norm"))
       norm_cmd(a, n);
     else if (!strcmp(a[0], "swiglu"))

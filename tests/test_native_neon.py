@@ -177,6 +177,27 @@ class Calls:
         return self._add(f"qkv{'16' if half else ''} {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
                          [("out", np.float32, (rows, heads * hd)), ("k", cached, (size,)), ("v", cached, (size,))])
 
+    def layer(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
+              v: list[torch.Tensor], lengths: list[int], norms: tuple[torch.Tensor, torch.Tensor],
+              mats: list[tuple[torch.Tensor, ...]], shape: tuple[int, ...], kind: int, group: int = 0) -> int:
+        """m31r_decode_layer_f32: x/h [rows, d], cos/sin [n, hd], caches as `attend` (fp16 ones: kv16), the four
+        matrices of `kind` as (weights, scales, bases) with what the kind lacks left out; shape (heads, kv, hd, ffn)."""
+        rows, d = x.shape
+        heads, kv, hd, ffn = shape
+        half = k[0].dtype == torch.float16
+        cap = torch.tensor([c.shape[1] for c in k], dtype=torch.int32)
+        size = int(sum(c.numel() for c in k))
+        files = [self.file(t) for t in (x, h, cos, sin, torch.cat([c.flatten() for c in k]),
+                                        torch.cat([c.flatten() for c in v]), cap,
+                                        torch.tensor(lengths, dtype=torch.int32), *norms)]
+        parts = [" ".join([self.file(t) for t in m] + ["-"] * (3 - len(m))) for m in mats]
+        eps = float(np.float32(1e-5)).hex()
+        cached = np.float16 if half else np.float32
+        return self._add(f"layer {rows} {len(lengths)} {d} {heads} {kv} {hd} {ffn} {kind} {group} {int(half)} {eps} "
+                         f"{eps} {' '.join(files)} {' '.join(parts)} @x @h @k @v",
+                         [("x", np.float32, (rows, d)), ("h", np.float32, (rows, d)), ("k", cached, (size,)),
+                          ("v", cached, (size,))])
+
     def norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> int:
         rows, d = x.shape
         eps_hex = float(np.float32(eps)).hex()
@@ -602,6 +623,38 @@ def test_attention_over_fp16_caches_rounds_what_it_writes_and_attends_in_fp32(bu
         ref = (p[:, :, None] * values).sum(1)
         got = half["out"][r].view(heads, hd)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, r
+
+
+def test_a_decode_layer_in_one_call_gives_every_build_the_same_bits(builds, tmp_path) -> None:
+    """m31r_decode_layer_f32 (one decoder layer of a decode pass, kernels_avx2.c's code over each family's kernels)
+    with fp32, int8 (q16) and int4 weights, fp16 and fp32 caches, a padding row: every neon build gives the x86
+    build's bits (run_all), which tests/test_native.py holds to the per-call path's; it changes x, h and the caches."""
+    from m31r.quant import quantize_int4, quantize_int8
+
+    heads, kv, hd, ffn, d, rows, lengths = 4, 2, 16, 64, 64, 3, [5, 40]
+    gen = torch.Generator().manual_seed(31)
+    x, h = torch.randn(rows, d, generator=gen), torch.randn(rows, d, generator=gen)
+    cos, sin = torch.randn(len(lengths), hd, generator=gen), torch.randn(len(lengths), hd, generator=gen)
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5)
+    shapes = [((heads + 2 * kv) * hd, d), (d, heads * hd), (2 * ffn, d), (d, ffn)]
+    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in shapes]
+    int8 = [quantize_int8(w) for w in weights]
+    int4 = []
+    for w in weights:
+        codes, sz = quantize_int4(w, 32)
+        sz = sz.float()  # [K/G, N, 2] -> the kernel's fp32 scale and base [N, K/G]
+        int4.append((codes, sz[..., 0].t().contiguous(), (sz[..., 1] - 8 * sz[..., 0]).t().contiguous()))
+    calls = Calls(tmp_path)
+    for kind, mats, group in ((0, [(w,) for w in weights], 0), (1, [(c, s.to(torch.bfloat16)) for c, s in int8], 0),
+                              (4, int4, 32)):
+        for dtype in (torch.float16, torch.float32):
+            caps = [64, 64]
+            k = [torch.randn(kv, c, hd, generator=gen).to(dtype) for c in caps]
+            v = [torch.randn(kv, c, hd, generator=gen).to(dtype) for c in caps]
+            calls.layer(x, h, cos, sin, k, v, lengths, norms, mats, (heads, kv, hd, ffn), kind, group)
+    for rc, out in run_all(calls, builds):
+        assert rc == 0 and not torch.equal(out["x"], x) and not torch.equal(out["h"], h)
+        assert torch.isfinite(out["h"]).all()
 
 
 def test_residual_norm_and_swiglu_match_torch(builds, tmp_path) -> None:
