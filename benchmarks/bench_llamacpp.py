@@ -39,6 +39,11 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI release whose vendored llama.cpp is buil
 TOOLS = ("llama-bench", "llama-quantize", "llama-completion")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF")
+# --avx2: llama.cpp built as for an AVX2 laptop (no AVX-512, no AVX-VNNI) beside M31R's avx2 family forced
+# (M31R_KERNELS=avx2), so an AVX-512 machine measures what most laptops run; a build directory of its own.
+AVX2_FLAGS = tuple(f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON") + (
+    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 # format -> (M31R bundle, M31R activation dtypes, GGUF type). The int8/int4 layers take bf16 inputs whatever the
 # activations are; "auto" is the daemon's default for the rest (bf16 where the CPU runs it natively, AVX512-BF16 or
 # AMX, else fp32: torch emulates bf16 there). --m31r-dtypes tries others and keeps the fastest.
@@ -111,13 +116,14 @@ def converter_requirements() -> None:
         run([sys.executable, "-m", "pip", "install", "-q", *missing])
 
 
-def build(root: Path, src: Path, jobs: int) -> dict[str, Path]:
+def build(root: Path, src: Path, jobs: int, avx2: bool = False) -> dict[str, Path]:
     """Configure once, then let ninja bring the tools up to date (a no-op once built)."""
-    out = root / "build"
+    out = root / ("build-avx2" if avx2 else "build")
     if not (out / "CMakeCache.txt").is_file():
-        log("configuring llama.cpp (GGML_NATIVE: this CPU's instruction set)")
+        log("configuring llama.cpp (" + ("AVX2, FMA, F16C only" if avx2 else "GGML_NATIVE: this CPU's instruction set")
+            + ")")
         run([build_tool("cmake"), "-S", src / "vendor" / "llama.cpp", "-B", out, "-G", "Ninja",
-             f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja')}", *CMAKE_FLAGS])
+             f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja')}", *(AVX2_FLAGS if avx2 else CMAKE_FLAGS)])
     bins = {t: out / "bin" / t for t in TOOLS}
     if not all(p.is_file() for p in bins.values()):
         log(f"building {', '.join(TOOLS)} with {jobs} jobs (several minutes on 2 cores; cached for the next run)")
@@ -436,6 +442,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs of the build")
     ap.add_argument("--version", default=LLAMA_CPP_PYTHON, help="llama-cpp-python release to build")
     ap.add_argument("--quick", action="store_true", help="tiny shape, one round, one repetition: a smoke test")
+    ap.add_argument("--avx2", action="store_true",
+                    help="both engines as on an AVX2-only CPU: llama.cpp built without AVX-512/AVX-VNNI, M31R's avx2 "
+                         "family forced (M31R_KERNELS=avx2); formats float32, int8, int4 by default")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -447,12 +456,16 @@ def main() -> None:
     from m31r.config import load_config
     from m31r.cpu import describe
 
+    if args.avx2:
+        os.environ["M31R_KERNELS"] = "avx2"  # the workers inherit it
+        if args.formats == ",".join(FORMATS):
+            args.formats = "float32,int8,int4"  # bf16 is emulated on such a CPU
     formats = [f for f in args.formats.split(",") if f]
     if unknown := set(formats) - set(FORMATS):
         sys.exit(f"unknown formats: {', '.join(sorted(unknown))}")
     root = cache_root(args.version)
     src = fetch_source(root, args.version)
-    bins = build(root, src, args.jobs)
+    bins = build(root, src, args.jobs, args.avx2)
     config = load_config(args.config)
     work = root / "models" / f"{config.name}-{config.config_hash()[:12]}-seed{args.seed}"
     work.mkdir(parents=True, exist_ok=True)
@@ -498,7 +511,8 @@ def main() -> None:
     print(f"\ntg{args.n} @ d{args.depth}, {args.threads} threads, {config.name} ({config.param_count() / 1e6:.1f}M "
           f"params, random weights, seed {args.seed}); medians of {args.rounds} rounds x {args.reps} reps, engines "
           f"alternating; {time.perf_counter() - t0:.0f}s; load avg {os.getloadavg()[0]:.1f}")
-    print(f"CPU: {describe()}")
+    print(f"CPU: {describe()}" + ("; AVX2 only: llama.cpp built without AVX-512/AVX-VNNI, M31R_KERNELS=avx2"
+                                  if args.avx2 else ""))
     print(f"llama.cpp: llama-cpp-python {args.version} sdist, {llama_version(bins)}; torch {torch_version()}")
     print(table(rows, {f: FORMATS[f][2] for f in formats}))
     if check:
@@ -519,7 +533,8 @@ def write_json(args: argparse.Namespace, bins: dict[str, Path], config, formats:
               "llama_cpp": llama_version(bins), "torch": torch_version(), "config": str(args.config),
               "model": config.name, "params": config.param_count(), "seed": args.seed, "threads": args.threads,
               "n": args.n, "depth": args.depth, "rounds": args.rounds, "rounds_done": rounds_done, "reps": args.reps,
-              "load_avg_1m": os.getloadavg()[0], "cmake_flags": list(CMAKE_FLAGS),
+              "load_avg_1m": os.getloadavg()[0],
+              "cmake_flags": list(AVX2_FLAGS if args.avx2 else CMAKE_FLAGS), "avx2_only": args.avx2,
               "formats": {f: {"m31r_bundle": FORMATS[f][0], "gguf": FORMATS[f][2]} for f in formats},
               "results": summarise(samples), "samples_ms": samples, "same_model": check}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
