@@ -207,8 +207,11 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @socket_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Activation and KV-cache precision. auto: bfloat16 where the CPU (AVX512-BF16, "
+              show_default=True, help="Activation precision. auto: bfloat16 where the CPU (AVX512-BF16, "
               "AMX) or GPU runs it natively, else float32.")
+@click.option("--kv-dtype", type=click.Choice(["auto", "float16", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="KV-cache precision. auto: float16 where the fp32 kernels read it (half the "
+              "bytes per decoded token), else the activation dtype, which may also be named.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--cache-mb", type=float, default=1536, show_default=True,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
@@ -240,7 +243,8 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
                    "stored). auto: int8 on a CPU with native bf16, else none.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, threads: int | None,
+def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, kv_dtype: str,
+           threads: int | None,
            cache_mb: float, max_queue: int, max_per_connection: int, max_prompt_chars: int, read_timeout: float,
            max_active: int, decode_width: int, lookahead: int, chunk_size: int, quant: str | None,
            log_level: str) -> None:
@@ -249,7 +253,8 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     from m31rd.main import DaemonOptions, default_bundle, run
 
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
-                         device=device, dtype=dtype, threads=threads, cache_mb=cache_mb, max_queue=max_queue,
+                         device=device, dtype=dtype, kv_dtype=kv_dtype, threads=threads, cache_mb=cache_mb,
+                         max_queue=max_queue,
                          max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
                          lookahead=lookahead, chunk_size=chunk_size, quant=quant,

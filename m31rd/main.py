@@ -38,6 +38,7 @@ class DaemonOptions:
     socket: Path
     device: str = "cpu"
     dtype: str = "auto"
+    kv_dtype: str = "auto"  # see Engine: float16 where the fp32 kernels read it
     threads: int | None = None
     cache_mb: float = 1536
     max_queue: int = 32
@@ -103,9 +104,9 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
         nonlocal load_ms
         from m31r.engine import Engine
 
-        daemon.attach(Engine(opts.bundle, device=opts.device, dtype=opts.dtype, threads=opts.threads,
-                             chunk_size=opts.chunk_size, quant=opts.quant, decode_width=opts.decode_width,
-                             verified=verified))
+        daemon.attach(Engine(opts.bundle, device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
+                             threads=opts.threads, chunk_size=opts.chunk_size, quant=opts.quant,
+                             decode_width=opts.decode_width, verified=verified))
         load_ms = (time.perf_counter() - t0) * 1000
 
     # Loading, then warm-up, then the scheduler's rounds (Daemon.serve queues those): the torch thread runs them in

@@ -278,7 +278,7 @@ def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's default: every core
     env.update(PYTHONUNBUFFERED="1", NOTIFY_SOCKET=str(tmp_path / "notify"))
     cmd = [sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--socket", str(sock_path),
-           "--threads", "1", "--dtype", "float32", "--quant", "none", "--decode-width", "32"]
+           "--threads", "1", "--dtype", "float32", "--quant", "none", "--decode-width", "32", "--kv-dtype", "float32"]
     with log.open("w") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf, env=env, cwd=REPO)
 
@@ -302,6 +302,7 @@ def test_ready_and_the_first_answer_come_after_warm_up_with_the_daemons_threads(
         lines = [json.loads(line) for line in log.read_text().splitlines()]
         [warm] = [x for x in lines if x["msg"] == "warm"]
         assert warm["threads"] == 1 and len(warm["decode_widths"]) > 8
+        assert warm["kv_cache"] == "float32"  # as asked (auto would be float16 under the fp32 kernels)
         st = subprocess.run([sys.executable, "-m", "m31r.cli", "status", "--socket", str(sock_path)],
                             capture_output=True, text=True, timeout=60, env=env)
         assert st.returncode == 0 and json.loads(st.stdout)["threads"] == 1, st.stderr
