@@ -56,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     wanted = {"fp32", *args.precisions.split(",")}
 
-    import torch
-
     from m31r.cpu import describe
     from m31r.engine import Engine
     from m31r.fim import FimBudget
@@ -73,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, dtype, quant, kv in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
         engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1, kv_dtype=kv)
-        if name == "fp32-kv16" and engine.kv_dtype != torch.float16:
+        if name == "fp32-kv16" and engine.kernel_report["kv_cache"] != "float16":
             log(f"{name}: skipped, this machine's fp32 engine keeps its KV cache in "
-                f"{str(engine.kv_dtype).removeprefix('torch.')} ({engine.kernel_report['kv_why']})")
+                f"{engine.kernel_report['kv_cache']} ({engine.kernel_report['kv_why']})")
             continue
         if name in ("int8-q8", "int8-f32"):
             if not engine.native_int8 or engine.kernels.family.base not in ("avx2", "neon"):

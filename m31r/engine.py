@@ -166,8 +166,8 @@ class Engine:
             torch.set_num_threads(threads)
         if dtype not in DTYPES and dtype != "auto":
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
-        if kv_dtype not in ("auto", "float16", *DTYPES):
-            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose auto, float16 or one of {', '.join(DTYPES)}")
+        if kv_dtype not in DTYPES and kv_dtype != "auto":
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         self.kv_request = kv_dtype
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -215,7 +215,7 @@ class Engine:
         model.rope_cos, model.rope_sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.model = model
         self.use_kernels(kernels)
-        if self.kv_request not in ("auto", dtype) and self.kv_dtype != DTYPES.get(self.kv_request, torch.float16):
+        if self.kv_request != "auto" and self.kv_dtype != DTYPES[self.kv_request]:
             raise ValueError(f"kv_dtype {self.kv_request}: this engine's decode attention reads "
                              f"{str(self.kv_dtype).removeprefix('torch.')} caches ({self.kernel_report['kv_why']})")
         self.model.eval()
@@ -267,12 +267,10 @@ class Engine:
             model.head.use_native(kernels)
         # The KV cache: float16 where the fp32 family's fused decode attention reads it (and auto or float16 asks).
         half = (model.native is not None and kernels.float_dtype == dt and torch.float16 in kernels.kv_dtypes
-                and self.kv_request in ("auto", "float16"))
+                and DTYPES.get(self.kv_request, torch.float16) == torch.float16)  # auto, or float16 asked for
         self.kv_dtype = torch.float16 if half else dt
         kv_why = (f"{kernels.name} decode attention reads float16 caches: half the bytes of "
                   f"{str(dt).removeprefix('torch.')}" if half else "the activation dtype")
-        if not half and self.kv_request == "auto" and kernels is not None and kernels.float_dtype == dt:
-            kv_why += f" ({kernels.name} decode attention reads no float16 cache)"
         name = "" if kernels is None else str(kernels.dtype).removeprefix("torch.")
         if kernels is None:
             why = native.why_not(self.dtype) if self.device.type == "cpu" else f"device {self.device.type}"

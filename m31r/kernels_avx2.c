@@ -189,9 +189,9 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
  * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
  * before they attend. Writes out [rows, heads * hd]. Replaces the layout copies and the RoPE ops of the torch side
  * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here). */
-int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
-                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                        const int32_t* len, float scale, float* out) {
+static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos, const float* sin,
+                      const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len, float scale,
+                      int kv16, float* out) {
   if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
   for (int r = 0; r < rows; ++r)
     if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
@@ -204,8 +204,16 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
       const int r = t / kv_heads, h = t % kv_heads;
       const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
       const float* row = qkv + r * width;
-      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, (float*)kptr[r] + at);
-      memcpy((float*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, (size_t)hd * 4);
+      const float* v = row + (long)(heads + kv_heads + h) * hd;
+      if (kv16) {
+        float k[8 * MAX_CHUNKS];
+        rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, k);
+        store_f16((uint16_t*)kptr[r] + at, k, hd);
+        store_f16((uint16_t*)vptr[r] + at, v, hd);
+      } else {
+        rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, (float*)kptr[r] + at);
+        memcpy((float*)vptr[r] + at, v, (size_t)hd * 4);
+      }
     }
 #pragma omp for schedule(static)
     for (int t = 0; t < rows * heads; ++t) {
@@ -214,11 +222,21 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
       float q[8 * MAX_CHUNKS];
       rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
       float s[len[r] + 8];
-      attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
-                  out + (long)t * hd);
+      if (kv16)
+        attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
+                        out + (long)t * hd);
+      else
+        attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
+                    out + (long)t * hd);
     }
   }
   return 0;
+}
+
+int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
+                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                        const int32_t* len, float scale, float* out) {
+  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 0, out);
 }
 
 /* m31r_attend_qkv_f32 over an fp16 cache ([kv_heads, cap, hd] fp16 per row and layer): the new key (rotated) and
@@ -226,37 +244,9 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
  * context's keys and values per layer, the step's largest read after the weights: half the bytes, as llama.cpp's
  * default f16 cache. */
 int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
-                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                        const int32_t* len, float scale, float* out) {
-  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-  const int group = heads / kv_heads;
-  const long width = (long)(heads + 2 * kv_heads) * hd;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * kv_heads; ++t) {
-      const int r = t / kv_heads, h = t % kv_heads;
-      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
-      const float* row = qkv + r * width;
-      float k[8 * MAX_CHUNKS];
-      rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, k);
-      store_f16((uint16_t*)kptr[r] + at, k, hd);
-      store_f16((uint16_t*)vptr[r] + at, row + (long)(heads + kv_heads + h) * hd, hd);
-    }
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
-      float q[8 * MAX_CHUNKS];
-      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
-      float s[len[r] + 8];
-      attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
-                      out + (long)t * hd);
-    }
-  }
-  return 0;
+                             const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                             const int32_t* len, float scale, float* out) {
+  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 1, out);
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -754,58 +744,5 @@ int m31r_swiglu_f32(int rows, int h, const float* gu, float* out) {
   return 0;
 }
 
-/* ---------------------------------------------------------------------------------------------------------------
- * One decoder layer of a decode pass in one call: what Transformer._layers_native runs per layer through Python
- * (the wqkv matmul, decode attention on its projection, wo, the residual add and RMSNorm, w13, SwiGLU, w2, the
- * residual add and the next RMSNorm), the same kernels called in the same order on the same operands, so the bits
- * are the per-call path's (tested). What it saves is the Python between the calls: about 25 calls per layer into
- * torch and ctypes, 5-9 ms of a medium decode step on 2 cores (README "fp32 decode"). */
-
-typedef struct {
-  int32_t kind; /* M31R_F32, M31R_Q16, M31R_Q8, M31R_I8F32 (int8 codes: the three activation modes), M31R_I4 */
-  int32_t n, k, group;
-  int64_t w, scale, base; /* weights / codes; int8: bf16 scale per output; int4: fp32 scale and base [N, K/G] */
-} m31r_mat;
-
-enum { M31R_F32 = 0, M31R_Q16 = 1, M31R_Q8 = 2, M31R_I8F32 = 3, M31R_I4 = 4 };
-
-static int mat_mul(const m31r_mat* m, int rows, const float* x, float* y) {
-  switch (m->kind) {
-    case M31R_F32: return m31r_f32_mm(rows, m->n, m->k, x, (const float*)m->w, y);
-    case M31R_Q16: return m31r_int8_mm_q16(rows, m->n, m->k, x, (const int8_t*)m->w, (const uint16_t*)m->scale, y);
-    case M31R_Q8: return m31r_int8_mm_q8(rows, m->n, m->k, x, (const int8_t*)m->w, (const uint16_t*)m->scale, y);
-    case M31R_I8F32: return m31r_int8_mm_f32(rows, m->n, m->k, x, (const int8_t*)m->w, (const uint16_t*)m->scale, y);
-    case M31R_I4:
-      return m31r_int4_mm_q8(rows, m->n, m->k, m->group, x, (const uint8_t*)m->w, (const float*)m->scale,
-                             (const float*)m->base, y);
-  }
-  return 1;
-}
-
-/* rows decode rows (the first n real, the rest padding, whose attention output is zero as in Attention.step),
- * x [rows, d] the residual stream (updated in place), h [rows, d] its attention norm on entry and the next layer's
- * norm on return; mats: wqkv, wo, w13, w2; cos/sin [n, hd]; the caches and kv16 as m31r_attend_qkv_f32(_kv16);
- * scratch: rows * ((heads + 2 kv) hd + heads hd + 2 d + 3 ffn) floats. Returns nonzero at the first kernel that
- * refuses its shape (nothing is half-written that the per-call path would not have written too). */
-int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int hd, int ffn, const m31r_mat* mats,
-                          const float* ffn_norm, float ffn_eps, const float* next_norm, float next_eps, float* x,
-                          float* h, const float* cos, const float* sin, const int64_t* kptr, const int64_t* vptr,
-                          const int32_t* cap, const int32_t* len, float scale, int kv16, float* scratch) {
-  if (n < 1 || n > rows) return 1;
-  float* flat = scratch;
-  float* y = flat + (long)rows * (heads + 2 * kv_heads) * hd;
-  float* a = y + (long)rows * heads * hd;
-  float* gu = a + (long)rows * d;
-  float* sw = gu + (long)rows * 2 * ffn;
-  float* f = sw + (long)rows * ffn;
-  int err = mat_mul(&mats[0], rows, h, flat);
-  if (err) return err;
-  memset(y, 0, sizeof(float) * rows * heads * hd);
-  err = (kv16 ? m31r_attend_qkv_f32_kv16 : m31r_attend_qkv_f32)(n, heads, kv_heads, hd, flat, cos, sin, kptr, vptr,
-                                                                 cap, len, scale, y);
-  if (err || (err = mat_mul(&mats[1], rows, y, a))) return err;
-  if ((err = m31r_add_rmsnorm_f32(rows, d, x, a, ffn_norm, ffn_eps, h))) return err;
-  if ((err = mat_mul(&mats[2], rows, h, gu)) || (err = m31r_swiglu_f32(rows, ffn, gu, sw))) return err;
-  if ((err = mat_mul(&mats[3], rows, sw, f))) return err;
-  return m31r_add_rmsnorm_f32(rows, d, x, f, next_norm, next_eps, h);
-}
+/* One decoder layer of a decode pass in one call (m31r_decode_layer_f32): the same code for both fp32 families. */
+#include "kernels_layer.h"

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from m31r import native
 from m31r.config import ModelConfig
 from m31r.native import DecodeTable, Kernels
+from m31r.quant import F32_GEMM_ROWS, INT4_GEMM_ROWS, INT8_GEMM_ROWS, native_mat
 
 SPAN = 64  # decode attends over a multiple of this many positions; cache capacities are multiples of it
 NATIVE_AHEAD = 3 * SPAN  # with native decode attention a cache grows by this much beyond span_of(context) at once
@@ -474,8 +475,6 @@ class Transformer(nn.Module):
         """The layers as one call each (m31r_decode_layer_f32) can run them for a decode pass of `rows` rows: every
         matrix on the fp32 family's kernels, no biases; None where any is not (the per-call path runs). Built once
         per kernels and int8 mode (the engine drops it when it switches kernels)."""
-        from m31r.quant import F32_GEMM_ROWS, INT4_GEMM_ROWS, INT8_GEMM_ROWS
-
         kern = self.native
         if (kern is None or not kern.decode_layer or not self.layer_calls
                 or rows >= min(F32_GEMM_ROWS, INT8_GEMM_ROWS, INT4_GEMM_ROWS)):
@@ -512,8 +511,6 @@ class LayerPlan:
 
     @staticmethod
     def build(model: Transformer) -> LayerPlan | None:
-        from m31r.quant import native_mat
-
         c = model.config
         layers = []
         for i, layer in enumerate(model.layers):

@@ -256,6 +256,11 @@ def takes_int4(out_features: int, in_features: int, group_size: int) -> bool:
     return group_size % 32 == 0 and in_features % group_size == 0 and out_features % 8 == 0
 
 
+def source_text(source: Path) -> str:
+    """A family's source with the headers beside it (kernels_layer.h), as a build's cache key must see them."""
+    return "\0".join(p.read_text() for p in [source, *sorted(source.parent.glob("kernels*.h"))])
+
+
 def build(out_dir: Path | None = None, family: str | None = None) -> Path:
     """Compile a family's source (default: the one `choose` picks, else avx512), or return the cached build of the
     same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files)."""
@@ -265,7 +270,7 @@ def build(out_dir: Path | None = None, family: str | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     flags = flags_for(fam, cpu_info()[1])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([fam.source.read_text(), cc, version, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source_text(fam.source), cc, version, *flags]).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"kernels-{fam.name}-{key}.so"
     if target.exists():
@@ -310,8 +315,9 @@ class Kernels:
         self._int8_modes: dict[str, ctypes._CFuncPtr] = {}
         self._checked: dict[str, tuple[bool, str]] = {}
         self.int8_mode = "q16"  # the avx2/neon int8 matmul int8_mm runs by default (benchmarks switch; INT8_MODES)
-        # The KV-cache dtypes decode attention reads (attend_qkv of the avx2 builds: float32 or float16 caches).
+        # The KV-cache dtypes decode attention reads (the fp32 families' attend_qkv: float32 or float16 caches).
         self.kv_dtypes: tuple[torch.dtype, ...] = (self.family.dtype,)
+        self._layer = None  # m31r_decode_layer_f32, in the fp32 families
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         if self.family.base == "avx512":
@@ -331,15 +337,13 @@ class Kernels:
             self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
             self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                    _P, _F32, _P)
-            if hasattr(self.lib, "m31r_attend_qkv_f32_kv16"):  # avx2 builds: decode attention over an fp16 cache
-                self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P,
-                                         _P, _P, _P, _P, _F32, _P)
-                self.kv_dtypes = (torch.float32, torch.float16)
+            self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P, _P,
+                                     _P, _P, _P, _F32, _P)
+            self.kv_dtypes = (torch.float32, torch.float16)
             self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
             self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
-            self._layer = (_fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 8,
-                               _F32, _I32, _P)
-                           if hasattr(self.lib, "m31r_decode_layer_f32") else None)
+            self._layer = _fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 8, _F32,
+                              _I32, _P)
             self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
@@ -500,7 +504,7 @@ class Kernels:
     @property
     def decode_layer(self) -> bool:
         """Whether this build runs a whole decoder layer of a decode pass in one call (decode_layer_f32)."""
-        return getattr(self, "_layer", None) is not None
+        return self._layer is not None
 
     def decode_layer_f32(self, shape: tuple[int, ...], mats: ctypes.Array, norms: tuple[Tensor, float, Tensor, float],
                          x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, table: DecodeTable, layer: int,

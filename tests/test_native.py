@@ -796,8 +796,6 @@ def test_avx2_attention_over_an_fp16_cache_is_the_fp32_kernel_on_its_values(head
     alike): an fp16 cache changes what is stored, never how it is summed."""
     from m31r.model import apply_rope
 
-    if torch.float16 not in K2().kv_dtypes:
-        pytest.skip(f"the {FP32} kernels read no fp16 cache")
     lengths = [1, 40, 64, 65, 300, 700]
     half, wide, qkv = _half_inputs(lengths, heads, kv, hd)
     cos, sin = _rope_at(lengths, heads, kv, hd)
@@ -815,8 +813,6 @@ def test_avx2_attention_over_an_fp16_cache_is_the_fp32_kernel_on_its_values(head
 
 
 def test_avx2_attention_over_fp16_caches_gives_a_row_the_same_bits_alone_and_batched() -> None:
-    if torch.float16 not in K2().kv_dtypes:
-        pytest.skip(f"the {FP32} kernels read no fp16 cache")
     lengths = [5, 130, 64, 700, 129]
     heads, kv, hd = 8, 4, 64
     half, _, qkv = _half_inputs(lengths, heads, kv, hd)
@@ -832,14 +828,11 @@ def test_avx2_attention_over_fp16_caches_gives_a_row_the_same_bits_alone_and_bat
 
 def test_an_fp32_engine_keeps_an_fp16_cache_where_its_kernels_read_one(tiny_bundle) -> None:
     """kv_dtype auto: fp16 caches under the fp32 kernels (half the bytes; the warm-up log says so), the activation
-    dtype otherwise or when asked. Decode logits stay within fp16's rounding of the fp32 cache's, an fp16 cache
+    dtype when asked. Decode logits stay within fp16's rounding of the fp32 cache's, an fp16 cache
     prefilled under the kernels also serves the eager path, and a dtype no kernel reads is refused."""
     from m31r.engine import Engine
 
     engine = _engine(tiny_bundle, FP32, dtype="float32")
-    if torch.float16 not in K2().kv_dtypes:
-        assert engine.kv_dtype == torch.float32 and "no float16 cache" in engine.kernel_report["kv_why"]
-        return
     assert engine.kv_dtype == torch.float16 and engine.kernel_report["kv_cache"] == "float16"
     assert "half the bytes" in engine.kernel_report["kv_why"]
     full = _engine(tiny_bundle, FP32, dtype="float32", kv_dtype="float32")
@@ -860,8 +853,7 @@ def test_an_fp32_engine_keeps_an_fp16_cache_where_its_kernels_read_one(tiny_bund
     engine.use_kernels(K2())
     assert (eager - full.decode_step(caches["full"], 14)).abs().max() <= 2e-3 * scale
     with pytest.raises(ValueError, match="kv_dtype float16"):
-        Engine(tiny_bundle, dtype="float32", kv_dtype="float16") if native.load(torch.float32) is None else \
-            Engine(tiny_bundle, dtype="bfloat16", kv_dtype="float16")
+        Engine(tiny_bundle, dtype="bfloat16", kv_dtype="float16")  # bf16 engines keep bf16 caches
     with pytest.raises(ValueError, match="unknown kv_dtype"):
         Engine(tiny_bundle, dtype="float32", kv_dtype="int8")
 
@@ -874,8 +866,7 @@ def test_a_decode_layer_in_one_call_gives_the_per_call_paths_bits(tiny_bundle, q
     call does not take (a bias), runs the per-call path."""
     from m31r.model import Transformer
 
-    if not K2().decode_layer:
-        pytest.skip(f"the {FP32} kernels have no decode-layer call")
+    assert K2().decode_layer
     prompts = ["fn add(a: u32, b: u32) -> u32 {\n", "let mut v = Vec::new();\n", "impl Display for"]
 
     def run(engine) -> list[torch.Tensor]:

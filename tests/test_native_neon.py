@@ -63,7 +63,7 @@ class Build:
 def _compile(cc: str, flags: tuple[str, ...], source: Path, out_dir: Path, name: str) -> Path:
     """The driver linked with one kernel source, cached by sources, compiler and flags (a build takes seconds)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([DRIVER.read_text(), source.read_text(), cc, version, *flags]).encode())
+    key = hashlib.sha256("\0".join([DRIVER.read_text(), native.source_text(source), cc, version, *flags]).encode())
     target = out_dir / f"driver-{name}-{key.hexdigest()[:16]}"
     if not target.exists():
         tmp = target.with_suffix(".tmp")
