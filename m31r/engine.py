@@ -206,8 +206,8 @@ class Engine:
         with torch.device("meta"):
             model = Transformer(self.config)
         kernels = native.load(self.dtype) if self.device.type == "cpu" else None
-        # Float weights that the native fp32 matmul will read stay plain: packing them for oneDNN would be undone.
-        plain = kernels is not None and kernels.float_dtype == self.dtype
+        # Float weights that a native float matmul will read stay plain: packing them for oneDNN would be undone.
+        plain = kernels is not None and kernels.linear_dtype == self.dtype
         model = prepare(model, load_weights(bundle), dtype=self.dtype, device=self.device, method=self.quant,
                         group_size=self.group_size, pack=not plain)
         # The non-persistent RoPE tables were created on meta: build them for real, in the activation dtype.
@@ -232,7 +232,7 @@ class Engine:
         model, dt = self.model, self.dtype
         self.kernels, self._probed = kernels, None
         model.native, model._plan = None, None
-        if isinstance(model.head, FloatLinear):  # the tied fp32 head on the fp32 matmul: set again below
+        if isinstance(model.head, FloatLinear):  # the tied float head on the float matmul: set again below
             model.head = None
         for module in model.modules():
             if isinstance(module, Int8Linear):
@@ -253,16 +253,17 @@ class Engine:
                                                                         module.group_size):
                     module.use_native(kernels)
                     self.native_int4 = True
-        # fp32 weights: every float layer the kernel takes, and the tied head (which shares the embedding's weight)
-        f32 = kernels is not None and kernels.float_dtype == dt
-        self.native_f32 = False
+        # Float weights (fp32, or bf16 on avx512): every float layer the kernel takes, and the tied head (which
+        # shares the embedding's weight)
+        fl = kernels is not None and kernels.linear_dtype == dt
+        self.native_float = False
         for module in list(model.modules()):
             if isinstance(module, FloatLinear):
-                runs = f32 and native.takes_f32(module.out_features, module.in_features)
+                runs = fl and kernels.takes_linear(module.out_features, module.in_features)
                 module.use_native(kernels if runs else None)
-                self.native_f32 = self.native_f32 or runs
+                self.native_float = self.native_float or runs
         emb = model.tok_embeddings
-        if f32 and model.head is None and model.output is None and native.takes_f32(*emb.weight.shape):
+        if fl and model.head is None and model.output is None and kernels.takes_linear(*emb.weight.shape):
             model.head = FloatLinear(emb.weight.detach(), pack=False)  # the same storage
             model.head.use_native(kernels)
         # The KV cache: float16 where the fp32 family's fused decode attention reads it (and auto or float16 asks).
@@ -280,7 +281,7 @@ class Engine:
             why = kernels.reason
         self.kernel_report = {"kernels": kernels.name if kernels is not None else "eager", "kernels_why": why,
                               "native_attention": model.native is not None, "native_int8": self.native_int8,
-                              "native_int4": self.native_int4, "native_f32": self.native_f32,
+                              "native_int4": self.native_int4, "native_float": self.native_float,
                               "precision_why": self.precision_why,
                               "kv_cache": str(self.kv_dtype).removeprefix("torch."), "kv_why": kv_why}
         if self.native_int8:  # which int8 matmul runs, and its start-up self-check (cached per library)

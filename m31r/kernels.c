@@ -226,3 +226,63 @@ int m31r_int8_mm(int M, int N, int K, const uint16_t* x, const int8_t* w, const 
   }
   return 0;
 }
+
+/* bf16 weights: y[m, n] = bf16(sum_k x[m, k] * w[n, k]) for bf16 x [M, K] and w [N, K] (nn.Linear's layout), the
+ * float layers of bf16 engines below 64 rows (decode rows, short chunks). oneDNN's packed bf16 matmul read a decode
+ * step's weights at about half the memory's pace on one row; this is the int8 kernel above without the widening:
+ * each cache line of a column (32 weights) goes straight into one vdpbf16ps per row. Same arithmetic rules: for
+ * each (row, column) one accumulator of 16 fp32 lanes walks k in steps of 32, lanes folded in a fixed order,
+ * rounded to bf16 once, so a row gets the same bits alone or batched. */
+#define BF_TILE(R, C)                                                                                             \
+  static void bf_tile_##R##_##C(const uint16_t* x, int K, const uint16_t* w, uint16_t* y, int N) {                \
+    __m512 acc[R * C];                                                                                            \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();                                                 \
+    for (int k = 0; k < K; k += 32) {                                                                             \
+      __m512bh wv[C];                                                                                             \
+      for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512((const void*)(w + (long)c * K + k));      \
+      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k), _MM_HINT_T0);           \
+      for (int r = 0; r < R; ++r) {                                                                               \
+        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (long)r * K + k));                           \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);                 \
+      }                                                                                                           \
+    }                                                                                                             \
+    for (int r = 0; r < R; ++r)                                                                                   \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = to_bf16(fold(acc[r * C + c]));                             \
+  }
+BF_TILE(1, 8)
+BF_TILE(2, 8)
+BF_TILE(3, 4)
+BF_TILE(4, 4)
+BF_TILE(5, 2)
+BF_TILE(6, 2)
+BF_TILE(7, 2)
+BF_TILE(8, 2)
+
+static void bf_block(int R, const uint16_t* x, int K, const uint16_t* w, uint16_t* y, int N) {
+#define BF_RUN(R, C)                                                                         \
+  for (int c = 0; c < I8_BLOCK; c += C) bf_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
+  break;
+  switch (R) {
+    case 1: BF_RUN(1, 8)
+    case 2: BF_RUN(2, 8)
+    case 3: BF_RUN(3, 4)
+    case 4: BF_RUN(4, 4)
+    case 5: BF_RUN(5, 2)
+    case 6: BF_RUN(6, 2)
+    case 7: BF_RUN(7, 2)
+    case 8: BF_RUN(8, 2)
+  }
+#undef BF_RUN
+}
+
+/* x [M, K] bf16, w [N, K] bf16, y [M, N] bf16, all contiguous. Returns nonzero, having done nothing, for shapes it
+ * does not take (K a multiple of 32, N of I8_BLOCK). */
+int m31r_bf16_mm(int M, int N, int K, const uint16_t* x, const uint16_t* w, uint16_t* y) {
+  if (M < 1 || K % 32 || N % I8_BLOCK) return 1;
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int b = 0; b < N / I8_BLOCK; ++b) {
+    const long n = (long)b * I8_BLOCK;
+    for (int m = 0; m < M; m += 8) bf_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+  }
+  return 0;
+}

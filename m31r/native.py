@@ -300,9 +300,11 @@ def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:
 class Kernels:
     """A loaded family, with argument checks that keep a bad call from touching memory it should not.
 
-    `dtype`: the activation and KV-cache dtype decode attention takes. `int8_dtype` / `int4_dtype` / `float_dtype`:
+    `dtype`: the activation and KV-cache dtype decode attention takes. `int8_dtype` / `int4_dtype` / `linear_dtype`:
     the activation dtype the int8 / int4 / float-weight matmul takes (its output and, for the last, its weights have
-    the same dtype), None where this family or CPU has none."""
+    the same dtype: fp32 in the fp32 families, bf16 in avx512), None where this family or CPU has none.
+    `float_dtype`: fp32 in the fp32 families, whose per-token kernels (norms, SwiGLU, attention on the projection,
+    one call per layer) engines on fp32 activations run; None in avx512."""
 
     def __init__(self, path: Path, family: Family | str = "avx512", reason: str = ""):
         self.family = FAMILIES[family] if isinstance(family, str) else family
@@ -327,6 +329,9 @@ class Kernels:
             self.int8_dtype = torch.bfloat16 if int8_supported() else None
             self.int4_dtype = self.float_dtype = None
             self._f32 = None
+            # bf16 weights on AVX512-BF16 dot products (the int8 kernel's arithmetic, without the widening)
+            self._float = _fn(self.lib, "m31r_bf16_mm", _I32, _I32, _I32, _P, _P, _P)
+            self.linear_dtype = self.int8_dtype
         else:
             self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                _P, _F32, _P)
@@ -334,7 +339,7 @@ class Kernels:
                                 for mode in INT8_MODES}
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
-            self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
+            self._f32 = self._float = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
             self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                    _P, _F32, _P)
             self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P, _P,
@@ -344,7 +349,7 @@ class Kernels:
             self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
             self._layer = _fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 8, _F32,
                               _I32, _P)
-            self.int8_dtype = self.int4_dtype = self.float_dtype = torch.float32
+            self.int8_dtype = self.int4_dtype = self.float_dtype = self.linear_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
                 if self.dotprod and "asimddp" not in cpu_info()[1]:
@@ -381,8 +386,8 @@ class Kernels:
             parts.append("int8 matmul" + (f" ({self.int8_mode} activations)" if self._int8_modes else ""))
         if self.int4_dtype is not None:
             parts.append("int4 matmul (q8 activations)")
-        if self.float_dtype is not None:
-            parts.append("fp32 matmul")
+        if self.linear_dtype is not None:
+            parts.append(f"{'fp32' if self.linear_dtype == torch.float32 else 'bf16'} matmul")
         if self.vnni:
             parts.append("AVX-VNNI dot products")
         if self.dotprod:
@@ -527,6 +532,28 @@ class Kernels:
     def decode_scratch(rows: int, shape: tuple[int, ...]) -> int:
         d, heads, kv, hd, ffn = shape
         return rows * ((heads + 2 * kv) * hd + heads * hd + 2 * d + 3 * ffn)
+
+    def takes_linear(self, out_features: int, in_features: int) -> bool:
+        """Whether the float-weight matmul (`float_mm`) handles this weight shape."""
+        if self.linear_dtype == torch.float32:
+            return takes_f32(out_features, in_features)
+        return self.linear_dtype is not None and takes_int8(out_features, in_features)  # same tiles as int8
+
+    def float_mm(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [M, K] times float weights w [N, K] of `linear_dtype` (nn.Linear's layout): [M, N] in that dtype, every
+        (row, column) summed in the same order whatever M. fp32 families: `f32_mm`; avx512: bf16 dot products
+        (vdpbf16ps, fp32 accumulators), rounded to bf16 once."""
+        if self.linear_dtype == torch.float32:
+            return self.f32_mm(x, w)
+        m, k = x.shape
+        n = w.shape[0]
+        assert self.linear_dtype is not None, f"the {self.name} kernels have no float matmul on this CPU"
+        assert x.dtype == w.dtype == self.linear_dtype and x.is_contiguous() and w.is_contiguous()
+        assert w.shape[1] == k and x.device.type == w.device.type == "cpu"
+        y = torch.empty(m, n, dtype=x.dtype)
+        if self._float(m, n, k, x.data_ptr(), w.data_ptr(), y.data_ptr()):
+            raise ValueError(f"native bf16 matmul does not take [{m}, {k}] x [{n}, {k}]")
+        return y
 
     def f32_mm(self, x: Tensor, w: Tensor) -> Tensor:
         """x [M, K] times fp32 weights w [N, K] (nn.Linear's layout): [M, N] fp32, every (row, column) summed in

@@ -58,6 +58,12 @@ INT4_GEMM_ROWS = 64
 # step or of a pass that short chunks share (engine.FUSE_ROWS) then goes through one kernel, whose bits do not depend
 # on the row count. From 64 rows (prefill chunks of 64 and more) oneDNN's GEMM is faster (README "fp32 decode").
 F32_GEMM_ROWS = 64
+# bf16 layers on the AVX-512 family's bf16 matmul (bf16 engines) run it below this many rows: the decode passes of the
+# daemon's default width (8). It reads a lone row's weights at the memory's pace (medium shape, Xeon with AMX: 29 ms
+# for a decode step's matmuls against oneDNN's 38) but has no AMX tiles: from ~8 rows oneDNN is as fast, at 16 twice
+# as fast (README "bf16 matmul"). A wider pass (chunks beside decode rows) then runs oneDNN, which the engine's probe
+# sees: it keeps such chunks in passes of their own.
+BF16_GEMM_ROWS = 9
 _int8_mm = torch.ops.aten._weight_int8pack_mm
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 _mkldnn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # absent from builds without oneDNN
@@ -135,9 +141,10 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int) ->
 
 class FloatLinear(nn.Module):
     """A linear layer on float weights: prepacked for oneDNN where the CPU supports it (F.linear else), or, where
-    the engine hands it the AVX2 (or NEON) family's fp32 matmul (`use_native`), kept plain for that kernel below
-    F32_GEMM_ROWS rows and for oneDNN's GEMM from there (as fast on a plain weight as on a packed one from 64 rows).
-    Either way one copy of the weight is kept. `pack=False` leaves the weight plain until `use_native` decides."""
+    the engine hands it a family's float matmul (`use_native`: the AVX2 or NEON family's fp32 one, the AVX-512
+    family's bf16 one), kept plain for that kernel below F32_GEMM_ROWS rows and for oneDNN's GEMM from there (as fast
+    on a plain weight as on a packed one from 64 rows). Either way one copy of the weight is kept. `pack=False`
+    leaves the weight plain until `use_native` decides."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
         super().__init__()
@@ -145,7 +152,8 @@ class FloatLinear(nn.Module):
         self.weight: Tensor | None = weight
         self.bias = bias
         self.packed = None
-        # The AVX2 (NEON) family's fp32 matmul, where the engine sets it (use_native): rows below F32_GEMM_ROWS run it.
+        # A family's float matmul, where the engine sets it (use_native): rows below F32_GEMM_ROWS (bf16:
+        # BF16_GEMM_ROWS) run it.
         self.native: Kernels | None = None
         if pack:
             self._pack()
@@ -159,7 +167,7 @@ class FloatLinear(nn.Module):
                 self.packed = None
 
     def use_native(self, kernels: Kernels | None) -> None:
-        """Run `kernels`' fp32 matmul below F32_GEMM_ROWS rows (None: oneDNN's packed weight at every row count).
+        """Run `kernels`' float matmul below F32_GEMM_ROWS rows (None: oneDNN's packed weight at every row count).
         The kernel reads the plain weight, which then replaces the packed copy, and the other way round."""
         self.native = kernels
         if kernels is not None and self.packed is not None:
@@ -168,10 +176,10 @@ class FloatLinear(nn.Module):
             self._pack()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.native is not None and x.dtype == torch.float32:
+        if self.native is not None and x.dtype == self.native.linear_dtype:
             x2 = x.reshape(-1, self.in_features)
-            if x2.shape[0] < F32_GEMM_ROWS:
-                y = self.native.f32_mm(x2.contiguous(), self.weight)
+            if x2.shape[0] < (F32_GEMM_ROWS if x.dtype == torch.float32 else BF16_GEMM_ROWS):
+                y = self.native.float_mm(x2.contiguous(), self.weight)
                 if self.bias is not None:
                     y = y.add_(self.bias)
                 return y.view(*x.shape[:-1], self.out_features)

@@ -513,7 +513,12 @@ class Daemon:
     # -- lifecycle --------------------------------------------------------------------------------------
 
     def _serve_scheduler(self) -> None:
-        """The scheduler's rounds, on the torch thread, queued behind the model's load and warm-up."""
+        """The scheduler's rounds, on the torch thread, queued behind the model's load and warm-up, and begun once
+        the event loop has announced readiness (`on_ready`: READY=1, the "ready" log), so that no request is answered
+        before the daemon says it is ready."""
+        while not self.announced.wait(0.05):
+            if self.closing.is_set():
+                return
         if self.scheduler is not None and not self.closing.is_set():
             self.scheduler.serve()
 
@@ -530,6 +535,7 @@ class Daemon:
         `on_ready` runs. A model that fails to load stops the daemon (`load_error`)."""
         self.stopping = asyncio.Event()
         self.warm_up = warming
+        self.announced = threading.Event()  # set once `ready` below has ended, whichever way
         self.scheduler_done = self.torch_thread.submit(self._serve_scheduler)
         conns: set[asyncio.Task] = set()
 
@@ -551,15 +557,18 @@ class Daemon:
             on_serving()
 
         async def ready() -> None:
-            with contextlib.suppress(Exception):  # `_loaded` reads the failure from the future
-                await asyncio.wrap_future(loading)
-            self._loaded(loading)
-            if not self.loaded:
-                return
-            if warming is not None:
-                await asyncio.wrap_future(warming)
-            if on_ready and not self.stopping.is_set():
-                on_ready()
+            try:
+                with contextlib.suppress(Exception):  # `_loaded` reads the failure from the future
+                    await asyncio.wrap_future(loading)
+                self._loaded(loading)
+                if not self.loaded:
+                    return
+                if warming is not None:
+                    await asyncio.wrap_future(warming)
+                if on_ready and not self.stopping.is_set():
+                    on_ready()
+            finally:
+                self.announced.set()
 
         readying = asyncio.ensure_future(ready())
         await self.stopping.wait()

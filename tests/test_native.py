@@ -295,6 +295,94 @@ def test_an_int8_layer_takes_it_below_the_gemm_rows() -> None:
     assert torch.equal(layer(x), torch.nn.functional.linear(x, codes.to(torch.bfloat16)).mul_(scales))  # GEMM rows
 
 
+# -- the bf16 matmul (avx512: float layers of bf16 engines) ---------------------------------------------------
+
+
+def _bf16_operands(m: int, n: int, k: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen).to(torch.bfloat16),
+            (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+
+
+@needs_bf16
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (24, 96), (64, 2048), (200, 1024)])
+def test_bf16_matmul_is_the_exact_product_rounded_once(n: int, k: int) -> None:
+    """bf16 times bf16 is exact in fp32 and the sums run in fp32: the float64 product to within fp32 summation
+    error and the one bf16 rounding of the output; oneDNN's bf16 matmul gives the same numbers up to rounding."""
+    x, w = _bf16_operands(19, n, k)
+    y = K512().float_mm(x, w)
+    exact = x.double() @ w.double().T
+    tolerance = 2**-8 * exact.abs() + 1e-6 * (x.double().abs() @ w.double().abs().T)
+    assert y.dtype == torch.bfloat16 and y.shape == (19, n)
+    assert ((y.double() - exact).abs() <= tolerance).all()
+    assert (y.double() - torch.nn.functional.linear(x, w).double()).abs().max() <= 2 * 2**-8 * exact.abs().max()
+
+
+@needs_bf16
+def test_bf16_matmul_gives_a_row_the_same_bits_alone_and_batched() -> None:
+    x, w = _bf16_operands(63, 136, 1024, seed=6)
+    full = K512().float_mm(x, w)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 48):
+        assert torch.equal(K512().float_mm(x[-m:].contiguous(), w), full[-m:]), m
+    order = torch.randperm(63, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(K512().float_mm(x[order].contiguous(), w), full[order])
+
+
+@needs_bf16
+def test_bf16_matmul_refuses_shapes_it_does_not_take() -> None:
+    assert K512().takes_linear(16, 64) and not K512().takes_linear(16, 48) and not K512().takes_linear(12, 64)
+    x, w = _bf16_operands(2, 16, 48)
+    with pytest.raises(ValueError, match="does not take"):
+        K512().float_mm(x, w)
+    with pytest.raises(AssertionError):
+        K512().float_mm(x.float(), w.float())  # fp32 operands: the avx2 family's matmul, not this one
+
+
+@needs_bf16
+def test_a_bf16_layer_takes_it_below_the_gemm_rows_and_onednn_above() -> None:
+    from m31r.quant import BF16_GEMM_ROWS, FloatLinear
+
+    x, w = _bf16_operands(32, 64, 128, seed=7)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    layer = FloatLinear(w.clone(), bias)
+    packed = layer(x)
+    layer.use_native(K512())
+    assert layer.packed is None and torch.equal(layer.weight, w)
+    assert torch.equal(layer(x[:5].view(5, 1, 128)).view(5, 64), K512().float_mm(x[:5].contiguous(), w) + bias)
+    below = x[: BF16_GEMM_ROWS - 1].contiguous()
+    assert torch.equal(layer(below), K512().float_mm(below, w) + bias)
+    assert torch.equal(layer(x[:BF16_GEMM_ROWS]), packed[:BF16_GEMM_ROWS])  # GEMM rows: oneDNN, on the plain weight
+    assert torch.equal(layer(x), packed)
+    layer.use_native(None)
+    assert torch.equal(layer(x[:5]), packed[:5])
+
+
+@needs_bf16
+def test_a_bf16_engine_runs_its_float_layers_and_head_on_it_alone_and_batched(tiny_bundle) -> None:
+    """Every float layer and the tied head of a bf16 engine on the avx512 family take the kernel; a decode row gets
+    the same logits alone or beside others, and greedy generation repeats itself."""
+    from m31r.quant import FloatLinear
+
+    engine = _engine(tiny_bundle, "avx512", dtype="bfloat16")
+    assert engine.kernel_report["native_float"]
+    layers = [m for m in engine.model.modules() if isinstance(m, FloatLinear)]
+    assert engine.model.head in layers and all(m.native is K512() for m in layers)
+    prompts = [engine.tokenizer.encode(t) for t in ("fn main() {", "let x = 1;\n", "impl Foo for Bar {\n    ")]
+    caches = []
+    for ids in prompts:
+        caches.append(engine.new_cache())
+        for _ in engine.prefill(caches[-1], ids, 0):
+            pass
+    alone = [engine.decode_step(c, 7) for c in caches]
+    for c in caches:
+        del c.tokens[-1:]  # the same position again, now beside the others
+    batched = engine.decode_rows(caches, [7, 7, 7])
+    for r in range(3):
+        assert torch.equal(batched[r], alone[r]), r
+    runs = [[t.id for t in engine.generate(prompts[0], max_tokens=12)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
 @needs_bf16
 def test_an_int8_engine_runs_it_on_every_decode_row(tiny_bundle) -> None:
     """Every int8 layer of a bf16 engine takes the kernel; logits stay close to torch's int8 kernel, every decode
@@ -671,7 +759,7 @@ def test_an_fp32_engine_runs_the_avx2_kernels_close_to_the_eager_path(tiny_bundl
     assert engine.kernel_report["kernels"] == FP32 and engine.kernel_report["native_attention"]
     assert engine.kernel_report["native_int8"] == (quant is not None)
     assert engine.kernel_report["native_int4"] == (quant == "int4")
-    assert engine.kernel_report["native_f32"] == (quant is None)
+    assert engine.kernel_report["native_float"] == (quant is None)
     assert engine.decode_widths == list(range(1, engine.decode_width + 1)) and engine.fuse
     ids = engine.tokenizer.encode("fn add(a: u32, b: u32) -> u32 {\n    a + b\n}\n")
     logits = {}
@@ -694,7 +782,7 @@ def test_an_fp32_engine_on_the_f32_matmul_picks_eager_fp32s_tokens_alone_and_bat
     matmul picks eager's token wherever eager's top two logits are not a near-tie. Then its own greedy output is
     the same run after run, and a stream gets the same logits decoded alone (one row) as beside three others."""
     engine = _engine(tiny_bundle, FP32, dtype="float32")
-    assert engine.kernel_report["native_f32"] and engine.decode_widths[0] == 1
+    assert engine.kernel_report["native_float"] and engine.decode_widths[0] == 1
     prompts = ["fn add(a: u32, b: u32) -> u32 {\n", "let mut v = Vec::new();\n", "impl Display for", "// sum\n"]
     ids = [engine.tokenizer.encode(p) for p in prompts]
     engine.use_kernels(None)

@@ -166,7 +166,7 @@ def test_an_fp32_engine_decodes_the_same_bits_on_either_build(tiny_bundle, quant
         assert engine.kernel_report["kernels"] == k.name and engine.kernel_report["native_attention"]
         assert engine.kernel_report["native_int8"] == (quant is not None)
         assert engine.kernel_report["native_int4"] == (quant == "int4")
-        assert engine.kernel_report["native_f32"] == (quant is None)
+        assert engine.kernel_report["native_float"] == (quant is None)
         layers = [mod for mod in engine.model.modules() if isinstance(mod, (FloatLinear, Int8Linear, Int4Linear))]
         assert layers and all(mod.native is k for mod in layers)
         cache = engine.new_cache()
