@@ -7,7 +7,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
           bf16, within fp32 rounding for fp32 (F.linear uses MKL there). On the medium model it makes a decode
           step ~1.55x faster in both dtypes and fp32 prefill ~2x (bf16 prefill ~1.05x). fp32 engines on the
           AVX2 (NEON) family keep the weights plain instead: rows below F32_GEMM_ROWS run the family's fp32
-          matmul, which sums in one order at any row count, more rows oneDNN's GEMM on the plain weight.
+          matmul, which sums in one order at any row count, more rows oneDNN's GEMM on the plain weight. bf16
+          engines on the AVX-512 family do the same with its bf16 matmul (m31r/kernels.c, vdpbf16ps) below
+          BF16_GEMM_ROWS rows: a lone decode row ~1.3x faster than oneDNN's packed weight, no AMX for more rows.
   int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run the
           native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
