@@ -921,7 +921,7 @@ def test_auto_precision_is_resolved_and_reported(life):
     warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
     assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
     assert warm["kernels"] in ("avx512", "avx2vnni", "avx2", "neon", "eager") and warm["kernels_why"]  # which, why
-    assert {"native_attention", "native_int8", "native_int4"} <= warm.keys()
+    assert {"native_attention", "native_int8", "native_int4", "native_float"} <= warm.keys()
     assert warm["precision_why"].startswith("dtype ")  # how auto resolved
     if warm["native_int8"]:
         assert warm["int8_kernel"] and warm["int8_check"].startswith("int8 self-check passed")
