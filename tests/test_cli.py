@@ -133,7 +133,9 @@ def test_autostart(tiny_bundle, tmp_path):
             time.sleep(0.05)
         assert _gone(pid) and not sock.exists()
     finally:
-        if pid is not None and not _gone(pid):
+        if pid is None and sock.exists():  # failed before Status gave the pid: still end the daemon it started
+            cli("stop", "--socket", str(sock))
+        elif pid is not None and not _gone(pid):
             os.kill(pid, signal.SIGKILL)
 
 
