@@ -168,50 +168,61 @@ static inline float bf16_value(uint16_t h) {
   return f;
 }
 
-/* R rows times C columns, accumulators in registers; prefetches the C columns after these. */
-#define I8_TILE(R, C)                                                                                               \
-  static void i8_tile_##R##_##C(const uint16_t* x, int K, const int8_t* w, const uint16_t* s, uint16_t* y, int N) { \
-    __m512 acc[R * C];                                                                                              \
-    for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();                                                   \
-    for (int k = 0; k < K; k += 32) {                                                                               \
-      __m512bh wv[C];                                                                                               \
-      for (int c = 0; c < C; ++c) wv[c] = i8_weights(w + (long)c * K + k);                                          \
-      if (!(k & 63))                                                                                                \
-        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k + 64), _MM_HINT_T0);      \
-      for (int r = 0; r < R; ++r) {                                                                                 \
-        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (long)r * K + k));                             \
-        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);                   \
-      }                                                                                                             \
-    }                                                                                                               \
-    for (int r = 0; r < R; ++r)                                                                                     \
-      for (int c = 0; c < C; ++c) y[(long)r * N + c] = to_bf16(fold(acc[r * C + c]) * bf16_value(s[c]));          \
+/* The tiles and the block of a weight-only matmul on bf16 activations, for weights of type WT: LOADW turns the 32
+ * weights at a pointer into bf16 pairs, OUT(v, c) is column c's folded sum (c counted from the block's first
+ * column) before its one rounding to bf16, and the next C columns are prefetched one cache line per PF_STEP weights,
+ * PF_AHEAD weights ahead. A tile is R rows times C columns (from column c0 of the block), its accumulators in
+ * registers; P##_block runs rows [0, R) of x (R <= 8) against the I8_BLOCK columns at w in tiles of the most columns
+ * that fit in registers. */
+#define DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, R, C)                                                         \
+  static void P##_tile_##R##_##C(const uint16_t* x, int K, const WT* w, const uint16_t* s, int c0, uint16_t* y,      \
+                                 int N) {                                                                            \
+    (void)s;                                                                                                         \
+    __m512 acc[R * C];                                                                                               \
+    for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();                                                    \
+    for (int k = 0; k < K; k += 32) {                                                                                \
+      __m512bh wv[C];                                                                                                \
+      for (int c = 0; c < C; ++c) wv[c] = LOADW(w + (long)c * K + k);                                                \
+      if (!(k % PF_STEP))                                                                                            \
+        for (int c = 0; c < C; ++c)                                                                                  \
+          _mm_prefetch((const char*)(w + (long)(C + c) * K + k + PF_AHEAD), _MM_HINT_T0);                            \
+      for (int r = 0; r < R; ++r) {                                                                                  \
+        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (long)r * K + k));                              \
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);                    \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (int r = 0; r < R; ++r)                                                                                      \
+      for (int c = 0; c < C; ++c) y[(long)r * N + c] = to_bf16(OUT(fold(acc[r * C + c]), c0 + c));                   \
   }
-I8_TILE(1, 8)
-I8_TILE(2, 8)
-I8_TILE(3, 4)
-I8_TILE(4, 4)
-I8_TILE(5, 2)
-I8_TILE(6, 2)
-I8_TILE(7, 2)
-I8_TILE(8, 2)
-
-/* Rows [0, R) of x against the I8_BLOCK columns at w (R <= 8): tiles of the most columns that fit in registers. */
-static void i8_block(int R, const uint16_t* x, int K, const int8_t* w, const uint16_t* s, uint16_t* y, int N) {
-#define I8_RUN(R, C)                                                                                  \
-  for (int c = 0; c < I8_BLOCK; c += C) i8_tile_##R##_##C(x, K, w + (long)c * K, s + c, y + c, N); \
+#define DOT_RUN(P, R, C)                                                                                             \
+  for (int c = 0; c < I8_BLOCK; c += C) P##_tile_##R##_##C(x, K, w + (long)c * K, s, c, y + c, N);                   \
   break;
-  switch (R) {
-    case 1: I8_RUN(1, 8)
-    case 2: I8_RUN(2, 8)
-    case 3: I8_RUN(3, 4)
-    case 4: I8_RUN(4, 4)
-    case 5: I8_RUN(5, 2)
-    case 6: I8_RUN(6, 2)
-    case 7: I8_RUN(7, 2)
-    case 8: I8_RUN(8, 2)
+#define DOT_KERNEL(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT)                                                             \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 1, 8)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 2, 8)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 3, 4)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 4, 4)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 5, 2)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 6, 2)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 7, 2)                                                               \
+  DOT_TILE(P, WT, LOADW, PF_STEP, PF_AHEAD, OUT, 8, 2)                                                               \
+  static void P##_block(int R, const uint16_t* x, int K, const WT* w, const uint16_t* s, uint16_t* y, int N) {       \
+    switch (R) {                                                                                                     \
+      case 1: DOT_RUN(P, 1, 8)                                                                                       \
+      case 2: DOT_RUN(P, 2, 8)                                                                                       \
+      case 3: DOT_RUN(P, 3, 4)                                                                                       \
+      case 4: DOT_RUN(P, 4, 4)                                                                                       \
+      case 5: DOT_RUN(P, 5, 2)                                                                                       \
+      case 6: DOT_RUN(P, 6, 2)                                                                                       \
+      case 7: DOT_RUN(P, 7, 2)                                                                                       \
+      case 8: DOT_RUN(P, 8, 2)                                                                                       \
+    }                                                                                                                \
   }
-#undef I8_RUN
-}
+
+/* int8: codes widened to bf16, a line of 64 codes prefetched every second step, the channel's scale on the sum (the
+ * block's scales start at s). */
+#define I8_OUT(v, c) ((v) * bf16_value(s[c]))
+DOT_KERNEL(i8, int8_t, i8_weights, 64, 64, I8_OUT)
 
 /* x [M, K] bf16, w [N, K] int8, scale [N] bf16, y [M, N] bf16, all contiguous. Returns nonzero, having done nothing,
  * for shapes it does not take (K a multiple of 32, N of I8_BLOCK). */
@@ -228,52 +239,13 @@ int m31r_int8_mm(int M, int N, int K, const uint16_t* x, const int8_t* w, const 
 }
 
 /* bf16 weights: y[m, n] = bf16(sum_k x[m, k] * w[n, k]) for bf16 x [M, K] and w [N, K] (nn.Linear's layout), the
- * float layers of bf16 engines below 64 rows (decode rows, short chunks). oneDNN's packed bf16 matmul read a decode
- * step's weights at about half the memory's pace on one row; this is the int8 kernel above without the widening:
- * each cache line of a column (32 weights) goes straight into one vdpbf16ps per row. Same arithmetic rules: for
- * each (row, column) one accumulator of 16 fp32 lanes walks k in steps of 32, lanes folded in a fixed order,
- * rounded to bf16 once, so a row gets the same bits alone or batched. */
-#define BF_TILE(R, C)                                                                                             \
-  static void bf_tile_##R##_##C(const uint16_t* x, int K, const uint16_t* w, uint16_t* y, int N) {                \
-    __m512 acc[R * C];                                                                                            \
-    for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();                                                 \
-    for (int k = 0; k < K; k += 32) {                                                                             \
-      __m512bh wv[C];                                                                                             \
-      for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512((const void*)(w + (long)c * K + k));      \
-      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + k), _MM_HINT_T0);           \
-      for (int r = 0; r < R; ++r) {                                                                               \
-        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (long)r * K + k));                           \
-        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);                 \
-      }                                                                                                           \
-    }                                                                                                             \
-    for (int r = 0; r < R; ++r)                                                                                   \
-      for (int c = 0; c < C; ++c) y[(long)r * N + c] = to_bf16(fold(acc[r * C + c]));                             \
-  }
-BF_TILE(1, 8)
-BF_TILE(2, 8)
-BF_TILE(3, 4)
-BF_TILE(4, 4)
-BF_TILE(5, 2)
-BF_TILE(6, 2)
-BF_TILE(7, 2)
-BF_TILE(8, 2)
-
-static void bf_block(int R, const uint16_t* x, int K, const uint16_t* w, uint16_t* y, int N) {
-#define BF_RUN(R, C)                                                                         \
-  for (int c = 0; c < I8_BLOCK; c += C) bf_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
-  break;
-  switch (R) {
-    case 1: BF_RUN(1, 8)
-    case 2: BF_RUN(2, 8)
-    case 3: BF_RUN(3, 4)
-    case 4: BF_RUN(4, 4)
-    case 5: BF_RUN(5, 2)
-    case 6: BF_RUN(6, 2)
-    case 7: BF_RUN(7, 2)
-    case 8: BF_RUN(8, 2)
-  }
-#undef BF_RUN
-}
+ * float layers of bf16 engines below quant.BF16_GEMM_ROWS rows (decode passes). oneDNN's packed bf16 matmul read a
+ * decode step's weights at about half the memory's pace on one row; this is the int8 kernel above without the
+ * widening: each cache line of a column (32 weights) goes straight into one vdpbf16ps per row, the next columns'
+ * line prefetched at every step. Same arithmetic rules, so a row gets the same bits alone or batched. */
+#define BF_LOAD(p) ((__m512bh)_mm512_loadu_si512((const void*)(p)))
+#define BF_OUT(v, c) (v)
+DOT_KERNEL(bf, uint16_t, BF_LOAD, 32, 0, BF_OUT)
 
 /* x [M, K] bf16, w [N, K] bf16, y [M, N] bf16, all contiguous. Returns nonzero, having done nothing, for shapes it
  * does not take (K a multiple of 32, N of I8_BLOCK). */
@@ -282,7 +254,8 @@ int m31r_bf16_mm(int M, int N, int K, const uint16_t* x, const uint16_t* w, uint
 #pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / I8_BLOCK; ++b) {
     const long n = (long)b * I8_BLOCK;
-    for (int m = 0; m < M; m += 8) bf_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+    for (int m = 0; m < M; m += 8)
+      bf_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, NULL, y + (long)m * N + n, N);
   }
   return 0;
 }

@@ -184,71 +184,6 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
   }
 }
 
-/* m31r_attend_decode_f32 on the query/key/value projection as the fused wqkv matmul writes it, RoPE included: row r
- * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables
- * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
- * before they attend. Writes out [rows, heads * hd]. Replaces the layout copies and the RoPE ops of the torch side
- * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here). */
-static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos, const float* sin,
-                      const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len, float scale,
-                      int kv16, float* out) {
-  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-  const int group = heads / kv_heads;
-  const long width = (long)(heads + 2 * kv_heads) * hd;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * kv_heads; ++t) {
-      const int r = t / kv_heads, h = t % kv_heads;
-      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
-      const float* row = qkv + r * width;
-      const float* v = row + (long)(heads + kv_heads + h) * hd;
-      if (kv16) {
-        float k[8 * MAX_CHUNKS];
-        rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, k);
-        store_f16((uint16_t*)kptr[r] + at, k, hd);
-        store_f16((uint16_t*)vptr[r] + at, v, hd);
-      } else {
-        rope_head(row + (long)(heads + h) * hd, cos + (long)r * hd, sin + (long)r * hd, hd, (float*)kptr[r] + at);
-        memcpy((float*)vptr[r] + at, v, (size_t)hd * 4);
-      }
-    }
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
-      float q[8 * MAX_CHUNKS];
-      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
-      float s[len[r] + 8];
-      if (kv16)
-        attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
-                        out + (long)t * hd);
-      else
-        attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
-                    out + (long)t * hd);
-    }
-  }
-  return 0;
-}
-
-int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
-                        const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                        const int32_t* len, float scale, float* out) {
-  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 0, out);
-}
-
-/* m31r_attend_qkv_f32 over an fp16 cache ([kv_heads, cap, hd] fp16 per row and layer): the new key (rotated) and
- * value are rounded to fp16 on their way in, and every read widens them back (F16C). A decode step reads its whole
- * context's keys and values per layer, the step's largest read after the weights: half the bytes, as llama.cpp's
- * default f16 cache. */
-int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
-                             const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                             const int32_t* len, float scale, float* out) {
-  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 1, out);
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
  * Activations to q8: x [M, K] fp32 → codes [M, K] int8 (|code| <= 127), |codes| [M, K] uint8 and one fp32 scale per
  * block of 32 values [M, K/32]: scale = max|x| / 127, code = round-to-nearest-even(x / scale). `nibble_order` lays
@@ -744,5 +679,5 @@ int m31r_swiglu_f32(int rows, int h, const float* gu, float* out) {
   return 0;
 }
 
-/* One decoder layer of a decode pass in one call (m31r_decode_layer_f32): the same code for both fp32 families. */
+/* Decode attention on the wqkv projection and one decoder layer in one call: the same code for both fp32 families. */
 #include "kernels_layer.h"

@@ -101,6 +101,8 @@ CHOICES = ("auto", *FAMILIES, "eager")
 SOURCE = FAMILIES["avx512"].source
 FLAGS = list(FAMILIES["avx512"].flags)
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
 class Mat(ctypes.Structure):
     """One weight matrix as m31r_decode_layer_f32 takes it (kernels_avx2.c's m31r_mat): its kind, shape and data."""
 
@@ -320,6 +322,7 @@ class Kernels:
         # The KV-cache dtypes decode attention reads (the fp32 families' attend_qkv: float32 or float16 caches).
         self.kv_dtypes: tuple[torch.dtype, ...] = (self.family.dtype,)
         self._layer = None  # m31r_decode_layer_f32, in the fp32 families
+        self._bf16 = None  # m31r_bf16_mm, in avx512
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         if self.family.base == "avx512":
@@ -330,7 +333,7 @@ class Kernels:
             self.int4_dtype = self.float_dtype = None
             self._f32 = None
             # bf16 weights on AVX512-BF16 dot products (the int8 kernel's arithmetic, without the widening)
-            self._float = _fn(self.lib, "m31r_bf16_mm", _I32, _I32, _I32, _P, _P, _P)
+            self._bf16 = _fn(self.lib, "m31r_bf16_mm", _I32, _I32, _I32, _P, _P, _P)
             self.linear_dtype = self.int8_dtype
         else:
             self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
@@ -339,7 +342,7 @@ class Kernels:
                                 for mode in INT8_MODES}
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
-            self._f32 = self._float = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
+            self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
             self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
                                    _P, _F32, _P)
             self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P, _P,
@@ -551,7 +554,7 @@ class Kernels:
         assert x.dtype == w.dtype == self.linear_dtype and x.is_contiguous() and w.is_contiguous()
         assert w.shape[1] == k and x.device.type == w.device.type == "cpu"
         y = torch.empty(m, n, dtype=x.dtype)
-        if self._float(m, n, k, x.data_ptr(), w.data_ptr(), y.data_ptr()):
+        if self._bf16(m, n, k, x.data_ptr(), w.data_ptr(), y.data_ptr()):
             raise ValueError(f"native bf16 matmul does not take [{m}, {k}] x [{n}, {k}]")
         return y
 

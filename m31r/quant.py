@@ -144,9 +144,9 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int) ->
 class FloatLinear(nn.Module):
     """A linear layer on float weights: prepacked for oneDNN where the CPU supports it (F.linear else), or, where
     the engine hands it a family's float matmul (`use_native`: the AVX2 or NEON family's fp32 one, the AVX-512
-    family's bf16 one), kept plain for that kernel below F32_GEMM_ROWS rows and for oneDNN's GEMM from there (as fast
-    on a plain weight as on a packed one from 64 rows). Either way one copy of the weight is kept. `pack=False`
-    leaves the weight plain until `use_native` decides."""
+    family's bf16 one), kept plain for that kernel below F32_GEMM_ROWS rows (bf16: BF16_GEMM_ROWS) and for oneDNN's
+    GEMM from there (as fast on a plain weight as on a packed one). Either way one copy of the weight is kept.
+    `pack=False` leaves the weight plain until `use_native` decides."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
         super().__init__()
@@ -169,8 +169,9 @@ class FloatLinear(nn.Module):
                 self.packed = None
 
     def use_native(self, kernels: Kernels | None) -> None:
-        """Run `kernels`' float matmul below F32_GEMM_ROWS rows (None: oneDNN's packed weight at every row count).
-        The kernel reads the plain weight, which then replaces the packed copy, and the other way round."""
+        """Run `kernels`' float matmul below F32_GEMM_ROWS rows, bf16 below BF16_GEMM_ROWS (None: oneDNN's packed
+        weight at every row count). The kernel reads the plain weight, which then replaces the packed copy, and the
+        other way round."""
         self.native = kernels
         if kernels is not None and self.packed is not None:
             self.weight, self.packed = self.packed.to_dense(), None

@@ -365,6 +365,7 @@ def test_a_bf16_engine_runs_its_float_layers_and_head_on_it_alone_and_batched(ti
 
     engine = _engine(tiny_bundle, "avx512", dtype="bfloat16")
     assert engine.kernel_report["native_float"]
+    assert engine.decode_widths[0] == 1  # the probe found a lone row's bits the same as at the full width
     layers = [m for m in engine.model.modules() if isinstance(m, FloatLinear)]
     assert engine.model.head in layers and all(m.native is K512() for m in layers)
     prompts = [engine.tokenizer.encode(t) for t in ("fn main() {", "let x = 1;\n", "impl Foo for Bar {\n    ")]
