@@ -105,21 +105,11 @@ def single_line_candidates(lines: list[str]) -> list[int]:
 
 
 def block_bodies(lines: list[str]) -> list[tuple[int, int]]:
-    """(first body line, end) for `{`-ending lines whose closing `}` line is found by indentation."""
-    out = []
-    for i, ln in enumerate(lines):
-        if not ln.rstrip().endswith("{"):
-            continue
-        ind = _indent(ln)
-        for j in range(i + 1, min(len(lines), i + 2 + MAX_BODY_LINES)):
-            lj = lines[j]
-            if not lj.strip():
-                continue
-            if _indent(lj) <= ind:
-                if lj.lstrip().startswith("}") and _indent(lj) == ind and 1 <= j - i - 1 <= MAX_BODY_LINES:
-                    out.append((i + 1, j))
-                break
-    return [(a, b) for a, b in out if any(lines[k].strip() for k in range(a, b))]
+    """(first body line, end) for `{`-ending lines whose closing `}` line is found by indentation (the trainer's
+    block-body middles find them the same way, up to longer bodies)."""
+    from m31r.train.samples import block_bodies as bodies
+
+    return bodies(lines, MAX_BODY_LINES)
 
 
 def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, seed: int, tok, single_max: int,

@@ -16,6 +16,7 @@ from m31r.train.samples import (
     FIM,
     IGNORE,
     NEXT,
+    block_bodies,
     choose_middle,
     cot_spans,
     fim_sample,
@@ -155,6 +156,58 @@ def test_middle_mostly_starts_at_a_line_start():
     assert ends_mid_line > 100  # ...and it ends anywhere
     single_line = sum(a < b and "\n" not in text[a : b - 1] for a, b in spans)
     assert single_line > 400
+
+
+def test_block_bodies_are_found_by_indentation():
+    lines = ("fn f(x: u32) -> u32 {\n    if x > 1 {\n        x - 1\n    } else {\n\n        0\n    }\n}\n"
+             "fn empty() {\n}\nfn long() {\n" + "    a();\n" * 5 + "}\n").splitlines(keepends=True)
+    # f's body (lines 1-6), the if's (2), the else's (4-5, a blank line inside); empty() has no body; long()'s
+    # body has 5 lines, kept only when max_lines allows it.
+    assert block_bodies(lines, 8) == [(1, 7), (2, 3), (4, 6), (11, 16)]
+    assert block_bodies(lines, 4) == [(2, 3), (4, 6)]
+    # A `{` line whose body never closes at its own indentation is not a block body.
+    assert block_bodies(["fn g() {\n", "    x\n", "  }\n"], 8) == []
+
+
+def test_block_middles_end_where_the_closing_line_starts():
+    rng = random.Random(11)
+    whole = tail = 0
+    for _ in range(400):
+        text = DOCS[rng.randrange(len(DOCS) - 1)]  # the last doc's block has no closing line of its own
+        lines = text.splitlines(keepends=True)
+        bodies = block_bodies(lines, 24)
+        a, b = choose_middle(text, rng, block_rate=1.0)
+        starts = {sum(map(len, lines[:k])): k for k in range(len(lines) + 1)}
+        assert a in starts and b in starts, (a, b)  # whole lines, from a line start to a line start
+        i, j = starts[a], starts[b]
+        assert lines[j].lstrip().startswith("}")  # the suffix begins with the block's closing line
+        body = next((bi, bj) for bi, bj in bodies if bj == j and bi <= i)
+        whole += i == body[0]
+        tail += i > body[0]
+    assert whole > 150 and tail > 40, (whole, tail)  # 60% whole bodies; 40% from a line inside (some land on its first)
+
+
+def test_block_rate_falls_back_and_zero_changes_nothing():
+    text = "const A: u32 = 1;\nconst B: u32 = 2;\n"  # no block at all: the ordinary middles
+    rng = random.Random(5)
+    assert all(0 <= a <= b <= len(text) for a, b in (choose_middle(text, rng, 1.0) for _ in range(50)))
+    r1, r2 = random.Random(6), random.Random(6)
+    doc = long_doc(5)
+    assert [choose_middle(doc, r1) for _ in range(100)] == [choose_middle(doc, r2, 0.0) for _ in range(100)]
+
+
+def test_block_sample_writes_the_body_then_stops(tok):
+    rng = random.Random(12)
+    for _ in range(50):
+        text = DOCS[0]
+        twin = random.Random()
+        twin.setstate(rng.getstate())
+        a, b = choose_middle(text, twin, 1.0)
+        s = fim_sample(tok, text, rng, BIG, block_rate=1.0)
+        s_ids, _, rest, _, _ = parts(tok, s.ids)
+        assert tok.decode(s_ids) == text[b:] and text[b:].lstrip().startswith("}")
+        _, line = split_prefix(text[:a])
+        assert tok.decode(rest) == line + text[a:b] and s.ids[-1] == tok.eos_id
 
 
 def test_long_middle_is_cut_to_the_reserve_without_a_stop(tok):

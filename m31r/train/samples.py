@@ -74,9 +74,56 @@ class FimSample:
     cats: list[int]
 
 
-def choose_middle(text: str, rng: random.Random) -> tuple[int, int]:
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def block_bodies(lines: list[str], max_lines: int) -> list[tuple[int, int]]:
+    """(first body line, closing line) of each `{`-ending line whose closing `}` is found by indentation, for
+    bodies of 1 to max_lines lines with some code in them: what an editor user asks to have written."""
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.rstrip().endswith("{"):
+            continue
+        ind = _indent(ln)
+        for j in range(i + 1, min(len(lines), i + 2 + max_lines)):
+            lj = lines[j]
+            if not lj.strip():
+                continue
+            if _indent(lj) <= ind:
+                if lj.lstrip().startswith("}") and _indent(lj) == ind and 1 <= j - i - 1 <= max_lines:
+                    out.append((i + 1, j))
+                break
+    return [(a, b) for a, b in out if any(lines[k].strip() for k in range(a, b))]
+
+
+BLOCK_MAX_LINES = 24  # block-body middles: bodies up to this long (the eval's multi-line tasks stop at 8)
+
+
+def block_middle(text: str, rng: random.Random) -> tuple[int, int] | None:
+    """A block body, or its tail from one of its lines, ending where the closing `}` line starts: the model
+    learns to write the rest of a block and stop where the suffix takes over. None for a file with no block."""
+    lines = text.splitlines(keepends=True)
+    bodies = block_bodies(lines, BLOCK_MAX_LINES)
+    if not bodies:
+        return None
+    i, j = rng.choice(bodies)
+    if rng.random() < 0.4:  # the cursor inside the body: the lines above it are written already
+        i = rng.randrange(i, j)
+    offs = [0]
+    for line in lines[:j]:
+        offs.append(offs[-1] + len(line))
+    return offs[i], offs[j]
+
+
+def choose_middle(text: str, rng: random.Random, block_rate: float = 0.0) -> tuple[int, int]:
     """Character span of the middle. Mostly starting at a line start (the cursor-line text becomes the
-    start of the middle when serving) and ending anywhere: the rest of one line, a block, or nothing."""
+    start of the middle when serving) and ending anywhere: the rest of one line, a block, or nothing.
+    With block_rate > 0, that share of middles is a block body (block_middle) where the file has one."""
+    if block_rate > 0 and rng.random() < block_rate:
+        span = block_middle(text, rng)
+        if span is not None:
+            return span
     line_starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
     a = rng.choice(line_starts) if rng.random() < 0.85 else rng.randrange(len(text) + 1)
     kind = rng.random()
@@ -98,8 +145,9 @@ def choose_middle(text: str, rng: random.Random) -> tuple[int, int]:
     return a, min(b, len(text))
 
 
-def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget) -> FimSample:
-    a, b = choose_middle(text, rng)
+def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget, block_rate: float = 0.0
+               ) -> FimSample:
+    a, b = choose_middle(text, rng, block_rate)
     middle = text[a:b]
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
     # Token healing, as served: the prompt ends one token early and the middle starts by writing it again.
@@ -118,7 +166,7 @@ def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget)
 
 
 def pack_fim_row(
-    tok: Tokenizer, texts: list[str], rng: random.Random, seq_len: int, budget: FimBudget
+    tok: Tokenizer, texts: list[str], rng: random.Random, seq_len: int, budget: FimBudget, block_rate: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """One row of seq_len + 1 tokens filled with whole-or-cut FIM samples; categories are per *target*.
 
@@ -131,7 +179,7 @@ def pack_fim_row(
         text = texts[rng.randrange(len(texts))]
         if not text:
             continue
-        s = fim_sample(tok, text, rng, budget)
+        s = fim_sample(tok, text, rng, budget, block_rate)
         ids += s.ids
         cats += s.cats
     return np.asarray(ids[: seq_len + 1], dtype=np.int64), np.asarray(cats[: seq_len + 1], dtype=np.int64)

@@ -51,6 +51,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     fim_rate: float = 0.5  # share of rows made of FIM samples
+    block_fim: float = 0.0  # share of FIM samples whose middle is a block body or its tail (samples.block_middle)
     alpha: float = 0.3  # weight of L_fim
     beta: float = 0.2  # weight of L_cot
     seed: int = 1234
@@ -158,8 +159,8 @@ def corpus_tokens(data_dir: Path) -> dict[str, int]:
 
 
 class Data:
-    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float):
-        self.tok, self.seq_len, self.fim_rate = tok, seq_len, fim_rate
+    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float = 0.0):
+        self.tok, self.seq_len, self.fim_rate, self.block_fim = tok, seq_len, fim_rate, block_fim
         tag = sha256_file(data_dir / "tokenizer.json")[:12]
         self.texts = {s: [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t] for s in ("train", "val")}
         self.streams = {s: token_stream(tok, self.texts[s], data_dir / f"{s}-{tag}.npz") for s in self.texts}
@@ -173,7 +174,7 @@ class Data:
         rows, cats = [], []
         for _ in range(n):
             if rng.random() < self.fim_rate:
-                r, c = pack_fim_row(self.tok, self.texts[split], rng, seq_len, budget)
+                r, c = pack_fim_row(self.tok, self.texts[split], rng, seq_len, budget, self.block_fim)
             else:
                 r, c = lm_row(*self.streams[split], rng, seq_len)
             rows.append(r)
@@ -334,7 +335,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     if tok.vocab_size != mc.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
-    data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
+    data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim)
     model = Transformer(mc)
     init_weights(model, tc.seed)
     ckpt = run_dir / "ckpt.pt"
