@@ -20,6 +20,7 @@ from daemon_util import start_daemon, stop_daemon
 from safetensors.torch import load_file
 
 from m31r.bundle import load_weights, open_bundle
+from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
 from m31r.train import trainer as trainer_mod
 from m31r.train.corpus import build_corpus
 from m31r.train.tokenizer import train_tokenizer
@@ -343,6 +344,27 @@ def test_rows_built_by_worker_processes_are_the_same_rows(full_run, data_dir: Pa
     state = first_steps(data_dir, "workers", 4, data_workers=2)
     assert [h["train_next"] for h in state["history"]] == [h["train_next"] for h in full_state["history"][:4]]
     assert [h["train_fim"] for h in state["history"]] == [h["train_fim"] for h in full_state["history"][:4]]
+
+
+def test_block_fim_reaches_the_rows(data_dir: Path):
+    """block_fim changes which middles the FIM rows hold, and the rows stay a function of (seed, step)."""
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
+    tc = trainer_mod.TrainConfig(model="m", micro_batch=2, grad_accum=1, fim_rate=1.0, seed=3)
+    data = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate)
+    block = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate, block_fim=1.0)
+    plain = trainer_mod.step_batches(data, tc, 128, 0)[0][0]
+    ours = trainer_mod.step_batches(block, tc, 128, 0)[0][0]
+    assert not torch.equal(plain, ours)
+    assert torch.equal(ours, trainer_mod.step_batches(block, tc, 128, 0)[0][0])
+    # A block-body middle ends where its closing line starts: the suffix (right after <|fim_suffix|>) opens with
+    # that `}` line in every whole sample of the row.
+    ids = ours[0].tolist()
+    starts = [i for i, t in enumerate(ids) if t == tok.fim_suffix_id]
+    ends = [i for i, t in enumerate(ids) if t == tok.fim_prefix_id]
+    suffixes = [tok.decode(ids[a + 1 : b]) for a, b in zip(starts, ends, strict=False)]
+    assert suffixes and all(s.lstrip(" ").startswith("}") for s in suffixes), suffixes
+    state = first_steps(data_dir, "block-fim", 2, block_fim=0.5)
+    assert state["train_config"]["block_fim"] == 0.5 and len(state["history"]) == 2
 
 
 def test_context_schedule_keeps_tokens_per_step(data_dir: Path):
