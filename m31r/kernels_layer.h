@@ -1,8 +1,10 @@
-/* What both fp32 families share above their instructions: decode attention on the wqkv projection
- * (m31r_attend_qkv_f32 and its fp16-cache twin), and one decoder layer of a decode pass in one call
- * (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c include this after their own kernels, which it calls
- * (rope_head, store_f16, attend_head, attend_head_f16, m31r_f32_mm, the int8 and int4 matmuls,
- * m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its own, so both families run the same code.
+/* What both fp32 families share above their instructions: the drivers that hand rows and column blocks to each
+ * family's tiles (m31r_f32_mm, m31r_int8_mm_q16) and heads to its attend_head (m31r_attend_decode_f32), decode
+ * attention on the wqkv projection (m31r_attend_qkv_f32 and its fp16-cache twin), and one decoder layer of a decode
+ * pass in one call (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c include this after their own kernels,
+ * which it calls (the f32/q16 tiles and q16_row, rope_head, store_f16, attend_head, attend_head_f16, the int8 and int4
+ * matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its own, so both families run the same
+ * code.
  * native.build (and the tests' driver) hash it with the source that includes it.
  *
  * The layer call: what Transformer._layers_native runs per layer through Python (the wqkv matmul, decode attention
@@ -10,6 +12,93 @@
  * same kernels called in the same order on the same operands, so the bits are the per-call path's (tested). What it
  * saves is the Python between the calls: about 25 calls per layer into torch and ctypes, 5-9 ms of a medium decode
  * step on 2 cores (README "One call per layer"). */
+
+/* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
+
+/* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
+ * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
+ * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1. Returns nonzero,
+ * having done nothing, for shapes it does not handle. */
+int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
+                           const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
+                           const int32_t* len, float scale, float* out) {
+  if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  for (int r = 0; r < rows; ++r)
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+  const int group = heads / kv_heads;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * kv_heads; ++t) {
+      const int r = t / kv_heads, h = t % kv_heads;
+      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
+      memcpy((float*)kptr[r] + at, knew + (long)t * hd, (size_t)hd * 4);
+      memcpy((float*)vptr[r] + at, vnew + (long)t * hd, (size_t)hd * 4);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * heads; ++t) {
+      const int r = t / heads, h = t % heads;
+      const long base = (long)(h / group) * cap[r] * hd;
+      float s[len[r] + 8];
+      attend_head(q + (long)t * hd, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale,
+                  s, out + (long)t * hd);
+    }
+  }
+  return 0;
+}
+
+static void q16_block(int R, const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
+                      int N) {
+#define Q16_RUN(R, C)                                                                                \
+  for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N); \
+  break;
+  switch (R) {
+    case 1: Q16_RUN(1, 4)
+    case 2: Q16_RUN(2, 2)
+    case 3: Q16_RUN(3, 2)
+    case 4: Q16_RUN(4, 2)
+    case 5: Q16_RUN(5, 1)
+    case 6: Q16_RUN(6, 1)
+    case 7: Q16_RUN(7, 1)
+    case 8: Q16_RUN(8, 1)
+  }
+#undef Q16_RUN
+}
+
+/* Same contract as m31r_int8_mm_q8, on q16 activations: the int8 matmul fp32 engines run. */
+int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
+  if (M < 1 || K % 32 || N % BLOCK) return 1;
+  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
+  if (!work) return 2;
+  int16_t* xq = (int16_t*)work;
+  float* d = (float*)((uint8_t*)work + 2L * M * K);
+  for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + (long)m * (K / 32));
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      q16_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * (K / 32), K, w + n * K, scale + n,
+                y + (long)m * N + n, N);
+  }
+  free(work);
+  return 0;
+}
+
+/* x [M, K] fp32, w [N, K] fp32, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a multiple of 8
+ * and N of BLOCK. Rows past 8 run in groups of 8 over each block of columns, whose weights are then read from
+ * cache. */
+int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
+  if (M < 1 || K < 8 || K % 8 || N % BLOCK) return 1;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      f32_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
+  }
+  return 0;
+}
+
+/* -- decode attention on the projection, and the layer call -------------------------------------------------- */
 
 /* m31r_attend_decode_f32 on the query/key/value projection as the fused wqkv matmul writes it, RoPE included: row r
  * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables

@@ -158,38 +158,6 @@ static inline void store_f16(uint16_t* dst, const float* src, int hd) {
   for (int i = 0; i < hd; i += 4) vst1_u16(dst + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + i))));
 }
 
-/* One decode step's attention for `rows` sequences in one layer, fp32 throughout; contract as kernels_avx2.c's:
- * q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors at kptr[r] / vptr[r] laid out
- * [kv_heads, cap[r], hd], its new token at position len[r] - 1. Returns nonzero, having done nothing, for shapes
- * it does not handle. */
-int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
-                           const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                           const int32_t* len, float scale, float* out) {
-  if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-  const int group = heads / kv_heads;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * kv_heads; ++t) {
-      const int r = t / kv_heads, h = t % kv_heads;
-      const long at = ((long)h * cap[r] + (len[r] - 1)) * hd;
-      memcpy((float*)kptr[r] + at, knew + (long)t * hd, (size_t)hd * 4);
-      memcpy((float*)vptr[r] + at, vnew + (long)t * hd, (size_t)hd * 4);
-    }
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
-      float s[len[r] + 8];
-      attend_head(q + (long)t * hd, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale,
-                  s, out + (long)t * hd);
-    }
-  }
-  return 0;
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
  * Activation blocks of 32 to integers: the largest |x| of the block, and its values times `inv` rounded to the
  * nearest integer, ties to even (vcvtnq, as AVX2's cvtps under the default rounding mode). */
@@ -400,43 +368,6 @@ Q16_TILE(6, 1)
 Q16_TILE(7, 1)
 Q16_TILE(8, 1)
 
-static void q16_block(int R, const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
-                      int N) {
-#define Q16_RUN(R, C)                                                                                \
-  for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N); \
-  break;
-  switch (R) {
-    case 1: Q16_RUN(1, 4)
-    case 2: Q16_RUN(2, 2)
-    case 3: Q16_RUN(3, 2)
-    case 4: Q16_RUN(4, 2)
-    case 5: Q16_RUN(5, 1)
-    case 6: Q16_RUN(6, 1)
-    case 7: Q16_RUN(7, 1)
-    case 8: Q16_RUN(8, 1)
-  }
-#undef Q16_RUN
-}
-
-/* Same contract as m31r_int8_mm_q8, on q16 activations: the int8 matmul fp32 engines run. */
-int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
-  if (M < 1 || K % 32 || N % BLOCK) return 1;
-  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
-  if (!work) return 2;
-  int16_t* xq = (int16_t*)work;
-  float* d = (float*)((uint8_t*)work + 2L * M * K);
-  for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + (long)m * (K / 32));
-#pragma omp parallel for schedule(dynamic, 16)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      q16_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * (K / 32), K, w + n * K, scale + n,
-                y + (long)m * N + n, N);
-  }
-  free(work);
-  return 0;
-}
-
 /* The fp32 alternative: each code widened to fp32, one fused multiply-add per weight and row (8 columns at a time,
  * rows one by one), lane j taking k = j mod 8 as in kernels_avx2.c. For comparison. */
 int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
@@ -570,8 +501,8 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
 
 /* ---------------------------------------------------------------------------------------------------------------
  * fp32 weights [N, K] (torch's Linear layout), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], as
- * kernels_avx2.c's m31r_f32_mm: each (row, column) one accumulator of 8 lanes walking k in steps of 8 with fused
- * multiply-adds, folded by hsum8, whatever the tile, row count or thread count. */
+ * kernels_avx2.c's f32 tiles (m31r_f32_mm in kernels_layer.h runs either): each (row, column) one accumulator of 8
+ * lanes walking k in steps of 8 with fused multiply-adds, folded by hsum8, whatever the tile, row or thread count. */
 #define F32_TILE(R, C)                                                                                             \
   static void f32_tile_##R##_##C(const float* x, int K, const float* w, float* y, int N) {                         \
     f8 acc[R * C];                                                                                               \
@@ -613,18 +544,6 @@ static void f32_block(int R, const float* x, int K, const float* w, float* y, in
     case 8: F32_RUN(8, 1)
   }
 #undef F32_RUN
-}
-
-/* x [M, K] fp32, w [N, K] fp32, y [M, N] fp32; same contract as kernels_avx2.c's. */
-int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
-  if (M < 1 || K < 8 || K % 8 || N % BLOCK) return 1;
-#pragma omp parallel for schedule(static)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      f32_block(M - m < 8 ? M - m : 8, x + (long)m * K, K, w + n * K, y + (long)m * N + n, N);
-  }
-  return 0;
 }
 
 /* Rotate-half RoPE of one head, as kernels_avx2.c's rope_head: x * cos, then roll(x, hd/2) * sin fused into it. */
