@@ -89,7 +89,7 @@ def main() -> int:
     tc, mc = load_train_config(args.config)
     data_dir = Path(args.data).expanduser()
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
-    data = Data(tok, data_dir, mc.max_context, tc.fim_rate)
+    data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim)
     new_cast = autocast_dtype("auto", torch.device("cpu"))
     full = rows_per_micro_batch(tc, mc.max_context, mc.max_context)
     # (name, autocast dtype, fused AdamW, row length, rows per micro-batch, micro-batches per step, compiled)

@@ -350,8 +350,8 @@ def test_block_fim_reaches_the_rows(data_dir: Path):
     """block_fim changes which middles the FIM rows hold, and the rows stay a function of (seed, step)."""
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
     tc = trainer_mod.TrainConfig(model="m", micro_batch=2, grad_accum=1, fim_rate=1.0, seed=3)
-    data = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate)
-    block = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate, block_fim=1.0)
+    data = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate, 0.0)
+    block = trainer_mod.Data(tok, data_dir, 128, tc.fim_rate, 1.0)
     plain = trainer_mod.step_batches(data, tc, 128, 0)[0][0]
     ours = trainer_mod.step_batches(block, tc, 128, 0)[0][0]
     assert not torch.equal(plain, ours)

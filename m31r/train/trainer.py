@@ -159,7 +159,7 @@ def corpus_tokens(data_dir: Path) -> dict[str, int]:
 
 
 class Data:
-    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float = 0.0):
+    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float):
         self.tok, self.seq_len, self.fim_rate, self.block_fim = tok, seq_len, fim_rate, block_fim
         tag = sha256_file(data_dir / "tokenizer.json")[:12]
         self.texts = {s: [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t] for s in ("train", "val")}
