@@ -296,3 +296,44 @@ def quantize_bundle(src: str | Path, out: str | Path, method: str, group_size: i
         seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=meta["model_version"],
         extra={**keep, "quantized_from": source.fingerprint}, quantization=q,
     )
+
+
+def average_bundles(sources: list[str | Path], weights: list[float], out: str | Path, *,
+                    model_version: str) -> Bundle:
+    """Write the weighted average of float bundles of one shape and tokenizer into `out` (a "model soup").
+
+    Fine-tunes of one parent sit in one basin, so their average is a model too, often better than each: a phase
+    that gained multi-line completions and lost single-line ones can be averaged back toward its parent. The
+    first source's training record stays in the metadata, as the line the others branch from; `averaged_from`
+    names every source with its weight.
+    """
+    if len(sources) < 2 or len(weights) != len(sources):
+        raise ValueError(f"need two or more bundles and one weight each, got {len(sources)} and {len(weights)}")
+    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    bundles = [open_bundle(p) for p in sources]
+    first = bundles[0]
+    for b in bundles:
+        if b.quantization:
+            raise BundleError(f"{b.path}: quantized ({b.quantization['method']}); average the float bundles")
+        for key in ("config_hash", "tokenizer_hash"):
+            if b.metadata[key] != first.metadata[key]:
+                raise BundleError(f"{b.path}: its {key.split('_')[0]} differs from {first.path}'s; only bundles of "
+                                  f"one shape and tokenizer can be averaged")
+    state: dict[str, torch.Tensor] = {}
+    for b, w in zip(bundles, weights, strict=True):
+        for name, t in load_weights(b).items():
+            state[name] = state[name] + w * t.float() if name in state else w * t.float()
+    meta = first.metadata
+    keep = {k: v for k, v in meta.items() if k not in METADATA_KEYS}
+    parents = [{"model": b.model_id, "fingerprint": b.fingerprint, "weight": round(w, 6),
+                "tokens_seen": b.metadata.get("tokens_seen")} for b, w in zip(bundles, weights, strict=True)]
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+    return write_bundle(
+        out, first.config, state, HFTokenizer.from_file(str(first.tokenizer_path)), dtype=dtype,
+        seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=model_version,
+        extra={**keep, "averaged_from": parents},
+    )
+

@@ -167,6 +167,25 @@ def bundle_export_hf(src: Path, out: Path, dtype: str | None) -> None:
     click.echo(f"ok {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 
 
+@bundle.command("average")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--weights", default=None, help="Comma-separated, one per bundle (normalised to sum 1); default: equal.")
+@click.option("--model-version", required=True, help="The averaged model's version (metadata).")
+@user_errors
+def bundle_average(sources: tuple[Path, ...], out: Path, weights: str | None, model_version: str) -> None:
+    """Write the weighted average of float bundles SOURCES (one shape, one tokenizer) into OUT."""
+    from m31r.bundle import average_bundles
+
+    try:
+        ws = [float(w) for w in weights.split(",")] if weights else [1.0] * len(sources)
+    except ValueError:
+        raise ValueError(f"--weights: expected numbers separated by commas, got {weights!r}") from None
+    with _new_bundle_dir(out):
+        b = average_bundles(list(sources), ws, out, model_version=model_version)
+    click.echo(_summary(b))
+
+
 @bundle.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))

@@ -271,3 +271,48 @@ def test_config_edited_after_export_fails_the_traceability_check(bundle_dir: Pat
     _rewrite_checksums(bundle_dir)
     with pytest.raises(BundleError, match=r"config\.yaml: does not match config_hash"):
         open_bundle(bundle_dir)
+
+
+# -- averaging (`m31r bundle average`) -------------------------------------------------------------------------
+
+
+def test_cli_average_is_the_weighted_mean_with_its_sources_named(tiny_config, tmp_path: Path) -> None:
+    from m31r.bundle import init_bundle
+
+    a = init_bundle(tiny_config, tmp_path / "a", seed=1, dtype=torch.float32)
+    b = init_bundle(tiny_config, tmp_path / "b", seed=2, dtype=torch.float32)
+    out = tmp_path / "avg"
+    result = CliRunner().invoke(main, ["bundle", "average", str(a.path), str(b.path), "--out", str(out),
+                                       "--weights", "1,3", "--model-version", "0.2.0-avg"])
+    assert result.exit_code == 0, result.output
+    avg = open_bundle(out)
+    wa, wb, wm = load_weights(a), load_weights(b), load_weights(avg)
+    for name in wa:
+        assert torch.allclose(wm[name], 0.25 * wa[name] + 0.75 * wb[name], atol=1e-6), name
+    assert not torch.equal(wm["tok_embeddings.weight"], wa["tok_embeddings.weight"])
+    meta = avg.metadata
+    assert meta["model_version"] == "0.2.0-avg" and meta["dtype"] == "float32"
+    assert [(p["fingerprint"], p["weight"]) for p in meta["averaged_from"]] == [(a.fingerprint, 0.25),
+                                                                               (b.fingerprint, 0.75)]
+
+
+def test_cli_average_refuses_other_shapes_and_quantized_bundles(tiny_config, tmp_path: Path) -> None:
+    import msgspec
+
+    from m31r.bundle import init_bundle, quantize_bundle
+
+    a = init_bundle(tiny_config, tmp_path / "a", seed=1, dtype=torch.float32)
+    wide = msgspec.structs.replace(tiny_config, n_layers=tiny_config.n_layers + 1)
+    b = init_bundle(wide, tmp_path / "b", seed=2, dtype=torch.float32)
+    q = quantize_bundle(a.path, tmp_path / "q", "int8")
+    runner = CliRunner()
+    for other, expected in ((b, "its config differs"), (q, "quantized (int8)")):
+        out = tmp_path / f"out-{other.path.name}"
+        result = runner.invoke(main, ["bundle", "average", str(a.path), str(other.path), "--out", str(out),
+                                      "--model-version", "x"])
+        assert result.exit_code == 1, result.output
+        assert expected in result.stderr and result.stderr.count("\n") == 1
+        assert not out.exists()
+    result = runner.invoke(main, ["bundle", "average", str(a.path), str(a.path), "--out", str(tmp_path / "w"),
+                                  "--weights", "1,-1", "--model-version", "x"])
+    assert result.exit_code == 1 and "non-negative" in result.stderr

@@ -1,0 +1,105 @@
+"""Compare two `eval_fim.py --out` results task by task: is the candidate's difference more than chance?
+
+The release rule (README "The default model") asks a candidate to beat `release/` on the same tasks. A few points
+on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, per kind:
+
+  exact match   both figures, the tasks gained and lost, and the exact two-sided sign (McNemar) test's p-value
+                on those discordant tasks: the chance of a split at least this uneven if either model were as
+                likely to win each of them.
+  edit sim.     both means, the mean paired difference and its 95% interval from a seeded paired bootstrap.
+
+Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
+
+    python benchmarks/compare_evals.py BASE.json CANDIDATE.json [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+KINDS = ("single", "multi")
+_IDENTITY = ("kind", "path", "line", "target")
+
+
+def sign_test_p(gained: int, lost: int) -> float:
+    """Exact two-sided binomial test of gained vs lost at p = 1/2 (McNemar's exact test)."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    k = min(gained, lost)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def bootstrap_interval(diffs: list[float], *, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean of `diffs`, resampling tasks with replacement."""
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def compare(base: dict, cand: dict) -> dict:
+    a, b = base["tasks"], cand["tasks"]
+    if len(a) != len(b) or any(tuple(x[k] for k in _IDENTITY) != tuple(y[k] for k in _IDENTITY)
+                               for x, y in zip(a, b, strict=True)):
+        raise ValueError("the two results hold different tasks: run both with the same --seed, --n-single, "
+                         "--n-multi and data")
+    out: dict = {"base": base["model"], "candidate": cand["model"]}
+    for kind in KINDS:
+        pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["kind"] == kind]
+        if not pairs:
+            continue
+        n = len(pairs)
+        gained = sum(1 for x, y in pairs if y["exact"] and not x["exact"])
+        lost = sum(1 for x, y in pairs if x["exact"] and not y["exact"])
+        diffs = [y["edit_similarity"] - x["edit_similarity"] for x, y in pairs]
+        low, high = bootstrap_interval(diffs)
+        out[kind] = {
+            "n": n,
+            "exact_base": sum(x["exact"] for x, _ in pairs) / n,
+            "exact_candidate": sum(y["exact"] for _, y in pairs) / n,
+            "gained": gained, "lost": lost, "sign_test_p": round(sign_test_p(gained, lost), 4),
+            "edit_base": sum(x["edit_similarity"] for x, _ in pairs) / n,
+            "edit_candidate": sum(y["edit_similarity"] for _, y in pairs) / n,
+            "edit_diff": sum(diffs) / n, "edit_diff_95": [low, high],
+        }
+    return out
+
+
+def table(r: dict) -> str:
+    lines = [f"base {r['base']}  candidate {r['candidate']}", "",
+             "| tasks | exact base | exact cand. | gained / lost | sign-test p | edit base | edit cand. "
+             "| edit diff [95%] |", "|---|---|---|---|---|---|---|---|"]
+    for kind in KINDS:
+        if kind in r:
+            k = r[kind]
+            lo, hi = k["edit_diff_95"]
+            lines.append(f"| {kind} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
+                         f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
+                         f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base", type=Path)
+    ap.add_argument("candidate", type=Path)
+    ap.add_argument("--json", action="store_true", help="Print the comparison as JSON instead of a table.")
+    args = ap.parse_args(argv)
+    try:
+        r = compare(json.loads(args.base.read_text()), json.loads(args.candidate.read_text()))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(r, indent=2) if args.json else table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

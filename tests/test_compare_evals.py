@@ -1,0 +1,61 @@
+"""benchmarks/compare_evals.py: the paired comparison behind a release decision. Its sign test matches hand-computed
+binomial tails, its interval brackets the paired mean, and results of different tasks are refused. Torch-free."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_evals.py"
+_spec = importlib.util.spec_from_file_location("compare_evals", SCRIPT)
+ce = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ce)
+
+
+def _result(model: str, exact: list[bool], edit: list[float], kinds: list[str]) -> dict:
+    tasks = [{"kind": k, "path": f"c/src/f{i}.rs", "line": i, "target": f"t{i}", "exact": e, "edit_similarity": s}
+             for i, (k, e, s) in enumerate(zip(kinds, exact, edit, strict=True))]
+    return {"model": model, "tasks": tasks}
+
+
+def test_sign_test_p_is_the_exact_two_sided_binomial_tail() -> None:
+    assert ce.sign_test_p(0, 0) == 1.0
+    assert ce.sign_test_p(5, 5) == 1.0
+    assert ce.sign_test_p(6, 0) == pytest.approx(2 / 64)  # all six discordant tasks one way
+    assert ce.sign_test_p(5, 10) == pytest.approx(2 * sum(math.comb(15, i) for i in range(6)) / 2**15)
+    assert ce.sign_test_p(1, 9) == ce.sign_test_p(9, 1) < 0.05
+
+
+def test_compare_counts_gains_losses_and_brackets_the_edit_difference() -> None:
+    kinds = ["single"] * 6 + ["multi"] * 4
+    base = _result("a@1", [True, True, False, False, True, False, False, False, True, False],
+                   [1.0, 1.0, 0.5, 0.2, 1.0, 0.3, 0.4, 0.1, 1.0, 0.6], kinds)
+    cand = _result("b@2", [True, False, True, True, True, True, False, True, True, False],
+                   [1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.4], kinds)
+    r = ce.compare(base, cand)
+    s, m = r["single"], r["multi"]
+    assert (s["n"], s["gained"], s["lost"]) == (6, 3, 1)
+    assert s["exact_base"] == pytest.approx(3 / 6) and s["exact_candidate"] == pytest.approx(5 / 6)
+    assert (m["n"], m["gained"], m["lost"]) == (4, 1, 0)
+    assert s["edit_diff"] == pytest.approx((0 - 0.1 + 0.5 + 0.8 + 0 + 0.7) / 6)
+    low, high = s["edit_diff_95"]
+    assert low <= s["edit_diff"] <= high and low < high
+    assert "| single (6) | 50.0% | 83.3% | 3 / 1 |" in ce.table(r)
+
+
+def test_different_tasks_are_refused_in_one_line(tmp_path: Path) -> None:
+    a = _result("a@1", [True, False], [1.0, 0.5], ["single", "multi"])
+    b = _result("b@1", [True, False], [1.0, 0.5], ["single", "multi"])
+    b["tasks"][1]["line"] = 99
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: the two results hold different tasks") and proc.stderr.count("\n") == 1
