@@ -95,17 +95,38 @@ def cut_above(tok: Tokenizer, above: str, budget: int, line_step: int) -> tuple[
     return "".join(lines[start:]), start
 
 
+HEAL_WORD_BYTES = 24  # the longest word fragment healing takes back; a longer one keeps its start in the prompt
+
+
+def _word_char(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
 def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
-    """(ids without the last token, its text). Where the last token ends a character that earlier byte tokens
-    began (`é` as two byte tokens), all of them: the healed text is always whole characters."""
+    """(ids without the text to heal, that text): the last token, and the tokens before it that spell the same
+    word, so a cursor inside a word owes the whole fragment. `thi` as `th` + `i` healed by its last token alone
+    leaves the model to go on from a split no training text has, and it ends the word there; owing `thi`, it
+    writes `this`. Where the last token ends a character that earlier byte tokens began (`é` as two byte tokens),
+    all of them: the healed text is always whole characters."""
     for k in range(1, min(4, len(line_ids)) + 1):
         pieces = [tok.token_bytes[i] for i in line_ids[-k:]]
         if any(p is None for p in pieces):
-            break
+            return line_ids, ""
         try:
-            return line_ids[:-k], b"".join(pieces).decode("utf-8")
+            healed = b"".join(pieces).decode("utf-8")
         except UnicodeDecodeError:
             continue
+        ids = line_ids[:-k]
+        while ids and _word_char(healed[0]):
+            prev = tok.token_bytes[ids[-1]]
+            try:
+                text = prev.decode("utf-8") if prev is not None else ""
+            except UnicodeDecodeError:
+                break
+            if not text or not _word_char(text[-1]) or len(text.encode()) + len(healed.encode()) > HEAL_WORD_BYTES:
+                break
+            ids, healed = ids[:-1], text + healed
+        return ids, healed
     return line_ids, ""
 
 

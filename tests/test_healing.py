@@ -44,6 +44,22 @@ def test_heal_split_takes_whole_characters(bpe):
     assert heal_split(bpe, []) == ([], "")
 
 
+def test_heal_split_owes_the_whole_word_the_cursor_is_in(bpe):
+    """`thi` is `th` + `i`: healed by `i` alone, the prompt ends in a split no training text has."""
+    from m31r.fim import HEAL_WORD_BYTES
+
+    for line, healed_text in [("methods of thi", " thi"), ("let d = Durati", " Durati"), ("x.foo_ba", "foo_ba"),
+                              ("let x = 42", " 42"), ("foo(a, b", " b"), ("    ", "    ")]:
+        ids = bpe.encode(line)
+        kept, healed = heal_split(bpe, ids)
+        assert healed == healed_text and kept == ids[: len(kept)] and bpe.decode(kept) + healed == line
+    long = "let v = a_very_long_identifier_name_that_goes_on"
+    ids = bpe.encode(long)
+    kept, healed = heal_split(bpe, ids)
+    assert 0 < len(healed.encode()) <= HEAL_WORD_BYTES and bpe.decode(kept) + healed == long
+    assert bpe.decode(kept).startswith("let v = a_very")  # the word's start stays in the prompt, its end is owed
+
+
 def test_heal_ids_continue_the_owed_text(bpe):
     owed = b"    "
     ids = bpe.heal_ids(owed)
@@ -94,7 +110,7 @@ def run(engine, ids, heal, max_tokens=6):
     return res
 
 
-@pytest.mark.parametrize("line", ["    ", "    let x = foo.ba", "    // é", "let s = \"hé"])
+@pytest.mark.parametrize("line", ["    ", "    let x = foo.ba", "    // é", "let s = \"hé", "    // methods of thi"])
 def test_healed_generation_writes_the_token_again_and_returns_only_what_follows(bpe_engine, line):
     tok = bpe_engine.tokenizer
     budget = FimBudget.for_context(bpe_engine.config.max_context)
