@@ -130,6 +130,14 @@ def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
     return line_ids, ""
 
 
+def heal_prompt(tok: Tokenizer, ids: list[int]) -> tuple[list[int], str]:
+    """A plain (generate) prompt's ids and the text to heal at its end. A prompt that stops inside a word or after a
+    space ends in a token split no finished text has (`for x in ` is `in` + ` `), as a FIM prompt's cursor line
+    does. A prompt that is all one word keeps its ids: healing would leave nothing to continue from."""
+    kept, heal = heal_split(tok, ids)
+    return (kept, heal) if kept else (ids, "")
+
+
 def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget, heal: bool = True) -> FimPrompt:
     above, line = split_prefix(prefix)
     s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))

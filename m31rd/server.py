@@ -28,7 +28,7 @@ import psutil
 
 from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
-from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
+from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.peer import peer_uid
@@ -125,7 +125,8 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     ids = engine.tokenizer.encode(req.prompt)
     if not ids:
         raise ValueError("empty prompt: nothing to continue from")
-    return engine.fit_prompt(ids, req.max_tokens, req.truncate), req.max_tokens, ""
+    ids, heal = heal_prompt(engine.tokenizer, engine.fit_prompt(ids, req.max_tokens, req.truncate))
+    return ids, req.max_tokens, heal
 
 
 @dataclass(eq=False)

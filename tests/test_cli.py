@@ -29,6 +29,7 @@ def daemon(shared_daemon):
 
 def test_generate_json(daemon, tiny_engine):
     from m31r.engine import Outcome
+    from m31r.fim import heal_prompt
 
     _, sock = daemon
     r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--socket", str(sock))
@@ -36,11 +37,13 @@ def test_generate_json(daemon, tiny_engine):
     [line] = r.stdout.splitlines()
     out = json.loads(line)
     assert {"text", "tokens", "finish_reason", "usage", "timings"} <= set(out)
+    ids, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode("fn main"))
+    assert heal == "main"  # the daemon heals a prompt that stops inside a word
     ref = Outcome(prompt_tokens=0)
-    for _ in tiny_engine.generate("fn main", max_tokens=8, result=ref):
+    for _ in tiny_engine.generate(ids, max_tokens=8, result=ref, heal=heal):
         pass
     assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens, ref.finish_reason)
-    assert out["usage"]["prompt_tokens"] == len(tiny_engine.tokenizer.encode("fn main"))
+    assert out["usage"]["prompt_tokens"] == len(ids) == len(tiny_engine.tokenizer.encode("fn ")) == 3
     assert out["usage"]["completion_tokens"] == len(ref.tokens)
     assert set(out["timings"]) == {"queue_ms", "prefill_ms", "first_token_ms", "total_ms"}
     # Plain mode streams the same text; `-` reads the prompt from stdin.

@@ -131,9 +131,13 @@ class Out:
 
 
 def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, stop=(), heal: str = "") -> Out:
-    """What the engine itself streams for a prompt, in this process, with a fresh cache."""
+    """What the engine itself streams for a prompt, in this process, with a fresh cache. A text prompt is healed
+    as the daemon heals a Generate's (m31r.fim.heal_prompt)."""
     from m31r.engine import Outcome
+    from m31r.fim import heal_prompt
 
+    if isinstance(prompt, str):
+        prompt, heal = heal_prompt(engine.tokenizer, engine.tokenizer.encode(prompt))
     res = Outcome(prompt_tokens=0)
     pieces = [(t.id, t.text) for t in engine.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                                                       result=res, heal=heal)]
@@ -213,6 +217,7 @@ FIM_CASES = [("fn main() {\n    let x = ", ";\n}\n"), ("", ""), ("struct P {\n",
 
 
 async def test_generate_streams_what_the_engine_streams(warm, tiny_engine):
+    from m31r.fim import heal_prompt
     from m31r.sampling import SamplingParams
 
     async with await Client.connect(warm.socket) as c:
@@ -220,7 +225,9 @@ async def test_generate_streams_what_the_engine_streams(warm, tiny_engine):
             out = await run(await c.generate(prompt, max_tokens=12))
             ref = reference(tiny_engine, prompt, 12)
             assert out.pieces == ref.pieces and out.text == ref.text and out.finish_reason == ref.finish_reason
-            assert out.done.usage.prompt_tokens == len(tiny_engine.tokenizer.encode(prompt))
+            healed, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode(prompt))
+            assert out.done.usage.prompt_tokens == len(healed) < len(tiny_engine.tokenizer.encode(prompt))
+            assert prompt.endswith(heal) and out.pieces[0][1] == ""  # the healed text is written again, not sent
             assert out.done.usage.completion_tokens == len(ref.tokens)
             assert out.done.source == "model"
         # Seeded sampling is reproducible too, and a stop sequence ends the stream the same way.
@@ -591,9 +598,12 @@ async def test_a_prompt_over_the_character_limit_is_refused_untokenised(warm):
     await still_serves(warm.socket)
 
 
-async def test_a_huge_prompt_does_not_hold_up_other_clients(warm, tiny_config):
+async def test_a_huge_prompt_does_not_hold_up_other_clients(warm, tiny_config, tiny_engine):
     """A prompt under the limit that takes the tokenizer a second or more is tokenised off the inference thread
     (and without the GIL): requests from other clients keep being answered meanwhile."""
+    from m31r.fim import heal_split
+
+    byte_tok = tiny_engine.tokenizer
     big = ("fn main() { let x = 1; }\n" * 60_000)[:1_500_000]
     async with await Client.connect(warm.socket) as a, await Client.connect(warm.socket) as b:
         stream = await a.generate(big, max_tokens=2, truncate=True)
@@ -605,7 +615,9 @@ async def test_a_huge_prompt_does_not_hold_up_other_clients(warm, tiny_config):
             waits.append(time.perf_counter() - t0)
             assert out.done.usage.completion_tokens == 1
         done = (await pending).done
-    assert done.usage.prompt_tokens == tiny_config.max_context - 2  # truncated to the context, from the left
+    # Truncated to the context, from the left, then healed at its end (the byte vocabulary: a token a character).
+    kept = tiny_config.max_context - 2
+    assert done.usage.prompt_tokens == kept - len(heal_split(byte_tok, byte_tok.encode(big[-kept:]))[1])
     tokenising_s = done.timings.queue_ms / 1000  # the big request's wait: its tokenising
     assert tokenising_s > 0.4, done.timings  # it really was slow to tokenise...
     assert len(waits) >= 3 and max(waits) < tokenising_s / 2, (waits, done.timings)  # ...and held nobody up
