@@ -6,6 +6,7 @@ Special tokens are matched only when prompts are built from ids; `encode` runs w
 
 from __future__ import annotations
 
+import bisect
 import functools
 from pathlib import Path
 
@@ -73,6 +74,16 @@ class Tokenizer:
                 table[i] = bytes(inverse[c] for c in text)
         return table
 
+    @functools.cached_property
+    def _by_bytes(self) -> tuple[list[bytes], list[int], dict[bytes, list[int]]]:
+        """The tokens' bytes sorted (with their ids) and by value: the tokens starting with some bytes are one run of
+        the sorted list, so healing finds them by bisection instead of a pass over the vocabulary per keystroke."""
+        pairs = sorted((b, i) for i, b in enumerate(self.token_bytes) if b)
+        exact: dict[bytes, list[int]] = {}
+        for b, i in pairs:
+            exact.setdefault(b, []).append(i)
+        return [b for b, _ in pairs], [i for _, i in pairs], exact
+
     def heal_ids(self, rest: bytes) -> list[int]:
         """Ids a healed completion may continue with while `rest` (bytes already in the text) is still owed:
         tokens that start with all of it, or that are a prefix of it. Where it ends in a space or tab, a token
@@ -81,18 +92,16 @@ class Tokenizer:
         `rest` (the healed text just written, exactly) allows every token not opening with a space or tab."""
         if not rest:
             return [i for i, b in enumerate(self.token_bytes) if b and b[:1] not in (b" ", b"\t")]
+        keys, ids, exact = self._by_bytes
         after_space = rest[-1:] in (b" ", b"\t")
-        out = []
-        for i, b in enumerate(self.token_bytes):
-            if not b:
-                continue
-            if b.startswith(rest):
-                if after_space and b[len(rest) : len(rest) + 1] in (b" ", b"\t"):
-                    continue
-                out.append(i)
-            elif rest.startswith(b):
-                out.append(i)
-        return out
+        out = [i for k in range(1, len(rest)) for i in exact.get(rest[:k], ())]  # proper prefixes of it
+        n = len(rest)
+        j = bisect.bisect_left(keys, rest)
+        while j < len(keys) and keys[j].startswith(rest):
+            if not (after_space and keys[j][n : n + 1] in (b" ", b"\t")):
+                out.append(ids[j])
+            j += 1
+        return sorted(out)
 
     def stream(self, context: list[int] | None = None) -> TextStream:
         return TextStream(self, context)

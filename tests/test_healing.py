@@ -74,6 +74,25 @@ def test_heal_ids_continue_the_owed_text(bpe):
     assert bpe.encode(" foo")[0] in bpe.heal_ids(b" ") and bpe.encode("  ")[0] not in bpe.heal_ids(b" ")
 
 
+def test_heal_ids_are_every_token_the_definition_allows(bpe):
+    """The bisection over sorted token bytes finds exactly what a pass over the vocabulary finds."""
+
+    def by_definition(rest: bytes) -> list[int]:
+        out = []
+        for i, b in enumerate(bpe.token_bytes):
+            if b and (b.startswith(rest) and not (rest[-1:] in (b" ", b"\t") and b[len(rest):][:1] in (b" ", b"\t"))
+                      or rest.startswith(b) and b != rest):
+                out.append(i)
+        return out
+
+    rng = random.Random(1)
+    owed = [b" Durati", b" ", b"\t", b"    ", b"  \t", "é".encode(), "é".encode()[:1], b"\n    ", b"zzqqxx"]
+    owed += [b for b in (bpe.token_bytes[rng.randrange(bpe.vocab_size)] for _ in range(200)) if b]
+    owed += [b[: rng.randrange(1, len(b) + 1)] for b in owed]
+    for rest in owed:
+        assert bpe.heal_ids(rest) == by_definition(rest), rest
+
+
 def test_prompt_leaves_the_healed_token_out(bpe):
     budget = FimBudget.for_context(1024)
     prefix, suffix = "fn main() {\n    let v = vec![1, 2];\n    v.it", "\n}\n"
