@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "val_files": len(texts),
         "val_crates": len({c for _, _, c in texts}),
         "token_healing": not args.no_heal,
+        "healing": "whole word" if not args.no_heal else "none",  # one token only before the seventeenth session
         "serving_stops": not args.no_serving_stops,
         "seed": args.seed,
         "dtype": args.dtype,

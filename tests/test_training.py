@@ -308,7 +308,8 @@ def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monke
     report = json.loads(out.read_text())
     assert report["single_line"]["n"] == 6 and report["multi_line"]["n"] >= 1
     assert 0.0 <= report["single_line"]["edit_similarity"] <= 1.0
-    assert 0 <= report["single_line"]["doubled_space"] <= 6 and report["token_healing"] is True
+    assert 0 <= report["single_line"]["doubled_space"] <= 6
+    assert report["token_healing"] is True and report["healing"] == "whole word"
     assert report["perplexity"]["windows"] == 2 and report["perplexity"]["perplexity"] < VOCAB
     for t in report["tasks"]:
         assert t["target"] and (t["kind"] == "multi" or "\n" not in t["target"] + t["prediction"])
