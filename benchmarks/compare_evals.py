@@ -51,6 +51,9 @@ def compare(base: dict, cand: dict) -> dict:
         raise ValueError("the two results hold different tasks: run both with the same --seed, --n-single, "
                          "--n-multi and data")
     out: dict = {"base": base["model"], "candidate": cand["model"]}
+    settings = ("healing", "serving_stops", "dtype", "max_new_tokens")
+    if differ := [k for k in settings if base.get(k) != cand.get(k)]:  # a serving change, not the model's
+        out["settings_differ"] = {k: [base.get(k), cand.get(k)] for k in differ}
     for kind in KINDS:
         pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["kind"] == kind]
         if not pairs:
@@ -73,9 +76,13 @@ def compare(base: dict, cand: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"base {r['base']}  candidate {r['candidate']}", "",
-             "| tasks | exact base | exact cand. | gained / lost | sign-test p | edit base | edit cand. "
-             "| edit diff [95%] |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"base {r['base']}  candidate {r['candidate']}"]
+    if "settings_differ" in r:
+        lines.append("the runs differ in " + ", ".join(f"{k} ({a} / {b})" for k, (a, b) in r["settings_differ"].items())
+                     + ": the difference is not the model's alone")
+    lines += ["",
+              "| tasks | exact base | exact cand. | gained / lost | sign-test p | edit base | edit cand. "
+              "| edit diff [95%] |", "|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         if kind in r:
             k = r[kind]

@@ -59,3 +59,12 @@ def test_different_tasks_are_refused_in_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("error: the two results hold different tasks") and proc.stderr.count("\n") == 1
+
+
+def test_runs_with_different_serving_settings_are_flagged() -> None:
+    a = _result("a@1", [True], [1.0], ["single"]) | {"healing": "none", "serving_stops": True}
+    b = _result("a@1", [True], [1.0], ["single"]) | {"healing": "whole word", "serving_stops": True}
+    r = ce.compare(a, b)
+    assert r["settings_differ"] == {"healing": ["none", "whole word"]}
+    assert "the runs differ in healing (none / whole word)" in ce.table(r)
+    assert "settings_differ" not in ce.compare(a, a)
