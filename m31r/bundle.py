@@ -42,6 +42,7 @@ METADATA_KEYS = (
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
               "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 _FLOAT_ST = ("F32", "BF16", "F16")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
@@ -289,7 +290,7 @@ def quantize_bundle(src: str | Path, out: str | Path, method: str, group_size: i
     q = {"method": method, **({"group_size": group_size} if method == "int4" else {})}
     tensors = quantize_state_dict(source.config, load_weights(source), method, group_size)
     meta = source.metadata
-    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+    dtype = _DTYPES_BY_NAME[meta["dtype"]]
     keep = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k != "quantization"}
     return write_bundle(
         out, source.config, tensors, HFTokenizer.from_file(str(source.tokenizer_path)), dtype=dtype,
@@ -330,10 +331,9 @@ def average_bundles(sources: list[str | Path], weights: list[float], out: str | 
     keep = {k: v for k, v in meta.items() if k not in METADATA_KEYS}
     parents = [{"model": b.model_id, "fingerprint": b.fingerprint, "weight": round(w, 6),
                 "tokens_seen": b.metadata.get("tokens_seen")} for b, w in zip(bundles, weights, strict=True)]
-    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+    dtype = _DTYPES_BY_NAME[meta["dtype"]]
     return write_bundle(
         out, first.config, state, HFTokenizer.from_file(str(first.tokenizer_path)), dtype=dtype,
         seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=model_version,
         extra={**keep, "averaged_from": parents},
     )
-

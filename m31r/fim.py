@@ -116,16 +116,15 @@ def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
             healed = b"".join(pieces).decode("utf-8")
         except UnicodeDecodeError:
             continue
-        ids = line_ids[:-k]
-        while ids and _word_char(healed[0]):
-            prev = tok.token_bytes[ids[-1]]
+        ids, size = line_ids[:-k], sum(map(len, pieces))
+        while ids and _word_char(healed[0]) and (prev := tok.token_bytes[ids[-1]]):
             try:
-                text = prev.decode("utf-8") if prev is not None else ""
+                text = prev.decode("utf-8")
             except UnicodeDecodeError:
                 break
-            if not text or not _word_char(text[-1]) or len(text.encode()) + len(healed.encode()) > HEAL_WORD_BYTES:
+            if not _word_char(text[-1]) or size + len(prev) > HEAL_WORD_BYTES:
                 break
-            ids, healed = ids[:-1], text + healed
+            ids, healed, size = ids[:-1], text + healed, size + len(prev)
         return ids, healed
     return line_ids, ""
 
