@@ -190,12 +190,14 @@ def edit_similarity(pred: str, target: str) -> float:
 
 
 def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True,
-              serving_stops: bool = True) -> list[Result]:
+              serving_stops: bool = True, beams: int = 1) -> list[Result]:
+    from m31r.beams import beam_generate
     from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 
     budget = FimBudget.for_context(engine.config.max_context)
     cache = engine.new_cache()
+    spares: list = []
     results = []
     for k, t in enumerate(tasks):
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
@@ -203,10 +205,11 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         res = Outcome(prompt_tokens=len(prompt.ids))
         at_suffix = suffix_stop(t.prefix, t.suffix) if serving_stops and not single else None
         t0 = time.perf_counter()
-        for _ in engine.generate(prompt.ids, max_tokens=single_max if single else multi_max,
-                                 stop=["\n"] if single else [at_suffix] if at_suffix else [], cache=cache,
-                                 result=res, heal=prompt.heal,
-                                 repeat_context=line_context(t.prefix) if serving_stops else None):
+        kw = dict(max_tokens=single_max if single else multi_max, cache=cache, result=res, heal=prompt.heal,
+                  stop=["\n"] if single else [at_suffix] if at_suffix else [],
+                  repeat_context=line_context(t.prefix) if serving_stops else None)
+        wide = beams > 1 and single  # the daemon searches only completions that end at a line end
+        for _ in beam_generate(engine, prompt.ids, width=beams, spares=spares, **kw) if wide else engine.generate(prompt.ids, **kw):
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-heal", action="store_true", help="prompts without token healing (for comparison)")
+    p.add_argument("--beams", type=int, default=1, help="single-line tasks by a beam search of this width "
+                   "(1: greedy)")
     p.add_argument("--no-serving-stops", action="store_true",
                    help="without the daemon's suffix and repeated-line stops (for comparison)")
     args = p.parse_args(argv)
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
     results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal,
-                        serving_stops=not args.no_serving_stops)
+                        serving_stops=not args.no_serving_stops, beams=args.beams)
     t_ppl = time.perf_counter()
     ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
@@ -330,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_healing": not args.no_heal,
         "healing": "whole word" if not args.no_heal else "none",  # one token only before the seventeenth session
         "serving_stops": not args.no_serving_stops,
+        "beams": args.beams,
         "seed": args.seed,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),

@@ -255,6 +255,10 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Prompt-lookup decoding: draft tokens copied from the prompt, verified per decode step (greedy "
                    "requests only; the output is the same, it comes faster where the completion repeats the "
                    "document; 3 measured best). 0 turns it off; a request's `lookahead` field overrides it.")
+@click.option("--beams", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="Beam search width for greedy line completions (a request with a \"\\n\" stop, as editors send "
+                   "mid-line) that do not choose: the likeliest line as a whole, at some latency; 1 is plain greedy "
+                   "decoding. A request's `beams` field overrides it.")
 @click.option("--chunk-size", type=int, default=8, show_default=True,
               help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
 @click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
@@ -265,7 +269,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, kv_dtype: str,
            threads: int | None,
            cache_mb: float, max_queue: int, max_per_connection: int, max_prompt_chars: int, read_timeout: float,
-           max_active: int, decode_width: int, lookahead: int, chunk_size: int, quant: str | None,
+           max_active: int, decode_width: int, lookahead: int, beams: int, chunk_size: int, quant: str | None,
            log_level: str) -> None:
     """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
     from m31r_protocol.paths import default_socket_path
@@ -276,7 +280,7 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
                          max_queue=max_queue,
                          max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
-                         lookahead=lookahead, chunk_size=chunk_size, quant=quant,
+                         lookahead=lookahead, beams=beams, chunk_size=chunk_size, quant=quant,
                          log_level=log_level)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
@@ -301,6 +305,10 @@ def sampling_options(fn: F) -> F:
         click.option("--lookahead", type=click.IntRange(min=0), default=None,
                      help="Prompt-lookup draft tokens per decode step (greedy only; same output); 0 turns it off. "
                           "Default: the daemon's --lookahead."),
+        click.option("--beams", type=click.IntRange(1, 8), default=None,
+                     help="Beam search of this width (greedy only): the likeliest completion as a whole, shown once "
+                          "the search ends; 1 is plain greedy. Default: the daemon's --beams for a completion "
+                          "stopped by --stop '\\n', else 1."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object {text, tokens, finish_reason, usage, timings} at the end."),
         socket_option,
@@ -347,7 +355,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
 
     sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
     common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"],
-                  lookahead=opts["lookahead"])
+                  lookahead=opts["lookahead"], beams=opts["beams"])
     stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
                     else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
                                     **common))

@@ -484,7 +484,7 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------------
 
-    def _healing(self, logits: torch.Tensor, owed: bytes) -> torch.Tensor:
+    def heal_logits(self, logits: torch.Tensor, owed: bytes) -> torch.Tensor:
         """Logits with every token that cannot continue the owed text at -inf (the masks are cached). `owed`
         empty: the step after healed whitespace, where stopping stays allowed."""
         allowed = self._heal_masks.get(owed)
@@ -615,7 +615,7 @@ class Engine:
                 if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
                     logits = logits.index_fill(0, self.unused_ids, float("-inf"))
                 if owed or after_space:
-                    logits = self._healing(logits, owed)
+                    logits = self.heal_logits(logits, owed)
                 tok = sampler(logits, hist)
                 if tok in self.stop_ids:
                     res.finish_reason, res.stopped_by = "stop", "end"

@@ -11,6 +11,7 @@ RoPE uses the rotate-half layout of Llama checkpoints so their weights load with
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
 from itertools import accumulate
@@ -69,9 +70,10 @@ class KVCache:
         self.chunks: list[int] = []
         self._resize(span_of(capacity))
 
-    def _resize(self, capacity: int) -> None:
+    def _resize(self, capacity: int, keep: int | None = None) -> None:
+        """`keep`: the positions worth copying into the new buffers (default: all that fit)."""
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        keep = min(capacity, self.capacity)
+        keep = min(capacity, self.capacity, self.capacity if keep is None else keep)
         for store in (self.k, self.v):
             for layer, old in enumerate(store):
                 new = zeros(shape, self.dtype, self.device)
@@ -90,6 +92,27 @@ class KVCache:
         cache `ahead` positions at a time and copies it four times less often."""
         if not span_of(n) <= self.capacity <= span_of(n) + ahead:
             self._resize(span_of(n) + ahead)
+
+    def clone(self) -> KVCache:
+        """A copy with buffers of its own (beam search's caches start as copies of the prompt's)."""
+        new = copy.copy(self)
+        with torch.inference_mode():
+            new.k, new.v = [t.clone() for t in self.k], [t.clone() for t in self.v]
+        new.tokens, new.chunks = list(self.tokens), list(self.chunks)
+        return new
+
+    def take(self, other: KVCache, start: int) -> None:
+        """Become `other` from position `start` on: the positions before it must already hold the same keys and
+        values (beam search moves a hypothesis between caches that share the prompt by copying only its tail, and
+        fills a spare cache from the prompt's first position that it does not hold already)."""
+        end = len(other.tokens)
+        if self.capacity != other.capacity:  # as other's, so that decoding resizes both alike (fit)
+            self._resize(other.capacity, keep=start)
+        with torch.inference_mode():
+            for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+                for layer, t in enumerate(theirs):
+                    mine[layer][:, :, start:end] = t[:, :, start:end]
+        self.tokens, self.chunks = list(other.tokens), list(other.chunks)
 
     @property
     def nbytes(self) -> int:

@@ -20,6 +20,7 @@ log = logging.getLogger("m31rd")
 # Prompt-lookup drafts per decode step by default: off, because it is not never slower (README "Prompt-lookup
 # decoding": faster at the typing session's p50, but a keystroke whose completion repeats nothing pays the wider step).
 LOOKAHEAD = 0
+BEAMS = 4  # beam width of greedy line completions that do not choose (m31r.beams; README "Beam search")
 
 
 def setup_logging(level: str) -> None:
@@ -49,6 +50,7 @@ class DaemonOptions:
     chunk_size: int = 8
     decode_width: int = 8
     lookahead: int = LOOKAHEAD
+    beams: int = BEAMS
     quant: str | None = "auto"  # auto | int8 | int4 | none (see m31r.engine.auto_precision)
     grace_s: float = 5.0
     log_level: str = "info"
@@ -96,7 +98,8 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     daemon = Daemon(torch_thread, BundleIdentity.read(opts.bundle), cache_mb=opts.cache_mb,
                     max_queue=opts.max_queue, max_active=opts.max_active, grace_s=opts.grace_s,
                     max_per_connection=opts.max_per_connection, max_prompt_chars=opts.max_prompt_chars,
-                    read_timeout=opts.read_timeout or None, lookahead=opts.lookahead, device=opts.device,
+                    read_timeout=opts.read_timeout or None, lookahead=opts.lookahead, beams=opts.beams,
+                    device=opts.device,
                     dtype=opts.dtype)
     load_ms = 0.0
 

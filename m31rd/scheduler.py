@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from m31r.beams import beam_generate
 from m31r.engine import Chunk, Decode, Engine, Outcome, Piece
+from m31r.model import KVCache
 from m31r.sampling import SamplingParams
 from m31rd.cancellation import Cancellation
 from m31rd.prefix_cache import PrefixCache, Slot
@@ -48,6 +50,7 @@ class Request:
     document: str = ""  # the prefix-cache slot it prefers on a tie (prefix_cache)
     deadline: float | None = None  # a time.perf_counter() value: the hard limit (Engine.generate)
     lookahead: int = 0  # prompt-lookup drafts per decode step (Engine.generate; greedy only, same output)
+    beams: int = 1  # above 1: a beam search of this width (m31r.beams; greedy only), lookahead unused
     repeat_context: str | None = None  # the document before a completion: the repeated-line stop (m31r.stops)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
     cancellation: Cancellation = field(default_factory=Cancellation)
@@ -90,9 +93,9 @@ class _Run:
     request: Request
     emit: Emit
     slot: Slot | None = None
-    gen: Generator[Piece | Chunk | Decode, torch.Tensor | None, None] | None = None
-    call: Chunk | Decode | None = None  # the model call it waits for
-    logits: torch.Tensor | None = None  # that call's result, sent into the generator next round
+    gen: Generator[Piece | Chunk | Decode | list[Decode], torch.Tensor | list[torch.Tensor] | None, None] | None = None
+    call: Chunk | Decode | list[Decode] | None = None  # the model call it waits for (a beam search's: one per beam)
+    logits: torch.Tensor | list[torch.Tensor] | None = None  # that call's result, sent into the generator next round
     outcome: Outcome | None = None
     started: float = 0.0
     failure: str | None = None  # a shared model pass failed: answer `internal`
@@ -113,6 +116,7 @@ class Scheduler:
         self.stopping = False
         self.rounds = 0  # rounds that ran model calls
         self.mixed_rounds = 0  # of which prefill chunks ran beside decode steps
+        self.spares: list[KVCache] = []  # beam searches' caches, kept for the next search (m31r.beams)
 
     def submit(self, request: Request, emit: Emit) -> None:
         """Queue a request (from any thread); `emit` gets its events on the scheduler's thread."""
@@ -193,7 +197,7 @@ class Scheduler:
 
     def _run_calls(self, runs: list[_Run]) -> None:
         """Run the model call of every request waiting for one: one round's forward passes."""
-        decodes = [r for r in runs if isinstance(r.call, Decode)]
+        decodes = [r for r in runs if isinstance(r.call, Decode | list)]
         chunks = [r for r in runs if isinstance(r.call, Chunk)]
         if not decodes and not chunks:
             return
@@ -203,14 +207,20 @@ class Scheduler:
             handle = run.request.cancellation
             handle.calls += 1
             handle.calls_after += handle.reason is not None
+        rows = [r.call if isinstance(r.call, list) else [r.call] for r in decodes]
         try:
-            decoded, chunked = self.engine.run([r.call for r in decodes], [r.call for r in chunks])  # type: ignore[misc]
+            decoded, chunked = self.engine.run([d for ds in rows for d in ds], [r.call for r in chunks])  # type: ignore[misc]
         except Exception as e:
             log.error("a model pass failed: %s", traceback.format_exc())
             for run in decodes + chunks:
                 run.call, run.failure = None, f"inference failed: {e!r}"
             return
-        for run, logits in zip(decodes + chunks, decoded + chunked, strict=True):
+        at = 0
+        for run, ds in zip(decodes, rows, strict=True):
+            run.logits = decoded[at : at + len(ds)] if isinstance(run.call, list) else decoded[at]
+            run.call = None
+            at += len(ds)
+        for run, logits in zip(chunks, chunked, strict=True):
             run.call, run.logits = None, logits
 
     def _try_start(self, run: _Run) -> bool:
@@ -221,10 +231,12 @@ class Scheduler:
             return False
         run.slot, run.started = slot, time.perf_counter()
         run.outcome = Outcome(prompt_tokens=len(req.ids))
-        run.gen = self.engine.generate(
-            req.ids, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop, cache=slot.cache,
-            result=run.outcome, batched=True, heal=req.heal, deadline=req.deadline, lookahead=req.lookahead,
-            repeat_context=req.repeat_context)
+        common = dict(max_tokens=req.max_tokens, stop=req.stop, cache=slot.cache, result=run.outcome, batched=True,
+                      heal=req.heal, deadline=req.deadline, repeat_context=req.repeat_context)
+        if req.beams > 1:
+            run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.spares, **common)
+        else:
+            run.gen = self.engine.generate(req.ids, sampling=req.sampling, lookahead=req.lookahead, **common)
         return True
 
     def _end(self, run: _Run, event: Finished | Failed, reusable: bool = True) -> bool:
@@ -262,7 +274,7 @@ class Scheduler:
             except Exception as e:
                 log.error("inference failed: %s", traceback.format_exc())
                 return self._end(run, Failed("internal", f"inference failed: {e!r}"), reusable=False)
-            if isinstance(ev, Chunk | Decode):
+            if isinstance(ev, Chunk | Decode | list):
                 run.call = ev
                 return True
             self._emit(run, ev)

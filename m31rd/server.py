@@ -110,6 +110,26 @@ def request_stops(req: m.Generate | m.Fim) -> list[str]:
     return list(req.stop)
 
 
+def beams_refusal(beams: int, sampling: SamplingParams) -> str | None:
+    """Why a request's `beams` cannot be served, or None."""
+    from m31r.beams import MAX_BEAMS
+
+    if not 1 <= beams <= MAX_BEAMS:
+        return f"beams must be between 1 and {MAX_BEAMS}, got {beams}"
+    if beams > 1 and not (sampling.greedy and sampling.repetition_penalty == 1.0):
+        return "beam search is greedy: beams above 1 take no temperature and no repetition_penalty"
+    return None
+
+
+def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: int) -> int:
+    """The beam width a request runs with: its own, else `default` for a greedy line completion (a "\\n" stop), where
+    beam search measured better than greedy decoding; longer completions measured worse (README "Beam search")."""
+    if req.beams is not None:
+        return req.beams
+    plain = sampling.greedy and sampling.repetition_penalty == 1.0
+    return default if plain and "\n" in req.stop else 1
+
+
 def prompt_chars(req: m.Generate | m.Fim) -> int:
     return len(req.prompt) if isinstance(req, m.Generate) else len(req.prefix) + len(req.suffix)
 
@@ -142,6 +162,7 @@ class InFlight:
     cancellation: Cancellation = field(default_factory=Cancellation)
     text: str = ""  # what was sent so far (typed-through reuses it)
     ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
+    beams: int = 1  # the beam width it runs with (request_beams)
 
     @property
     def rid(self) -> int:
@@ -261,11 +282,12 @@ class Daemon:
     def __init__(self, torch_thread: TorchThread, identity: BundleIdentity, *, cache_mb: float, max_queue: int = 32,
                  max_active: int = 4, grace_s: float = 5.0, max_per_connection: int = 16,
                  max_prompt_chars: int = 1 << 21, read_timeout: float | None = 10.0, lookahead: int = 0,
-                 device: str = "cpu", dtype: str = "auto"):
+                 beams: int = 1, device: str = "cpu", dtype: str = "auto"):
         """The daemon serves from before its model has loaded: `attach` (on `torch_thread`, which builds the
         engine and serves the scheduler) brings the engine; until then Hello and Status are answered from
         `identity`, and requests wait. `lookahead`: the prompt-lookup drafts per decode step of a request that does
-        not choose (Engine.generate)."""
+        not choose (Engine.generate). `beams`: the beam width of a greedy line completion that does not choose
+        (request_beams)."""
         self.torch_thread, self.identity = torch_thread, identity
         self.device, self.dtype, self.cache_mb = device, dtype, cache_mb
         self.engine: Engine | None = None  # these four come with `attach`
@@ -286,6 +308,7 @@ class Daemon:
         self.enc, self.dec = m.encoder(), m.client_decoder()
         self.max_active = max_active
         self.lookahead = lookahead
+        self.beams = beams
         self.threads: int | None = None  # torch's intra-op threads on the inference thread (set by the warm-up)
         self.warm_up: concurrent.futures.Future | None = None  # while it runs (serve), Status answers, requests wait
         self.scheduler_done: concurrent.futures.Future[None] | None = None
@@ -362,6 +385,8 @@ class Daemon:
             return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
         if req.lookahead is not None and req.lookahead < 0:
             return refuse("bad_request", f"lookahead must be >= 0, got {req.lookahead}")
+        if req.beams is not None and (why := beams_refusal(req.beams, sampling)):
+            return refuse("bad_request", why)
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
             what = "the prompt has" if isinstance(req, m.Generate) else "prefix and suffix have"
             return refuse("bad_request", f"{what} {chars} characters; this daemon takes at most "
@@ -436,8 +461,10 @@ class Daemon:
             return self._answer(job, m.Error(id=job.rid, code="cancelled", message=job.cancellation.reason), True)
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         fim = isinstance(job.wire, m.Fim)
+        job.beams = request_beams(job.wire, job.sampling, self.beams)
         request = Request(ids, max_tokens, job.sampling, stop=request_stops(job.wire), heal=heal, document=job.document,
                           deadline=job.deadline, lookahead=lookahead, received=job.received,
+                          beams=job.beams,
                           cancellation=job.cancellation, repeat_context=line_context(job.wire.prefix) if fim else None)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
@@ -501,7 +528,7 @@ class Daemon:
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)
             fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),
-                          finish_reason=msg.finish_reason)
+                          finish_reason=msg.finish_reason, beams=job.beams)
         elif isinstance(msg, m.Error):
             fields.update(code=msg.code)
         handle = job.cancellation

@@ -207,21 +207,21 @@ class Client:
     async def generate(
         self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
         seed: int | None = None, truncate: bool = False, deadline_ms: int | None = None,
-        lookahead: int | None = None,
+        lookahead: int | None = None, beams: int | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Generate(
             id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
-            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead))
+            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead, beams=beams))
 
     async def fim(
         self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
         sampling: Sampling | None = None, stop: list[str] | None = None, seed: int | None = None,
-        deadline_ms: int | None = None, lookahead: int | None = None,
+        deadline_ms: int | None = None, lookahead: int | None = None, beams: int | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Fim(
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,
-            lookahead=lookahead))
+            lookahead=lookahead, beams=beams))
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)

@@ -56,6 +56,7 @@ class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults
     truncate: bool = False  # keep the prompt's end instead of failing with context_overflow
     deadline_ms: int | None = None  # a hard limit on queue + prefill + generation (see Fim)
     lookahead: int | None = None  # prompt-lookup drafts per decode step (see Fim)
+    beams: int | None = None  # beam search width (see Fim)
 
 
 class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
@@ -75,6 +76,10 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # output is the same with any value (it changes only how fast it comes); 0 turns it off; None: the daemon's
     # --lookahead. Sampling ignores it. Values past the daemon's decode width are clamped to it.
     lookahead: int | None = None
+    # Beam search of this width (1 to 8; greedy only): the likeliest completion as a whole rather than token by token,
+    # streamed once the search ends. 1 is plain greedy decoding. None: the daemon's --beams for a greedy request whose
+    # stop sequences include "\n" (a line completion, where it measured better), else 1.
+    beams: int | None = None
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):
@@ -174,7 +179,7 @@ class ShutdownReply(Struct, tag="shutdown_reply"):
 ServerMessage = Welcome | Token | Done | Error | StatusReply | ShutdownReply
 
 CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline",
-                "lookahead"]
+                "lookahead", "beams"]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -248,6 +248,43 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
 
 
+async def test_line_completions_are_beam_searched(warm, tiny_engine):
+    """A greedy Fim stopped at a line end that does not choose its width gets the daemon's --beams (4): it streams
+    the engine's beam search of that width. One that chooses gets its own width (1: greedy decoding); a Generate may
+    choose too. Longer completions stay greedy."""
+    from m31r.beams import beam_generate
+    from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context
+    from m31rd.main import BEAMS
+    from m31rd.server import request_stops
+
+    def beam_reference(ids: list[int], heal: str, width: int, stop: list[str], context: str | None) -> list:
+        return [(p.id, p.text) for p in beam_generate(tiny_engine, ids, width=width, max_tokens=12, stop=stop,
+                                                      heal=heal, repeat_context=context)]
+
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    differs = 0
+    async with await Client.connect(warm.socket) as c:
+        assert "beams" in c.welcome.capabilities
+        for prefix, suffix in [FIM_CASES[0], FIM_CASES[3], ("let words = [\"a\", \"b", "\"];\n")]:
+            p = build_fim_prompt(tiny_engine.tokenizer, prefix, suffix, budget)
+            stops = request_stops(m.Fim(id=0, prefix=prefix, suffix=suffix, stop=["\n"]))
+            searched = beam_reference(p.ids, p.heal, BEAMS, stops, line_context(prefix))
+            out = await run(await c.fim(prefix, suffix, max_tokens=12, stop=["\n"]))
+            assert out.pieces == searched
+            for width in (1, 2):
+                out = await run(await c.fim(prefix, suffix, max_tokens=12, stop=["\n"], beams=width))
+                assert out.pieces == beam_reference(p.ids, p.heal, width, stops, line_context(prefix))
+            greedy = fim_reference(tiny_engine, prefix, suffix, 12)
+            differs += greedy.pieces != searched
+            out = await run(await c.fim(prefix, suffix, max_tokens=12))  # no line-end stop: greedy
+            assert out.pieces == greedy.pieces
+        for prompt in GEN_PROMPTS[:3]:
+            ids, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode(prompt))
+            out = await run(await c.generate(prompt, max_tokens=12, beams=3))
+            assert out.pieces == beam_reference(ids, heal, 3, [], None)
+    assert differs  # the search answered something greedy decoding does not
+
+
 async def test_lookahead_streams_the_same_text(warm, cold, tiny_engine):
     """Prompt-lookup decoding over the socket: with drafts (a daemon's --lookahead, and asked for) a request streams
     what it streams without them (lookahead 0) and what the engine streams, in fewer decode steps."""
@@ -494,6 +531,10 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         14: {"type": "fim", "id": 14, "prefix": "x", "deadline_ms": -5},
         22: {"type": "generate", "id": 22, "prompt": "fn", "deadline_ms": -1},
         23: {"type": "fim", "id": 23, "prefix": "x", "lookahead": -1},
+        24: {"type": "fim", "id": 24, "prefix": "x", "beams": 0},
+        25: {"type": "generate", "id": 25, "prompt": "fn", "beams": 9},
+        26: {"type": "fim", "id": 26, "prefix": "x", "beams": 2, "sampling": {"temperature": 0.5}},
+        27: {"type": "fim", "id": 27, "prefix": "x", "beams": 3, "sampling": {"repetition_penalty": 1.2}},
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
         17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},

@@ -328,6 +328,40 @@ def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monke
     assert eval_fim.edit_similarity("", "") == 1.0 and eval_fim.levenshtein("kitten", "sitting") == 3
 
 
+def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
+    """eval_fim.py --beams (single-line tasks by a beam search, multi-line ones greedy) and bench_beams.py end to end
+    on the exported tiny bundle: smoke tests, the figures are noise."""
+    import importlib.util
+
+    bench = Path(__file__).parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    mods = {}
+    for name in ("eval_fim", "bench_beams"):
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+        spec.loader.exec_module(mods[name])
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    reports = {}
+    for beams in (1, 3):
+        out = tmp_path / f"fim-{beams}.json"
+        assert mods["eval_fim"].main(["--bundle", str(bundle.path), "--data", str(data_dir), "--n-single", "6",
+                                      "--n-multi", "3", "--ppl-windows", "1", "--out", str(out), "--threads", "1",
+                                      "--beams", str(beams)]) == 0
+        reports[beams] = json.loads(out.read_text())
+    assert reports[3]["beams"] == 3 and reports[1]["beams"] == 1
+    multi = [[t["prediction"] for t in r["tasks"] if t["kind"] == "multi"] for r in reports.values()]
+    assert multi[0] == multi[1]  # multi-line tasks stay greedy
+    assert all("\n" not in t["prediction"] for t in reports[3]["tasks"] if t["kind"] == "single")
+    out = tmp_path / "beams.json"
+    assert mods["bench_beams"].main(["--bundle", str(bundle.path), "--data", str(data_dir), "--tasks", "3",
+                                     "--keystrokes", "2", "--widths", "2", "--quant", "none", "--threads", "1",
+                                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["width"] for r in rows] == [1, 2] and all(r["keystrokes"] >= 3 and r["ms_p50"] > 0 for r in rows)
+
+
 def bundle_tokenizer(bundle):
     from m31r.tokenizer import Tokenizer
 

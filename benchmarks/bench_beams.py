@@ -1,0 +1,103 @@
+"""What beam search costs a line completion while the user types (README "Beam search").
+
+`make eval`'s single-line tasks (held-out crates, same seed), each typed: the cursor's first request, then one
+request per character of the reference line typed, up to --keystrokes. Every width has its own prompt cache and spare
+caches, as a daemon serving that width would, and the widths take turns on every keystroke, so they share the
+machine's load. Timed: the engine's whole answer (prefill of what changed, then the search or greedy decoding), not
+the cursor's first request, which prefills the whole prompt.
+
+    python benchmarks/bench_beams.py --bundle release --data ~/.cache/m31r/data --widths 1,3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval_fim import make_tasks  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
+    p.add_argument("--tasks", type=int, default=40, help="single-line tasks (eval_fim's first ones)")
+    p.add_argument("--keystrokes", type=int, default=3, help="characters typed per task")
+    p.add_argument("--widths", default="1,3,4", help="beam widths; 1 (greedy decoding) is the reference")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    if 1 not in widths:
+        widths.insert(0, 1)
+
+    from m31r.beams import beam_generate
+    from m31r.cpu import describe
+    from m31r.engine import Engine, Outcome
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+
+    engine = Engine(args.bundle, dtype=args.dtype, quant=None if args.quant == "none" else args.quant,
+                    threads=args.threads)
+    tok = engine.tokenizer
+    with open(args.data / "corpus" / "val.jsonl") as f:
+        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
+    tasks = [t for t in make_tasks(texts, args.tasks, 0, args.seed, tok, 48, 128) if t.kind == "single"]
+    budget = FimBudget.for_context(engine.config.max_context)
+    state = {w: (engine.new_cache(), []) for w in widths}
+    ms: dict[int, list[float]] = {w: [] for w in widths}
+    tokens: dict[int, list[int]] = {w: [] for w in widths}
+    steps: dict[int, list[int]] = {w: [] for w in widths}
+    turn = 0
+    for t in tasks:
+        for k in range(min(args.keystrokes, len(t.target)) + 1):
+            prefix = t.prefix + t.target[:k]
+            prompt = build_fim_prompt(tok, prefix, t.suffix, budget)
+            turn += 1
+            for w in widths[:: 1 if turn % 2 else -1]:
+                cache, spares = state[w]
+                kw = dict(max_tokens=48, stop=["\n"], cache=cache, heal=prompt.heal,
+                          repeat_context=line_context(prefix))
+                res = Outcome(prompt_tokens=0)
+                t0 = time.perf_counter()
+                for _ in (beam_generate(engine, prompt.ids, width=w, result=res, spares=spares, **kw) if w > 1
+                          else engine.generate(prompt.ids, result=res, **kw)):
+                    pass
+                if k:
+                    ms[w].append((time.perf_counter() - t0) * 1000)
+                    tokens[w].append(res.completion_tokens)
+                    steps[w].append(res.decode_steps)
+
+    def q(xs: list[float], n: int) -> float:
+        return statistics.quantiles(xs, n=100)[n - 1] if len(xs) > 1 else xs[0]
+
+    rows = [{"width": w, "keystrokes": len(ms[w]), "ms_p50": round(q(ms[w], 50), 1), "ms_p90": round(q(ms[w], 90), 1),
+             "ms_mean": round(statistics.mean(ms[w]), 1), "completion_tokens": round(statistics.mean(tokens[w]), 2),
+             "decode_steps": round(statistics.mean(steps[w]), 2)} for w in widths]
+    base = rows[widths.index(1)]
+    print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
+          f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+    print(f"{len(tasks)} single-line tasks, {args.keystrokes} keystrokes each")
+    print(f"{'width':>5} {'keystrokes':>10} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8} {'p50 vs greedy':>13} "
+          f"{'tokens':>7} {'steps':>6}")
+    for r in rows:
+        print(f"{r['width']:>5} {r['keystrokes']:>10} {r['ms_p50']:>8.1f} {r['ms_p90']:>8.1f} {r['ms_mean']:>8.1f} "
+              f"{r['ms_p50'] / base['ms_p50']:>12.2f}x {r['completion_tokens']:>7.2f} {r['decode_steps']:>6.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"cpu": describe(), "bundle": str(args.bundle), "rows": rows}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,241 @@
+"""Beam search: the completion the model finds most likely as a whole, not one token at a time.
+
+Greedy decoding commits to each step's most likely token, so a line that starts with a second choice is never
+written even when it is the likelier line. Beam search keeps the `width` likeliest partial completions at each step
+and answers with the likeliest finished one: the highest sum of its tokens' log-probabilities, end included. A sum
+favours short completions, which suits a line (the single-line FIM tasks of `make eval` gain from it); longer
+answers end early under it, so the daemon uses it where a line end stops the completion (README "Beam search").
+
+A hypothesis finishes where `Engine.generate` would stop it: the model's end token, a stop sequence, the
+repeated-line stop, or `max_tokens`; token healing holds every hypothesis to the owed text first. The search ends
+once no unfinished hypothesis can beat the best finished one (scores only fall). Then the winner's tokens go
+through the same text path as `generate`'s, so its pieces, stops and usage read as a greedy run that chose those
+tokens would report. Nothing streams before then: a hypothesis is final only when the search ends.
+
+Each hypothesis decodes on a cache of its own, and they all share the prompt. A hypothesis extended twice gives its
+second child a copy of the tail it wrote, not of the prompt (KVCache.take). The other caches come from the caller's
+`spares`, which keep the prompts they held: while the user types, a spare holds all of the new prompt but its last
+few tokens, and only those are copied (Engine.reusable's rule decides which positions hold the same bits).
+"""
+
+from __future__ import annotations
+
+import codecs
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Outcome, Piece
+from m31r.model import KVCache
+from m31r.stops import StopMatcher
+
+MAX_BEAMS = 8
+MAX_SPARES = MAX_BEAMS - 1  # spare caches a `spares` list keeps between searches
+
+
+@dataclass
+class Hypothesis:
+    score: float  # sum of the log-probabilities of its tokens
+    tokens: list[int]
+    cache: int  # index of the cache holding its keys/values (live hypotheses only)
+    owed: bytes  # healed bytes still to write (Engine.generate)
+    after_space: bool  # healed whitespace just ended: the next token may not add to it
+    skip: int  # healed characters still to leave out of the text
+    pending: bytes  # bytes of a character not yet complete
+    stops: StopMatcher
+    end: str = ""  # why it finished: end | sequence | repeat | length ("" while live)
+
+
+def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis:
+    """h followed by tok: its healing, text and stop state moved on, `end` set if tok finishes it."""
+    if tok in engine.stop_ids:
+        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end")
+    written = engine.tokenizer.token_bytes[tok] or b""
+    owed, after_space = h.owed, False
+    if owed:
+        if owed.startswith(written):
+            after_space = written == owed and owed[-1:] in (b" ", b"\t")
+            owed = owed[len(written):]
+        else:
+            owed = b""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = decoder.decode(h.pending + written)
+    pending = decoder.getstate()[0]
+    n = min(h.skip, len(text))
+    text, skip = text[n:], h.skip - n
+    stops = copy.deepcopy(h.stops)
+    _, hit = stops.feed(text)
+    end = ("repeat" if stops.repeated else "sequence") if hit else ""
+    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end)
+
+
+def beam_generate(
+    engine: Engine,
+    ids: list[int],
+    *,
+    width: int,
+    max_tokens: int = 64,
+    stop: list[str] | tuple[str, ...] = (),
+    cache: KVCache | None = None,
+    result: Outcome | None = None,
+    batched: bool = False,
+    heal: str = "",
+    deadline: float | None = None,
+    repeat_context: str | None = None,
+    spares: list[KVCache] | None = None,
+) -> Iterator[Piece | Chunk | list[Decode]]:
+    """Engine.generate's contract (prompt ids only, greedy only), answered by a beam search of `width` hypotheses.
+    With `batched`, a decode step is yielded as a list of Decode, one per live hypothesis, for the driver to run
+    together (Engine.run) and send back as a list of logits; `cache` holds the prompt afterwards, not the answer.
+    `spares`: caches to take the other hypotheses' from and give back (up to MAX_SPARES kept), owned by the caller
+    and used by one search at a time. Width 1 is greedy decoding, token for token."""
+    t0 = time.perf_counter()
+    if not 1 <= width <= MAX_BEAMS:
+        raise ValueError(f"beams must be between 1 and {MAX_BEAMS}, got {width}")
+    if not ids:
+        raise ValueError("empty prompt: nothing to continue from")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if len(ids) + max_tokens > engine.config.max_context:
+        raise ContextOverflowError(len(ids), max_tokens, engine.config.max_context)
+    res = result if result is not None else Outcome(prompt_tokens=len(ids))
+    res.prompt_tokens = len(ids)
+    cache = cache if cache is not None else engine.new_cache()
+    start = engine.reusable(cache, ids)
+    res.cached_tokens = start
+    logits = None
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
+
+    for chunk in engine.chunks(cache, ids, start):
+        if late():
+            res.finish_reason = "deadline"
+            res.prefill_ms = res.total_ms = (time.perf_counter() - t0) * 1000
+            return
+        out = (yield chunk) if batched else engine.run([], [chunk])[1][0]
+        if chunk.last:
+            logits = out
+    res.prefill_ms = (time.perf_counter() - t0) * 1000
+    if max_tokens == 0:
+        res.finish_reason = "length"
+        res.total_ms = res.prefill_ms
+        return
+    assert logits is not None
+    caches = [cache]
+    live = [Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", StopMatcher(stop, repeat_context))]
+    rows = [logits]
+    done: list[Hypothesis] = []
+    spares = spares if spares is not None else []
+    try:
+        for i in range(max_tokens):
+            picks = []
+            for k, (h, lg) in enumerate(zip(live, rows, strict=True)):
+                if engine.unused_ids is not None:
+                    lg = lg.index_fill(0, engine.unused_ids, float("-inf"))
+                if h.owed or h.after_space:
+                    lg = engine.heal_logits(lg, h.owed)
+                lp = F.log_softmax(lg.float(), dim=-1)
+                top, at = lp.topk(width)
+                picks += [(h.score + s, k, t) for s, t in zip(top.tolist(), at.tolist(), strict=True)
+                          if s != float("-inf")]
+            picks.sort(key=lambda p: (-p[0], p[1], p[2]))  # ties: the older hypothesis, then the lower id
+            grown: list[Hypothesis] = []
+            for score, k, tok in picks:
+                if len(grown) == width:
+                    break
+                h = _extend(engine, live[k], tok, score)
+                (done if h.end else grown).append(h)
+            best = max(done, key=lambda h: h.score, default=None)
+            if not grown or (best is not None and best.score >= grown[0].score):
+                break
+            if i + 1 == max_tokens:
+                for h in grown:
+                    h.end = "length"
+                done += grown
+                break
+            if late():
+                for h in grown:
+                    h.end = "deadline"
+                done += grown
+                break
+            caches = _place(engine, grown, caches, ids, spares)
+            calls = [Decode(caches[h.cache], h.tokens[-1]) for h in grown]
+            rows = (yield calls) if batched else engine.run(calls, [])[0]
+            res.decode_steps += 1
+            live = grown
+    finally:
+        del cache.tokens[len(ids):]  # the answer's keys/values may be in another cache, or overwritten
+        spares += caches[1:]
+        del spares[MAX_SPARES:]
+    win = max(done, key=lambda h: h.score)
+    yield from _replay(engine, ids, win, stop, heal, repeat_context, res, t0)
+    if win.end == "deadline":
+        res.finish_reason = "deadline"
+    res.total_ms = (time.perf_counter() - t0) * 1000
+
+
+def _place(engine: Engine, grown: list[Hypothesis], caches: list[KVCache], ids: list[int],
+           spares: list[KVCache]) -> list[KVCache]:
+    """Give each new hypothesis a cache holding its parent's keys/values: the parent's own for its first child, and
+    for the others one that a parent without children held (given the parent's tail), else one from `spares` (given
+    what it lacks of the prompt, and the tail), else a copy."""
+    claimed: set[int] = set()
+    second: list[Hypothesis] = []
+    for h in grown:
+        if h.cache in claimed:
+            second.append(h)
+        else:
+            claimed.add(h.cache)
+    spare = [c for c in range(len(caches)) if c not in claimed]
+    for h in second:
+        src = caches[h.cache]
+        if spare:
+            c = spare.pop()
+            caches[c].take(src, len(ids))
+        else:
+            if spares:
+                kept = [engine.reusable(s, ids) for s in spares]
+                s = spares.pop(kept.index(max(kept)))
+                s.take(src, max(kept))
+                caches.append(s)
+            else:
+                caches.append(src.clone())
+            c = len(caches) - 1
+        h.cache = c
+    return caches
+
+
+def _replay(engine: Engine, ids: list[int], win: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
+            repeat_context: str | None, res: Outcome, t0: float) -> Iterator[Piece]:
+    """The winner's tokens as Engine.generate emits them: text through the tokenizer's stream, the healed text
+    left out, stop sequences cut and held back."""
+    stream = engine.tokenizer.stream(ids)
+    stops = StopMatcher(stop, repeat_context)
+    skip, hit = len(heal), False
+    res.finish_reason = "length"
+    for tok in win.tokens:
+        if tok in engine.stop_ids:
+            res.finish_reason, res.stopped_by = "stop", "end"
+            break
+        res.tokens.append(tok)
+        res.completion_tokens += 1
+        piece = stream.step(tok)
+        if skip:
+            n = min(skip, len(piece))
+            piece, skip = piece[n:], skip - n
+        piece, hit = stops.feed(piece)
+        res.text += piece
+        if res.first_token_ms is None:
+            res.first_token_ms = (time.perf_counter() - t0) * 1000
+        yield Piece(tok, piece)
+        if hit:
+            res.finish_reason = "stop"
+            res.stopped_by = "repeat" if stops.repeated else "sequence"
+            break
+    if not hit and (tail := stops.flush()):
+        res.text += tail
+        yield Piece(None, tail)

@@ -1,0 +1,198 @@
+"""Beam search (m31r.beams): greedy at width 1, the same answer as a search that gives every hypothesis a cache of
+its own, whatever the spare caches held before, and the same answer through the scheduler's shared passes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+RELEASE = Path(__file__).resolve().parent.parent / "release"
+
+FIM_CASES = [
+    ("fn main() {\n    let total = items.it", "\n}\n"),
+    ("impl Point {\n    fn norm(&self) -> f64 {\n        ", "\n    }\n}\n"),
+    ("use std::collections::Ha", "\n\nfn f() {}\n"),
+    ("// a comment\nstruct S { a: u8 }\n\nfn build() -> S {\n    S { a", " }\n}\n"),
+]
+
+
+def fim_prompts(engine) -> list[tuple[list[int], str, str]]:
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+
+    budget = FimBudget.for_context(engine.config.max_context)
+    out = []
+    for prefix, suffix in FIM_CASES:
+        p = build_fim_prompt(engine.tokenizer, prefix, suffix, budget)
+        out.append((p.ids, p.heal, line_context(prefix)))
+    return out
+
+
+def search(engine, ids: list[int], width: int, **kw):
+    from m31r.beams import beam_generate
+    from m31r.engine import Outcome
+
+    res = Outcome(prompt_tokens=0)
+    pieces = [(p.id, p.text) for p in beam_generate(engine, ids, width=width, result=res, **kw)]
+    return pieces, res
+
+
+def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: str, repeat_context) -> list[int]:
+    """The same search written plainly: every hypothesis gets a fresh copy of its parent's cache at every step."""
+    import torch.nn.functional as F
+
+    from m31r.beams import Hypothesis, _extend
+    from m31r.stops import StopMatcher
+
+    cache = engine.new_cache()
+    for chunk in engine.chunks(cache, ids, 0):
+        logits = engine.run([], [chunk])[1][0]
+    live = [(Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", StopMatcher(stop, repeat_context)), cache,
+             logits)]
+    done = []
+    for i in range(max_tokens):
+        picks = []
+        for k, (h, _, lg) in enumerate(live):
+            lg = lg.index_fill(0, engine.unused_ids, float("-inf")) if engine.unused_ids is not None else lg
+            if h.owed or h.after_space:
+                lg = engine.heal_logits(lg, h.owed)
+            top, at = F.log_softmax(lg, dim=-1).topk(width)
+            picks += [(h.score + s, k, t) for s, t in zip(top.tolist(), at.tolist()) if s != float("-inf")]
+        picks.sort(key=lambda p: (-p[0], p[1], p[2]))
+        grown = []
+        for score, k, tok in picks:
+            if len(grown) == width:
+                break
+            h = _extend(engine, live[k][0], tok, score)
+            if h.end:
+                done.append(h)
+            else:
+                grown.append((h, live[k][1].clone()))
+        if not grown or (done and max(d.score for d in done) >= grown[0][0].score):
+            break
+        if i + 1 == max_tokens:
+            done += [h for h, _ in grown]
+            break
+        rows = engine.decode_rows([c for _, c in grown], [h.tokens[-1] for h, _ in grown])
+        live = [(h, c, row) for (h, c), row in zip(grown, rows)]
+    return max(done, key=lambda h: h.score).tokens
+
+
+def test_width_one_is_greedy_decoding(tiny_engine):
+    from m31r.engine import Outcome
+
+    for ids, heal, context in fim_prompts(tiny_engine):
+        for stop in ([], ["\n"], ["; "]):
+            kw = dict(max_tokens=24, stop=stop, heal=heal, repeat_context=context)
+            res = Outcome(prompt_tokens=0)
+            greedy = [(p.id, p.text) for p in tiny_engine.generate(ids, result=res, **kw)]
+            pieces, got = search(tiny_engine, ids, 1, **kw)
+            assert pieces == greedy
+            assert (got.text, got.tokens, got.finish_reason, got.stopped_by) == (
+                res.text, res.tokens, res.finish_reason, res.stopped_by)
+
+
+@pytest.fixture(scope="module")
+def release_engine():
+    """The bundled model: unlike the tiny random one, its answers depend on every recent position's keys and values,
+    so a hypothesis decoding on another's tail is caught."""
+    from m31r.engine import Engine
+
+    return Engine(RELEASE, dtype="float32", quant=None)
+
+
+@pytest.mark.parametrize("width", [2, 3, 5])
+@pytest.mark.parametrize("which", ["tiny", "release"])
+def test_search_is_the_search_with_a_cache_per_hypothesis(request, which, width):
+    """Tail copies between shared caches (KVCache.take) and spare caches change nothing: the answer is that of a
+    search that copies the parent's whole cache for every hypothesis at every step."""
+    engine = request.getfixturevalue(f"{which}_engine")
+    spares: list = []
+    answers = set()
+    for ids, heal, context in fim_prompts(engine):
+        for stop in ([], ["\n"]):
+            want = reference(engine, ids, width, 16, stop, heal, context)
+            _, got = search(engine, ids, width, max_tokens=16, stop=stop, heal=heal, repeat_context=context,
+                            spares=spares)
+            end = [t for t in want if t in engine.stop_ids]
+            assert got.tokens + end == want
+            answers.add(tuple(want))
+    assert len(answers) > 2  # the cases differ: a search that ignored its prompt would not pass
+
+
+def test_spare_caches_hold_earlier_prompts_without_changing_answers(tiny_engine):
+    """A typing session: each request's prompt extends the last one's. With spares kept from request to request only
+    the new tokens are copied into them; the answers are those of searches with no spares at all, and the
+    prompt's own cache ends holding the prompt alone."""
+    from m31r.beams import MAX_SPARES
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    prefix, suffix = "fn area(w: f64, h: f64) -> f64 {\n    let result = w * h;\n    res", "\n}\n"
+    cache, spares = tiny_engine.new_cache(), []
+    for typed in ["", "u", "ul", "ult", "ult +", "ult + 1"]:
+        p = build_fim_prompt(tiny_engine.tokenizer, prefix + typed, suffix, budget)
+        kw = dict(max_tokens=12, stop=["\n"], heal=p.heal, repeat_context=line_context(prefix + typed))
+        warm, _ = search(tiny_engine, p.ids, 4, cache=cache, spares=spares, **kw)
+        fresh, _ = search(tiny_engine, p.ids, 4, **kw)
+        assert warm == fresh
+        assert cache.tokens == p.ids
+        assert 0 < len(spares) <= MAX_SPARES
+        assert all(s.tokens[: len(p.ids)] == p.ids for s in spares)  # each holds this prompt now
+
+
+def test_kv_cache_take_copies_only_the_tail(tiny_engine):
+    import torch
+
+    a, b = tiny_engine.new_cache(), tiny_engine.new_cache()
+    ids = list(range(40, 90))
+    for chunk in tiny_engine.chunks(a, ids, 0):
+        tiny_engine.run([], [chunk])
+    b.take(a, 0)
+    assert b.tokens == a.tokens and b.chunks == a.chunks
+    assert all(torch.equal(x[:, :, :50], y[:, :, :50]) for x, y in zip(a.k + a.v, b.k + b.v))
+    c = a.clone()
+    tiny_engine.decode_rows([a], [7])
+    b.k[0][:, :, 20] = 0  # before `start`: take must leave it alone
+    b.take(a, 30)
+    assert torch.equal(b.k[0][:, :, 30:51], a.k[0][:, :, 30:51]) and not torch.equal(b.k[0][:, :, 20], a.k[0][:, :, 20])
+    assert len(c.tokens) == 50 and len(a.tokens) == 51 and b.tokens == a.tokens  # a clone is a copy
+
+
+def test_scheduler_runs_searches_beside_greedy_streams(tiny_engine):
+    """Through the scheduler (rows of several requests in shared passes) a search answers what it answers alone."""
+    from m31rd.prefix_cache import PrefixCache
+    from m31rd.scheduler import Request, Scheduler
+
+    prompts = fim_prompts(tiny_engine)
+    cache = PrefixCache(tiny_engine, 0, slots=2 * len(prompts))
+    sched = Scheduler(tiny_engine, cache, max_active=2 * len(prompts))
+    got: dict[tuple[int, int], list] = {}
+    for k, (ids, heal, context) in enumerate(prompts):
+        for width in (1, 3):
+            out = got.setdefault((k, width), [])
+            sched.submit(Request(ids, 14, stop=["\n"], heal=heal, repeat_context=context, beams=width),
+                         lambda ev, out=out: out.append(ev))
+    sched.drain()
+    for k, (ids, heal, context) in enumerate(prompts):
+        for width in (1, 3):
+            *pieces, finished = got[(k, width)]
+            alone, res = search(tiny_engine, ids, width, max_tokens=14, stop=["\n"], heal=heal, repeat_context=context)
+            assert [(p.id, p.text) for p in pieces] == alone
+            assert finished.finish_reason == res.finish_reason and finished.completion_tokens == res.completion_tokens
+    assert sched.spares  # the searches' caches stay for the next one
+
+
+def test_refusals_and_deadline(tiny_engine):
+    from m31r.beams import beam_generate
+
+    ids, heal, _ = fim_prompts(tiny_engine)[0]
+    with pytest.raises(ValueError, match="beams must be between 1 and 8"):
+        list(beam_generate(tiny_engine, ids, width=9))
+    with pytest.raises(ValueError, match="empty prompt"):
+        list(beam_generate(tiny_engine, [], width=2))
+    pieces, res = search(tiny_engine, ids, 3, max_tokens=10, heal=heal, deadline=time.perf_counter())
+    assert pieces == [] and res.finish_reason == "deadline"
+    pieces, res = search(tiny_engine, ids, 3, max_tokens=0, heal=heal)
+    assert pieces == [] and res.finish_reason == "length"
