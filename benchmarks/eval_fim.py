@@ -209,7 +209,8 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
                   stop=["\n"] if single else [at_suffix] if at_suffix else [],
                   repeat_context=line_context(t.prefix) if serving_stops else None)
         wide = beams > 1 and single  # the daemon searches only completions that end at a line end
-        for _ in beam_generate(engine, prompt.ids, width=beams, spares=spares, **kw) if wide else engine.generate(prompt.ids, **kw):
+        stream = beam_generate(engine, prompt.ids, width=beams, spares=spares, **kw) if wide else None
+        for _ in stream or engine.generate(prompt.ids, **kw):
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text

@@ -4,7 +4,8 @@ Greedy decoding commits to each step's most likely token, so a line that starts 
 written even when it is the likelier line. Beam search keeps the `width` likeliest partial completions at each step
 and answers with the likeliest finished one: the highest sum of its tokens' log-probabilities, end included. A sum
 favours short completions, which suits a line (the single-line FIM tasks of `make eval` gain from it); longer
-answers end early under it, so the daemon uses it where a line end stops the completion (README "Beam search").
+answers end early under it, so the daemon uses it where a line end stops the completion (README "Beam search for
+line completions").
 
 A hypothesis finishes where `Engine.generate` would stop it: the model's end token, a stop sequence, the
 repeated-line stop, or `max_tokens`; token healing holds every hypothesis to the owed text first. The search ends
@@ -21,11 +22,11 @@ few tokens, and only those are copied (Engine.reusable's rule decides which posi
 from __future__ import annotations
 
 import codecs
-import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Outcome, Piece
@@ -66,7 +67,7 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis
     pending = decoder.getstate()[0]
     n = min(h.skip, len(text))
     text, skip = text[n:], h.skip - n
-    stops = copy.deepcopy(h.stops)
+    stops = h.stops.clone()
     _, hit = stops.feed(text)
     end = ("repeat" if stops.repeated else "sequence") if hit else ""
     return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end)
@@ -132,16 +133,15 @@ def beam_generate(
     spares = spares if spares is not None else []
     try:
         for i in range(max_tokens):
-            picks = []
-            for k, (h, lg) in enumerate(zip(live, rows, strict=True)):
-                if engine.unused_ids is not None:
-                    lg = lg.index_fill(0, engine.unused_ids, float("-inf"))
+            lg = torch.stack(list(rows)).float()
+            if engine.unused_ids is not None:
+                lg = lg.index_fill(1, engine.unused_ids, float("-inf"))
+            for k, h in enumerate(live):
                 if h.owed or h.after_space:
-                    lg = engine.heal_logits(lg, h.owed)
-                lp = F.log_softmax(lg.float(), dim=-1)
-                top, at = lp.topk(width)
-                picks += [(h.score + s, k, t) for s, t in zip(top.tolist(), at.tolist(), strict=True)
-                          if s != float("-inf")]
+                    lg[k] = engine.heal_logits(lg[k], h.owed)
+            top, at = F.log_softmax(lg, dim=-1).topk(width, dim=-1)
+            picks = [(h.score + s, k, t) for k, h in enumerate(live)
+                     for s, t in zip(top[k].tolist(), at[k].tolist(), strict=True) if s != float("-inf")]
             picks.sort(key=lambda p: (-p[0], p[1], p[2]))  # ties: the older hypothesis, then the lower id
             grown: list[Hypothesis] = []
             for score, k, tok in picks:

@@ -255,7 +255,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Prompt-lookup decoding: draft tokens copied from the prompt, verified per decode step (greedy "
                    "requests only; the output is the same, it comes faster where the completion repeats the "
                    "document; 3 measured best). 0 turns it off; a request's `lookahead` field overrides it.")
-@click.option("--beams", type=click.IntRange(1, 8), default=4, show_default=True,
+@click.option("--beams", type=click.IntRange(1, 8), default=3, show_default=True,
               help="Beam search width for greedy line completions (a request with a \"\\n\" stop, as editors send "
                    "mid-line) that do not choose: the likeliest line as a whole, at some latency; 1 is plain greedy "
                    "decoding. A request's `beams` field overrides it.")

@@ -5,6 +5,8 @@ Text that could still be the start of a stop sequence is held back until the nex
 
 from __future__ import annotations
 
+import copy
+
 
 class StopMatcher:
     """Stop sequences, and with `repeat_context` (the text before the completion) the repeated-line stop."""
@@ -14,6 +16,12 @@ class StopMatcher:
         self._held = ""
         self.repeats = RepeatedLine(repeat_context) if repeat_context is not None else None
         self.repeated = False  # the repeated-line stop ended the text
+
+    def clone(self) -> StopMatcher:
+        """An independent copy of the matching state (a beam search's hypotheses fork it)."""
+        new = copy.copy(self)
+        new.repeats = copy.copy(self.repeats)
+        return new
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop was hit)."""

@@ -20,7 +20,8 @@ log = logging.getLogger("m31rd")
 # Prompt-lookup drafts per decode step by default: off, because it is not never slower (README "Prompt-lookup
 # decoding": faster at the typing session's p50, but a keystroke whose completion repeats nothing pays the wider step).
 LOOKAHEAD = 0
-BEAMS = 4  # beam width of greedy line completions that do not choose (m31r.beams; README "Beam search")
+# The beam width of greedy line completions that do not choose (m31r.beams; README "Beam search for line completions").
+BEAMS = 3
 
 
 def setup_logging(level: str) -> None:

@@ -123,7 +123,8 @@ def beams_refusal(beams: int, sampling: SamplingParams) -> str | None:
 
 def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: int) -> int:
     """The beam width a request runs with: its own, else `default` for a greedy line completion (a "\\n" stop), where
-    beam search measured better than greedy decoding; longer completions measured worse (README "Beam search")."""
+    beam search measured better than greedy decoding; longer completions measured worse (README "Beam search for line
+    completions")."""
     if req.beams is not None:
         return req.beams
     plain = sampling.greedy and sampling.repetition_penalty == 1.0

@@ -58,7 +58,7 @@ def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: s
             if h.owed or h.after_space:
                 lg = engine.heal_logits(lg, h.owed)
             top, at = F.log_softmax(lg, dim=-1).topk(width)
-            picks += [(h.score + s, k, t) for s, t in zip(top.tolist(), at.tolist()) if s != float("-inf")]
+            picks += [(h.score + s, k, t) for s, t in zip(top.tolist(), at.tolist(), strict=True) if s != float("-inf")]
         picks.sort(key=lambda p: (-p[0], p[1], p[2]))
         grown = []
         for score, k, tok in picks:
@@ -75,7 +75,7 @@ def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: s
             done += [h for h, _ in grown]
             break
         rows = engine.decode_rows([c for _, c in grown], [h.tokens[-1] for h, _ in grown])
-        live = [(h, c, row) for (h, c), row in zip(grown, rows)]
+        live = [(h, c, row) for (h, c), row in zip(grown, rows, strict=True)]
     return max(done, key=lambda h: h.score).tokens
 
 
@@ -151,7 +151,7 @@ def test_kv_cache_take_copies_only_the_tail(tiny_engine):
         tiny_engine.run([], [chunk])
     b.take(a, 0)
     assert b.tokens == a.tokens and b.chunks == a.chunks
-    assert all(torch.equal(x[:, :, :50], y[:, :, :50]) for x, y in zip(a.k + a.v, b.k + b.v))
+    assert all(torch.equal(x[:, :, :50], y[:, :, :50]) for x, y in zip(a.k + a.v, b.k + b.v, strict=True))
     c = a.clone()
     tiny_engine.decode_rows([a], [7])
     b.k[0][:, :, 20] = 0  # before `start`: take must leave it alone
@@ -196,3 +196,12 @@ def test_refusals_and_deadline(tiny_engine):
     assert pieces == [] and res.finish_reason == "deadline"
     pieces, res = search(tiny_engine, ids, 3, max_tokens=0, heal=heal)
     assert pieces == [] and res.finish_reason == "length"
+
+
+def test_the_daemon_default_width_is_one_number() -> None:
+    """`m31r daemon --beams`'s default is DaemonOptions' (the CLI must not import m31rd at startup)."""
+    from m31r.cli import daemon
+    from m31rd.main import BEAMS, DaemonOptions
+
+    option = next(p for p in daemon.params if p.name == "beams")
+    assert option.default == BEAMS == DaemonOptions.__dataclass_fields__["beams"].default
