@@ -489,7 +489,7 @@ class Service:
         sampling = self.sampling(r.temperature, r.top_k, r.top_p)
         return Generation(self, "/generate", lambda c: c.generate(
             r.prompt, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop, seed=r.seed, truncate=r.truncate,
-            deadline_ms=r.deadline_ms or None),
+            deadline_ms=r.deadline_ms or None, beams=r.beams),
             NativeRenderer(), r.stream)
 
     async def fim(self, request: Request) -> Generation:
@@ -499,7 +499,7 @@ class Service:
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/fim", lambda c: c.fim(
             r.prefix, r.suffix, document=document, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop,
-            seed=r.seed, deadline_ms=r.deadline_ms or None), NativeRenderer(), r.stream)
+            seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams), NativeRenderer(), r.stream)
 
     async def completion(self, request: Request) -> Generation:
         r: s.CompletionRequest = await self.read(request, s.CompletionRequest)
@@ -514,7 +514,7 @@ class Service:
         # Its own document namespace: an editor's LSP requests for the same file are not superseded by these.
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/completion", lambda c: c.fim(
-            **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed),
+            **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams),
             CompletionRenderer(plan, len(r.prefix)), r.stream)
 
     async def openai_completions(self, request: Request) -> Generation:

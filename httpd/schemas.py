@@ -38,6 +38,10 @@ DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
     "A hard limit on the request's time in the daemon (queued, prefilling, generating): once spent, the answer ends "
     "with what was written so far (finish_reason `deadline`), at a line end if its last token holds one; "
     "0 = no deadline."))]
+Beams = Annotated[int, Meta(ge=1, le=8, description=(
+    "Beam search of this width (greedy only): the likeliest completion as a whole, streamed once the search ends; "
+    "1 = greedy decoding. Absent: the daemon's --beams for a request stopped at a line end (`\\n` in `stop`), "
+    "else 1."))]
 Document = Annotated[str, Meta(max_length=4096, description=(
     "A key for the file being edited (its path): the newest request for it cancels older ones (409) and its "
     "prefix-cache slot is kept warm."))]
@@ -58,6 +62,7 @@ class _Sampled(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     stop: Stop = []
     stream: Stream = False
+    beams: Beams | None = None
 
 
 class GenerateRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +102,9 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: TopK = 0
     top_p: TopP = 1.0
     seed: Seed | None = None
+    beams: Annotated[int, Meta(ge=1, le=8, description=(
+        "Beam search of this width (greedy only). Absent: the daemon's --beams for a single-line suggestion, "
+        "greedy decoding for a multi-line one."))] | None = None
     stream: Annotated[bool, Meta(description=(
         "Server-Sent Events. Post-processing needs the whole completion, so the suggestion comes as one `chunk` "
         "event, then `done`."))] = False
@@ -358,6 +366,9 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
         for schema in prop.get("anyOf", [prop]):
             if schema.get("type") == "integer":
                 schema["maximum"] = max_tokens_cap
+    for name in ("GenerateRequest", "FimRequest", "CompletionRequest"):  # a beam search samples nothing
+        components[name]["if"] = {"required": ["beams"], "properties": {"beams": {"type": "integer", "minimum": 2}}}
+        components[name]["then"] = {"properties": {"temperature": {"exclusiveMaximum": GREEDY_BELOW}}}
     gen_errors = ("400", "401", "403", "409", "413", "503", "504")
     common = ("401", "403")
 

@@ -256,6 +256,30 @@ def test_fim(http):
     assert http.post("/fim", json={"prefix": "", "max_tokens": 3}).status_code == 200  # empty file
 
 
+def test_beams_reach_the_daemon(http, daemon):
+    """`beams` on /generate, /fim and /completion is the daemon's beam width: the same text as the socket's for each
+    width, the daemon's --beams when absent on a line-end stop; outside 1..8, or with a temperature, a 400."""
+    prefix, suffix = "fn area(w: f64, h: f64) -> f64 {\n    let result = w * h", ";\n    result\n}\n"
+
+    async def socket_text(**kw) -> str:
+        async with await Client.connect(daemon["sock"]) as c:
+            return (await (await c.fim(prefix, suffix, max_tokens=12, stop=["\n"], **kw)).collect())[0]
+
+    body = {"prefix": prefix, "suffix": suffix, "max_tokens": 12, "stop": ["\n"]}
+    for beams in (1, 2, 3):
+        got = http.post("/fim", json={**body, "beams": beams})
+        assert got.status_code == 200, got.text
+        assert got.json()["text"] == asyncio.run(socket_text(beams=beams))
+    assert http.post("/fim", json=body).json()["text"] == asyncio.run(socket_text())
+    got = http.post("/generate", json={"prompt": prefix, "max_tokens": 8, "beams": 2})
+    assert got.status_code == 200, got.text
+    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "beams": 2})
+    assert got.status_code == 200, got.text
+    for bad in ({"beams": 0}, {"beams": 9}, {"beams": 2, "temperature": 0.5}):
+        got = http.post("/fim", json={**body, **bad})
+        assert got.status_code == 400, (bad, got.text)
+
+
 def test_completion_applies_the_shared_policy(http):
     """/completion = policy.plan → the daemon → policy.postprocess (m31r_protocol.policy); checked against the policy
     applied to /fim's raw text for the same plan (sampled with a fixed seed, so there is something to keep)."""
