@@ -205,3 +205,56 @@ def test_the_daemon_default_width_is_one_number() -> None:
 
     option = next(p for p in daemon.params if p.name == "beams")
     assert option.default == BEAMS == DaemonOptions.__dataclass_fields__["beams"].default
+
+
+def test_a_cancelled_search_gives_its_caches_back(tiny_engine):
+    """Cancelled between rounds, a search ends `cancelled` within a round; its spare caches go back to the
+    scheduler and its prompt cache holds the prompt alone, reusable by the next request."""
+    from m31rd.prefix_cache import PrefixCache
+    from m31rd.scheduler import Failed, Request, Scheduler
+
+    ids, heal, context = fim_prompts(tiny_engine)[1]
+    sched = Scheduler(tiny_engine, PrefixCache(tiny_engine, 0, slots=1), max_active=1)
+    events: list = []
+    req = Request(ids, 40, heal=heal, repeat_context=context, beams=4)
+    sched.submit(req, events.append)
+    while sched.rounds < 6:  # the prompt's chunks, then a few decode steps of the search
+        sched.round()
+    assert not events  # nothing streams before the search ends
+    req.cancellation.cancel("superseded")
+    sched.drain()
+    assert len(events) == 1 and isinstance(events[0], Failed) and events[0].code == "cancelled"
+    assert len(sched.spares) == 3 and all(s.tokens[: len(ids)] == ids for s in sched.spares)
+    slot = sched.cache.slots[0]
+    assert slot.cache.tokens == ids
+
+
+def test_a_deadline_mid_search_answers_the_best_so_far(tiny_engine, monkeypatch):
+    """Past its deadline a search makes no further model call: it answers its likeliest hypothesis, finished or not,
+    with finish_reason `deadline`."""
+    import m31r.beams as beams
+
+    ids, heal, context = fim_prompts(tiny_engine)[1]
+    clock = {"now": 0.0}
+    monkeypatch.setattr(beams.time, "perf_counter", lambda: clock["now"])
+    res = beams.Outcome(prompt_tokens=0)
+    gen = beams.beam_generate(tiny_engine, ids, width=3, max_tokens=40, heal=heal, repeat_context=context,
+                              deadline=10.0, batched=True, result=res)
+    pieces, steps, sent = [], 0, None
+    try:
+        while True:
+            call = gen.send(sent)
+            if isinstance(call, list):
+                steps += 1
+                if steps == 4:
+                    clock["now"] = 20.0  # the deadline passes while the fourth step runs
+                sent = tiny_engine.run(call, [])[0]
+            elif isinstance(call, beams.Chunk):
+                sent = tiny_engine.run([], [call])[1][0]
+            else:
+                pieces.append(call)
+                sent = None
+    except StopIteration:
+        pass
+    assert steps == 4 and res.finish_reason == "deadline"
+    assert len(res.tokens) == 5 and [p.id for p in pieces] == res.tokens  # a token per step, and the first one
