@@ -51,9 +51,10 @@ def compare(base: dict, cand: dict) -> dict:
         raise ValueError("the two results hold different tasks: run both with the same --seed, --n-single, "
                          "--n-multi and data")
     out: dict = {"base": base["model"], "candidate": cand["model"]}
-    settings = ("healing", "serving_stops", "dtype", "max_new_tokens")
-    if differ := [k for k in settings if base.get(k) != cand.get(k)]:  # a serving change, not the model's
-        out["settings_differ"] = {k: [base.get(k), cand.get(k)] for k in differ}
+    settings = {"healing": None, "serving_stops": None, "dtype": None, "max_new_tokens": None,
+                "beams": 1}  # (results from before --beams searched nothing)
+    if differ := [k for k, d in settings.items() if base.get(k, d) != cand.get(k, d)]:  # a serving change
+        out["settings_differ"] = {k: [base.get(k, settings[k]), cand.get(k, settings[k])] for k in differ}
     for kind in KINDS:
         pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["kind"] == kind]
         if not pairs:

@@ -68,3 +68,5 @@ def test_runs_with_different_serving_settings_are_flagged() -> None:
     assert r["settings_differ"] == {"healing": ["none", "whole word"]}
     assert "the runs differ in healing (none / whole word)" in ce.table(r)
     assert "settings_differ" not in ce.compare(a, a)
+    assert "settings_differ" not in ce.compare(a, a | {"beams": 1})  # results from before --beams were greedy
+    assert ce.compare(a, a | {"beams": 3})["settings_differ"] == {"beams": [1, 3]}
