@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quant", default="none", help="weights as the daemon's --quant (none: as stored; auto: what the "
+                   "daemon serves on this machine)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-heal", action="store_true", help="prompts without token healing (for comparison)")
     p.add_argument("--beams", type=int, default=1, help="single-line tasks by a beam search of this width "
@@ -297,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads)
+    engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads,
+                    quant=None if args.quant == "none" else args.quant)
     meta = engine.bundle.metadata
     data_tok = args.data / "tokenizer.json"
     if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "beams": args.beams,
         "seed": args.seed,
         "dtype": args.dtype,
+        "quant": engine.quant,
         "threads": torch.get_num_threads(),
         "max_context": engine.config.max_context,
         "max_new_tokens": {"single": single_max, "multi": multi_max},
