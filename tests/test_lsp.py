@@ -481,6 +481,44 @@ async def test_mid_line_is_single_line(lsp):
     assert seen >= 1
 
 
+async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, tiny_engine):
+    """Editor → language server → daemon: a greedy mid-line suggestion is the daemon's beam search (--beams, 3) of the
+    request the server sent, as the engine computes it, and the daemon's log line says so."""
+    from m31r.beams import beam_generate
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+    from m31r_protocol import messages as m
+    from m31rd.main import BEAMS
+    from m31rd.server import request_stops
+
+    s = await lsp({"multiline": "auto", "temperature": 0.0, "debounceMode": "fixed", "debounceMs": 0})
+    text = "fn main() {\n    let total = values.iter().sum::<u32>();\n}\n"
+    s.open(text)
+    offset = text.index("iter()")
+    await s.inline(offset)
+    st = await s.stats()
+    fim = st["lastFim"]
+    assert fim["stop"] == ["\n"]
+    p = build_fim_prompt(tiny_engine.tokenizer, fim["prefix"], fim["suffix"],
+                         FimBudget.for_context(tiny_engine.config.max_context))
+    stops = request_stops(m.Fim(id=0, prefix=fim["prefix"], suffix=fim["suffix"], stop=fim["stop"]))
+    searched = "".join(x.text for x in beam_generate(tiny_engine, p.ids, width=BEAMS, max_tokens=fim["max_tokens"],
+                                                    stop=stops, heal=p.heal,
+                                                    repeat_context=line_context(fim["prefix"])))
+    greedy = "".join(x.text for x in tiny_engine.generate(p.ids, max_tokens=fim["max_tokens"], stop=stops, heal=p.heal,
+                                                          repeat_context=line_context(fim["prefix"])))
+    assert st["lastRaw"] == searched != greedy
+
+    def logged() -> list[dict]:
+        lines = [json.loads(x) for x in list(shared_daemon[0].log_lines) if x.startswith("{")]
+        return [x for x in lines if x.get("msg") == "request" and x.get("client") == "m31r-lsp" and "beams" in x]
+
+    async def seen() -> bool:
+        return bool(logged())
+
+    await until(seen)
+    assert logged()[-1]["kind"] == "fim" and logged()[-1]["beams"] == BEAMS
+
+
 async def test_auto_closed_bracket_range(lsp):
     s = await lsp({**NOISE, "multiline": "auto"})
     text = "fn main() {\n    let n = count_words()\n}\n"
