@@ -46,7 +46,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +82,8 @@ class Result:
     ms: float
     prefix_end: str = ""  # the prefix's last character: a stray space after indentation shows against it
     serving_stop: bool = False  # ended by a serving stop (suffix, repeated line), not by the model or the task
+    alternatives: list[str] = field(default_factory=list)  # a beam search's runners-up, as the daemon sends them
+    exact_any: bool = False  # the prediction or one of the alternatives matches
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -215,10 +217,12 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text
         p, g = normalize(pred), normalize(t.target)
+        alts = [a.split("\n", 1)[0] if single else a for a in res.alternatives]
         results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
                               len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
                               t.prefix[-1:],
-                              res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence")))
+                              res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence"), alts,
+                              g in {p, *map(normalize, alts)}))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -256,6 +260,9 @@ def summarize(results: list[Result], kind: str) -> dict:
         return {"n": 0}
     n = len(rs)
     return {"n": n, "exact_match": round(sum(r.exact for r in rs) / n, 4),
+            # exact, or one of a beam search's runners-up is (what an editor cycling through its suggestions finds)
+            "exact_any": round(sum(r.exact_any for r in rs) / n, 4),
+            "alternatives": round(sum(len(r.alternatives) for r in rs) / n, 2),
             "edit_similarity": round(sum(r.edit_similarity for r in rs) / n, 4),
             "completion_tokens": round(sum(r.completion_tokens for r in rs) / n, 2),
             # ended by the model's end-of-middle or the task's own stop (a single line's newline): comparable with
@@ -364,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['doubled_space']:>8}")
         else:
             print(f"{name:<12} {0:>5}")
+    if args.beams > 1 and report["single_line"]["n"]:
+        s = report["single_line"]
+        print(f"single-line exact within the beam search's suggestions: {s['exact_any']:.1%} "
+              f"({s['alternatives']:.2f} runners-up per task)")
     if ppl["windows"]:
         print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
               f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x "

@@ -167,7 +167,7 @@ def _result(g: Generation) -> s.GenerateResponse:
     assert d is not None
     return s.GenerateResponse(
         text=g.text, finish_reason=d.finish_reason,
-        usage=d.usage, timings=d.timings)
+        usage=d.usage, timings=d.timings, alternatives=d.alternatives)
 
 
 class NativeRenderer(Renderer):
@@ -193,8 +193,14 @@ class CompletionRenderer(Renderer):
         r = _result(g)
         sug = policy.postprocess(self.plan, g.text)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
+        others: list[policy.Suggestion] = []
+        for alt in r.alternatives:
+            other = policy.postprocess(self.plan, alt)
+            if other is not None and other != sug and other not in others:
+                others.append(other)
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
-                                    start=start, end=end, multiline=self.plan.multiline)
+                                    start=start, end=end, multiline=self.plan.multiline,
+                                    alternatives=[s.Alternative(o.text, o.start, o.end) for o in others])
 
     def final(self, g: Generation) -> bytes:
         r = self.response(g)

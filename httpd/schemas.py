@@ -117,12 +117,22 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class GenerateResponse(Struct):
-    """The answer to /generate and /fim; also the data of the final `done` event of a stream."""
+    """The answer to /generate and /fim; also the data of the final `done` event of a stream. `alternatives`: a
+    beam search's runners-up, likeliest first (empty unless it searched)."""
 
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    alternatives: list[str] = []
+
+
+class Alternative(Struct):
+    """Another suggestion, post-processed as the first: replace [start, end) with `text`."""
+
+    text: str
+    start: int
+    end: int
 
 
 class CompletionResponse(Struct):
@@ -136,6 +146,7 @@ class CompletionResponse(Struct):
     start: int
     end: int
     multiline: bool
+    alternatives: list[Alternative] = []  # a beam search's runners-up, for an editor to cycle through
 
 
 class StreamChunk(Struct):

@@ -35,6 +35,8 @@ class Result:
     offset: int  # the cursor
     suggestion: policy.Suggestion
     source: str  # "model" (from the daemon) | "typed_through" (from the shown suggestion, no round trip)
+    # More suggestions for the editor to cycle through: the daemon's beam search runners-up, post-processed the same way
+    alternatives: list[policy.Suggestion] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +224,13 @@ class Completer:
         st.shown = policy.Shown(text, offset, suggestion)
         if s.accept_ahead:
             st.warm = self._spawn(self._warm(uri, st.shown, s))
-        return Result(text, version, offset, suggestion, "model")
+        alternatives: list[policy.Suggestion] = []
+        for alt in done.alternatives:
+            other = policy.postprocess(plan, alt)
+            if other is not None and other != suggestion and other not in alternatives:
+                alternatives.append(other)
+        self.stats["alternatives"] += len(alternatives)
+        return Result(text, version, offset, suggestion, "model", alternatives)
 
     def _clamp_max_tokens(self, max_tokens: int, limit: int) -> int:
         """The daemon refuses max_tokens above its model's context (every completion would silently come back

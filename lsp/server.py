@@ -208,9 +208,10 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
         result = await ls.suggest(params.text_document.uri, params.position, invoked=invoked)
         if result is None:
             return types.InlineCompletionList(items=[])
-        s = result.suggestion
+        # The suggestion, then the daemon's runners-up (a beam search's), for the editor to cycle through.
         return types.InlineCompletionList(items=[
-            types.InlineCompletionItem(insert_text=s.text, range=ls.to_range(result, s.start, s.end))])
+            types.InlineCompletionItem(insert_text=s.text, range=ls.to_range(result, s.start, s.end))
+            for s in (result.suggestion, *result.alternatives)])
 
     @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=COMPLETION_TRIGGERS))
     async def completion(ls: M31rLanguageServer, params: types.CompletionParams) -> types.CompletionList:

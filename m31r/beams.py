@@ -171,10 +171,21 @@ def beam_generate(
         del cache.tokens[len(ids):]  # the answer's keys/values may be in another cache, or overwritten
         spares += caches[1:]
         del spares[MAX_SPARES:]
-    win = max(done, key=lambda h: h.score)
-    yield from _replay(engine, ids, win, stop, heal, repeat_context, res, t0)
-    if win.end == "deadline":
+    ranked = sorted(done, key=lambda h: -h.score)  # stable: ties keep the order they finished in
+    win = _answer(engine, ids, ranked[0], stop, heal, repeat_context)
+    res.finish_reason, res.stopped_by = win.finish_reason, win.stopped_by
+    for piece in win.pieces:
+        if piece.id is not None:
+            res.tokens.append(piece.id)
+            res.completion_tokens += 1
+        res.text += piece.text
+        if res.first_token_ms is None:
+            res.first_token_ms = (time.perf_counter() - t0) * 1000
+        yield piece
+    if ranked[0].end == "deadline":
         res.finish_reason = "deadline"
+    else:
+        res.alternatives = _alternatives(engine, ids, ranked[1:], win.text, width - 1, stop, heal, repeat_context)
     res.total_ms = (time.perf_counter() - t0) * 1000
 
 
@@ -209,33 +220,57 @@ def _place(engine: Engine, grown: list[Hypothesis], caches: list[KVCache], ids: 
     return caches
 
 
-def _replay(engine: Engine, ids: list[int], win: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
-            repeat_context: str | None, res: Outcome, t0: float) -> Iterator[Piece]:
-    """The winner's tokens as Engine.generate emits them: text through the tokenizer's stream, the healed text
-    left out, stop sequences cut and held back."""
+@dataclass
+class Answer:
+    """A hypothesis as Engine.generate would have streamed it."""
+
+    pieces: list[Piece]
+    finish_reason: str
+    stopped_by: str | None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)
+
+
+def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
+            repeat_context: str | None) -> Answer:
+    """h's tokens through generate's text path: the tokenizer's stream, the healed text left out, stop sequences cut
+    and held back."""
     stream = engine.tokenizer.stream(ids)
     stops = StopMatcher(stop, repeat_context)
     skip, hit = len(heal), False
-    res.finish_reason = "length"
-    for tok in win.tokens:
+    out = Answer([], "length", None)
+    for tok in h.tokens:
         if tok in engine.stop_ids:
-            res.finish_reason, res.stopped_by = "stop", "end"
+            out.finish_reason, out.stopped_by = "stop", "end"
             break
-        res.tokens.append(tok)
-        res.completion_tokens += 1
         piece = stream.step(tok)
         if skip:
             n = min(skip, len(piece))
             piece, skip = piece[n:], skip - n
         piece, hit = stops.feed(piece)
-        res.text += piece
-        if res.first_token_ms is None:
-            res.first_token_ms = (time.perf_counter() - t0) * 1000
-        yield Piece(tok, piece)
+        out.pieces.append(Piece(tok, piece))
         if hit:
-            res.finish_reason = "stop"
-            res.stopped_by = "repeat" if stops.repeated else "sequence"
+            out.finish_reason, out.stopped_by = "stop", "repeat" if stops.repeated else "sequence"
             break
     if not hit and (tail := stops.flush()):
-        res.text += tail
-        yield Piece(None, tail)
+        out.pieces.append(Piece(None, tail))
+    return out
+
+
+def _alternatives(engine: Engine, ids: list[int], ranked: list[Hypothesis], first: str, n: int,
+                  stop: list[str] | tuple[str, ...], heal: str, repeat_context: str | None) -> list[str]:
+    """The texts of the next likeliest finished hypotheses, up to n, each non-empty and unlike the answer's and the
+    others' (hypotheses that differ only in tokens, or past a stop, read the same)."""
+    seen, out = {first}, []
+    for h in ranked:
+        if len(out) == n:
+            break
+        if h.end in ("", "deadline"):
+            continue
+        text = _answer(engine, ids, h, stop, heal, repeat_context).text
+        if text.strip() and text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out

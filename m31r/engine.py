@@ -110,6 +110,7 @@ class Outcome:
     decode_steps: int = 0  # decode model calls (each one forward pass row group: a token and its drafts)
     drafted: int = 0  # draft tokens fed to those calls (prompt-lookup decoding)
     accepted: int = 0  # of which greedy decoding confirmed: tokens produced without a call of their own
+    alternatives: list[str] = field(default_factory=list)  # a beam search's runners-up, likeliest first (m31r.beams)
 
 
 @dataclass

@@ -72,6 +72,7 @@ class Finished:
     decode_steps: int = 0  # prompt-lookup decoding's figures (Outcome)
     drafted: int = 0
     accepted: int = 0
+    alternatives: tuple[str, ...] = ()  # a beam search's runners-up (m31r.beams)
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class Scheduler:
             o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
-            accepted=o.accepted)
+            accepted=o.accepted, alternatives=tuple(o.alternatives))
 
     def _advance(self, run: _Run) -> bool:
         """Advance a running request to its next model call (collected for this round), emitting the tokens produced

@@ -482,7 +482,8 @@ class Daemon:
                               completion_tokens=e.completion_tokens, decode_steps=e.decode_steps,
                               draft_tokens=e.drafted, accepted_tokens=e.accepted),
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
-                                  first_token_ms=first, total_ms=round(e.total_ms, 2))), True)
+                                  first_token_ms=first, total_ms=round(e.total_ms, 2)),
+                alternatives=list(e.alternatives)), True)
         elif isinstance(event, Failed):
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:

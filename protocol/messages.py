@@ -139,6 +139,9 @@ class Done(Struct, tag="done"):
     usage: Usage
     timings: Timings
     source: Literal["model", "typed_through"] = "model"
+    # A beam search's runners-up (beams above 1): the next likeliest distinct completions, likeliest first, each as the
+    # streamed text would have read. An editor offers them as further suggestions.
+    alternatives: list[str] = []
 
 
 class Error(Struct, tag="error"):

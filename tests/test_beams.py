@@ -38,8 +38,9 @@ def search(engine, ids: list[int], width: int, **kw):
     return pieces, res
 
 
-def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: str, repeat_context) -> list[int]:
-    """The same search written plainly: every hypothesis gets a fresh copy of its parent's cache at every step."""
+def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: str, repeat_context) -> list:
+    """The same search written plainly: every hypothesis gets a fresh copy of its parent's cache at every step.
+    Returns the finished hypotheses, likeliest first."""
     import torch.nn.functional as F
 
     from m31r.beams import Hypothesis, _extend
@@ -76,7 +77,7 @@ def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: s
             break
         rows = engine.decode_rows([c for _, c in grown], [h.tokens[-1] for h, _ in grown])
         live = [(h, c, row) for (h, c), row in zip(grown, rows, strict=True)]
-    return max(done, key=lambda h: h.score).tokens
+    return sorted(done, key=lambda h: -h.score)
 
 
 def test_width_one_is_greedy_decoding(tiny_engine):
@@ -105,20 +106,30 @@ def release_engine():
 @pytest.mark.parametrize("width", [2, 3, 5])
 @pytest.mark.parametrize("which", ["tiny", "release"])
 def test_search_is_the_search_with_a_cache_per_hypothesis(request, which, width):
-    """Tail copies between shared caches (KVCache.take) and spare caches change nothing: the answer is that of a
-    search that copies the parent's whole cache for every hypothesis at every step."""
+    """Tail copies between shared caches (KVCache.take) and spare caches change nothing: the answer and its
+    runners-up are those of a search that copies the parent's whole cache for every hypothesis at every step."""
+    import m31r.beams as beams
+
     engine = request.getfixturevalue(f"{which}_engine")
     spares: list = []
     answers = set()
+    alternatives = 0
     for ids, heal, context in fim_prompts(engine):
         for stop in ([], ["\n"]):
-            want = reference(engine, ids, width, 16, stop, heal, context)
+            ranked = reference(engine, ids, width, 16, stop, heal, context)
+            want = ranked[0].tokens
             _, got = search(engine, ids, width, max_tokens=16, stop=stop, heal=heal, repeat_context=context,
                             spares=spares)
             end = [t for t in want if t in engine.stop_ids]
             assert got.tokens + end == want
             answers.add(tuple(want))
+            # The runners-up: the next finished hypotheses' texts, each new and not empty, likeliest first.
+            texts = [beams._answer(engine, ids, h, stop, heal, context).text for h in ranked[1:]]
+            expect = [t for i, t in enumerate(texts) if t.strip() and t != got.text and t not in texts[:i]]
+            assert got.alternatives == expect[: width - 1]
+            alternatives += len(got.alternatives)
     assert len(answers) > 2  # the cases differ: a search that ignored its prompt would not pass
+    assert alternatives > 0 or which == "tiny"  # the random model often finishes one hypothesis only
 
 
 def test_spare_caches_hold_earlier_prompts_without_changing_answers(tiny_engine):

@@ -253,13 +253,19 @@ async def test_line_completions_are_beam_searched(warm, tiny_engine):
     the engine's beam search of that width. One that chooses gets its own width (1: greedy decoding); a Generate may
     choose too. Longer completions stay greedy."""
     from m31r.beams import beam_generate
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context
     from m31rd.main import BEAMS
     from m31rd.server import request_stops
 
     def beam_reference(ids: list[int], heal: str, width: int, stop: list[str], context: str | None) -> list:
-        return [(p.id, p.text) for p in beam_generate(tiny_engine, ids, width=width, max_tokens=12, stop=stop,
-                                                      heal=heal, repeat_context=context)]
+        res = Outcome(prompt_tokens=0)
+        pieces = [(p.id, p.text) for p in beam_generate(tiny_engine, ids, width=width, max_tokens=12, stop=stop,
+                                                        heal=heal, repeat_context=context, result=res)]
+        alternatives[len(alternatives)] = res.alternatives
+        return pieces
+
+    alternatives: dict[int, list[str]] = {}
 
     budget = FimBudget.for_context(tiny_engine.config.max_context)
     differs = 0
@@ -270,19 +276,21 @@ async def test_line_completions_are_beam_searched(warm, tiny_engine):
             stops = request_stops(m.Fim(id=0, prefix=prefix, suffix=suffix, stop=["\n"]))
             searched = beam_reference(p.ids, p.heal, BEAMS, stops, line_context(prefix))
             out = await run(await c.fim(prefix, suffix, max_tokens=12, stop=["\n"]))
-            assert out.pieces == searched
+            assert out.pieces == searched and out.done.alternatives == alternatives[len(alternatives) - 1]
             for width in (1, 2):
                 out = await run(await c.fim(prefix, suffix, max_tokens=12, stop=["\n"], beams=width))
                 assert out.pieces == beam_reference(p.ids, p.heal, width, stops, line_context(prefix))
+                assert out.done.alternatives == alternatives[len(alternatives) - 1]
             greedy = fim_reference(tiny_engine, prefix, suffix, 12)
             differs += greedy.pieces != searched
             out = await run(await c.fim(prefix, suffix, max_tokens=12))  # no line-end stop: greedy
-            assert out.pieces == greedy.pieces
+            assert out.pieces == greedy.pieces and out.done.alternatives == []
         for prompt in GEN_PROMPTS[:3]:
             ids, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode(prompt))
             out = await run(await c.generate(prompt, max_tokens=12, beams=3))
             assert out.pieces == beam_reference(ids, heal, 3, [], None)
     assert differs  # the search answered something greedy decoding does not
+    assert any(alternatives.values())  # and some searches had runners-up to send
 
 
 async def test_lookahead_streams_the_same_text(warm, cold, tiny_engine):

@@ -261,20 +261,35 @@ def test_beams_reach_the_daemon(http, daemon):
     width, the daemon's --beams when absent on a line-end stop; outside 1..8, or with a temperature, a 400."""
     prefix, suffix = "fn area(w: f64, h: f64) -> f64 {\n    let result = w * h", ";\n    result\n}\n"
 
-    async def socket_text(**kw) -> str:
+    async def socket_answer(**kw) -> list:
         async with await Client.connect(daemon["sock"]) as c:
-            return (await (await c.fim(prefix, suffix, max_tokens=12, stop=["\n"], **kw)).collect())[0]
+            text, done = await (await c.fim(prefix, suffix, max_tokens=12, stop=["\n"], **kw)).collect()
+            return [text, done.alternatives]
 
     body = {"prefix": prefix, "suffix": suffix, "max_tokens": 12, "stop": ["\n"]}
     for beams in (1, 2, 3):
         got = http.post("/fim", json={**body, "beams": beams})
         assert got.status_code == 200, got.text
-        assert got.json()["text"] == asyncio.run(socket_text(beams=beams))
-    assert http.post("/fim", json=body).json()["text"] == asyncio.run(socket_text())
+        assert [got.json()["text"], got.json()["alternatives"]] == asyncio.run(socket_answer(beams=beams))
+    got = http.post("/fim", json=body).json()
+    assert [got["text"], got["alternatives"]] == asyncio.run(socket_answer())
     got = http.post("/generate", json={"prompt": prefix, "max_tokens": 8, "beams": 2})
     assert got.status_code == 200, got.text
-    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "beams": 2})
+    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "beams": 3, "deadline_ms": 0})
     assert got.status_code == 200, got.text
+    c = msgspec.json.decode(got.content, type=s.CompletionResponse)
+    plan = policy.plan(prefix + suffix, len(prefix), policy.Options(deadline_ms=None))
+
+    async def planned() -> list:
+        async with await Client.connect(daemon["sock"]) as client:
+            text, done = await (await client.fim(**plan.fim_kwargs(), beams=3)).collect()
+            return [text, done.alternatives]
+
+    raw = asyncio.run(planned())
+    shown = [policy.postprocess(plan, x) for x in [raw[0], *raw[1]]]
+    want = [x for i, x in enumerate(shown) if x is not None and x not in shown[:i]]
+    assert [(c.text, c.start, c.end), *[(a.text, a.start, a.end) for a in c.alternatives]] == [
+        (x.text, x.start, x.end) for x in want]
     for bad in ({"beams": 0}, {"beams": 9}, {"beams": 2, "temperature": 0.5}):
         got = http.post("/fim", json={**body, **bad})
         assert got.status_code == 400, (bad, got.text)

@@ -485,6 +485,7 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
     """Editor → language server → daemon: a greedy mid-line suggestion is the daemon's beam search (--beams, 3) of the
     request the server sent, as the engine computes it, and the daemon's log line says so."""
     from m31r.beams import beam_generate
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context
     from m31r_protocol import messages as m
     from m31rd.main import BEAMS
@@ -494,19 +495,28 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
     text = "fn main() {\n    let total = values.iter().sum::<u32>();\n}\n"
     s.open(text)
     offset = text.index("iter()")
-    await s.inline(offset)
+    items = (await s.inline(offset)).items
     st = await s.stats()
     fim = st["lastFim"]
     assert fim["stop"] == ["\n"]
     p = build_fim_prompt(tiny_engine.tokenizer, fim["prefix"], fim["suffix"],
                          FimBudget.for_context(tiny_engine.config.max_context))
     stops = request_stops(m.Fim(id=0, prefix=fim["prefix"], suffix=fim["suffix"], stop=fim["stop"]))
+    res = Outcome(prompt_tokens=0)
     searched = "".join(x.text for x in beam_generate(tiny_engine, p.ids, width=BEAMS, max_tokens=fim["max_tokens"],
-                                                    stop=stops, heal=p.heal,
+                                                    stop=stops, heal=p.heal, result=res,
                                                     repeat_context=line_context(fim["prefix"])))
     greedy = "".join(x.text for x in tiny_engine.generate(p.ids, max_tokens=fim["max_tokens"], stop=stops, heal=p.heal,
                                                           repeat_context=line_context(fim["prefix"])))
     assert st["lastRaw"] == searched != greedy
+    # The search's runners-up, post-processed as the suggestion is, are the editor's further items.
+    plan = policy.plan(text, offset, policy.Options(multiline="auto"))
+    shown = [policy.postprocess(plan, raw) for raw in [searched, *res.alternatives]]
+    want = [x for i, x in enumerate(shown) if x is not None and x not in shown[:i]]
+    assert [i.insert_text for i in items] == [x.text for x in want] and len(items) >= 2
+    for item, x in zip(items, want, strict=True):
+        assert (item.range.start.line, item.range.start.character) == position_at(text, x.start, "utf-16")
+        assert (item.range.end.line, item.range.end.character) == position_at(text, x.end, "utf-16")
 
     def logged() -> list[dict]:
         lines = [json.loads(x) for x in list(shared_daemon[0].log_lines) if x.startswith("{")]

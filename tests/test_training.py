@@ -351,6 +351,8 @@ def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, mo
                                       "--beams", str(beams)]) == 0
         reports[beams] = json.loads(out.read_text())
     assert reports[3]["beams"] == 3 and reports[1]["beams"] == 1
+    assert reports[1]["single_line"]["alternatives"] == 0
+    assert reports[3]["single_line"]["exact_any"] >= reports[3]["single_line"]["exact_match"]
     multi = [[t["prediction"] for t in r["tasks"] if t["kind"] == "multi"] for r in reports.values()]
     assert multi[0] == multi[1]  # multi-line tasks stay greedy
     assert all("\n" not in t["prediction"] for t in reports[3]["tasks"] if t["kind"] == "single")
