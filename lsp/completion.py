@@ -187,7 +187,10 @@ class Completer:
             # A daemon that accepted the request but never finishes it must not hold the editor's request.
             async with asyncio.timeout(max(5.0, 5 * s.deadline_ms / 1000)):
                 try:
-                    stream = await client.fim(**kwargs, document=uri, seed=s.seed,
+                    # The width applies to a single-line suggestion of greedy decoding (the daemon searches only
+                    # those; a multi-line one stays greedy); None leaves it to the daemon's --beams.
+                    beams = s.beams if not plan.multiline and s.temperature == 0 else None
+                    stream = await client.fim(**kwargs, document=uri, seed=s.seed, beams=beams,
                                               sampling=Sampling(temperature=s.temperature))
                     self.stats["daemon_requests"] += 1
                     raw, done = await stream.collect()

@@ -32,6 +32,7 @@ class EditorSettings:
     accept_ahead: bool = False  # after showing a suggestion, warm the daemon for its "accepted" state
     temperature: float = 0.0  # 0 = greedy (the daemon's typed-through works only then)
     seed: int | None = None
+    beams: int | None = None  # a single-line suggestion's beam width; None: the daemon's --beams
 
     def options(self) -> Options:
         return Options(multiline=self.multiline, max_tokens=self.max_tokens, deadline_ms=self.deadline_ms,
@@ -77,6 +78,10 @@ def _opt_int(v: Any) -> int | None:
     return None if v is None else _int_range(0, 2**63 - 1)(v)
 
 
+def _opt_beams(v: Any) -> int | None:
+    return None if v is None else _int_range(1, 8)(v)
+
+
 def _temperature(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 2:
         raise ValueError("expected a number in 0..2")
@@ -98,6 +103,7 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "acceptAhead": ("accept_ahead", _bool),
     "temperature": ("temperature", _temperature),
     "seed": ("seed", _opt_int),
+    "beams": ("beams", _opt_beams),
 }
 
 

@@ -527,6 +527,18 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
 
     await until(seen)
     assert logged()[-1]["kind"] == "fim" and logged()[-1]["beams"] == BEAMS
+    # The editor's `beams` setting chooses the width: 1 is greedy decoding, with no runners-up.
+    s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings={"m31r": {"beams": 1}}))
+    await until(lambda: _settings_are(s, beams=1), timeout=10)
+    other = URI.replace(".rs", "_greedy.rs")
+    s.open(text, other)
+    items = (await s.inline(offset, uri=other)).items
+    assert (await s.stats())["lastRaw"] == greedy and len(items) <= 1
+
+    async def seen_greedy() -> bool:  # the line after the search's (width 3, above) says 1
+        return logged()[-1]["beams"] == 1
+
+    await until(seen_greedy)
 
 
 async def test_auto_closed_bracket_range(lsp):
