@@ -15,6 +15,8 @@ export interface ServerSettings {
   multiline: Multiline;
   deadlineMs: number;
   maxTokens: number;
+  /** Beam search width of a single-line suggestion; null means the daemon's `--beams`. */
+  beams: number | null;
   /** Daemon socket path; "" means the daemon's default socket. */
   socket: string;
 }
@@ -31,6 +33,7 @@ export const DEFAULTS: Readonly<ServerSettings> = Object.freeze({
   multiline: 'auto',
   deadlineMs: 800,
   maxTokens: 64,
+  beams: null,
   socket: '',
 });
 
@@ -40,6 +43,9 @@ export const RANGES: Readonly<Record<'debounceMs' | 'deadlineMs' | 'maxTokens', 
   deadlineMs: { minimum: 1, maximum: 60000 },
   maxTokens: { minimum: 1, maximum: 4096 },
 });
+
+/** `beams`' accepted widths (null is accepted too); package.json's `minimum`/`maximum` mirror them (a test checks it). */
+export const BEAMS_RANGE: Readonly<IntRange> = Object.freeze({ minimum: 1, maximum: 8 });
 
 export const DEBOUNCE_MODES: readonly DebounceMode[] = ['adaptive', 'fixed'];
 export const MULTILINE_MODES: readonly Multiline[] = ['auto', 'always', 'never'];
@@ -114,6 +120,21 @@ function readInt(
   return clamped;
 }
 
+function readBeams(get: (k: string) => unknown, warnings: string[]): number | null {
+  const raw = get('beams');
+  if (raw === undefined || raw === null || raw === '') return null;
+  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  if (!Number.isFinite(n)) {
+    warnings.push(`m31r.beams: expected an integer or null, got ${JSON.stringify(raw)}; using the daemon's default`);
+    return null;
+  }
+  const { minimum, maximum } = BEAMS_RANGE;
+  const rounded = Math.round(n);
+  const clamped = Math.min(maximum, Math.max(minimum, rounded));
+  if (clamped !== rounded) warnings.push(`m31r.beams: ${n} is outside ${minimum}..${maximum}; using ${clamped}`);
+  return clamped;
+}
+
 function readEnum<T extends string>(
   get: (k: string) => unknown,
   key: 'debounceMode' | 'multiline',
@@ -156,6 +177,7 @@ export function toServerSettings(source: ConfigSource, homeDir?: string): Valida
     multiline: readEnum(get, 'multiline', MULTILINE_MODES, warnings),
     deadlineMs: readInt(get, 'deadlineMs', warnings),
     maxTokens: readInt(get, 'maxTokens', warnings),
+    beams: readBeams(get, warnings),
     socket: expandHome(readString(get, 'socket', DEFAULTS.socket, warnings), homeDir),
   };
   return { value, warnings };

@@ -40,6 +40,13 @@ test('enums and ranges agree', () => {
   }
 });
 
+test('beams is contributed as the code reads it', () => {
+  assert.deepEqual(props['m31r.beams'].type, ['integer', 'null']);
+  assert.equal(props['m31r.beams'].default, s.DEFAULTS.beams);
+  assert.equal(props['m31r.beams'].minimum, s.BEAMS_RANGE.minimum);
+  assert.equal(props['m31r.beams'].maximum, s.BEAMS_RANGE.maximum);
+});
+
 test('no contributed m31r.* setting is unknown to the code', () => {
   const known = new Set([
     ...Object.keys(s.DEFAULTS),

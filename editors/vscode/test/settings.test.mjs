@@ -13,6 +13,7 @@ const DEFAULT_SERVER = {
   multiline: 'auto',
   deadlineMs: 800,
   maxTokens: 64,
+  beams: null,
   socket: '',
 };
 
@@ -30,9 +31,21 @@ test('valid values pass through unchanged', () => {
     multiline: 'never',
     deadlineMs: 1500,
     maxTokens: 128,
+    beams: 2,
     socket: '/run/user/1000/m31r/m31rd.sock',
   };
   assert.deepEqual(s.toServerSettings(cfg), { value: cfg, warnings: [] });
+});
+
+test('beams: null is the daemon default, widths are clamped to 1..8, junk is reported', () => {
+  assert.equal(s.toServerSettings({ beams: null }).value.beams, null);
+  assert.equal(s.toServerSettings({ beams: '3' }).value.beams, 3);
+  let r = s.toServerSettings({ beams: 20 });
+  assert.equal(r.value.beams, s.BEAMS_RANGE.maximum);
+  assert.match(r.warnings[0], /m31r\.beams/);
+  r = s.toServerSettings({ beams: 'wide' });
+  assert.equal(r.value.beams, null);
+  assert.equal(r.warnings.length, 1);
 });
 
 test('client-only keys are never sent to the server', () => {
