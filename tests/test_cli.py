@@ -52,8 +52,11 @@ def test_generate_json(daemon, tiny_engine):
 
 
 def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
+    from m31r.beams import beam_generate
     from m31r.engine import Outcome
-    from m31r.fim import FimBudget, build_fim_prompt
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+    from m31r_protocol import messages as m
+    from m31rd.server import request_stops
 
     _, sock = daemon
     src = "fn main() {\n    let x = 1;\n    let y = x + 2;\n}\n"
@@ -74,6 +77,19 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     r2 = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "6",
              "--socket", str(sock))
     assert r2.returncode == 0 and json.loads(r2.stdout)["tokens"] == ref.tokens, r2.stderr
+    assert out["alternatives"] == []  # greedy decoding has no runners-up
+    # --beams: the engine's search of that width, and its runners-up.
+    r3 = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "6", "--beams", "3",
+             "--socket", str(sock))
+    assert r3.returncode == 0, r3.stderr
+    searched = Outcome(prompt_tokens=0)
+    for _ in beam_generate(tiny_engine, p.ids, width=3, max_tokens=6, result=searched, heal=p.heal,
+                           stop=request_stops(m.Fim(id=0, prefix=src[:cursor], suffix=src[cursor:])),
+                           repeat_context=line_context(src[:cursor])):
+        pass
+    out3 = json.loads(r3.stdout)
+    assert (out3["text"], out3["tokens"], out3["alternatives"]) == (searched.text, searched.tokens,
+                                                                     searched.alternatives)
     bad = cli("fim", "--file", str(f), "--line", "3", "--column", "99", "--socket", str(sock))
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
 
