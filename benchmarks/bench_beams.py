@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import write_report  # noqa: E402
+from bench_daemon import pct  # noqa: E402
 from eval_fim import make_tasks  # noqa: E402
 
 
@@ -77,11 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                     tokens[w].append(res.completion_tokens)
                     steps[w].append(res.decode_steps)
 
-    def q(xs: list[float], n: int) -> float:
-        return statistics.quantiles(xs, n=100)[n - 1] if len(xs) > 1 else xs[0]
-
-    rows = [{"width": w, "keystrokes": len(ms[w]), "ms_p50": round(q(ms[w], 50), 1), "ms_p90": round(q(ms[w], 90), 1),
-             "ms_mean": round(statistics.mean(ms[w]), 1), "completion_tokens": round(statistics.mean(tokens[w]), 2),
+    rows = [{"width": w, "keystrokes": len(ms[w]), "ms_p50": round(pct(ms[w], 50), 1),
+             "ms_p90": round(pct(ms[w], 90), 1), "ms_mean": round(statistics.mean(ms[w]), 1),
+             "completion_tokens": round(statistics.mean(tokens[w]), 2),
              "decode_steps": round(statistics.mean(steps[w]), 2)} for w in widths]
     base = rows[widths.index(1)]
     print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['width']:>5} {r['keystrokes']:>10} {r['ms_p50']:>8.1f} {r['ms_p90']:>8.1f} {r['ms_mean']:>8.1f} "
               f"{r['ms_p50'] / base['ms_p50']:>12.2f}x {r['completion_tokens']:>7.2f} {r['decode_steps']:>6.2f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"cpu": describe(), "bundle": str(args.bundle), "rows": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_report(args.out, {"cpu": describe(), "bundle": str(args.bundle), "rows": rows})
     return 0
 
 

@@ -193,11 +193,7 @@ class CompletionRenderer(Renderer):
         r = _result(g)
         sug = policy.postprocess(self.plan, g.text)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
-        others: list[policy.Suggestion] = []
-        for alt in r.alternatives:
-            other = policy.postprocess(self.plan, alt)
-            if other is not None and other != sug and other not in others:
-                others.append(other)
+        others = policy.alternatives(self.plan, sug, r.alternatives)
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
                                     start=start, end=end, multiline=self.plan.multiline,
                                     alternatives=[s.Alternative(o.text, o.start, o.end) for o in others])

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from m31r_protocol.limits import MAX_BEAMS
 from m31r_protocol.messages import Timings, Usage
 from m31r_protocol.policy import MULTILINE_MODES, Options
 
@@ -38,7 +39,7 @@ DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
     "A hard limit on the request's time in the daemon (queued, prefilling, generating): once spent, the answer ends "
     "with what was written so far (finish_reason `deadline`), at a line end if its last token holds one; "
     "0 = no deadline."))]
-Beams = Annotated[int, Meta(ge=1, le=8, description=(
+Beams = Annotated[int, Meta(ge=1, le=MAX_BEAMS, description=(
     "Beam search of this width (greedy only): the likeliest completion as a whole, streamed once the search ends; "
     "1 = greedy decoding. Absent: the daemon's --beams for a request stopped at a line end (`\\n` in `stop`), "
     "else 1."))]
@@ -102,7 +103,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: TopK = 0
     top_p: TopP = 1.0
     seed: Seed | None = None
-    beams: Annotated[int, Meta(ge=1, le=8, description=(
+    beams: Annotated[int, Meta(ge=1, le=MAX_BEAMS, description=(
         "Beam search of this width (greedy only). Absent: the daemon's --beams for a single-line suggestion, "
         "greedy decoding for a multi-line one."))] | None = None
     stream: Annotated[bool, Meta(description=(

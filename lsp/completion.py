@@ -227,11 +227,7 @@ class Completer:
         st.shown = policy.Shown(text, offset, suggestion)
         if s.accept_ahead:
             st.warm = self._spawn(self._warm(uri, st.shown, s))
-        alternatives: list[policy.Suggestion] = []
-        for alt in done.alternatives:
-            other = policy.postprocess(plan, alt)
-            if other is not None and other != suggestion and other not in alternatives:
-                alternatives.append(other)
+        alternatives = policy.alternatives(plan, suggestion, done.alternatives)
         self.stats["alternatives"] += len(alternatives)
         return Result(text, version, offset, suggestion, "model", alternatives)
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from m31r_protocol.limits import MAX_BEAMS
 from m31r_protocol.policy import MULTILINE_MODES, Options
 
 DEBOUNCE_MODES = ("adaptive", "fixed")
@@ -79,7 +80,7 @@ def _opt_int(v: Any) -> int | None:
 
 
 def _opt_beams(v: Any) -> int | None:
-    return None if v is None else _int_range(1, 8)(v)
+    return None if v is None else _int_range(1, MAX_BEAMS)(v)
 
 
 def _temperature(v: Any) -> float:

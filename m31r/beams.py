@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Outcome, Piece
+from m31r.engine import Chunk, Decode, Engine, Outcome, Piece, TextPath, heal_step
 from m31r.model import KVCache
 from m31r.stops import StopMatcher
 
@@ -55,13 +55,7 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis
     if tok in engine.stop_ids:
         return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end")
     written = engine.tokenizer.token_bytes[tok] or b""
-    owed, after_space = h.owed, False
-    if owed:
-        if owed.startswith(written):
-            after_space = written == owed and owed[-1:] in (b" ", b"\t")
-            owed = owed[len(written):]
-        else:
-            owed = b""
+    owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     text = decoder.decode(h.pending + written)
     pending = decoder.getstate()[0]
@@ -96,36 +90,15 @@ def beam_generate(
     t0 = time.perf_counter()
     if not 1 <= width <= MAX_BEAMS:
         raise ValueError(f"beams must be between 1 and {MAX_BEAMS}, got {width}")
-    if not ids:
-        raise ValueError("empty prompt: nothing to continue from")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if len(ids) + max_tokens > engine.config.max_context:
-        raise ContextOverflowError(len(ids), max_tokens, engine.config.max_context)
     res = result if result is not None else Outcome(prompt_tokens=len(ids))
-    res.prompt_tokens = len(ids)
     cache = cache if cache is not None else engine.new_cache()
-    start = engine.reusable(cache, ids)
-    res.cached_tokens = start
-    logits = None
+    logits = yield from engine.start(ids, max_tokens, cache, res, batched, deadline, t0)
+    if logits is None:
+        return
 
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
-    for chunk in engine.chunks(cache, ids, start):
-        if late():
-            res.finish_reason = "deadline"
-            res.prefill_ms = res.total_ms = (time.perf_counter() - t0) * 1000
-            return
-        out = (yield chunk) if batched else engine.run([], [chunk])[1][0]
-        if chunk.last:
-            logits = out
-    res.prefill_ms = (time.perf_counter() - t0) * 1000
-    if max_tokens == 0:
-        res.finish_reason = "length"
-        res.total_ms = res.prefill_ms
-        return
-    assert logits is not None
     caches = [cache]
     live = [Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", StopMatcher(stop, repeat_context))]
     rows = [logits]
@@ -237,24 +210,18 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
             repeat_context: str | None) -> Answer:
     """h's tokens through generate's text path: the tokenizer's stream, the healed text left out, stop sequences cut
     and held back."""
-    stream = engine.tokenizer.stream(ids)
-    stops = StopMatcher(stop, repeat_context)
-    skip, hit = len(heal), False
+    text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context), False
     out = Answer([], "length", None)
     for tok in h.tokens:
         if tok in engine.stop_ids:
             out.finish_reason, out.stopped_by = "stop", "end"
             break
-        piece = stream.step(tok)
-        if skip:
-            n = min(skip, len(piece))
-            piece, skip = piece[n:], skip - n
-        piece, hit = stops.feed(piece)
+        piece, hit = text.step(tok)
         out.pieces.append(Piece(tok, piece))
         if hit:
-            out.finish_reason, out.stopped_by = "stop", "repeat" if stops.repeated else "sequence"
+            out.finish_reason, out.stopped_by = "stop", text.stopped_by
             break
-    if not hit and (tail := stops.flush()):
+    if not hit and (tail := text.flush()):
         out.pieces.append(Piece(None, tail))
     return out
 

@@ -18,7 +18,7 @@ across a boundary of a larger chunk, which then runs once as one chunk.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +120,40 @@ class Pass:
     decodes: list[Decode]
     chunks: list[int] = field(default_factory=list)
     rows: int = 0  # decode rows (padded to a probed width) and chunk tokens
+
+
+def heal_step(owed: bytes, written: bytes) -> tuple[bytes, bool]:
+    """Token healing after a token that wrote `written`: the bytes still owed, and whether healed whitespace just
+    ended exactly (the next token must then not add to it)."""
+    if not owed.startswith(written):
+        return b"", False
+    return owed[len(written):], written == owed and owed[-1:] in (b" ", b"\t")
+
+
+class TextPath:
+    """The text a stream shows for its tokens: incremental detokenisation, the healed text left out, stop sequences
+    cut and held back (m31r.stops). Engine.generate's, and beam search's for its answers (m31r.beams)."""
+
+    def __init__(self, tokenizer: Tokenizer, ids: list[int], heal: str, stop: list[str] | tuple[str, ...],
+                 repeat_context: str | None):
+        self.stream = tokenizer.stream(ids)
+        self.stops = StopMatcher(stop, repeat_context)
+        self.skip = len(heal)  # healed characters still to hold back
+
+    def step(self, tok: int) -> tuple[str, bool]:
+        """The text `tok` adds, and whether a stop ended the text there."""
+        piece = self.stream.step(tok)
+        if self.skip:
+            n = min(self.skip, len(piece))
+            piece, self.skip = piece[n:], self.skip - n
+        return self.stops.feed(piece)
+
+    def flush(self) -> str:
+        return self.stops.flush()
+
+    @property
+    def stopped_by(self) -> str:
+        return "repeat" if self.stops.repeated else "sequence"
 
 
 def chunk_layout(n: int, chunk_size: int, max_chunk: int) -> list[int]:
@@ -520,6 +554,37 @@ class Engine:
             raise ContextOverflowError(len(ids), max_tokens, limit)
         return ids[len(ids) - (limit - max_tokens) :]
 
+    def start(self, ids: list[int], max_tokens: int, cache: KVCache, res: Outcome, batched: bool,
+              deadline: float | None, t0: float) -> Generator[Chunk, torch.Tensor | None, torch.Tensor | None]:
+        """A generation's start, shared by `generate` and beam search (m31r.beams): check the request, prefill the
+        prompt into `cache` past what it holds already (each chunk yielded when `batched`) and return the logits
+        after it. None where generation ends there, `res` saying why: the deadline passed, or max_tokens is 0."""
+        if not ids:
+            raise ValueError("empty prompt: nothing to continue from")
+        if not all(0 <= i < self.config.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}), the model's vocabulary")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if len(ids) + max_tokens > self.config.max_context:
+            raise ContextOverflowError(len(ids), max_tokens, self.config.max_context)
+        res.prompt_tokens = len(ids)
+        res.cached_tokens = start = self.reusable(cache, ids)
+        logits = None
+        for chunk in self.chunks(cache, ids, start):
+            if deadline is not None and time.perf_counter() >= deadline:
+                res.finish_reason = "deadline"
+                res.prefill_ms = res.total_ms = (time.perf_counter() - t0) * 1000
+                return None
+            out = (yield chunk) if batched else self.run([], [chunk])[1][0]
+            if chunk.last:
+                logits = out
+        res.prefill_ms = (time.perf_counter() - t0) * 1000
+        if max_tokens == 0:
+            res.finish_reason = "length"
+            res.total_ms = res.prefill_ms
+            return None
+        return logits
+
     def generate(
         self,
         prompt: str | list[int],
@@ -562,48 +627,22 @@ class Engine:
         """
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("empty prompt: nothing to continue from")
-        if not isinstance(prompt, str) and not all(0 <= i < self.config.vocab_size for i in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}), the model's vocabulary")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if len(ids) + max_tokens > self.config.max_context:
-            raise ContextOverflowError(len(ids), max_tokens, self.config.max_context)
         res = result if result is not None else Outcome(prompt_tokens=len(ids))
-        res.prompt_tokens = len(ids)
-        if cache is None:
-            cache = self.new_cache()
+        cache = cache if cache is not None else self.new_cache()
         sampler = Sampler(sampling or SamplingParams(), self.device)
         need_history = sampler.params.repetition_penalty != 1.0
-        start = self.reusable(cache, ids)
-        res.cached_tokens = start
-        logits = None
+        logits = yield from self.start(ids, max_tokens, cache, res, batched, deadline, t0)
+        if logits is None:
+            return
+
         def late() -> bool:
             return deadline is not None and time.perf_counter() >= deadline
 
-        for chunk in self.chunks(cache, ids, start):
-            if late():
-                res.finish_reason = "deadline"
-                res.prefill_ms = res.total_ms = (time.perf_counter() - t0) * 1000
-                return
-            if batched:
-                out = yield chunk
-            else:
-                out = self.run([], [chunk])[1][0]
-            if chunk.last:
-                logits = out
-        res.prefill_ms = (time.perf_counter() - t0) * 1000
-        if max_tokens == 0:
-            res.finish_reason = "length"
-            res.total_ms = res.prefill_ms
-            return
-        stops = StopMatcher(stop, repeat_context)
-        stream = self.tokenizer.stream(ids)
+        text = TextPath(self.tokenizer, ids, heal, stop, repeat_context)
         history = list(ids) if need_history else []
         res.finish_reason = "length"
         hit = False
-        owed, skip = heal.encode(), len(heal)  # healed bytes still to write; healed characters to hold back
+        owed = heal.encode()  # healed bytes still to write
         # Healed text ending in whitespace, written exactly: the next token must not add to that whitespace.
         after_space = False
         lookahead = min(lookahead, self.decode_width - 1) if sampler.params.greedy and not need_history else 0
@@ -623,21 +662,12 @@ class Engine:
                     break
                 after_space = False
                 if owed:
-                    written = self.tokenizer.token_bytes[tok] or b""
-                    if owed.startswith(written):
-                        after_space = written == owed and owed[-1:] in (b" ", b"\t")
-                        owed = owed[len(written):]
-                    else:
-                        owed = b""
+                    owed, after_space = heal_step(owed, self.tokenizer.token_bytes[tok] or b"")
                 res.tokens.append(tok)
                 res.completion_tokens += 1
                 if need_history:
                     history.append(tok)
-                piece = stream.step(tok)
-                if skip:
-                    n = min(skip, len(piece))
-                    piece, skip = piece[n:], skip - n
-                piece, hit = stops.feed(piece)
+                piece, hit = text.step(tok)
                 if not hit and "\n" in piece and late():  # past the deadline, a line end is where the text ends
                     piece, hit = piece[: piece.index("\n")], True
                     res.finish_reason = "deadline"
@@ -650,7 +680,7 @@ class Engine:
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"
-                        res.stopped_by = "repeat" if stops.repeated else "sequence"
+                        res.stopped_by = text.stopped_by
                     break
                 if i + 1 < max_tokens:
                     if late():
@@ -676,7 +706,7 @@ class Engine:
                     logits, ahead = (out[0], list(zip(drafts, out[1:], strict=True))) if drafts else (out, [])
         finally:
             del cache.tokens[valid:]
-        if not hit and (tail := stops.flush()):
+        if not hit and (tail := text.flush()):
             res.text += tail
             yield Piece(None, tail)
         res.total_ms = (time.perf_counter() - t0) * 1000

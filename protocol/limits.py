@@ -1,4 +1,5 @@
-"""The protocol's version and frame limit, importable without msgspec (the blocking status client needs them)."""
+"""The protocol's version and limits, importable without msgspec (the blocking status client needs them)."""
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a whole large source file fits; anything bigger is refused unread
+MAX_BEAMS = 8  # the widest beam search a request may ask for (the daemon's m31r.beams.MAX_BEAMS; a test ties them)

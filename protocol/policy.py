@@ -5,6 +5,7 @@ Pure functions and dataclasses over a document string and a cursor offset; no ed
     plan(text, offset, options)   → a Plan: the Fim request to send (prefix, suffix, stop, max_tokens, deadline)
                                     and what post-processing needs to know about the cursor
     postprocess(plan, raw)        → a Suggestion (insert text + replace range as document offsets) or None
+    alternatives(plan, shown, raws) → a beam search's runners-up as further Suggestions
     typed_through(shown, text, offset) → the shown suggestion still valid after the user typed part of it
     accepted_state(shown)         → (text, offset) of the document once the suggestion is accepted
 
@@ -497,3 +498,14 @@ def word_before(text: str, offset: int) -> int:
     line_start = text.rfind("\n", 0, offset) + 1
     m = _IDENT.search(text, line_start, offset)
     return m.start() if m else offset
+
+
+def alternatives(p: Plan, shown: Suggestion | None, raws: list[str]) -> list[Suggestion]:
+    """A beam search's runners-up (`Done.alternatives`) as further suggestions: each post-processed like the first,
+    leaving out any that show nothing or the same as `shown` or one before it."""
+    out: list[Suggestion] = []
+    for raw in raws:
+        s = postprocess(p, raw)
+        if s is not None and s != shown and s not in out:
+            out.append(s)
+    return out

@@ -210,12 +210,19 @@ def test_refusals_and_deadline(tiny_engine):
 
 
 def test_the_daemon_default_width_is_one_number() -> None:
-    """`m31r daemon --beams`'s default is DaemonOptions' (the CLI must not import m31rd at startup)."""
-    from m31r.cli import daemon
+    """`m31r daemon --beams`'s default is DaemonOptions' (the CLI must not import m31rd at startup), and the widest
+    search is one number for the engine, the protocol's front ends and the CLI (which imports neither)."""
+    from m31r.beams import MAX_BEAMS
+    from m31r.cli import daemon, fim, generate
+    from m31r_protocol.limits import MAX_BEAMS as PROTOCOL_MAX
     from m31rd.main import BEAMS, DaemonOptions
 
     option = next(p for p in daemon.params if p.name == "beams")
     assert option.default == BEAMS == DaemonOptions.__dataclass_fields__["beams"].default
+    assert MAX_BEAMS == PROTOCOL_MAX
+    for command in (daemon, fim, generate):
+        width = next(p for p in command.params if p.name == "beams").type
+        assert (width.min, width.max) == (1, MAX_BEAMS), command.name
 
 
 def test_a_cancelled_search_gives_its_caches_back(tiny_engine):
