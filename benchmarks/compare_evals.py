@@ -52,7 +52,7 @@ def compare(base: dict, cand: dict) -> dict:
                          "--n-multi and data")
     out: dict = {"base": base["model"], "candidate": cand["model"]}
     settings = {"healing": None, "serving_stops": None, "dtype": None, "quant": None, "max_new_tokens": None,
-                "beams": 1}  # (results from before --beams searched nothing)
+                "beams": 1, "context": False}  # (results from before --beams and --context had neither)
     if differ := [k for k, d in settings.items() if base.get(k, d) != cand.get(k, d)]:  # a serving change
         out["settings_differ"] = {k: [base.get(k, settings[k]), cand.get(k, settings[k])] for k in differ}
     for kind in KINDS:

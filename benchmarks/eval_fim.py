@@ -65,6 +65,7 @@ class Task:
     prefix: str
     suffix: str
     target: str
+    context: list = field(default_factory=list)  # snippets of other files of the crate (--context), best first
 
 
 @dataclass
@@ -163,6 +164,18 @@ def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, s
     return tasks
 
 
+def add_context(tasks: list[Task], texts: list[tuple[str, str, str]]) -> None:
+    """Each task's snippets from the other files of its crate, as a project open in an editor offers them."""
+    from m31r.train.samples import crate_path
+    from m31r_protocol.context import query_words, rank, windows
+
+    files = {path: (crate, windows(text)) for path, text, crate in texts}
+    for t in tasks:
+        crate = files[t.path][0]
+        near = [(crate_path(p), w) for p, (c, w) in files.items() if c == crate and p != t.path]
+        t.context = rank(query_words(t.prefix), near)
+
+
 # -- metrics ----------------------------------------------------------------------------------------------
 
 
@@ -194,6 +207,7 @@ def edit_similarity(pred: str, target: str) -> float:
 def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True,
               serving_stops: bool = True, beams: int = 1) -> list[Result]:
     from m31r.beams import beam_generate
+    from m31r.context import context_budget, context_ids
     from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 
@@ -203,23 +217,24 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     results = []
     for k, t in enumerate(tasks):
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
+        ids = context_ids(engine.tokenizer, t.context, context_budget(budget, len(prompt.ids))) + prompt.ids
         single = t.kind == "single"
-        res = Outcome(prompt_tokens=len(prompt.ids))
+        res = Outcome(prompt_tokens=len(ids))
         at_suffix = suffix_stop(t.prefix, t.suffix) if serving_stops and not single else None
         t0 = time.perf_counter()
         kw = dict(max_tokens=single_max if single else multi_max, cache=cache, result=res, heal=prompt.heal,
                   stop=["\n"] if single else [at_suffix] if at_suffix else [],
                   repeat_context=line_context(t.prefix) if serving_stops else None)
         wide = beams > 1 and single  # the daemon searches only completions that end at a line end
-        stream = beam_generate(engine, prompt.ids, width=beams, spares=spares, **kw) if wide else None
-        for _ in stream or engine.generate(prompt.ids, **kw):
+        stream = beam_generate(engine, ids, width=beams, spares=spares, **kw) if wide else None
+        for _ in stream or engine.generate(ids, **kw):
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text
         p, g = normalize(pred), normalize(t.target)
         alts = [a.split("\n", 1)[0] if single else a for a in res.alternatives]
         results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
-                              len(prompt.ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
+                              len(ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
                               t.prefix[-1:],
                               res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence"), alts,
                               g in {p, *map(normalize, alts)}))
@@ -294,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-heal", action="store_true", help="prompts without token healing (for comparison)")
     p.add_argument("--beams", type=int, default=1, help="single-line tasks by a beam search of this width "
                    "(1: greedy)")
+    p.add_argument("--context", action="store_true", help="each task's prompt led by snippets of the other files of "
+                   "its crate, chosen as the language server chooses them (m31r_protocol.context)")
     p.add_argument("--no-serving-stops", action="store_true",
                    help="without the daemon's suffix and repeated-line stops (for comparison)")
     args = p.parse_args(argv)
@@ -324,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: this model's completion budget is {reserve} tokens: tasks are cut to it, and differ from "
             f"a larger model's")
     tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, multi_max)
+    if args.context:
+        add_context(tasks, texts)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
     results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal,
@@ -347,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "healing": "whole word" if not args.no_heal else "none",  # one token only before the seventeenth session
         "serving_stops": not args.no_serving_stops,
         "beams": args.beams,
+        "context": args.context,
         "seed": args.seed,
         "dtype": args.dtype,
         "quant": engine.quant,

@@ -36,7 +36,7 @@ from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import GuardMiddleware, HostPolicy, error_body
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
-from m31r_protocol.messages import Done
+from m31r_protocol.messages import Done, Snippet
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
 from m31r_protocol.version import VERSION
 
@@ -87,6 +87,10 @@ def daemon_error_status(e: DaemonError) -> tuple[int, int | None]:
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+def snippets(context: list[s.ContextSnippet]) -> list[Snippet]:
+    return [Snippet(c.text, c.path) for c in context]
 
 
 def model_names(model: str) -> list[str]:
@@ -501,7 +505,8 @@ class Service:
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/fim", lambda c: c.fim(
             r.prefix, r.suffix, document=document, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop,
-            seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams), NativeRenderer(), r.stream)
+            seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams, context=snippets(r.context)),
+            NativeRenderer(), r.stream)
 
     async def completion(self, request: Request) -> Generation:
         r: s.CompletionRequest = await self.read(request, s.CompletionRequest)
@@ -516,7 +521,8 @@ class Service:
         # Its own document namespace: an editor's LSP requests for the same file are not superseded by these.
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/completion", lambda c: c.fim(
-            **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams),
+            **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams,
+            context=snippets(r.context)),
             CompletionRenderer(plan, len(r.prefix)), r.stream)
 
     async def openai_completions(self, request: Request) -> Generation:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from m31r_protocol.limits import MAX_BEAMS
+from m31r_protocol.limits import MAX_BEAMS, MAX_SNIPPETS
 from m31r_protocol.messages import Timings, Usage
 from m31r_protocol.policy import MULTILINE_MODES, Options
 
@@ -50,6 +50,20 @@ Document = Annotated[str, Meta(max_length=4096, description=(
 FinishReason = Literal["stop", "length", "deadline"]
 
 
+class ContextSnippet(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Code from another file of the project."""
+
+    text: Annotated[str, Meta(description="The code.")]
+    path: Annotated[str, Meta(max_length=4096, description=(
+        "Its file as the project names it (`src/de.rs`); the model sees it in a comment line."))] = ""
+
+
+Context = Annotated[list[ContextSnippet], Meta(max_length=MAX_SNIPPETS, description=(
+    "Snippets of the project's other files, best first, as the language server chooses them (windows of 20 lines "
+    "that share the most identifiers with the 20 whole lines above the cursor): those that fit the room the prompt "
+    "leaves, up to a quarter of the model's context, lead the prompt, the best nearest it."))]
+
+
 # -- native requests ----------------------------------------------------------------------------------------
 
 
@@ -82,6 +96,7 @@ class FimRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
     suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
     path: Document | None = None
     deadline_ms: DeadlineMs = 0
+    context: Context = []
 
 
 class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,6 +106,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     prefix: Annotated[str, Meta(description="The document's text before the cursor.")]
     suffix: Annotated[str, Meta(description="The document's text after the cursor.")] = ""
     path: Document | None = None
+    context: Context = []
     multiline: Annotated[Literal[MULTILINE_MODES], Meta(description=(  # type: ignore[valid-type]
         "`auto`: multi-line only at a line end (or before closing brackets); `always`; `never`."))] = (
         _POLICY.multiline)

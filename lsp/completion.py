@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
@@ -57,10 +58,11 @@ class DocState:
 class Completer:
     def __init__(self, link: EditorLink, settings: Callable[[], EditorSettings],
                  document: Callable[[str], tuple[str, int | None] | None],
-                 tell: Callable[[str], None] | None = None):
+                 tell: Callable[[str], None] | None = None, project: ProjectContext | None = None):
         """`document(uri)` gives the live (text, version) of an open document, or None; `tell(message)` shows the
-        user a message (window/showMessage)."""
+        user a message (window/showMessage); `project` finds code of the crate's other files for the prompt."""
         self.link = link
+        self.project = project
         self.settings = settings
         self.document = document
         self.tell = tell or (lambda message: None)
@@ -180,7 +182,8 @@ class Completer:
             return None
         kwargs = plan.fim_kwargs()
         kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context)
-        self.last_fim = {**kwargs, "document": uri}
+        context = await self._context(uri, plan.prefix, s)
+        self.last_fim = {**kwargs, "document": uri, "context": [c.path for c in context]}
         t0 = time.perf_counter()
         stream = None
         try:
@@ -190,7 +193,7 @@ class Completer:
                     # The width applies to a single-line suggestion of greedy decoding (the daemon searches only
                     # those; a multi-line one stays greedy); None leaves it to the daemon's --beams.
                     beams = s.beams if not plan.multiline and s.temperature == 0 else None
-                    stream = await client.fim(**kwargs, document=uri, seed=s.seed, beams=beams,
+                    stream = await client.fim(**kwargs, document=uri, seed=s.seed, beams=beams, context=context,
                                               sampling=Sampling(temperature=s.temperature))
                     self.stats["daemon_requests"] += 1
                     raw, done = await stream.collect()
@@ -231,6 +234,19 @@ class Completer:
         self.stats["alternatives"] += len(alternatives)
         return Result(text, version, offset, suggestion, "model", alternatives)
 
+    async def _context(self, uri: str, prefix: str, s: EditorSettings) -> list:
+        """Snippets of the crate's other files (none when the setting is off or finding them fails: a completion
+        without them is still a completion)."""
+        if not (s.project_context and self.project is not None):
+            return []
+        try:
+            found = await asyncio.to_thread(self.project.snippets, uri, prefix)
+        except Exception:
+            log.exception("finding the crate's other files failed")
+            return []
+        self.stats["context_snippets"] += len(found)
+        return found
+
     def _clamp_max_tokens(self, max_tokens: int, limit: int) -> int:
         """The daemon refuses max_tokens above its model's context (every completion would silently come back
         empty): send its limit instead, and tell the user once per setting."""
@@ -250,9 +266,11 @@ class Completer:
             client = await self.link.get(wait=0)
         except Unavailable:
             return
+        context = await self._context(uri, plan.prefix, s)  # the same head as the request it warms for
         stream = None
         try:
-            stream = await client.fim(plan.prefix, plan.suffix, document=uri, max_tokens=1, stop=plan.stop)
+            stream = await client.fim(plan.prefix, plan.suffix, document=uri, max_tokens=1, stop=plan.stop,
+                                      context=context)
             self.stats["warm_requests"] += 1
             await stream.collect()
         except asyncio.CancelledError:

@@ -28,6 +28,7 @@ from pygls.lsp.server import LanguageServer
 
 from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
+from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.documents import offset_at, position_at
 from m31r_lsp.settings import EditorSettings
@@ -51,7 +52,8 @@ class M31rLanguageServer(LanguageServer):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.config = defaults or EditorSettings()
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
-        self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell)
+        self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
+                                   project=ProjectContext(self.open_documents))
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
 
     # -- helpers ----------------------------------------------------------------------------------------------
@@ -59,6 +61,10 @@ class M31rLanguageServer(LanguageServer):
     def document(self, uri: str) -> tuple[str, int | None] | None:
         doc = self.workspace.text_documents.get(unquote(uri))
         return None if doc is None else (doc.source, doc.version)
+
+    def open_documents(self) -> list[tuple[str, str]]:
+        """(uri, text) of the open documents: a snapshot, since completions read it on a worker thread."""
+        return [(uri, doc.source) for uri, doc in list(self.workspace.text_documents.items())]
 
     @property
     def encoding(self) -> str:

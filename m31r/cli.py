@@ -359,7 +359,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                   lookahead=opts["lookahead"], beams=opts["beams"])
     stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
                     else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
-                                    **common))
+                                    context=payload.get("context"), **common))
     text = []
     try:
         async for tok in stream:
@@ -402,9 +402,11 @@ def generate(prompt: str, **opts: Any) -> None:
               help="Complete inside this file at --line/--column instead.")
 @click.option("--line", type=int, default=None, help="1-based cursor line in --file.")
 @click.option("--column", type=int, default=None, help="1-based cursor column (characters) in --file.")
+@click.option("--no-context", is_flag=True, help="Leave out the snippets of the --file's crate's other files that "
+              "the prompt is led by (as the language server sends them).")
 @sampling_options
 def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | None, column: int | None,
-        **opts: Any) -> None:
+        no_context: bool, **opts: Any) -> None:
     """Fill in the middle: complete at a cursor, given the text before and after it."""
     document = ""
     if file_path is not None:
@@ -421,7 +423,12 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
     elif prefix is None:
         fail("give --prefix (and optionally --suffix), or --file with --line and --column")
-    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document}, opts)
+    context = []
+    if file_path is not None and not no_context:
+        from m31r_lsp.context import ProjectContext
+
+        context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)
+    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document, "context": context}, opts)
 
 
 async def _status(socket_path: Path | None) -> None:

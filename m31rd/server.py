@@ -28,9 +28,11 @@ import psutil
 
 from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
+from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
+from m31r_protocol.limits import MAX_SNIPPETS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
 from m31rd.cancellation import Cancellation
@@ -132,7 +134,9 @@ def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: in
 
 
 def prompt_chars(req: m.Generate | m.Fim) -> int:
-    return len(req.prompt) if isinstance(req, m.Generate) else len(req.prefix) + len(req.suffix)
+    if isinstance(req, m.Generate):
+        return len(req.prompt)
+    return len(req.prefix) + len(req.suffix) + sum(len(s.text) + len(s.path) for s in req.context)
 
 
 def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> tuple[list[int], int, str]:
@@ -142,7 +146,9 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     prompt)."""
     if isinstance(req, m.Fim):
         prompt = build_fim_prompt(engine.tokenizer, req.prefix, req.suffix, budget)
-        return prompt.ids, min(req.max_tokens, budget.reserve), prompt.heal
+        room = context_budget(budget, len(prompt.ids))
+        head = context_ids(engine.tokenizer, req.context, room) if req.context else []
+        return head + prompt.ids, min(req.max_tokens, budget.reserve), prompt.heal
     ids = engine.tokenizer.encode(req.prompt)
     if not ids:
         raise ValueError("empty prompt: nothing to continue from")
@@ -388,8 +394,10 @@ class Daemon:
             return refuse("bad_request", f"lookahead must be >= 0, got {req.lookahead}")
         if req.beams is not None and (why := beams_refusal(req.beams, sampling)):
             return refuse("bad_request", why)
+        if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
+            return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
-            what = "the prompt has" if isinstance(req, m.Generate) else "prefix and suffix have"
+            what = "the prompt has" if isinstance(req, m.Generate) else "prefix, suffix and context have"
             return refuse("bad_request", f"{what} {chars} characters; this daemon takes at most "
                                          f"{self.max_prompt_chars} (--max-prompt-chars)")
         # A Fim that supersedes an older one for its document takes that one's place rather than being `busy`.

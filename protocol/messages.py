@@ -41,6 +41,13 @@ class Sampling(Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=Tr
 # -- client → daemon --------------------------------------------------------------------------------------
 
 
+class Snippet(Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """Code from another file of the project, laid before a FIM prompt (m31r_protocol.context chooses it)."""
+
+    text: str
+    path: str = ""  # as the project names it (`src/de.rs`): the model sees it in a comment line
+
+
 class Hello(Struct, tag="hello", forbid_unknown_fields=True):
     protocol: int
     client: str = ""
@@ -80,6 +87,9 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # streamed once the search ends. 1 is plain greedy decoding. None: the daemon's --beams for a greedy request whose
     # stop sequences include "\n" (a line completion, where it measured better), else 1.
     beams: int | None = None
+    # Snippets of other files of the project, best first (m31r_protocol.context.rank): those that fit the room the
+    # prompt leaves (up to a quarter of the model's context) are laid before it, the best nearest.
+    context: list[Snippet] = []
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):

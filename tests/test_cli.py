@@ -94,6 +94,36 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
 
 
+def test_fim_file_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):
+    """`m31r fim --file` leads the prompt with snippets of the file's crate, as the language server does;
+    `--no-context` leaves them out."""
+    from m31r.context import context_budget, context_ids
+    from m31r.fim import FimBudget, build_fim_prompt
+    from m31r_protocol.context import query_words, rank, windows
+
+    _, sock = daemon
+    (tmp_path / "Cargo.toml").write_text("[package]\nname = \"demo\"\n")
+    (tmp_path / "src").mkdir()
+    point = "pub struct Point {\n    pub x: i64,\n    pub y: i64,\n}\n"
+    (tmp_path / "src/point.rs").write_text(point)
+    src = "fn main() {\n    let p = Point { x: 1, y: 2 };\n    let n = p.x;\n}\n"
+    f = tmp_path / "src/main.rs"
+    f.write_text(src)
+    cursor = src.index("p.x;")
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    p = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget)
+    head = context_ids(tiny_engine.tokenizer, rank(query_words(src[:cursor]), [("src/point.rs", windows(point))]),
+                       context_budget(budget, len(p.ids)))
+    assert "// src/point.rs\npub struct Point" in tiny_engine.tokenizer.decode(head)
+    for flags, ids in (((), head + p.ids), (("--no-context",), p.ids)):
+        r = cli("fim", "--file", str(f), "--line", "3", "--column", "13", "--json", "--max-tokens", "6", "--beams", "1",
+                "--socket", str(sock), *flags)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        ref = "".join(x.text for x in tiny_engine.generate(ids, max_tokens=6, heal=p.heal))
+        assert out["text"] == ref and out["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_status(daemon, tiny_bundle):
     proc, sock = daemon
     r = cli("status", "--socket", str(sock))

@@ -248,6 +248,34 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
 
 
+async def test_fim_context_snippets_lead_the_prompt(warm, tiny_engine):
+    """A Fim's context snippets go before its prompt as m31r.context lays them out, within the room the prompt leaves;
+    the answer is the engine's for that prompt. More snippets than the protocol allows are refused."""
+    from m31r.context import context_budget, context_ids
+    from m31r.fim import FimBudget, build_fim_prompt
+    from m31r_protocol.limits import MAX_SNIPPETS
+
+    prefix, suffix = FIM_CASES[0]
+    snippets = [m.Snippet("pub struct Point {\n    pub x: i64,\n}\n", "src/point.rs"),
+                m.Snippet("fn norm(p: &Point) -> i64 { p.x.abs() }\n" * 40, "src/norm.rs"), m.Snippet("let z = 1;")]
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    p = build_fim_prompt(tiny_engine.tokenizer, prefix, suffix, budget)
+    head = context_ids(tiny_engine.tokenizer, snippets, context_budget(budget, len(p.ids)))
+    assert head and len(head) <= context_budget(budget, len(p.ids))
+    assert tiny_engine.tokenizer.decode(head).count("src/point.rs") == 1
+    assert "src/norm.rs" not in tiny_engine.tokenizer.decode(head)  # too long for the room: left out
+    ref = reference(tiny_engine, head + p.ids, 10, heal=p.heal)
+    async with await Client.connect(warm.socket) as c:
+        out = await run(await c.fim(prefix, suffix, max_tokens=10, context=snippets))
+        assert out.pieces == ref.pieces and out.done.usage.prompt_tokens == len(head) + len(p.ids)
+        plain = await run(await c.fim(prefix, suffix, max_tokens=10))
+        assert plain.done.usage.prompt_tokens == len(p.ids)
+        many = [m.Snippet("x")] * (MAX_SNIPPETS + 1)
+        err = await expect_error(await c.fim(prefix, suffix, max_tokens=2, context=many), "bad_request")
+        assert f"context has {MAX_SNIPPETS + 1} snippets; at most {MAX_SNIPPETS}" in err.message
+    await still_serves(warm.socket)
+
+
 async def test_line_completions_are_beam_searched(warm, tiny_engine):
     """A greedy Fim stopped at a line end that does not choose its width gets the daemon's --beams (4): it streams
     the engine's beam search of that width. One that chooses gets its own width (1: greedy decoding); a Generate may
@@ -643,7 +671,7 @@ async def test_a_prompt_over_the_character_limit_is_refused_untokenised(warm):
         assert f"the prompt has {limit + 1} characters; this daemon takes at most {limit}" in err.message
         assert "--max-prompt-chars" in err.message
         err = await expect_error(await c.fim("x" * limit, "y", max_tokens=2), "bad_request")
-        assert f"prefix and suffix have {limit + 1} characters" in err.message
+        assert f"prefix, suffix and context have {limit + 1} characters" in err.message
     await still_serves(warm.socket)
 
 

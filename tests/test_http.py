@@ -295,6 +295,33 @@ def test_beams_reach_the_daemon(http, daemon):
         assert got.status_code == 400, (bad, got.text)
 
 
+def test_context_snippets_reach_the_daemon(http, daemon):
+    """`context` on /fim and /completion is the Fim's context: the same answer and prompt size as the socket's; more
+    snippets than the protocol takes, or a snippet without text, is a 400."""
+    from m31r_protocol.limits import MAX_SNIPPETS
+    from m31r_protocol.messages import Snippet
+
+    prefix, suffix = "fn main() {\n    let p = Point { x: 1, y: 2 };\n    let n = p.", ";\n}\n"
+    context = [{"path": "src/point.rs", "text": "pub struct Point {\n    pub x: i64,\n    pub y: i64,\n}\n"}]
+
+    async def socket_answer(ctx: list) -> tuple[str, int]:
+        async with await Client.connect(daemon["sock"]) as c:
+            text, done = await (await c.fim(prefix, suffix, max_tokens=8, beams=1,
+                                            context=[Snippet(x["text"], x["path"]) for x in ctx])).collect()
+            return text, done.usage.prompt_tokens
+
+    got = http.post("/fim", json={"prefix": prefix, "suffix": suffix, "max_tokens": 8, "beams": 1, "context": context})
+    assert got.status_code == 200, got.text
+    text, prompt_tokens = asyncio.run(socket_answer(context))
+    assert (got.json()["text"], got.json()["usage"]["prompt_tokens"]) == (text, prompt_tokens)
+    assert prompt_tokens > asyncio.run(socket_answer([]))[1]
+    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "context": context, "deadline_ms": 0})
+    assert got.status_code == 200, got.text
+    for bad in ([context[0]] * (MAX_SNIPPETS + 1), [{"path": "a.rs"}]):
+        got = http.post("/fim", json={"prefix": prefix, "context": bad})
+        assert got.status_code == 400 and "context" in got.text, got.text
+
+
 def test_completion_applies_the_shared_policy(http):
     """/completion = policy.plan → the daemon → policy.postprocess (m31r_protocol.policy); checked against the policy
     applied to /fim's raw text for the same plan (sampled with a fixed seed, so there is something to keep)."""

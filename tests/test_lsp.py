@@ -541,6 +541,54 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
     await until(seen_greedy)
 
 
+async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engine, tmp_path):
+    """Editor → language server → daemon with a crate on disk: the request carries snippets of the crate's other files
+    (an open document's unsaved text over its file's), best first, and the daemon's answer is the engine's for the
+    prompt they lead. With projectContext off, nothing is sent."""
+    from m31r.context import context_budget, context_ids
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+    from m31r_protocol import messages as m
+    from m31r_protocol.context import query_words, rank, windows
+    from m31rd.server import request_stops
+
+    root = tmp_path / "demo"
+    (root / "src").mkdir(parents=True)
+    (root / "Cargo.toml").write_text("[package]\nname = \"demo\"\n")
+    point = "pub struct Point {\n    pub x: i64,\n    pub y: i64,\n}\n"
+    shape = "pub fn area(p: &Point) -> i64 {\n    p.x * p.y\n}\n"
+    (root / "src/point.rs").write_text(point)
+    (root / "src/shape.rs").write_text("// on disk, not what the editor has\n")
+    (root / "src/main.rs").write_text("")
+    main_uri, shape_uri = (root / "src/main.rs").as_uri(), (root / "src/shape.rs").as_uri()
+    text = "fn main() {\n    let p = Point { x: 2, y: 3 };\n    let a = area(&p);\n    \n}\n"
+    offset = text.index("    \n}") + 4
+
+    s = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0, "maxTokens": 8})
+    s.open(shape, uri=shape_uri)
+    s.open(text, uri=main_uri)
+    await s.inline(offset, uri=main_uri)
+    st = await s.stats()
+    fim = st["lastFim"]
+    want = rank(query_words(fim["prefix"]), [("src/shape.rs", windows(shape)), ("src/point.rs", windows(point))])
+    assert fim["context"] == [x.path for x in want] == ["src/shape.rs", "src/point.rs"]
+    assert st["context_snippets"] == 2
+    budget = FimBudget.for_context(tiny_engine.config.max_context)
+    p = build_fim_prompt(tiny_engine.tokenizer, fim["prefix"], fim["suffix"], budget)
+    head = context_ids(tiny_engine.tokenizer, want, context_budget(budget, len(p.ids)))
+    assert tiny_engine.tokenizer.decode(head).count("p.x * p.y") == 1
+    stops = request_stops(m.Fim(id=0, prefix=fim["prefix"], suffix=fim["suffix"], stop=fim["stop"]))
+    ref = "".join(x.text for x in tiny_engine.generate(head + p.ids, max_tokens=fim["max_tokens"], stop=stops,
+                                                       heal=p.heal, repeat_context=line_context(fim["prefix"])))
+    assert st["lastRaw"] == ref
+
+    off = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0, "projectContext": False})
+    off.open(shape, uri=shape_uri)
+    off.open(text, uri=main_uri)
+    await off.inline(offset, uri=main_uri)
+    st = await off.stats()
+    assert st["lastFim"]["context"] == [] and "context_snippets" not in st
+
+
 async def test_auto_closed_bracket_range(lsp):
     s = await lsp({**NOISE, "multiline": "auto"})
     text = "fn main() {\n    let n = count_words()\n}\n"

@@ -383,6 +383,82 @@ def test_rows_built_by_worker_processes_are_the_same_rows(full_run, data_dir: Pa
     assert [h["train_fim"] for h in state["history"]] == [h["train_fim"] for h in full_state["history"][:4]]
 
 
+def crate_labelled(data_dir: Path, out: Path) -> Path:
+    """A copy of the data dir whose files all belong to one crate (the fixture's corpus has no Cargo.toml)."""
+    import shutil
+
+    shutil.copytree(data_dir, out)
+    for split in ("train", "val"):
+        f = out / "corpus" / f"{split}.jsonl"
+        docs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        f.write_text("".join(json.dumps({**d, "crate": "demo"}) + "\n" for d in docs))
+    return out
+
+
+def test_context_fim_reaches_the_rows(data_dir: Path, tmp_path: Path):
+    """context_fim leads FIM samples with snippets of other files of their crate (a comment naming the file, its code,
+    <|endoftext|>, right before <|fim_suffix|>); rows stay a function of (seed, step); files of no crate get none."""
+    from m31r.train.samples import crate_path
+
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
+    tc = trainer_mod.TrainConfig(model="m", micro_batch=2, grad_accum=1, fim_rate=1.0, seed=3)
+    labelled = crate_labelled(data_dir, tmp_path / "data")
+    led = trainer_mod.Data(tok, labelled, 2048, tc.fim_rate, 0.0, 1.0)
+    rows = trainer_mod.step_batches(led, tc, 2048, 0)[0][0]
+    assert torch.equal(rows, trainer_mod.step_batches(led, tc, 2048, 0)[0][0])
+    docs = [json.loads(line) for line in (labelled / "corpus" / "train.jsonl").read_text().splitlines()]
+    heads = {f"// {crate_path(d['path'])}\n" for d in docs}
+
+    def snippets_in(row: torch.Tensor) -> int:
+        text = tok.hf.decode(row.tolist(), skip_special_tokens=False)
+        return sum(text.count(h) for h in heads)
+
+    assert all(snippets_in(r) > 0 for r in rows)
+    loose = trainer_mod.Data(tok, data_dir, 2048, tc.fim_rate, 0.0, 1.0)  # each file its own crate: no neighbours
+    plain = trainer_mod.Data(tok, data_dir, 2048, tc.fim_rate, 0.0, 0.0)
+    assert snippets_in(trainer_mod.step_batches(loose, tc, 2048, 0)[0][0][0]) == 0
+    assert torch.equal(trainer_mod.step_batches(plain, tc, 2048, 0)[0][0],
+                       trainer_mod.step_batches(trainer_mod.Data(tok, labelled, 2048, tc.fim_rate, 0.0, 0.0), tc, 2048,
+                                                0)[0][0])  # context_fim 0: the crates change nothing
+
+
+def test_context_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
+    """eval_fim.py --context and bench_context.py end to end on the exported tiny bundle: smoke tests, the figures are
+    noise; the context makes the prompts longer and changes nothing else about the tasks."""
+    import importlib.util
+
+    bench = Path(__file__).parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    mods = {}
+    for name in ("eval_fim", "bench_context"):
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+        spec.loader.exec_module(mods[name])
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    labelled = crate_labelled(data_dir, tmp_path / "data")
+    reports = {}
+    for flag in ((), ("--context",)):
+        out = tmp_path / f"fim{len(flag)}.json"
+        assert mods["eval_fim"].main(["--bundle", str(bundle.path), "--data", str(labelled), "--n-single", "4",
+                                      "--n-multi", "2", "--ppl-windows", "1", "--out", str(out), "--threads", "1",
+                                      *flag]) == 0
+        reports[bool(flag)] = json.loads(out.read_text())
+    assert reports[True]["context"] and not reports[False]["context"]
+    pairs = list(zip(reports[False]["tasks"], reports[True]["tasks"], strict=True))
+    assert all((a["path"], a["line"], a["target"]) == (b["path"], b["line"], b["target"]) for a, b in pairs)
+    # (the tiny model's 128-token context leaves snippets 32 tokens, less than any window of the fixture's files)
+    assert all(b["prompt_tokens"] >= a["prompt_tokens"] for a, b in pairs)
+    out = tmp_path / "context.json"
+    assert mods["bench_context"].main(["--bundle", str(bundle.path), "--data", str(labelled), "--tasks", "2",
+                                       "--max-chars", "6", "--quant", "none", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["way"]: r for r in report["rows"]}
+    assert report["keystrokes"] >= 2 and all(r["keystrokes"] == report["keystrokes"] for r in rows.values())
+    assert rows["context"]["prompt_tokens"] >= rows["plain"]["prompt_tokens"]
+
+
 def test_block_fim_reaches_the_rows(data_dir: Path):
     """block_fim changes which middles the FIM rows hold, and the rows stay a function of (seed, step)."""
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)

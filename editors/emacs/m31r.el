@@ -77,6 +77,10 @@ included: once spent, the suggestion ends with what was written so far."
   "Maximum number of tokens generated for one suggestion."
   :type 'integer)
 
+(defcustom m31r-project-context t
+  "Send snippets of the crate's other files with each request."
+  :type 'boolean)
+
 (defcustom m31r-inline-idle-delay 0.2
   "Idle seconds before lsp-mode asks for an inline completion in M31R buffers.
 Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
@@ -102,6 +106,7 @@ Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
         :multiline m31r-multiline
         :deadlineMs m31r-deadline-ms
         :maxTokens m31r-max-tokens
+        :projectContext (m31r--bool m31r-project-context)
         :socket (or m31r-socket "")))
 
 (defun m31r-command ()
@@ -280,6 +285,7 @@ Eglot runs one server per buffer: there M31R takes rust-analyzer's place."
      ("m31r.multiline" m31r-multiline)
      ("m31r.deadlineMs" m31r-deadline-ms)
      ("m31r.maxTokens" m31r-max-tokens)
+     ("m31r.projectContext" m31r-project-context t)
      ("m31r.socket" m31r-socket)))
 
   (lsp-register-client

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt
 from m31r.tokenizer import Tokenizer
+from m31r_protocol.context import Window, query_words, rank, windows
 
 IGNORE, NEXT, FIM, COT = -1, 0, 1, 2
 
@@ -145,11 +147,16 @@ def choose_middle(text: str, rng: random.Random, block_rate: float = 0.0) -> tup
     return a, min(b, len(text))
 
 
-def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget, block_rate: float = 0.0
-               ) -> FimSample:
+def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget, block_rate: float = 0.0,
+               neighbours: list[tuple[str, list[Window]]] | None = None) -> FimSample:
+    """One FIM sample; with `neighbours` (other files of the text's crate), the snippets of them the serving
+    side would choose (m31r.context) come first, learned as ordinary text."""
     a, b = choose_middle(text, rng, block_rate)
     middle = text[a:b]
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
+    ctx: list[int] = []
+    if neighbours:
+        ctx = context_ids(tok, rank(query_words(text[:a]), neighbours), context_budget(budget, len(prompt.ids)))
     # Token healing, as served: the prompt ends one token early and the middle starts by writing it again.
     m_ids = tok.encode(prompt.heal + middle)
     # A middle longer than the completion budget is cut and gets no <|endoftext|>: the model must not learn
@@ -162,11 +169,41 @@ def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget,
     p_cats[0] = p_cats[n_s + 1] = p_cats[len(prompt.ids) - prompt.line_tokens - 1] = IGNORE
     for i in range(len(prompt.ids) - prompt.line_tokens, len(prompt.ids)):
         p_cats[i] = FIM
-    return FimSample(prompt.ids + m_ids, p_cats + [FIM] * len(m_ids))
+    return FimSample(ctx + prompt.ids + m_ids, [NEXT] * len(ctx) + p_cats + [FIM] * len(m_ids))
+
+
+class Neighbours:
+    """Other files of a text's crate, as an editor has them at hand (a few open or nearby files), with their
+    windows kept: a sample's context is chosen from up to `files` of them, drawn at random."""
+
+    def __init__(self, paths: list[str], crates: list[str], files: int = 16) -> None:
+        self.paths, self.files = paths, files
+        self.by_crate: dict[str, list[int]] = {}
+        for i, c in enumerate(crates):
+            self.by_crate.setdefault(c, []).append(i)
+        self.crates = crates
+        self._windows: dict[int, list[Window]] = {}
+
+    def of(self, i: int, texts: list[str], rng: random.Random) -> list[tuple[str, list[Window]]]:
+        others = [j for j in self.by_crate.get(self.crates[i], ()) if j != i]
+        if len(others) > self.files:
+            others = rng.sample(others, self.files)
+        out = []
+        for j in others:
+            if j not in self._windows:
+                self._windows[j] = windows(texts[j])
+            out.append((crate_path(self.paths[j]), self._windows[j]))
+        return out
+
+
+def crate_path(path: str) -> str:
+    """A corpus path as a project-relative one: `registry/serde-1.0.0/src/de.rs` -> `src/de.rs`."""
+    return path.split("/", 2)[-1]
 
 
 def pack_fim_row(
-    tok: Tokenizer, texts: list[str], rng: random.Random, seq_len: int, budget: FimBudget, block_rate: float = 0.0
+    tok: Tokenizer, texts: list[str], rng: random.Random, seq_len: int, budget: FimBudget, block_rate: float = 0.0,
+    neighbours: Neighbours | None = None, context_rate: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One row of seq_len + 1 tokens filled with whole-or-cut FIM samples; categories are per *target*.
 
@@ -176,10 +213,12 @@ def pack_fim_row(
     ids: list[int] = []
     cats: list[int] = []
     while len(ids) < seq_len + 1:
-        text = texts[rng.randrange(len(texts))]
+        i = rng.randrange(len(texts))
+        text = texts[i]
         if not text:
             continue
-        s = fim_sample(tok, text, rng, budget, block_rate)
+        near = neighbours.of(i, texts, rng) if neighbours and context_rate > 0 and rng.random() < context_rate else None
+        s = fim_sample(tok, text, rng, budget, block_rate, near)
         ids += s.ids
         cats += s.cats
     return np.asarray(ids[: seq_len + 1], dtype=np.int64), np.asarray(cats[: seq_len + 1], dtype=np.int64)

@@ -37,7 +37,7 @@ from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
 from m31r.quant import dequantize_int8
 from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
-from m31r.train.samples import COT, FIM, NEXT, lm_row, pack_fim_row, tokenize_documents
+from m31r.train.samples import COT, FIM, NEXT, Neighbours, lm_row, pack_fim_row, tokenize_documents
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -52,6 +52,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_clip: float = 1.0
     fim_rate: float = 0.5  # share of rows made of FIM samples
     block_fim: float = 0.0  # share of FIM samples whose middle is a block body or its tail (samples.block_middle)
+    # share of FIM samples led by snippets of other files of their crate (m31r.context), as the language server
+    # sends them
+    context_fim: float = 0.0
     alpha: float = 0.3  # weight of L_fim
     beta: float = 0.2  # weight of L_cot
     seed: int = 1234
@@ -124,8 +127,12 @@ def flops_per_token(mc: ModelConfig, seq: int) -> float:
 
 
 def read_jsonl(path: Path) -> list[str]:
+    return [d["text"] for d in read_docs(path)]
+
+
+def read_docs(path: Path) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def token_stream(tok: Tokenizer, texts: list[str], cache: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -159,10 +166,16 @@ def corpus_tokens(data_dir: Path) -> dict[str, int]:
 
 
 class Data:
-    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float):
+    def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float,
+                 context_fim: float = 0.0):
         self.tok, self.seq_len, self.fim_rate, self.block_fim = tok, seq_len, fim_rate, block_fim
+        self.context_fim = context_fim
         tag = sha256_file(data_dir / "tokenizer.json")[:12]
-        self.texts = {s: [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t] for s in ("train", "val")}
+        docs = {s: [d for d in read_docs(data_dir / "corpus" / f"{s}.jsonl") if d["text"]] for s in ("train", "val")}
+        self.texts = {s: [d["text"] for d in ds] for s, ds in docs.items()}
+        # Files outside any crate (an older corpus) have no neighbours.
+        self.neighbours = {s: Neighbours([d["path"] for d in ds], [d.get("crate") or d["path"] for d in ds])
+                           for s, ds in docs.items()}
         self.streams = {s: token_stream(tok, self.texts[s], data_dir / f"{s}-{tag}.npz") for s in self.texts}
 
     def batch(self, split: str, rng: random.Random, n: int, seq_len: int | None = None
@@ -174,7 +187,8 @@ class Data:
         rows, cats = [], []
         for _ in range(n):
             if rng.random() < self.fim_rate:
-                r, c = pack_fim_row(self.tok, self.texts[split], rng, seq_len, budget, self.block_fim)
+                r, c = pack_fim_row(self.tok, self.texts[split], rng, seq_len, budget, self.block_fim,
+                                    self.neighbours[split], self.context_fim)
             else:
                 r, c = lm_row(*self.streams[split], rng, seq_len)
             rows.append(r)
@@ -335,7 +349,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     if tok.vocab_size != mc.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
-    data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim)
+    data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim, tc.context_fim)
     model = Transformer(mc)
     init_weights(model, tc.seed)
     ckpt = run_dir / "ckpt.pt"

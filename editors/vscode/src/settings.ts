@@ -17,6 +17,8 @@ export interface ServerSettings {
   maxTokens: number;
   /** Beam search width of a single-line suggestion; null means the daemon's `--beams`. */
   beams: number | null;
+  /** Send snippets of the crate's other files with each request. */
+  projectContext: boolean;
   /** Daemon socket path; "" means the daemon's default socket. */
   socket: string;
 }
@@ -34,6 +36,7 @@ export const DEFAULTS: Readonly<ServerSettings> = Object.freeze({
   deadlineMs: 800,
   maxTokens: 64,
   beams: null,
+  projectContext: true,
   socket: '',
 });
 
@@ -178,6 +181,7 @@ export function toServerSettings(source: ConfigSource, homeDir?: string): Valida
     deadlineMs: readInt(get, 'deadlineMs', warnings),
     maxTokens: readInt(get, 'maxTokens', warnings),
     beams: readBeams(get, warnings),
+    projectContext: readBool(get, 'projectContext', warnings),
     socket: expandHome(readString(get, 'socket', DEFAULTS.socket, warnings), homeDir),
   };
   return { value, warnings };

@@ -61,6 +61,7 @@ test('starts `m31r lsp` over stdio with defaults', async () => {
     deadlineMs: 800,
     maxTokens: 64,
     beams: null,
+    projectContext: true,
     socket: '',
   });
   assert.deepEqual([...fake.commands.keys()].sort(), ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);

@@ -24,6 +24,7 @@ M.server_defaults = {
   multiline = "auto", -- "auto" | "always" | "never"
   deadlineMs = 800,
   maxTokens = 64,
+  projectContext = true, -- send snippets of the crate's other files
   socket = "", -- "" = the daemon's default socket
 }
 
@@ -90,6 +91,7 @@ local valid = {
   multiline = { auto = true, always = true, never = true },
   deadlineMs = "number",
   maxTokens = "number",
+  projectContext = "boolean",
   socket = "string",
 }
 

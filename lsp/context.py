@@ -1,0 +1,135 @@
+"""Code from the rest of the crate for a completion's prompt (`Fim.context`).
+
+The files: the other open Rust documents, then the crate's `.rs` files on disk (the crate is the nearest folder
+above the document holding a Cargo.toml, else the document's folder), nearest first. Each file's windows are
+kept until it changes, so a request costs a stat per file and the ranking (m31r_protocol.context), a few
+milliseconds; it runs on a worker thread all the same, because disks can be slow.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from m31r_protocol.context import Window, query_words, rank, windows
+from m31r_protocol.messages import Snippet
+
+MAX_FILES = 64  # files ranked per request: open documents first, then the nearest files on disk
+MAX_FILE_BYTES = 256 * 1024  # larger files are generated tables more often than code worth quoting
+MAX_LISTED = 2000  # files a crate's listing takes before it stops walking
+LISTING_TTL_S = 10.0  # a crate's file list is walked again after this long
+SKIP_DIRS = {"target", ".git", "node_modules"}
+
+
+def uri_path(uri: str) -> Path | None:
+    u = urlparse(uri)
+    return Path(unquote(u.path)) if u.scheme == "file" else None
+
+
+def crate_root(path: Path) -> Path:
+    """The nearest folder above `path` with a Cargo.toml, else `path`'s own folder."""
+    for folder in path.parents:
+        if (folder / "Cargo.toml").is_file():
+            return folder
+    return path.parent
+
+
+class ProjectContext:
+    def __init__(self, open_documents: Callable[[], Iterable[tuple[str, str]]],
+                 clock: Callable[[], float] | None = None) -> None:
+        """`open_documents()` gives (uri, text) of the open documents."""
+        import time
+
+        self.open_documents = open_documents
+        self.clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
+        self._listings: dict[Path, tuple[float, list[Path]]] = {}
+
+    def snippets(self, uri: str, prefix: str) -> list[Snippet]:
+        """Snippets for a cursor at the end of `prefix` in document `uri`, best first; [] for a document with no
+        other Rust file near it, or nothing above the cursor to go by."""
+        query = query_words(prefix)
+        if not query:
+            return []
+        with self._lock:
+            return rank(query, self._files(uri))
+
+    def _files(self, uri: str) -> list[tuple[str, list[Window]]]:
+        here = uri_path(uri)
+        root = crate_root(here) if here is not None else None
+        out: list[tuple[str, list[Window]]] = []
+        seen: set[Path] = set() if here is None else {here}
+        for other, text in self.open_documents():
+            path = uri_path(other)
+            if other == uri or path in seen or (path or Path(other)).suffix != ".rs":
+                continue
+            if path is not None:
+                seen.add(path)
+            key = (other, hash(text))
+            if key not in self._windows:
+                self._windows[key] = windows(text)
+            out.append((_shown(path, root) if path else other, self._windows[key]))
+            if len(out) == MAX_FILES:
+                return out
+        if root is None or here is None:
+            return out
+        for path in self._nearest(root, here):
+            if path in seen:
+                continue
+            try:
+                st = path.stat()
+                if st.st_size > MAX_FILE_BYTES:
+                    continue
+                key = (path, st.st_mtime_ns, st.st_size)
+                if key not in self._windows:
+                    self._windows[key] = windows(path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                continue
+            out.append((_shown(path, root), self._windows[key]))
+            if len(out) == MAX_FILES:
+                break
+        self._forget_old()
+        return out
+
+    def _nearest(self, root: Path, here: Path) -> list[Path]:
+        """The crate's .rs files, those sharing the most folders with `here` first."""
+        now = self.clock()
+        got = self._listings.get(root)
+        if got is None or now - got[0] > LISTING_TTL_S:
+            found: list[Path] = []
+            for folder, dirs, files in os.walk(root):
+                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
+                found += (Path(folder) / f for f in sorted(files) if f.endswith(".rs"))
+                if len(found) >= MAX_LISTED:
+                    break
+            got = self._listings[root] = (now, found)
+        parts = here.parent.parts
+        return sorted(got[1], key=lambda p: -_common(p.parent.parts, parts))
+
+    def _forget_old(self) -> None:
+        """Keep the window cache bounded: past 4 * MAX_FILES entries, drop all (they are rebuilt as needed)."""
+        if len(self._windows) > 4 * MAX_FILES:
+            self._windows.clear()
+
+
+def _common(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _shown(path: Path, root: Path | None) -> str:
+    """A path as the model sees it: relative to the crate (`src/de.rs`), as training showed it."""
+    if root is not None:
+        try:
+            return path.relative_to(root).as_posix()
+        except ValueError:
+            pass
+    return path.name

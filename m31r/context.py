@@ -1,0 +1,33 @@
+"""Snippets of other project files (`Fim.context`, chosen by m31r_protocol.context) as prompt tokens.
+
+They go before the FIM prompt, each as a comment line naming its file, its text and <|endoftext|>, the way
+files follow each other in training, so the model reads them as code that exists elsewhere in the crate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from m31r.fim import FimBudget
+from m31r.tokenizer import Tokenizer
+from m31r_protocol.messages import Snippet
+
+
+def context_budget(budget: FimBudget, prompt_tokens: int) -> int:
+    """Tokens the snippets may take: what the FIM prompt leaves of the context, up to a quarter of it (a long
+    file's own lines matter more than another file's)."""
+    total = budget.suffix + budget.line + budget.above + budget.reserve + 3
+    return max(0, min(total // 4, total - budget.reserve - prompt_tokens))
+
+
+def context_ids(tok: Tokenizer, snippets: Sequence[Snippet], budget: int) -> list[int]:
+    """The snippets that fit `budget` tokens, taken best first and laid out best last (nearest the prompt)."""
+    chosen: list[list[int]] = []
+    used = 0
+    for s in snippets:
+        text = s.text if s.text.endswith("\n") else s.text + "\n"
+        ids = tok.encode(f"// {s.path}\n{text}" if s.path else text) + [tok.eos_id]
+        if used + len(ids) <= budget:
+            chosen.append(ids)
+            used += len(ids)
+    return [i for ids in reversed(chosen) for i in ids]
