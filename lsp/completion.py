@@ -240,7 +240,7 @@ class Completer:
         if not (s.project_context and self.project is not None):
             return []
         try:
-            found = await asyncio.to_thread(self.project.snippets, uri, prefix)
+            found = await self.project.find(uri, prefix)
         except Exception:
             log.exception("finding the crate's other files failed")
             return []

@@ -3,7 +3,7 @@
 The files: the other open Rust documents, then the crate's `.rs` files on disk (the crate is the nearest folder
 above the document holding a Cargo.toml, else the document's folder), nearest first. Each file's windows are
 kept until it changes, so a request costs a stat per file and the ranking (m31r_protocol.context), a few
-milliseconds; it runs on a worker thread all the same, because disks can be slow.
+milliseconds; it runs on a worker thread all the same (`find`), because disks can be slow.
 """
 
 from __future__ import annotations
@@ -49,21 +49,29 @@ class ProjectContext:
         self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
         self._listings: dict[Path, tuple[float, list[Path]]] = {}
 
-    def snippets(self, uri: str, prefix: str) -> list[Snippet]:
+    async def find(self, uri: str, prefix: str) -> list[Snippet]:
+        """`snippets` on a worker thread, with the open documents as they are now (read here, on the event loop
+        that changes them)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.snippets, uri, prefix, list(self.open_documents()))
+
+    def snippets(self, uri: str, prefix: str, opened: Iterable[tuple[str, str]] | None = None) -> list[Snippet]:
         """Snippets for a cursor at the end of `prefix` in document `uri`, best first; [] for a document with no
-        other Rust file near it, or nothing above the cursor to go by."""
+        other Rust file near it, or nothing above the cursor to go by. `opened`: the open documents (default: as
+        `open_documents()` gives them)."""
         query = query_words(prefix)
         if not query:
             return []
         with self._lock:
-            return rank(query, self._files(uri))
+            return rank(query, self._files(uri, self.open_documents() if opened is None else opened))
 
-    def _files(self, uri: str) -> list[tuple[str, list[Window]]]:
+    def _files(self, uri: str, opened: Iterable[tuple[str, str]]) -> list[tuple[str, list[Window]]]:
         here = uri_path(uri)
         root = crate_root(here) if here is not None else None
         out: list[tuple[str, list[Window]]] = []
         seen: set[Path] = set() if here is None else {here}
-        for other, text in self.open_documents():
+        for other, text in opened:
             path = uri_path(other)
             if other == uri or path in seen or (path or Path(other)).suffix != ".rs":
                 continue

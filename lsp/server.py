@@ -63,8 +63,8 @@ class M31rLanguageServer(LanguageServer):
         return None if doc is None else (doc.source, doc.version)
 
     def open_documents(self) -> list[tuple[str, str]]:
-        """(uri, text) of the open documents: a snapshot, since completions read it on a worker thread."""
-        return [(uri, doc.source) for uri, doc in list(self.workspace.text_documents.items())]
+        """(uri, text) of the open documents."""
+        return [(uri, doc.source) for uri, doc in self.workspace.text_documents.items()]
 
     @property
     def encoding(self) -> str:

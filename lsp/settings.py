@@ -34,7 +34,7 @@ class EditorSettings:
     temperature: float = 0.0  # 0 = greedy (the daemon's typed-through works only then)
     seed: int | None = None
     beams: int | None = None  # a single-line suggestion's beam width; None: the daemon's --beams
-    project_context: bool = True  # send snippets of the crate's other files with each request (lsp/context.py)
+    project_context: bool = False  # send snippets of the crate's other files with each request (lsp/context.py)
 
     def options(self) -> Options:
         return Options(multiline=self.multiline, max_tokens=self.max_tokens, deadline_ms=self.deadline_ms,

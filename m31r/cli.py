@@ -402,11 +402,11 @@ def generate(prompt: str, **opts: Any) -> None:
               help="Complete inside this file at --line/--column instead.")
 @click.option("--line", type=int, default=None, help="1-based cursor line in --file.")
 @click.option("--column", type=int, default=None, help="1-based cursor column (characters) in --file.")
-@click.option("--no-context", is_flag=True, help="Leave out the snippets of the --file's crate's other files that "
-              "the prompt is led by (as the language server sends them).")
+@click.option("--context", "with_context", is_flag=True, help="Lead the prompt with snippets of the --file's crate's "
+              "other files, as the language server does with projectContext on.")
 @sampling_options
 def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | None, column: int | None,
-        no_context: bool, **opts: Any) -> None:
+        with_context: bool, **opts: Any) -> None:
     """Fill in the middle: complete at a cursor, given the text before and after it."""
     document = ""
     if file_path is not None:
@@ -424,7 +424,7 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
     elif prefix is None:
         fail("give --prefix (and optionally --suffix), or --file with --line and --column")
     context = []
-    if file_path is not None and not no_context:
+    if file_path is not None and with_context:
         from m31r_lsp.context import ProjectContext
 
         context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)

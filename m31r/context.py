@@ -7,10 +7,17 @@ files follow each other in training, so the model reads them as code that exists
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from m31r.fim import FimBudget
 from m31r.tokenizer import Tokenizer
-from m31r_protocol.messages import Snippet
+
+
+class Snippet(Protocol):
+    """What m31r_protocol.messages.Snippet holds (the core does not import the protocol)."""
+
+    text: str
+    path: str
 
 
 def context_budget(budget: FimBudget, prompt_tokens: int) -> int:

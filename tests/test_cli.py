@@ -94,9 +94,9 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
 
 
-def test_fim_file_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):
-    """`m31r fim --file` leads the prompt with snippets of the file's crate, as the language server does;
-    `--no-context` leaves them out."""
+def test_fim_file_context_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):
+    """`m31r fim --file --context` leads the prompt with snippets of the file's crate, as the language server does with
+    projectContext on; without `--context`, none."""
     from m31r.context import context_budget, context_ids
     from m31r.fim import FimBudget, build_fim_prompt
     from m31r_protocol.context import query_words, rank, windows
@@ -115,7 +115,7 @@ def test_fim_file_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):
     head = context_ids(tiny_engine.tokenizer, rank(query_words(src[:cursor]), [("src/point.rs", windows(point))]),
                        context_budget(budget, len(p.ids)))
     assert "// src/point.rs\npub struct Point" in tiny_engine.tokenizer.decode(head)
-    for flags, ids in (((), head + p.ids), (("--no-context",), p.ids)):
+    for flags, ids in ((("--context",), head + p.ids), ((), p.ids)):
         r = cli("fim", "--file", str(f), "--line", "3", "--column", "13", "--json", "--max-tokens", "6", "--beams", "1",
                 "--socket", str(sock), *flags)
         assert r.returncode == 0, r.stderr

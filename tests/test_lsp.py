@@ -544,7 +544,7 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
 async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engine, tmp_path):
     """Editor → language server → daemon with a crate on disk: the request carries snippets of the crate's other files
     (an open document's unsaved text over its file's), best first, and the daemon's answer is the engine's for the
-    prompt they lead. With projectContext off, nothing is sent."""
+    prompt they lead. With projectContext off (the default), nothing is sent."""
     from m31r.context import context_budget, context_ids
     from m31r.fim import FimBudget, build_fim_prompt, line_context
     from m31r_protocol import messages as m
@@ -563,7 +563,8 @@ async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engi
     text = "fn main() {\n    let p = Point { x: 2, y: 3 };\n    let a = area(&p);\n    \n}\n"
     offset = text.index("    \n}") + 4
 
-    s = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0, "maxTokens": 8})
+    s = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0, "maxTokens": 8,
+                   "projectContext": True})
     s.open(shape, uri=shape_uri)
     s.open(text, uri=main_uri)
     await s.inline(offset, uri=main_uri)
@@ -581,7 +582,7 @@ async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engi
                                                        heal=p.heal, repeat_context=line_context(fim["prefix"])))
     assert st["lastRaw"] == ref
 
-    off = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0, "projectContext": False})
+    off = await lsp({"multiline": "always", "debounceMode": "fixed", "debounceMs": 0})
     off.open(shape, uri=shape_uri)
     off.open(text, uri=main_uri)
     await off.inline(offset, uri=main_uri)

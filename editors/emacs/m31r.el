@@ -77,8 +77,8 @@ included: once spent, the suggestion ends with what was written so far."
   "Maximum number of tokens generated for one suggestion."
   :type 'integer)
 
-(defcustom m31r-project-context t
-  "Send snippets of the crate's other files with each request."
+(defcustom m31r-project-context nil
+  "Non-nil: send snippets of the crate's other files with each request."
   :type 'boolean)
 
 (defcustom m31r-inline-idle-delay 0.2

@@ -54,7 +54,7 @@ check("server settings: defaults, validation, socket", function()
     multiline = "auto",
     deadlineMs = 800,
     maxTokens = 64,
-    projectContext = true,
+    projectContext = false,
     socket = "",
   }, "defaults")
   local s = m31r.server_settings({ multiline = "sometimes", maxTokens = 12.4, enable = "yes", debounceMode = "fixed" })

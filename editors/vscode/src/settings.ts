@@ -36,7 +36,7 @@ export const DEFAULTS: Readonly<ServerSettings> = Object.freeze({
   deadlineMs: 800,
   maxTokens: 64,
   beams: null,
-  projectContext: true,
+  projectContext: false,
   socket: '',
 });
 

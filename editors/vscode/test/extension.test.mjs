@@ -61,7 +61,7 @@ test('starts `m31r lsp` over stdio with defaults', async () => {
     deadlineMs: 800,
     maxTokens: 64,
     beams: null,
-    projectContext: true,
+    projectContext: false,
     socket: '',
   });
   assert.deepEqual([...fake.commands.keys()].sort(), ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);

@@ -14,7 +14,7 @@ const DEFAULT_SERVER = {
   deadlineMs: 800,
   maxTokens: 64,
   beams: null,
-  projectContext: true,
+  projectContext: false,
   socket: '',
 };
 
@@ -33,7 +33,7 @@ test('valid values pass through unchanged', () => {
     deadlineMs: 1500,
     maxTokens: 128,
     beams: 2,
-    projectContext: false,
+    projectContext: true,
     socket: '/run/user/1000/m31r/m31rd.sock',
   };
   assert.deepEqual(s.toServerSettings(cfg), { value: cfg, warnings: [] });

@@ -24,7 +24,7 @@ M.server_defaults = {
   multiline = "auto", -- "auto" | "always" | "never"
   deadlineMs = 800,
   maxTokens = 64,
-  projectContext = true, -- send snippets of the crate's other files
+  projectContext = false, -- true: send snippets of the crate's other files
   socket = "", -- "" = the daemon's default socket
 }
 
