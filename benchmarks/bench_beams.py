@@ -12,7 +12,6 @@ the cursor's first request, which prefills the whole prompt.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,21 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import write_report  # noqa: E402
 from bench_daemon import pct  # noqa: E402
-from eval_fim import make_tasks  # noqa: E402
+from eval_fim import make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", type=Path, required=True)
-    p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
+    typing_options(p)
     p.add_argument("--tasks", type=int, default=40, help="single-line tasks (eval_fim's first ones)")
     p.add_argument("--keystrokes", type=int, default=3, help="characters typed per task")
     p.add_argument("--widths", default="1,3,4", help="beam widths; 1 (greedy decoding) is the reference")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     if 1 not in widths:
@@ -44,15 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from m31r.beams import beam_generate
     from m31r.cpu import describe
-    from m31r.engine import Engine, Outcome
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context
 
-    engine = Engine(args.bundle, dtype=args.dtype, quant=None if args.quant == "none" else args.quant,
-                    threads=args.threads)
+    engine = typing_engine(args)
     tok = engine.tokenizer
-    with open(args.data / "corpus" / "val.jsonl") as f:
-        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
-    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
+    texts = val_texts(args.data)
     tasks = [t for t in make_tasks(texts, args.tasks, 0, args.seed, tok, 48, 128) if t.kind == "single"]
     budget = FimBudget.for_context(engine.config.max_context)
     state = {w: (engine.new_cache(), []) for w in widths}

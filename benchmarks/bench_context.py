@@ -14,7 +14,6 @@ decoding), not the task's first request, which prefills the whole prompt either 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,36 +23,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import write_report  # noqa: E402
 from bench_daemon import pct  # noqa: E402
-from eval_fim import make_tasks  # noqa: E402
+from eval_fim import make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", type=Path, required=True)
-    p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
+    typing_options(p)
     p.add_argument("--tasks", type=int, default=20, help="multi-line tasks typed (of crates with other files)")
     p.add_argument("--max-chars", type=int, default=120, help="characters typed per task at most")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
     from m31r.context import context_budget, context_ids
     from m31r.cpu import describe
-    from m31r.engine import Engine, Outcome
+    from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context
     from m31r.train.samples import crate_path
     from m31r_protocol.context import query_words, rank, windows
 
-    engine = Engine(args.bundle, dtype=args.dtype, quant=None if args.quant == "none" else args.quant,
-                    threads=args.threads)
+    engine = typing_engine(args)
     tok = engine.tokenizer
-    with open(args.data / "corpus" / "val.jsonl") as f:
-        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
-    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
+    texts = val_texts(args.data)
     files = {path: (crate, windows(text)) for path, text, crate in texts}
     sizes: dict[str, int] = {}
     for _, _, crate in texts:
@@ -66,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ms: dict[str, list[float]] = {w: [] for w in ways}
     prompt_tokens: dict[str, list[int]] = {w: [] for w in ways}
     prefilled: dict[str, list[int]] = {w: [] for w in ways}
-    head_moved = keystrokes = 0
+    head_moved = keystrokes = offered = 0
     turn = 0
     for t in tasks:
         crate = files[t.path][0]
@@ -75,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(min(len(t.target), args.max_chars) + 1):
             prefix = t.prefix + t.target[:k]
             prompt = build_fim_prompt(tok, prefix, t.suffix, budget)
-            head = context_ids(tok, rank(query_words(prefix), near), context_budget(budget, len(prompt.ids)))
+            snippets = rank(query_words(prefix), near)
+            head = context_ids(tok, snippets, context_budget(budget, len(prompt.ids)))
             if k:
                 keystrokes += 1
+                offered += len(snippets)
                 head_moved += head != last_head
             last_head = head
             turn += 1
@@ -100,14 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
           f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
     print(f"{len(tasks)} block bodies typed, {keystrokes} keystrokes; the snippets changed on "
-          f"{head_moved} of them ({head_moved / max(keystrokes, 1):.1%})")
+          f"{head_moved} of them ({head_moved / max(keystrokes, 1):.1%}); {offered / max(keystrokes, 1):.1f} snippets "
+          f"offered per keystroke")
     print(f"{'way':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'prompt':>7} {'prefilled':>9}")
     for r in rows:
         print(f"{r['way']:>8} {r['ms_p50']:>8.1f} {r['ms_p90']:>8.1f} {r['ms_p99']:>8.1f} {r['ms_mean']:>8.1f} "
               f"{r['prompt_tokens']:>7.0f} {r['prefilled_tokens']:>9.1f}")
     if args.out:
         write_report(args.out, {"cpu": describe(), "bundle": str(args.bundle), "tasks": len(tasks),
-                                "keystrokes": keystrokes, "head_moved": head_moved, "rows": rows})
+                                "keystrokes": keystrokes, "head_moved": head_moved,
+                                "snippets_offered": round(offered / max(keystrokes, 1), 2), "rows": rows})
     return 0
 
 

@@ -85,6 +85,8 @@ class Result:
     serving_stop: bool = False  # ended by a serving stop (suffix, repeated line), not by the model or the task
     alternatives: list[str] = field(default_factory=list)  # a beam search's runners-up, as the daemon sends them
     exact_any: bool = False  # the prediction or one of the alternatives matches
+    snippets: int = 0  # project-context snippets offered (--context)
+    context_tokens: int = 0  # of which laid before the prompt: the room it left allowed these tokens
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -164,6 +166,33 @@ def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, s
     return tasks
 
 
+def val_texts(data: Path) -> list[tuple[str, str, str]]:
+    """(path, text, crate) of the non-blank validation files in DATA/corpus/val.jsonl; files outside any crate (an
+    older corpus) count as a crate each."""
+    with open(data / "corpus" / "val.jsonl") as f:
+        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
+    return [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
+
+
+def typing_options(p: argparse.ArgumentParser) -> None:
+    """The options of the typing benchmarks on these tasks (bench_beams.py, bench_context.py): the engine as the
+    daemon serves it by default."""
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+
+
+def typing_engine(args: argparse.Namespace):
+    from m31r.engine import Engine
+
+    return Engine(args.bundle, dtype=args.dtype, quant=None if args.quant == "none" else args.quant,
+                  threads=args.threads)
+
+
 def add_context(tasks: list[Task], texts: list[tuple[str, str, str]]) -> None:
     """Each task's snippets from the other files of its crate, as a project open in an editor offers them."""
     from m31r.train.samples import crate_path
@@ -217,7 +246,8 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     results = []
     for k, t in enumerate(tasks):
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
-        ids = context_ids(engine.tokenizer, t.context, context_budget(budget, len(prompt.ids))) + prompt.ids
+        head = context_ids(engine.tokenizer, t.context, context_budget(budget, len(prompt.ids)))
+        ids = head + prompt.ids
         single = t.kind == "single"
         res = Outcome(prompt_tokens=len(ids))
         at_suffix = suffix_stop(t.prefix, t.suffix) if serving_stops and not single else None
@@ -237,7 +267,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
                               len(ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
                               t.prefix[-1:],
                               res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence"), alts,
-                              g in {p, *map(normalize, alts)}))
+                              g in {p, *map(normalize, alts)}, len(t.context), len(head)))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -287,7 +317,10 @@ def summarize(results: list[Result], kind: str) -> dict:
             # completions that open with whitespace right after a prefix ending in whitespace: the doubled space
             # of a cursor inside a token (what token healing prevents); the targets never do this
             "doubled_space": sum(r.prefix_end in (" ", "\t") and r.prediction[:1] in (" ", "\t") for r in rs),
-            "ms_per_task": round(sum(r.ms for r in rs) / n, 1)}
+            "ms_per_task": round(sum(r.ms for r in rs) / n, 1),
+            # project context (--context): snippets offered, and tokens of them the prompt had room for, per task
+            "snippets": round(sum(r.snippets for r in rs) / n, 2),
+            "context_tokens": round(sum(r.context_tokens for r in rs) / n, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     data_tok = args.data / "tokenizer.json"
     if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
         log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's is used")
-    with open(args.data / "corpus" / "val.jsonl") as f:
-        docs = [json.loads(line) for line in f if line.strip()]
-    # Files outside any crate (an older corpus) count as a crate each.
-    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs if d["text"].strip()]
+    texts = val_texts(args.data)
     if not texts:
         raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
     reserve = FimBudget.for_context(engine.config.max_context).reserve

@@ -59,9 +59,10 @@ class ContextSnippet(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 Context = Annotated[list[ContextSnippet], Meta(max_length=MAX_SNIPPETS, description=(
-    "Snippets of the project's other files, best first, as the language server chooses them (windows of 20 lines "
-    "that share the most identifiers with the 20 whole lines above the cursor): those that fit the room the prompt "
-    "leaves, up to a quarter of the model's context, lead the prompt, the best nearest it."))]
+    "Snippets of the project's other files, best first, as the language server chooses them (m31r_protocol.context: "
+    "windows of 20 lines that share the most identifiers with the 20 whole lines above the cursor line's block of "
+    "8): those that fit the room the prompt leaves, up to a quarter of the model's context, lead the prompt, the "
+    "best nearest it."))]
 
 
 # -- native requests ----------------------------------------------------------------------------------------

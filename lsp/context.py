@@ -8,8 +8,10 @@ milliseconds; it runs on a worker thread all the same (`find`), because disks ca
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -38,13 +40,9 @@ def crate_root(path: Path) -> Path:
 
 
 class ProjectContext:
-    def __init__(self, open_documents: Callable[[], Iterable[tuple[str, str]]],
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, open_documents: Callable[[], Iterable[tuple[str, str]]]) -> None:
         """`open_documents()` gives (uri, text) of the open documents."""
-        import time
-
         self.open_documents = open_documents
-        self.clock = clock or time.monotonic
         self._lock = threading.Lock()
         self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
         self._listings: dict[Path, tuple[float, list[Path]]] = {}
@@ -52,8 +50,6 @@ class ProjectContext:
     async def find(self, uri: str, prefix: str) -> list[Snippet]:
         """`snippets` on a worker thread, with the open documents as they are now (read here, on the event loop
         that changes them)."""
-        import asyncio
-
         return await asyncio.to_thread(self.snippets, uri, prefix, list(self.open_documents()))
 
     def snippets(self, uri: str, prefix: str, opened: Iterable[tuple[str, str]] | None = None) -> list[Snippet]:
@@ -67,6 +63,8 @@ class ProjectContext:
             return rank(query, self._files(uri, self.open_documents() if opened is None else opened))
 
     def _files(self, uri: str, opened: Iterable[tuple[str, str]]) -> list[tuple[str, list[Window]]]:
+        if len(self._windows) > 4 * MAX_FILES:  # bounded: past that, all are dropped and rebuilt as needed
+            self._windows.clear()
         here = uri_path(uri)
         root = crate_root(here) if here is not None else None
         out: list[tuple[str, list[Window]]] = []
@@ -100,12 +98,11 @@ class ProjectContext:
             out.append((_shown(path, root), self._windows[key]))
             if len(out) == MAX_FILES:
                 break
-        self._forget_old()
         return out
 
     def _nearest(self, root: Path, here: Path) -> list[Path]:
         """The crate's .rs files, those sharing the most folders with `here` first."""
-        now = self.clock()
+        now = time.monotonic()
         got = self._listings.get(root)
         if got is None or now - got[0] > LISTING_TTL_S:
             found: list[Path] = []
@@ -117,11 +114,6 @@ class ProjectContext:
             got = self._listings[root] = (now, found)
         parts = here.parent.parts
         return sorted(got[1], key=lambda p: -_common(p.parent.parts, parts))
-
-    def _forget_old(self) -> None:
-        """Keep the window cache bounded: past 4 * MAX_FILES entries, drop all (they are rebuilt as needed)."""
-        if len(self._windows) > 4 * MAX_FILES:
-            self._windows.clear()
 
 
 def _common(a: tuple[str, ...], b: tuple[str, ...]) -> int:

@@ -423,6 +423,8 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
     elif prefix is None:
         fail("give --prefix (and optionally --suffix), or --file with --line and --column")
+    elif with_context:
+        fail("--context takes the snippets from the files beside --file: give --file with --line and --column")
     context = []
     if file_path is not None and with_context:
         from m31r_lsp.context import ProjectContext

@@ -122,6 +122,8 @@ def test_fim_file_context_sends_its_crates_other_files(daemon, tiny_engine, tmp_
         out = json.loads(r.stdout)
         ref = "".join(x.text for x in tiny_engine.generate(ids, max_tokens=6, heal=p.heal))
         assert out["text"] == ref and out["usage"]["prompt_tokens"] == len(ids)
+    bad = cli("fim", "--prefix", src[:cursor], "--context", "--socket", str(sock))
+    assert bad.returncode != 0 and "--context takes the snippets from the files beside --file" in bad.stderr
 
 
 def test_status(daemon, tiny_bundle):

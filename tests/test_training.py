@@ -328,19 +328,25 @@ def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monke
     assert eval_fim.edit_similarity("", "") == 1.0 and eval_fim.levenshtein("kitten", "sitting") == 3
 
 
-def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
-    """eval_fim.py --beams (single-line tasks by a beam search, multi-line ones greedy) and bench_beams.py end to end
-    on the exported tiny bundle: smoke tests, the figures are noise."""
+def load_benchmarks(monkeypatch, *names: str) -> dict:
+    """benchmarks/NAME.py modules, loaded as their scripts import each other (by bare name)."""
     import importlib.util
 
     bench = Path(__file__).parent.parent / "benchmarks"
     monkeypatch.syspath_prepend(str(bench))
     mods = {}
-    for name in ("eval_fim", "bench_beams"):
+    for name in names:
         spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
         mods[name] = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, name, mods[name])
         spec.loader.exec_module(mods[name])
+    return mods
+
+
+def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
+    """eval_fim.py --beams (single-line tasks by a beam search, multi-line ones greedy) and bench_beams.py end to end
+    on the exported tiny bundle: smoke tests, the figures are noise."""
+    mods = load_benchmarks(monkeypatch, "eval_fim", "bench_beams")
     run, _ = full_run
     bundle = export(run, data_dir, tmp_path / "bundle")
     reports = {}
@@ -425,16 +431,7 @@ def test_context_fim_reaches_the_rows(data_dir: Path, tmp_path: Path):
 def test_context_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
     """eval_fim.py --context and bench_context.py end to end on the exported tiny bundle: smoke tests, the figures are
     noise; the context makes the prompts longer and changes nothing else about the tasks."""
-    import importlib.util
-
-    bench = Path(__file__).parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench))
-    mods = {}
-    for name in ("eval_fim", "bench_context"):
-        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
-        mods[name] = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, name, mods[name])
-        spec.loader.exec_module(mods[name])
+    mods = load_benchmarks(monkeypatch, "eval_fim", "bench_context")
     run, _ = full_run
     bundle = export(run, data_dir, tmp_path / "bundle")
     labelled = crate_labelled(data_dir, tmp_path / "data")
@@ -448,14 +445,17 @@ def test_context_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, monkey
     assert reports[True]["context"] and not reports[False]["context"]
     pairs = list(zip(reports[False]["tasks"], reports[True]["tasks"], strict=True))
     assert all((a["path"], a["line"], a["target"]) == (b["path"], b["line"], b["target"]) for a, b in pairs)
-    # (the tiny model's 128-token context leaves snippets 32 tokens, less than any window of the fixture's files)
-    assert all(b["prompt_tokens"] >= a["prompt_tokens"] for a, b in pairs)
+    # Snippets were offered; the tiny model's 128-token context leaves them at most 32 tokens, less than any window
+    # of the fixture's files, so none is laid out and the prompts stay as they were.
+    assert any(b["snippets"] > 0 for b in reports[True]["tasks"]) and all(a["snippets"] == 0 for a, _ in pairs)
+    assert all(b["prompt_tokens"] == a["prompt_tokens"] + b["context_tokens"] for a, b in pairs)
     out = tmp_path / "context.json"
     assert mods["bench_context"].main(["--bundle", str(bundle.path), "--data", str(labelled), "--tasks", "2",
                                        "--max-chars", "6", "--quant", "none", "--threads", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["way"]: r for r in report["rows"]}
     assert report["keystrokes"] >= 2 and all(r["keystrokes"] == report["keystrokes"] for r in rows.values())
+    assert report["snippets_offered"] > 0
     assert rows["context"]["prompt_tokens"] >= rows["plain"]["prompt_tokens"]
 
 

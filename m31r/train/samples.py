@@ -150,7 +150,8 @@ def choose_middle(text: str, rng: random.Random, block_rate: float = 0.0) -> tup
 def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget, block_rate: float = 0.0,
                neighbours: list[tuple[str, list[Window]]] | None = None) -> FimSample:
     """One FIM sample; with `neighbours` (other files of the text's crate), the snippets of them the serving
-    side would choose (m31r.context) come first, learned as ordinary text."""
+    side would choose (m31r_protocol.context) come first, laid out as served (m31r.context), learned as ordinary
+    text."""
     a, b = choose_middle(text, rng, block_rate)
     middle = text[a:b]
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)

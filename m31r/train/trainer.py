@@ -52,8 +52,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_clip: float = 1.0
     fim_rate: float = 0.5  # share of rows made of FIM samples
     block_fim: float = 0.0  # share of FIM samples whose middle is a block body or its tail (samples.block_middle)
-    # share of FIM samples led by snippets of other files of their crate (m31r.context), as the language server
-    # sends them
+    # share of FIM samples led by snippets of other files of their crate (m31r_protocol.context), as the language
+    # server sends them
     context_fim: float = 0.0
     alpha: float = 0.3  # weight of L_fim
     beta: float = 0.2  # weight of L_cot
