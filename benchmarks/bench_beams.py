@@ -6,7 +6,12 @@ caches, as a daemon serving that width would, and the widths take turns on every
 machine's load. Timed: the engine's whole answer (prefill of what changed, then the search or greedy decoding), not
 the cursor's first request, which prefills the whole prompt.
 
+`--unshared` adds, for every width above 1, the same search with each hypothesis reading the prompt's keys and values
+from its own cache (as before the native attention read a shared prompt once per step: engine.Decode.share), taking
+turns with the others.
+
     python benchmarks/bench_beams.py --bundle release --data ~/.cache/m31r/data --widths 1,3,4
+    python benchmarks/bench_beams.py --bundle release --data ~/.cache/m31r/data --widths 1,3 --unshared
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, default=40, help="single-line tasks (eval_fim's first ones)")
     p.add_argument("--keystrokes", type=int, default=3, help="characters typed per task")
     p.add_argument("--widths", default="1,3,4", help="beam widths; 1 (greedy decoding) is the reference")
+    p.add_argument("--unshared", action="store_true",
+                   help="also run each width above 1 with every hypothesis reading the prompt from its own cache")
     args = p.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     if 1 not in widths:
         widths.insert(0, 1)
+    # (label, width, whether the hypotheses read the prompt once)
+    variants = [(str(w), w, True) for w in widths] + [(f"{w}u", w, False) for w in widths if w > 1 and args.unshared]
+    labels = [v[0] for v in variants]
 
     from m31r.beams import beam_generate
     from m31r.cpu import describe
@@ -45,18 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     texts = val_texts(args.data)
     tasks = [t for t in make_tasks(texts, args.tasks, 0, args.seed, tok, 48, 128) if t.kind == "single"]
     budget = FimBudget.for_context(engine.config.max_context)
-    state = {w: (engine.new_cache(), []) for w in widths}
-    ms: dict[int, list[float]] = {w: [] for w in widths}
-    tokens: dict[int, list[int]] = {w: [] for w in widths}
-    steps: dict[int, list[int]] = {w: [] for w in widths}
+    state = {label: (engine.new_cache(), []) for label in labels}
+    ms: dict[str, list[float]] = {label: [] for label in labels}
+    tokens: dict[str, list[int]] = {label: [] for label in labels}
+    steps: dict[str, list[int]] = {label: [] for label in labels}
+    run = engine.run
+
+    def unshared_run(decodes, chunks):  # every row on its own cache's copy of the prompt
+        for d in decodes:
+            d.share = None
+        return run(decodes, chunks)
+
     turn = 0
     for t in tasks:
         for k in range(min(args.keystrokes, len(t.target)) + 1):
             prefix = t.prefix + t.target[:k]
             prompt = build_fim_prompt(tok, prefix, t.suffix, budget)
             turn += 1
-            for w in widths[:: 1 if turn % 2 else -1]:
-                cache, spares = state[w]
+            for label, w, shared in variants[:: 1 if turn % 2 else -1]:
+                cache, spares = state[label]
+                engine.run = run if shared else unshared_run
                 kw = dict(max_tokens=48, stop=["\n"], cache=cache, heal=prompt.heal,
                           repeat_context=line_context(prefix))
                 res = Outcome(prompt_tokens=0)
@@ -65,22 +83,23 @@ def main(argv: list[str] | None = None) -> int:
                           else engine.generate(prompt.ids, result=res, **kw)):
                     pass
                 if k:
-                    ms[w].append((time.perf_counter() - t0) * 1000)
-                    tokens[w].append(res.completion_tokens)
-                    steps[w].append(res.decode_steps)
+                    ms[label].append((time.perf_counter() - t0) * 1000)
+                    tokens[label].append(res.completion_tokens)
+                    steps[label].append(res.decode_steps)
+    engine.run = run
 
-    rows = [{"width": w, "keystrokes": len(ms[w]), "ms_p50": round(pct(ms[w], 50), 1),
-             "ms_p90": round(pct(ms[w], 90), 1), "ms_mean": round(statistics.mean(ms[w]), 1),
-             "completion_tokens": round(statistics.mean(tokens[w]), 2),
-             "decode_steps": round(statistics.mean(steps[w]), 2)} for w in widths]
-    base = rows[widths.index(1)]
+    rows = [{"label": label, "width": w, "shared_prompt": shared or w == 1, "keystrokes": len(ms[label]), "ms_p50": round(pct(ms[label], 50), 1),
+             "ms_p90": round(pct(ms[label], 90), 1), "ms_mean": round(statistics.mean(ms[label]), 1),
+             "completion_tokens": round(statistics.mean(tokens[label]), 2),
+             "decode_steps": round(statistics.mean(steps[label]), 2)} for label, w, shared in variants]
+    base = rows[labels.index("1")]
     print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
           f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
     print(f"{len(tasks)} single-line tasks, {args.keystrokes} keystrokes each")
     print(f"{'width':>5} {'keystrokes':>10} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8} {'p50 vs greedy':>13} "
           f"{'tokens':>7} {'steps':>6}")
     for r in rows:
-        print(f"{r['width']:>5} {r['keystrokes']:>10} {r['ms_p50']:>8.1f} {r['ms_p90']:>8.1f} {r['ms_mean']:>8.1f} "
+        print(f"{r['label']:>5} {r['keystrokes']:>10} {r['ms_p50']:>8.1f} {r['ms_p90']:>8.1f} {r['ms_mean']:>8.1f} "
               f"{r['ms_p50'] / base['ms_p50']:>12.2f}x {r['completion_tokens']:>7.2f} {r['decode_steps']:>6.2f}")
     if args.out:
         write_report(args.out, {"cpu": describe(), "bundle": str(args.bundle), "rows": rows})

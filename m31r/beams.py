@@ -16,7 +16,9 @@ tokens would report. Nothing streams before then: a hypothesis is final only whe
 Each hypothesis decodes on a cache of its own, and they all share the prompt. A hypothesis extended twice gives its
 second child a copy of the tail it wrote, not of the prompt (KVCache.take). The other caches come from the caller's
 `spares`, which keep the prompts they held: while the user types, a spare holds all of the new prompt but its last
-few tokens, and only those are copied (Engine.reusable's rule decides which positions hold the same bits).
+few tokens, and only those are copied (Engine.reusable's rule decides which positions hold the same bits). Being the
+same bits, the prompt is read once per decode step for all hypotheses (Decode.share): the native attention takes it
+from the first hypothesis' cache for every row.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def beam_generate(
     rows = [logits]
     done: list[Hypothesis] = []
     spares = spares if spares is not None else []
+    share = object()  # the key of this search's rows: their caches hold the prompt's keys/values, bit for bit
     try:
         for i in range(max_tokens):
             lg = torch.stack(list(rows)).float()
@@ -136,7 +139,7 @@ def beam_generate(
                 done += grown
                 break
             caches = _place(engine, grown, caches, ids, spares)
-            calls = [Decode(caches[h.cache], h.tokens[-1]) for h in grown]
+            calls = [Decode(caches[h.cache], h.tokens[-1], share=(share, len(ids))) for h in grown]
             rows = (yield calls) if batched else engine.run(calls, [])[0]
             res.decode_steps += 1
             live = grown

@@ -76,6 +76,9 @@ class Decode:
     cache: KVCache
     token: int
     drafts: list[int] = field(default_factory=list)
+    # (key, n): the Decodes of a pass with the same key hold the same keys/values at positions [0, n) (a beam search's
+    # hypotheses share their prompt), which the native attention then reads once for all of them (DecodeTable).
+    share: tuple[object, int] | None = None
 
     @property
     def rows(self) -> list[int]:
@@ -480,6 +483,7 @@ class Engine:
         # before any row attends, and attends over positions up to its own, so row j sees exactly the context that
         # j plain decode steps would have built, and (the probed property) gets the bits a plain step gets.
         rows = [(d.cache, len(d.cache.tokens) + j, t) for d in decodes for j, t in enumerate(d.rows)]
+        shares = [d.share for d in decodes for _ in d.rows]
         width = self._width(len(rows)) if rows else 0
         ids = [t for _, _, t in rows] + [0] * (width - len(rows)) + [i for c in chunks for i in c.ids]
         # Never fewer rows than the narrowest probed width: torch's bf16 and fp32 matmuls round differently at one row.
@@ -487,7 +491,7 @@ class Engine:
         with torch.inference_mode():
             decoded, ends = self.model.step(torch.tensor(ids, device=self.device), [c for c, _, _ in rows],
                                             [p for _, p, _ in rows], width,
-                                            [(c.cache, c.start, len(c.ids)) for c in chunks])
+                                            [(c.cache, c.start, len(c.ids)) for c in chunks], shares)
         out, o = [], 0
         for d in decodes:
             n = len(d.rows)

@@ -80,28 +80,76 @@ static inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* hsum8 of four vectors at once, each folded in hsum8's order (halves, then quarters, then the pair): the same bits
+ * as four hsum8 calls. Lane i of the result is the sum of the i-th argument. */
+static inline __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  /* [a' | b'] and [c' | d'], x' = x's low half + its high half */
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  /* per 128-bit lane: [x'0 + x'2, x'1 + x'3, y'0 + y'2, y'1 + y'3] (x, y: a, c in the low lane, b, d in the high) */
+  const __m256 q = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  /* the last pair of each: [a, c, a, c | b, d, b, d] */
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(q, q, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+}
+
 /* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] each, of type T: fp32, or
- * fp16 for a half-size cache, whose values LOAD widens to fp32 exactly). Everything after the load is the same
- * arithmetic for both: an fp16 cache changes what is stored, not how it is summed. */
+ * fp16 for a half-size cache, whose values LOAD widens to fp32 exactly), positions [0, shared) read from KS/VS and
+ * the rest from K/V (a beam search's rows read their common prompt from one cache; see kernels_layer.h). Everything
+ * after the load is the same arithmetic for both types: an fp16 cache changes what is stored, not how it is summed.
+ *
+ * The scores run four keys at a time, four independent chains of multiply-adds folded together at the end (fold4),
+ * and the weighted sum of the values eight chunks of the output at a time, each chunk's sum in a register across the
+ * keys: a key's score is one dependent chain of hd / 8 multiply-adds, and a chunk's sum one chain across the keys,
+ * so one key at a time (or the sums in memory) left the multiply-add units waiting on their own results. Each score
+ * and each output value is summed in the same order as one key at a time would: the same bits. */
 #define ATTEND_HEAD(NAME, T, LOAD)                                                                                   \
-  static void NAME(const float* q, const T* K, const T* V, int n, int hd, float scale, float* s, float* out) {      \
+  static void NAME(const float* q, const T* KS, const T* VS, int shared, const T* K, const T* V, int n, int hd,     \
+                   float scale, float* s, float* out) {                                                              \
     const int nc = hd / 8;                                                                                           \
-    __m256 qv[MAX_CHUNKS], acc[MAX_CHUNKS];                                                                          \
+    __m256 qv[MAX_CHUNKS];                                                                                           \
     const __m256 sc = _mm256_set1_ps(scale);                                                                         \
     for (int c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), sc);                             \
+    const int line = 64 / (int)sizeof(T); /* values per cache line */                                                \
                                                                                                                      \
+    __m128 mv = _mm_set1_ps(-INFINITY);                                                                              \
     float m = -INFINITY;                                                                                             \
-    for (int j = 0; j < n; ++j) {                                                                                    \
-      const T* kj = K + (long)j * hd;                                                                                \
-      for (int c = 0; c < nc; c += 64 / (8 * (int)sizeof(T))) { /* one cache line at a time */                       \
-        _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 8 * c), _MM_HINT_T0);                                   \
-        _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c), _MM_HINT_T0);                        \
+    for (int part = 0; part < 2; ++part) {                                                                           \
+      const T* Kp = part ? K : KS;                                                                                   \
+      const T* Vp = part ? V : VS;                                                                                   \
+      const int end = part ? n : shared;                                                                             \
+      int j = part ? shared : 0;                                                                                     \
+      for (; j + 4 <= end; j += 4) {                                                                                 \
+        const T* k0 = Kp + (long)j * hd;                                                                             \
+        for (int i = 0; i < 4 * hd; i += line) { /* the four keys and values PREFETCH_KEYS ahead, by cache line */   \
+          _mm_prefetch((const char*)(k0 + PREFETCH_KEYS * hd + i), _MM_HINT_T0);                                     \
+          _mm_prefetch((const char*)(Vp + (long)(j + PREFETCH_KEYS) * hd + i), _MM_HINT_T0);                         \
+        }                                                                                                            \
+        __m256 a0 = _mm256_mul_ps(qv[0], LOAD(k0)), a1 = _mm256_mul_ps(qv[0], LOAD(k0 + hd));                        \
+        __m256 a2 = _mm256_mul_ps(qv[0], LOAD(k0 + 2 * hd)), a3 = _mm256_mul_ps(qv[0], LOAD(k0 + 3 * hd));           \
+        for (int c = 1; c < nc; ++c) {                                                                               \
+          a0 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 8 * c), a0);                                                         \
+          a1 = _mm256_fmadd_ps(qv[c], LOAD(k0 + hd + 8 * c), a1);                                                    \
+          a2 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 2 * hd + 8 * c), a2);                                                \
+          a3 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 3 * hd + 8 * c), a3);                                                \
+        }                                                                                                            \
+        const __m128 f = fold4(a0, a1, a2, a3);                                                                      \
+        _mm_storeu_ps(s + j, f);                                                                                     \
+        mv = _mm_max_ps(mv, f);                                                                                      \
       }                                                                                                              \
-      __m256 a = _mm256_mul_ps(qv[0], LOAD(kj));                                                                     \
-      for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], LOAD(kj + 8 * c), a);                                  \
-      s[j] = hsum8(a);                                                                                               \
-      m = s[j] > m ? s[j] : m;                                                                                       \
+      for (; j < end; ++j) {                                                                                         \
+        const T* kj = Kp + (long)j * hd;                                                                             \
+        __m256 a = _mm256_mul_ps(qv[0], LOAD(kj));                                                                   \
+        for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], LOAD(kj + 8 * c), a);                                \
+        s[j] = hsum8(a);                                                                                             \
+        m = s[j] > m ? s[j] : m;                                                                                     \
+      }                                                                                                              \
     }                                                                                                                \
+    float mt[4];                                                                                                     \
+    _mm_storeu_ps(mt, mv);                                                                                           \
+    for (int i = 0; i < 4; ++i) m = mt[i] > m ? mt[i] : m;                                                           \
                                                                                                                      \
     const __m256 vm = _mm256_set1_ps(m);                                                                             \
     __m256 total = _mm256_setzero_ps();                                                                              \
@@ -119,15 +167,25 @@ static inline __m256 exp_nonpositive(__m256 x) {
       for (int i = 0; j + i < n; ++i) s[j + i] = t[i];                                                               \
       total = _mm256_add_ps(total, e);                                                                               \
     }                                                                                                                \
-    const float inv = 1.0f / hsum8(total);                                                                           \
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));                                                          \
                                                                                                                      \
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();                                                       \
-    for (int jj = 0; jj < n; ++jj) {                                                                                 \
-      const T* vj = V + (long)jj * hd;                                                                               \
-      const __m256 p = _mm256_set1_ps(s[jj]);                                                                        \
-      for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, LOAD(vj + 8 * c), acc[c]);                            \
+    int c0 = 0;                                                                                                      \
+    for (; c0 + 8 <= nc; c0 += 8) { /* eight chunks of the output in registers */                                    \
+      __m256 acc[8];                                                                                                 \
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();                                                      \
+      for (int jj = 0; jj < n; ++jj) {                                                                               \
+        const T* vj = (jj < shared ? VS : V) + (long)jj * hd + 8 * c0;                                               \
+        const __m256 p = _mm256_set1_ps(s[jj]);                                                                      \
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, LOAD(vj + 8 * c), acc[c]);                           \
+      }                                                                                                              \
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + 8 * (c0 + c), _mm256_mul_ps(acc[c], inv));                 \
     }                                                                                                                \
-    for (int c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));         \
+    for (; c0 < nc; ++c0) { /* the rest, a chunk at a time */                                                        \
+      __m256 acc = _mm256_setzero_ps();                                                                              \
+      for (int jj = 0; jj < n; ++jj)                                                                                 \
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[jj]), LOAD((jj < shared ? VS : V) + (long)jj * hd + 8 * c0), acc);    \
+      _mm256_storeu_ps(out + 8 * c0, _mm256_mul_ps(acc, inv));                                                       \
+    }                                                                                                                \
   }
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))

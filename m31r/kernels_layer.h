@@ -40,8 +40,9 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
       const int r = t / heads, h = t % heads;
       const long base = (long)(h / group) * cap[r] * hd;
       float s[len[r] + 8];
-      attend_head(q + (long)t * hd, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale,
-                  s, out + (long)t * hd);
+      const float* K = (const float*)kptr[r] + base;
+      const float* V = (const float*)vptr[r] + base;
+      attend_head(q + (long)t * hd, K, V, 0, K, V, len[r], hd, scale, s, out + (long)t * hd);
     }
   }
   return 0;
@@ -104,13 +105,22 @@ int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
  * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables
  * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
  * before they attend. Writes out [rows, heads * hd]. Replaces the layout copies and the RoPE ops of the torch side
- * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here). */
+ * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here).
+ *
+ * lead/shared (NULL: none): row r reads positions [0, shared[r]) from row lead[r]'s cache instead of its own, whose
+ * keys and values there must be the same bits (a beam search's hypotheses share their prompt, each in a cache of its
+ * own). The rows of one head run one after another on one thread, so the prompt they share is read from memory
+ * once and from the core's cache after that: a step of three beam rows otherwise reads three copies of it. */
 static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos, const float* sin,
-                      const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len, float scale,
-                      int kv16, float* out) {
+                      const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len,
+                      const int32_t* lead, const int32_t* shared, float scale, int kv16, float* out) {
   if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < rows; ++r) {
     if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
+                           shared[r] > len[lead[r]]))
+      return 1;
+  }
   const int group = heads / kv_heads;
   const long width = (long)(heads + 2 * kv_heads) * hd;
 #pragma omp parallel
@@ -132,18 +142,20 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
       }
     }
 #pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
+    for (int t = 0; t < rows * heads; ++t) { /* head by head, the rows of a head together */
+      const int h = t / rows, r = t % rows;
+      const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
+      const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
+      float* o = out + ((long)r * heads + h) * hd;
       float q[8 * MAX_CHUNKS];
       rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
       float s[len[r] + 8];
       if (kv16)
-        attend_head_f16(q, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s,
-                        out + (long)t * hd);
+        attend_head_f16(q, (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
+                        (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, o);
       else
-        attend_head(q, (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s,
-                    out + (long)t * hd);
+        attend_head(q, (const float*)kptr[l] + lbase, (const float*)vptr[l] + lbase, p, (const float*)kptr[r] + base,
+                    (const float*)vptr[r] + base, len[r], hd, scale, s, o);
     }
   }
   return 0;
@@ -151,8 +163,8 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
 
 int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
                         const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                        const int32_t* len, float scale, float* out) {
-  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 0, out);
+                        const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
+  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, lead, shared, scale, 0, out);
 }
 
 /* m31r_attend_qkv_f32 over an fp16 cache ([kv_heads, cap, hd] fp16 per row and layer): the new key (rotated) and
@@ -161,8 +173,8 @@ int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* 
  * bytes, as llama.cpp's default f16 cache. */
 int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
                              const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                             const int32_t* len, float scale, float* out) {
-  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, scale, 1, out);
+                             const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
+  return attend_qkv(rows, heads, kv_heads, hd, qkv, cos, sin, kptr, vptr, cap, len, lead, shared, scale, 1, out);
 }
 
 typedef struct {
@@ -188,13 +200,15 @@ static int mat_mul(const m31r_mat* m, int rows, const float* x, float* y) {
 
 /* rows decode rows (the first n real, the rest padding, whose attention output is zero as in Attention.step),
  * x [rows, d] the residual stream (updated in place), h [rows, d] its attention norm on entry and the next layer's
- * norm on return; mats: wqkv, wo, w13, w2; cos/sin [n, hd]; the caches and kv16 as m31r_attend_qkv_f32(_kv16);
+ * norm on return; mats: wqkv, wo, w13, w2; cos/sin [n, hd]; the caches, lead/shared and kv16 as
+ * m31r_attend_qkv_f32(_kv16);
  * scratch: rows * ((heads + 2 kv) hd + heads hd + 2 d + 3 ffn) floats. Returns nonzero at the first kernel that
  * refuses its shape (nothing is half-written that the per-call path would not have written too). */
 int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int hd, int ffn, const m31r_mat* mats,
                           const float* ffn_norm, float ffn_eps, const float* next_norm, float next_eps, float* x,
                           float* h, const float* cos, const float* sin, const int64_t* kptr, const int64_t* vptr,
-                          const int32_t* cap, const int32_t* len, float scale, int kv16, float* scratch) {
+                          const int32_t* cap, const int32_t* len, const int32_t* lead, const int32_t* shared,
+                          float scale, int kv16, float* scratch) {
   if (n < 1 || n > rows) return 1;
   float* flat = scratch;
   float* y = flat + (long)rows * (heads + 2 * kv_heads) * hd;
@@ -205,7 +219,7 @@ int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int h
   int err = mat_mul(&mats[0], rows, h, flat);
   if (err) return err;
   memset(y, 0, sizeof(float) * rows * heads * hd);
-  err = attend_qkv(n, heads, kv_heads, hd, flat, cos, sin, kptr, vptr, cap, len, scale, kv16, y);
+  err = attend_qkv(n, heads, kv_heads, hd, flat, cos, sin, kptr, vptr, cap, len, lead, shared, scale, kv16, y);
   if (err || (err = mat_mul(&mats[1], rows, y, a))) return err;
   if ((err = m31r_add_rmsnorm_f32(rows, d, x, a, ffn_norm, ffn_eps, h))) return err;
   if ((err = mat_mul(&mats[2], rows, h, gu)) || (err = m31r_swiglu_f32(rows, ffn, gu, sw))) return err;

@@ -89,9 +89,11 @@ static inline float32x4_t exp_nonpositive(float32x4_t x) {
 static inline f8 f8_exp(f8 x) { return (f8){exp_nonpositive(x.lo), exp_nonpositive(x.hi)}; }
 
 /* Attention of one query (hd fp32 values) over keys/values [0, n) of one head ([cap, hd] each, of type T: fp32, or
- * fp16 for a half-size cache, which LOAD widens to fp32 exactly); as kernels_avx2.c's ATTEND_HEAD. */
+ * fp16 for a half-size cache, which LOAD widens to fp32 exactly), positions [0, shared) from KS/VS and the rest from
+ * K/V; as kernels_avx2.c's ATTEND_HEAD (which runs four keys at a time, summed in this order). */
 #define ATTEND_HEAD(NAME, T, LOAD)                                                                                     \
-static void NAME(const float* q, const T* K, const T* V, int n, int hd, float scale, float* s, float* out) {          \
+static void NAME(const float* q, const T* KS, const T* VS, int shared, const T* K, const T* V, int n, int hd,        \
+                 float scale, float* s, float* out) {                                                                 \
   const int nc = hd / 8;                                                                                              \
   f8 qv[MAX_CHUNKS], acc[MAX_CHUNKS];                                                                                 \
   const float32x4_t sc = vdupq_n_f32(scale);                                                                          \
@@ -102,10 +104,10 @@ static void NAME(const float* q, const T* K, const T* V, int n, int hd, float sc
                                                                                                                       \
   float m = -INFINITY;                                                                                                \
   for (int j = 0; j < n; ++j) {                                                                                       \
-    const T* kj = K + (long)j * hd;                                                                                   \
+    const T* kj = (j < shared ? KS : K) + (long)j * hd;                                                               \
     for (int c = 0; c < nc; c += 64 / (8 * (int)sizeof(T))) { /* one cache line at a time */                          \
       __builtin_prefetch(kj + PREFETCH_KEYS * hd + 8 * c);                                                            \
-      __builtin_prefetch(V + (long)(j + PREFETCH_KEYS) * hd + 8 * c);                                                 \
+      __builtin_prefetch((j < shared ? VS : V) + (long)(j + PREFETCH_KEYS) * hd + 8 * c);                             \
     }                                                                                                                 \
     const f8 k0 = LOAD(kj);                                                                                           \
     f8 a = {vmulq_f32(qv[0].lo, k0.lo), vmulq_f32(qv[0].hi, k0.hi)};                                                  \
@@ -137,7 +139,7 @@ static void NAME(const float* q, const T* K, const T* V, int n, int hd, float sc
                                                                                                                       \
   for (int c = 0; c < nc; ++c) acc[c] = f8_zero();                                                                    \
   for (int jj = 0; jj < n; ++jj) {                                                                                    \
-    const T* vj = V + (long)jj * hd;                                                                                  \
+    const T* vj = (jj < shared ? VS : V) + (long)jj * hd;                                                             \
     const float32x4_t p = vdupq_n_f32(s[jj]);                                                                         \
     for (int c = 0; c < nc; ++c) acc[c] = f8_fma1(acc[c], LOAD(vj + 8 * c), p);                                       \
   }                                                                                                                   \

@@ -431,7 +431,8 @@ class Transformer(nn.Module):
         return self._head(self.norm(x))
 
     def step(self, tokens: Tensor, caches: list[KVCache], positions: list[int], width: int,
-             chunks: list[tuple[KVCache, int, int]]) -> tuple[Tensor, list[Tensor]]:
+             chunks: list[tuple[KVCache, int, int]], shares: list[tuple[object, int] | None] | None = None,
+             ) -> tuple[Tensor, list[Tensor]]:
         """One forward pass over independent sequences: decode rows and short prefill chunks together.
 
         `tokens` [rows] holds `width` decode rows (row r < len(caches) feeds the next token of caches[r] at
@@ -454,8 +455,9 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens.view(m, 1))
         cos = self.rope_cos[pos].view(m, 1, 1, -1).to(x.dtype)
         sin = self.rope_sin[pos].view(m, 1, 1, -1).to(x.dtype)
-        groups = DecodeTable(self.native, caches, positions) if native and caches else row_groups(positions,
-                                                                                                  tokens.device)
+        # shares (per decode row, see engine.Decode) only let the native attention read a shared prompt once
+        groups = (DecodeTable(self.native, caches, positions, shares) if native and caches
+                  else row_groups(positions, tokens.device))
         def attend(h: Tensor, i: int) -> Tensor:
             return self.layers[i].attention.step(h, cos, sin, caches, positions, i, groups, width, chunks)
 

@@ -343,15 +343,13 @@ class Kernels:
             self._int8 = self._int8_modes["q16"]
             self._int4 = _fn(self.lib, "m31r_int4_mm_q8", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P)
             self._f32 = _fn(self.lib, "m31r_f32_mm", _I32, _I32, _I32, _P, _P, _P)
-            self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
-                                   _P, _F32, _P)
-            self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", _I32, _I32, _I32, _I32, _P, _P, _P, _P,
-                                     _P, _P, _P, _F32, _P)
+            self._attend_qkv = _fn(self.lib, "m31r_attend_qkv_f32", *[_I32] * 4, *[_P] * 9, _F32, _P)
+            self._attend_qkv16 = _fn(self.lib, "m31r_attend_qkv_f32_kv16", *[_I32] * 4, *[_P] * 9, _F32, _P)
             self.kv_dtypes = (torch.float32, torch.float16)
             self._norm = _fn(self.lib, "m31r_add_rmsnorm_f32", _I32, _I32, _P, _P, _P, _F32, _P)
             self._swiglu = _fn(self.lib, "m31r_swiglu_f32", _I32, _I32, _P, _P)
-            self._layer = _fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 8, _F32,
-                              _I32, _P)
+            self._layer = _fn(self.lib, "m31r_decode_layer_f32", *[_I32] * 7, _P, _P, _F32, _P, _F32, *[_P] * 10,
+                              _F32, _I32, _P)
             self.int8_dtype = self.int4_dtype = self.float_dtype = self.linear_dtype = torch.float32
             if self.family.base == "neon":  # the library says how it was built; sdot on a CPU without it would trap
                 self.dotprod = bool(_fn(self.lib, "m31r_neon_dotprod")())
@@ -483,9 +481,9 @@ class Kernels:
         assert rows == table.rows and qkv.shape == (rows, (heads + 2 * kv) * hd) and out.shape == (rows, heads * hd)
         assert cos.shape == sin.shape == (rows, hd) and table.dtype in self.kv_dtypes, f"{table.dtype} caches"
         fn = self._attend_qkv16 if table.dtype == torch.float16 else self._attend_qkv
-        err = fn(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                               table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
-                               table.len.data_ptr(), hd**-0.5, out.data_ptr())
+        err = fn(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), table.k[layer].data_ptr(),
+                 table.v[layer].data_ptr(), table.cap.data_ptr(), table.len.data_ptr(), table.lead_ptr,
+                 table.shared_ptr, hd**-0.5, out.data_ptr())
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
@@ -527,7 +525,8 @@ class Kernels:
         err = self._layer(rows, n, d, heads, kv, hd, ffn, mats, norms[0].data_ptr(), norms[1], norms[2].data_ptr(),
                           norms[3], x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
-                          table.len.data_ptr(), hd**-0.5, int(table.dtype == torch.float16), scratch.data_ptr())
+                          table.len.data_ptr(), table.lead_ptr, table.shared_ptr, hd**-0.5,
+                          int(table.dtype == torch.float16), scratch.data_ptr())
         if err:
             raise ValueError(f"native decode layer does not take rows={rows}, d={d}, heads={heads}, hd={hd}")
 
@@ -591,9 +590,14 @@ class Kernels:
 class DecodeTable:
     """Per decode step, what the native attention needs to find each row's cache: the address of its k and v
     tensor in every layer, its capacity and its context length (position + 1). Built once per step, after the
-    caches are fitted (a resize moves them)."""
+    caches are fitted (a resize moves them).
 
-    def __init__(self, kernels: Kernels, caches: list, positions: list[int]):
+    `shares` (the fp32 families): per row, None or (key, n): rows with the same key hold the same keys and values at
+    positions [0, n) (a beam search's hypotheses share their prompt, each in a cache of its own), so each reads them
+    from the first such row's cache, and the step reads them from memory once instead of once per row."""
+
+    def __init__(self, kernels: Kernels, caches: list, positions: list[int],
+                 shares: list[tuple[object, int] | None] | None = None):
         n_layers = caches[0].n_layers
         self.kernels = kernels
         self.rows = len(caches)
@@ -605,6 +609,26 @@ class DecodeTable:
         self.cap = torch.tensor([c.capacity for c in caches], dtype=torch.int32)
         self.len = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         self.caches = caches  # keeps the tensors the addresses point into alive for the step
+        self.lead = self.shared = None
+        if shares and any(s is not None for s in shares):
+            first: dict[object, int] = {}
+            lead, shared = list(range(self.rows)), [0] * self.rows
+            for r, share in enumerate(shares):
+                if share is not None:
+                    key, n = share
+                    lead[r] = first.setdefault(key, r)
+                    if lead[r] != r:  # never the row's own new position, nor past what the lead holds
+                        shared[r] = max(0, min(n, positions[r], positions[lead[r]] + 1))
+            self.lead = torch.tensor(lead, dtype=torch.int32)
+            self.shared = torch.tensor(shared, dtype=torch.int32)
+
+    @property
+    def lead_ptr(self) -> int:
+        return 0 if self.lead is None else self.lead.data_ptr()
+
+    @property
+    def shared_ptr(self) -> int:
+        return 0 if self.shared is None else self.shared.data_ptr()
 
     def attend(self, q: Tensor, knew: Tensor, vnew: Tensor, layer: int, out: Tensor) -> None:
         self.kernels.attend_decode(q, knew, vnew, self, layer, out)

@@ -13,8 +13,9 @@
  *        SCALE a C float (hex is exact); k/v all rows' caches one after the other, row r [KV, cap[r], HD]; cap/len
  *        int32 [ROWS]; writes out [ROWS, HEADS, HD] and the caches as the call left them to kout/vout.
  *   f32mm M N K x w y                                        x fp32 [M,K], w fp32 [N,K]; writes y fp32 [M,N]
- *   qkv ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
- *        attend on the projection: qkv [ROWS, (HEADS + 2 KV) * HD], cos/sin [ROWS, HD]; the rest as attend
+ *   qkv ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout [lead shared]
+ *        attend on the projection: qkv [ROWS, (HEADS + 2 KV) * HD], cos/sin [ROWS, HD]; the rest as attend;
+ *        lead/shared int32 [ROWS]: row r reads positions [0, shared[r]) from row lead[r]'s cache
  *   qkv16 ROWS HEADS KV HD SCALE qkv cos sin k v cap len out kout vout
  *        qkv over fp16 caches (k, v and kout, vout: fp16 values, 2 bytes each)
  *   layer ROWS N D HEADS KV HD FFN KIND G KV16 EPS1 EPS2 x h cos sin k v cap len norm1 norm2 (w s b) x 4 xout hout kout vout
@@ -40,10 +41,10 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
 int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y);
 int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
                         const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                        const int32_t* len, float scale, float* out);
+                        const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out);
 int m31r_attend_qkv_f32_kv16(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
                              const float* sin, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                             const int32_t* len, float scale, float* out);
+                             const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out);
 int m31r_add_rmsnorm_f32(int rows, int d, float* x, const float* delta, const float* w, float eps, float* out);
 int m31r_swiglu_f32(int rows, int h, const float* gu, float* out);
 typedef struct {
@@ -53,7 +54,8 @@ typedef struct {
 int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int hd, int ffn, const m31r_mat* mats,
                           const float* ffn_norm, float ffn_eps, const float* next_norm, float next_eps, float* x,
                           float* h, const float* cos, const float* sin, const int64_t* kptr, const int64_t* vptr,
-                          const int32_t* cap, const int32_t* len, float scale, int kv16, float* scratch);
+                          const int32_t* cap, const int32_t* len, const int32_t* lead, const int32_t* shared,
+                          float scale, int kv16, float* scratch);
 int m31r_neon_dotprod(void) __attribute__((weak)); /* the NEON family's only */
 
 #define MAX_ARGS 48
@@ -148,8 +150,10 @@ static void attend_cmd(char** a, int n) {
   const float scale = strtof(a[5], NULL);
   int32_t* cap = slurp(a[11], 4L * rows);
   int32_t* len = cap ? slurp(a[12], 4L * rows) : NULL;
-  if (!len) {
-    free(cap);
+  int32_t* lead = len && n == 18 ? slurp(a[16], 4L * rows) : NULL;
+  int32_t* shared = lead ? slurp(a[17], 4L * rows) : NULL;
+  if (!len || (n == 18 && !shared)) {
+    free(cap), free(len), free(lead), free(shared);
     return;
   }
   long total = 0;
@@ -188,16 +192,18 @@ static void f32mm_cmd(char** a, int n) {
 }
 
 static void qkv_cmd(char** a, int n, int half) {
-  if (n != 16) {
-    printf("error qkv%s takes 15 arguments\n", half ? "16" : "");
+  if (n != 16 && n != 18) {
+    printf("error qkv%s takes 15 or 17 arguments\n", half ? "16" : "");
     return;
   }
   const int rows = atoi(a[1]), heads = atoi(a[2]), kv = atoi(a[3]), hd = atoi(a[4]);
   const float scale = strtof(a[5], NULL);
   int32_t* cap = slurp(a[11], 4L * rows);
   int32_t* len = cap ? slurp(a[12], 4L * rows) : NULL;
-  if (!len) {
-    free(cap);
+  int32_t* lead = len && n == 18 ? slurp(a[16], 4L * rows) : NULL;
+  int32_t* shared = lead ? slurp(a[17], 4L * rows) : NULL;
+  if (!len || (n == 18 && !shared)) {
+    free(cap), free(len), free(lead), free(shared);
     return;
   }
   long total = 0;
@@ -214,11 +220,12 @@ static void qkv_cmd(char** a, int n, int half) {
   if (v) {
     cache_pointers(rows, kv, hd, cap, k, v, size, kp, vp);
     int rc = (half ? m31r_attend_qkv_f32_kv16 : m31r_attend_qkv_f32)(rows, heads, kv, hd, qkv, cos, sin, kp, vp, cap,
-                                                                      len, scale, out);
+                                                                      len, lead, shared, scale, out);
     if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, size * total) && spill(a[15], v, size * total))
       printf("rc %d\n", rc);
   }
-  free(cap), free(len), free(qkv), free(cos), free(sin), free(k), free(v), free(out), free(kp), free(vp);
+  free(cap), free(len), free(lead), free(shared), free(qkv), free(cos), free(sin), free(k), free(v), free(out),
+      free(kp), free(vp);
 }
 
 static void layer_cmd(char** a, int n) {
@@ -263,7 +270,7 @@ static void layer_cmd(char** a, int n) {
   if (ok) {
     cache_pointers(nr, kv, hd, cap, k, v, size, kp, vp);
     int rc = m31r_decode_layer_f32(rows, nr, d, heads, kv, hd, ffn, mats, n1, eps1, n2, eps2, x, h, cos, sin, kp, vp,
-                                   cap, len, 1.0f / sqrtf((float)hd), kv16, scratch);
+                                   cap, len, NULL, NULL, 1.0f / sqrtf((float)hd), kv16, scratch);
     if (spill(a[35], x, 4L * rows * d) && spill(a[36], h, 4L * rows * d) && spill(a[37], k, size * total) &&
         spill(a[38], v, size * total))
       printf("rc %d\n", rc);

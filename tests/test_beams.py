@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 RELEASE = Path(__file__).resolve().parent.parent / "release"
 
@@ -276,3 +277,38 @@ def test_a_deadline_mid_search_answers_the_best_so_far(tiny_engine, monkeypatch)
         pass
     assert steps == 4 and res.finish_reason == "deadline"
     assert len(res.tokens) == 5 and [p.id for p in pieces] == res.tokens  # a token per step, and the first one
+
+
+@pytest.mark.parametrize("which", ["tiny", "release"])
+def test_hypotheses_read_their_common_prompt_from_one_cache(request, which):
+    """Decodes with the same `share` key read positions [0, n) from the first one's cache (native attention): with
+    the second cache's copy of the prompt spoiled, its logits are still those of a clean copy, and without `share` the
+    spoiled copy shows. The tail past n is each row's own: rows that wrote different tokens get different logits."""
+    from m31r.engine import Decode
+
+    engine = request.getfixturevalue(f"{which}_engine")
+    assert engine.model.native is not None, "the fp32 kernels load on every x86-64 and Arm CPU CI runs on"
+    ids = fim_prompts(engine)[1][0]
+    cache = engine.new_cache()
+    for _ in engine.prefill(cache, ids, 0):
+        pass
+    n = len(ids)
+
+    def rows(spoil: bool, share: bool) -> list:
+        a, b, c = cache.clone(), cache.clone(), cache.clone()
+        if spoil:
+            with torch.inference_mode():
+                for layer in range(b.n_layers):
+                    b.k[layer][:, :, : n // 2] = 3.0
+                    b.v[layer][:, :, : n // 2] = -2.0
+        key = object()
+        return engine.run([Decode(x, t, share=(key, n) if share else None) for x, t in ((a, 11), (b, 11), (c, 12))],
+                          [])[0]
+
+    clean = rows(spoil=False, share=False)
+    shared = rows(spoil=True, share=True)
+    unshared = rows(spoil=True, share=False)
+    for got, want in zip(shared, clean, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(unshared[1], clean[1]) and torch.equal(unshared[0], clean[0])
+    assert not torch.equal(clean[2], clean[0])  # the rows' own last tokens still count

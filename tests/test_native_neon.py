@@ -162,9 +162,10 @@ class Calls:
         return self._add(f"f32mm {m} {n} {k} {self.file(x)} {self.file(w)} @y", [("y", np.float32, (m, n))])
 
     def qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k: list[torch.Tensor],
-            v: list[torch.Tensor], lengths: list[int]) -> int:
+            v: list[torch.Tensor], lengths: list[int], lead: list[int] | None = None,
+            shared: list[int] | None = None) -> int:
         """qkv [rows, (heads + 2 kv) * hd] as the wqkv matmul writes it, cos/sin [rows, hd]; caches as `attend`
-        (fp16 caches: m31r_attend_qkv_f32_kv16)."""
+        (fp16 caches: m31r_attend_qkv_f32_kv16); row r reads positions [0, shared[r]) from row lead[r]'s cache."""
         half = k[0].dtype == torch.float16
         rows, hd, kv = qkv.shape[0], cos.shape[1], k[0].shape[0]
         cap = torch.tensor([c.shape[1] for c in k], dtype=torch.int32)
@@ -174,7 +175,10 @@ class Calls:
                                         torch.cat([c.flatten() for c in v]), cap,
                                         torch.tensor(lengths, dtype=torch.int32))]
         cached = np.float16 if half else np.float32
-        return self._add(f"qkv{'16' if half else ''} {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v",
+        share = "" if lead is None else (f" {self.file(torch.tensor(lead, dtype=torch.int32))}"
+                                         f" {self.file(torch.tensor(shared, dtype=torch.int32))}")
+        return self._add(f"qkv{'16' if half else ''} {rows} {heads} {kv} {hd} {scale} {' '.join(files)} @out @k @v"
+                         + share,
                          [("out", np.float32, (rows, heads * hd)), ("k", cached, (size,)), ("v", cached, (size,))])
 
     def layer(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
@@ -623,6 +627,44 @@ def test_attention_over_fp16_caches_rounds_what_it_writes_and_attends_in_fp32(bu
         ref = (p[:, :, None] * values).sum(1)
         got = half["out"][r].view(heads, hd)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, r
+
+
+def test_rows_reading_a_shared_prompt_from_one_cache_get_the_bits_of_their_own(builds, tmp_path) -> None:
+    """m31r_attend_qkv_f32(_kv16) with lead/shared (a beam search's rows): rows whose caches hold the same prompt get
+    the same bits reading it from the lead row's cache as from their own, in every build; a row whose own copy of the
+    prompt is spoiled still gets them (it reads the lead's), while its own tail is read from its own cache. Lengths
+    put the shared end and the row ends inside and at the ends of the four-key blocks."""
+    heads, kv, hd, prompt = 4, 2, 32, 37
+    lengths = [prompt + 1, prompt + 2, prompt + 7]
+    rows = len(lengths)
+    gen = torch.Generator().manual_seed(29)
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=gen) * 2
+    cos, sin = torch.randn(rows, hd, generator=gen), torch.randn(rows, hd, generator=gen)
+    calls = Calls(tmp_path)
+    for half in (False, True):
+        common_k, common_v = torch.randn(kv, prompt, hd, generator=gen), torch.randn(kv, prompt, hd, generator=gen)
+        k, v = [], []
+        for _ in lengths:  # each its own cache: the same prompt, a tail of its own, room after it
+            k.append(torch.cat([common_k, torch.randn(kv, 64 - prompt, hd, generator=gen)], 1))
+            v.append(torch.cat([common_v, torch.randn(kv, 64 - prompt, hd, generator=gen)], 1))
+        if half:
+            k, v = [c.half() for c in k], [c.half() for c in v]
+        spoiled_k, spoiled_v = [c.clone() for c in k], [c.clone() for c in v]
+        for c in (spoiled_k[2], spoiled_v[2]):
+            c[:, :prompt] = 7.0
+        calls.qkv(qkv, cos, sin, heads, k, v, lengths)
+        calls.qkv(qkv, cos, sin, heads, k, v, lengths, [0, 0, 0], [prompt] * rows)
+        calls.qkv(qkv, cos, sin, heads, spoiled_k, spoiled_v, lengths, [0, 0, 0], [prompt] * rows)
+        calls.qkv(qkv, cos, sin, heads, spoiled_k, spoiled_v, lengths)  # without sharing the spoiled copy shows
+        calls.qkv(qkv, cos, sin, heads, k, v, lengths, [0, 0, 1], [prompt, prompt, lengths[1] + 1])  # refused:
+        # row 2 would read past what its lead holds
+    results = run_all(calls, builds)
+    for at in (0, 5):
+        (rc, own), (rc_s, shared), (rc_p, spoiled), (rc_x, unshared), (rc_bad, _) = results[at : at + 5]
+        assert rc == rc_s == rc_p == rc_x == 0 and rc_bad == 1
+        assert torch.equal(own["out"], shared["out"]) and torch.equal(own["out"], spoiled["out"])
+        assert torch.equal(own["k"], shared["k"]) and torch.equal(own["v"], shared["v"])
+        assert not torch.equal(own["out"][2], unshared["out"][2]) and torch.equal(own["out"][:2], unshared["out"][:2])
 
 
 def test_a_decode_layer_in_one_call_gives_every_build_the_same_bits(builds, tmp_path) -> None:

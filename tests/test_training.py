@@ -365,9 +365,11 @@ def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, mo
     out = tmp_path / "beams.json"
     assert mods["bench_beams"].main(["--bundle", str(bundle.path), "--data", str(data_dir), "--tasks", "3",
                                      "--keystrokes", "2", "--widths", "2", "--quant", "none", "--threads", "1",
-                                     "--out", str(out)]) == 0
+                                     "--unshared", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["width"] for r in rows] == [1, 2] and all(r["keystrokes"] >= 3 and r["ms_p50"] > 0 for r in rows)
+    assert [(r["width"], r["shared_prompt"]) for r in rows] == [(1, True), (2, True), (2, False)]
+    assert all(r["keystrokes"] >= 3 and r["ms_p50"] > 0 for r in rows)
+    assert rows[1]["completion_tokens"] == rows[2]["completion_tokens"]  # the same answers, read either way
 
 
 def bundle_tokenizer(bundle):
