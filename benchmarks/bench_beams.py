@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     steps[label].append(res.decode_steps)
     engine.run = run
 
-    rows = [{"label": label, "width": w, "shared_prompt": shared or w == 1, "keystrokes": len(ms[label]), "ms_p50": round(pct(ms[label], 50), 1),
+    rows = [{"label": label, "width": w, "shared_prompt": shared or w == 1, "keystrokes": len(ms[label]),
+             "ms_p50": round(pct(ms[label], 50), 1),
              "ms_p90": round(pct(ms[label], 90), 1), "ms_mean": round(statistics.mean(ms[label]), 1),
              "completion_tokens": round(statistics.mean(tokens[label]), 2),
              "decode_steps": round(statistics.mean(steps[label]), 2)} for label, w, shared in variants]
