@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from m31r import native
+from m31r import native, quant
 from m31r.model import KVCache, span_of
 
 LOADED = native.load()
@@ -984,3 +984,20 @@ def test_a_decode_layer_in_one_call_gives_the_per_call_paths_bits(tiny_bundle, q
     engine.model.layers[0].attention.wo.bias = torch.zeros(engine.config.d_model)
     engine.use_kernels(K2())
     assert engine.model.layer_plan(1) is None
+
+
+@pytest.mark.parametrize("m", [64, 200])  # prefill chunks: the fp32 GEMM on the dequantized weights, from 64 rows
+def test_quantized_layers_on_fp32_activations_run_chunks_at_fp32_precision(m: int) -> None:
+    """Int8 and int4 layers under the fp32 family take a chunk of 64 rows and more through an fp32 GEMM (oneDNN's
+    where torch has it) on the weights the codes stand for: fp32 products of the exact dequantized weights, unlike
+    the bf16 activations of the torch kernels."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 128, generator=gen), torch.randn(m, 128, generator=gen)
+    q8, q4 = quant.quantize_int8(w), quant.quantize_int4(w, 32)
+    int8, int4 = quant.Int8Linear(*q8), quant.Int4Linear(*q4, 32)
+    int8.native = K2()  # as the engine sets it
+    int4.use_native(K2())
+    for layer, weight in ((int8, quant.dequantize_int8(*q8)), (int4, quant.dequantize_int4(*q4, 32))):
+        want = x.double() @ weight.double().T
+        got = layer(x)
+        assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

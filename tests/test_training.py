@@ -372,6 +372,19 @@ def test_beam_search_benchmarks_run(full_run, data_dir: Path, tmp_path: Path, mo
     assert rows[1]["completion_tokens"] == rows[2]["completion_tokens"]  # the same answers, read either way
 
 
+def test_the_cold_prefill_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monkeypatch):
+    """bench_prefill.py end to end on the exported tiny bundle: every task's prompt timed, the figures noise."""
+    mods = load_benchmarks(monkeypatch, "bench_prefill")
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    out = tmp_path / "prefill.json"
+    assert mods["bench_prefill"].main(["--bundle", str(bundle.path), "--data", str(data_dir), "--tasks", "6",
+                                       "--quant", "none", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["cold_prefill"]
+    assert report["tasks"] == 6 and report["prompt_tokens_mean"] > 0
+    assert 0 < report["p50_ms"] <= report["p90_ms"] and report["tok_per_s"] > 0
+
+
 def bundle_tokenizer(bundle):
     from m31r.tokenizer import Tokenizer
 
