@@ -51,9 +51,10 @@ static inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-/* Attention of one query (hd values, bf16) over keys/values [0, n) of one head ([cap, hd] bf16 each, rows of hd). */
-static void attend_head(const uint16_t* q, const uint16_t* K, const uint16_t* V, int n, int hd, float scale,
-                        float* s, uint16_t* out) {
+/* Attention of one query (hd values, bf16) over keys/values [0, n) of one head ([cap, hd] bf16 each, rows of hd),
+ * positions [0, shared) read from KS/VS (another row's cache holding the same bits: a beam search's prompt). */
+static void attend_head(const uint16_t* q, const uint16_t* KS, const uint16_t* VS, int shared, const uint16_t* K,
+                        const uint16_t* V, int n, int hd, float scale, float* s, uint16_t* out) {
   const int nc = hd / 16;
   __m512 qv[MAX_CHUNKS], acc[MAX_CHUNKS];
   const __m512 sc = _mm512_set1_ps(scale);
@@ -61,10 +62,10 @@ static void attend_head(const uint16_t* q, const uint16_t* K, const uint16_t* V,
 
   float m = -INFINITY;
   for (int j = 0; j < n; ++j) {
-    const uint16_t* kj = K + (long)j * hd;
+    const uint16_t* kj = (j < shared ? KS : K) + (long)j * hd;
     for (int c = 0; c < nc; c += 2) { /* one cache line per 32 values */
       _mm_prefetch((const char*)(kj + PREFETCH_KEYS * hd + 16 * c), _MM_HINT_T0);
-      _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + 16 * c), _MM_HINT_T0);
+      _mm_prefetch((const char*)((j < shared ? VS : V) + (long)(j + PREFETCH_KEYS) * hd + 16 * c), _MM_HINT_T0);
     }
     __m512 a = _mm512_mul_ps(qv[0], load_bf16(kj));
     for (int c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], load_bf16(kj + 16 * c), a);
@@ -84,7 +85,7 @@ static void attend_head(const uint16_t* q, const uint16_t* K, const uint16_t* V,
 
   for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
   for (int j = 0; j < n; ++j) {
-    const uint16_t* vj = V + (long)j * hd;
+    const uint16_t* vj = (j < shared ? VS : V) + (long)j * hd;
     const __m512 p = _mm512_set1_ps(s[j]);
     for (int c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(p, load_bf16(vj + 16 * c), acc[c]);
   }
@@ -100,14 +101,20 @@ static void attend_head(const uint16_t* q, const uint16_t* K, const uint16_t* V,
  * q [rows, heads, hd], knew/vnew [rows, kv_heads, hd]: bf16, contiguous. Row r's cache tensors for this layer start
  * at kptr[r] / vptr[r], laid out [kv_heads, cap[r], hd]; its new token sits at position len[r] - 1, where its key
  * and value are written first, and it attends over positions [0, len[r]). out [rows, heads, hd] bf16.
- * Query head h reads k/v head h / (heads / kv_heads). Returns nonzero, having done nothing, for shapes it does not
- * handle (the caller then runs the eager path). */
+ * Query head h reads k/v head h / (heads / kv_heads). lead/shared (NULL: none): row r reads positions [0, shared[r])
+ * from row lead[r]'s cache, which holds the same bits there (kernels_layer.h's attend_qkv says why); the rows of a
+ * head run one after another. Returns nonzero, having done nothing, for shapes it does not handle (the caller then
+ * runs the eager path). */
 int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t* q, const uint16_t* knew,
                        const uint16_t* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                       const int32_t* len, float scale, uint16_t* out) {
+                       const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, uint16_t* out) {
   if (hd % 16 || hd > 16 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < rows; ++r) {
     if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
+                           shared[r] > len[lead[r]]))
+      return 1;
+  }
   const int group = heads / kv_heads;
 #pragma omp parallel
   {
@@ -119,12 +126,14 @@ int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t
       memcpy((uint16_t*)vptr[r] + at, vnew + (long)t * hd, (size_t)hd * 2);
     }
 #pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
+    for (int t = 0; t < rows * heads; ++t) { /* head by head, the rows of a head together */
+      const int h = t / rows, r = t % rows;
+      const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
+      const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
+      const long at = ((long)r * heads + h) * hd;
       float s[len[r] + 16]; /* scores, on the thread's stack (at most MAX_KEYS * 4 bytes) */
-      attend_head(q + (long)t * hd, (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd,
-                  scale, s, out + (long)t * hd);
+      attend_head(q + at, (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
+                  (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, out + at);
     }
   }
   return 0;

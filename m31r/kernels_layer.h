@@ -17,14 +17,18 @@
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
  * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
- * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1. Returns nonzero,
- * having done nothing, for shapes it does not handle. */
+ * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1; lead/shared as
+ * attend_qkv's (below). Returns nonzero, having done nothing, for shapes it does not handle. */
 int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
                            const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                           const int32_t* len, float scale, float* out) {
+                           const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
   if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < rows; ++r) {
     if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
+    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
+                           shared[r] > len[lead[r]]))
+      return 1;
+  }
   const int group = heads / kv_heads;
 #pragma omp parallel
   {
@@ -36,13 +40,14 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
       memcpy((float*)vptr[r] + at, vnew + (long)t * hd, (size_t)hd * 4);
     }
 #pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) {
-      const int r = t / heads, h = t % heads;
-      const long base = (long)(h / group) * cap[r] * hd;
+    for (int t = 0; t < rows * heads; ++t) { /* head by head, the rows of a head together */
+      const int h = t / rows, r = t % rows;
+      const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
+      const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
+      const long at = ((long)r * heads + h) * hd;
       float s[len[r] + 8];
-      const float* K = (const float*)kptr[r] + base;
-      const float* V = (const float*)vptr[r] + base;
-      attend_head(q + (long)t * hd, K, V, 0, K, V, len[r], hd, scale, s, out + (long)t * hd);
+      attend_head(q + at, (const float*)kptr[l] + lbase, (const float*)vptr[l] + lbase, p, (const float*)kptr[r] + base,
+                  (const float*)vptr[r] + base, len[r], hd, scale, s, out + at);
     }
   }
   return 0;

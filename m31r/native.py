@@ -326,8 +326,7 @@ class Kernels:
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         if self.family.base == "avx512":
-            self._attend = _fn(self.lib, "m31r_attend_decode", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _P,
-                               _F32, _P)
+            self._attend = _fn(self.lib, "m31r_attend_decode", *[_I32] * 4, *[_P] * 9, _F32, _P)
             self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
             self.int8_dtype = torch.bfloat16 if int8_supported() else None
             self.int4_dtype = self.float_dtype = None
@@ -336,8 +335,7 @@ class Kernels:
             self._bf16 = _fn(self.lib, "m31r_bf16_mm", _I32, _I32, _I32, _P, _P, _P)
             self.linear_dtype = self.int8_dtype
         else:
-            self._attend = _fn(self.lib, "m31r_attend_decode_f32", _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P,
-                               _P, _F32, _P)
+            self._attend = _fn(self.lib, "m31r_attend_decode_f32", *[_I32] * 4, *[_P] * 9, _F32, _P)
             self._int8_modes = {mode: _fn(self.lib, f"m31r_int8_mm_{mode}", _I32, _I32, _I32, _P, _P, _P, _P)
                                 for mode in INT8_MODES}
             self._int8 = self._int8_modes["q16"]
@@ -408,7 +406,7 @@ class Kernels:
         assert table.dtype == self.dtype, f"caches of {table.dtype}, kernels for {self.dtype}"
         err = self._attend(rows, heads, kv, hd, q.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
                            table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
-                           table.len.data_ptr(), hd**-0.5, out.data_ptr())
+                           table.len.data_ptr(), table.lead_ptr, table.shared_ptr, hd**-0.5, out.data_ptr())
         if err:
             raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
 
@@ -592,7 +590,7 @@ class DecodeTable:
     tensor in every layer, its capacity and its context length (position + 1). Built once per step, after the
     caches are fitted (a resize moves them).
 
-    `shares` (the fp32 families): per row, None or (key, n): rows with the same key hold the same keys and values at
+    `shares`: per row, None or (key, n): rows with the same key hold the same keys and values at
     positions [0, n) (a beam search's hypotheses share their prompt, each in a cache of its own), so each reads them
     from the first such row's cache, and the step reads them from memory once instead of once per row."""
 

@@ -32,7 +32,7 @@
 
 int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
                            const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
-                           const int32_t* len, float scale, float* out);
+                           const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out);
 int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
 int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
 int m31r_int8_mm_f32(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y);
@@ -168,7 +168,7 @@ static void attend_cmd(char** a, int n) {
   int64_t* vp = calloc(rows + 1, 8);
   if (v) {
     cache_pointers(rows, kv, hd, cap, k, v, 4, kp, vp);
-    int rc = m31r_attend_decode_f32(rows, heads, kv, hd, q, kn, vn, kp, vp, cap, len, scale, out);
+    int rc = m31r_attend_decode_f32(rows, heads, kv, hd, q, kn, vn, kp, vp, cap, len, NULL, NULL, scale, out);
     if (spill(a[13], out, 4L * rows * heads * hd) && spill(a[14], k, 4 * total) && spill(a[15], v, 4 * total))
       printf("rc %d\n", rc);
   }

@@ -1001,3 +1001,38 @@ def test_quantized_layers_on_fp32_activations_run_chunks_at_fp32_precision(m: in
         want = x.double() @ weight.double().T
         got = layer(x)
         assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["avx512", FP32])
+def test_decode_attention_reads_a_shared_prompt_from_the_first_rows_cache(name: str) -> None:
+    """attend_decode (the bf16 family's, and the fp32 families' on separate q/k/v) with DecodeTable `shares`: rows
+    whose caches hold the same prompt read it from the first such row's cache. A row whose own copy is spoiled gets
+    the bits of a clean copy; without `shares` the spoiled copy shows; a row of another key reads its own."""
+    kernels = family(name)
+    dtype = kernels.dtype
+    heads, kv, hd, prompt = 4, 2, 32, 37
+    lengths = [prompt + 1, prompt + 3, prompt + 6, 50]
+    caches = _caches(lengths, kv, hd, dtype=dtype)
+    for c in caches[1:3]:  # rows 1 and 2 hold row 0's prompt
+        for layer in range(c.n_layers):
+            c.k[layer][:, :, :prompt] = caches[0].k[layer][:, :, :prompt]
+            c.v[layer][:, :, :prompt] = caches[0].v[layer][:, :, :prompt]
+    q, k, v = _inputs(len(lengths), heads, kv, hd, dtype=dtype)
+    shares = [("a", prompt)] * 3 + [("b", 40)]
+
+    def attend(cs: list[KVCache], share: bool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        native.DecodeTable(kernels, [c.clone() for c in cs], [n - 1 for n in lengths],
+                           shares if share else None).attend(q, k, v, 1, out)
+        return out
+
+    clean = attend(caches, share=False)
+    spoiled = [c.clone() for c in caches]
+    with torch.inference_mode():  # clones are inference tensors
+        for c in (spoiled[2], spoiled[3]):
+            c.k[1][:, :, :prompt] = 5.0
+    assert torch.equal(attend(caches, share=True), clean)
+    shared = attend(spoiled, share=True)
+    assert torch.equal(shared[:3], clean[:3]) and not torch.equal(shared[3], clean[3])  # row 3 leads key "b" itself
+    unshared = attend(spoiled, share=False)
+    assert not torch.equal(unshared[2], clean[2]) and torch.equal(unshared[:2], clean[:2])
