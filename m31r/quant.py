@@ -40,6 +40,8 @@ M (tested for 1-17).
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -82,11 +84,15 @@ def _mkldnn_ok(weight: Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and _mkldnn_linear is not None)
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
 def _gemm_f32(x: Tensor, w: Tensor) -> Tensor:
-    """x [M, K] @ w [N, K].T in fp32 for a prefill chunk's rows, on oneDNN where torch has it. F.linear's fp32 GEMM
-    is MKL's, which runs AVX2 code on AMD CPUs: 214 GFLOP/s against oneDNN's 484 for a 256-row chunk of the mini
-    shape's wqkv on 2 cores of an AMD EPYC (Zen 5; README "How much of the file above the cursor")."""
-    if _mkldnn_ok(w):
+    """x [M, K] @ w [N, K].T in fp32 for a prefill chunk's rows, on oneDNN where torch has it on x86-64. F.linear's
+    fp32 GEMM is MKL's, which runs AVX2 code on AMD CPUs: 214 GFLOP/s against oneDNN's 484 for a 256-row chunk of the
+    mini shape's wqkv on 2 cores of an AMD EPYC (Zen 5; README "How much of the file above the cursor"). Arm keeps
+    F.linear: not measured there."""
+    if _X86 and _mkldnn_ok(w):
         return _mkldnn_linear(x.contiguous(), w, None, "none", [], "")
     return F.linear(x, w)
 
