@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import write_report  # noqa: E402
 from bench_daemon import pct  # noqa: E402
-from eval_fim import make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
+from eval_fim import engine_summary, make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
              "completion_tokens": round(statistics.mean(tokens[label]), 2),
              "decode_steps": round(statistics.mean(steps[label]), 2)} for label, w, shared in variants]
     base = rows[labels.index("1")]
-    print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
-          f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+    print(engine_summary(engine))
     print(f"{len(tasks)} single-line tasks, {args.keystrokes} keystrokes each")
     print(f"{'width':>5} {'keystrokes':>10} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8} {'p50 vs greedy':>13} "
           f"{'tokens':>7} {'steps':>6}")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import write_report  # noqa: E402
 from bench_daemon import pct  # noqa: E402
-from eval_fim import make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
+from eval_fim import engine_summary, make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
              "ms_p90": round(pct(ms[w], 90), 1), "ms_p99": round(pct(ms[w], 99), 1),
              "ms_mean": round(statistics.mean(ms[w]), 1), "prompt_tokens": round(statistics.mean(prompt_tokens[w]), 1),
              "prefilled_tokens": round(statistics.mean(prefilled[w]), 1)} for w in ways]
-    print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
-          f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+    print(engine_summary(engine))
     print(f"{len(tasks)} block bodies typed, {keystrokes} keystrokes; the snippets changed on "
           f"{head_moved} of them ({head_moved / max(keystrokes, 1):.1%}); {offered / max(keystrokes, 1):.1f} snippets "
           f"offered per keystroke")

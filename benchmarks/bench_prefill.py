@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import write_report  # noqa: E402
 from bench_daemon import pct  # noqa: E402
-from eval_fim import make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
+from eval_fim import engine_summary, make_tasks, typing_engine, typing_options, val_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"tasks": len(prompts), "prompt_tokens_mean": round(statistics.mean(tokens), 1),
               "p50_ms": round(pct(ms, 50), 1), "p90_ms": round(pct(ms, 90), 1),
               "mean_ms": round(statistics.mean(ms), 1), "tok_per_s": round(sum(tokens) / sum(ms) * 1000)}
-    print(f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
-          f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+    print(engine_summary(engine))
     print(f"{report['tasks']} cold FIM prompts of {report['prompt_tokens_mean']:.0f} tokens on average: "
           f"p50 {report['p50_ms']:.1f} ms, p90 {report['p90_ms']:.1f} ms, mean {report['mean_ms']:.1f} ms, "
           f"{report['tok_per_s']} tokens/s")

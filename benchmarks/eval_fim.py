@@ -193,6 +193,14 @@ def typing_engine(args: argparse.Namespace):
                   threads=args.threads)
 
 
+def engine_summary(engine) -> str:
+    """The CPU and how the engine runs on it: the line every typing benchmark prints above its figures."""
+    from m31r.cpu import describe
+
+    return (f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
+            f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+
+
 def add_context(tasks: list[Task], texts: list[tuple[str, str, str]]) -> None:
     """Each task's snippets from the other files of its crate, as a project open in an editor offers them."""
     from m31r.train.samples import crate_path

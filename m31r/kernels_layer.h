@@ -15,6 +15,18 @@
 
 /* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
 
+/* Whether every row's context fits its cache and, given lead/shared, reads a shared prefix that is neither past its
+ * own new position nor past what its lead row's cache holds. */
+static int rows_ok(int rows, const int32_t* cap, const int32_t* len, const int32_t* lead, const int32_t* shared) {
+  for (int r = 0; r < rows; ++r) {
+    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 0;
+    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
+                           shared[r] > len[lead[r]]))
+      return 0;
+  }
+  return 1;
+}
+
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
  * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
  * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1; lead/shared as
@@ -23,12 +35,7 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
                            const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                            const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
   if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r) {
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
-                           shared[r] > len[lead[r]]))
-      return 1;
-  }
+  if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
 #pragma omp parallel
   {
@@ -120,12 +127,7 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
                       const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len,
                       const int32_t* lead, const int32_t* shared, float scale, int kv16, float* out) {
   if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r) {
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
-                           shared[r] > len[lead[r]]))
-      return 1;
-  }
+  if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
   const long width = (long)(heads + 2 * kv_heads) * hd;
 #pragma omp parallel
