@@ -213,25 +213,34 @@ class Attention(nn.Module):
         return y
 
     def step(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], positions: list[int], layer: int,
-             groups: list[RowGroup] | DecodeTable, width: int, chunks: list[tuple[KVCache, int, int]]) -> Tensor:
+             groups: list[RowGroup] | DecodeTable, width: int, chunks: list[tuple[KVCache, int, int]],
+             chunk_tables: list[DecodeTable] | None = None) -> Tensor:
         """Attention for the rows of Transformer.step (x [rows, 1, d]): `width` decode rows, one new token each for
         its own cache (rows past len(caches) are padding), then the tokens of each prefill chunk (cache, start,
         length), then padding. Projections run on all rows at once; attention runs per group of decode rows (see
-        row_groups; or all at once in the native kernel, given a DecodeTable) and per chunk, each over its own cache.
-        Padding rows attend to nothing."""
+        row_groups; or all at once in the native kernel, given a DecodeTable) and per chunk, each over its own cache
+        (in the native kernel, given a table per chunk: Transformer._prefill_native). Padding rows attend to nothing."""
         m = x.shape[0]
         h, kv = self.n_heads, self.n_kv
         flat = self.wqkv(x)  # [rows, 1, (heads + 2 kv_heads) * hd]
         y = flat.new_zeros(m, h, 1, self.hd)
         # The fp32 kernels (avx2, neon) take the projection as it is and rotate q/k themselves: decode rows need no
-        # RoPE or layout ops here, only the chunks' rows (from `width` on).
+        # RoPE or layout ops here, only the chunks' rows (from `width` on), and those none either with chunk tables.
         fused = isinstance(groups, DecodeTable) and groups.kernels.float_dtype == flat.dtype
         if fused:
             n = len(caches)
             groups.attend_qkv(flat.view(m, -1)[:n], cos.view(m, -1)[:n], sin.view(m, -1)[:n], layer,
                               y[:n].view(n, h * self.hd))
-            if not chunks:
-                return self.wo(y.view(m, 1, h * self.hd))
+        if chunk_tables is not None:
+            o = width
+            for table, (_, _, t) in zip(chunk_tables, chunks, strict=True):
+                rows = slice(o, o + t)
+                table.attend_qkv(flat.view(m, -1)[rows], cos.view(m, -1)[rows], sin.view(m, -1)[rows], layer,
+                                 y[rows].view(t, h * self.hd))
+                o += t
+            chunks = []
+        if fused and not chunks:
+            return self.wo(y.view(m, 1, h * self.hd))
         r0 = width if fused else 0  # the rows from here need rotated q/k in torch
         qkv = flat[r0:].view(m - r0, 1, h + 2 * kv, self.hd).transpose(1, 2)  # [rows, heads, 1, hd]
         qk = apply_rope(qkv[:, : h + kv], cos[r0:], sin[r0:])  # cos/sin: [rows, 1, 1, hd], each row at its position
@@ -422,6 +431,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.reserve(start + t)
         x = self.tok_embeddings(tokens)
+        if cache is not None and x.shape[0] == 1 and self._attends_native(x.dtype, cache):
+            return self._prefill_native(x[0], start, cache, last_only)
         cos = self.rope_cos[start : start + t].to(x.dtype)  # a no-op where the tables are kept in x's dtype
         sin = self.rope_sin[start : start + t].to(x.dtype)
         for i, layer in enumerate(self.layers):
@@ -458,8 +469,10 @@ class Transformer(nn.Module):
         # shares (per decode row, see engine.Decode) only let the native attention read a shared prompt once
         groups = (DecodeTable(self.native, caches, positions, shares) if native and caches
                   else row_groups(positions, tokens.device))
+        tables = ([DecodeTable(self.native, [c] * t, list(range(s, s + t))) for c, s, t in chunks]
+                  if chunks and all(self._attends_native(x.dtype, c) for c, _, _ in chunks) else None)
         def attend(h: Tensor, i: int) -> Tensor:
-            return self.layers[i].attention.step(h, cos, sin, caches, positions, i, groups, width, chunks)
+            return self.layers[i].attention.step(h, cos, sin, caches, positions, i, groups, width, chunks, tables)
 
         if native and self.native.float_dtype == x.dtype and self._fits_step_ops():
             plan = self.layer_plan(m) if not chunks and isinstance(groups, DecodeTable) else None
@@ -476,6 +489,31 @@ class Transformer(nn.Module):
         decoded = head(slice(0, width))[: len(caches), -1] if width else x.new_empty(0)
         ends = list(accumulate((t for _, _, t in chunks), initial=width))[1:]  # the row after each chunk's last
         return decoded, [head(slice(e - 1, e))[0, -1] for e in ends]
+
+    def _attends_native(self, dtype: torch.dtype, cache: KVCache) -> bool:
+        """Whether a prefill chunk into `cache` runs the fp32 kernels' attention (avx2, neon)."""
+        kern = self.native
+        return (kern is not None and kern.float_dtype == dtype == torch.float32 and cache.dtype in kern.kv_dtypes
+                and self.config.head_dim % 16 == 0 and self._fits_step_ops())
+
+    def _prefill_native(self, x: Tensor, start: int, cache: KVCache, last_only: bool) -> Tensor:
+        """forward for one prefill chunk x [t, d] with the fp32 kernels (avx2, neon): each of its tokens attends as
+        a decode row of the chunk's cache would (the decode kernel reads the fp16 cache as it is, each row over
+        positions [0, its own]), and the per-token ops are _layers_native's. Torch's chunk attention widened the
+        whole cached context to fp32 for every chunk and layer and ran SDPA with a mask: 15-20% slower here
+        (README "Cold prefill")."""
+        t = x.shape[0]
+        table = DecodeTable(self.native, [cache] * t, list(range(start, start + t)))
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
+
+        def attend(h: Tensor, i: int) -> Tensor:
+            a = self.layers[i].attention
+            out = h.new_empty(t, a.n_heads * a.hd)
+            table.attend_qkv(a.wqkv(h), cos, sin, i, out)
+            return a.wo(out)
+
+        normed = self._layers_native(x, attend)
+        return self._head(normed[-1:] if last_only else normed).unsqueeze(0)
 
     def _fits_step_ops(self) -> bool:
         """Whether the fp32 kernels' per-token ops take this shape (rows of a multiple of 8 values)."""

@@ -1036,3 +1036,46 @@ def test_decode_attention_reads_a_shared_prompt_from_the_first_rows_cache(name: 
     assert torch.equal(shared[:3], clean[:3]) and not torch.equal(shared[3], clean[3])  # row 3 leads key "b" itself
     unshared = attend(spoiled, share=False)
     assert not torch.equal(unshared[2], clean[2]) and torch.equal(unshared[:2], clean[:2])
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_fp32_prefill_chunks_attend_in_the_decode_kernel_close_to_eager(tiny_bundle, monkeypatch, kv_dtype) -> None:
+    """Under the fp32 kernels a prefill chunk's tokens attend as decode rows of the chunk's cache, long chunks (their
+    own forward) and short ones (sharing a pass with another sequence's decode row) alike: torch's chunk attention
+    never runs. Logits and the keys/values left in the cache stay within fp32 (fp16) rounding of eager torch's."""
+    from m31r.engine import Chunk, Decode
+    from m31r.model import Attention
+
+    engine = _engine(tiny_bundle, FP32, dtype="float32", kv_dtype=kv_dtype)
+    ids = engine.tokenizer.encode("pub fn gcd(mut a: u64, mut b: u64) -> u64 {\n    while b != 0 {\n" * 6)
+    assert engine.layout(len(ids))[0] == 256 and len(ids) > 288  # a long chunk, then short ones
+    engine.use_kernels(None)
+    eager = engine.new_cache()
+    ref = [x for x in engine.prefill(eager, ids, 0)][-1]
+    engine.use_kernels(K2())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch's chunk attention ran")
+
+    monkeypatch.setattr(Attention, "_attend_chunk", staticmethod(refused))
+    cache = engine.new_cache()
+    got = [x for x in engine.prefill(cache, ids, 0)][-1]
+    scale = ref.abs().max()
+    tol = 2e-3 if kv_dtype == "float16" else 1e-4
+    assert 0 < (got - ref).abs().max() <= tol * scale
+    n = len(ids)
+    for mine, theirs in ((cache.k, eager.k), (cache.v, eager.v)):
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a[:, :, :n].float(), b[:, :, :n].float(), atol=2e-3, rtol=2e-3)
+    other = engine.new_cache()
+    for _ in engine.prefill(other, ids[:40], 0):
+        pass
+    short = engine.new_cache()
+    decoded, (last,) = engine.run([Decode(other, 7)], [Chunk(short, ids[:20], 0, True)])
+    alone = engine.new_cache()
+    assert torch.equal(last, engine.run([], [Chunk(alone, ids[:20], 0, True)])[1][0])
+    monkeypatch.undo()
+    engine.use_kernels(None)
+    eager_short = engine.new_cache()
+    torch.testing.assert_close(last, engine.run([], [Chunk(eager_short, ids[:20], 0, True)])[1][0],
+                               atol=tol * scale, rtol=0)
