@@ -105,69 +105,82 @@ static inline __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * keys: a key's score is one dependent chain of hd / 8 multiply-adds, and a chunk's sum one chain across the keys,
  * so one key at a time (or the sums in memory) left the multiply-add units waiting on their own results. Each score
  * and each output value is summed in the same order as one key at a time would: the same bits. */
-#define ATTEND_HEAD(NAME, T, LOAD)                                                                                   \
+
+/* Scores of keys [j, end) of one part (key i at Kp + i * hd, its value at Vp + i * hd, prefetched with it) against
+ * the scaled query qv, into s: four keys at a time (fold4), then one at a time; their maximum into *mv and *m. */
+#define SCORE_KEYS(NAME, T, LOAD)                                                                                    \
+  static inline void NAME(const __m256* qv, int nc, const T* Kp, const T* Vp, int j, int end, int hd, float* s,     \
+                          __m128* mv, float* m) {                                                                    \
+    const int line = 64 / (int)sizeof(T); /* values per cache line */                                                \
+    for (; j + 4 <= end; j += 4) {                                                                                   \
+      const T* k0 = Kp + (long)j * hd;                                                                               \
+      for (int i = 0; i < 4 * hd; i += line) { /* the four keys and values PREFETCH_KEYS ahead, by cache line */     \
+        _mm_prefetch((const char*)(k0 + PREFETCH_KEYS * hd + i), _MM_HINT_T0);                                       \
+        _mm_prefetch((const char*)(Vp + (long)(j + PREFETCH_KEYS) * hd + i), _MM_HINT_T0);                           \
+      }                                                                                                              \
+      __m256 a0 = _mm256_mul_ps(qv[0], LOAD(k0)), a1 = _mm256_mul_ps(qv[0], LOAD(k0 + hd));                          \
+      __m256 a2 = _mm256_mul_ps(qv[0], LOAD(k0 + 2 * hd)), a3 = _mm256_mul_ps(qv[0], LOAD(k0 + 3 * hd));             \
+      for (int c = 1; c < nc; ++c) {                                                                                 \
+        a0 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 8 * c), a0);                                                           \
+        a1 = _mm256_fmadd_ps(qv[c], LOAD(k0 + hd + 8 * c), a1);                                                      \
+        a2 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 2 * hd + 8 * c), a2);                                                  \
+        a3 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 3 * hd + 8 * c), a3);                                                  \
+      }                                                                                                              \
+      const __m128 f = fold4(a0, a1, a2, a3);                                                                        \
+      _mm_storeu_ps(s + j, f);                                                                                       \
+      *mv = _mm_max_ps(*mv, f);                                                                                      \
+    }                                                                                                                \
+    for (; j < end; ++j) {                                                                                           \
+      const T* kj = Kp + (long)j * hd;                                                                               \
+      __m256 a = _mm256_mul_ps(qv[0], LOAD(kj));                                                                     \
+      for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], LOAD(kj + 8 * c), a);                                  \
+      s[j] = hsum8(a);                                                                                               \
+      *m = s[j] > *m ? s[j] : *m;                                                                                    \
+    }                                                                                                                \
+  }
+
+/* The largest of m and mv's lanes. */
+static inline float max_of(__m128 mv, float m) {
+  float mt[4];
+  _mm_storeu_ps(mt, mv);
+  for (int i = 0; i < 4; ++i) m = mt[i] > m ? mt[i] : m;
+  return m;
+}
+
+/* s[0, n) = exp(s - m), eight at a time (the tail through a padded copy: lanes past n are exp(-inf) = 0); returns 1 /
+ * their sum, summed in eight lanes and then hsum8. */
+static inline float softmax_weights(float* s, int n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (j < n) {
+    float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;
+    __m256 e = exp_nonpositive(_mm256_loadu_ps(t));
+    _mm256_storeu_ps(t, e);
+    for (int i = 0; j + i < n; ++i) s[j + i] = t[i];
+    total = _mm256_add_ps(total, e);
+  }
+  return 1.0f / hsum8(total);
+}
+
+#define ATTEND_HEAD(NAME, KEYS, T, LOAD)                                                                             \
   static void NAME(const float* q, const T* KS, const T* VS, int shared, const T* K, const T* V, int n, int hd,     \
                    float scale, float* s, float* out) {                                                              \
     const int nc = hd / 8;                                                                                           \
     __m256 qv[MAX_CHUNKS];                                                                                           \
     const __m256 sc = _mm256_set1_ps(scale);                                                                         \
     for (int c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), sc);                             \
-    const int line = 64 / (int)sizeof(T); /* values per cache line */                                                \
-                                                                                                                     \
     __m128 mv = _mm_set1_ps(-INFINITY);                                                                              \
     float m = -INFINITY;                                                                                             \
-    for (int part = 0; part < 2; ++part) {                                                                           \
-      const T* Kp = part ? K : KS;                                                                                   \
-      const T* Vp = part ? V : VS;                                                                                   \
-      const int end = part ? n : shared;                                                                             \
-      int j = part ? shared : 0;                                                                                     \
-      for (; j + 4 <= end; j += 4) {                                                                                 \
-        const T* k0 = Kp + (long)j * hd;                                                                             \
-        for (int i = 0; i < 4 * hd; i += line) { /* the four keys and values PREFETCH_KEYS ahead, by cache line */   \
-          _mm_prefetch((const char*)(k0 + PREFETCH_KEYS * hd + i), _MM_HINT_T0);                                     \
-          _mm_prefetch((const char*)(Vp + (long)(j + PREFETCH_KEYS) * hd + i), _MM_HINT_T0);                         \
-        }                                                                                                            \
-        __m256 a0 = _mm256_mul_ps(qv[0], LOAD(k0)), a1 = _mm256_mul_ps(qv[0], LOAD(k0 + hd));                        \
-        __m256 a2 = _mm256_mul_ps(qv[0], LOAD(k0 + 2 * hd)), a3 = _mm256_mul_ps(qv[0], LOAD(k0 + 3 * hd));           \
-        for (int c = 1; c < nc; ++c) {                                                                               \
-          a0 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 8 * c), a0);                                                         \
-          a1 = _mm256_fmadd_ps(qv[c], LOAD(k0 + hd + 8 * c), a1);                                                    \
-          a2 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 2 * hd + 8 * c), a2);                                                \
-          a3 = _mm256_fmadd_ps(qv[c], LOAD(k0 + 3 * hd + 8 * c), a3);                                                \
-        }                                                                                                            \
-        const __m128 f = fold4(a0, a1, a2, a3);                                                                      \
-        _mm_storeu_ps(s + j, f);                                                                                     \
-        mv = _mm_max_ps(mv, f);                                                                                      \
-      }                                                                                                              \
-      for (; j < end; ++j) {                                                                                         \
-        const T* kj = Kp + (long)j * hd;                                                                             \
-        __m256 a = _mm256_mul_ps(qv[0], LOAD(kj));                                                                   \
-        for (int c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], LOAD(kj + 8 * c), a);                                \
-        s[j] = hsum8(a);                                                                                             \
-        m = s[j] > m ? s[j] : m;                                                                                     \
-      }                                                                                                              \
-    }                                                                                                                \
-    float mt[4];                                                                                                     \
-    _mm_storeu_ps(mt, mv);                                                                                           \
-    for (int i = 0; i < 4; ++i) m = mt[i] > m ? mt[i] : m;                                                           \
-                                                                                                                     \
-    const __m256 vm = _mm256_set1_ps(m);                                                                             \
-    __m256 total = _mm256_setzero_ps();                                                                              \
-    int j = 0;                                                                                                       \
-    for (; j + 8 <= n; j += 8) {                                                                                     \
-      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));                                         \
-      _mm256_storeu_ps(s + j, e);                                                                                    \
-      total = _mm256_add_ps(total, e);                                                                               \
-    }                                                                                                                \
-    if (j < n) { /* the tail through a padded copy: lanes past n are exp(-inf) = 0 */                                \
-      float t[8];                                                                                                    \
-      for (int i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] - m : -INFINITY;                                       \
-      __m256 e = exp_nonpositive(_mm256_loadu_ps(t));                                                                \
-      _mm256_storeu_ps(t, e);                                                                                        \
-      for (int i = 0; j + i < n; ++i) s[j + i] = t[i];                                                               \
-      total = _mm256_add_ps(total, e);                                                                               \
-    }                                                                                                                \
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));                                                          \
+    KEYS(qv, nc, KS, VS, 0, shared, hd, s, &mv, &m);                                                                 \
+    KEYS(qv, nc, K, V, shared, n, hd, s, &mv, &m);                                                                   \
+    const __m256 inv = _mm256_set1_ps(softmax_weights(s, n, max_of(mv, m)));                                        \
                                                                                                                      \
     int c0 = 0;                                                                                                      \
     for (; c0 + 8 <= nc; c0 += 8) { /* eight chunks of the output in registers */                                    \
@@ -187,10 +200,96 @@ static inline __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 d) {
       _mm256_storeu_ps(out + 8 * c0, _mm256_mul_ps(acc, inv));                                                       \
     }                                                                                                                \
   }
+
+/* attend_head for two queries over one cache and no shared part, of n0 <= n1 keys (two consecutive rows of a
+ * prefill chunk: kernels_layer.h): each key and value is loaded once for both, and each query's arithmetic is
+ * attend_head's in attend_head's order, so each gets attend_head's bits (tested). A decode kernel run row by row is
+ * bound by its loads here (~60% of the multiply-add peak); two rows per load leave the multiply-adds to set the pace. */
+#define ATTEND_PAIR(NAME, KEYS, T, LOAD)                                                                             \
+  static void NAME(const float* q0, const float* q1, const T* K, const T* V, int n0, int n1, int hd, float scale,   \
+                   float* s0, float* s1, float* out0, float* out1) {                                                 \
+    const int nc = hd / 8, line = 64 / (int)sizeof(T);                                                               \
+    __m256 qa[MAX_CHUNKS], qb[MAX_CHUNKS];                                                                           \
+    const __m256 sc = _mm256_set1_ps(scale);                                                                         \
+    for (int c = 0; c < nc; ++c) {                                                                                   \
+      qa[c] = _mm256_mul_ps(_mm256_loadu_ps(q0 + 8 * c), sc);                                                        \
+      qb[c] = _mm256_mul_ps(_mm256_loadu_ps(q1 + 8 * c), sc);                                                        \
+    }                                                                                                                \
+    __m128 mva = _mm_set1_ps(-INFINITY), mvb = mva;                                                                  \
+    float ma = -INFINITY, mb = -INFINITY;                                                                            \
+    int j = 0;                                                                                                       \
+    for (; j + 4 <= n0; j += 4) { /* KEYS' four-key step for both queries on one load of the keys */                \
+      const T* k0 = K + (long)j * hd;                                                                                \
+      for (int i = 0; i < 4 * hd; i += line) {                                                                       \
+        _mm_prefetch((const char*)(k0 + PREFETCH_KEYS * hd + i), _MM_HINT_T0);                                       \
+        _mm_prefetch((const char*)(V + (long)(j + PREFETCH_KEYS) * hd + i), _MM_HINT_T0);                            \
+      }                                                                                                              \
+      __m256 x0 = LOAD(k0), x1 = LOAD(k0 + hd), x2 = LOAD(k0 + 2 * hd), x3 = LOAD(k0 + 3 * hd);                      \
+      __m256 a0 = _mm256_mul_ps(qa[0], x0), a1 = _mm256_mul_ps(qa[0], x1);                                           \
+      __m256 a2 = _mm256_mul_ps(qa[0], x2), a3 = _mm256_mul_ps(qa[0], x3);                                           \
+      __m256 b0 = _mm256_mul_ps(qb[0], x0), b1 = _mm256_mul_ps(qb[0], x1);                                           \
+      __m256 b2 = _mm256_mul_ps(qb[0], x2), b3 = _mm256_mul_ps(qb[0], x3);                                           \
+      for (int c = 1; c < nc; ++c) {                                                                                 \
+        x0 = LOAD(k0 + 8 * c), x1 = LOAD(k0 + hd + 8 * c), x2 = LOAD(k0 + 2 * hd + 8 * c);                           \
+        x3 = LOAD(k0 + 3 * hd + 8 * c);                                                                              \
+        a0 = _mm256_fmadd_ps(qa[c], x0, a0), a1 = _mm256_fmadd_ps(qa[c], x1, a1);                                    \
+        a2 = _mm256_fmadd_ps(qa[c], x2, a2), a3 = _mm256_fmadd_ps(qa[c], x3, a3);                                    \
+        b0 = _mm256_fmadd_ps(qb[c], x0, b0), b1 = _mm256_fmadd_ps(qb[c], x1, b1);                                    \
+        b2 = _mm256_fmadd_ps(qb[c], x2, b2), b3 = _mm256_fmadd_ps(qb[c], x3, b3);                                    \
+      }                                                                                                              \
+      const __m128 fa = fold4(a0, a1, a2, a3), fb = fold4(b0, b1, b2, b3);                                           \
+      _mm_storeu_ps(s0 + j, fa);                                                                                     \
+      _mm_storeu_ps(s1 + j, fb);                                                                                     \
+      mva = _mm_max_ps(mva, fa);                                                                                     \
+      mvb = _mm_max_ps(mvb, fb);                                                                                     \
+    }                                                                                                                \
+    KEYS(qa, nc, K, V, j, n0, hd, s0, &mva, &ma);                                                                    \
+    KEYS(qb, nc, K, V, j, n1, hd, s1, &mvb, &mb);                                                                    \
+    const __m256 inva = _mm256_set1_ps(softmax_weights(s0, n0, max_of(mva, ma)));                                   \
+    const __m256 invb = _mm256_set1_ps(softmax_weights(s1, n1, max_of(mvb, mb)));                                   \
+                                                                                                                     \
+    int c0 = 0;                                                                                                      \
+    for (; c0 + 4 <= nc; c0 += 4) { /* four chunks of both outputs in registers */                                   \
+      __m256 acca[4], accb[4];                                                                                       \
+      for (int c = 0; c < 4; ++c) acca[c] = accb[c] = _mm256_setzero_ps();                                           \
+      int jj = 0;                                                                                                    \
+      for (; jj < n0; ++jj) {                                                                                        \
+        const T* vj = V + (long)jj * hd + 8 * c0;                                                                    \
+        const __m256 pa = _mm256_set1_ps(s0[jj]), pb = _mm256_set1_ps(s1[jj]);                                       \
+        for (int c = 0; c < 4; ++c) {                                                                                \
+          const __m256 v = LOAD(vj + 8 * c);                                                                         \
+          acca[c] = _mm256_fmadd_ps(pa, v, acca[c]);                                                                 \
+          accb[c] = _mm256_fmadd_ps(pb, v, accb[c]);                                                                 \
+        }                                                                                                            \
+      }                                                                                                              \
+      for (; jj < n1; ++jj) {                                                                                        \
+        const __m256 pb = _mm256_set1_ps(s1[jj]);                                                                    \
+        for (int c = 0; c < 4; ++c) accb[c] = _mm256_fmadd_ps(pb, LOAD(V + (long)jj * hd + 8 * (c0 + c)), accb[c]);   \
+      }                                                                                                              \
+      for (int c = 0; c < 4; ++c) {                                                                                  \
+        _mm256_storeu_ps(out0 + 8 * (c0 + c), _mm256_mul_ps(acca[c], inva));                                         \
+        _mm256_storeu_ps(out1 + 8 * (c0 + c), _mm256_mul_ps(accb[c], invb));                                         \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (; c0 < nc; ++c0) { /* the rest, a chunk at a time */                                                        \
+      __m256 acca = _mm256_setzero_ps(), accb = _mm256_setzero_ps();                                                 \
+      for (int jj = 0; jj < n1; ++jj) {                                                                              \
+        const __m256 v = LOAD(V + (long)jj * hd + 8 * c0);                                                           \
+        if (jj < n0) acca = _mm256_fmadd_ps(_mm256_set1_ps(s0[jj]), v, acca);                                        \
+        accb = _mm256_fmadd_ps(_mm256_set1_ps(s1[jj]), v, accb);                                                     \
+      }                                                                                                              \
+      _mm256_storeu_ps(out0 + 8 * c0, _mm256_mul_ps(acca, inva));                                                    \
+      _mm256_storeu_ps(out1 + 8 * c0, _mm256_mul_ps(accb, invb));                                                    \
+    }                                                                                                                \
+  }
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
-ATTEND_HEAD(attend_head, float, LOAD_F32)
-ATTEND_HEAD(attend_head_f16, uint16_t, LOAD_F16)
+SCORE_KEYS(score_keys, float, LOAD_F32)
+SCORE_KEYS(score_keys_f16, uint16_t, LOAD_F16)
+ATTEND_HEAD(attend_head, score_keys, float, LOAD_F32)
+ATTEND_HEAD(attend_head_f16, score_keys_f16, uint16_t, LOAD_F16)
+ATTEND_PAIR(attend_pair, score_keys, float, LOAD_F32)
+ATTEND_PAIR(attend_pair_f16, score_keys_f16, uint16_t, LOAD_F16)
 
 /* hd fp32 values into an fp16 cache row, rounded to nearest even (as torch's fp32 -> fp16 cast). */
 static inline void store_f16(uint16_t* dst, const float* src, int hd) {

@@ -2,8 +2,8 @@
  * family's tiles (m31r_f32_mm, m31r_int8_mm_q16) and heads to its attend_head (m31r_attend_decode_f32), decode
  * attention on the wqkv projection (m31r_attend_qkv_f32 and its fp16-cache twin), and one decoder layer of a decode
  * pass in one call (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c include this after their own kernels,
- * which it calls (the f32/q16 tiles and q16_row, rope_head, store_f16, attend_head, attend_head_f16, the int8 and int4
- * matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its own, so both families run the same
+ * which it calls (the f32/q16 tiles and q16_row, rope_head, store_f16, attend_head, attend_head_f16, attend_pair,
+ * attend_pair_f16, the int8 and int4 matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its own, so both families run the same
  * code.
  * native.build (and the tests' driver) hash it with the source that includes it.
  *
@@ -113,6 +113,13 @@ int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
 
 /* -- decode attention on the projection, and the layer call -------------------------------------------------- */
 
+/* Whether rows r and s read one cache with nothing shared from another row's: two tokens of one prefill chunk
+ * (Transformer._prefill_native), whose heads then run together (attend_pair). Decode rows each have their own. */
+static int one_cache(int r, int s, const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* lead,
+                     const int32_t* shared) {
+  return kptr[r] == kptr[s] && vptr[r] == vptr[s] && cap[r] == cap[s] && !(lead && shared && (shared[r] || shared[s]));
+}
+
 /* m31r_attend_decode_f32 on the query/key/value projection as the fused wqkv matmul writes it, RoPE included: row r
  * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables
  * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
@@ -148,21 +155,41 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
         memcpy((float*)vptr[r] + at, v, (size_t)hd * 4);
       }
     }
+    const int pairs = (rows + 1) / 2;
 #pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; ++t) { /* head by head, the rows of a head together */
-      const int h = t / rows, r = t % rows;
-      const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
-      const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
-      float* o = out + ((long)r * heads + h) * hd;
-      float q[8 * MAX_CHUNKS];
-      rope_head(qkv + r * width + (long)h * hd, cos + (long)r * hd, sin + (long)r * hd, hd, q);
-      float s[len[r] + 8];
-      if (kv16)
-        attend_head_f16(q, (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
-                        (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, o);
-      else
-        attend_head(q, (const float*)kptr[l] + lbase, (const float*)vptr[l] + lbase, p, (const float*)kptr[r] + base,
-                    (const float*)vptr[r] + base, len[r], hd, scale, s, o);
+    for (int t = 0; t < heads * pairs; ++t) { /* head by head, the rows of a head together, two at a time */
+      const int h = t / pairs, r0 = 2 * (t % pairs), n = r0 + 1 < rows ? 2 : 1;
+      float q[2][8 * MAX_CHUNKS];
+      for (int i = 0; i < n; ++i)
+        rope_head(qkv + (r0 + i) * width + (long)h * hd, cos + (long)(r0 + i) * hd, sin + (long)(r0 + i) * hd, hd,
+                  q[i]);
+      if (n == 2 && one_cache(r0, r0 + 1, kptr, vptr, cap, lead, shared)) {
+        const int a = len[r0] <= len[r0 + 1] ? 0 : 1, ra = r0 + a, rb = r0 + 1 - a; /* ra: the shorter context */
+        const long base = (long)(h / group) * cap[ra] * hd;
+        float* oa = out + ((long)ra * heads + h) * hd;
+        float* ob = out + ((long)rb * heads + h) * hd;
+        float sa[len[ra] + 8], sb[len[rb] + 8];
+        if (kv16)
+          attend_pair_f16(q[a], q[1 - a], (const uint16_t*)kptr[ra] + base, (const uint16_t*)vptr[ra] + base, len[ra],
+                          len[rb], hd, scale, sa, sb, oa, ob);
+        else
+          attend_pair(q[a], q[1 - a], (const float*)kptr[ra] + base, (const float*)vptr[ra] + base, len[ra], len[rb],
+                      hd, scale, sa, sb, oa, ob);
+        continue;
+      }
+      for (int i = 0; i < n; ++i) {
+        const int r = r0 + i;
+        const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
+        const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
+        float* o = out + ((long)r * heads + h) * hd;
+        float s[len[r] + 8];
+        if (kv16)
+          attend_head_f16(q[i], (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
+                          (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, o);
+        else
+          attend_head(q[i], (const float*)kptr[l] + lbase, (const float*)vptr[l] + lbase, p,
+                      (const float*)kptr[r] + base, (const float*)vptr[r] + base, len[r], hd, scale, s, o);
+      }
     }
   }
   return 0;

@@ -155,6 +155,16 @@ static inline f8 f8_load_f16(const uint16_t* p) {
 ATTEND_HEAD(attend_head, float, f8_load)
 ATTEND_HEAD(attend_head_f16, uint16_t, f8_load_f16)
 
+/* Two queries over one cache, as kernels_avx2.c's attend_pair: here attend_head for each (the same bits). */
+#define ATTEND_PAIR(NAME, HEAD, T)                                                                                    \
+static void NAME(const float* q0, const float* q1, const T* K, const T* V, int n0, int n1, int hd, float scale,     \
+                 float* s0, float* s1, float* out0, float* out1) {                                                    \
+  HEAD(q0, K, V, 0, K, V, n0, hd, scale, s0, out0);                                                                   \
+  HEAD(q1, K, V, 0, K, V, n1, hd, scale, s1, out1);                                                                   \
+}
+ATTEND_PAIR(attend_pair, attend_head, float)
+ATTEND_PAIR(attend_pair_f16, attend_head_f16, uint16_t)
+
 /* hd fp32 values into an fp16 cache row, rounded to nearest even (FPCR's default mode: F16C's and torch's). */
 static inline void store_f16(uint16_t* dst, const float* src, int hd) {
   for (int i = 0; i < hd; i += 4) vst1_u16(dst + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + i))));

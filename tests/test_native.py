@@ -1079,3 +1079,38 @@ def test_fp32_prefill_chunks_attend_in_the_decode_kernel_close_to_eager(tiny_bun
     eager_short = engine.new_cache()
     torch.testing.assert_close(last, engine.run([], [Chunk(eager_short, ids[:20], 0, True)])[1][0],
                                atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv,hd", [(8, 8, 64), (4, 2, 48), (2, 1, 128), (2, 2, 16)])
+def test_avx2_chunk_rows_on_one_cache_get_each_rows_bits_alone(dtype, heads: int, kv: int, hd: int) -> None:
+    """A prefill chunk's tokens are rows of one cache at consecutive positions: the kernel runs two at a time, each
+    key and value loaded once for both (attend_pair), and every row gets the bits it gets alone, in any row order and
+    with an odd row out; beside a row of another cache, and behind a shared prompt, rows run one by one as before."""
+    gen = torch.Generator().manual_seed(hd)
+    start, t = 61, 7
+    positions = list(range(start, start + t))
+    qkv = torch.randn(t, (heads + 2 * kv) * hd, generator=gen)
+    cos, sin = torch.randn(t, hd, generator=gen), torch.randn(t, hd, generator=gen)
+    (cache,) = _caches([start + t], kv, hd, dtype=dtype, seed=5)
+    out = torch.empty(t, heads * hd)
+    native.DecodeTable(K2(), [cache] * t, positions).attend_qkv(qkv, cos, sin, 1, out)
+    for r in range(t):
+        alone = torch.empty(1, heads * hd)
+        native.DecodeTable(K2(), [cache], [positions[r]]).attend_qkv(qkv[r : r + 1], cos[r : r + 1], sin[r : r + 1],
+                                                                     1, alone)
+        assert torch.equal(alone[0], out[r]), r
+    back = torch.empty(t, heads * hd)  # the longer row first in every pair
+    order = list(reversed(range(t)))
+    native.DecodeTable(K2(), [cache] * t, [positions[r] for r in order]).attend_qkv(
+        qkv[order].contiguous(), cos[order].contiguous(), sin[order].contiguous(), 1, back)
+    assert torch.equal(back, out[order])
+    (other,) = _caches([start + t], kv, hd, dtype=dtype, seed=6)
+    mixed = torch.empty(2, heads * hd)
+    native.DecodeTable(K2(), [cache, other], [positions[2], positions[3]]).attend_qkv(
+        qkv[2:4].contiguous(), cos[2:4].contiguous(), sin[2:4].contiguous(), 1, mixed)
+    assert torch.equal(mixed[0], out[2]) and not torch.equal(mixed[1], out[3])
+    key = object()
+    native.DecodeTable(K2(), [cache, cache], [positions[2], positions[3]], [(key, 30), (key, 30)]).attend_qkv(
+        qkv[2:4].contiguous(), cos[2:4].contiguous(), sin[2:4].contiguous(), 1, mixed)
+    assert torch.equal(mixed, out[2:4])
