@@ -420,7 +420,7 @@ class Engine:
             raise ValueError(f"prefill must start at a chunk boundary of this prompt, not at {start}")
         cache.tokens = cache.tokens[:start]
         cache.chunks = [e for e in cache.chunks if e <= start]
-        cache.reserve(len(ids))  # one resize for the whole prompt, not one per chunk
+        cache.reserve(len(ids), keep=start)  # one resize for the whole prompt, copying only what it reuses
         pos = start
         for end in ends:
             if end > start:

@@ -81,10 +81,10 @@ class KVCache:
                 store[layer] = new
         self.capacity = capacity
 
-    def reserve(self, n: int) -> None:
-        """Room for positions [0, n)."""
+    def reserve(self, n: int, keep: int | None = None) -> None:
+        """Room for positions [0, n); a resize copies the first `keep` positions (default: all)."""
         if n > self.capacity:
-            self._resize(span_of(n))
+            self._resize(span_of(n), keep)
 
     def fit(self, n: int, ahead: int = 0) -> None:
         """Capacity from span_of(n) to span_of(n) + ahead, resized to the latter when outside. The eager decode

@@ -177,6 +177,26 @@ def test_kv_cache_capacity_follows_the_context(tiny_engine, monkeypatch) -> None
     assert cache.capacity == span_of(71) and torch.equal(keys(64), kept[..., :64, :])
 
 
+def test_a_growing_cache_copies_only_the_positions_it_keeps(tiny_engine) -> None:
+    """A prompt that outgrows a reused cache copies only the positions it reuses into the larger buffers (none for a
+    cold one: it rewrites them all), and its prefill gets the bits of a fresh cache."""
+    from m31r.model import span_of
+
+    cache = tiny_engine.new_cache(60)
+    for t in (*cache.k, *cache.v):
+        t.fill_(1.0)
+    cache.reserve(200, keep=10)
+    assert cache.capacity == span_of(200)
+    assert all(bool((t[:, :, :10] == 1).all()) and not t[:, :, 10:].any() for t in (*cache.k, *cache.v))
+    cache.reserve(400)  # by default every position is kept
+    assert all(bool((t[:, :, :10] == 1).all()) and not t[:, :, 10:].any() for t in (*cache.k, *cache.v))
+    ids = [(5 * i + 1) % 200 + 10 for i in range(300)]
+    small = tiny_engine.new_cache()
+    _last(tiny_engine.prefill(small, ids[:40], 0))
+    fresh = tiny_engine.new_cache()
+    assert torch.equal(_last(tiny_engine.prefill(small, ids, 0)), _last(tiny_engine.prefill(fresh, ids, 0)))
+
+
 @pytest.mark.parametrize("start", [0, 24, 64])
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_chunk_attention_matches_causal_sdpa(start: int, kv_heads: int) -> None:
