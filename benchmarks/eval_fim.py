@@ -181,6 +181,7 @@ def typing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
+    p.add_argument("--prefill-gemm", default="auto", help="as the daemon's --prefill-gemm")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
@@ -190,7 +191,7 @@ def typing_engine(args: argparse.Namespace):
     from m31r.engine import Engine
 
     return Engine(args.bundle, dtype=args.dtype, quant=None if args.quant == "none" else args.quant,
-                  threads=args.threads)
+                  threads=args.threads, prefill_gemm=args.prefill_gemm)
 
 
 def engine_summary(engine) -> str:
@@ -198,7 +199,8 @@ def engine_summary(engine) -> str:
     from m31r.cpu import describe
 
     return (f"CPU: {describe()}; engine {str(engine.dtype).removeprefix('torch.')} activations, "
-            f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels")
+            f"{engine.quant or 'float'} weights, {engine.kernel_report['kernels']} kernels"
+            + (", bf16 prefill GEMMs" if engine.kernel_report.get("prefill_gemm") == "bfloat16" else ""))
 
 
 def add_context(tasks: list[Task], texts: list[tuple[str, str, str]]) -> None:

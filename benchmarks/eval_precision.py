@@ -32,9 +32,11 @@ import eval_fim  # noqa: E402
 
 PRECISIONS = [("fp32", "float32", None, "float32"), ("fp32-kv16", "float32", None, "auto"),
               ("bf16", "bfloat16", None, "auto"), ("int8", "auto", "int8", "auto"), ("int4", "auto", "int4", "auto"),
-              ("int8-q8", "float32", "int8", "auto"), ("int8-f32", "float32", "int8", "auto")]
-# The last two only when asked for: the AVX2 (NEON) int8 kernel on its coarser q8 activations, and on exact fp32 ones
-# (the codes widened to fp32: what the int8 weights alone change).
+              ("int8-q8", "float32", "int8", "auto"), ("int8-f32", "float32", "int8", "auto"),
+              ("int8-f32gemm", "auto", "int8", "auto")]
+# The last three only when asked for: the AVX2 (NEON) int8 kernel on its coarser q8 activations, and on exact fp32 ones
+# (the codes widened to fp32: what the int8 weights alone change); int8 with fp32 prefill GEMMs everywhere (int8's
+# default takes bf16 ones where they are native: Engine's prefill_gemm).
 # The reference, fp32, keeps its KV cache in fp32; fp32-kv16 is fp32 weights as engines serve them where the fp32
 # kernels read a float16 cache (Engine's kv_dtype auto; skipped elsewhere). The rest run their engines' defaults.
 DEFAULT = "fp32,fp32-kv16,bf16,int8,int4"
@@ -67,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
     # eval_fim's layout: (path, text, crate); files outside any crate (an older corpus) count as a crate each.
     texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
-    rows, reference = [], None
+    rows, reference, outputs = [], None, {}
     for name, dtype, quant, kv in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()
-        engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1, kv_dtype=kv)
+        engine = Engine(args.bundle, dtype=dtype, quant=quant, decode_width=1, kv_dtype=kv,
+                        prefill_gemm="float32" if name == "int8-f32gemm" else "auto")
         if name == "fp32-kv16" and engine.kernel_report["kv_cache"] != "float16":
             log(f"{name}: skipped, this machine's fp32 engine keeps its KV cache in "
                 f"{engine.kernel_report['kv_cache']} ({engine.kernel_report['kv_why']})")
@@ -96,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
                    for kind in ("single", "multi")}  # long multi-line completions diverge first
         rows.append({"precision": name, "dtype": dtype, "quant": quant, "kernels": kernels,
                      "kv_cache": engine.kernel_report["kv_cache"],
+                     "prefill_gemm": engine.kernel_report.get("prefill_gemm"),
                      "perplexity": ppl["perplexity"],
                      "perplexity_delta": round(ppl["perplexity"] - reference["ppl"], 3),
                      "loss_delta": round(ppl["loss"] - reference["loss"], 4), "same_as_fp32": round(same, 4),
                      **{f"same_{k}": round(sum(v) / len(v), 4) for k, v in by_kind.items() if v},
                      "exact_match": round(sum(r.exact for r in results) / len(results), 4), "tasks": len(results),
                      "seconds": round(time.perf_counter() - t0, 1)})
+        outputs[name] = preds
+        if name == "int8-f32gemm" and "int8" in outputs:  # what int8's bf16 prefill GEMMs alone change
+            rows[-1]["same_as_int8"] = round(sum(a == b for a, b in zip(preds, outputs["int8"], strict=True))
+                                             / len(preds), 4)
         if engine.kernels is not None:
             engine.kernels.int8_mode = "q16"
         log(f"{name}: {rows[-1]}")
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['precision']:<9} {r['dtype']:<11} {r['kv_cache']:<9} {r['kernels']:<8} {r['perplexity']:>10.3f} "
               f"{r['perplexity_delta']:>+9.3f} {100 * r['same_as_fp32']:>18.1f}% {kinds:>19} "
               f"{100 * r['exact_match']:>10.1f}%")
-    comparisons = ("int8-q8", "int8-f32")  # reported, never a failure
+    comparisons = ("int8-q8", "int8-f32", "int8-f32gemm")  # reported, never a failure
     failed = [r["precision"] for r in rows
               if (r["quant"] or r["precision"] == "fp32-kv16") and r["precision"] not in comparisons
               and r["same_as_fp32"] < args.min_agreement]

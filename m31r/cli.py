@@ -231,6 +231,9 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--kv-dtype", type=click.Choice(["auto", "float16", "float32", "bfloat16"]), default="auto",
               show_default=True, help="KV-cache precision. auto: float16 where the fp32 kernels read it (half the "
               "bytes per decoded token), else the activation dtype, which may also be named.")
+@click.option("--prefill-gemm", type=click.Choice(["auto", "float32"]), default="auto", show_default=True,
+              help="Prefill GEMMs of int8 layers on float32 activations. auto: bfloat16 where the CPU runs it natively "
+              "(AVX512-BF16, AMX; faster cold prompts), else float32, which may also be named.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--cache-mb", type=float, default=1536, show_default=True,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
@@ -267,7 +270,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, kv_dtype: str,
-           threads: int | None,
+           prefill_gemm: str, threads: int | None,
            cache_mb: float, max_queue: int, max_per_connection: int, max_prompt_chars: int, read_timeout: float,
            max_active: int, decode_width: int, lookahead: int, beams: int, chunk_size: int, quant: str | None,
            log_level: str) -> None:
@@ -276,7 +279,8 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     from m31rd.main import DaemonOptions, default_bundle, run
 
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
-                         device=device, dtype=dtype, kv_dtype=kv_dtype, threads=threads, cache_mb=cache_mb,
+                         device=device, dtype=dtype, kv_dtype=kv_dtype, prefill_gemm=prefill_gemm, threads=threads,
+                         cache_mb=cache_mb,
                          max_queue=max_queue,
                          max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,

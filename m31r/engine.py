@@ -193,13 +193,16 @@ class Engine:
         group_size: int | None = None,
         verified: Future | None = None,
         kv_dtype: str = "auto",
+        prefill_gemm: str = "auto",
     ):
         """`quant` (int8 | int4) quantizes a float bundle's weights at load; a quantized bundle is loaded as it
         was stored (`quant`, if given, must name its method). `dtype` is the precision of everything else:
         activations, norms, attention and the KV cache. Either may be "auto" (see m31r.precision). `verified`
         is a checksum verification of `bundle` the caller started already (checksums.verify_in_background).
         `kv_dtype`: the KV cache's dtype; auto is float16 where the fp32 kernels' decode attention reads it (half
-        the bytes a step reads from its context), else the activation dtype, which may also be named."""
+        the bytes a step reads from its context), else the activation dtype, which may also be named.
+        `prefill_gemm`: auto runs int8 layers' prefill chunks (fp32 activations, the fp32 kernels) as bf16 GEMMs where
+        bf16 matmuls are native (AVX512-BF16, AMX); float32 keeps fp32 GEMMs everywhere."""
         if threads:
             torch.set_num_threads(threads)
         if dtype not in DTYPES and dtype != "auto":
@@ -207,6 +210,9 @@ class Engine:
         if kv_dtype not in DTYPES and kv_dtype != "auto":
             raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(DTYPES)} or auto")
         self.kv_request = kv_dtype
+        if prefill_gemm not in ("auto", "float32"):
+            raise ValueError(f"unknown prefill_gemm {prefill_gemm!r}; choose auto or float32")
+        self.prefill_gemm = prefill_gemm
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.device = torch.device(device)
@@ -285,6 +291,12 @@ class Engine:
                 if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
                     module.native = kernels
                     self.native_int8 = True
+        # Prefill chunks of the int8 layers that run fp32 activations through the family (below): bf16 GEMMs where
+        # native, which a cold prompt (a cursor jump) pays for in full.
+        gemm_bf16 = self.prefill_gemm == "auto" and self.native_int8 and dt == torch.float32 and fast_bf16(self.device)
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.gemm_bf16 = gemm_bf16 and module.native is not None
         if kernels is not None and kernels.int4_dtype == dt:
             for module in model.modules():
                 if isinstance(module, Int4Linear) and native.takes_int4(module.out_features, module.in_features,
@@ -325,6 +337,7 @@ class Engine:
         if self.native_int8:  # which int8 matmul runs, and its start-up self-check (cached per library)
             self.kernel_report["int8_kernel"] = kernels.int8_kernel
             self.kernel_report["int8_check"] = kernels.int8_check()[1]
+            self.kernel_report["prefill_gemm"] = "bfloat16" if gemm_bf16 else "float32"
 
     @property
     def decode_widths(self) -> list[int]:

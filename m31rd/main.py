@@ -41,6 +41,7 @@ class DaemonOptions:
     device: str = "cpu"
     dtype: str = "auto"
     kv_dtype: str = "auto"  # see Engine: float16 where the fp32 kernels read it
+    prefill_gemm: str = "auto"  # see Engine: bf16 GEMMs for int8 prefill chunks where bf16 is native
     threads: int | None = None
     cache_mb: float = 1536
     max_queue: int = 32
@@ -109,8 +110,8 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
         from m31r.engine import Engine
 
         daemon.attach(Engine(opts.bundle, device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
-                             threads=opts.threads, chunk_size=opts.chunk_size, quant=opts.quant,
-                             decode_width=opts.decode_width, verified=verified))
+                             prefill_gemm=opts.prefill_gemm, threads=opts.threads, chunk_size=opts.chunk_size,
+                             quant=opts.quant, decode_width=opts.decode_width, verified=verified))
         load_ms = (time.perf_counter() - t0) * 1000
 
     # Loading, then warm-up, then the scheduler's rounds (Daemon.serve queues those): the torch thread runs them in

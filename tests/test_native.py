@@ -1114,3 +1114,31 @@ def test_avx2_chunk_rows_on_one_cache_get_each_rows_bits_alone(dtype, heads: int
     native.DecodeTable(K2(), [cache, cache], [positions[2], positions[3]], [(key, 30), (key, 30)]).attend_qkv(
         qkv[2:4].contiguous(), cos[2:4].contiguous(), sin[2:4].contiguous(), 1, mixed)
     assert torch.equal(mixed, out[2:4])
+
+
+def test_int8_prefill_chunks_take_bf16_gemms_only_where_bf16_is_native(tiny_bundle, monkeypatch) -> None:
+    """An int8 engine on fp32 activations runs chunks of INT8_GEMM_ROWS rows and more as a bf16 GEMM (bf16 inputs, a
+    bf16 product, then the scales) where bf16 matmuls are native, says so, and keeps fp32 GEMMs elsewhere or when
+    asked (prefill_gemm="float32"); decode rows never take it."""
+    import m31r.engine as engine_mod
+    from m31r.engine import Engine
+    from m31r.quant import INT8_GEMM_ROWS, Int8Linear
+
+    x = torch.randn(INT8_GEMM_ROWS + 9, 64, generator=torch.Generator().manual_seed(3))
+    for native_bf16, ask, expect in ((True, "auto", True), (False, "auto", False), (True, "float32", False)):
+        monkeypatch.setattr(engine_mod, "fast_bf16", lambda device, v=native_bf16: v)
+        engine = _engine(tiny_bundle, FP32, dtype="float32", quant="int8", prefill_gemm=ask)
+        assert engine.kernel_report["prefill_gemm"] == ("bfloat16" if expect else "float32")
+        layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear) and m.native is not None]
+        assert layers and all(m.gemm_bf16 == expect for m in layers)
+        layer = next(m for m in layers if m.in_features == 64)
+        y = layer(x)
+        bf16 = torch.nn.functional.linear(x.bfloat16(), layer.codes.bfloat16()).float() * layer.scales.float()
+        exact = x @ (layer.codes.float() * layer.scales.float()[:, None]).T
+        if expect:
+            assert torch.equal(y, bf16) and not torch.equal(y, exact)
+        tol = 2e-2 if expect else 1e-5  # a bf16 product against fp32 rounding
+        torch.testing.assert_close(y, exact, atol=tol * exact.abs().max().item(), rtol=0)
+        assert torch.equal(layer(x[:5]), layer.native.int8_mm(x[:5].contiguous(), layer.codes, layer.scales))
+    with pytest.raises(ValueError, match="prefill_gemm"):
+        Engine(tiny_bundle, dtype="float32", prefill_gemm="bfloat16")
