@@ -124,7 +124,8 @@ def check_bf16(ctx: Context) -> Check:
     weights = {"int8": "int8 weights", "int4": "int4 weights", None: "float weights"}[p.quant]
     serves = f"the daemon serves {'bf16' if p.dtype == 'bfloat16' else 'fp32'} activations with {weights} by default"
     if fast_bf16(torch.device("cpu")):
-        extra = "" if p.dtype == "bfloat16" else " (bf16 moves greedy output; `--dtype bfloat16` prefills faster)"
+        extra = "" if p.dtype == "bfloat16" else (
+            ", int8 prefill chunks as bf16 GEMMs (`--prefill-gemm`)" if p.quant == "int8" else "")
         return Check("bf16", "ok", f"native (AVX512-BF16 or AMX): {serves}{extra}")
     return Check("bf16", "warn", f"emulated by torch on this CPU (slower than fp32): {serves}")
 
