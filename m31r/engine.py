@@ -292,8 +292,10 @@ class Engine:
                     module.native = kernels
                     self.native_int8 = True
         # Prefill chunks of the int8 layers that run fp32 activations through the family (below): bf16 GEMMs where
-        # native, which a cold prompt (a cursor jump) pays for in full.
-        gemm_bf16 = self.prefill_gemm == "auto" and self.native_int8 and dt == torch.float32 and fast_bf16(self.device)
+        # native, which a cold prompt (a cursor jump) pays for in full. Not under a family M31R_KERNELS forces: that
+        # serves as a CPU of that family would, and AVX2 and NEON CPUs emulate bf16.
+        gemm_bf16 = (self.prefill_gemm == "auto" and self.native_int8 and dt == torch.float32
+                     and fast_bf16(self.device) and native.forced() is None)
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.gemm_bf16 = gemm_bf16 and module.native is not None

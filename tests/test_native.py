@@ -1140,5 +1140,8 @@ def test_int8_prefill_chunks_take_bf16_gemms_only_where_bf16_is_native(tiny_bund
         tol = 2e-2 if expect else 1e-5  # a bf16 product against fp32 rounding
         torch.testing.assert_close(y, exact, atol=tol * exact.abs().max().item(), rtol=0)
         assert torch.equal(layer(x[:5]), layer.native.int8_mm(x[:5].contiguous(), layer.codes, layer.scales))
+    monkeypatch.setattr(engine_mod, "fast_bf16", lambda device: True)
+    monkeypatch.setenv("M31R_KERNELS", FP32)  # a forced family serves as its CPUs would: they emulate bf16
+    assert _engine(tiny_bundle, FP32, dtype="float32", quant="int8").kernel_report["prefill_gemm"] == "float32"
     with pytest.raises(ValueError, match="prefill_gemm"):
         Engine(tiny_bundle, dtype="float32", prefill_gemm="bfloat16")
