@@ -491,13 +491,15 @@ class Transformer(nn.Module):
         return decoded, [head(slice(e - 1, e))[0, -1] for e in ends]
 
     def _attends_native(self, dtype: torch.dtype, cache: KVCache) -> bool:
-        """Whether a prefill chunk into `cache` runs the fp32 kernels' attention (avx2, neon)."""
+        """Whether a prefill chunk into `cache` runs the fp32 kernels' attention: the AVX2 families', measured
+        faster than torch's on x86. NEON's attend_head scores one key at a time, and Arm was not measured: it keeps
+        torch's chunk attention."""
         kern = self.native
-        return (kern is not None and kern.float_dtype == dtype == torch.float32 and cache.dtype in kern.kv_dtypes
-                and self.config.head_dim % 16 == 0 and self._fits_step_ops())
+        return (kern is not None and kern.float_dtype == dtype == torch.float32 and kern.family.base == "avx2"
+                and cache.dtype in kern.kv_dtypes and self.config.head_dim % 16 == 0 and self._fits_step_ops())
 
     def _prefill_native(self, x: Tensor, start: int, cache: KVCache, last_only: bool) -> Tensor:
-        """forward for one prefill chunk x [t, d] with the fp32 kernels (avx2, neon): each of its tokens attends as
+        """forward for one prefill chunk x [t, d] with the AVX2 kernels: each of its tokens attends as
         a decode row of the chunk's cache would (the decode kernel reads the fp16 cache as it is, each row over
         positions [0, its own]), and the per-token ops are _layers_native's. Torch's chunk attention widened the
         whole cached context to fp32 for every chunk and layer and ran SDPA with a mask: a keystroke's
