@@ -499,11 +499,11 @@ class Transformer(nn.Module):
                 and cache.dtype in kern.kv_dtypes and self.config.head_dim % 16 == 0 and self._fits_step_ops())
 
     def _prefill_native(self, x: Tensor, start: int, cache: KVCache, last_only: bool) -> Tensor:
-        """forward for one prefill chunk x [t, d] with the AVX2 kernels: each of its tokens attends as
-        a decode row of the chunk's cache would (the decode kernel reads the fp16 cache as it is, each row over
-        positions [0, its own]), and the per-token ops are _layers_native's. Torch's chunk attention widened the
-        whole cached context to fp32 for every chunk and layer and ran SDPA with a mask: a keystroke's
-        answer took 1.1-1.2x as long (README "Prefill chunks in the decode kernel")."""
+        """forward for one prefill chunk x [t, d] with the AVX2 kernels: each of its tokens attends as a decode row
+        of the chunk's cache would (the decode kernel reads the fp16 cache as it is, each row over positions [0, its
+        own]), and the per-token ops are _layers_native's. Torch's chunk attention widened the whole cached context
+        to fp32 for every chunk and layer and ran SDPA with a mask: a keystroke's answer took 1.1-1.2x as long
+        (README "Prefill chunks in the decode kernel")."""
         t = x.shape[0]
         table = DecodeTable(self.native, [cache] * t, list(range(start, start + t)))
         cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
