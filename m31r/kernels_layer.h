@@ -3,8 +3,8 @@
  * attention on the wqkv projection (m31r_attend_qkv_f32 and its fp16-cache twin), and one decoder layer of a decode
  * pass in one call (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c include this after their own kernels,
  * which it calls (the f32/q16 tiles and q16_row, rope_head, store_f16, attend_head, attend_head_f16, attend_pair,
- * attend_pair_f16, the int8 and int4 matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its own, so both families run the same
- * code.
+ * attend_pair_f16, the int8 and int4 matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its
+ * own, so both families run the same code.
  * native.build (and the tests' driver) hash it with the source that includes it.
  *
  * The layer call: what Transformer._layers_native runs per layer through Python (the wqkv matmul, decode attention
@@ -114,7 +114,7 @@ int m31r_f32_mm(int M, int N, int K, const float* x, const float* w, float* y) {
 /* -- decode attention on the projection, and the layer call -------------------------------------------------- */
 
 /* Whether rows r and s read one cache with nothing shared from another row's: two tokens of one prefill chunk
- * (Transformer._prefill_native), whose heads then run together (attend_pair). Decode rows each have their own. */
+ * (model.py's chunk tables), whose heads then run together (attend_pair). Decode rows each have their own. */
 static int one_cache(int r, int s, const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* lead,
                      const int32_t* shared) {
   return kptr[r] == kptr[s] && vptr[r] == vptr[s] && cap[r] == cap[s] && !(lead && shared && (shared[r] || shared[s]));
