@@ -203,8 +203,8 @@ static inline float softmax_weights(float* s, int n, float m) {
 
 /* attend_head for two queries over one cache and no shared part, of n0 <= n1 keys (two consecutive rows of a
  * prefill chunk: kernels_layer.h): each key and value is loaded once for both, and each query's arithmetic is
- * attend_head's in attend_head's order, so each gets attend_head's bits (tested). A decode kernel run row by row is
- * bound by its loads here (~60% of the multiply-add peak); two rows per load leave the multiply-adds to set the pace. */
+ * attend_head's in attend_head's order, so each gets attend_head's bits (tested). A 256-token chunk at 1,024
+ * positions: 4.07 ms row by row, 3.20 ms in pairs (one mini layer, 2 cores of an AMD EPYC Zen 5). */
 #define ATTEND_PAIR(NAME, KEYS, T, LOAD)                                                                             \
   static void NAME(const float* q0, const float* q1, const T* K, const T* V, int n0, int n1, int hd, float scale,   \
                    float* s0, float* s1, float* out0, float* out1) {                                                 \
