@@ -280,25 +280,22 @@ class Engine:
             model.head = None
         for module in model.modules():
             if isinstance(module, Int8Linear):
-                module.native = None
+                module.native, module.gemm_bf16 = None, False
             elif isinstance(module, Int4Linear):
                 module.use_native(None)
         self.native_int8 = self.native_int4 = False  # whether int8 / int4 layers run a native kernel
         if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim):
             model.native = kernels
+        # Prefill chunks of int8 layers on the family's fp32 activations: bf16 GEMMs where native, which a cold
+        # prompt (a cursor jump) pays for in full. Not under a family M31R_KERNELS forces: that serves as a CPU of
+        # that family would, and AVX2 and NEON CPUs emulate bf16.
+        gemm_bf16 = (self.prefill_gemm == "auto" and dt == torch.float32 and fast_bf16(self.device)
+                     and native.forced() is None)
         if kernels is not None and kernels.int8_dtype == dt:
             for module in model.modules():
                 if isinstance(module, Int8Linear) and native.takes_int8(module.out_features, module.in_features):
-                    module.native = kernels
+                    module.native, module.gemm_bf16 = kernels, gemm_bf16
                     self.native_int8 = True
-        # Prefill chunks of the int8 layers that run fp32 activations through the family (below): bf16 GEMMs where
-        # native, which a cold prompt (a cursor jump) pays for in full. Not under a family M31R_KERNELS forces: that
-        # serves as a CPU of that family would, and AVX2 and NEON CPUs emulate bf16.
-        gemm_bf16 = (self.prefill_gemm == "auto" and self.native_int8 and dt == torch.float32
-                     and fast_bf16(self.device) and native.forced() is None)
-        for module in model.modules():
-            if isinstance(module, Int8Linear):
-                module.gemm_bf16 = gemm_bf16 and module.native is not None
         if kernels is not None and kernels.int4_dtype == dt:
             for module in model.modules():
                 if isinstance(module, Int4Linear) and native.takes_int4(module.out_features, module.in_features,

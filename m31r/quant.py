@@ -244,12 +244,12 @@ class Int8Linear(nn.Module):
         """fp32 activations with the AVX2 family: its q16 kernel below INT8_GEMM_ROWS, else a GEMM on the widened codes:
         fp32 (oneDNN's), or with gemm_bf16 bf16 inputs and a bf16 product (fp32 sums; cold prompts in 0.78x the time on
         AVX512-BF16, the same greedy agreement with fp32: README "bf16 GEMMs for int8 prefill")."""
-        if x2.shape[0] >= INT8_GEMM_ROWS and self.gemm_bf16:
-            y = F.linear(x2.to(torch.bfloat16), self.codes.to(torch.bfloat16)).float().mul_(self.scales.float())
-        elif x2.shape[0] >= INT8_GEMM_ROWS:
-            y = _gemm_f32(x2, self.codes.float()).mul_(self.scales.float())
-        else:
+        if x2.shape[0] < INT8_GEMM_ROWS:
             y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
+        elif self.gemm_bf16:
+            y = F.linear(x2.to(torch.bfloat16), self.codes.to(torch.bfloat16)).float().mul_(self.scales.float())
+        else:
+            y = _gemm_f32(x2, self.codes.float()).mul_(self.scales.float())
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
