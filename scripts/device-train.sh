@@ -48,7 +48,11 @@ fi
 if ! "$PY" -c "import msgspec" 2>/dev/null && [ ! -d /tmp/site ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:$PWD
+# Nor is this project installed there: the folders whose import packages have other names (pyproject's
+# package-dir) are reached through links.
+mkdir -p "$W/pkgs"
+ln -sfn "$PWD/protocol" "$W/pkgs/m31r_protocol"
+export PYTHONPATH=/tmp/site:$PWD:$W/pkgs
 
 if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   mkdir -p "$W/data/corpus"

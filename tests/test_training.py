@@ -583,6 +583,7 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     import os
     import shutil
     import subprocess
+    import sysconfig
 
     from m31r.bundle import quantize_bundle
     from m31r.train.shards import import_shards
@@ -602,7 +603,13 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     cfg = tmp_path / "device.yaml"
     cfg.write_text(train_yaml(max_steps=100_000, minutes=1.0, warmup_steps=2, eval_interval=100_000,
                               ckpt_interval=100_000, data_workers=2))
-    env = {**os.environ, "CONFIG": str(cfg), "BUDGET": "30", "DEVICE": "cpu", "PYTHON": sys.executable,
+    # The device's Python has torch and the rest but not this project installed: `-S` leaves out the editable
+    # install's .pth, so the script must find every package of the repository by itself (as there).
+    site_dirs = os.pathsep.join(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}))
+    python = tmp_path / "device-python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{site_dirs}" exec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "CONFIG": str(cfg), "BUDGET": "30", "DEVICE": "cpu", "PYTHON": str(python),
            "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed)}
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
