@@ -623,6 +623,21 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     assert state["history"][-1]["lr"] < 3e-4 * 1.2  # decayed to about min_lr by the end of those minutes
 
 
+TRAIN_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs" / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_every_train_config_loads_with_its_model(config: Path):
+    """A lease's minutes are too few to find a typo in its config there: each one here parses, names a model
+    config that exists, and asks for shares and rates that make sense."""
+    from m31r.train.trainer import load_train_config
+
+    tc, model = load_train_config(config)
+    assert model.n_layers > 0 and model.vocab_size > 0
+    assert 0 <= tc.fim_rate <= 1 and 0 <= tc.block_fim <= 1 and 0 <= tc.context_fim <= 1
+    assert 0 < tc.min_lr <= tc.lr and tc.micro_batch > 0 and tc.grad_accum > 0
+
+
 def test_schedule_by_minutes(data_dir: Path, tmp_path: Path):
     """A run scheduled by minutes decays its lr over training time and ends when the minutes are spent."""
     from m31r.train.trainer import TrainConfig, lr_at
