@@ -87,6 +87,8 @@ class Result:
     exact_any: bool = False  # the prediction or one of the alternatives matches
     snippets: int = 0  # project-context snippets offered (--context)
     context_tokens: int = 0  # of which laid before the prompt: the room it left allowed these tokens
+    logprobs: list[float] = field(default_factory=list)  # of each token written, the end's last (Outcome.logprobs)
+    line_logprob: float | None = None  # of the first line (m31r.engine.line_logprob): what the editor's gate reads
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
               serving_stops: bool = True, beams: int = 1) -> list[Result]:
     from m31r.beams import beam_generate
     from m31r.context import context_budget, context_ids
-    from m31r.engine import Outcome
+    from m31r.engine import Outcome, line_logprob
     from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 
     budget = FimBudget.for_context(engine.config.max_context)
@@ -277,7 +279,9 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
                               len(ids), res.completion_tokens, res.finish_reason or "", round(ms, 1),
                               t.prefix[-1:],
                               res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence"), alts,
-                              g in {p, *map(normalize, alts)}, len(t.context), len(head)))
+                              g in {p, *map(normalize, alts)}, len(t.context), len(head),
+                              [round(x, 3) for x in res.logprobs],
+                              line_logprob(engine.tokenizer.token_bytes, res.tokens, res.logprobs)))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -333,6 +337,25 @@ def summarize(results: list[Result], kind: str) -> dict:
             "context_tokens": round(sum(r.context_tokens for r in rs) / n, 1)}
 
 
+def gate(results: list[Result], kind: str, floor: float) -> dict:
+    """What the editors' confidence floor does to these tasks' suggestions: the share it shows, and how often the
+    first line is right among them (the whole line, for single-line tasks) against all, with the right ones it hides."""
+    from m31r_protocol.policy import confident
+
+    rs = [r for r in results if r.kind == kind]
+    if not rs:
+        return {"n": 0}
+
+    def right(r: Result) -> bool:
+        return normalize(r.prediction.split("\n", 1)[0]) == normalize(r.target.split("\n", 1)[0])
+
+    shown = [r for r in rs if confident(r.line_logprob, floor)]
+    return {"n": len(rs), "shown": round(len(shown) / len(rs), 4),
+            "first_line_shown": round(sum(map(right, shown)) / max(1, len(shown)), 4),
+            "first_line_all": round(sum(map(right, rs)) / len(rs), 4),
+            "right": sum(map(right, rs)), "right_hidden": sum(map(right, rs)) - sum(map(right, shown))}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True)
@@ -356,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                    "its crate, chosen as the language server chooses them (m31r_protocol.context)")
     p.add_argument("--no-serving-stops", action="store_true",
                    help="without the daemon's suffix and repeated-line stops (for comparison)")
+    p.add_argument("--min-probability", type=float, default=0.05,
+                   help="the editors' confidence floor (policy.confident): what it would hide is reported")
     args = p.parse_args(argv)
 
     from m31r.bundle import sha256_file
@@ -416,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         "single_line": summarize(results, "single"),
         "multi_line": summarize(results, "multi"),
         "perplexity": ppl,
+        "gate": {"min_probability": args.min_probability, "single_line": gate(results, "single", args.min_probability),
+                 "multi_line": gate(results, "multi", args.min_probability)},
         "seconds": round(time.perf_counter() - t_start, 1),
         "tasks": [asdict(r) for r in results],
     }
@@ -435,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         s = report["single_line"]
         print(f"single-line exact within the beam search's suggestions: {s['exact_any']:.1%} "
               f"({s['alternatives']:.2f} runners-up per task)")
+    for name, g in (("single-line", report["gate"]["single_line"]), ("multi-line", report["gate"]["multi_line"])):
+        if g["n"]:
+            print(f"{name} suggestions the editors show at minProbability {args.min_probability:g}: {g['shown']:.1%}; "
+                  f"first line right in {g['first_line_shown']:.1%} of them against {g['first_line_all']:.1%} of "
+                  f"all; {g['right_hidden']} of {g['right']} right first lines hidden")
     if ppl["windows"]:
         print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
               f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x "

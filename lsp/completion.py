@@ -222,6 +222,9 @@ class Completer:
         if self._live_version(uri) != version:
             self.stats["stale"] += 1
             return None
+        if not policy.confident(done.line_logprob, s.min_probability):
+            self.stats["unsure"] += 1
+            return None
         suggestion = policy.postprocess(plan, raw)
         if suggestion is None:
             self.stats["empty"] += 1

@@ -50,12 +50,14 @@ class Hypothesis:
     pending: bytes  # bytes of a character not yet complete
     stops: StopMatcher
     end: str = ""  # why it finished: end | sequence | repeat | length ("" while live)
+    logprobs: tuple[float, ...] = ()  # of each token: Outcome.logprobs
 
 
 def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis:
     """h followed by tok: its healing, text and stop state moved on, `end` set if tok finishes it."""
+    logprobs = (*h.logprobs, score - h.score)
     if tok in engine.stop_ids:
-        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end")
+        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs)
     written = engine.tokenizer.token_bytes[tok] or b""
     owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -66,7 +68,7 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis
     stops = h.stops.clone()
     _, hit = stops.feed(text)
     end = ("repeat" if stops.repeated else "sequence") if hit else ""
-    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end)
+    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end, logprobs)
 
 
 def beam_generate(
@@ -150,6 +152,7 @@ def beam_generate(
     ranked = sorted(done, key=lambda h: -h.score)  # stable: ties keep the order they finished in
     win = _answer(engine, ids, ranked[0], stop, heal, repeat_context)
     res.finish_reason, res.stopped_by = win.finish_reason, win.stopped_by
+    res.logprobs = list(ranked[0].logprobs[: len(win.tokens) + (win.stopped_by == "end")])
     for piece in win.pieces:
         if piece.id is not None:
             res.tokens.append(piece.id)
@@ -207,6 +210,10 @@ class Answer:
     @property
     def text(self) -> str:
         return "".join(p.text for p in self.pieces)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [p.id for p in self.pieces if p.id is not None]
 
 
 def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,

@@ -114,6 +114,24 @@ class Outcome:
     drafted: int = 0  # draft tokens fed to those calls (prompt-lookup decoding)
     accepted: int = 0  # of which greedy decoding confirmed: tokens produced without a call of their own
     alternatives: list[str] = field(default_factory=list)  # a beam search's runners-up, likeliest first (m31r.beams)
+    # The log-probability of each token of the completion under the model (after the healing and unused-id masks,
+    # before temperature and penalties), and last that of the end token where the model ended it: how sure the
+    # model was of what it wrote (m31r.confidence).
+    logprobs: list[float] = field(default_factory=list)
+
+
+def line_logprob(token_bytes: list[bytes | None], tokens: list[int], logprobs: list[float]) -> float | None:
+    """The log-probability of a completion's first line: its tokens' up to the first that holds a line break, or,
+    for a completion of one line, all of them and the end's (Outcome.logprobs). How likely the model finds the line
+    an editor shows first, which predicts whether it is right (README "Confidence"). None for no tokens."""
+    if not logprobs:
+        return None
+    total = 0.0
+    for tok, lp in zip(tokens, logprobs, strict=False):
+        total += lp
+        if b"\n" in (token_bytes[tok] or b""):
+            return total
+    return sum(logprobs)
 
 
 @dataclass
@@ -673,6 +691,7 @@ class Engine:
                 if owed or after_space:
                     logits = self.heal_logits(logits, owed)
                 tok = sampler(logits, hist)
+                res.logprobs.append((logits[tok].float() - torch.logsumexp(logits.float(), 0)).item())
                 if tok in self.stop_ids:
                     res.finish_reason, res.stopped_by = "stop", "end"
                     break

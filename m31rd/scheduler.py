@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m31r.beams import beam_generate
-from m31r.engine import Chunk, Decode, Engine, Outcome, Piece
+from m31r.engine import Chunk, Decode, Engine, Outcome, Piece, line_logprob
 from m31r.model import KVCache
 from m31r.sampling import SamplingParams
 from m31rd.cancellation import Cancellation
@@ -73,6 +73,8 @@ class Finished:
     drafted: int = 0
     accepted: int = 0
     alternatives: tuple[str, ...] = ()  # a beam search's runners-up (m31r.beams)
+    logprob: float | None = None  # the completion's log-probability, its end included (Outcome.logprobs)
+    line_logprob: float | None = None  # its first line's (m31r.engine.line_logprob)
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,8 @@ class Scheduler:
             o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
-            accepted=o.accepted, alternatives=tuple(o.alternatives))
+            accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,
+            line_logprob=line_logprob(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs))
 
     def _advance(self, run: _Run) -> bool:
         """Advance a running request to its next model call (collected for this round), emitting the tokens produced

@@ -78,6 +78,7 @@ class Typed:
     text: str
     finish_reason: str
     ends: tuple[int, ...]  # where each of the suggestion's tokens ends in `text`
+    logprob: float | None = None  # the suggestion's (Done.logprob): a lower bound for any rest of it
 
 
 def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
@@ -88,8 +89,12 @@ def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
     k = len(typed)
     if typed and last.text.startswith(typed) and len(last.text) > k:
         ends = tuple(e - k for e in last.ends if e > k)
-        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends)
+        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends, last.logprob)
     return None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str]:
@@ -491,7 +496,8 @@ class Daemon:
                               draft_tokens=e.drafted, accepted_tokens=e.accepted),
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
                                   first_token_ms=first, total_ms=round(e.total_ms, 2)),
-                alternatives=list(e.alternatives)), True)
+                alternatives=list(e.alternatives), logprob=_round(e.logprob),
+                line_logprob=_round(e.line_logprob)), True)
         elif isinstance(event, Failed):
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:
@@ -514,7 +520,8 @@ class Daemon:
         if text:
             conn.send(m.Token(id=req.id, text=text))
         conn.send(m.Done(id=req.id, finish_reason=finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
-                         timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through"))
+                         timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through",
+                         logprob=rest.logprob, line_logprob=rest.logprob))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
@@ -533,7 +540,8 @@ class Daemon:
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
-                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends))
+                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends),
+                                                 msg.logprob)
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)

@@ -152,6 +152,13 @@ class Done(Struct, tag="done"):
     # A beam search's runners-up (beams above 1): the next likeliest distinct completions, likeliest first, each as the
     # streamed text would have read. An editor offers them as further suggestions.
     alternatives: list[str] = []
+    # How likely the model found what it wrote, as natural-log probabilities: the whole completion (its end token
+    # included where the model ended it) and its first line (to the first token holding a line break). The first
+    # line's predicts whether a suggestion is right (README "Confidence"); m31r_protocol.policy.confident gates on
+    # it. A typed_through answer carries those of the completion it continues: lower bounds of the rest's. None
+    # when nothing was generated.
+    logprob: float | None = None
+    line_logprob: float | None = None
 
 
 class Error(Struct, tag="error"):

@@ -7,6 +7,7 @@ Pure functions and dataclasses over a document string and a cursor offset; no ed
     postprocess(plan, raw)        → a Suggestion (insert text + replace range as document offsets) or None
     alternatives(plan, shown, raws) → a beam search's runners-up as further Suggestions
     typed_through(shown, text, offset) → the shown suggestion still valid after the user typed part of it
+    confident(line_logprob, min_probability) → whether a suggestion is likely enough to show
     accepted_state(shown)         → (text, offset) of the document once the suggestion is accepted
 
 Rules (what editor users expect from ghost text):
@@ -24,6 +25,7 @@ Rules (what editor users expect from ghost text):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -460,6 +462,13 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
 
 
 # -- typed-through and accept-ahead ---------------------------------------------------------------------------
+
+
+def confident(line_logprob: float | None, min_probability: float) -> bool:
+    """Whether the model gave the suggestion's first line (Done.line_logprob) at least `min_probability`. On the
+    held-out crates that probability sorts right lines from wrong ones well (README "Confidence"), so a floor hides
+    mostly wrong suggestions. An answer without the figure (an older daemon) is shown."""
+    return line_logprob is None or min_probability <= 0 or line_logprob >= math.log(min_probability)
 
 
 def predicted(shown: Shown) -> str:

@@ -93,6 +93,41 @@ def test_width_one_is_greedy_decoding(tiny_engine):
             assert pieces == greedy
             assert (got.text, got.tokens, got.finish_reason, got.stopped_by) == (
                 res.text, res.tokens, res.finish_reason, res.stopped_by)
+            assert got.logprobs == pytest.approx(res.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("which", ["tiny", "release"])
+def test_completions_report_each_tokens_log_probability(request, which):
+    """Outcome.logprobs: one per token written, then the end token's where the model ended the completion; each the
+    model's own log-probability of that token (the prompt and the completion run again in one forward pass), and a
+    beam search's sum is its winner's score, which no runner-up beats."""
+    import torch.nn.functional as F
+
+    from m31r.engine import Outcome
+
+    engine = request.getfixturevalue(f"{which}_engine")
+    ended = 0
+    for ids, _, context in fim_prompts(engine):
+        for max_tokens in (1, 5, 40):
+            res = Outcome(prompt_tokens=0)
+            for _ in engine.generate(ids, max_tokens=max_tokens, result=res, repeat_context=context):
+                pass
+            written = res.tokens + ([engine.tokenizer.eos_id] if res.stopped_by == "end" else [])
+            ended += res.stopped_by == "end"
+            assert len(res.logprobs) == len(written) >= 1
+            with torch.inference_mode():
+                logits = engine.model(torch.tensor([ids + written])).float()[0, len(ids) - 1:-1]
+            if engine.unused_ids is not None:
+                logits = logits.index_fill(1, engine.unused_ids, float("-inf"))
+            want = F.log_softmax(logits, -1).gather(1, torch.tensor(written)[:, None])[:, 0]
+            assert res.logprobs == pytest.approx(want.tolist(), abs=2e-3)
+            assert all(x <= 0 for x in res.logprobs)
+    assert ended or which == "tiny"  # the bundled model ends some by itself: the end token's entry is checked
+    for ids, heal, context in fim_prompts(engine):
+        _, got = search(engine, ids, 3, max_tokens=24, heal=heal, repeat_context=context)
+        best = reference(engine, ids, 3, 24, [], heal, context)[0]
+        assert sum(got.logprobs) == pytest.approx(best.score, abs=1e-4)
+        assert len(got.logprobs) == got.completion_tokens + (got.stopped_by == "end")
 
 
 @pytest.fixture(scope="module")

@@ -152,6 +152,19 @@ def fim_reference(engine, prefix: str, suffix: str, max_tokens: int, sampling=No
     return reference(engine, p.ids, min(max_tokens, budget.reserve), sampling, heal=p.heal)
 
 
+def fim_outcome(engine, prefix: str, suffix: str, max_tokens: int):
+    """The engine's Outcome for a FIM request as the daemon runs it (the repeated-line stop included)."""
+    from m31r.engine import Outcome
+    from m31r.fim import FimBudget, build_fim_prompt, line_context
+
+    p = build_fim_prompt(engine.tokenizer, prefix, suffix, FimBudget.for_context(engine.config.max_context))
+    res = Outcome(prompt_tokens=0)
+    for _ in engine.generate(p.ids, max_tokens=max_tokens, result=res, heal=p.heal,
+                             repeat_context=line_context(prefix)):
+        pass
+    return res
+
+
 async def run(stream, timeout: float = 30) -> Out:
     pieces = []
 
@@ -843,15 +856,24 @@ async def test_a_deadline_spent_in_the_queue_gets_done_without_tokens(cold):
 
 
 async def test_typed_through(warm, tiny_engine):
+    from m31r.engine import line_logprob
+
     prefix, suffix = "fn main() {\n    let total: u64 = values.iter().sum", "();\n}\n"
     async with await Client.connect(warm.socket) as c:
         first = await run(await c.fim(prefix, suffix, document="doc-typed", max_tokens=8))
         text = first.text
         assert first.done.source == "model" and len(text) >= 2
+        # How sure the model was: the engine's own log-probabilities of the same completion, summed.
+        want = fim_outcome(tiny_engine, prefix, suffix, 8)
+        assert first.done.logprob == pytest.approx(sum(want.logprobs), abs=1e-3) and first.done.logprob < 0
+        assert first.done.line_logprob == pytest.approx(
+            line_logprob(tiny_engine.tokenizer.token_bytes, want.tokens, want.logprobs), abs=1e-3)
+        assert first.done.line_logprob >= first.done.logprob
         for k in (1, 2):  # the user types the suggestion's first characters
             out = await run(await c.fim(prefix + text[:k], suffix, document="doc-typed", max_tokens=8))
             assert out.done.source == "typed_through" and out.text == text[k:]
             assert out.done.usage.completion_tokens == 0
+            assert out.done.logprob == out.done.line_logprob == first.done.logprob  # a lower bound for the rest
         # Typing something else asks the model again.
         out = await run(await c.fim(prefix + text[:2] + "Q", suffix, document="doc-typed", max_tokens=8))
         assert out.done.source == "model"

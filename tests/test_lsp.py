@@ -49,7 +49,9 @@ fn main() {
 }
 """
 LINE_ENDS = [i for i, c in enumerate(RUST) if c == "\n"]
-NOISE = {"multiline": "always", "temperature": 1.0, "seed": 7, "debounceMode": "fixed", "debounceMs": 0}
+# The tiny random model is sure of nothing: its suggestions pass only with the confidence gate off.
+NOISE = {"multiline": "always", "temperature": 1.0, "seed": 7, "debounceMode": "fixed", "debounceMs": 0,
+         "minProbability": 0}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ async def lsp(daemon):
     sessions: list[Session] = []
 
     async def make(settings: dict | None = None, **kw) -> Session:
-        s = await start({"socket": str(daemon), **(settings or {})}, **kw)
+        s = await start({"socket": str(daemon), "minProbability": 0, **(settings or {})}, **kw)
         sessions.append(s)
         return s
 
@@ -191,6 +193,24 @@ async def _stat_at_least(s: Session, key: str, n: int) -> bool:
 
 
 # -- completions ---------------------------------------------------------------------------------------------
+
+
+async def test_unsure_suggestions_are_hidden_below_min_probability(lsp):
+    """minProbability gates on the daemon's first-line log-probability: the tiny random model gives a line far less
+    than 0.5, so with that floor the same request that shows a suggestion without it shows none, and says why."""
+    s = await lsp({**NOISE, "minProbability": 0.5})
+    s.open(RUST)
+    offset = RUST.index("    counts\n}") + len("    counts")
+    res = await s.inline(offset)
+    st = await s.stats()
+    assert st["daemon_requests"] == 1 and st["lastRaw"]  # the daemon answered ...
+    assert len(res.items) == 0 and st["unsure"] == 1 and st.get("suggestions", 0) == 0  # ... and it was held back
+    off = {"m31r": {"minProbability": 0}}
+    s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings=off))
+    s.edit(offset, offset, " ")
+    res = await s.inline(offset + 1)
+    st = await s.stats()
+    assert len(res.items) == 1 and st["suggestions"] == 1 and st["unsure"] == 1
 
 
 async def test_inline_completion_at_cursor(lsp):

@@ -141,7 +141,7 @@ def test_neovim_drives_the_server(daemon, tmp_path):
     file.write_text(RUST)
     row = RUST.splitlines().index('    let greeting = "zażółć gęślą jaźń";') + 1
     settings = {"socket": str(daemon), "autostart": False, "multiline": "always", "temperature": 1.0, "seed": 11,
-                "debounceMode": "fixed", "debounceMs": 0}
+                "debounceMode": "fixed", "debounceMs": 0, "minProbability": 0}
     out = tmp_path / "out.json"
     cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
            "settings": settings, "file": str(file), "dir": str(tmp_path / "proj"), "row": row, "out": str(out),

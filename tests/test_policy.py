@@ -410,3 +410,12 @@ def test_word_before():
     assert policy.word_before(text, len(text)) == text.index("some_fn")
     assert policy.word_before("x = (", 5) == 5
     assert policy.word_before("a\nbc", 4) == 2
+
+
+def test_confident_compares_the_first_lines_probability_with_the_floor():
+    import math
+
+    assert policy.confident(math.log(0.2), 0.1) and not policy.confident(math.log(0.05), 0.1)
+    assert policy.confident(math.log(0.1), 0.1)  # at the floor: shown
+    assert policy.confident(-50.0, 0) and policy.confident(None, 0.9)  # off; an answer without the figure
+    assert not policy.confident(-0.01, 1.0) and policy.confident(0.0, 1.0)

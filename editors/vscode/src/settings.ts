@@ -19,6 +19,8 @@ export interface ServerSettings {
   beams: number | null;
   /** Send snippets of the crate's other files with each request. */
   projectContext: boolean;
+  /** Show a suggestion only where the model gave its first line at least this probability (0..1); 0 shows all. */
+  minProbability: number;
   /** Daemon socket path; "" means the daemon's default socket. */
   socket: string;
 }
@@ -37,6 +39,7 @@ export const DEFAULTS: Readonly<ServerSettings> = Object.freeze({
   maxTokens: 64,
   beams: null,
   projectContext: false,
+  minProbability: 0.05,
   socket: '',
 });
 
@@ -138,6 +141,20 @@ function readBeams(get: (k: string) => unknown, warnings: string[]): number | nu
   return clamped;
 }
 
+function readProbability(get: (k: string) => unknown, warnings: string[]): number {
+  const raw = get('minProbability');
+  const fallback = DEFAULTS.minProbability;
+  if (raw === undefined || raw === null || raw === '') return fallback;
+  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  if (!Number.isFinite(n)) {
+    warnings.push(`m31r.minProbability: expected a number in 0..1, got ${JSON.stringify(raw)}; using ${fallback}`);
+    return fallback;
+  }
+  const clamped = Math.min(1, Math.max(0, n));
+  if (clamped !== n) warnings.push(`m31r.minProbability: ${n} is outside 0..1; using ${clamped}`);
+  return clamped;
+}
+
 function readEnum<T extends string>(
   get: (k: string) => unknown,
   key: 'debounceMode' | 'multiline',
@@ -182,6 +199,7 @@ export function toServerSettings(source: ConfigSource, homeDir?: string): Valida
     maxTokens: readInt(get, 'maxTokens', warnings),
     beams: readBeams(get, warnings),
     projectContext: readBool(get, 'projectContext', warnings),
+    minProbability: readProbability(get, warnings),
     socket: expandHome(readString(get, 'socket', DEFAULTS.socket, warnings), homeDir),
   };
   return { value, warnings };

@@ -62,6 +62,7 @@ test('starts `m31r lsp` over stdio with defaults', async () => {
     maxTokens: 64,
     beams: null,
     projectContext: false,
+    minProbability: 0.05,
     socket: '',
   });
   assert.deepEqual([...fake.commands.keys()].sort(), ['m31r.restart', 'm31r.showOutput', 'm31r.toggle']);

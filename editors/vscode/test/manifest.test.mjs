@@ -45,6 +45,9 @@ test('beams is contributed as the code reads it', () => {
   assert.equal(props['m31r.beams'].default, s.DEFAULTS.beams);
   assert.equal(props['m31r.beams'].minimum, s.BEAMS_RANGE.minimum);
   assert.equal(props['m31r.beams'].maximum, s.BEAMS_RANGE.maximum);
+  assert.equal(props['m31r.minProbability'].minimum, 0);
+  assert.equal(props['m31r.minProbability'].maximum, 1);
+  assert.equal(props['m31r.minProbability'].default, s.DEFAULTS.minProbability);
 });
 
 test('no contributed m31r.* setting is unknown to the code', () => {

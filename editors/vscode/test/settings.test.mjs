@@ -15,6 +15,7 @@ const DEFAULT_SERVER = {
   maxTokens: 64,
   beams: null,
   projectContext: false,
+  minProbability: 0.05,
   socket: '',
 };
 
@@ -34,6 +35,7 @@ test('valid values pass through unchanged', () => {
     maxTokens: 128,
     beams: 2,
     projectContext: true,
+    minProbability: 0.2,
     socket: '/run/user/1000/m31r/m31rd.sock',
   };
   assert.deepEqual(s.toServerSettings(cfg), { value: cfg, warnings: [] });
@@ -47,6 +49,17 @@ test('beams: null is the daemon default, widths are clamped to 1..8, junk is rep
   assert.match(r.warnings[0], /m31r\.beams/);
   r = s.toServerSettings({ beams: 'wide' });
   assert.equal(r.value.beams, null);
+  assert.equal(r.warnings.length, 1);
+});
+
+test('minProbability: a probability, clamped to 0..1, junk reported and replaced by the default', () => {
+  assert.equal(s.toServerSettings({ minProbability: 0 }).value.minProbability, 0);
+  assert.equal(s.toServerSettings({ minProbability: '0.3' }).value.minProbability, 0.3);
+  let r = s.toServerSettings({ minProbability: 1.5 });
+  assert.equal(r.value.minProbability, 1);
+  assert.match(r.warnings[0], /m31r\.minProbability/);
+  r = s.toServerSettings({ minProbability: 'sure' });
+  assert.equal(r.value.minProbability, s.DEFAULTS.minProbability);
   assert.equal(r.warnings.length, 1);
 });
 
