@@ -356,7 +356,7 @@ async def test_cancel_request_cancels_the_daemon_request(lsp, daemon):
     s = await lsp(NOISE)
     s.open(RUST)
     msg_id = str(uuid.uuid4())
-    async with busy(daemon):
+    async with busy(daemon, n=12, tokens=400):  # ahead of it in the queue long enough on a fast CPU too
         fut = asyncio.wrap_future(s.client.protocol.send_request(
             t.TEXT_DOCUMENT_INLINE_COMPLETION, s.inline_params(len(RUST)), msg_id=msg_id))
         await until(lambda: _stat_at_least(s, "daemon_requests", 1), step=0.005)
