@@ -16,7 +16,7 @@
   (should (equal (m31r-settings)
                  '(:enable t :debounceMs 75 :debounceMode "adaptive"
                    :multiline "auto" :deadlineMs 800 :maxTokens 64
-                   :projectContext :json-false :socket ""))))
+                   :projectContext :json-false :minProbability 0.05 :socket ""))))
 
 (ert-deftest m31r-settings-false-and-socket ()
   (let ((m31r-enable nil) (m31r-socket "/tmp/d.sock"))

@@ -81,6 +81,11 @@ included: once spent, the suggestion ends with what was written so far."
   "Non-nil: send snippets of the crate's other files with each request."
   :type 'boolean)
 
+(defcustom m31r-min-probability 0.05
+  "Hide a suggestion whose first line the model gives less than this probability.
+0 shows every suggestion."
+  :type 'number)
+
 (defcustom m31r-inline-idle-delay 0.2
   "Idle seconds before lsp-mode asks for an inline completion in M31R buffers.
 Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
@@ -107,6 +112,7 @@ Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
         :deadlineMs m31r-deadline-ms
         :maxTokens m31r-max-tokens
         :projectContext (m31r--bool m31r-project-context)
+        :minProbability m31r-min-probability
         :socket (or m31r-socket "")))
 
 (defun m31r-command ()
@@ -286,6 +292,7 @@ Eglot runs one server per buffer: there M31R takes rust-analyzer's place."
      ("m31r.deadlineMs" m31r-deadline-ms)
      ("m31r.maxTokens" m31r-max-tokens)
      ("m31r.projectContext" m31r-project-context t)
+     ("m31r.minProbability" m31r-min-probability)
      ("m31r.socket" m31r-socket)))
 
   (lsp-register-client

@@ -55,8 +55,11 @@ check("server settings: defaults, validation, socket", function()
     deadlineMs = 800,
     maxTokens = 64,
     projectContext = false,
+    minProbability = 0.05,
     socket = "",
   }, "defaults")
+  eq(m31r.server_settings({ minProbability = 0.2 }).minProbability, 0.2, "a probability is not rounded")
+  eq(m31r.server_settings({ minProbability = 3 }).minProbability, 0.05, "out of 0..1: the default")
   local s = m31r.server_settings({ multiline = "sometimes", maxTokens = 12.4, enable = "yes", debounceMode = "fixed" })
   eq(s.multiline, "auto", "bad enum")
   eq(s.maxTokens, 12, "rounded")

@@ -25,6 +25,7 @@ M.server_defaults = {
   deadlineMs = 800,
   maxTokens = 64,
   projectContext = false, -- true: send snippets of the crate's other files
+  minProbability = 0.05, -- hide suggestions whose first line the model gives less than this (0 shows all)
   socket = "", -- "" = the daemon's default socket
 }
 
@@ -92,6 +93,7 @@ local valid = {
   deadlineMs = "number",
   maxTokens = "number",
   projectContext = "boolean",
+  minProbability = "probability",
   socket = "string",
 }
 
@@ -107,6 +109,12 @@ function M.server_settings(user)
         out[key] = value
       else
         notify_once("bad:" .. key, ("invalid value for %s: %s"):format(key, vim.inspect(value)))
+      end
+    elseif want == "probability" then
+      if type(value) ~= "number" or value ~= value or value < 0 or value > 1 then
+        notify_once("bad:" .. key, ("%s must be a number in 0..1, got %s"):format(key, vim.inspect(value)))
+      else
+        out[key] = value
       end
     elseif type(value) ~= want then
       notify_once("bad:" .. key, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
