@@ -171,7 +171,7 @@ def _result(g: Generation) -> s.GenerateResponse:
     assert d is not None
     return s.GenerateResponse(
         text=g.text, finish_reason=d.finish_reason,
-        usage=d.usage, timings=d.timings, alternatives=d.alternatives)
+        usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob)
 
 
 class NativeRenderer(Renderer):
@@ -190,17 +190,19 @@ class CompletionRenderer(Renderer):
 
     live = False
 
-    def __init__(self, plan: policy.Plan, cursor: int):
-        self.plan, self.cursor = plan, cursor
+    def __init__(self, plan: policy.Plan, cursor: int, min_probability: float):
+        self.plan, self.cursor, self.min_probability = plan, cursor, min_probability
 
     def response(self, g: Generation) -> s.CompletionResponse:
         r = _result(g)
-        sug = policy.postprocess(self.plan, g.text)
+        unsure = not policy.confident(r.line_logprob, self.min_probability)
+        sug = None if unsure else policy.postprocess(self.plan, g.text)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
-        others = policy.alternatives(self.plan, sug, r.alternatives)
+        others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
                                     start=start, end=end, multiline=self.plan.multiline,
-                                    alternatives=[s.Alternative(o.text, o.start, o.end) for o in others])
+                                    alternatives=[s.Alternative(o.text, o.start, o.end) for o in others],
+                                    line_logprob=r.line_logprob, unsure=unsure)
 
     def final(self, g: Generation) -> bytes:
         r = self.response(g)
@@ -523,7 +525,7 @@ class Service:
         return Generation(self, "/completion", lambda c: c.fim(
             **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams,
             context=snippets(r.context)),
-            CompletionRenderer(plan, len(r.prefix)), r.stream)
+            CompletionRenderer(plan, len(r.prefix), r.min_probability), r.stream)
 
     async def openai_completions(self, request: Request) -> Generation:
         r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest, s.OPENAI_REFUSALS)

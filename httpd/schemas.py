@@ -17,7 +17,7 @@ from msgspec import Meta, Struct
 
 from m31r_protocol.limits import MAX_BEAMS, MAX_SNIPPETS
 from m31r_protocol.messages import Timings, Usage
-from m31r_protocol.policy import MULTILINE_MODES, Options
+from m31r_protocol.policy import MIN_PROBABILITY, MULTILINE_MODES, Options
 
 _POLICY = Options()  # the completion policy's defaults (shared with the LSP server)
 
@@ -123,6 +123,9 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     beams: Annotated[int, Meta(ge=1, le=MAX_BEAMS, description=(
         "Beam search of this width (greedy only). Absent: the daemon's --beams for a single-line suggestion, "
         "greedy decoding for a multi-line one."))] | None = None
+    min_probability: Annotated[float, Meta(ge=0, le=1, description=(
+        "Suggest nothing (`text` empty, `unsure` true) where the model gave the completion's first line less than "
+        "this probability; 0 suggests whatever it wrote. The language server's default."))] = MIN_PROBABILITY
     stream: Annotated[bool, Meta(description=(
         "Server-Sent Events. Post-processing needs the whole completion, so the suggestion comes as one `chunk` "
         "event, then `done`."))] = False
@@ -143,6 +146,8 @@ class GenerateResponse(Struct):
     usage: Usage
     timings: Timings
     alternatives: list[str] = []
+    logprob: float | None = None  # the daemon's Done.logprob: the completion's natural-log probability
+    line_logprob: float | None = None  # Done.line_logprob: its first line's
 
 
 class Alternative(Struct):
@@ -165,6 +170,8 @@ class CompletionResponse(Struct):
     end: int
     multiline: bool
     alternatives: list[Alternative] = []  # a beam search's runners-up, for an editor to cycle through
+    line_logprob: float | None = None  # the completion's first line's natural-log probability (Done.line_logprob)
+    unsure: bool = False  # the model gave that line less than min_probability: nothing is suggested
 
 
 class StreamChunk(Struct):

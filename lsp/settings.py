@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m31r_protocol.limits import MAX_BEAMS
-from m31r_protocol.policy import MULTILINE_MODES, Options
+from m31r_protocol.policy import MIN_PROBABILITY, MULTILINE_MODES, Options
 
 DEBOUNCE_MODES = ("adaptive", "fixed")
 
@@ -36,9 +36,8 @@ class EditorSettings:
     beams: int | None = None  # a single-line suggestion's beam width; None: the daemon's --beams
     project_context: bool = False  # send snippets of the crate's other files with each request (lsp/context.py)
     # Show a suggestion only where the model gave its first line at least this probability (policy.confident); 0 shows
-    # every suggestion. 0.05 hid about half of the wrong single-line suggestions on held-out crates and 1-5% of the
-    # right ones (README "Confidence").
-    min_probability: float = 0.05
+    # every suggestion.
+    min_probability: float = MIN_PROBABILITY
 
     def options(self) -> Options:
         return Options(multiline=self.multiline, max_tokens=self.max_tokens, deadline_ms=self.deadline_ms,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import struct
@@ -275,7 +276,8 @@ def test_beams_reach_the_daemon(http, daemon):
     assert [got["text"], got["alternatives"]] == asyncio.run(socket_answer())
     got = http.post("/generate", json={"prompt": prefix, "max_tokens": 8, "beams": 2})
     assert got.status_code == 200, got.text
-    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "beams": 3, "deadline_ms": 0})
+    got = http.post("/completion", json={"prefix": prefix, "suffix": suffix, "beams": 3, "deadline_ms": 0,
+                                         "min_probability": 0})
     assert got.status_code == 200, got.text
     c = msgspec.json.decode(got.content, type=s.CompletionResponse)
     plan = policy.plan(prefix + suffix, len(prefix), policy.Options(deadline_ms=None))
@@ -330,9 +332,10 @@ def test_completion_applies_the_shared_policy(http):
     shown = 0
     for off in cursors:
         for multiline in ("always", "auto"):
-            common = {"temperature": 1.0, "seed": 7, "max_tokens": 24}
+            common = {"temperature": 1.0, "seed": 7, "max_tokens": 24}  # the tiny model is sure of nothing: no floor
+            floor = {"min_probability": 0}
             r = http.post("/completion", json={"prefix": RUST[:off], "suffix": RUST[off:], "multiline": multiline,
-                                               "deadline_ms": 0, **common})
+                                               "deadline_ms": 0, **common, **floor})
             assert r.status_code == 200, r.text
             c = msgspec.json.decode(r.content, type=s.CompletionResponse)
             p = policy.plan(RUST, off, policy.Options(multiline=multiline, max_tokens=24, deadline_ms=None))
@@ -346,12 +349,31 @@ def test_completion_applies_the_shared_policy(http):
     assert shown, "no cursor produced a suggestion: the comparison above proved little"
     # Streaming: the post-processed suggestion as one chunk, then done with the same response.
     off = cursors[0]
-    body = {"prefix": RUST[:off], "suffix": RUST[off:], "temperature": 1.0, "seed": 7, "max_tokens": 24}
+    body = {"prefix": RUST[:off], "suffix": RUST[off:], "temperature": 1.0, "seed": 7, "max_tokens": 24,
+            "min_probability": 0}
     plain = http.post("/completion", json=body).json()
     events = sse_events(http.post("/completion", json={**body, "stream": True}).text)
     assert events[-1][0] == "done" and json.loads(events[-1][1]) == {**plain, "timings": json.loads(
         events[-1][1])["timings"]}
     assert "".join(json.loads(d)["text"] for e, d in events if e == "chunk") == plain["text"]
+
+
+def test_completion_suggests_nothing_the_model_is_unsure_of(http):
+    """/fim passes the daemon's log-probabilities through; /completion suggests nothing where the first line's is
+    below min_probability (the language server's default floor unless given), and says so."""
+    off = RUST.index("n += ") + 5
+    noise = {"temperature": 1.0, "seed": 7, "max_tokens": 24}  # as test_completion_applies_the_shared_policy
+    fim = http.post("/fim", json={"prefix": RUST[:off], "suffix": RUST[off:], "stop": ["\n"], **noise}).json()
+    assert fim["logprob"] < 0 and fim["line_logprob"] >= fim["logprob"]
+    body = {"prefix": RUST[:off], "suffix": RUST[off:], "multiline": "never", **noise}
+    shown = http.post("/completion", json={**body, "min_probability": 0}).json()
+    assert shown["text"] and not shown["unsure"] and shown["line_logprob"] == pytest.approx(fim["line_logprob"])
+    assert math.exp(fim["line_logprob"]) < policy.MIN_PROBABILITY  # the tiny random model: far below the floor
+    for floor in ({}, {"min_probability": 0.5}):
+        hidden = http.post("/completion", json={**body, **floor}).json()
+        assert hidden["unsure"] and hidden["text"] == "" and hidden["alternatives"] == []
+        assert (hidden["start"], hidden["end"]) == (off, off)
+    assert http.post("/completion", json={**body, "min_probability": 1.5}).status_code == 400
 
 
 # -- OpenAI-compatible ------------------------------------------------------------------------------------------
