@@ -314,8 +314,9 @@ def sampling_options(fn: F) -> F:
                           "the search ends; 1 is plain greedy. Default: the daemon's --beams for a completion "
                           "stopped by --stop '\\n', else 1."),
         click.option("--json", "as_json", is_flag=True,
-                     help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives} at the "
-                          "end (alternatives: a beam search's runners-up)."),
+                     help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives, logprob, "
+                          "line_logprob} at the end (alternatives: a beam search's runners-up; logprob, line_logprob: "
+                          "how likely the model found the completion and its first line, natural logs)."),
         socket_option,
         click.option("--no-autostart", is_flag=True, help="Fail instead of starting a daemon when none runs."),
     ]):
@@ -382,7 +383,8 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
         click.echo(json.dumps({"text": "".join(text), "tokens": stream.tokens, "finish_reason": done.finish_reason,
                                "usage": msgspec.to_builtins(done.usage),
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
-                               "alternatives": done.alternatives}))
+                               "alternatives": done.alternatives, "logprob": done.logprob,
+                               "line_logprob": done.line_logprob}))
     elif text and not "".join(text).endswith("\n") and sys.stdout.isatty():
         sys.stdout.write("\n")
 

@@ -43,6 +43,7 @@ def test_generate_json(daemon, tiny_engine):
     for _ in tiny_engine.generate(ids, max_tokens=8, result=ref, heal=heal):
         pass
     assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens, ref.finish_reason)
+    assert out["logprob"] == pytest.approx(sum(ref.logprobs), abs=1e-3)  # how sure the model was, as the engine says
     assert out["usage"]["prompt_tokens"] == len(ids) == len(tiny_engine.tokenizer.encode("fn ")) == 3
     assert out["usage"]["completion_tokens"] == len(ref.tokens)
     assert set(out["timings"]) == {"queue_ms", "prefill_ms", "first_token_ms", "total_ms"}
