@@ -13,6 +13,8 @@
 #   MINUTES  for a config scheduled by steps: training minutes in this call (default 8)
 #   DEVICE, PYTHON  cuda and python3 by default (a dry run here: DEVICE=cpu PYTHON=.venv/bin/python)
 #   PACKED   the folder pack-device.sh filled (default .device; tests point it elsewhere)
+#   RUN      the run's folder under WORK (default run): a second name on a warm machine trains a second candidate
+#            from the same start, on the corpus the first call unpacked and tokenised
 #
 # The run starts from .device/shards (weights sent back by an earlier call) when present, else from the bundle in
 # .device/init (an int8 copy of the release: half the bytes of the bf16 one), else from scratch.
@@ -25,6 +27,7 @@ DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 W=${WORK:-/tmp/m31r-device}  # kept between calls while the machine stays warm
 P=${PACKED:-.device}
+R=$W/${RUN:-run}
 OUT=${OUT:?OUT is set by the device tool}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 
@@ -61,10 +64,10 @@ if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   for s in train val; do xz -dc -T0 "$P/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
 fi
 INIT=
-if [ ! -f "$W/run/ckpt.pt" ] && [ -d "$P/shards" ]; then  # a fresh machine: continue the weights sent back
+if [ ! -f "$R/ckpt.pt" ] && [ -d "$P/shards" ]; then  # a fresh machine: continue the weights sent back
   "$PY" -c "from pathlib import Path; from m31r.train.shards import import_shards; \
-import_shards(Path('$P/shards'), Path('$W/run'))"
-elif [ ! -f "$W/run/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
+import_shards(Path('$P/shards'), Path('$R'))"
+elif [ ! -f "$R/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
   INIT=$P/init
 fi
 if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
@@ -79,7 +82,7 @@ import yaml
 
 from m31r.train.trainer import train
 
-config, run = Path("$CONFIG"), Path("$W/run")
+config, run = Path("$CONFIG"), Path("$R")
 deadline = $START + $BUDGET
 init = "$INIT" or None
 if init:  # the init bundle is mini's: a config of another shape starts from scratch instead
@@ -125,7 +128,7 @@ print(f"step {state['step']}, {state['tokens']:,} tokens, {state['seconds']:.0f}
 PY
 rm -rf "$W/shards"
 "$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \
-write_shards(Path('$W/run/ckpt.pt'), Path('$W/shards'))"
+write_shards(Path('$R/ckpt.pt'), Path('$W/shards'))"
 send_shards 0
-cp "$W/run/log.jsonl" "$OUT/"
+cp "$R/log.jsonl" "$OUT/"
 echo "call: $(( $(date +%s) - START )) s"

@@ -615,12 +615,24 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "new run from the weights of" in proc.stdout + proc.stderr
+    assert "new run from the weights of" in proc.stdout + proc.stderr and "tokenising" in proc.stderr
     assert (out / "log.jsonl").exists() and (out / "shards" / "state.json").exists()
     state = import_shards(out / "shards", tmp_path / "back")
     assert state["step"] >= 1 and state["init_from"]["model"] == bundle.model_id
     assert 0.1 <= state["train_config"]["minutes"] < 0.5  # what the call had left, not the config's 1.0
     assert state["history"][-1]["lr"] < 3e-4 * 1.2  # decayed to about min_lr by the end of those minutes
+    # A second candidate on the warm machine (RUN): the same start, not the first run's weights, and the corpus as the
+    # first call left it (not unpacked or tokenised again).
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env={**env, "OUT": str(out2), "RUN": "b"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "new run from the weights of" in proc.stdout + proc.stderr and "tokenising" not in proc.stderr
+    second = import_shards(out2 / "shards", tmp_path / "back2")
+    assert second["init_from"]["model"] == bundle.model_id
+    assert second["history"][0]["step"] == state["history"][0]["step"]  # counted from the start again
+    assert (tmp_path / "work" / "run" / "ckpt.pt").exists() and (tmp_path / "work" / "b" / "ckpt.pt").exists()
 
 
 TRAIN_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs" / "train").glob("*.yaml"))
