@@ -49,6 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from m31r_protocol.policy import MIN_PROBABILITY, confident
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -340,8 +342,6 @@ def summarize(results: list[Result], kind: str) -> dict:
 def gate(results: list[Result], kind: str, floor: float) -> dict:
     """What the editors' confidence floor does to these tasks' suggestions: the share it shows, and how often the
     first line is right among them (the whole line, for single-line tasks) against all, with the right ones it hides."""
-    from m31r_protocol.policy import confident
-
     rs = [r for r in results if r.kind == kind]
     if not rs:
         return {"n": 0}
@@ -350,10 +350,10 @@ def gate(results: list[Result], kind: str, floor: float) -> dict:
         return normalize(r.prediction.split("\n", 1)[0]) == normalize(r.target.split("\n", 1)[0])
 
     shown = [r for r in rs if confident(r.line_logprob, floor)]
+    n_right, right_shown = sum(map(right, rs)), sum(map(right, shown))
     return {"n": len(rs), "shown": round(len(shown) / len(rs), 4),
-            "first_line_shown": round(sum(map(right, shown)) / max(1, len(shown)), 4),
-            "first_line_all": round(sum(map(right, rs)) / len(rs), 4),
-            "right": sum(map(right, rs)), "right_hidden": sum(map(right, rs)) - sum(map(right, shown))}
+            "first_line_shown": round(right_shown / max(1, len(shown)), 4),
+            "first_line_all": round(n_right / len(rs), 4), "right": n_right, "right_hidden": n_right - right_shown}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                    "its crate, chosen as the language server chooses them (m31r_protocol.context)")
     p.add_argument("--no-serving-stops", action="store_true",
                    help="without the daemon's suffix and repeated-line stops (for comparison)")
-    p.add_argument("--min-probability", type=float, default=0.05,
+    p.add_argument("--min-probability", type=float, default=MIN_PROBABILITY,
                    help="the editors' confidence floor (policy.confident): what it would hide is reported")
     args = p.parse_args(argv)
 

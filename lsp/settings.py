@@ -87,16 +87,13 @@ def _opt_beams(v: Any) -> int | None:
     return None if v is None else _int_range(1, MAX_BEAMS)(v)
 
 
-def _temperature(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 2:
-        raise ValueError("expected a number in 0..2")
-    return float(v)
+def _number_range(lo: float, hi: float):
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+            raise ValueError(f"expected a number in {lo:g}..{hi:g}")
+        return float(v)
 
-
-def _probability(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
-        raise ValueError("expected a number in 0..1")
-    return float(v)
+    return check
 
 
 FIELDS: dict[str, tuple[str, Any]] = {
@@ -112,11 +109,11 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "autostart": ("autostart", _bool),
     "typedThrough": ("typed_through", _bool),
     "acceptAhead": ("accept_ahead", _bool),
-    "temperature": ("temperature", _temperature),
+    "temperature": ("temperature", _number_range(0, 2)),
     "seed": ("seed", _opt_int),
     "beams": ("beams", _opt_beams),
     "projectContext": ("project_context", _bool),
-    "minProbability": ("min_probability", _probability),
+    "minProbability": ("min_probability", _number_range(0, 1)),
 }
 
 

@@ -116,7 +116,7 @@ class Outcome:
     alternatives: list[str] = field(default_factory=list)  # a beam search's runners-up, likeliest first (m31r.beams)
     # The log-probability of each token of the completion under the model (after the healing and unused-id masks,
     # before temperature and penalties), and last that of the end token where the model ended it: how sure the
-    # model was of what it wrote (m31r.confidence).
+    # model was of what it wrote (line_logprob below; README "Confidence").
     logprobs: list[float] = field(default_factory=list)
 
 
