@@ -506,8 +506,10 @@ DEFAULT_DEBIAN_CACHE = Path.home() / ".cache" / "m31r" / "debian"
 @train.command("fetch")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEBIAN_CACHE,
               show_default=True, help="Where the .deb files and their unpacked sources go.")
+@click.option("--later/--no-later", default=True, show_default=True,
+              help="Also fetch the later Debian suite's crates (trixie), into CACHE/trixie.")
 @user_errors
-def train_fetch(cache: Path) -> None:
+def train_fetch(cache: Path, later: bool) -> None:
     """Download rust-src and every librust-*-dev package from Debian and unpack them (nothing is installed)."""
     import os
     import shutil
@@ -525,6 +527,9 @@ def train_fetch(cache: Path) -> None:
         names = debian.list_packages()
     roots, packages = debian.fetch(cache, names)
     click.echo(f"{len(packages)} packages in {cache}; source roots: {' '.join(map(str, roots))}")
+    for suite in debian.LATER_SUITES if later else ():
+        roots, packages = debian.fetch_suite(cache, suite)
+        click.echo(f"{suite}: {len(packages)} packages in {cache / suite}; source roots: {' '.join(map(str, roots))}")
 
 
 @train.command("corpus")
@@ -535,23 +540,32 @@ def train_fetch(cache: Path) -> None:
               help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where installed).")
 @click.option("--val-fraction", type=float, default=0.03, show_default=True,
               help="Share of crates held out for validation and the eval.")
+@click.option("--later/--no-later", default=True, show_default=True,
+              help="Add the later suite's files (fetched into the --debian cache) to training; held-out crates stay.")
 @user_errors
-def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], val_fraction: float) -> None:
+def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], val_fraction: float,
+                 later: bool) -> None:
     """Filter, deduplicate and split Rust sources by crate into DATA_DIR/corpus."""
     from m31r.train import debian
     from m31r.train.corpus import build_corpus
 
     packages = None
     roots = list(sources)
+    train_only: list[tuple[str, Path]] = []
     if cache is not None:
         if not (cache / "packages.tsv").exists():
             fail(f"{cache} has no packages.tsv: run `m31r train fetch --cache {cache}` first")
         packages = debian.read_packages(cache / "packages.tsv")
-        roots += [cache / "src" / p for p in (debian.RUST_SRC, debian.REGISTRY) if (cache / "src" / p).is_dir()]
+        roots += debian.source_roots(cache)
+        for suite in debian.LATER_SUITES if later else ():
+            if (cache / suite / "packages.tsv").exists():
+                packages |= {f"{suite}:{k}": v for k, v in debian.read_packages(cache / suite / "packages.tsv").items()}
+                train_only += [(suite, root) for root in debian.source_roots(cache / suite)]
     roots = roots or [Path(p) for p in DEFAULT_SOURCE_ROOTS if Path(p).is_dir()]
     if not roots:
         fail("no Rust sources found: run `m31r train fetch` and pass --debian, or pass --source")
-    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction, packages=packages)
+    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction, packages=packages,
+                            train_only_roots=train_only)
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     click.echo(f"dataset {manifest['dataset_version']} written to {data_dir / 'corpus'}")
     click.echo(f"kept {manifest['files_kept']:,} of {manifest['files_seen']:,} files; dropped {manifest['dropped']}")

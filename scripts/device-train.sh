@@ -6,6 +6,8 @@
 #   bash scripts/device-train.sh            unpack, train until BUDGET seconds after the call began (resuming the
 #                                           run on a warm machine), then return shards 0-3, state.json, log.jsonl
 #   bash scripts/device-train.sh collect K  return shards 4K..4K+3 of the last call (a model over ~60 MB)
+#   bash scripts/device-train.sh upload     keep the corpus parts carried in .device-more/ on the machine for the
+#                                           training call that follows (pack-device.sh says when one is needed)
 #
 #   CONFIG   training config (default configs/train/gpu-mini.yaml). One scheduled by `minutes` gets the minutes
 #            the call has left once the corpus is tokenised, so its learning rate has decayed when the call ends.
@@ -46,6 +48,12 @@ if [ "${1:-train}" = collect ]; then
   send_shards "${2:?which group}"
   exit 0
 fi
+if [ "${1:-train}" = upload ]; then
+  mkdir -p "$W/more"
+  cp "${MORE:-.device-more}"/train-*.jsonl.xz "$W/more/"
+  ls -l "$W/more"
+  exit 0
+fi
 
 # The trainer needs one package the image lacks (msgspec), carried as a wheel in .whl/.
 if ! "$PY" -c "import msgspec" 2>/dev/null && [ ! -d /tmp/site ]; then
@@ -61,7 +69,16 @@ if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   mkdir -p "$W/data/corpus"
   cp "$P/tokenizer.json" "$W/data/"
   cp "$P/manifest.json" "$W/data/corpus/"
-  for s in train val; do xz -dc -T0 "$P/$s.jsonl.xz" > "$W/data/corpus/$s.jsonl"; done
+  xz -dc -T0 "$P/val.jsonl.xz" > "$W/data/corpus/val.jsonl"
+  parts=()  # the training corpus's parts in order, from this call's .device/ or an earlier upload call
+  while read -r part; do
+    if [ -f "$P/$part" ]; then parts+=("$P/$part")
+    elif [ -f "$W/more/$part" ]; then parts+=("$W/more/$part")
+    else echo "corpus part $part is missing: run the upload call (carry .device-more) first" >&2; exit 1
+    fi
+  done < "$P/parts.txt"
+  xz -dc -T0 "${parts[@]}" > "$W/data/corpus/train.jsonl.part"
+  mv "$W/data/corpus/train.jsonl.part" "$W/data/corpus/train.jsonl"
 fi
 INIT=
 if [ ! -f "$R/ckpt.pt" ] && [ -d "$P/shards" ]; then  # a fresh machine: continue the weights sent back

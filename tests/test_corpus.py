@@ -133,6 +133,7 @@ def test_split_by_path_hash() -> None:
         ("rust/src/tools/clippy/tests/ui/lint.rs", True),
         ("rust/tests/run-make/x/main.rs", True),
         ("rust/src/tools/rustfmt/tests/source/a.rs", True),
+        ("rust/src/tools/rustc-perf/collector/compile-benchmarks/deep-vector/src/main.rs", True),
         ("rust/library/core/src/ui.rs", False),
         ("rust/library/core/tests/iter.rs", False),
         ("rust/library/std/src/lib.rs", False),
@@ -149,3 +150,76 @@ def test_minhash_similarity() -> None:
     assert agreement(LONG_FN, LONG_FN) == 1.0
     assert agreement(LONG_FN, LONG_FN.replace("function_number_39", "f")) > 0.85
     assert agreement(GOOD, OTHER) < 0.3
+
+
+def cargo(name: str, license: str | None) -> str:
+    lic = f'license = "{license}"\n' if license else ""
+    return f'[package]\nname = "{name}"\nversion = "1.0.0"\n{lic}'
+
+
+def crate_names(fraction: float) -> tuple[str, str]:
+    """A crate name that falls in training and one that is held out, at `fraction`."""
+    names = [f"crate-{i}" for i in range(200)]
+    train = next(n for n in names if not corpus.is_val(f"crate:{n}", fraction))
+    val = next(n for n in names if corpus.is_val(f"crate:{n}", fraction))
+    return train, val
+
+
+def unique_fn(tag: str) -> str:
+    """A file unlike any other in these trees (no near-duplicate of the others)."""
+    return "\n".join(f"pub fn {tag}_{i}(x: u{8 << (i % 4)}) -> bool {{ x % {i + 3} == {i % 5} }}" for i in range(12))
+
+
+def test_crates_split_whole_and_licences_filter(tmp_path: Path) -> None:
+    train, val = crate_names(0.5)
+    root = tmp_path / "registry"
+    for version in ("1.0.0", "2.0.0"):  # every version of a crate on one side
+        write(root, f"{train}-{version}/Cargo.toml", cargo(train, "MIT OR Apache-2.0"))
+        write(root, f"{train}-{version}/src/lib.rs", unique_fn(f"t{version[0]}"))
+        write(root, f"{val}-{version}/Cargo.toml", cargo(val, "MIT/Apache-2.0"))
+        write(root, f"{val}-{version}/src/lib.rs", unique_fn(f"v{version[0]}"))
+    write(root, "copyleft-1.0.0/Cargo.toml", cargo("copyleft", "GPL-3.0-only"))
+    write(root, "copyleft-1.0.0/src/lib.rs", unique_fn("gpl"))
+    write(root, "nolicence-1.0.0/Cargo.toml", cargo("nolicence", None))
+    write(root, "nolicence-1.0.0/src/lib.rs", unique_fn("none"))
+    manifest = build_corpus([root], tmp_path / "out", val_fraction=0.5)
+    assert manifest["dropped"] == {"non_permissive_license": 2}
+    rows = {name: [json.loads(line) for line in (tmp_path / "out" / f"{name}.jsonl").open()]
+            for name in ("train", "val")}
+    assert {r["crate"] for r in rows["train"]} == {train} and len(rows["train"]) == 2
+    assert {r["crate"] for r in rows["val"]} == {val} and len(rows["val"]) == 2
+    assert manifest["val_crates"] == [val]
+
+
+def test_a_later_suite_adds_training_files_only(tmp_path: Path) -> None:
+    """The later suite's files go to training; its held-out crates and copies of kept files do not, and the
+    files the base corpus kept stay as they were."""
+    train, val = crate_names(0.5)
+    base, later = tmp_path / "base" / "registry", tmp_path / "later" / "registry"
+    write(base, f"{train}-1.0.0/Cargo.toml", cargo(train, "MIT"))
+    write(base, f"{train}-1.0.0/src/lib.rs", LONG_FN)
+    write(base, f"{val}-1.0.0/Cargo.toml", cargo(val, "MIT"))
+    write(base, f"{val}-1.0.0/src/lib.rs", unique_fn("held"))
+    write(later, f"{train}-1.1.0/Cargo.toml", cargo(train, "MIT"))  # a newer version: a near copy and a new file
+    write(later, f"{train}-1.1.0/src/lib.rs", LONG_FN.replace("function_number_39", "function_number_x"))
+    write(later, f"{train}-1.1.0/src/new.rs", unique_fn("added"))
+    write(later, f"{val}-1.1.0/Cargo.toml", cargo(val, "MIT"))  # a held-out crate's newer version
+    write(later, f"{val}-1.1.0/src/lib.rs", unique_fn("leak"))
+    write(later, "fresh-0.1.0/Cargo.toml", cargo("fresh", "Apache-2.0"))
+    write(later, "fresh-0.1.0/src/lib.rs", GOOD)
+    packages = {"rust-src": "1.0", "librust-a-dev": "1", "trixie:librust-a-dev": "2", "trixie:librust-b-dev": "1"}
+
+    alone = build_corpus([base], tmp_path / "alone", val_fraction=0.5, packages=packages)
+    grown = build_corpus([base], tmp_path / "grown", val_fraction=0.5, packages=packages,
+                         train_only_roots=[("trixie", later)])
+    assert (tmp_path / "grown" / "val.jsonl").read_bytes() == (tmp_path / "alone" / "val.jsonl").read_bytes()
+    old = (tmp_path / "alone" / "train.jsonl").read_text()
+    new = (tmp_path / "grown" / "train.jsonl").read_text()
+    assert new.startswith(old)
+    added = [json.loads(line) for line in new[len(old):].splitlines()]
+    assert sorted(r["path"] for r in added) == [f"trixie/registry/{train}-1.1.0/src/new.rs",
+                                                "trixie/registry/fresh-0.1.0/src/lib.rs"]
+    assert grown["dropped"] == {"held_out_crate_in_later_suite": 1, "near_duplicate": 1}
+    assert grown["val_crates"] == alone["val_crates"] == [val]
+    assert grown["dataset_version"].startswith("rust-src-1.0+1crates+trixie-2crates+")
+    assert grown["dataset_version"] != alone["dataset_version"]

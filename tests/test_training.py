@@ -592,9 +592,15 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     packed, out = tmp_path / "packed", tmp_path / "out"
     packed.mkdir()
     out.mkdir()
-    for split in ("train", "val"):
-        text = (data_dir / "corpus" / f"{split}.jsonl").read_bytes()
-        (packed / f"{split}.jsonl.xz").write_bytes(lzma.compress(text))
+    (packed / "val.jsonl.xz").write_bytes(lzma.compress((data_dir / "corpus" / "val.jsonl").read_bytes()))
+    # The training corpus in two parts, as pack-device.sh leaves it when it is too large for one call: the second
+    # part goes to the machine in an upload call first.
+    lines = (data_dir / "corpus" / "train.jsonl").read_bytes().splitlines(keepends=True)
+    more = tmp_path / "more"
+    more.mkdir()
+    (packed / "train-00.jsonl.xz").write_bytes(lzma.compress(b"".join(lines[: len(lines) // 2])))
+    (more / "train-01.jsonl.xz").write_bytes(lzma.compress(b"".join(lines[len(lines) // 2 :])))
+    (packed / "parts.txt").write_text("train-00.jsonl.xz\ntrain-01.jsonl.xz\n")
     shutil.copy(data_dir / "tokenizer.json", packed)
     shutil.copy(data_dir / "corpus" / "manifest.json", packed)
     bundle = export(run, data_dir, tmp_path / "bundle")
@@ -613,8 +619,16 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
            "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed)}
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)  # without the upload call first: a clear stop before any training
+    assert proc.returncode == 1 and "train-01.jsonl.xz is missing: run the upload call" in proc.stderr
+    assert not (tmp_path / "work" / "run").exists()
+    proc = subprocess.run(["bash", "scripts/device-train.sh", "upload"], cwd=repo, env={**env, "MORE": str(more)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "work" / "data" / "corpus" / "train.jsonl").read_bytes() == b"".join(lines)
     assert "new run from the weights of" in proc.stdout + proc.stderr and "tokenising" in proc.stderr
     assert (out / "log.jsonl").exists() and (out / "shards" / "state.json").exists()
     state = import_shards(out / "shards", tmp_path / "back")
@@ -681,3 +695,49 @@ def test_autocast_only_where_bf16_is_native():
     assert autocast_dtype("float32", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
         autocast_dtype("fp8", cpu)
+
+
+def test_a_pause_file_holds_the_run_between_steps(data_dir: Path, tmp_path: Path):
+    """RUN/PAUSE holds training between steps, and the wait counts in neither the steps' time nor the minutes."""
+    import threading
+    import time
+
+    from m31r.train.trainer import PAUSE_FILE
+
+    run = tmp_path / "run-pause"
+    run.mkdir()
+    (run / PAUSE_FILE).touch()
+    cfg = data_dir.parent / "train-pause.yaml"
+    cfg.write_text(train_yaml(max_steps=4, eval_interval=100, ckpt_interval=100))
+    messages: list[str] = []
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(state=train(cfg, data_dir, run, log=messages.append)))
+    worker.start()
+    deadline = time.time() + 60
+    while not any(m.startswith("paused") for m in messages) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(3.0)
+    assert not (run / "ckpt.pt").exists() and worker.is_alive()  # held before its first step
+    (run / PAUSE_FILE).unlink()
+    worker.join(120)
+    state = result["state"]
+    assert state["step"] == 4 and any(m.startswith("resumed after") for m in messages)
+    assert state["seconds"] < 3.0  # the steps' own time, without the wait
+
+
+def test_a_corpus_built_again_is_tokenised_again(data_dir: Path, tmp_path: Path):
+    """Token streams are cached beside the corpus; a rebuilt corpus in the same folder must not reuse them."""
+    import shutil
+
+    from m31r.train.trainer import corpus_tokens
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data, ignore=shutil.ignore_patterns("*.npz"))
+    before = corpus_tokens(data)
+    assert len(list(data.glob("train-*.npz"))) == 1
+    train = data / "corpus" / "train.jsonl"
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(lines + lines[:3]))  # the corpus grows
+    after = corpus_tokens(data)
+    assert after["train"] > before["train"] and after["val"] == before["val"]
+    assert len(list(data.glob("train-*.npz"))) == 1  # the stale stream is gone

@@ -7,6 +7,10 @@ A file belongs to the crate of the nearest `Cargo.toml` above it. The split is b
 validation (and the FIM eval drawn from it) is code from crates the model never saw, and every
 version of a crate falls on the same side. Crate versions are walked newest first, so near-duplicate
 removal keeps the newest code. A crate is kept only if its `license` offers a permissive choice.
+
+Roots given as `train_only_roots` (a later Debian suite) are walked after the others and add training
+files only: their files of held-out crates are dropped, not added to validation. So a larger corpus keeps
+the files, and decisions, of the smaller one it grew from, and the same held-out crates and eval tasks.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ TEST_SUITE_DIRS = frozenset(
         "ui", "ui-fulldeps", "ui-toml", "ui-internal", "ui-cargo", "fail", "compile-fail", "run-fail",
         "parse-fail", "run-make", "run-make-fulldeps", "crashes", "rustdoc-ui", "rustdoc-js", "rustdoc-json",
         "rustdoc-gui", "mir-opt", "pretty", "incremental", "debuginfo", "codegen-units",
+        # rustc-perf's benchmarks: compiler stress tests and frozen old copies of crates.
+        "compile-benchmarks", "runtime-benchmarks",
     )
 )
 # Consecutive component pairs that mark a test suite even when each part alone is innocent;
@@ -87,12 +93,14 @@ def _walk_key(rel_in_root: str) -> tuple:
     return (m.group(1), newest_first, m.group(3), rest)
 
 
-def iter_rust_files(src_roots: list[Path]) -> Iterator[tuple[Path, str]]:
+def iter_rust_files(src_roots: list[Path], label: str = "") -> Iterator[tuple[Path, str]]:
     """Yield (absolute file, corpus-relative path) for every `.rs` file, in a fixed order.
 
     The relative path is prefixed with the root's own name (not its symlink target) so that paths,
-    and therefore the split, stay stable across package versions.
+    and therefore the split, stay stable across package versions; `label` goes before that
+    (`trixie/registry/...`) to keep paths apart where roots of two suites share names.
     """
+    prefix = f"{label}/" if label else ""
     for root in src_roots:
         root = Path(root)
         real = root.resolve()
@@ -103,7 +111,7 @@ def iter_rust_files(src_roots: list[Path]) -> Iterator[tuple[Path, str]]:
                 if name.endswith(".rs"):
                     full = Path(dirpath) / name
                     inner = full.relative_to(real).as_posix()
-                    found.append((_walk_key(inner), f"{root.name}/{inner}", full))
+                    found.append((_walk_key(inner), f"{prefix}{root.name}/{inner}", full))
         for _, rel, full in sorted(found):
             yield full, rel
 
@@ -295,8 +303,8 @@ def package_versions() -> dict[str, str]:
 
 
 def dataset_version(docs: list[Doc], packages: dict[str, str]) -> str:
-    """`rust-src-<ver>[+<n>crates]+<12 hex>`: the hash covers the kept file list and contents, so any change
-    shows; the package list with versions is in the manifest."""
+    """`rust-src-<ver>[+<n>crates][+<suite>-<n>crates]+<12 hex>`: the hash covers the kept file list and
+    contents, so any change shows; the package list with versions is in the manifest."""
     digest = hashlib.sha256()
     for doc in sorted(docs, key=lambda d: d.path):
         digest.update(f"{doc.path}\t{doc.sha256}\n".encode())
@@ -304,6 +312,8 @@ def dataset_version(docs: list[Doc], packages: dict[str, str]) -> str:
     crates = sum(name.startswith("librust-") for name in packages)
     if crates:
         base += f"+{crates}crates"
+    for label in sorted({name.split(":", 1)[0] for name in packages if ":" in name}):
+        base += f"+{label}-{sum(name.startswith(f'{label}:librust-') for name in packages)}crates"
     return f"{base}+{digest.hexdigest()[:12]}"
 
 
@@ -325,27 +335,35 @@ def _examine(item: tuple[Path, str, int]) -> tuple[str | None, str, str, tuple[i
 
 
 def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str],
-                workers: int | None = None) -> list[Doc]:
+                workers: int | None = None, train_only_roots: list[tuple[str, Path]] = (),
+                val_fraction: float = 0.03) -> list[Doc]:
     """Walk, filter and deduplicate; counts every dropped file under its reason in `reasons`.
 
     Files are examined in parallel but decided in walk order, so the result does not depend on `workers`.
+    Files of `train_only_roots` ((label, root) pairs, walked last) that belong to held-out crates are dropped.
     """
     exact: set[str] = set()
     near = NearDupIndex()
     docs: list[Doc] = []
     files = list(iter_rust_files(src_roots))
+    first_train_only = len(files)
+    for label, root in train_only_roots:
+        files += iter_rust_files([root], label)
     crates = [crate_of(full.parent) for full, _ in files]
     workers = workers or os.cpu_count() or 1
     items = [(full, rel, max_file_bytes) for full, rel in files]
     with Pool(workers) if workers > 1 and len(items) > 256 else _Serial() as pool:
         results = pool.imap(_examine, items, chunksize=64)
-        for (_, rel), crate, (reason, text, sha, sig) in tqdm(
+        for i, ((_, rel), crate, (reason, text, sha, sig)) in enumerate(tqdm(
             zip(files, crates, results, strict=True), total=len(files), desc="filtering", unit="file",
             mininterval=2, disable=len(files) < 1000,
-        ):
+        )):
             reasons["seen"] += 1
             if reason is None and crate is not None and not is_permissive(crate.license):
                 reason = "non_permissive_license"
+            if reason is None and i >= first_train_only and is_val(
+                    split_key(Doc(rel, "", "", crate.name if crate else None)), val_fraction):
+                reason = "held_out_crate_in_later_suite"
             if reason is None:
                 if sha in exact:
                     reason = "exact_duplicate"
@@ -391,15 +409,18 @@ def split_key(doc: Doc) -> str:
 def build_corpus(
     src_roots: list[Path], out_dir: Path, *, val_fraction: float = 0.03, max_file_bytes: int = 200_000,
     packages: dict[str, str] | None = None, workers: int | None = None,
+    train_only_roots: list[tuple[str, Path]] = (),
 ) -> dict:
     """Build `train.jsonl`, `val.jsonl` and `manifest.json` in `out_dir`; return the manifest.
 
-    `packages` (name → version) describes the sources; by default the installed Debian packages.
+    `packages` (name → version) describes the sources; by default the installed Debian packages. A later
+    suite's packages are named `<label>:<package>`. `train_only_roots` are (label, root) pairs.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()
-    docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons, workers)
+    later = [(label, Path(r)) for label, r in train_only_roots]
+    docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons, workers, later, val_fraction)
     train = [d for d in docs if not is_val(split_key(d), val_fraction)]
     val = [d for d in docs if is_val(split_key(d), val_fraction)]
     packages = package_versions() if packages is None else packages
@@ -408,6 +429,7 @@ def build_corpus(
         "dataset_version": dataset_version(docs, packages),
         "source_packages": dict(sorted(packages.items())),
         "source_roots": [str(r) for r in src_roots],
+        "train_only_roots": [[label, str(r)] for label, r in later],
         "files_seen": seen,
         "files_kept": len(docs),
         "dropped": dict(sorted(reasons.items())),

@@ -8,11 +8,18 @@ SHA-256 of every unpacked .deb, which becomes the dataset version in the bundle 
 
 Crates then sit under CACHE/src/usr/share/cargo/registry/<crate>-<version>/ and the standard library
 under CACHE/src/usr/lib/rustlib/src/rust/.
+
+Those come from the host's apt sources (Debian 12, bookworm, where the corpus was first built). A later
+suite (`--suite trixie`: Debian 13, with twice as many crate packages and newer versions of the rest) is
+fetched through a private apt configuration kept in CACHE/<suite>/apt, so the host's sources are never
+touched either, and unpacks into CACHE/<suite>/ with the same layout. The corpus takes a later suite's
+files for training only (`build_corpus`'s `train_only_roots`), so the held-out crates stay as they were.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -20,6 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+LATER_SUITES = ("trixie",)
+MIRROR = os.environ.get("M31R_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 CRATE_PACKAGE = re.compile(r"^librust-[a-z0-9][a-z0-9.-]*-dev$")
 STD_PACKAGE = "rust-src"
 REGISTRY = Path("usr/share/cargo/registry")
@@ -33,10 +43,28 @@ class Package:
     sha256: str
 
 
-def list_packages() -> list[str]:
+def apt_options(folder: Path, suite: str) -> list[str]:
+    """`-o` options for apt-get/apt-cache that read `suite` through a private configuration in `folder`."""
+    lists = folder / "lists"
+    (lists / "partial").mkdir(parents=True, exist_ok=True)
+    (folder / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+    signed = f" [signed-by={KEYRING}]" if KEYRING.is_file() else ""
+    (folder / "sources.list").write_text(f"deb{signed} {MIRROR} {suite} main\n")
+    settings = {"Dir::Etc::SourceList": folder / "sources.list", "Dir::Etc::SourceParts": "/dev/null",
+                "Dir::Etc::Preferences": "/dev/null", "Dir::Etc::PreferencesParts": "/dev/null",
+                "Dir::State::Lists": lists, "Dir::Cache": folder / "cache", "Dir::State::status": "/dev/null"}
+    return [arg for key, value in settings.items() for arg in ("-o", f"{key}={value}")]
+
+
+def update(options: list[str]) -> None:
+    """`apt-get update` for a private configuration (its lists only)."""
+    subprocess.run(["apt-get", *options, "update", "-qq"], check=True, capture_output=True, timeout=600)
+
+
+def list_packages(options: list[str] = ()) -> list[str]:
     """rust-src and every real librust-*-dev package apt knows, sorted (run `apt-get update` first)."""
-    out = subprocess.run(["apt-cache", "--names-only", "search", "^librust-.*-dev$"], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
+    out = subprocess.run(["apt-cache", *options, "--names-only", "search", "^librust-.*-dev$"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
     names = sorted({line.split(" - ", 1)[0] for line in out.splitlines() if CRATE_PACKAGE.match(line.split(" ")[0])})
     return [STD_PACKAGE, *names]
 
@@ -45,7 +73,7 @@ def _deb_name(path: Path) -> str:
     return path.name.split("_", 1)[0]
 
 
-def download(names: list[str], debs: Path, batch: int = 100) -> list[Path]:
+def download(names: list[str], debs: Path, batch: int = 100, options: list[str] = ()) -> list[Path]:
     """`apt-get download` what is not already in `debs`; returns every .deb there for `names`."""
     debs.mkdir(parents=True, exist_ok=True)
     have = {_deb_name(p) for p in debs.glob("*.deb")}
@@ -53,7 +81,7 @@ def download(names: list[str], debs: Path, batch: int = 100) -> list[Path]:
     with tqdm(total=len(missing), desc="downloading .deb", unit="pkg", disable=not missing) as bar:
         for i in range(0, len(missing), batch):
             part = missing[i : i + batch]
-            subprocess.run(["apt-get", "download", "-q", *part], cwd=debs, check=True, capture_output=True,
+            subprocess.run(["apt-get", *options, "download", "-q", *part], cwd=debs, check=True, capture_output=True,
                            timeout=1800)
             bar.update(len(part))
     wanted = set(names)
@@ -97,11 +125,23 @@ def read_packages(path: Path) -> dict[str, str]:
     return out
 
 
-def fetch(cache: Path, names: list[str] | None = None) -> tuple[list[Path], list[Package]]:
-    """Download and unpack; returns the source roots for `build_corpus` and the packages."""
+def source_roots(folder: Path) -> list[Path]:
+    """The standard library's and the crates' folders under a fetched folder's src/, where present."""
+    return [folder / "src" / p for p in (RUST_SRC, REGISTRY) if (folder / "src" / p).is_dir()]
+
+
+def fetch(cache: Path, names: list[str] | None = None, options: list[str] = ()) -> tuple[list[Path], list[Package]]:
+    """Download and unpack into `cache`; returns the source roots for `build_corpus` and the packages."""
     cache = Path(cache)
-    names = names if names is not None else list_packages()
-    packages = unpack(download(names, cache / "debs"), cache / "src")
+    names = names if names is not None else list_packages(options)
+    packages = unpack(download(names, cache / "debs", options=options), cache / "src")
     write_packages(cache / "packages.tsv", packages)
-    roots = [cache / "src" / p for p in (RUST_SRC, REGISTRY) if (cache / "src" / p).is_dir()]
-    return roots, packages
+    return source_roots(cache), packages
+
+
+def fetch_suite(cache: Path, suite: str) -> tuple[list[Path], list[Package]]:
+    """Fetch a later Debian suite's rust-src and crate packages into CACHE/<suite> (apt configured there)."""
+    folder = Path(cache) / suite
+    options = apt_options(folder / "apt", suite)
+    update(options)
+    return fetch(folder, options=options)

@@ -15,11 +15,13 @@ A new run may start from a bundle's weights (`init_from`, e.g. release/) with a 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -153,16 +155,27 @@ def token_stream(tok: Tokenizer, texts: list[str], cache: Path) -> tuple[np.ndar
     tmp = cache.with_name(cache.stem + ".tmp.npz")
     np.savez(tmp, ids=arr, cats=carr)
     os.replace(tmp, cache)
+    split = cache.stem.split("-", 1)[0]
+    for old in cache.parent.glob(f"{split}-*.npz"):  # streams of the corpus as it was
+        if old != cache and not old.name.endswith(".tmp.npz"):
+            old.unlink(missing_ok=True)
     return arr, carr
+
+
+def stream_cache(data_dir: Path, split: str) -> Path:
+    """Where a split's token stream is cached: named for the tokenizer and for the split's file as it is now
+    (size, time), so a corpus built again in the same folder is tokenised again, never read stale."""
+    tag = sha256_file(data_dir / "tokenizer.json")[:12]
+    st = (data_dir / "corpus" / f"{split}.jsonl").stat()
+    return data_dir / f"{split}-{tag}-{hashlib.sha256(f'{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:8]}.npz"
 
 
 def corpus_tokens(data_dir: Path) -> dict[str, int]:
     """Tokenise both splits with DATA_DIR/tokenizer.json (cached beside the corpus, as training reads them);
     tokens per split."""
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
-    tag = sha256_file(data_dir / "tokenizer.json")[:12]
     return {s: len(token_stream(tok, [t for t in read_jsonl(data_dir / "corpus" / f"{s}.jsonl") if t],
-                                data_dir / f"{s}-{tag}.npz")[0]) for s in ("train", "val")}
+                                stream_cache(data_dir, s))[0]) for s in ("train", "val")}
 
 
 class Data:
@@ -170,13 +183,12 @@ class Data:
                  context_fim: float = 0.0):
         self.tok, self.seq_len, self.fim_rate, self.block_fim = tok, seq_len, fim_rate, block_fim
         self.context_fim = context_fim
-        tag = sha256_file(data_dir / "tokenizer.json")[:12]
         docs = {s: [d for d in read_docs(data_dir / "corpus" / f"{s}.jsonl") if d["text"]] for s in ("train", "val")}
         self.texts = {s: [d["text"] for d in ds] for s, ds in docs.items()}
         # Files outside any crate (an older corpus) have no neighbours.
         self.neighbours = {s: Neighbours([d["path"] for d in ds], [d.get("crate") or d["path"] for d in ds])
                            for s, ds in docs.items()}
-        self.streams = {s: token_stream(tok, self.texts[s], data_dir / f"{s}-{tag}.npz") for s in self.texts}
+        self.streams = {s: token_stream(tok, self.texts[s], stream_cache(data_dir, s)) for s in self.texts}
 
     def batch(self, split: str, rng: random.Random, n: int, seq_len: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,6 +344,27 @@ def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, 
     os.replace(tmp, path)
 
 
+PAUSE_FILE = "PAUSE"
+
+
+def wait_while_paused(run_dir: Path, log: Callable[[str], None], poll: float = 0.5) -> float:
+    """Hold the run between steps while RUN/PAUSE exists; returns the seconds waited.
+
+    For taking benchmark figures beside a long run: unlike SIGSTOP, the wait falls outside any step, so neither
+    the step's tokens/s nor a schedule by minutes counts it.
+    """
+    flag = Path(run_dir) / PAUSE_FILE
+    if not flag.exists():
+        return 0.0
+    log(f"paused: {flag} exists; training goes on once it is removed")
+    t0 = time.perf_counter()
+    while flag.exists():
+        time.sleep(poll)
+    waited = time.perf_counter() - t0
+    log(f"resumed after {waited:.0f} s")
+    return waited
+
+
 def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *, max_minutes: float | None = None,
           max_steps: int | None = None, device: str = "cpu", init_from: str | Path | None = None, log=print) -> dict:
     """Train (or resume) a run; returns its state. Checkpoints land in run_dir/ckpt.pt.
@@ -387,6 +420,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     try:
         while state["step"] < stop_at:
             step = state["step"]
+            t_start += wait_while_paused(run_dir, log)  # a pause counts against no budget
             seq = seq_len_at(step, tc, mc.max_context)
             n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
             t0 = time.perf_counter()
