@@ -39,19 +39,22 @@ if [ "$(cat .device/parts.stamp 2>/dev/null || true)" != "$stamp" ]; then
   echo "$stamp" > .device/parts.stamp
 fi
 # Move trailing parts out to .device-more/ until the travelling tree fits.
+shopt -s nullglob
 tracked=$(git ls-files -z | grep -zv '^release/model.safetensors$' | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 size() { du -cb .device .whl | tail -1 | cut -f1; }
-ls .device/train-*.jsonl.xz .device-more/train-*.jsonl.xz 2>/dev/null | xargs -n1 basename | sort > .device/parts.txt
 mkdir -p .device-more
-mv .device-more/train-*.jsonl.xz .device/ 2>/dev/null || true
+for f in .device-more/train-*.jsonl.xz; do mv "$f" .device/; done
+parts=(.device/train-*.jsonl.xz)
+printf '%s\n' "${parts[@]##*/}" > .device/parts.txt
 while [ $((tracked + $(size))) -gt $((LIMIT_MIB * 1024 * 1024)) ]; do
-  last=$(ls .device/train-*.jsonl.xz | sort | tail -1)
-  [ "$(ls .device/train-*.jsonl.xz | wc -l)" -gt 1 ] || { echo "the init and one corpus part are over ${LIMIT_MIB} MiB" >&2; exit 1; }
-  mv "$last" .device-more/
+  here=(.device/train-*.jsonl.xz)
+  [ "${#here[@]}" -gt 1 ] || { echo "the init and one corpus part are over ${LIMIT_MIB} MiB" >&2; exit 1; }
+  mv "${here[-1]}" .device-more/
 done
 echo "training call: $(( (tracked + $(size)) / 1024 / 1024 )) MiB (code $((tracked / 1024 / 1024)) MiB, release weights left out)"
-if ls .device-more/train-*.jsonl.xz >/dev/null 2>&1; then
-  echo "upload call first: $(du -cb .device-more | tail -1 | cut -f1 | awk '{printf "%d", $1 / 1048576}') MiB in .device-more ($(ls .device-more | tr '\n' ' '))"
+more=(.device-more/train-*.jsonl.xz)
+if [ "${#more[@]}" -gt 0 ]; then
+  echo "upload call first: $(( $(du -cb .device-more | tail -1 | cut -f1) / 1024 / 1024 )) MiB in .device-more (${more[*]##*/})"
 else
   rmdir .device-more
 fi

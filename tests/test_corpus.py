@@ -223,3 +223,50 @@ def test_a_later_suite_adds_training_files_only(tmp_path: Path) -> None:
     assert grown["val_crates"] == alone["val_crates"] == [val]
     assert grown["dataset_version"].startswith("rust-src-1.0+1crates+trixie-2crates+")
     assert grown["dataset_version"] != alone["dataset_version"]
+
+
+def test_later_suite_data_keeps_only_the_added_files(tmp_path: Path) -> None:
+    """scripts/later-suite-data.py: the later suite's training files alone, with the same validation split."""
+    import importlib.util
+    import shutil
+
+    train, val = crate_names(0.5)
+    base, later = tmp_path / "base" / "registry", tmp_path / "later" / "registry"
+    write(base, f"{train}-1.0.0/Cargo.toml", cargo(train, "MIT"))
+    write(base, f"{train}-1.0.0/src/lib.rs", LONG_FN)
+    write(base, f"{val}-1.0.0/Cargo.toml", cargo(val, "MIT"))
+    write(base, f"{val}-1.0.0/src/lib.rs", unique_fn("held"))
+    write(later, "fresh-0.1.0/Cargo.toml", cargo("fresh", "Apache-2.0"))
+    write(later, "fresh-0.1.0/src/lib.rs", GOOD)
+    data = tmp_path / "data"
+    build_corpus([base], data / "corpus", val_fraction=0.5, packages={}, train_only_roots=[("trixie", later)])
+    (data / "tokenizer.json").write_text("{}")
+    path = Path(__file__).resolve().parent.parent / "scripts" / "later-suite-data.py"
+    spec = importlib.util.spec_from_file_location("later_suite_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    manifest = module.later_suite_data(data, tmp_path / "new")
+    rows = [json.loads(line) for line in (tmp_path / "new" / "corpus" / "train.jsonl").open()]
+    assert [r["path"] for r in rows] == ["trixie/registry/fresh-0.1.0/src/lib.rs"]
+    assert manifest["splits"]["train"] == {"files": 1, "bytes": len(GOOD.encode())}
+    assert (tmp_path / "new" / "corpus" / "val.jsonl").read_bytes() == (data / "corpus" / "val.jsonl").read_bytes()
+    shutil.rmtree(tmp_path / "new")
+    build_corpus([base], data / "corpus", val_fraction=0.5, packages={})  # without a later suite: a clear refusal
+    with pytest.raises(SystemExit, match="without a later suite"):
+        module.later_suite_data(data, tmp_path / "new")
+
+
+def test_a_later_suite_is_read_through_its_own_apt_configuration(tmp_path: Path) -> None:
+    """The later suite's apt options point at a private sources list and lists folder, never the host's."""
+    import shutil
+
+    from m31r.train import debian
+
+    options = debian.apt_options(tmp_path / "apt", "trixie")
+    assert (tmp_path / "apt" / "sources.list").read_text().split()[-2:] == ["trixie", "main"]
+    settings = dict(o.split("=", 1) for o in options[1::2])
+    assert settings["Dir::Etc::SourceList"] == str(tmp_path / "apt" / "sources.list")
+    assert settings["Dir::State::Lists"] == str(tmp_path / "apt" / "lists")
+    assert settings["Dir::Etc::SourceParts"] == "/dev/null"
+    if shutil.which("apt-cache"):  # nothing fetched into the private lists yet: apt knows no crate packages there
+        assert debian.list_packages(options) == ["rust-src"]
