@@ -385,8 +385,22 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
                                "alternatives": done.alternatives, "logprob": done.logprob,
                                "line_logprob": done.line_logprob}))
-    elif text and not "".join(text).endswith("\n") and sys.stdout.isatty():
-        sys.stdout.write("\n")
+    else:
+        if text and not "".join(text).endswith("\n") and sys.stdout.isatty():
+            sys.stdout.write("\n")
+        _say_if_unsure(done.line_logprob)
+
+
+def _say_if_unsure(line_logprob: float | None) -> None:
+    """On stderr (stdout keeps the completion alone): the editors would have hidden this suggestion."""
+    import math
+
+    from m31r_protocol.policy import MIN_PROBABILITY, confident
+
+    if not confident(line_logprob, MIN_PROBABILITY):
+        sys.stdout.flush()
+        click.echo(f"(unsure: the model gives its first line a probability of {math.exp(line_logprob):.3f}; the "
+                   f"editors hide suggestions under {MIN_PROBABILITY})", err=True)
 
 
 @main.command()

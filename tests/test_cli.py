@@ -50,6 +50,16 @@ def test_generate_json(daemon, tiny_engine):
     # Plain mode streams the same text; `-` reads the prompt from stdin.
     plain = cli("generate", "-", "--max-tokens", "8", "--socket", str(sock), input="fn main")
     assert plain.returncode == 0 and plain.stdout == ref.text, plain.stderr
+    # A completion the editors would hide (under policy.MIN_PROBABILITY) says so on stderr, never on stdout.
+    import math
+
+    from m31r_protocol.policy import MIN_PROBABILITY
+
+    unsure = out["line_logprob"] < math.log(MIN_PROBABILITY)
+    assert ("(unsure: the model gives its first line a probability of" in plain.stderr) == unsure
+    if unsure:
+        assert f"{math.exp(out['line_logprob']):.3f}" in plain.stderr
+    assert "unsure" not in r.stderr  # --json carries the figure itself
 
 
 def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
