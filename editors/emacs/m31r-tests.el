@@ -73,8 +73,15 @@
       (define-derived-mode m31r-test-rust-mode prog-mode "Rust")
       (with-temp-file file
         (insert "fn main() {\n    let counts = 1;\n    \n}\n"))
-      (cl-letf (((symbol-function 'm31r-command)
-                 (lambda () (split-string-and-unquote cmd))))
+      ;; Every suggestion shown (no confidence floor), sampled with a seed: a tiny test model's greedy
+      ;; answer may be empty, a sampled one with this seed is not.
+      (cl-letf* (((symbol-function 'm31r-command)
+                  (lambda () (split-string-and-unquote cmd)))
+                 (settings (symbol-function 'm31r-settings))
+                 ((symbol-function 'm31r-settings)
+                  (lambda ()
+                    (append (plist-put (funcall settings) :minProbability 0)
+                            '(:temperature 1.0 :seed 11 :multiline "always" :debounceMs 0)))))
         (m31r-eglot-setup)
         (with-current-buffer (find-file-noselect file)
           (m31r-test-rust-mode)
@@ -93,7 +100,12 @@
                         server :textDocument/inlineCompletion
                         (append (eglot--TextDocumentPositionParams)
                                 (list :context (list :triggerKind 1))))))
-              (should (vectorp (plist-get res :items))))
+              (let ((items (plist-get res :items)))
+                (should (vectorp items))
+                (should (= (length items) 1))
+                (let ((text (plist-get (aref items 0) :insertText)))
+                  (should (stringp text))
+                  (should (> (length text) 0)))))
             (m31r-toggle -1)
             (m31r-toggle 1)
             (eglot-shutdown server)))))))
