@@ -524,26 +524,21 @@ DEFAULT_DEBIAN_CACHE = Path.home() / ".cache" / "m31r" / "debian"
               help="Also fetch the later Debian suite's crates (trixie), into CACHE/trixie.")
 @user_errors
 def train_fetch(cache: Path, later: bool) -> None:
-    """Download rust-src and every librust-*-dev package from Debian and unpack them (nothing is installed)."""
-    import os
+    """Download rust-src and every librust-*-dev package of Debian 12 (and 13) and unpack them; nothing is
+    installed, and the host's apt sources are not used."""
     import shutil
-    import subprocess
 
     from m31r.train import debian
 
     if not shutil.which("apt-get") or not shutil.which("dpkg"):
         fail("apt-get and dpkg are needed: the corpus comes from Debian's packages")
-    names = debian.list_packages()
-    if len(names) < 2:
-        if os.geteuid() != 0:
-            fail("apt knows no librust-*-dev packages: run `sudo apt-get update` first")
-        subprocess.run(["apt-get", "update", "-qq"], check=True)
-        names = debian.list_packages()
-    roots, packages = debian.fetch(cache, names)
-    click.echo(f"{len(packages)} packages in {cache}; source roots: {' '.join(map(str, roots))}")
-    for suite in debian.LATER_SUITES if later else ():
-        roots, packages = debian.fetch_suite(cache, suite)
-        click.echo(f"{suite}: {len(packages)} packages in {cache / suite}; source roots: {' '.join(map(str, roots))}")
+    for suite in (debian.BASE_SUITE, *(debian.LATER_SUITES if later else ())):
+        try:
+            roots, packages = debian.fetch_suite(cache, suite)
+        except RuntimeError as e:
+            fail(str(e))
+        folder = debian.suite_folder(cache, suite)
+        click.echo(f"{suite}: {len(packages)} packages in {folder}; source roots: {' '.join(map(str, roots))}")
 
 
 @train.command("corpus")

@@ -9,11 +9,13 @@ SHA-256 of every unpacked .deb, which becomes the dataset version in the bundle 
 Crates then sit under CACHE/src/usr/share/cargo/registry/<crate>-<version>/ and the standard library
 under CACHE/src/usr/lib/rustlib/src/rust/.
 
-Those come from the host's apt sources (Debian 12, bookworm, where the corpus was first built). A later
-suite (`--suite trixie`: Debian 13, with twice as many crate packages and newer versions of the rest) is
-fetched through a private apt configuration kept in CACHE/<suite>/apt, so the host's sources are never
-touched either, and unpacks into CACHE/<suite>/ with the same layout. The corpus takes a later suite's
-files for training only (`build_corpus`'s `train_only_roots`), so the held-out crates stay as they were.
+Each Debian release is read through a private apt configuration (CACHE/apt, CACHE/<suite>/apt) naming
+its suite, so the host's apt sources are neither used nor touched, root is not needed, and a host of any
+release (or Ubuntu, with `debian-archive-keyring`) fetches the same packages. Debian 12 (bookworm, where
+the corpus was first built) goes into CACHE itself. A later suite (Debian 13, trixie: twice as many crate
+packages, and newer versions of the rest) unpacks into CACHE/<suite>/ with the same layout; the corpus
+takes its files for training only (`build_corpus`'s `train_only_roots`), so the held-out crates stay as
+they were.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+BASE_SUITE = "bookworm"
 LATER_SUITES = ("trixie",)
 MIRROR = os.environ.get("M31R_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
@@ -58,7 +61,10 @@ def apt_options(folder: Path, suite: str) -> list[str]:
 
 def update(options: list[str]) -> None:
     """`apt-get update` for a private configuration (its lists only)."""
-    subprocess.run(["apt-get", *options, "update", "-qq"], check=True, capture_output=True, timeout=600)
+    proc = subprocess.run(["apt-get", *options, "update", "-qq"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        hint = "" if KEYRING.is_file() else f" ({KEYRING} is missing: install debian-archive-keyring)"
+        raise RuntimeError(f"apt-get update failed{hint}: {proc.stderr.strip()[-500:]}")
 
 
 def list_packages(options: list[str] = ()) -> list[str]:
@@ -139,9 +145,17 @@ def fetch(cache: Path, names: list[str] | None = None, options: list[str] = ()) 
     return source_roots(cache), packages
 
 
+def suite_folder(cache: Path, suite: str) -> Path:
+    """Where a suite's packages go: CACHE for Debian 12 (as it always has), CACHE/<suite> for a later one."""
+    return Path(cache) if suite == BASE_SUITE else Path(cache) / suite
+
+
 def fetch_suite(cache: Path, suite: str) -> tuple[list[Path], list[Package]]:
-    """Fetch a later Debian suite's rust-src and crate packages into CACHE/<suite> (apt configured there)."""
-    folder = Path(cache) / suite
+    """Fetch a Debian suite's rust-src and crate packages into its folder (apt configured there)."""
+    folder = suite_folder(cache, suite)
     options = apt_options(folder / "apt", suite)
     update(options)
-    return fetch(folder, options=options)
+    names = list_packages(options)
+    if len(names) < 2:
+        raise RuntimeError(f"Debian {suite} lists no librust-*-dev packages at {MIRROR}")
+    return fetch(folder, names, options=options)
