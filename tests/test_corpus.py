@@ -191,22 +191,29 @@ def test_crates_split_whole_and_licences_filter(tmp_path: Path) -> None:
     assert manifest["val_crates"] == [val]
 
 
-def test_a_later_suite_adds_training_files_only(tmp_path: Path) -> None:
-    """The later suite's files go to training; its held-out crates and copies of kept files do not, and the
-    files the base corpus kept stay as they were."""
+def grown_trees(tmp_path: Path) -> tuple[str, str, Path, Path]:
+    """A base tree (a training crate and a held-out one) and a later suite's tree with one new crate:
+    (training crate, held-out crate, base root, later root)."""
     train, val = crate_names(0.5)
     base, later = tmp_path / "base" / "registry", tmp_path / "later" / "registry"
     write(base, f"{train}-1.0.0/Cargo.toml", cargo(train, "MIT"))
     write(base, f"{train}-1.0.0/src/lib.rs", LONG_FN)
     write(base, f"{val}-1.0.0/Cargo.toml", cargo(val, "MIT"))
     write(base, f"{val}-1.0.0/src/lib.rs", unique_fn("held"))
+    write(later, "fresh-0.1.0/Cargo.toml", cargo("fresh", "Apache-2.0"))
+    write(later, "fresh-0.1.0/src/lib.rs", GOOD)
+    return train, val, base, later
+
+
+def test_a_later_suite_adds_training_files_only(tmp_path: Path) -> None:
+    """The later suite's files go to training; its held-out crates and copies of kept files do not, and the
+    files the base corpus kept stay as they were."""
+    train, val, base, later = grown_trees(tmp_path)
     write(later, f"{train}-1.1.0/Cargo.toml", cargo(train, "MIT"))  # a newer version: a near copy and a new file
     write(later, f"{train}-1.1.0/src/lib.rs", LONG_FN.replace("function_number_39", "function_number_x"))
     write(later, f"{train}-1.1.0/src/new.rs", unique_fn("added"))
     write(later, f"{val}-1.1.0/Cargo.toml", cargo(val, "MIT"))  # a held-out crate's newer version
     write(later, f"{val}-1.1.0/src/lib.rs", unique_fn("leak"))
-    write(later, "fresh-0.1.0/Cargo.toml", cargo("fresh", "Apache-2.0"))
-    write(later, "fresh-0.1.0/src/lib.rs", GOOD)
     packages = {"rust-src": "1.0", "librust-a-dev": "1", "trixie:librust-a-dev": "2", "trixie:librust-b-dev": "1"}
 
     alone = build_corpus([base], tmp_path / "alone", val_fraction=0.5, packages=packages)
@@ -230,14 +237,7 @@ def test_later_suite_data_keeps_only_the_added_files(tmp_path: Path) -> None:
     import importlib.util
     import shutil
 
-    train, val = crate_names(0.5)
-    base, later = tmp_path / "base" / "registry", tmp_path / "later" / "registry"
-    write(base, f"{train}-1.0.0/Cargo.toml", cargo(train, "MIT"))
-    write(base, f"{train}-1.0.0/src/lib.rs", LONG_FN)
-    write(base, f"{val}-1.0.0/Cargo.toml", cargo(val, "MIT"))
-    write(base, f"{val}-1.0.0/src/lib.rs", unique_fn("held"))
-    write(later, "fresh-0.1.0/Cargo.toml", cargo("fresh", "Apache-2.0"))
-    write(later, "fresh-0.1.0/src/lib.rs", GOOD)
+    _, _, base, later = grown_trees(tmp_path)
     data = tmp_path / "data"
     build_corpus([base], data / "corpus", val_fraction=0.5, packages={}, train_only_roots=[("trixie", later)])
     (data / "tokenizer.json").write_text("{}")

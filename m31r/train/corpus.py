@@ -362,7 +362,7 @@ def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str
             if reason is None and crate is not None and not is_permissive(crate.license):
                 reason = "non_permissive_license"
             if reason is None and i >= first_train_only and is_val(
-                    split_key(Doc(rel, "", "", crate.name if crate else None)), val_fraction):
+                    split_key(rel, crate.name if crate else None), val_fraction):
                 reason = "held_out_crate_in_later_suite"
             if reason is None:
                 if sha in exact:
@@ -401,9 +401,9 @@ def _write_jsonl(path: Path, docs: list[Doc]) -> dict[str, int]:
             "crates": len({d.crate for d in docs if d.crate})}
 
 
-def split_key(doc: Doc) -> str:
+def split_key(path: str, crate: str | None) -> str:
     """What decides a file's side: its crate, or its path for files outside any crate."""
-    return f"crate:{doc.crate}" if doc.crate else doc.path
+    return f"crate:{crate}" if crate else path
 
 
 def build_corpus(
@@ -421,8 +421,9 @@ def build_corpus(
     reasons: Counter[str] = Counter()
     later = [(label, Path(r)) for label, r in train_only_roots]
     docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons, workers, later, val_fraction)
-    train = [d for d in docs if not is_val(split_key(d), val_fraction)]
-    val = [d for d in docs if is_val(split_key(d), val_fraction)]
+    held_out = [is_val(split_key(d.path, d.crate), val_fraction) for d in docs]
+    train = [d for d, v in zip(docs, held_out, strict=True) if not v]
+    val = [d for d, v in zip(docs, held_out, strict=True) if v]
     packages = package_versions() if packages is None else packages
     seen = reasons.pop("seen", 0)
     manifest = {

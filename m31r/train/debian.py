@@ -136,10 +136,9 @@ def source_roots(folder: Path) -> list[Path]:
     return [folder / "src" / p for p in (RUST_SRC, REGISTRY) if (folder / "src" / p).is_dir()]
 
 
-def fetch(cache: Path, names: list[str] | None = None, options: list[str] = ()) -> tuple[list[Path], list[Package]]:
+def fetch(cache: Path, names: list[str], options: list[str] = ()) -> tuple[list[Path], list[Package]]:
     """Download and unpack into `cache`; returns the source roots for `build_corpus` and the packages."""
     cache = Path(cache)
-    names = names if names is not None else list_packages(options)
     packages = unpack(download(names, cache / "debs", options=options), cache / "src")
     write_packages(cache / "packages.tsv", packages)
     return source_roots(cache), packages
