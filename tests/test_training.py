@@ -575,36 +575,85 @@ def test_a_run_starts_from_an_int8_bundle(full_run, data_dir: Path, tmp_path: Pa
         train(cfg, data_dir, tmp_path / "run-int4", init_from=int4.path, max_steps=1, log=lambda s: None)
 
 
-def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir: Path, tmp_path: Path):
-    """scripts/device-train.sh as a lent GPU machine runs it, here on the CPU: it unpacks the packed corpus, starts
-    from the int8 init bundle, trains for the minutes its call has left (a config scheduled by minutes) and leaves
-    the weights as shards with the log in OUT; the shards import back into a run."""
+def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part: str = "8K"):
+    """scripts/pack-device.sh into `dest` (the repository's tree is measured as on a lease, nothing is written
+    there), starting from `bundle`; the msgspec wheel is put there first, so nothing is downloaded."""
+    import os
+    import subprocess
+
+    import msgspec
+
+    whl = dest / ".whl"
+    whl.mkdir(parents=True, exist_ok=True)
+    (whl / f"msgspec-{msgspec.__version__}-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"wheel")
+    env = {**os.environ, "DATA": str(data_dir), "DEST": str(dest), "RELEASE": str(bundle), "PART": part,
+           "LIMIT": str(limit), "PY": sys.executable, "M31R": str(Path(sys.executable).parent / "m31r")}
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run(["bash", "scripts/pack-device.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_pack_device_splits_the_corpus_to_fit_one_call(full_run, data_dir: Path, tmp_path: Path):
+    """pack-device.sh compresses the corpus in parts listed in order in parts.txt, keeps what fits the call's
+    ceiling (the repository's tracked files counted, the release weights not) and moves the trailing parts out for
+    the upload call; packed again with the same corpus, it moves them back and out again without recompressing."""
     import lzma
+    import subprocess
+
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    dest = tmp_path / "dest"
+    proc = pack(data_dir, bundle.path, dest)
+    assert proc.returncode == 0, proc.stderr
+    device, more = dest / ".device", dest / ".device-more"
+    names = (device / "parts.txt").read_text().split()
+    assert len(names) >= 4 and names == sorted(names) and not more.exists()
+    whole = b"".join(lzma.decompress((device / n).read_bytes()) for n in names)
+    assert whole == (data_dir / "corpus" / "train.jsonl").read_bytes()  # nothing lost or reordered
+    init = device / "init"
+    assert (init / "model.safetensors").exists() and "int8" in (init / "metadata.json").read_text()
+    assert lzma.decompress((device / "val.jsonl.xz").read_bytes()) == (data_dir / "corpus" / "val.jsonl").read_bytes()
+
+    # The ceiling two parts short of everything: exactly the last two go out, the list keeps all of them.
+    repo = Path(__file__).resolve().parent.parent
+    files = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
+    tracked = sum((repo / f).stat().st_size for f in files if f != "release/model.safetensors" and (repo / f).exists())
+    total = tracked + sum(f.stat().st_size for d in (device, dest / ".whl") for f in d.rglob("*") if f.is_file())
+    mtimes = {n: (device / n).stat().st_mtime_ns for n in names}
+    last_two = sum((device / n).stat().st_size for n in names[-2:])
+    proc = pack(data_dir, bundle.path, dest, limit=total - last_two + 1024)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in more.iterdir()) == names[-2:] and "upload call first" in proc.stdout
+    assert (device / "parts.txt").read_text().split() == names
+    assert {n: ((device / n) if (device / n).exists() else (more / n)).stat().st_mtime_ns for n in names} == mtimes
+    proc = pack(data_dir, bundle.path, dest, limit=1024)
+    assert proc.returncode == 1 and "the init and one corpus part are over" in proc.stderr
+
+
+def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir: Path, tmp_path: Path):
+    """scripts/device-train.sh as a lent GPU machine runs it, here on the CPU, on what pack-device.sh packed: it
+    unpacks the corpus (a part of it from an upload call), starts from the int8 init bundle, trains for the minutes
+    its call has left (a config scheduled by minutes) and leaves the weights as shards with the log in OUT; the
+    shards import back into a run."""
     import os
     import shutil
     import subprocess
     import sysconfig
 
-    from m31r.bundle import quantize_bundle
     from m31r.train.shards import import_shards
 
     run, _ = full_run
-    packed, out = tmp_path / "packed", tmp_path / "out"
-    packed.mkdir()
+    out = tmp_path / "out"
     out.mkdir()
-    (packed / "val.jsonl.xz").write_bytes(lzma.compress((data_dir / "corpus" / "val.jsonl").read_bytes()))
-    # The training corpus in two parts, as pack-device.sh leaves it when it is too large for one call: the second
-    # part goes to the machine in an upload call first.
-    lines = (data_dir / "corpus" / "train.jsonl").read_bytes().splitlines(keepends=True)
-    more = tmp_path / "more"
-    more.mkdir()
-    (packed / "train-00.jsonl.xz").write_bytes(lzma.compress(b"".join(lines[: len(lines) // 2])))
-    (more / "train-01.jsonl.xz").write_bytes(lzma.compress(b"".join(lines[len(lines) // 2 :])))
-    (packed / "parts.txt").write_text("train-00.jsonl.xz\ntrain-01.jsonl.xz\n")
-    shutil.copy(data_dir / "tokenizer.json", packed)
-    shutil.copy(data_dir / "corpus" / "manifest.json", packed)
     bundle = export(run, data_dir, tmp_path / "bundle")
-    quantize_bundle(bundle.path, packed / "init", "int8")
+    dest = tmp_path / "dest"
+    assert pack(data_dir, bundle.path, dest, part="16K").returncode == 0
+    packed, more = dest / ".device", dest / ".device-more"
+    names = (packed / "parts.txt").read_text().split()
+    assert len(names) >= 2
+    more.mkdir()  # the last part goes to the machine in an upload call first, as when the corpus is too large
+    (packed / names[-1]).rename(more / names[-1])
+    lines = (data_dir / "corpus" / "train.jsonl").read_bytes().splitlines(keepends=True)
     shutil.copy(data_dir.parent / "model.yaml", tmp_path / "model.yaml")
     cfg = tmp_path / "device.yaml"
     cfg.write_text(train_yaml(max_steps=100_000, minutes=1.0, warmup_steps=2, eval_interval=100_000,
@@ -620,7 +669,7 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)  # without the upload call first: a clear stop before any training
-    assert proc.returncode == 1 and "train-01.jsonl.xz is missing: run the upload call" in proc.stderr
+    assert proc.returncode == 1 and f"{names[-1]} is missing: run the upload call" in proc.stderr
     assert not (tmp_path / "work" / "run").exists()
     proc = subprocess.run(["bash", "scripts/device-train.sh", "upload"], cwd=repo, env={**env, "MORE": str(more)},
                           capture_output=True, text=True, timeout=60)
