@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from m31r_protocol.policy import MIN_PROBABILITY, confident
+from m31r_protocol.policy import MIN_PROBABILITY, confident, confident_lines
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -91,6 +91,7 @@ class Result:
     context_tokens: int = 0  # of which laid before the prompt: the room it left allowed these tokens
     logprobs: list[float] = field(default_factory=list)  # of each token written, the end's last (Outcome.logprobs)
     line_logprob: float | None = None  # of the first line (m31r.engine.line_logprob): what the editor's gate reads
+    logprob_by_line: list[float] = field(default_factory=list)  # of each line (m31r.engine.line_logprobs)
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -251,7 +252,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
               serving_stops: bool = True, beams: int = 1) -> list[Result]:
     from m31r.beams import beam_generate
     from m31r.context import context_budget, context_ids
-    from m31r.engine import Outcome, line_logprob
+    from m31r.engine import Outcome, line_logprobs
     from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
 
     budget = FimBudget.for_context(engine.config.max_context)
@@ -275,6 +276,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
             pass
         ms = (time.perf_counter() - t0) * 1000
         pred = res.text.split("\n", 1)[0] if single else res.text
+        by_line = line_logprobs(engine.tokenizer.token_bytes, res.tokens, res.logprobs, pred.count("\n") + 1)
         p, g = normalize(pred), normalize(t.target)
         alts = [a.split("\n", 1)[0] if single else a for a in res.alternatives]
         results.append(Result(t.kind, t.path, t.line, t.target, pred, p == g, round(edit_similarity(p, g), 4),
@@ -282,8 +284,8 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
                               t.prefix[-1:],
                               res.stopped_by == "repeat" or (not single and res.stopped_by == "sequence"), alts,
                               g in {p, *map(normalize, alts)}, len(t.context), len(head),
-                              [round(x, 3) for x in res.logprobs],
-                              line_logprob(engine.tokenizer.token_bytes, res.tokens, res.logprobs)))
+                              [round(x, 3) for x in res.logprobs], by_line[0] if by_line else None,
+                              [round(x, 4) for x in by_line]))
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -351,9 +353,23 @@ def gate(results: list[Result], kind: str, floor: float) -> dict:
 
     shown = [r for r in rs if confident(r.line_logprob, floor)]
     n_right, right_shown = sum(map(right, rs)), sum(map(right, shown))
-    return {"n": len(rs), "shown": round(len(shown) / len(rs), 4),
-            "first_line_shown": round(right_shown / max(1, len(shown)), 4),
-            "first_line_all": round(n_right / len(rs), 4), "right": n_right, "right_hidden": n_right - right_shown}
+    out = {"n": len(rs), "shown": round(len(shown) / len(rs), 4),
+           "first_line_shown": round(right_shown / max(1, len(shown)), 4),
+           "first_line_all": round(n_right / len(rs), 4), "right": n_right, "right_hidden": n_right - right_shown}
+    if kind == "multi":
+        # The shown suggestions' lines, whole and cut to their confident lines (policy.confident_lines): a line is
+        # right when it and every line above it are the target's.
+        def lines(text: str, r: Result) -> tuple[int, int]:
+            got, want = normalize(text).split("\n"), normalize(r.target).split("\n")
+            got = got if got != [""] else []
+            k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            return len(got), k
+
+        whole = [lines(r.prediction, r) for r in shown]
+        cut = [lines(confident_lines(r.prediction, r.logprob_by_line, floor), r) for r in shown]
+        out["lines"] = {"whole": sum(n for n, _ in whole), "whole_right": sum(k for _, k in whole),
+                        "cut": sum(n for n, _ in cut), "cut_right": sum(k for _, k in cut)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} suggestions the editors show at minProbability {args.min_probability:g}: {g['shown']:.1%}; "
                   f"first line right in {g['first_line_shown']:.1%} of them against {g['first_line_all']:.1%} of "
                   f"all; {g['right_hidden']} of {g['right']} right first lines hidden")
+    if (lines := report["gate"]["multi_line"].get("lines")) and lines["whole"]:
+        print(f"multi-line suggestions shown, cut to their confident lines: {lines['cut']} lines "
+              f"({lines['cut_right']} right) against {lines['whole']} whole ({lines['whole_right']} right)")
     if ppl["windows"]:
         print(f"validation perplexity {ppl['perplexity']:.2f} (loss {ppl['loss']:.3f} nats/token, "
               f"{ppl['bits_per_byte']:.3f} bits/byte; {ppl['windows']} windows x "

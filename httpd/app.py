@@ -171,7 +171,8 @@ def _result(g: Generation) -> s.GenerateResponse:
     assert d is not None
     return s.GenerateResponse(
         text=g.text, finish_reason=d.finish_reason,
-        usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob)
+        usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob,
+        logprob_by_line=d.logprob_by_line)
 
 
 class NativeRenderer(Renderer):
@@ -196,13 +197,15 @@ class CompletionRenderer(Renderer):
     def response(self, g: Generation) -> s.CompletionResponse:
         r = _result(g)
         unsure = not policy.confident(r.line_logprob, self.min_probability)
-        sug = None if unsure else policy.postprocess(self.plan, g.text)
+        sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability)
+        sug = None if unsure else policy.postprocess(self.plan, sure)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
         others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
                                     start=start, end=end, multiline=self.plan.multiline,
                                     alternatives=[s.Alternative(o.text, o.start, o.end) for o in others],
-                                    line_logprob=r.line_logprob, unsure=unsure)
+                                    line_logprob=r.line_logprob, unsure=unsure,
+                                    lines_cut=0 if unsure else g.text.count("\n") - sure.count("\n"))
 
     def final(self, g: Generation) -> bytes:
         r = self.response(g)

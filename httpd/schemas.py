@@ -125,7 +125,8 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         "greedy decoding for a multi-line one."))] | None = None
     min_probability: Annotated[float, Meta(ge=0, le=1, description=(
         "Suggest nothing (`text` empty, `unsure` true) where the model gave the completion's first line less than "
-        "this probability; 0 suggests whatever it wrote. The language server's default."))] = MIN_PROBABILITY
+        "this probability, and leave out the lines from the one at which its probability of the lines so far falls "
+        "under it (`lines_cut`); 0 suggests whatever it wrote. The language server's default."))] = MIN_PROBABILITY
     stream: Annotated[bool, Meta(description=(
         "Server-Sent Events. Post-processing needs the whole completion, so the suggestion comes as one `chunk` "
         "event, then `done`."))] = False
@@ -148,6 +149,7 @@ class GenerateResponse(Struct):
     alternatives: list[str] = []
     logprob: float | None = None  # the daemon's Done.logprob: the completion's natural-log probability
     line_logprob: float | None = None  # Done.line_logprob: its first line's
+    logprob_by_line: list[float] = []  # Done.logprob_by_line: each of its lines'
 
 
 class Alternative(Struct):
@@ -172,6 +174,9 @@ class CompletionResponse(Struct):
     alternatives: list[Alternative] = []  # a beam search's runners-up, for an editor to cycle through
     line_logprob: float | None = None  # the completion's first line's natural-log probability (Done.line_logprob)
     unsure: bool = False  # the model gave that line less than min_probability: nothing is suggested
+    # lines of the completion left out because with them the model's probability of the suggestion fell under
+    # min_probability (policy.confident_lines)
+    lines_cut: int = 0
 
 
 class StreamChunk(Struct):

@@ -70,6 +70,7 @@ class Completer:
         self.docs: dict[str, DocState] = {}
         self.stats: Counter[str] = Counter()
         self.last_raw: str | None = None
+        self.last_by_line: list[float] = []  # the daemon's Done.logprob_by_line for last_raw
         self.last_fim: dict | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -216,7 +217,7 @@ class Completer:
             self.stats[f"daemon_error_{e.code}"] += 1
             return None
         self.link.record_latency((time.perf_counter() - t0) * 1000)
-        self.last_raw = raw
+        self.last_raw, self.last_by_line = raw, list(done.logprob_by_line)
         if done.source == "typed_through":
             self.stats["daemon_typed_through"] += 1
         if self._live_version(uri) != version:
@@ -225,7 +226,10 @@ class Completer:
         if not policy.confident(done.line_logprob, s.min_probability):
             self.stats["unsure"] += 1
             return None
-        suggestion = policy.postprocess(plan, raw)
+        sure = policy.confident_lines(raw, done.logprob_by_line, s.min_probability)
+        if sure != raw:
+            self.stats["lines_cut"] += 1
+        suggestion = policy.postprocess(plan, sure)
         if suggestion is None:
             self.stats["empty"] += 1
             return None
@@ -290,8 +294,8 @@ class Completer:
         return task
 
     def snapshot(self) -> dict:
-        return {**self.stats, "lastRaw": self.last_raw, "lastFim": self.last_fim,
-                "debounceMs": round(self.debounce_s(self.settings()) * 1000, 2)}
+        return {**self.stats, "lastRaw": self.last_raw, "lastLogprobByLine": self.last_by_line,
+                "lastFim": self.last_fim, "debounceMs": round(self.debounce_s(self.settings()) * 1000, 2)}
 
 
 async def _cancel_stream(stream) -> None:

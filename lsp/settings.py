@@ -35,8 +35,8 @@ class EditorSettings:
     seed: int | None = None
     beams: int | None = None  # a single-line suggestion's beam width; None: the daemon's --beams
     project_context: bool = False  # send snippets of the crate's other files with each request (lsp/context.py)
-    # Show a suggestion only where the model gave its first line at least this probability (policy.confident); 0 shows
-    # every suggestion.
+    # Show a suggestion only where the model gave its first line at least this probability (policy.confident), and of a
+    # multi-line one the lines that together keep it (policy.confident_lines); 0 shows every suggestion whole.
     min_probability: float = MIN_PROBABILITY
 
     def options(self) -> Options:

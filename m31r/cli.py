@@ -315,8 +315,9 @@ def sampling_options(fn: F) -> F:
                           "stopped by --stop '\\n', else 1."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives, logprob, "
-                          "line_logprob} at the end (alternatives: a beam search's runners-up; logprob, line_logprob: "
-                          "how likely the model found the completion and its first line, natural logs)."),
+                          "line_logprob, logprob_by_line} at the end (alternatives: a beam search's runners-up; "
+                          "logprob, line_logprob, logprob_by_line: how likely the model found the completion, its "
+                          "first line and each line, natural logs)."),
         socket_option,
         click.option("--no-autostart", is_flag=True, help="Fail instead of starting a daemon when none runs."),
     ]):
@@ -384,7 +385,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "usage": msgspec.to_builtins(done.usage),
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
                                "alternatives": done.alternatives, "logprob": done.logprob,
-                               "line_logprob": done.line_logprob}))
+                               "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line}))
     else:
         if text and not "".join(text).endswith("\n") and sys.stdout.isatty():
             sys.stdout.write("\n")

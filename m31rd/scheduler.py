@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m31r.beams import beam_generate
-from m31r.engine import Chunk, Decode, Engine, Outcome, Piece, line_logprob
+from m31r.engine import Chunk, Decode, Engine, Outcome, Piece, line_logprobs
 from m31r.model import KVCache
 from m31r.sampling import SamplingParams
 from m31rd.cancellation import Cancellation
@@ -75,6 +75,7 @@ class Finished:
     alternatives: tuple[str, ...] = ()  # a beam search's runners-up (m31r.beams)
     logprob: float | None = None  # the completion's log-probability, its end included (Outcome.logprobs)
     line_logprob: float | None = None  # its first line's (m31r.engine.line_logprob)
+    logprob_by_line: tuple[float, ...] = ()  # each of its text's lines' (m31r.engine.line_logprobs)
 
 
 @dataclass(frozen=True)
@@ -254,12 +255,13 @@ class Scheduler:
         o, received = run.outcome, run.request.received
         assert o is not None
         queue_ms = (run.started - received) * 1000
+        by_line = line_logprobs(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs, o.text.count("\n") + 1)
         return Finished(
             o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
             accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,
-            line_logprob=line_logprob(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs))
+            line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line))
 
     def _advance(self, run: _Run) -> bool:
         """Advance a running request to its next model call (collected for this round), emitting the tokens produced

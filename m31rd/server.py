@@ -79,6 +79,7 @@ class Typed:
     finish_reason: str
     ends: tuple[int, ...]  # where each of the suggestion's tokens ends in `text`
     logprob: float | None = None  # the suggestion's (Done.logprob): a lower bound for any rest of it
+    by_line: tuple[float, ...] = ()  # Done.logprob_by_line: the line the user is on gives a lower bound for its rest
 
 
 def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
@@ -89,7 +90,8 @@ def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
     k = len(typed)
     if typed and last.text.startswith(typed) and len(last.text) > k:
         ends = tuple(e - k for e in last.ends if e > k)
-        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends, last.logprob)
+        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends, last.logprob,
+                     last.by_line[typed.count("\n") :])
     return None
 
 
@@ -497,7 +499,7 @@ class Daemon:
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
                                   first_token_ms=first, total_ms=round(e.total_ms, 2)),
                 alternatives=list(e.alternatives), logprob=_round(e.logprob),
-                line_logprob=_round(e.line_logprob)), True)
+                line_logprob=_round(e.line_logprob), logprob_by_line=[round(x, 4) for x in e.logprob_by_line]), True)
         elif isinstance(event, Failed):
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:
@@ -521,7 +523,8 @@ class Daemon:
             conn.send(m.Token(id=req.id, text=text))
         conn.send(m.Done(id=req.id, finish_reason=finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
                          timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through",
-                         logprob=rest.logprob, line_logprob=rest.logprob))
+                         logprob=rest.logprob, line_logprob=rest.by_line[0] if rest.by_line else rest.logprob,
+                         logprob_by_line=list(rest.by_line)))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
@@ -541,7 +544,7 @@ class Daemon:
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
                 self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends),
-                                                 msg.logprob)
+                                                 msg.logprob, tuple(msg.logprob_by_line))
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)

@@ -159,6 +159,11 @@ class Done(Struct, tag="done"):
     # when nothing was generated.
     logprob: float | None = None
     line_logprob: float | None = None
+    # Each line's of the streamed text, the first being line_logprob: the first k summed are how likely the model
+    # finds the first k lines, and m31r_protocol.policy.confident_lines cuts a multi-line suggestion to the lines
+    # that keep the editors' floor. A typed_through answer leaves out the lines typed. Empty when nothing was
+    # generated (or from an older daemon).
+    logprob_by_line: list[float] = []
 
 
 class Error(Struct, tag="error"):

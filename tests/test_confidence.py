@@ -1,5 +1,6 @@
 """The confidence floor with the bundled model: lines any Rust reader would write pass the editors' default floor,
-a line of noise after a nonsense prefix does not (m31r.engine.line_logprob, m31r_protocol.policy.confident)."""
+a line of noise after a nonsense prefix does not (m31r.engine.line_logprob, m31r_protocol.policy.confident), and a
+multi-line completion is cut where its lines together fall under it (line_logprobs, policy.confident_lines)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from m31r_protocol.policy import MIN_PROBABILITY, confident
+from m31r_protocol.policy import MIN_PROBABILITY, confident, confident_lines
 
 RELEASE = Path(__file__).resolve().parent.parent / "release"
 
@@ -48,3 +49,35 @@ def test_lines_the_model_knows_pass_the_default_floor(release_engine, prefix, su
 def test_noise_falls_below_it(release_engine, prefix, suffix):
     text, lp = line(release_engine, prefix, suffix)
     assert text and not confident(lp, MIN_PROBABILITY), (text, lp)
+
+
+def test_line_logprobs_splits_the_tokens_figures_at_their_line_breaks():
+    from m31r.engine import line_logprob, line_logprobs
+
+    token_bytes = [b"if", b" x", b" {\n    ", b"y", b"();\n\n", b"}", None]
+    tokens, logprobs = [0, 1, 2, 3, 4, 5], [-1.0, -2.0, -0.5, -3.0, -0.25, -0.125, -4.0]  # the end's last
+    assert line_logprobs(token_bytes, tokens, logprobs) == [-3.5, -3.25, 0.0, -4.125]
+    assert line_logprobs(token_bytes, tokens, logprobs, lines=2) == [-3.5, -3.25]  # a stop kept two lines of text
+    assert line_logprob(token_bytes, tokens, logprobs) == -3.5
+    assert line_logprobs(token_bytes, [0, 1], [-1.0, -2.0]) == [-3.0]  # one line, ended by a limit
+    assert line_logprobs(token_bytes, [], [-0.5]) == [-0.5]  # ended at once: one empty line, the end's figure
+    assert line_logprobs(token_bytes, [], []) == [] and line_logprob(token_bytes, [], []) is None
+
+
+def test_a_multi_line_completion_is_cut_to_the_lines_the_model_is_sure_of(release_engine):
+    """The model is sure enough of its first line to show it, not of the body it invents after it."""
+    from m31r.engine import Outcome, line_logprobs
+    from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
+
+    prefix, suffix = "fn main() {\n    let args: Vec<String> = std::env::args().collect();\n    ", "\n}\n"
+    engine = release_engine
+    p = build_fim_prompt(engine.tokenizer, prefix, suffix, FimBudget.for_context(engine.config.max_context))
+    res = Outcome(prompt_tokens=0)
+    for _ in engine.generate(p.ids, max_tokens=64, result=res, heal=p.heal, stop=[suffix_stop(prefix, suffix)],
+                             repeat_context=line_context(prefix)):
+        pass
+    by_line = line_logprobs(engine.tokenizer.token_bytes, res.tokens, res.logprobs, res.text.count("\n") + 1)
+    lines = res.text.split("\n")
+    assert len(lines) >= 3 and lines[0].startswith("if args.len()"), res.text
+    assert confident(by_line[0], MIN_PROBABILITY), by_line
+    assert confident_lines(res.text, by_line, MIN_PROBABILITY) == lines[0], by_line

@@ -869,11 +869,17 @@ async def test_typed_through(warm, tiny_engine):
         assert first.done.line_logprob == pytest.approx(
             line_logprob(tiny_engine.tokenizer.token_bytes, want.tokens, want.logprobs), abs=1e-3)
         assert first.done.line_logprob >= first.done.logprob
+        # Each line's figure: as many as the text has lines, the first the line_logprob, all of them the logprob.
+        by_line = first.done.logprob_by_line
+        assert len(by_line) == text.count("\n") + 1 and by_line[0] == first.done.line_logprob
+        assert sum(by_line) == pytest.approx(first.done.logprob, abs=1e-3)
         for k in (1, 2):  # the user types the suggestion's first characters
             out = await run(await c.fim(prefix + text[:k], suffix, document="doc-typed", max_tokens=8))
             assert out.done.source == "typed_through" and out.text == text[k:]
             assert out.done.usage.completion_tokens == 0
-            assert out.done.logprob == out.done.line_logprob == first.done.logprob  # a lower bound for the rest
+            assert out.done.logprob == first.done.logprob  # lower bounds for the rest: the whole's, the line's
+            assert out.done.logprob_by_line == by_line[text[:k].count("\n") :]
+            assert out.done.line_logprob == out.done.logprob_by_line[0]
         # Typing something else asks the model again.
         out = await run(await c.fim(prefix + text[:2] + "Q", suffix, document="doc-typed", max_tokens=8))
         assert out.done.source == "model"
@@ -920,6 +926,14 @@ def test_typed_through_counts_a_partly_typed_token_as_one():
     assert clip(rest, 2, []) == ("o.", "length")
     assert clip(rest, 4, []) == ("o.bar()", "length") and clip(rest, 9, ["("]) == ("o.bar", "stop")
     assert clip(rest, 3, ["r()"]) == ("o.bar", "length")  # a stop beyond the limit is never reached
+
+
+def test_typed_through_leaves_out_the_figures_of_the_lines_typed():
+    from m31rd.server import Typed, typed_through
+
+    last = Typed("", "", "ab\ncd\nef", "length", (3, 6, 8), -6.0, (-1.0, -2.0, -3.0))
+    assert typed_through(last, m.Fim(id=1, prefix="a", suffix="")).by_line == (-1.0, -2.0, -3.0)
+    assert typed_through(last, m.Fim(id=1, prefix="ab\nc", suffix="")).by_line == (-2.0, -3.0)
 
 
 # -- socket safety and lifecycle ----------------------------------------------------------------------------

@@ -376,6 +376,31 @@ def test_completion_suggests_nothing_the_model_is_unsure_of(http):
     assert http.post("/completion", json={**body, "min_probability": 1.5}).status_code == 400
 
 
+def test_completion_cuts_the_lines_the_model_is_unsure_of(http):
+    """/fim gives each line's log-probability; /completion leaves out the lines from the one at which the
+    probability of the lines so far falls under min_probability, and counts them (policy.confident_lines)."""
+    off = len(RUST)
+    p = policy.plan(RUST, off, policy.Options(multiline="always", max_tokens=48, deadline_ms=None))
+    for seed in range(1, 40):  # the tiny random model writes a line break now and then: a seed whose answer has one
+        noise = {"temperature": 1.0, "seed": seed, "max_tokens": 48}
+        fim = http.post("/fim", json={"prefix": p.prefix, "suffix": p.suffix, "stop": p.stop, **noise}).json()
+        raw, by_line = fim["text"], fim["logprob_by_line"]
+        assert len(by_line) == raw.count("\n") + 1 and by_line[0] == fim["line_logprob"]
+        whole = policy.postprocess(p, raw)
+        if whole is not None and whole.text.count("\n") >= 1 and by_line[1] < -0.01:
+            break
+    else:
+        raise AssertionError("no seed gave a suggestion of two lines")
+    floor = math.exp(by_line[0] + by_line[1] / 2)
+    body = {"prefix": RUST[:off], "suffix": RUST[off:], "multiline": "always", **noise}
+    c = http.post("/completion", json={**body, "min_probability": 0}).json()
+    assert c["text"] == whole.text and c["lines_cut"] == 0
+    c = http.post("/completion", json={**body, "min_probability": floor}).json()
+    cut = policy.postprocess(p, raw.split("\n", 1)[0])
+    assert cut is not None and c["text"] == cut.text != whole.text and not c["unsure"]
+    assert c["lines_cut"] == raw.count("\n")
+
+
 # -- OpenAI-compatible ------------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -211,6 +212,35 @@ async def test_unsure_suggestions_are_hidden_below_min_probability(lsp):
     res = await s.inline(offset + 1)
     st = await s.stats()
     assert len(res.items) == 1 and st["suggestions"] == 1 and st["unsure"] == 1
+
+
+async def test_a_suggestion_is_cut_to_the_lines_the_model_is_sure_of(lsp):
+    """minProbability also decides how many lines show (policy.confident_lines): with a floor between the daemon's
+    probability of the raw answer's first lines and of one line more, the same request shows only those first lines,
+    where without a floor it shows more."""
+    offset = len(RUST) - 1  # after the last `}`: no block's indentation ends the suggestion's second line
+    settings = {**NOISE, "maxTokens": 48, "seed": 3}  # (a seed whose raw answer has a second line)
+    s = await lsp(settings)
+    s.open(RUST)
+    whole = await s.inline(offset)
+    st = await s.stats()
+    raw, by_line = st["lastRaw"], st["lastLogprobByLine"]
+    assert len(by_line) == raw.count("\n") + 1 >= 2, (raw, by_line)
+    assert len(whole.items) == 1 and st.get("lines_cut", 0) == 0
+    check_item(whole.items[0], RUST, offset, raw, multiline="always")
+    k = next(i for i in range(1, len(by_line)) if by_line[i] < -0.01)  # the first line after which the figure falls
+    floor = math.exp(sum(by_line[:k]) + by_line[k] / 2)
+    cut = policy.confident_lines(raw, by_line, floor)
+    assert cut == "\n".join(raw.split("\n")[:k])
+
+    s2 = await lsp({**settings, "minProbability": floor})
+    s2.open(RUST)
+    res = await s2.inline(offset)
+    st = await s2.stats()
+    assert st["lastRaw"] == raw and st["lines_cut"] == 1 and st.get("unsure", 0) == 0
+    assert len(res.items) == 1
+    shown = check_item(res.items[0], RUST, offset, cut, multiline="always")
+    assert shown.text != whole.items[0].insert_text and whole.items[0].insert_text.startswith(shown.text)
 
 
 async def test_inline_completion_at_cursor(lsp):

@@ -419,3 +419,19 @@ def test_confident_compares_the_first_lines_probability_with_the_floor():
     assert policy.confident(math.log(0.1), 0.1)  # at the floor: shown
     assert policy.confident(-50.0, 0) and policy.confident(None, 0.9)  # off; an answer without the figure
     assert not policy.confident(-0.01, 1.0) and policy.confident(0.0, 1.0)
+
+
+def test_confident_lines_cuts_where_the_lines_so_far_fall_under_the_floor():
+    """The lines are kept while the probability of all of them so far stays at or above the floor; the first line is
+    always kept (the gate above decides it); lines beyond the figures (an older daemon's answer) are kept."""
+    from math import log as lp
+
+    raw = "if x {\n    y();\n    z();\n}"
+    assert policy.confident_lines(raw, [lp(0.5), lp(0.5), lp(0.5), lp(1.0)], 0.2) == "if x {\n    y();"
+    assert policy.confident_lines(raw, [lp(0.5), lp(0.5), lp(0.8), lp(1.0)], 0.2) == raw  # 0.2 itself is kept
+    assert policy.confident_lines(raw, [lp(0.5), lp(0.1)], 0.2) == "if x {"
+    assert policy.confident_lines(raw, [lp(0.01), lp(1.0)], 0.2) == "if x {"  # under the floor at once: one line
+    assert policy.confident_lines(raw, [lp(0.5), lp(0.1)], 0) == raw  # the floor off
+    assert policy.confident_lines(raw, [lp(0.5)], 0.2) == raw and policy.confident_lines(raw, [], 0.2) == raw
+    assert policy.confident_lines("a\n", [lp(0.5), lp(0.1)], 0.2) == "a"  # the empty line after a break is a line
+    assert policy.confident_lines("a", [lp(0.5), lp(0.01), lp(0.01)], 0.2) == "a"  # more figures than lines

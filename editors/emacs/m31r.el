@@ -83,7 +83,8 @@ included: once spent, the suggestion ends with what was written so far."
 
 (defcustom m31r-min-probability 0.05
   "Hide a suggestion whose first line the model gives less than this probability.
-0 shows every suggestion."
+Of a multi-line suggestion, show only the lines that together keep it.
+0 shows every suggestion whole."
   :type 'number)
 
 (defcustom m31r-inline-idle-delay 0.2

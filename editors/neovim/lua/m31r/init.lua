@@ -25,7 +25,8 @@ M.server_defaults = {
   deadlineMs = 800,
   maxTokens = 64,
   projectContext = false, -- true: send snippets of the crate's other files
-  minProbability = 0.05, -- hide suggestions whose first line the model gives less than this (0 shows all)
+  minProbability = 0.05, -- hide suggestions whose first line the model gives less than this, cut multi-line ones
+  -- to the lines that together keep it (0 shows all, whole)
   socket = "", -- "" = the daemon's default socket
 }
 
