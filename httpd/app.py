@@ -36,7 +36,7 @@ from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import GuardMiddleware, HostPolicy, error_body
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
-from m31r_protocol.messages import Done, Snippet
+from m31r_protocol.messages import Done, Snippet, Token
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
 from m31r_protocol.version import VERSION
 
@@ -132,6 +132,7 @@ class Renderer:
     """How one endpoint turns the daemon's answer into bytes. `live`: forward text chunks as they come."""
 
     live = True
+    every_token = False  # stream a chunk for every token, those without text too (their figures are asked for)
     media_type = b"text/event-stream; charset=utf-8"  # of a streamed answer
     headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers
 
@@ -147,7 +148,8 @@ class Renderer:
         """Sent right after the stream's headers."""
         return b""
 
-    def chunk(self, text: str) -> bytes:
+    def chunk(self, text: str, frame: Token | None = None) -> bytes:
+        """One piece of streamed text, with the daemon's frame it came in (per-token figures, when asked for)."""
         raise NotImplementedError
 
     def final(self, g: Generation) -> bytes:
@@ -176,7 +178,7 @@ def _result(g: Generation) -> s.GenerateResponse:
 
 
 class NativeRenderer(Renderer):
-    def chunk(self, text: str) -> bytes:
+    def chunk(self, text: str, frame: Token | None = None) -> bytes:
         return _sse("chunk", s.StreamChunk(text))
 
     def final(self, g: Generation) -> bytes:
@@ -215,18 +217,39 @@ class CompletionRenderer(Renderer):
         return msgspec.json.encode(self.response(g))
 
 
+def openai_logprobs(frames: list[Token], offset: int, top: int) -> s.OpenAILogprobs:
+    """The per-token figures of the daemon's Token frames in OpenAI's legacy form. Text the daemon released at the end
+    (held back while it might have begun a stop sequence) has no token of its own: it joins the token before it."""
+    out = s.OpenAILogprobs([], [], [], [])
+    for f in frames:
+        if f.logprob is None:
+            if out.tokens:
+                out.tokens[-1] += f.text
+            offset += len(f.text)
+            continue
+        out.tokens.append(f.text)
+        out.token_logprobs.append(f.logprob)
+        out.top_logprobs.append({c.text: c.logprob for c in f.top_logprobs[:top]})
+        out.text_offset.append(offset)
+        offset += len(f.text)
+    return out
+
+
 class OpenAIRenderer(Renderer):
-    def __init__(self, include_usage: bool = False, echo: str = ""):
+    def __init__(self, include_usage: bool = False, echo: str = "", logprobs: int | None = None):
         self.id = "cmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
         self.include_usage, self.echo = include_usage, echo
+        self.logprobs = logprobs  # the likeliest tokens to list at each step; None: no figures
+        self.every_token = logprobs is not None
+        self.offset = len(echo)  # where the next streamed token starts in the choice's text
         self.model = ""
 
     def connected(self, client: Client) -> None:
         self.model = client.welcome.model
 
     def prelude(self) -> bytes:
-        return self.chunk(self.echo) if self.echo else b""
+        return b"data: " + self._completion([s.OpenAIChoice(self.echo)]) + b"\n\n" if self.echo else b""
 
     def _completion(self, choices: list[s.OpenAIChoice], usage: s.OpenAIUsage | None = None) -> bytes:
         return msgspec.json.encode(s.OpenAICompletion(id=self.id, created=self.created, model=self.model,
@@ -243,8 +266,12 @@ class OpenAIRenderer(Renderer):
         assert g.done is not None
         return "length" if g.done.finish_reason == "length" else "stop"
 
-    def chunk(self, text: str) -> bytes:
-        return b"data: " + self._completion([s.OpenAIChoice(text)]) + b"\n\n"
+    def chunk(self, text: str, frame: Token | None = None) -> bytes:
+        lp = None
+        if self.logprobs is not None and frame is not None:
+            lp = openai_logprobs([frame], self.offset, self.logprobs)
+            self.offset += len(text)
+        return b"data: " + self._completion([s.OpenAIChoice(text, logprobs=lp)]) + b"\n\n"
 
     def final(self, g: Generation) -> bytes:
         out = b"data: " + self._completion([s.OpenAIChoice("", finish_reason=self._finish(g))]) + b"\n\n"
@@ -253,7 +280,9 @@ class OpenAIRenderer(Renderer):
         return out + b"data: [DONE]\n\n"
 
     def body(self, g: Generation) -> bytes:
-        return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=self._finish(g))], self._usage(g))
+        lp = None if self.logprobs is None else openai_logprobs(g.frames, len(self.echo), self.logprobs)
+        return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=self._finish(g), logprobs=lp)],
+                                self._usage(g))
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"data: " + error_body(status, code, message) + b"\n\n"
@@ -287,6 +316,7 @@ class Generation:
         self.client: Client | None = None
         self.daemon: Stream | None = None
         self.pieces: list[str] = []
+        self.frames: list[Token] = []  # the daemon's Token frames, whose text the pieces are
         self.done: Done | None = None
         self.ended = False  # the daemon request is over (done or error)
         self.started = False  # response headers sent
@@ -352,8 +382,9 @@ class Generation:
         try:
             piece = first
             while piece is not None:
-                if live and piece:
-                    await send({"type": "http.response.body", "body": self.renderer.chunk(piece), "more_body": True})
+                if live and (piece or self.renderer.every_token):
+                    body = self.renderer.chunk(piece, self.frames[-1])
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                 piece = await self._next()
         except Failed as f:
             return await self._fail(send, f)
@@ -408,6 +439,7 @@ class Generation:
         if not self.pieces:
             self.svc.metrics.first_token.labels(self.endpoint).observe(time.perf_counter() - self.t0)
         self.pieces.append(tok.text)
+        self.frames.append(tok)
         return tok.text
 
     async def _fail(self, send: Send, f: Failed) -> None:
@@ -537,17 +569,19 @@ class Service:
         self.check_cap(max_tokens)
         sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        if r.logprobs is not None and r.echo:
+            raise s.InvalidRequest("logprobs: with echo it would need the prompt's log-probabilities, which this "
+                                   "server does not compute: send one or the other", "logprobs")
         renderer = OpenAIRenderer(include_usage=bool(r.stream_options and r.stream_options.include_usage),
-                                  echo=prompt if r.echo else "")
+                                  echo=prompt if r.echo else "", logprobs=r.logprobs)
         suffix = r.suffix
         if suffix is None and not prompt:
             suffix = ""  # nothing to continue: write the start of a file instead
 
         def start(c: Client) -> Awaitable[Stream]:
             self.check_model(c, r.model)
-            if suffix is not None:
-                return c.fim(prompt, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
-            return c.generate(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed)
+            kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
+            return c.fim(prompt, suffix, **kw) if suffix is not None else c.generate(prompt, **kw)
 
         return Generation(self, "/v1/completions", start, renderer, bool(r.stream))
 

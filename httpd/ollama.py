@@ -11,8 +11,10 @@ Where it follows Ollama and where it does not:
 - Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
   num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
   cap is refused. A prompt too long for the context loses its start, as Ollama's does (`truncate: false` refuses).
-- Fields asking for what this model cannot do (system, template, context, images, format, think, logprobs, image
-  generation) are refused with 400; unknown top-level fields are ignored, as Ollama's JSON decoding does.
+- `logprobs: true` gives each chunk (and a whole answer) Ollama's `logprobs` list: each token's text, natural-log
+  probability and UTF-8 bytes, with `top_logprobs` (0 to 20) of the likeliest tokens at its step.
+- Fields asking for what this model cannot do (system, template, context, images, format, think, image generation)
+  are refused with 400; unknown top-level fields are ignored, as Ollama's JSON decoding does.
 - Errors have Ollama's shape, `{"error": "message"}`: 400 bad input, 404 unknown model, 503 busy or unavailable;
   mid-stream, one `{"error": ...}` line ends the stream.
 """
@@ -35,7 +37,8 @@ from m31r_http import schemas as s
 from m31r_http.app import Generation, Renderer, Service, model_names
 from m31r_http.fim_templates import split_fim
 from m31r_protocol import Client, Stream
-from m31r_protocol.messages import StatusReply
+from m31r_protocol.limits import MAX_LOGPROBS
+from m31r_protocol.messages import StatusReply, Token
 from m31r_protocol.reconnect import Unavailable
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API this follows: clients gate features on it
@@ -90,8 +93,8 @@ class GenerateRequest(Struct, kw_only=True):
     images: list[str] | None = None
     format: Any = None
     think: Any = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
     width: int | None = None
     height: int | None = None
     steps: int | None = None
@@ -105,8 +108,6 @@ REFUSED = {
     "images": "this model reads text only",
     "format": "structured output (`format`) is not supported",
     "think": "this model does not think: `think` must be false or left out",
-    "logprobs": "log probabilities are not returned",
-    "top_logprobs": "log probabilities are not returned",
     "width": "image generation is not supported",
     "height": "image generation is not supported",
     "steps": "image generation is not supported",
@@ -149,14 +150,30 @@ def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
 # -- responses --------------------------------------------------------------------------------------------------
 
 
+def ollama_logprobs(frames: list[Token]) -> list[dict]:
+    """The per-token figures of the daemon's Token frames as Ollama lists them. Text released at the end (held back
+    while it might have begun a stop sequence) has no token of its own: it joins the token before it."""
+    out: list[dict] = []
+    for f in frames:
+        if f.logprob is None:
+            if out:
+                out[-1]["token"] += f.text
+                out[-1]["bytes"] = list(out[-1]["token"].encode())
+            continue
+        top = [{"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode())} for c in f.top_logprobs]
+        out.append({"token": f.text, "logprob": f.logprob, "bytes": list(f.text.encode()), "top_logprobs": top})
+    return out
+
+
 class OllamaRenderer(Renderer):
     """Newline-delimited JSON objects, the last with `done: true`, the counts, and durations in nanoseconds."""
 
     media_type = NDJSON
 
-    def __init__(self, model: str, ignored: list[str]):
+    def __init__(self, model: str, ignored: list[str], logprobs: bool = False):
         self.model = model  # echoed as the request named it, as Ollama does
         self.headers = ((b"x-m31r-ignored-options", ", ".join(ignored).encode()),) if ignored else ()
+        self.every_token = self.logprobs = logprobs
 
     def _line(self, obj: dict) -> bytes:
         return msgspec.json.encode(obj) + b"\n"
@@ -172,14 +189,20 @@ class OllamaRenderer(Renderer):
                 "eval_count": u.completion_tokens,
                 "eval_duration": _ns(max(0.0, t.total_ms - t.queue_ms - t.prefill_ms) / 1000)}
 
-    def chunk(self, text: str) -> bytes:
-        return self._line({"model": self.model, "created_at": _now(), "response": text, "done": False})
+    def chunk(self, text: str, frame: Token | None = None) -> bytes:
+        line = {"model": self.model, "created_at": _now(), "response": text, "done": False}
+        if self.logprobs and frame is not None:
+            line["logprobs"] = ollama_logprobs([frame])
+        return self._line(line)
 
     def final(self, g: Generation) -> bytes:
         return self._line(self._done(g, ""))
 
     def body(self, g: Generation) -> bytes:
-        return msgspec.json.encode(self._done(g, g.text))
+        done = self._done(g, g.text)
+        if self.logprobs:
+            done["logprobs"] = ollama_logprobs(g.frames)
+        return msgspec.json.encode(done)
 
     def load(self) -> dict:
         """Ollama's answer to an empty prompt: the model is loaded (here: the daemon answers)."""
@@ -236,6 +259,9 @@ class Ollama:
         for name, why in REFUSED.items():
             if getattr(r, name):
                 raise s.InvalidRequest(f"{name}: {why}", name)
+        if r.top_logprobs and not r.logprobs:
+            raise s.InvalidRequest("top_logprobs: it lists alternatives beside each token's log-probability, so it "
+                                   "needs logprobs: true", "top_logprobs")
         opts, ignored = _options(r.options)
         cap = svc.settings.max_tokens_cap
         n = opts.num_predict
@@ -248,7 +274,7 @@ class Ollama:
         prefix, suffix = r.prompt, r.suffix
         if suffix is None and (layout := split_fim(r.prompt)) is not None:
             _, prefix, suffix = layout
-        renderer = OllamaRenderer(r.model, ignored)
+        renderer = OllamaRenderer(r.model, ignored, r.logprobs)
         if suffix is None and not prefix:  # Ollama loads the model and says so
             check_model(await self._client(), r.model)
             line = msgspec.json.encode(renderer.load())
@@ -259,10 +285,11 @@ class Ollama:
         def start(c: Client) -> Awaitable[Stream]:
             check_model(c, r.model)
             max_tokens = n if n is not None and n >= 0 else min(cap, c.welcome.max_context // 2)
+            kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed,
+                      logprobs=r.top_logprobs if r.logprobs else None)
             if suffix is not None:
-                return c.fim(prefix, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed)
-            return c.generate(prefix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed,
-                              truncate=r.truncate)
+                return c.fim(prefix, suffix, **kw)
+            return c.generate(prefix, truncate=r.truncate, **kw)
 
         return Generation(svc, "/api/generate", start, renderer, r.stream)
 

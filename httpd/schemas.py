@@ -3,7 +3,7 @@
 The Structs are the contract: requests are decoded (and validated) straight into them, responses are encoded
 from them, and `/openapi.json` is `msgspec.json.schema_components` of them. Every request refuses unknown
 fields (a typo is a 400 naming the field). The OpenAI-compatible request lists all of OpenAI's fields, and
-those this server cannot honour accept only their no-op values (`n: 1`, `logprobs: null`, ...): a client
+those this server cannot honour accept only their no-op values (`n: 1`, `best_of: 1`, ...): a client
 never gets an answer that quietly ignores what it asked for.
 """
 
@@ -238,7 +238,9 @@ class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=1, description="Choices per prompt: only 1.")] | None = None
     best_of: Annotated[int, Meta(ge=1, le=1, description="Candidates to pick from: only 1.")] | None = None
-    logprobs: Annotated[None, Meta(description="Log probabilities are not returned: only null.")] = None
+    logprobs: Annotated[int, Meta(ge=0, le=5, description=(
+        "Each token's log-probability, with this many (0 to 5) of the likeliest tokens at its step: the choice's "
+        "`logprobs`. Not with `echo` (the prompt's tokens have none here)."))] | None = None
     echo: Annotated[bool, Meta(description="Start the completion's text with the prompt.")] | None = None
     presence_penalty: Annotated[float, Meta(ge=0, le=0, description="Not supported: only 0.")] | None = None
     frequency_penalty: Annotated[float, Meta(ge=0, le=0, description="Not supported: only 0.")] | None = None
@@ -254,7 +256,7 @@ class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 OPENAI_REFUSALS = {
     "n": "this server returns one choice per request: n must be 1",
     "best_of": "this server returns the one completion it generates: best_of must be 1",
-    "logprobs": "this server does not return log probabilities: logprobs must be null or left out",
+    "logprobs": "logprobs is how many of the likeliest tokens to list at each step, 0 to 5",
     "presence_penalty": "presence_penalty is not supported: it must be 0 or left out",
     "frequency_penalty": "frequency_penalty is not supported: it must be 0 or left out",
     "logit_bias": "logit_bias is not supported: it must be {} or left out",
@@ -265,11 +267,21 @@ OPENAI_REFUSALS = {
 OpenAIFinishReason = Literal["stop", "length"]
 
 
+class OpenAILogprobs(Struct):
+    """The tokens of a choice's text (the streamed pieces: together they are the text), each one's natural-log
+    probability, the likeliest tokens at its step with theirs, and where each starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class OpenAIChoice(Struct):
     text: str
     index: int = 0
     finish_reason: OpenAIFinishReason | None = None
-    logprobs: None = None
+    logprobs: OpenAILogprobs | None = None
 
 
 class OpenAIUsage(Struct):

@@ -313,6 +313,10 @@ def sampling_options(fn: F) -> F:
                      help="Beam search of this width (greedy only): the likeliest completion as a whole, shown once "
                           "the search ends; 1 is plain greedy. Default: the daemon's --beams for a completion "
                           "stopped by --stop '\\n', else 1."),
+        click.option("--logprobs", type=click.IntRange(0, 20), default=None,
+                     help="With --json: each token's log-probability and this many of the likeliest tokens at its "
+                          "step (\"token_logprobs\": [{text, token, logprob, top: [[token, text, logprob], ...]}]). "
+                          "Decodes token by token (no beam search)."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives, logprob, "
                           "line_logprob, logprob_by_line} at the end (alternatives: a beam search's runners-up; "
@@ -346,6 +350,8 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
     from m31r_protocol.reconnect import DaemonLink, link_config
 
+    if opts["logprobs"] is not None and not opts["as_json"]:
+        fail("--logprobs gives figures in the --json output: add --json")
     config = link_config(opts["socket_path"], autostart=not opts["no_autostart"])
     link = DaemonLink(config, client_name="m31r", progress=lambda msg: click.echo(msg, err=True))
     client = await link.get(wait=config.start_timeout + 10)  # an autostart's own limit decides
@@ -362,14 +368,15 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
 
     sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
     common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"],
-                  lookahead=opts["lookahead"], beams=opts["beams"])
+                  lookahead=opts["lookahead"], beams=opts["beams"], logprobs=opts["logprobs"])
     stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
                     else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
                                     context=payload.get("context"), **common))
-    text = []
+    text, frames = [], []
     try:
         async for tok in stream:
             text.append(tok.text)
+            frames.append(tok)
             if not opts["as_json"]:
                 sys.stdout.write(tok.text)
                 sys.stdout.flush()
@@ -385,7 +392,11 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "usage": msgspec.to_builtins(done.usage),
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
                                "alternatives": done.alternatives, "logprob": done.logprob,
-                               "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line}))
+                               "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line,
+                               **({"token_logprobs": [
+                                   {"text": f.text, "token": f.token, "logprob": f.logprob,
+                                    "top": msgspec.to_builtins(f.top_logprobs)} for f in frames if f.token is not None]}
+                                  if opts["logprobs"] is not None else {})}))
     else:
         if text and not "".join(text).endswith("\n") and sys.stdout.isatty():
             sys.stdout.write("\n")

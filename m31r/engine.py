@@ -17,6 +17,7 @@ across a boundary of a larger chunk, which then runs once as one chunk.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future
@@ -62,6 +63,8 @@ class Piece:
 
     id: int | None
     text: str
+    logprob: float | None = None  # the token's (Outcome.logprobs)
+    top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens at its step and theirs (generate's top_logprobs)
 
 
 @dataclass
@@ -646,6 +649,7 @@ class Engine:
         deadline: float | None = None,
         lookahead: int = 0,
         repeat_context: str | None = None,
+        top_logprobs: int = 0,
     ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
@@ -665,6 +669,9 @@ class Engine:
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
         logits: a scheduler's round boundaries, where it checks for cancellation.
+
+        `top_logprobs`: each Piece of a token also carries the likeliest tokens at its step, this many, with their
+        log-probabilities (under the same distribution as its own: Outcome.logprobs).
 
         `lookahead` (greedy decoding without a repetition penalty only; elsewhere ignored) is prompt-lookup decoding:
         each decode step also feeds up to this many draft tokens copied from the context (m31r.lookup), and every
@@ -704,7 +711,13 @@ class Engine:
                 if owed or after_space:
                     logits = self.heal_logits(logits, owed)
                 tok = sampler(logits, hist)
-                res.logprobs.append((logits[tok].float() - torch.logsumexp(logits.float(), 0)).item())
+                norm = torch.logsumexp(logits.float(), 0)
+                res.logprobs.append((logits[tok].float() - norm).item())
+                top: tuple[tuple[int, float], ...] = ()
+                if top_logprobs:
+                    values, ids = torch.topk(logits.float(), min(top_logprobs, logits.numel()))
+                    top = tuple((i, v) for i, v in zip(ids.tolist(), (values - norm).tolist(), strict=True)
+                                if v > -math.inf)  # not the tokens the masks rule out
                 if tok in self.stop_ids:
                     res.finish_reason, res.stopped_by = "stop", "end"
                     break
@@ -724,7 +737,7 @@ class Engine:
                 res.text += piece
                 if res.first_token_ms is None:
                     res.first_token_ms = (time.perf_counter() - t0) * 1000
-                yield Piece(tok, piece)
+                yield Piece(tok, piece, res.logprobs[-1], top)
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"

@@ -32,14 +32,14 @@ from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
-from m31r_protocol.limits import MAX_SNIPPETS
+from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
 from m31rd.cancellation import Cancellation
 from m31rd.torch_thread import TorchThread
 
 if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Status before it has loaded
-    from m31r.engine import Engine
+    from m31r.engine import Engine, Piece
     from m31r.sampling import SamplingParams
     from m31rd.scheduler import Event
 
@@ -136,6 +136,8 @@ def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: in
     completions")."""
     if req.beams is not None:
         return req.beams
+    if req.logprobs is not None:  # per-token figures come from plain decoding, token by token
+        return 1
     plain = sampling.greedy and sampling.repetition_penalty == 1.0
     return default if plain and "\n" in req.stop else 1
 
@@ -401,6 +403,11 @@ class Daemon:
             return refuse("bad_request", f"lookahead must be >= 0, got {req.lookahead}")
         if req.beams is not None and (why := beams_refusal(req.beams, sampling)):
             return refuse("bad_request", why)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
+        if req.logprobs is not None and (req.beams or 1) > 1:
+            return refuse("bad_request", "logprobs come with each token as it is decoded, and a beam search writes its "
+                                         "tokens only at its end: leave beams out (or 1) to have them")
         if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
             return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
@@ -424,7 +431,8 @@ class Daemon:
             if superseded is not None:
                 superseded.cancel("superseded by a newer request for the same document")
             self.by_document[req.document] = job
-            if self.cache.reuse and sampling.greedy and self._answer_typed_through(conn, job):
+            # (an answer with per-token figures is the model's: a typed-through one has none)
+            if self.cache.reuse and sampling.greedy and req.logprobs is None and self._answer_typed_through(conn, job):
                 return
         conn.jobs[req.id] = job
         self.in_flight.add(job)
@@ -480,7 +488,7 @@ class Daemon:
         job.beams = request_beams(job.wire, job.sampling, self.beams)
         request = Request(ids, max_tokens, job.sampling, stop=request_stops(job.wire), heal=heal, document=job.document,
                           deadline=job.deadline, lookahead=lookahead, received=job.received,
-                          beams=job.beams,
+                          beams=job.beams, top_logprobs=job.wire.logprobs or 0,
                           cancellation=job.cancellation, repeat_context=line_context(job.wire.prefix) if fim else None)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
@@ -505,7 +513,21 @@ class Daemon:
         else:
             job.text += event.text
             job.ends.append(len(job.text))
-            self._answer(job, m.Token(id=job.rid, text=event.text, token=event.id), False)
+            self._answer(job, self._token(job, event), False)
+
+    def _token(self, job: InFlight, piece: Piece) -> m.Token:
+        if job.wire.logprobs is None or piece.id is None:
+            return m.Token(id=job.rid, text=piece.text, token=piece.id)
+        assert self.engine is not None
+        tok = self.engine.tokenizer
+
+        def text(t: int) -> str:  # a special token (the end of the completion) by its name
+            b = tok.token_bytes[t]
+            return b.decode("utf-8", "replace") if b is not None else tok.hf.id_to_token(t) or ""
+
+        top = [m.TokenChoice(t, text(t), round(lp, 4)) for t, lp in piece.top]
+        return m.Token(id=job.rid, text=piece.text, token=piece.id,
+                       logprob=None if piece.logprob is None else round(piece.logprob, 4), top_logprobs=top)
 
     def _answer_typed_through(self, conn: Connection, job: InFlight) -> bool:
         req = job.wire

@@ -208,22 +208,23 @@ class Client:
     async def generate(
         self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
         seed: int | None = None, truncate: bool = False, deadline_ms: int | None = None,
-        lookahead: int | None = None, beams: int | None = None,
+        lookahead: int | None = None, beams: int | None = None, logprobs: int | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Generate(
             id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
-            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead, beams=beams))
+            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead, beams=beams,
+            logprobs=logprobs))
 
     async def fim(
         self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
         sampling: Sampling | None = None, stop: list[str] | None = None, seed: int | None = None,
         deadline_ms: int | None = None, lookahead: int | None = None, beams: int | None = None,
-        context: list[Snippet] | None = None,
+        context: list[Snippet] | None = None, logprobs: int | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Fim(
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,
-            lookahead=lookahead, beams=beams, context=list(context or [])))
+            lookahead=lookahead, beams=beams, context=list(context or []), logprobs=logprobs))
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)

@@ -64,6 +64,7 @@ class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults
     deadline_ms: int | None = None  # a hard limit on queue + prefill + generation (see Fim)
     lookahead: int | None = None  # prompt-lookup drafts per decode step (see Fim)
     beams: int | None = None  # beam search width (see Fim)
+    logprobs: int | None = None  # each token's log-probability, with this many alternatives (see Fim)
 
 
 class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
@@ -90,6 +91,9 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # Snippets of other files of the project, best first (m31r_protocol.context.rank): those that fit the room the
     # prompt leaves (up to a quarter of the model's context) are laid before it, the best nearest.
     context: list[Snippet] = []
+    # Each Token frame carries its token's log-probability and this many (0 to 20) of the likeliest tokens at that
+    # step, with theirs. None: neither. Not with a beam search (beams above 1), which writes its tokens at its end.
+    logprobs: int | None = None
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):
@@ -119,10 +123,23 @@ class Welcome(Struct, tag="welcome"):
     daemon_version: str
 
 
-class Token(Struct, tag="token"):
+class TokenChoice(Struct, array_like=True):
+    """A token the model could write at a step: its id, its text (a token may hold part of a character, shown as
+    U+FFFD) and its natural-log probability."""
+
+    token: int
+    text: str
+    logprob: float
+
+
+class Token(Struct, tag="token", omit_defaults=True):
     id: int
     text: str
     token: int | None = None  # the token id; None for held-back text released at the end
+    # With the request's `logprobs`: the token's natural-log probability (under the distribution it was picked from,
+    # before temperature) and the likeliest tokens at its step, likeliest first.
+    logprob: float | None = None
+    top_logprobs: list[TokenChoice] = []
 
 
 class Usage(Struct):

@@ -60,6 +60,15 @@ def test_generate_json(daemon, tiny_engine):
     if unsure:
         assert f"{math.exp(out['line_logprob']):.3f}" in plain.stderr
     assert "unsure" not in r.stderr  # --json carries the figure itself
+    # --logprobs: each token's figure (the engine's) and the likeliest tokens at its step; only with --json.
+    r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--logprobs", "2", "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    per = json.loads(r.stdout)["token_logprobs"]
+    assert [t["token"] for t in per] == ref.tokens and "".join(t["text"] for t in per) == ref.text
+    assert [t["logprob"] for t in per] == pytest.approx(ref.logprobs[: len(per)], abs=1e-3)
+    assert all(1 <= len(t["top"]) <= 2 and t["top"][0][0] == t["token"] for t in per)  # greedy: the likeliest
+    r = cli("generate", "fn main", "--logprobs", "2", "--socket", str(sock))
+    assert r.returncode != 0 and "add --json" in r.stderr and r.stdout == ""
 
 
 def test_fim_file_line_column(daemon, tiny_engine, tmp_path):

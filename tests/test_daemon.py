@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -884,6 +885,47 @@ async def test_typed_through(warm, tiny_engine):
         out = await run(await c.fim(prefix + text[:2] + "Q", suffix, document="doc-typed", max_tokens=8))
         assert out.done.source == "model"
         assert out.pieces == fim_reference(tiny_engine, prefix + text[:2] + "Q", suffix, 8).pieces
+
+
+async def test_logprobs_come_with_each_token(warm, tiny_engine):
+    """A request's `logprobs` puts on each Token frame its token's log-probability and that many of the likeliest
+    tokens at its step: the engine's own figures, the greedy token first among them, summing to Done.logprob. Without
+    it the frames carry neither; with a beam search, or over the limit, it is refused; and such a request is answered
+    by the model, not typed through."""
+    prefix, suffix, doc = "fn main() {\n    let total: u64 = values.iter().sum", "();\n}\n", "doc-logprobs"
+    want = fim_outcome(tiny_engine, prefix, suffix, 8)
+    async with await Client.connect(warm.socket) as c:
+        stream = await c.fim(prefix, suffix, max_tokens=8, logprobs=3)
+        frames = [t async for t in stream]
+        assert [t.token for t in frames] == want.tokens and len(frames) == 8
+        assert [t.logprob for t in frames] == pytest.approx(want.logprobs[:8], abs=1e-3)
+        assert sum(t.logprob for t in frames) == pytest.approx(stream.done.logprob, abs=1e-3)
+        for t in frames:
+            # greedy: the likeliest first; at most 3 (fewer where the healing masks leave fewer tokens possible)
+            assert 1 <= len(t.top_logprobs) <= 3 and t.top_logprobs[0].token == t.token
+            assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-3)
+            assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+            for x in t.top_logprobs:
+                b = tiny_engine.tokenizer.token_bytes[x.token]
+                assert x.text == (b.decode("utf-8", "replace") if b is not None else "<|endoftext|>"), x
+                assert math.isfinite(x.logprob)
+            # (the first tokens write the healed `sum` again: each the only one possible)
+            assert len(t.top_logprobs) == 3 or (len(t.top_logprobs) == 1 and t.logprob == 0.0 and t.text == "")
+        plain = [t async for t in await c.fim(prefix, suffix, max_tokens=8)]
+        assert [t.token for t in plain] == want.tokens[:8]
+        assert all(t.logprob is None and t.top_logprobs == [] for t in plain)
+        chosen = [t async for t in await c.fim(prefix, suffix, max_tokens=8, logprobs=0)]
+        assert [t.logprob for t in chosen] == [t.logprob for t in frames] and all(not t.top_logprobs for t in chosen)
+        for bad, why in (({"logprobs": 21}, "between 0 and 20"), ({"logprobs": 2, "beams": 3}, "beam search")):
+            e = await expect_error(await c.fim(prefix, suffix, max_tokens=8, **bad), "bad_request")
+            assert why in e.message
+        # A line completion is beam-searched by default (--beams): with logprobs it is decoded token by token.
+        line = [t async for t in await c.fim(prefix, suffix, max_tokens=8, stop=["\n"], logprobs=1)]
+        assert line and all(t.logprob is not None for t in line if t.token is not None)
+        first = await run(await c.fim(prefix, suffix, document=doc, max_tokens=8))
+        again = await c.fim(prefix + first.text[:1], suffix, document=doc, max_tokens=8, logprobs=0)
+        frames = [t async for t in again]
+        assert again.done.source == "model" and all(t.logprob is not None for t in frames if t.token is not None)
 
 
 async def test_typed_through_honours_max_tokens_and_stop(warm):

@@ -421,9 +421,18 @@ def test_openai_client(server, tiny_bundle):
     assert fim.usage.completion_tokens <= 6
     echo = client.completions.create(model="m31r", prompt="fn main() {", max_tokens=8, echo=True)
     assert echo.choices[0].text == "fn main() {" + c.choices[0].text
+    # Per-token figures: the tokens make up the text, each with its log-probability and the likeliest at its step.
+    lp = client.completions.create(model="m31r", prompt="fn main() {", max_tokens=8, logprobs=2).choices[0]
+    assert lp.text == c.choices[0].text and "".join(lp.logprobs.tokens) == lp.text
+    assert len(lp.logprobs.token_logprobs) == c.usage.completion_tokens == len(lp.logprobs.top_logprobs)
+    assert all(x <= 0 for x in lp.logprobs.token_logprobs) and all(len(t) <= 2 for t in lp.logprobs.top_logprobs)
+    chunks = client.completions.create(model="m31r", prompt="fn main() {", max_tokens=8, logprobs=2, stream=True)
+    streamed = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [x for ch in streamed for x in ch.logprobs.token_logprobs] == lp.logprobs.token_logprobs
+    assert [x for ch in streamed for x in ch.logprobs.text_offset] == lp.logprobs.text_offset
     # What the server cannot honour is refused, the way OpenAI refuses: 400, an error object naming the field.
     for kwargs, param in (({"model": "gpt-3.5-turbo-instruct"}, "model"), ({"max_tokens": CAP + 1}, "max_tokens"),
-                          ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"best_of": 3}, "best_of"),
+                          ({"n": 2}, "n"), ({"logprobs": 6}, "logprobs"), ({"best_of": 3}, "best_of"),
                           ({"extra_body": {"top_k": 5}}, "top_k")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{"model": tiny_bundle.model_id, "prompt": "fn", "max_tokens": 2, **kwargs})
@@ -472,7 +481,8 @@ def test_openai_wire_format(http, tiny_bundle):
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0, "echo": True}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": CAP + 1}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": "x", "model": "m31r:latest"}, "model"),

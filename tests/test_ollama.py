@@ -93,6 +93,27 @@ def test_generate(client, http, fim):
     assert parts[-1].eval_count == one.eval_count and parts[-1].done_reason == one.done_reason
 
 
+def test_logprobs(client, http):
+    """`logprobs: true` lists each token with its log-probability, UTF-8 bytes and `top_logprobs` alternatives, in a
+    whole answer and on each streamed chunk (the ollama client reads them as its own types)."""
+    one = client.generate(model="m31r", prompt=PREFIX, options={"num_predict": 8}, logprobs=True, top_logprobs=2)
+    assert one.logprobs and "".join(t.token for t in one.logprobs) == one.response
+    assert len(one.logprobs) == one.eval_count
+    for t in one.logprobs:
+        assert t.logprob <= 0 and 1 <= len(t.top_logprobs) <= 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+    parts = list(client.generate(model="m31r", prompt=PREFIX, options={"num_predict": 8}, logprobs=True, stream=True))
+    streamed = [t for p in parts for t in (p.logprobs or [])]
+    assert [t.logprob for t in streamed] == [t.logprob for t in one.logprobs]
+    assert all(t.top_logprobs == [] for t in streamed)  # top_logprobs 0: none listed
+    body = {"model": "m31r", "prompt": PREFIX, "stream": False, "options": {"num_predict": 8}}
+    raw = http.post("/api/generate", json={**body, "logprobs": True, "top_logprobs": 2}).json()["logprobs"]
+    assert all(bytes(t["bytes"]) == t["token"].encode() for t in raw)  # (a field the ollama client leaves out)
+    assert all(bytes(a["bytes"]) == a["token"].encode() for t in raw for a in t["top_logprobs"])
+    plain = http.post("/api/generate", json=body).json()
+    assert "logprobs" not in plain and plain["response"] == one.response
+
+
 def test_stream_is_ndjson_by_default(http):
     with http.stream("POST", "/api/generate", json={"model": "m31r", "prompt": "fn", "options": {
             "num_predict": 4}}) as r:
@@ -152,6 +173,8 @@ def test_load_request(client):
     ({"model": "m31r", "prompt": "fn", "format": "json"}, 400, "format"),
     ({"model": "m31r", "prompt": "fn", "think": True}, 400, "think"),
     ({"model": "m31r", "prompt": "fn", "context": [1, 2]}, 400, "context"),
+    ({"model": "m31r", "prompt": "fn", "top_logprobs": 2}, 400, "needs logprobs: true"),
+    ({"model": "m31r", "prompt": "fn", "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
 ])
 def test_errors(client, http, body, status, words):
     """Errors have Ollama's shape ({"error": "..."}), which the client turns into a ResponseError."""
