@@ -168,24 +168,45 @@ def _sse(event: str, data: msgspec.Struct) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def _result(g: Generation) -> s.GenerateResponse:
+def _tops(frame: Token) -> list[s.TopToken]:
+    return [s.TopToken(c.token, c.text, c.logprob) for c in frame.top_logprobs]
+
+
+def _tokens(frames: list[Token]) -> list[s.TokenLogprob]:
+    """Each token's figures; text released at the end without a token of its own joins the token before it."""
+    out: list[s.TokenLogprob] = []
+    for f in frames:
+        if f.logprob is None or f.token is None:
+            if out:
+                out[-1].text += f.text
+            continue
+        out.append(s.TokenLogprob(f.text, f.token, f.logprob, _tops(f)))
+    return out
+
+
+def _result(g: Generation, logprobs: bool = False) -> s.GenerateResponse:
     d = g.done
     assert d is not None
-    return s.GenerateResponse(
+    return s.GenerateResponse(tokens=_tokens(g.frames) if logprobs else None,
         text=g.text, finish_reason=d.finish_reason,
         usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob,
         logprob_by_line=d.logprob_by_line)
 
 
 class NativeRenderer(Renderer):
+    def __init__(self, logprobs: bool = False):
+        self.every_token = self.logprobs = logprobs
+
     def chunk(self, text: str, frame: Token | None = None) -> bytes:
+        if self.logprobs and frame is not None and frame.logprob is not None:
+            return _sse("chunk", s.StreamChunk(text, frame.logprob, _tops(frame)))
         return _sse("chunk", s.StreamChunk(text))
 
     def final(self, g: Generation) -> bytes:
-        return _sse("done", _result(g))
+        return _sse("done", _result(g, self.logprobs))
 
     def body(self, g: Generation) -> bytes:
-        return msgspec.json.encode(_result(g))
+        return msgspec.json.encode(_result(g, self.logprobs))
 
 
 class CompletionRenderer(Renderer):
@@ -532,8 +553,8 @@ class Service:
         sampling = self.sampling(r.temperature, r.top_k, r.top_p)
         return Generation(self, "/generate", lambda c: c.generate(
             r.prompt, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop, seed=r.seed, truncate=r.truncate,
-            deadline_ms=r.deadline_ms or None, beams=r.beams),
-            NativeRenderer(), r.stream)
+            deadline_ms=r.deadline_ms or None, beams=r.beams, logprobs=r.logprobs),
+            NativeRenderer(r.logprobs is not None), r.stream)
 
     async def fim(self, request: Request) -> Generation:
         r: s.FimRequest = await self.read(request, s.FimRequest)
@@ -542,8 +563,9 @@ class Service:
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/fim", lambda c: c.fim(
             r.prefix, r.suffix, document=document, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop,
-            seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams, context=snippets(r.context)),
-            NativeRenderer(), r.stream)
+            seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams, context=snippets(r.context),
+            logprobs=r.logprobs),
+            NativeRenderer(r.logprobs is not None), r.stream)
 
     async def completion(self, request: Request) -> Generation:
         r: s.CompletionRequest = await self.read(request, s.CompletionRequest)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from m31r_protocol.limits import MAX_BEAMS, MAX_SNIPPETS
+from m31r_protocol.limits import MAX_BEAMS, MAX_LOGPROBS, MAX_SNIPPETS
 from m31r_protocol.messages import Timings, Usage
 from m31r_protocol.policy import MIN_PROBABILITY, MULTILINE_MODES, Options
 
@@ -43,6 +43,9 @@ Beams = Annotated[int, Meta(ge=1, le=MAX_BEAMS, description=(
     "Beam search of this width (greedy only): the likeliest completion as a whole, streamed once the search ends; "
     "1 = greedy decoding. Absent: the daemon's --beams for a request stopped at a line end (`\\n` in `stop`), "
     "else 1."))]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=(
+    "Each token's natural-log probability, with this many of the likeliest tokens at its step: on each streamed "
+    "`chunk` (one a token, then) and as `tokens` in the answer. Decoded token by token: not with `beams` above 1."))]
 Document = Annotated[str, Meta(max_length=4096, description=(
     "A key for the file being edited (its path): the newest request for it cancels older ones (409) and its "
     "prefix-cache slot is kept warm."))]
@@ -79,6 +82,7 @@ class _Sampled(Struct, forbid_unknown_fields=True, kw_only=True):
     stop: Stop = []
     stream: Stream = False
     beams: Beams | None = None
+    logprobs: Logprobs | None = None
 
 
 class GenerateRequest(_Sampled, forbid_unknown_fields=True, kw_only=True):
@@ -138,6 +142,24 @@ class CompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 # Usage and Timings are the daemon's own (m31r_protocol.messages), passed through unchanged.
 
 
+class TopToken(Struct):
+    """A token the model could have written at a step."""
+
+    token: int
+    text: str
+    logprob: float
+
+
+class TokenLogprob(Struct):
+    """A token of the answer (its streamed text: together they are the answer's text), its natural-log probability,
+    and the likeliest tokens at its step."""
+
+    text: str
+    token: int
+    logprob: float
+    top_logprobs: list[TopToken] = []
+
+
 class GenerateResponse(Struct):
     """The answer to /generate and /fim; also the data of the final `done` event of a stream. `alternatives`: a
     beam search's runners-up, likeliest first (empty unless it searched)."""
@@ -150,6 +172,7 @@ class GenerateResponse(Struct):
     logprob: float | None = None  # the daemon's Done.logprob: the completion's natural-log probability
     line_logprob: float | None = None  # Done.line_logprob: its first line's
     logprob_by_line: list[float] = []  # Done.logprob_by_line: each of its lines'
+    tokens: list[TokenLogprob] | None = None  # with `logprobs`: each token's figures
 
 
 class Alternative(Struct):
@@ -179,10 +202,12 @@ class CompletionResponse(Struct):
     lines_cut: int = 0
 
 
-class StreamChunk(Struct):
-    """The data of one `chunk` event."""
+class StreamChunk(Struct, omit_defaults=True):
+    """The data of one `chunk` event (with `logprobs`, one token's, its figures beside it)."""
 
     text: str
+    logprob: float | None = None
+    top_logprobs: list[TopToken] | None = None
 
 
 class ErrorDetail(Struct):

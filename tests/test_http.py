@@ -376,6 +376,29 @@ def test_completion_suggests_nothing_the_model_is_unsure_of(http):
     assert http.post("/completion", json={**body, "min_probability": 1.5}).status_code == 400
 
 
+def test_native_logprobs(http):
+    """`logprobs` on /generate and /fim: `tokens` in the answer (together the text, each with its log-probability and
+    the likeliest tokens at its step) and the same figures on each streamed chunk, one a token; not with beams."""
+    body = {"prefix": RUST[:40], "suffix": RUST[40:], "max_tokens": 12, "logprobs": 2}
+    r = http.post("/fim", json=body).json()
+    assert "".join(t["text"] for t in r["tokens"]) == r["text"] and len(r["tokens"]) == r["usage"]["completion_tokens"]
+    ended = r["finish_reason"] == "stop"  # the end token's figure is in logprob, not in a token of the text
+    total = sum(t["logprob"] for t in r["tokens"])
+    assert total >= r["logprob"] - 1e-3 and (ended or total == pytest.approx(r["logprob"], abs=1e-3))
+    for t in r["tokens"]:
+        assert 1 <= len(t["top_logprobs"]) <= 2 and t["top_logprobs"][0]["token"] == t["token"]  # greedy
+    events = sse_events(http.post("/fim", json={**body, "stream": True}).text)
+    chunks = [json.loads(d) for e, d in events if e == "chunk"]
+    assert [c["logprob"] for c in chunks] == [t["logprob"] for t in r["tokens"]]
+    assert json.loads(events[-1][1])["tokens"] == r["tokens"]
+    plain = http.post("/fim", json={**body, "logprobs": None}).json()
+    assert plain["tokens"] is None and plain["text"] == r["text"]
+    g = http.post("/generate", json={"prompt": "fn main() {", "max_tokens": 6, "logprobs": 0}).json()
+    assert all(t["top_logprobs"] == [] for t in g["tokens"]) and "".join(t["text"] for t in g["tokens"]) == g["text"]
+    bad = http.post("/fim", json={**body, "beams": 3})
+    assert bad.status_code == 400 and "beam search" in bad.json()["error"]["message"]
+
+
 def test_completion_cuts_the_lines_the_model_is_unsure_of(http):
     """/fim gives each line's log-probability; /completion leaves out the lines from the one at which the
     probability of the lines so far falls under min_probability, and counts them (policy.confident_lines)."""
