@@ -45,7 +45,7 @@ Beams = Annotated[int, Meta(ge=1, le=MAX_BEAMS, description=(
     "else 1."))]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=(
     "Each token's natural-log probability, with this many of the likeliest tokens at its step: on each streamed "
-    "`chunk` (one a token, then) and as `tokens` in the answer. Decoded token by token: not with `beams` above 1."))]
+    "`chunk` (one a token, then) and as `tokens` in the answer (of a beam search, its answer's steps)."))]
 Document = Annotated[str, Meta(max_length=4096, description=(
     "A key for the file being edited (its path): the newest request for it cancels older ones (409) and its "
     "prefix-cache slot is kept warm."))]

@@ -24,6 +24,7 @@ from the first hypothesis' cache for every row.
 from __future__ import annotations
 
 import codecs
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,13 +52,15 @@ class Hypothesis:
     stops: StopMatcher
     end: str = ""  # why it finished: end | sequence | repeat | length ("" while live)
     logprobs: tuple[float, ...] = ()  # of each token: Outcome.logprobs
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()  # the likeliest tokens at each of its steps (top_logprobs)
 
 
-def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis:
+def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
+            top: tuple[tuple[int, float], ...] = ()) -> Hypothesis:
     """h followed by tok: its healing, text and stop state moved on, `end` set if tok finishes it."""
-    logprobs = (*h.logprobs, score - h.score)
+    logprobs, tops = (*h.logprobs, score - h.score), (*h.tops, top)
     if tok in engine.stop_ids:
-        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs)
+        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs, tops)
     written = engine.tokenizer.token_bytes[tok] or b""
     owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -68,7 +71,7 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float) -> Hypothesis
     stops = h.stops.clone()
     _, hit = stops.feed(text)
     end = ("repeat" if stops.repeated else "sequence") if hit else ""
-    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end, logprobs)
+    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end, logprobs, tops)
 
 
 def beam_generate(
@@ -85,12 +88,14 @@ def beam_generate(
     deadline: float | None = None,
     repeat_context: str | None = None,
     spares: list[KVCache] | None = None,
+    top_logprobs: int = 0,
 ) -> Iterator[Piece | Chunk | list[Decode]]:
     """Engine.generate's contract (prompt ids only, greedy only), answered by a beam search of `width` hypotheses.
     With `batched`, a decode step is yielded as a list of Decode, one per live hypothesis, for the driver to run
     together (Engine.run) and send back as a list of logits; `cache` holds the prompt afterwards, not the answer.
     `spares`: caches to take the other hypotheses' from and give back (up to MAX_SPARES kept), owned by the caller
-    and used by one search at a time. Width 1 is greedy decoding, token for token."""
+    and used by one search at a time. Width 1 is greedy decoding, token for token. `top_logprobs`: each Piece of the
+    answer carries the likeliest tokens at its step, as Engine.generate's do."""
     t0 = time.perf_counter()
     if not 1 <= width <= MAX_BEAMS:
         raise ValueError(f"beams must be between 1 and {MAX_BEAMS}, got {width}")
@@ -117,7 +122,13 @@ def beam_generate(
             for k, h in enumerate(live):
                 if h.owed or h.after_space:
                     lg[k] = engine.heal_logits(lg[k], h.owed)
-            top, at = F.log_softmax(lg, dim=-1).topk(width, dim=-1)
+            lp = F.log_softmax(lg, dim=-1)
+            top, at = lp.topk(width, dim=-1)
+            tops: list[tuple[tuple[int, float], ...]] = [()] * len(live)
+            if top_logprobs:
+                values, ids_ = lp.topk(min(top_logprobs, lp.shape[-1]), dim=-1)
+                tops = [tuple((t, v) for t, v in zip(ids_[k].tolist(), values[k].tolist(), strict=True)
+                              if v > -math.inf) for k in range(len(live))]
             picks = [(h.score + s, k, t) for k, h in enumerate(live)
                      for s, t in zip(top[k].tolist(), at[k].tolist(), strict=True) if s != float("-inf")]
             picks.sort(key=lambda p: (-p[0], p[1], p[2]))  # ties: the older hypothesis, then the lower id
@@ -125,7 +136,7 @@ def beam_generate(
             for score, k, tok in picks:
                 if len(grown) == width:
                     break
-                h = _extend(engine, live[k], tok, score)
+                h = _extend(engine, live[k], tok, score, tops[k])
                 (done if h.end else grown).append(h)
             best = max(done, key=lambda h: h.score, default=None)
             if not grown or (best is not None and best.score >= grown[0].score):
@@ -150,7 +161,7 @@ def beam_generate(
         spares += caches[1:]
         del spares[MAX_SPARES:]
     ranked = sorted(done, key=lambda h: -h.score)  # stable: ties keep the order they finished in
-    win = _answer(engine, ids, ranked[0], stop, heal, repeat_context)
+    win = _answer(engine, ids, ranked[0], stop, heal, repeat_context)  # its pieces carry its figures
     res.finish_reason, res.stopped_by = win.finish_reason, win.stopped_by
     res.logprobs = list(ranked[0].logprobs[: len(win.tokens) + (win.stopped_by == "end")])
     for piece in win.pieces:
@@ -222,12 +233,12 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
     and held back."""
     text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context), False
     out = Answer([], "length", None)
-    for tok in h.tokens:
+    for i, tok in enumerate(h.tokens):
         if tok in engine.stop_ids:
             out.finish_reason, out.stopped_by = "stop", "end"
             break
         piece, hit = text.step(tok)
-        out.pieces.append(Piece(tok, piece))
+        out.pieces.append(Piece(tok, piece, h.logprobs[i], h.tops[i]))
         if hit:
             out.finish_reason, out.stopped_by = "stop", text.stopped_by
             break

@@ -315,8 +315,7 @@ def sampling_options(fn: F) -> F:
                           "stopped by --stop '\\n', else 1."),
         click.option("--logprobs", type=click.IntRange(0, 20), default=None,
                      help="With --json: each token's log-probability and this many of the likeliest tokens at its "
-                          "step (\"token_logprobs\": [{text, token, logprob, top: [[token, text, logprob], ...]}]). "
-                          "Decodes token by token (no beam search)."),
+                          "step (\"token_logprobs\": [{text, token, logprob, top: [[token, text, logprob], ...]}])."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives, logprob, "
                           "line_logprob, logprob_by_line} at the end (alternatives: a beam search's runners-up; "

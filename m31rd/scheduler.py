@@ -52,7 +52,7 @@ class Request:
     lookahead: int = 0  # prompt-lookup drafts per decode step (Engine.generate; greedy only, same output)
     beams: int = 1  # above 1: a beam search of this width (m31r.beams; greedy only), lookahead unused
     repeat_context: str | None = None  # the document before a completion: the repeated-line stop (m31r.stops)
-    top_logprobs: int = 0  # the likeliest tokens each Piece carries (Engine.generate)
+    top_logprobs: int = 0  # the likeliest tokens each Piece carries (Engine.generate, beam_generate)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
     cancellation: Cancellation = field(default_factory=Cancellation)
 
@@ -239,7 +239,8 @@ class Scheduler:
         common = dict(max_tokens=req.max_tokens, stop=req.stop, cache=slot.cache, result=run.outcome, batched=True,
                       heal=req.heal, deadline=req.deadline, repeat_context=req.repeat_context)
         if req.beams > 1:
-            run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.spares, **common)
+            run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.spares,
+                                    top_logprobs=req.top_logprobs, **common)
         else:
             run.gen = self.engine.generate(req.ids, sampling=req.sampling, lookahead=req.lookahead,
                                            top_logprobs=req.top_logprobs, **common)

@@ -136,8 +136,6 @@ def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: in
     completions")."""
     if req.beams is not None:
         return req.beams
-    if req.logprobs is not None:  # per-token figures come from plain decoding, token by token
-        return 1
     plain = sampling.greedy and sampling.repetition_penalty == 1.0
     return default if plain and "\n" in req.stop else 1
 
@@ -405,9 +403,6 @@ class Daemon:
             return refuse("bad_request", why)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
-        if req.logprobs is not None and (req.beams or 1) > 1:
-            return refuse("bad_request", "logprobs come with each token as it is decoded, and a beam search writes its "
-                                         "tokens only at its end: leave beams out (or 1) to have them")
         if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
             return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing

@@ -92,7 +92,7 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # prompt leaves (up to a quarter of the model's context) are laid before it, the best nearest.
     context: list[Snippet] = []
     # Each Token frame carries its token's log-probability and this many (0 to 20) of the likeliest tokens at that
-    # step, with theirs. None: neither. Not with a beam search (beams above 1), which writes its tokens at its end.
+    # step, with theirs (a beam search's: those of its answer's steps). None: neither.
     logprobs: int | None = None
 
 

@@ -916,12 +916,17 @@ async def test_logprobs_come_with_each_token(warm, tiny_engine):
         assert all(t.logprob is None and t.top_logprobs == [] for t in plain)
         chosen = [t async for t in await c.fim(prefix, suffix, max_tokens=8, logprobs=0)]
         assert [t.logprob for t in chosen] == [t.logprob for t in frames] and all(not t.top_logprobs for t in chosen)
-        for bad, why in (({"logprobs": 21}, "between 0 and 20"), ({"logprobs": 2, "beams": 3}, "beam search")):
-            e = await expect_error(await c.fim(prefix, suffix, max_tokens=8, **bad), "bad_request")
-            assert why in e.message
-        # A line completion is beam-searched by default (--beams): with logprobs it is decoded token by token.
-        line = [t async for t in await c.fim(prefix, suffix, max_tokens=8, stop=["\n"], logprobs=1)]
-        assert line and all(t.logprob is not None for t in line if t.token is not None)
+        e = await expect_error(await c.fim(prefix, suffix, max_tokens=8, logprobs=21), "bad_request")
+        assert "between 0 and 20" in e.message
+        # A beam search's answer carries the figures of its own steps: the same answer as without them.
+        beam = await c.fim(prefix, suffix, max_tokens=8, beams=3, logprobs=2)
+        found = [t async for t in beam]
+        without = await run(await c.fim(prefix, suffix, max_tokens=8, beams=3))
+        assert [t.token for t in found] == without.tokens and beam.done.logprob == without.done.logprob
+        scored = [t for t in found if t.token is not None]
+        total, ended = sum(t.logprob for t in scored), beam.done.finish_reason == "stop"  # (no frame: the end)
+        assert total >= beam.done.logprob - 1e-3 and (ended or total == pytest.approx(beam.done.logprob, abs=1e-3))
+        assert all(1 <= len(t.top_logprobs) <= 2 and t.logprob <= t.top_logprobs[0].logprob + 1e-3 for t in scored)
         first = await run(await c.fim(prefix, suffix, document=doc, max_tokens=8))
         again = await c.fim(prefix + first.text[:1], suffix, document=doc, max_tokens=8, logprobs=0)
         frames = [t async for t in again]
