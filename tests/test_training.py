@@ -790,3 +790,39 @@ def test_a_corpus_built_again_is_tokenised_again(data_dir: Path, tmp_path: Path)
     after = corpus_tokens(data)
     assert after["train"] > before["train"] and after["val"] == before["val"]
     assert len(list(data.glob("train-*.npz"))) == 1  # the stale stream is gone
+
+
+def test_a_steps_gradient_does_not_depend_on_its_micro_batches(data_dir: Path):
+    """Each category's mean runs over the whole step (trainer.accumulate_step): four rows as one micro-batch or as four
+    give the same loss terms and the same gradient. Per-micro-batch means did not: a lone row's FIM tokens were
+    weighted by its own count of them (the CPU phases' one-row micro-batches)."""
+    import random as rnd
+
+    from m31r.config import load_config
+    from m31r.model import Transformer
+    from m31r.train.trainer import Data, TrainConfig, accumulate_step, loss_terms
+
+    mc = load_config(data_dir.parent / "model.yaml")
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
+    data = Data(tok, data_dir, mc.max_context, fim_rate=0.5, block_fim=0.0)
+    rows, cats = data.batch("train", rnd.Random(3), 4)
+    assert len({int((c[1:] == 1).sum()) for c in cats}) > 1  # rows with different counts of FIM tokens
+    torch.manual_seed(0)
+    model = Transformer(mc)
+    tc = TrainConfig(model="m", alpha=0.3, beta=0.2)
+
+    def grads(batches) -> tuple[dict[str, float], torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        parts = accumulate_step(model, batches, tc, None)
+        return parts, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    whole, g_whole = grads([(rows, cats)])
+    split, g_split = grads([(rows[i : i + 1], cats[i : i + 1]) for i in range(4)])
+    assert split == pytest.approx(whole, rel=1e-5)
+    assert torch.allclose(g_split, g_whole, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        one = loss_terms(model, rows, cats, None)  # one micro-batch: its own means, as before
+        # The mean of per-row means (the old accumulation) is another figure whenever rows hold different counts.
+        per_row = [loss_terms(model, rows[i : i + 1], cats[i : i + 1], None)["fim"] for i in range(4)]
+    assert {k: float(v) for k, v in one.items()} == pytest.approx(whole, rel=1e-5)
+    assert abs(float(sum(per_row)) / 4 - whole["fim"]) > 1e-3

@@ -258,9 +258,20 @@ class StepBatches:
             self.pool = None
 
 
+CATEGORIES = (("next", NEXT), ("fim", FIM), ("cot", COT))
+
+
+def category_counts(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
+    """Target tokens of each category in a step's micro-batches (the targets' categories are cats[:, 1:])."""
+    return {name: sum(int((c[:, 1:] == cat).sum()) for _, c in batches) for name, cat in CATEGORIES}
+
+
 def loss_terms(model: torch.nn.Module, rows: torch.Tensor, cats: torch.Tensor,
-               dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Mean cross-entropy per category; a category absent from the batch contributes zero."""
+               dtype: torch.dtype | None = torch.bfloat16, counts: dict[str, int] | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Mean cross-entropy per category; a category absent from the batch contributes zero. With `counts` (the
+    step's, category_counts), each is this micro-batch's sum over the step's count instead: the micro-batches' terms
+    then add up to the step's own means, whatever rows each micro-batch holds."""
     device = next(model.parameters()).device
     rows, cats = rows.to(device, non_blocking=True), cats.to(device, non_blocking=True)
     x, y, c = rows[:, :-1], rows[:, 1:], cats[:, 1:]
@@ -270,10 +281,27 @@ def loss_terms(model: torch.nn.Module, rows: torch.Tensor, cats: torch.Tensor,
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     c = c.reshape(-1)
     out = {}
-    for name, cat in (("next", NEXT), ("fim", FIM), ("cot", COT)):
+    for name, cat in CATEGORIES:
         m = c == cat
-        out[name] = (ce * m).sum() / m.sum().clamp(min=1)
+        out[name] = (ce * m).sum() / (m.sum().clamp(min=1) if counts is None else max(1, counts[name]))
     return out
+
+
+def accumulate_step(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], tc: TrainConfig,
+                    dtype: torch.dtype | None) -> dict[str, float]:
+    """Backpropagate one optimizer step's loss, its micro-batches one at a time, and return its terms. Each category's
+    mean runs over the whole step's tokens, not each micro-batch's: with a mean per micro-batch a CPU step of 8
+    micro-batches of one row weighted each FIM token by 1 / (its own row's middle tokens), so a row of short middles
+    (mostly end tokens) counted many times more than a row of long ones, unlike a GPU's 32 rows per micro-batch. The
+    gradient of a step is now the same however its rows are split into micro-batches."""
+    counts = category_counts(batches)
+    parts = {name: 0.0 for name, _ in CATEGORIES}
+    for rows, cats in batches:
+        terms = loss_terms(model, rows, cats, dtype, counts)
+        total_loss(terms, tc).backward()
+        for k, v in terms.items():
+            parts[k] += float(v.detach())
+    return parts
 
 
 def total_loss(terms: dict[str, torch.Tensor], tc: TrainConfig) -> torch.Tensor:
@@ -427,12 +455,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             lr = lr_at(step, tc, state["seconds"])
             for g in opt.param_groups:
                 g["lr"] = lr
-            parts = {"next": 0.0, "fim": 0.0, "cot": 0.0}
-            for rows, cats in batches.get(step):
-                terms = loss_terms(fwd, rows, cats, cast)
-                (total_loss(terms, tc) / tc.grad_accum).backward()
-                for k, v in terms.items():
-                    parts[k] += float(v.detach()) / tc.grad_accum
+            parts = accumulate_step(fwd, batches.get(step), tc, cast)
             gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
