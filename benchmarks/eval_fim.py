@@ -90,7 +90,7 @@ class Result:
     snippets: int = 0  # project-context snippets offered (--context)
     context_tokens: int = 0  # of which laid before the prompt: the room it left allowed these tokens
     logprobs: list[float] = field(default_factory=list)  # of each token written, the end's last (Outcome.logprobs)
-    line_logprob: float | None = None  # of the first line (m31r.engine.line_logprob): what the editor's gate reads
+    line_logprob: float | None = None  # of the first line (logprob_by_line's first): what the editor's gate reads
     logprob_by_line: list[float] = field(default_factory=list)  # of each line (m31r.engine.line_logprobs)
 
 

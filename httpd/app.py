@@ -172,8 +172,10 @@ def _tops(frame: Token) -> list[s.TopToken]:
     return [s.TopToken(c.token, c.text, c.logprob) for c in frame.top_logprobs]
 
 
-def _tokens(frames: list[Token]) -> list[s.TokenLogprob]:
-    """Each token's figures; text released at the end without a token of its own joins the token before it."""
+def token_figures(frames: list[Token]) -> list[s.TokenLogprob]:
+    """Each token's figures, from the daemon's Token frames (of a request with `logprobs`): what the native, OpenAI
+    and Ollama answers list. Text released at the end (held back while it might have begun a stop sequence) has no
+    token of its own: it joins the token before it, so the tokens' texts still make up the answer."""
     out: list[s.TokenLogprob] = []
     for f in frames:
         if f.logprob is None or f.token is None:
@@ -187,7 +189,7 @@ def _tokens(frames: list[Token]) -> list[s.TokenLogprob]:
 def _result(g: Generation, logprobs: bool = False) -> s.GenerateResponse:
     d = g.done
     assert d is not None
-    return s.GenerateResponse(tokens=_tokens(g.frames) if logprobs else None,
+    return s.GenerateResponse(tokens=token_figures(g.frames) if logprobs else None,
         text=g.text, finish_reason=d.finish_reason,
         usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob,
         logprob_by_line=d.logprob_by_line)
@@ -238,21 +240,15 @@ class CompletionRenderer(Renderer):
         return msgspec.json.encode(self.response(g))
 
 
-def openai_logprobs(frames: list[Token], offset: int, top: int) -> s.OpenAILogprobs:
-    """The per-token figures of the daemon's Token frames in OpenAI's legacy form. Text the daemon released at the end
-    (held back while it might have begun a stop sequence) has no token of its own: it joins the token before it."""
+def openai_logprobs(frames: list[Token], offset: int) -> s.OpenAILogprobs:
+    """token_figures in OpenAI's legacy form, the text offsets counted from `offset`."""
     out = s.OpenAILogprobs([], [], [], [])
-    for f in frames:
-        if f.logprob is None:
-            if out.tokens:
-                out.tokens[-1] += f.text
-            offset += len(f.text)
-            continue
-        out.tokens.append(f.text)
-        out.token_logprobs.append(f.logprob)
-        out.top_logprobs.append({c.text: c.logprob for c in f.top_logprobs[:top]})
+    for t in token_figures(frames):
+        out.tokens.append(t.text)
+        out.token_logprobs.append(t.logprob)
+        out.top_logprobs.append({c.text: c.logprob for c in t.top_logprobs})
         out.text_offset.append(offset)
-        offset += len(f.text)
+        offset += len(t.text)
     return out
 
 
@@ -290,7 +286,7 @@ class OpenAIRenderer(Renderer):
     def chunk(self, text: str, frame: Token | None = None) -> bytes:
         lp = None
         if self.logprobs is not None and frame is not None:
-            lp = openai_logprobs([frame], self.offset, self.logprobs)
+            lp = openai_logprobs([frame], self.offset)
             self.offset += len(text)
         return b"data: " + self._completion([s.OpenAIChoice(text, logprobs=lp)]) + b"\n\n"
 
@@ -301,7 +297,7 @@ class OpenAIRenderer(Renderer):
         return out + b"data: [DONE]\n\n"
 
     def body(self, g: Generation) -> bytes:
-        lp = None if self.logprobs is None else openai_logprobs(g.frames, len(self.echo), self.logprobs)
+        lp = None if self.logprobs is None else openai_logprobs(g.frames, len(self.echo))
         return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=self._finish(g), logprobs=lp)],
                                 self._usage(g))
 
@@ -336,15 +332,14 @@ class Generation:
         self.deadline = self.t0 + svc.settings.request_timeout
         self.client: Client | None = None
         self.daemon: Stream | None = None
-        self.pieces: list[str] = []
-        self.frames: list[Token] = []  # the daemon's Token frames, whose text the pieces are
+        self.frames: list[Token] = []  # the daemon's Token frames so far: their texts make up the answer
         self.done: Done | None = None
         self.ended = False  # the daemon request is over (done or error)
         self.started = False  # response headers sent
 
     @property
     def text(self) -> str:
-        return "".join(self.pieces)
+        return "".join(f.text for f in self.frames)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._work(send))
@@ -445,7 +440,7 @@ class Generation:
             m.prompt_tokens.labels(ep).inc(d.usage.prompt_tokens)
             m.cached_tokens.labels(ep).inc(d.usage.cached_tokens)
             m.completion_tokens.labels(ep).inc(d.usage.completion_tokens)
-            if not self.pieces:
+            if not self.frames:
                 m.first_token.labels(ep).observe(time.perf_counter() - self.t0)
             return None
         except DaemonError as e:
@@ -457,9 +452,8 @@ class Generation:
             if self.client is not None:
                 self.svc.upstream.lost(self.client)
             raise Failed(503, "unavailable", f"the daemon went away: {e}", 1) from None
-        if not self.pieces:
+        if not self.frames:
             self.svc.metrics.first_token.labels(self.endpoint).observe(time.perf_counter() - self.t0)
-        self.pieces.append(tok.text)
         self.frames.append(tok)
         return tok.text
 

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Generation, Renderer, Service, model_names
+from m31r_http.app import Generation, Renderer, Service, model_names, token_figures
 from m31r_http.fim_templates import split_fim
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_LOGPROBS
@@ -150,19 +150,14 @@ def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
 # -- responses --------------------------------------------------------------------------------------------------
 
 
+def _figure(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def ollama_logprobs(frames: list[Token]) -> list[dict]:
-    """The per-token figures of the daemon's Token frames as Ollama lists them. Text released at the end (held back
-    while it might have begun a stop sequence) has no token of its own: it joins the token before it."""
-    out: list[dict] = []
-    for f in frames:
-        if f.logprob is None:
-            if out:
-                out[-1]["token"] += f.text
-                out[-1]["bytes"] = list(out[-1]["token"].encode())
-            continue
-        top = [{"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode())} for c in f.top_logprobs]
-        out.append({"token": f.text, "logprob": f.logprob, "bytes": list(f.text.encode()), "top_logprobs": top})
-    return out
+    """token_figures as Ollama lists them."""
+    return [{**_figure(t.text, t.logprob), "top_logprobs": [_figure(c.text, c.logprob) for c in t.top_logprobs]}
+            for t in token_figures(frames)]
 
 
 class OllamaRenderer(Renderer):

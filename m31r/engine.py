@@ -128,8 +128,9 @@ def line_logprobs(token_bytes: list[bytes | None], tokens: list[int], logprobs: 
     """Each line's log-probability: its tokens' up to and including the one that holds its line break (a token
     holding several breaks ends as many lines, the later ones certain), the last line's with the end token's where
     the model ended it (Outcome.logprobs). The first k summed are how likely the model finds the completion's first
-    k lines: what an editor cuts a multi-line suggestion to (m31r_protocol.policy.confident_lines). `lines`: the
-    number of lines the completion's text kept (a stop sequence may end it before its last tokens)."""
+    k lines: what an editor cuts a multi-line suggestion to (m31r_protocol.policy.confident_lines); the first alone
+    is Done.line_logprob, which predicts whether the line an editor shows first is right (README "Confidence").
+    `lines`: the number of lines the completion's text kept (a stop sequence may end it before its last tokens)."""
     out: list[float] = []
     total = 0.0
     for tok, lp in zip(tokens, logprobs, strict=False):
@@ -140,14 +141,6 @@ def line_logprobs(token_bytes: list[bytes | None], tokens: list[int], logprobs: 
     if logprobs:
         out.append(total + sum(logprobs[len(tokens):]))
     return out[:lines] if lines is not None else out
-
-
-def line_logprob(token_bytes: list[bytes | None], tokens: list[int], logprobs: list[float]) -> float | None:
-    """The log-probability of a completion's first line: its tokens' up to the first that holds a line break, or,
-    for a completion of one line, all of them and the end's (Outcome.logprobs). How likely the model finds the line
-    an editor shows first, which predicts whether it is right (README "Confidence"). None for no tokens."""
-    by_line = line_logprobs(token_bytes, tokens, logprobs)
-    return by_line[0] if by_line else None
 
 
 @dataclass

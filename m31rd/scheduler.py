@@ -75,7 +75,7 @@ class Finished:
     accepted: int = 0
     alternatives: tuple[str, ...] = ()  # a beam search's runners-up (m31r.beams)
     logprob: float | None = None  # the completion's log-probability, its end included (Outcome.logprobs)
-    line_logprob: float | None = None  # its first line's (m31r.engine.line_logprob)
+    line_logprob: float | None = None  # its first line's (the first of m31r.engine.line_logprobs)
     logprob_by_line: tuple[float, ...] = ()  # each of its text's lines' (m31r.engine.line_logprobs)
 
 

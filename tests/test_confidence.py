@@ -1,5 +1,5 @@
 """The confidence floor with the bundled model: lines any Rust reader would write pass the editors' default floor,
-a line of noise after a nonsense prefix does not (m31r.engine.line_logprob, m31r_protocol.policy.confident), and a
+a line of noise after a nonsense prefix does not (the first of m31r.engine.line_logprobs, policy.confident), and a
 multi-line completion is cut where its lines together fall under it (line_logprobs, policy.confident_lines)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def release_engine():
 
 
 def line(engine, prefix: str, suffix: str):
-    from m31r.engine import Outcome, line_logprob
+    from m31r.engine import Outcome, line_logprobs
     from m31r.fim import FimBudget, build_fim_prompt, line_context
 
     p = build_fim_prompt(engine.tokenizer, prefix, suffix, FimBudget.for_context(engine.config.max_context))
@@ -36,7 +36,7 @@ def line(engine, prefix: str, suffix: str):
     for _ in engine.generate(p.ids, max_tokens=24, result=res, heal=p.heal, stop=["\n"],
                              repeat_context=line_context(prefix)):
         pass
-    return res.text, line_logprob(engine.tokenizer.token_bytes, res.tokens, res.logprobs)
+    return res.text, line_logprobs(engine.tokenizer.token_bytes, res.tokens, res.logprobs)[0]
 
 
 @pytest.mark.parametrize(("prefix", "suffix", "want"), SURE)
@@ -52,16 +52,15 @@ def test_noise_falls_below_it(release_engine, prefix, suffix):
 
 
 def test_line_logprobs_splits_the_tokens_figures_at_their_line_breaks():
-    from m31r.engine import line_logprob, line_logprobs
+    from m31r.engine import line_logprobs
 
     token_bytes = [b"if", b" x", b" {\n    ", b"y", b"();\n\n", b"}", None]
     tokens, logprobs = [0, 1, 2, 3, 4, 5], [-1.0, -2.0, -0.5, -3.0, -0.25, -0.125, -4.0]  # the end's last
     assert line_logprobs(token_bytes, tokens, logprobs) == [-3.5, -3.25, 0.0, -4.125]
     assert line_logprobs(token_bytes, tokens, logprobs, lines=2) == [-3.5, -3.25]  # a stop kept two lines of text
-    assert line_logprob(token_bytes, tokens, logprobs) == -3.5
     assert line_logprobs(token_bytes, [0, 1], [-1.0, -2.0]) == [-3.0]  # one line, ended by a limit
     assert line_logprobs(token_bytes, [], [-0.5]) == [-0.5]  # ended at once: one empty line, the end's figure
-    assert line_logprobs(token_bytes, [], []) == [] and line_logprob(token_bytes, [], []) is None
+    assert line_logprobs(token_bytes, [], []) == []  # nothing generated: no figure (Done.line_logprob None)
 
 
 def test_a_multi_line_completion_is_cut_to_the_lines_the_model_is_sure_of(release_engine):

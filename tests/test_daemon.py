@@ -857,7 +857,7 @@ async def test_a_deadline_spent_in_the_queue_gets_done_without_tokens(cold):
 
 
 async def test_typed_through(warm, tiny_engine):
-    from m31r.engine import line_logprob
+    from m31r.engine import line_logprobs
 
     prefix, suffix = "fn main() {\n    let total: u64 = values.iter().sum", "();\n}\n"
     async with await Client.connect(warm.socket) as c:
@@ -868,7 +868,7 @@ async def test_typed_through(warm, tiny_engine):
         want = fim_outcome(tiny_engine, prefix, suffix, 8)
         assert first.done.logprob == pytest.approx(sum(want.logprobs), abs=1e-3) and first.done.logprob < 0
         assert first.done.line_logprob == pytest.approx(
-            line_logprob(tiny_engine.tokenizer.token_bytes, want.tokens, want.logprobs), abs=1e-3)
+            line_logprobs(tiny_engine.tokenizer.token_bytes, want.tokens, want.logprobs)[0], abs=1e-3)
         assert first.done.line_logprob >= first.done.logprob
         # Each line's figure: as many as the text has lines, the first the line_logprob, all of them the logprob.
         by_line = first.done.logprob_by_line
