@@ -36,7 +36,7 @@ from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import GuardMiddleware, HostPolicy, error_body
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
-from m31r_protocol.messages import Done, Snippet, Token
+from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
 from m31r_protocol.version import VERSION
 
@@ -174,16 +174,8 @@ def _tops(frame: Token) -> list[s.TopToken]:
 
 def token_figures(frames: list[Token]) -> list[s.TokenLogprob]:
     """Each token's figures, from the daemon's Token frames (of a request with `logprobs`): what the native, OpenAI
-    and Ollama answers list. Text released at the end (held back while it might have begun a stop sequence) has no
-    token of its own: it joins the token before it, so the tokens' texts still make up the answer."""
-    out: list[s.TokenLogprob] = []
-    for f in frames:
-        if f.logprob is None or f.token is None:
-            if out:
-                out[-1].text += f.text
-            continue
-        out.append(s.TokenLogprob(f.text, f.token, f.logprob, _tops(f)))
-    return out
+    and Ollama answers list."""
+    return [s.TokenLogprob(f.text, f.token, f.logprob, _tops(f)) for f in scored_tokens(frames)]
 
 
 def _result(g: Generation, logprobs: bool = False) -> s.GenerateResponse:

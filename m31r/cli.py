@@ -387,6 +387,8 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
     if opts["as_json"]:
         import msgspec
 
+        from m31r_protocol.messages import scored_tokens
+
         click.echo(json.dumps({"text": "".join(text), "tokens": stream.tokens, "finish_reason": done.finish_reason,
                                "usage": msgspec.to_builtins(done.usage),
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
@@ -394,7 +396,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line,
                                **({"token_logprobs": [
                                    {"text": f.text, "token": f.token, "logprob": f.logprob,
-                                    "top": msgspec.to_builtins(f.top_logprobs)} for f in frames if f.token is not None]}
+                                    "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}
                                   if opts["logprobs"] is not None else {})}))
     else:
         if text and not "".join(text).endswith("\n") and sys.stdout.isatty():

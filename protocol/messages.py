@@ -142,6 +142,20 @@ class Token(Struct, tag="token", omit_defaults=True):
     top_logprobs: list[TokenChoice] = []
 
 
+def scored_tokens(frames: list[Token]) -> list[Token]:
+    """The frames of a request with `logprobs`, one a token. Text released at the end (held back while it might
+    have begun a stop sequence) has no token of its own: it joins the token before it, so the tokens' texts still
+    make up the answer."""
+    out: list[Token] = []
+    for f in frames:
+        if f.logprob is None or f.token is None:
+            if out:
+                out[-1] = msgspec.structs.replace(out[-1], text=out[-1].text + f.text)
+            continue
+        out.append(f)
+    return out
+
+
 class Usage(Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -67,6 +67,14 @@ def test_generate_json(daemon, tiny_engine):
     assert [t["token"] for t in per] == ref.tokens and "".join(t["text"] for t in per) == ref.text
     assert [t["logprob"] for t in per] == pytest.approx(ref.logprobs[: len(per)], abs=1e-3)
     assert all(1 <= len(t["top"]) <= 2 and t["top"][0][0] == t["token"] for t in per)  # greedy: the likeliest
+    # A stop sequence the last character might begin holds it back to the end, where it comes without a token of
+    # its own: the list joins it to the token before it, so the tokens' texts still make up the answer.
+    assert ref.text
+    r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--logprobs", "0", "--stop", ref.text[-1] + "\u2603",
+            "--socket", str(sock))
+    held = json.loads(r.stdout)
+    assert held["text"] == ref.text and "".join(t["text"] for t in held["token_logprobs"]) == ref.text
+    assert [t["token"] for t in held["token_logprobs"]] == ref.tokens
     r = cli("generate", "fn main", "--logprobs", "2", "--socket", str(sock))
     assert r.returncode != 0 and "add --json" in r.stderr and r.stdout == ""
 
