@@ -800,13 +800,14 @@ def test_a_steps_gradient_does_not_depend_on_its_micro_batches(data_dir: Path):
 
     from m31r.config import load_config
     from m31r.model import Transformer
+    from m31r.train.samples import FIM
     from m31r.train.trainer import Data, TrainConfig, accumulate_step, loss_terms
 
     mc = load_config(data_dir.parent / "model.yaml")
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     data = Data(tok, data_dir, mc.max_context, fim_rate=0.5, block_fim=0.0)
     rows, cats = data.batch("train", rnd.Random(3), 4)
-    assert len({int((c[1:] == 1).sum()) for c in cats}) > 1  # rows with different counts of FIM tokens
+    assert len({int((c[1:] == FIM).sum()) for c in cats}) > 1  # rows with different counts of FIM tokens
     torch.manual_seed(0)
     model = Transformer(mc)
     tc = TrainConfig(model="m", alpha=0.3, beta=0.2)
