@@ -51,6 +51,8 @@
 int m31r_avx2_vnni(void) { return VNNI; }
 
 #define MAX_CHUNKS 32 /* head_dim up to 256, in chunks of 8 */
+#define BLOCK 8       /* matmul columns per unit of work; N must be a multiple */
+#define Q8_ABS 1      /* q8 activations keep a copy of |codes| for vpmaddubsw (kernels_layer.h) */
 #define MAX_KEYS 65536
 #define PREFETCH_KEYS 8
 
@@ -401,47 +403,6 @@ Q8_TILE(6, 1)
 Q8_TILE(7, 1)
 Q8_TILE(8, 1)
 
-#define BLOCK 8 /* columns per unit of work; N must be a multiple */
-
-static void q8_block(int R, const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,
-                     const uint16_t* s, float* y, int N) {
-#define Q8_RUN(R, C)                                                                                        \
-  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, aq, d, K, w + (long)c * K, s + c, y + c, N); \
-  break;
-  switch (R) {
-    case 1: Q8_RUN(1, 4)
-    case 2: Q8_RUN(2, 4)
-    case 3: Q8_RUN(3, 2)
-    case 4: Q8_RUN(4, 2)
-    case 5: Q8_RUN(5, 1)
-    case 6: Q8_RUN(6, 1)
-    case 7: Q8_RUN(7, 1)
-    case 8: Q8_RUN(8, 1)
-  }
-#undef Q8_RUN
-}
-
-/* x [M, K] fp32, w [N, K] int8, scale [N] bf16, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a
- * multiple of 32 and N of BLOCK (2 when out of memory). */
-int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
-  if (M < 1 || K % 32 || N % BLOCK) return 1;
-  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
-  if (!work) return 2;
-  int8_t* xq = (int8_t*)work;
-  uint8_t* aq = (uint8_t*)work + (long)M * K;
-  float* d = (float*)((uint8_t*)work + 2L * M * K);
-  for (int m = 0; m < M; ++m) q8_row(x + (long)m * K, K, 0, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), 0, 32);
-#pragma omp parallel for schedule(dynamic, 16)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      q8_block(M - m < 8 ? M - m : 8, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), K, w + n * K,
-               scale + n, y + (long)m * N + n, N);
-  }
-  free(work);
-  return 0;
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
  * The accurate int8 path: activations to q16, int16 codes in blocks of 32 (|code| <= 32767) with one fp32 scale
  * per block, scale = max|x| / 32767: a rounding step 258 times finer than q8's max|x| / 127, so the activations'
@@ -610,51 +571,6 @@ I4_TILE(6, 1)
 I4_TILE(7, 1)
 I4_TILE(8, 1)
 
-static void i4_block(int R, const int8_t* xq, const float* d, const float* xs, int K, int G, const uint8_t* w,
-                     const float* sc, const float* base, float* y, int N) {
-  const int ng = K / G;
-#define I4_RUN(R, C)                                                                                              \
-  for (int c = 0; c < BLOCK; c += C)                                                                              \
-    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N); \
-  break;
-  switch (R) {
-    case 1: I4_RUN(1, 4)
-    case 2: I4_RUN(2, 2)
-    case 3: I4_RUN(3, 2)
-    case 4: I4_RUN(4, 1)
-    case 5: I4_RUN(5, 1)
-    case 6: I4_RUN(6, 1)
-    case 7: I4_RUN(7, 1)
-    case 8: I4_RUN(8, 1)
-  }
-#undef I4_RUN
-}
-
-/* x [M, K] fp32, codes [N, K/2] uint8, scale/base [N, K/G] fp32, y [M, N] fp32. Returns nonzero, having done
- * nothing, unless G is a multiple of 32 dividing K and N a multiple of BLOCK (2 when out of memory). */
-int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
-                    const float* base, float* y) {
-  if (M < 1 || G < 32 || G % 32 || K % G || N % BLOCK) return 1;
-  const int nb = K / 32, ng = K / G;
-  void* work = malloc(2L * M * K + (long)M * nb * 4 + (long)M * ng * 4);
-  if (!work) return 2;
-  int8_t* xq = (int8_t*)work;
-  uint8_t* aq = (uint8_t*)work + (long)M * K;
-  float* d = (float*)((uint8_t*)work + 2L * M * K);
-  float* xs = d + (long)M * nb;
-  for (int m = 0; m < M; ++m)
-    q8_row(x + (long)m * K, K, 1, xq + (long)m * K, aq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, G);
-#pragma omp parallel for schedule(dynamic, 16)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      i4_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, K, G,
-               w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
-  }
-  free(work);
-  return 0;
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
  * fp32 weights [N, K] (torch's Linear layout, row-major), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], for
  * decode rows and short chunks of fp32 engines. A decode step streams every weight once, so it is bound by memory
@@ -690,23 +606,6 @@ F32_TILE(5, 2)
 F32_TILE(6, 2)
 F32_TILE(7, 1)
 F32_TILE(8, 1)
-
-static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
-#define F32_RUN(R, C)                                                                \
-  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
-  break;
-  switch (R) {
-    case 1: F32_RUN(1, 4)
-    case 2: F32_RUN(2, 4)
-    case 3: F32_RUN(3, 2)
-    case 4: F32_RUN(4, 2)
-    case 5: F32_RUN(5, 2)
-    case 6: F32_RUN(6, 2)
-    case 7: F32_RUN(7, 1)
-    case 8: F32_RUN(8, 1)
-  }
-#undef F32_RUN
-}
 
 /* ---------------------------------------------------------------------------------------------------------------
  * The per-token work between the matmuls of fp32 engines (model.Transformer.step), each one call for all rows of a

@@ -1,10 +1,11 @@
 /* What both fp32 families share above their instructions: the drivers that hand rows and column blocks to each
- * family's tiles (m31r_f32_mm, m31r_int8_mm_q16) and heads to its attend_head (m31r_attend_decode_f32), decode
- * attention on the wqkv projection (m31r_attend_qkv_f32 and its fp16-cache twin), and one decoder layer of a decode
- * pass in one call (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c include this after their own kernels,
- * which it calls (the f32/q16 tiles and q16_row, rope_head, store_f16, attend_head, attend_head_f16, attend_pair,
- * attend_pair_f16, the int8 and int4 matmuls, m31r_add_rmsnorm_f32, m31r_swiglu_f32): it has no instructions of its
- * own, so both families run the same code.
+ * family's tiles (m31r_f32_mm, m31r_int8_mm_q16, m31r_int8_mm_q8, m31r_int4_mm_q8) and heads to its attend_head
+ * (m31r_attend_decode_f32), decode attention on the wqkv projection (m31r_attend_qkv_f32 and its fp16-cache twin),
+ * and one decoder layer of a decode pass in one call (m31r_decode_layer_f32). kernels_avx2.c and kernels_neon.c
+ * include this after their own kernels, which it calls (the f32, q16, q8 and int4 tiles, q16_row and q8_row,
+ * rope_head, store_f16, attend_head, attend_head_f16, attend_pair, attend_pair_f16, m31r_int8_mm_f32,
+ * m31r_add_rmsnorm_f32, m31r_swiglu_f32), with their BLOCK and Q8_ABS: it has no instructions of its own, so both
+ * families run the same code.
  * native.build (and the tests' driver) hash it with the source that includes it.
  *
  * The layer call: what Transformer._layers_native runs per layer through Python (the wqkv matmul, decode attention
@@ -57,6 +58,123 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
                   (const float*)vptr[r] + base, len[r], hd, scale, s, out + at);
     }
   }
+  return 0;
+}
+
+/* Each family's tiles of one kind over a block of BLOCK columns for R rows (1-8): the tile widths (columns per
+ * call) are the families' shared choice, so a column's bits never depend on which family or tile ran it. */
+static void q8_block(int R, const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,
+                     const uint16_t* s, float* y, int N) {
+#define Q8_RUN(R, C)                                                                                        \
+  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, aq, d, K, w + (long)c * K, s + c, y + c, N); \
+  break;
+  switch (R) {
+    case 1: Q8_RUN(1, 4)
+    case 2: Q8_RUN(2, 4)
+    case 3: Q8_RUN(3, 2)
+    case 4: Q8_RUN(4, 2)
+    case 5: Q8_RUN(5, 1)
+    case 6: Q8_RUN(6, 1)
+    case 7: Q8_RUN(7, 1)
+    case 8: Q8_RUN(8, 1)
+  }
+#undef Q8_RUN
+}
+
+static void i4_block(int R, const int8_t* xq, const float* d, const float* xs, int K, int G, const uint8_t* w,
+                     const float* sc, const float* base, float* y, int N) {
+  const int ng = K / G;
+#define I4_RUN(R, C)                                                                                              \
+  for (int c = 0; c < BLOCK; c += C)                                                                              \
+    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N); \
+  break;
+  switch (R) {
+    case 1: I4_RUN(1, 4)
+    case 2: I4_RUN(2, 2)
+    case 3: I4_RUN(3, 2)
+    case 4: I4_RUN(4, 1)
+    case 5: I4_RUN(5, 1)
+    case 6: I4_RUN(6, 1)
+    case 7: I4_RUN(7, 1)
+    case 8: I4_RUN(8, 1)
+  }
+#undef I4_RUN
+}
+
+static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
+#define F32_RUN(R, C)                                                                     \
+  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
+  break;
+  switch (R) {
+    case 1: F32_RUN(1, 4)
+    case 2: F32_RUN(2, 4)
+    case 3: F32_RUN(3, 2)
+    case 4: F32_RUN(4, 2)
+    case 5: F32_RUN(5, 2)
+    case 6: F32_RUN(6, 2)
+    case 7: F32_RUN(7, 1)
+    case 8: F32_RUN(8, 1)
+  }
+#undef F32_RUN
+}
+
+/* The q8 activations' work buffer for M rows of K values: the codes [M, K] int8, then (Q8_ABS, AVX2's vpmaddubsw
+ * multiplies unsigned bytes by signed ones) their absolute values [M, K] uint8, then one fp32 scale per block of 32
+ * [M, K/32] and `extra` more floats. Where a family keeps no |codes|, aq aliases the codes and is never read. */
+static void* q8_work(int M, int K, long extra, int8_t** xq, uint8_t** aq, float** d) {
+  const long codes = (1L + Q8_ABS) * M * K;
+  void* work = malloc(codes + ((long)M * (K / 32) + extra) * 4);
+  if (!work) return NULL;
+  *xq = (int8_t*)work;
+  *aq = (uint8_t*)work + (Q8_ABS ? (long)M * K : 0);
+  *d = (float*)((uint8_t*)work + codes);
+  return work;
+}
+
+/* x [M, K] fp32, w [N, K] int8, scale [N] bf16, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a
+ * multiple of 32 and N of BLOCK (2 when out of memory). */
+int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
+  if (M < 1 || K % 32 || N % BLOCK) return 1;
+  int8_t* xq;
+  uint8_t* aq;
+  float* d;
+  void* work = q8_work(M, K, 0, &xq, &aq, &d);
+  if (!work) return 2;
+  for (int m = 0; m < M; ++m)
+    q8_row(x + (long)m * K, K, 0, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), 0, 32);
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      q8_block(M - m < 8 ? M - m : 8, xq + (long)m * K, aq + (long)m * K, d + (long)m * (K / 32), K, w + n * K,
+               scale + n, y + (long)m * N + n, N);
+  }
+  free(work);
+  return 0;
+}
+
+/* x [M, K] fp32, codes [N, K/2] uint8, scale/base [N, K/G] fp32, y [M, N] fp32. Returns nonzero, having done
+ * nothing, unless G is a multiple of 32 dividing K and N a multiple of BLOCK (2 when out of memory). */
+int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
+                    const float* base, float* y) {
+  if (M < 1 || G < 32 || G % 32 || K % G || N % BLOCK) return 1;
+  const int nb = K / 32, ng = K / G;
+  int8_t* xq;
+  uint8_t* aq;
+  float* d;
+  void* work = q8_work(M, K, (long)M * ng, &xq, &aq, &d);
+  if (!work) return 2;
+  float* xs = d + (long)M * nb;
+  for (int m = 0; m < M; ++m)
+    q8_row(x + (long)m * K, K, 1, xq + (long)m * K, aq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, G);
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int b = 0; b < N / BLOCK; ++b) {
+    const long n = (long)b * BLOCK;
+    for (int m = 0; m < M; m += 8)
+      i4_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, K, G,
+               w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
+  }
+  free(work);
   return 0;
 }
 

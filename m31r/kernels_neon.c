@@ -34,6 +34,8 @@
 #include <string.h>
 
 #define MAX_CHUNKS 32 /* head_dim up to 256, in chunks of 8 (two float32x4) */
+#define BLOCK 8       /* matmul columns per unit of work; N must be a multiple */
+#define Q8_ABS 0      /* q8 activations need no |codes| copy here: NEON multiplies signed bytes (kernels_layer.h) */
 #define MAX_KEYS 65536
 #define PREFETCH_KEYS 8
 
@@ -187,7 +189,9 @@ static inline int32x4_t round4(const float* p, float32x4_t inv) { return vcvtnq_
  * keeps |codes| for vpmaddubsw: NEON multiplies signed bytes). `nibble_order` lays each block out as the int4
  * kernel reads its codes: the 16 even positions, then the 16 odd ones. `sums` (optional) gets each row's plain fp32
  * sum of x per `group` values (for int4's zero points), summed in order. */
-static void q8_row(const float* x, int K, int nibble_order, int8_t* q, float* d, float* sums, int group) {
+static void q8_row(const float* x, int K, int nibble_order, int8_t* q, uint8_t* aq, float* d, float* sums,
+                   int group) {
+  (void)aq; /* kernels_avx2.c's |codes|, not needed here (Q8_ABS) */
   for (int b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
     float t[32];
@@ -244,8 +248,9 @@ static inline f8 q8_dot32(const int8_t* x, int8x16_t w0, int8x16_t w1) {
 }
 
 #define Q8_TILE(R, C)                                                                                              \
-  static void q8_tile_##R##_##C(const int8_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s,      \
-                                float* y, int N) {                                                               \
+  static void q8_tile_##R##_##C(const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,     \
+                                const uint16_t* s, float* y, int N) {                                            \
+    (void)aq;                                                                                                    \
     f8 acc[R * C];                                                                                               \
     for (int i = 0; i < R * C; ++i) acc[i] = f8_zero();                                                          \
     const int nb = K / 32;                                                                                       \
@@ -274,46 +279,6 @@ Q8_TILE(5, 1)
 Q8_TILE(6, 1)
 Q8_TILE(7, 1)
 Q8_TILE(8, 1)
-
-#define BLOCK 8 /* columns per unit of work; N must be a multiple */
-
-static void q8_block(int R, const int8_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
-                     int N) {
-#define Q8_RUN(R, C)                                                                                \
-  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N); \
-  break;
-  switch (R) {
-    case 1: Q8_RUN(1, 4)
-    case 2: Q8_RUN(2, 4)
-    case 3: Q8_RUN(3, 2)
-    case 4: Q8_RUN(4, 2)
-    case 5: Q8_RUN(5, 1)
-    case 6: Q8_RUN(6, 1)
-    case 7: Q8_RUN(7, 1)
-    case 8: Q8_RUN(8, 1)
-  }
-#undef Q8_RUN
-}
-
-/* x [M, K] fp32, w [N, K] int8, scale [N] bf16, y [M, N] fp32. Returns nonzero, having done nothing, unless K is a
- * multiple of 32 and N of BLOCK (2 when out of memory). */
-int m31r_int8_mm_q8(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
-  if (M < 1 || K % 32 || N % BLOCK) return 1;
-  void* work = malloc((long)M * K + (long)M * (K / 32) * 4);
-  if (!work) return 2;
-  int8_t* xq = (int8_t*)work;
-  float* d = (float*)((uint8_t*)work + (long)M * K);
-  for (int m = 0; m < M; ++m) q8_row(x + (long)m * K, K, 0, xq + (long)m * K, d + (long)m * (K / 32), 0, 32);
-#pragma omp parallel for schedule(dynamic, 16)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      q8_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * (K / 32), K, w + n * K, scale + n,
-               y + (long)m * N + n, N);
-  }
-  free(work);
-  return 0;
-}
 
 /* ---------------------------------------------------------------------------------------------------------------
  * The accurate int8 path: activations to q16, int16 codes in blocks of 32 (|code| <= 32767) with one fp32 scale per
@@ -467,50 +432,6 @@ I4_TILE(6, 1)
 I4_TILE(7, 1)
 I4_TILE(8, 1)
 
-static void i4_block(int R, const int8_t* xq, const float* d, const float* xs, int K, int G, const uint8_t* w,
-                     const float* sc, const float* base, float* y, int N) {
-  const int ng = K / G;
-#define I4_RUN(R, C)                                                                                              \
-  for (int c = 0; c < BLOCK; c += C)                                                                              \
-    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N); \
-  break;
-  switch (R) {
-    case 1: I4_RUN(1, 4)
-    case 2: I4_RUN(2, 2)
-    case 3: I4_RUN(3, 2)
-    case 4: I4_RUN(4, 1)
-    case 5: I4_RUN(5, 1)
-    case 6: I4_RUN(6, 1)
-    case 7: I4_RUN(7, 1)
-    case 8: I4_RUN(8, 1)
-  }
-#undef I4_RUN
-}
-
-/* x [M, K] fp32, codes [N, K/2] uint8, scale/base [N, K/G] fp32, y [M, N] fp32. Returns nonzero, having done
- * nothing, unless G is a multiple of 32 dividing K and N a multiple of BLOCK (2 when out of memory). */
-int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w, const float* scale,
-                    const float* base, float* y) {
-  if (M < 1 || G < 32 || G % 32 || K % G || N % BLOCK) return 1;
-  const int nb = K / 32, ng = K / G;
-  void* work = malloc((long)M * K + (long)M * nb * 4 + (long)M * ng * 4);
-  if (!work) return 2;
-  int8_t* xq = (int8_t*)work;
-  float* d = (float*)((uint8_t*)work + (long)M * K);
-  float* xs = d + (long)M * nb;
-  for (int m = 0; m < M; ++m)
-    q8_row(x + (long)m * K, K, 1, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, G);
-#pragma omp parallel for schedule(dynamic, 16)
-  for (int b = 0; b < N / BLOCK; ++b) {
-    const long n = (long)b * BLOCK;
-    for (int m = 0; m < M; m += 8)
-      i4_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * nb, xs + (long)m * ng, K, G,
-               w + n * (K / 2), scale + n * ng, base + n * ng, y + (long)m * N + n, N);
-  }
-  free(work);
-  return 0;
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
  * fp32 weights [N, K] (torch's Linear layout), fp32 activations: y[m, n] = sum_k x[m, k] * w[n, k], as
  * kernels_avx2.c's f32 tiles (m31r_f32_mm in kernels_layer.h runs either): each (row, column) one accumulator of 8
@@ -540,23 +461,6 @@ F32_TILE(5, 2)
 F32_TILE(6, 2)
 F32_TILE(7, 1)
 F32_TILE(8, 1)
-
-static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
-#define F32_RUN(R, C)                                                                     \
-  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
-  break;
-  switch (R) {
-    case 1: F32_RUN(1, 4)
-    case 2: F32_RUN(2, 4)
-    case 3: F32_RUN(3, 2)
-    case 4: F32_RUN(4, 2)
-    case 5: F32_RUN(5, 2)
-    case 6: F32_RUN(6, 2)
-    case 7: F32_RUN(7, 1)
-    case 8: F32_RUN(8, 1)
-  }
-#undef F32_RUN
-}
 
 /* Rotate-half RoPE of one head, as kernels_avx2.c's rope_head: x * cos, then roll(x, hd/2) * sin fused into it. */
 static inline void rope_head(const float* x, const float* cos, const float* sin, int hd, float* out) {
