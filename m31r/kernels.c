@@ -20,6 +20,8 @@
 #define MAX_KEYS 65536 /* context length up to 64k */
 #define PREFETCH_KEYS 16 /* keys and values are fetched this many positions ahead of the scores */
 
+#include "kernels_rows.h"
+
 static inline __m512 load_bf16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256((const __m256i*)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -109,12 +111,7 @@ int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t
                        const uint16_t* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                        const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, uint16_t* out) {
   if (hd % 16 || hd > 16 * MAX_CHUNKS || heads % kv_heads) return 1;
-  for (int r = 0; r < rows; ++r) {
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 1;
-    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
-                           shared[r] > len[lead[r]]))
-      return 1;
-  }
+  if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
 #pragma omp parallel
   {

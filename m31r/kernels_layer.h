@@ -16,17 +16,7 @@
 
 /* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
 
-/* Whether every row's context fits its cache and, given lead/shared, reads a shared prefix that is neither past its
- * own new position nor past what its lead row's cache holds. */
-static int rows_ok(int rows, const int32_t* cap, const int32_t* len, const int32_t* lead, const int32_t* shared) {
-  for (int r = 0; r < rows; ++r) {
-    if (len[r] < 1 || len[r] > cap[r] || len[r] > MAX_KEYS) return 0;
-    if (lead && shared && (lead[r] < 0 || lead[r] >= rows || shared[r] < 0 || shared[r] >= len[r] ||
-                           shared[r] > len[lead[r]]))
-      return 0;
-  }
-  return 1;
-}
+#include "kernels_rows.h"
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
  * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
