@@ -52,22 +52,25 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
 }
 
 /* Each family's tiles of one kind over a block of BLOCK columns for R rows (1-8): the tile widths (columns per
- * call) are the families' shared choice, so a column's bits never depend on which family or tile ran it. */
+ * call) are the families' shared choice, so a column's bits never depend on which family or tile ran it.
+ * BY_ROWS runs RUN(R, C) for the row count at hand, C1..C8 the kind's tile width for 1..8 rows. */
+#define BY_ROWS(rows, RUN, C1, C2, C3, C4, C5, C6, C7, C8) \
+  switch (rows) {                                          \
+    case 1: RUN(1, C1) break;                              \
+    case 2: RUN(2, C2) break;                              \
+    case 3: RUN(3, C3) break;                              \
+    case 4: RUN(4, C4) break;                              \
+    case 5: RUN(5, C5) break;                              \
+    case 6: RUN(6, C6) break;                              \
+    case 7: RUN(7, C7) break;                              \
+    case 8: RUN(8, C8) break;                              \
+  }
+
 static void q8_block(int R, const int8_t* xq, const uint8_t* aq, const float* d, int K, const int8_t* w,
                      const uint16_t* s, float* y, int N) {
 #define Q8_RUN(R, C)                                                                                        \
-  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, aq, d, K, w + (long)c * K, s + c, y + c, N); \
-  break;
-  switch (R) {
-    case 1: Q8_RUN(1, 4)
-    case 2: Q8_RUN(2, 4)
-    case 3: Q8_RUN(3, 2)
-    case 4: Q8_RUN(4, 2)
-    case 5: Q8_RUN(5, 1)
-    case 6: Q8_RUN(6, 1)
-    case 7: Q8_RUN(7, 1)
-    case 8: Q8_RUN(8, 1)
-  }
+  for (int c = 0; c < BLOCK; c += C) q8_tile_##R##_##C(xq, aq, d, K, w + (long)c * K, s + c, y + c, N);
+  BY_ROWS(R, Q8_RUN, 4, 4, 2, 2, 1, 1, 1, 1);
 #undef Q8_RUN
 }
 
@@ -76,35 +79,15 @@ static void i4_block(int R, const int8_t* xq, const float* d, const float* xs, i
   const int ng = K / G;
 #define I4_RUN(R, C)                                                                                              \
   for (int c = 0; c < BLOCK; c += C)                                                                              \
-    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N); \
-  break;
-  switch (R) {
-    case 1: I4_RUN(1, 4)
-    case 2: I4_RUN(2, 2)
-    case 3: I4_RUN(3, 2)
-    case 4: I4_RUN(4, 1)
-    case 5: I4_RUN(5, 1)
-    case 6: I4_RUN(6, 1)
-    case 7: I4_RUN(7, 1)
-    case 8: I4_RUN(8, 1)
-  }
+    i4_tile_##R##_##C(xq, d, xs, K, G, w + (long)c * (K / 2), sc + (long)c * ng, base + (long)c * ng, y + c, N);
+  BY_ROWS(R, I4_RUN, 4, 2, 2, 1, 1, 1, 1, 1);
 #undef I4_RUN
 }
 
 static void f32_block(int R, const float* x, int K, const float* w, float* y, int N) {
 #define F32_RUN(R, C)                                                                     \
-  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N); \
-  break;
-  switch (R) {
-    case 1: F32_RUN(1, 4)
-    case 2: F32_RUN(2, 4)
-    case 3: F32_RUN(3, 2)
-    case 4: F32_RUN(4, 2)
-    case 5: F32_RUN(5, 2)
-    case 6: F32_RUN(6, 2)
-    case 7: F32_RUN(7, 1)
-    case 8: F32_RUN(8, 1)
-  }
+  for (int c = 0; c < BLOCK; c += C) f32_tile_##R##_##C(x, K, w + (long)c * K, y + c, N);
+  BY_ROWS(R, F32_RUN, 4, 4, 2, 2, 2, 2, 1, 1);
 #undef F32_RUN
 }
 
@@ -171,18 +154,8 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
 static void q16_block(int R, const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
                       int N) {
 #define Q16_RUN(R, C)                                                                                \
-  for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N); \
-  break;
-  switch (R) {
-    case 1: Q16_RUN(1, 4)
-    case 2: Q16_RUN(2, 2)
-    case 3: Q16_RUN(3, 2)
-    case 4: Q16_RUN(4, 2)
-    case 5: Q16_RUN(5, 1)
-    case 6: Q16_RUN(6, 1)
-    case 7: Q16_RUN(7, 1)
-    case 8: Q16_RUN(8, 1)
-  }
+  for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N);
+  BY_ROWS(R, Q16_RUN, 4, 2, 2, 2, 1, 1, 1, 1);
 #undef Q16_RUN
 }
 
