@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode vsix lint bench bench-ab soak bench-llamacpp bench-train train-data train export eval clean
+.PHONY: install run test test-python test-vscode vsix lint bench bench-ab soak bench-llamacpp bench-train train-data train export eval eval-exec clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,10 @@ export: install
 
 eval: install
 	$(BIN)/python benchmarks/eval_fim.py --bundle $(BUNDLE) --data $(DATA) --out bench-results/eval.json
+
+# Textbook functions completed by the model, compiled and tested with rustc (README "Does the code run?").
+eval-exec: install
+	$(BIN)/python benchmarks/eval_exec.py --bundle $(BUNDLE) --out bench-results/exec.json
 
 bench-train: install
 	$(BIN)/python benchmarks/bench_train.py --config $(TRAIN) --data $(DATA) --out bench-results/train-speed.json

@@ -26,6 +26,7 @@ OTHER_PROGRAMS = {
     "npm": "`npm ci --no-audit --no-fund` builds the VS Code extension",
     "make": "make targets take no flags of ours",
     "llama-bench": "`llama-bench ... --repack 0`: llama.cpp's benchmark, which the llama.cpp comparison runs",
+    "rustc": "`rustc --test` builds the execution evaluation's programs (benchmarks/eval_exec.py)",
 }
 # A `*.py` first word is a script (benchmarks/*.py, run with or without `python`): the flags are its argparse's.
 SCRIPT = re.compile(r"\S+\.py$")

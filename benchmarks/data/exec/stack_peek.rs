@@ -1,0 +1,44 @@
+/// A last-in, first-out stack.
+pub struct Stack<T> {
+    items: Vec<T>,
+}
+
+impl<T> Stack<T> {
+    pub fn new() -> Self {
+        Stack { items: Vec::new() }
+    }
+
+    pub fn push(&mut self, item: T) {
+        self.items.push(item);
+    }
+
+    /// Removes and returns the top item, or `None` when the stack is empty.
+    pub fn pop(&mut self) -> Option<T> {
+        self.items.pop()
+    }
+
+    /// The top item, without removing it.
+    pub fn peek(&self) -> Option<&T> {
+// @middle
+        self.items.last()
+// @end
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+// @tests
+#[test]
+fn peeks() {
+    let mut s = Stack::new();
+    assert_eq!(s.peek(), None);
+    s.push("a");
+    s.push("b");
+    assert_eq!(s.peek(), Some(&"b"));
+    assert_eq!(s.len(), 2);
+}

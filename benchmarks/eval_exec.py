@@ -1,0 +1,199 @@
+"""Does the completion run? Textbook Rust functions completed by the model, then compiled and tested with rustc.
+
+`make eval` measures how close completions come to the held-out crates' code, character by character; a reader
+asks something else: would this body do what the function says? Each file of benchmarks/data/exec/ is one small,
+self-contained Rust program written for this project (so no corpus holds it): a function or method with its doc
+comment and signature, where the lines between a `// @middle` and an `// @end` line are the task's middle, and
+after a `// @tests` line the `#[test]`s its completion must pass. The model sees the file above the middle as the
+prefix and the rest up to `// @tests` as the suffix (never the tests), with the cursor at the start of the
+middle's first line: a block body, as `make eval`'s multi-line tasks and `make run`'s gcd example lay it out.
+
+Decoding is what the daemon serves for such a request (greedy, its serving stops; `benchmarks/eval_fim.py`'s
+`run_tasks`). Then prefix + completion + suffix + tests is compiled with `rustc --test` and run, each test
+binary limited to a few seconds (a wrong loop body can loop for ever).
+
+  passes    the tests pass
+  compiles  rustc accepts the program (whatever the tests then say)
+  exact     the completion is the reference middle (normalised as in eval_fim); edit similarity likewise
+
+Needs `rustc` on PATH (Debian: `apt-get install rustc`); nothing else of Rust.
+
+    python benchmarks/eval_exec.py --bundle release --out bench-results/exec.json
+    python benchmarks/eval_exec.py --references   # the reference middles: every one must pass
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from eval_fim import Task, edit_similarity, normalize  # noqa: E402
+
+PROBLEMS = REPO / "benchmarks" / "data" / "exec"
+MIDDLE, END, TESTS = "// @middle", "// @end", "// @tests"
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    prefix: str
+    middle: str
+    suffix: str
+    tests: str
+
+    def program(self, middle: str) -> str:
+        if middle and not middle.endswith("\n"):
+            middle += "\n"
+        return self.prefix + middle + self.suffix + "\n" + self.tests
+
+
+@dataclass
+class Outcome:
+    name: str
+    target: str
+    prediction: str
+    exact: bool
+    edit_similarity: float
+    compiles: bool
+    passes: bool
+    error: str  # the first rustc error, or why the tests failed ("" when they passed)
+
+
+def parse_problem(path: Path) -> Problem:
+    """Split a problem file at its marker lines; a file without exactly one of each is refused by name."""
+    lines = path.read_text().splitlines(keepends=True)
+    marks = {m: [i for i, ln in enumerate(lines) if ln.strip() == m] for m in (MIDDLE, END, TESTS)}
+    if any(len(v) != 1 for v in marks.values()):
+        counts = ", ".join(f"{m!r} x{len(v)}" for m, v in marks.items())
+        raise ValueError(f"{path.name}: needs exactly one of each marker line, found {counts}")
+    a, b, c = marks[MIDDLE][0], marks[END][0], marks[TESTS][0]
+    if not a < b < c:
+        raise ValueError(f"{path.name}: markers must come in the order {MIDDLE}, {END}, {TESTS}")
+    join = "".join
+    return Problem(path.stem, join(lines[:a]), join(lines[a + 1 : b]), join(lines[b + 1 : c]), join(lines[c + 1 :]))
+
+
+def load_problems(folder: Path = PROBLEMS) -> list[Problem]:
+    return [parse_problem(p) for p in sorted(folder.glob("*.rs"))]
+
+
+def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tuple[bool, bool, str]:
+    """(compiles, passes, first error) for one program, built as a test binary in `work`."""
+    src, exe = work / "main.rs", work / "main"
+    src.write_text(source)
+    exe.unlink(missing_ok=True)
+    build = subprocess.run([rustc, "--edition", "2021", "--test", "-A", "warnings", "-C", "opt-level=1",
+                            "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
+    if build.returncode != 0:
+        first = next((ln for ln in build.stderr.splitlines() if ln.startswith("error")), build.stderr.strip())
+        return False, False, first[:300]
+    try:
+        run = subprocess.run([str(exe), "--test-threads", "1"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, False, f"tests still running after {timeout:g} s"
+    if run.returncode != 0:
+        failed = [ln for ln in run.stdout.splitlines() if "panicked" in ln or ln.startswith("test ") and "FAILED" in ln]
+        return True, False, (failed[0] if failed else f"tests exited with {run.returncode}")[:300]
+    return True, True, ""
+
+
+def score(problems: list[Problem], predictions: list[str], rustc: str, log) -> list[Outcome]:
+    out = []
+    with tempfile.TemporaryDirectory(prefix="m31r-exec-") as tmp:
+        for k, (pr, pred) in enumerate(zip(problems, predictions, strict=True)):
+            compiles, passes, error = run_program(pr.program(pred), Path(tmp), rustc)
+            p, g = normalize(pred), normalize(pr.middle)
+            out.append(Outcome(pr.name, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles, passes,
+                               error))
+            if (k + 1) % 10 == 0:
+                log(f"  {k + 1}/{len(problems)} compiled and tested")
+    return out
+
+
+def complete(bundle: Path, problems: list[Problem], dtype: str, quant: str, threads: int | None, max_tokens: int,
+             log) -> tuple[list[str], dict]:
+    """Each problem's completion as the daemon serves a block body (eval_fim.run_tasks)."""
+    from eval_fim import run_tasks
+
+    from m31r.engine import Engine
+
+    engine = Engine(bundle, dtype=dtype, threads=threads, quant=None if quant == "none" else quant)
+    tasks = [Task("multi", pr.name, pr.prefix.count("\n"), pr.prefix, pr.suffix, pr.middle) for pr in problems]
+    results = run_tasks(engine, tasks, max_tokens, max_tokens, log)
+    model = {"model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "dtype": dtype,
+             "quant": engine.quant}
+    return [r.prediction for r in results], model
+
+
+def summary(outcomes: list[Outcome]) -> dict:
+    n = len(outcomes)
+
+    def share(flag: str) -> float:
+        return round(sum(getattr(o, flag) for o in outcomes) / max(n, 1), 4)
+
+    return {"n": n, "passes": share("passes"), "compiles": share("compiles"), "exact": share("exact"),
+            "edit_similarity": round(sum(o.edit_similarity for o in outcomes) / max(n, 1), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, help="the model to complete with (omit with --references)")
+    p.add_argument("--references", action="store_true", help="test the reference middles instead of a model's")
+    p.add_argument("--problems", type=Path, default=PROBLEMS, help="folder of problem files")
+    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens of a completion (make eval's)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quant", default="none", help="weights as the daemon's --quant (none: as stored)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rustc", default="rustc", help="the Rust compiler to test with")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not args.references and args.bundle is None:
+        p.error("give --bundle (a model to complete with) or --references")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    rustc = shutil.which(args.rustc)
+    if rustc is None:
+        raise SystemExit(f"{args.rustc!r} not found: this evaluation compiles completions (Debian: apt-get install "
+                         "rustc, or --rustc PATH)")
+    version = subprocess.run([rustc, "--version"], capture_output=True, text=True).stdout.strip()
+    problems = load_problems(args.problems)
+    if not problems:
+        raise SystemExit(f"no problem files (*.rs) in {args.problems}")
+    t0 = time.perf_counter()
+    if args.references:
+        predictions, model = [pr.middle for pr in problems], {"model": "references"}
+    else:
+        predictions, model = complete(args.bundle, problems, args.dtype, args.quant, args.threads, args.max_tokens,
+                                      log)
+    outcomes = score(problems, predictions, rustc, log)
+    report = {**model, "rustc": version, "problems": str(args.problems), "summary": summary(outcomes),
+              "seconds": round(time.perf_counter() - t0, 1), "outcomes": [asdict(o) for o in outcomes]}
+    s = report["summary"]
+    print(f"\nexecution evaluation of {model['model']} on {s['n']} problems ({version})")
+    for o in outcomes:
+        mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
+        print(f"  {o.name:<22} {mark:<12} edit {o.edit_similarity:.2f}  {o.error}")
+    print(f"passes {s['passes']:.1%}   compiles {s['compiles']:.1%}   exact {s['exact']:.1%}   "
+          f"edit similarity {s['edit_similarity']:.3f}   ({report['seconds']} s)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if not args.references or s["passes"] == 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
