@@ -41,6 +41,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from eval_fim import Task, edit_similarity, normalize  # noqa: E402
 
+from m31r_protocol.policy import MIN_PROBABILITY, confident  # noqa: E402
+
 PROBLEMS = REPO / "benchmarks" / "data" / "exec"
 MIDDLE, END, TESTS = "// @middle", "// @end", "// @tests"
 
@@ -69,6 +71,7 @@ class Outcome:
     compiles: bool
     passes: bool
     error: str  # the first rustc error, or why the tests failed ("" when they passed)
+    shown: bool = True  # the editors would show it: its first line at least their confidence floor (policy.confident)
 
 
 def parse_problem(path: Path) -> Problem:
@@ -109,22 +112,25 @@ def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tu
     return True, True, ""
 
 
-def score(problems: list[Problem], predictions: list[str], rustc: str, log) -> list[Outcome]:
+def score(problems: list[Problem], predictions: list[str], rustc: str, log,
+          shown: list[bool] | None = None) -> list[Outcome]:
     out = []
+    shown = shown if shown is not None else [True] * len(problems)
     with tempfile.TemporaryDirectory(prefix="m31r-exec-") as tmp:
         for k, (pr, pred) in enumerate(zip(problems, predictions, strict=True)):
             compiles, passes, error = run_program(pr.program(pred), Path(tmp), rustc)
             p, g = normalize(pred), normalize(pr.middle)
             out.append(Outcome(pr.name, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles, passes,
-                               error))
+                               error, shown[k]))
             if (k + 1) % 10 == 0:
                 log(f"  {k + 1}/{len(problems)} compiled and tested")
     return out
 
 
 def complete(bundle: Path, problems: list[Problem], dtype: str, quant: str, threads: int | None, max_tokens: int,
-             log) -> tuple[list[str], dict]:
-    """Each problem's completion as the daemon serves a block body (eval_fim.run_tasks)."""
+             log) -> tuple[list[str], list[bool], dict]:
+    """Each problem's completion as the daemon serves a block body (eval_fim.run_tasks), and whether the editors
+    would show it."""
     from eval_fim import run_tasks
 
     from m31r.engine import Engine
@@ -134,7 +140,8 @@ def complete(bundle: Path, problems: list[Problem], dtype: str, quant: str, thre
     results = run_tasks(engine, tasks, max_tokens, max_tokens, log)
     model = {"model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "dtype": dtype,
              "quant": engine.quant}
-    return [r.prediction for r in results], model
+    shown = [confident(r.line_logprob, MIN_PROBABILITY) for r in results]
+    return [r.prediction for r in results], shown, model
 
 
 def summary(outcomes: list[Outcome]) -> dict:
@@ -144,7 +151,8 @@ def summary(outcomes: list[Outcome]) -> dict:
         return round(sum(getattr(o, flag) for o in outcomes) / max(n, 1), 4)
 
     return {"n": n, "passes": share("passes"), "compiles": share("compiles"), "exact": share("exact"),
-            "edit_similarity": round(sum(o.edit_similarity for o in outcomes) / max(n, 1), 4)}
+            "edit_similarity": round(sum(o.edit_similarity for o in outcomes) / max(n, 1), 4),
+            "shown": sum(o.shown for o in outcomes), "shown_passing": sum(o.shown and o.passes for o in outcomes)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,20 +183,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no problem files (*.rs) in {args.problems}")
     t0 = time.perf_counter()
     if args.references:
-        predictions, model = [pr.middle for pr in problems], {"model": "references"}
+        predictions, shown, model = [pr.middle for pr in problems], None, {"model": "references"}
     else:
-        predictions, model = complete(args.bundle, problems, args.dtype, args.quant, args.threads, args.max_tokens,
-                                      log)
-    outcomes = score(problems, predictions, rustc, log)
+        predictions, shown, model = complete(args.bundle, problems, args.dtype, args.quant, args.threads,
+                                             args.max_tokens, log)
+    outcomes = score(problems, predictions, rustc, log, shown)
     report = {**model, "rustc": version, "problems": str(args.problems), "summary": summary(outcomes),
               "seconds": round(time.perf_counter() - t0, 1), "outcomes": [asdict(o) for o in outcomes]}
     s = report["summary"]
     print(f"\nexecution evaluation of {model['model']} on {s['n']} problems ({version})")
     for o in outcomes:
         mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
-        print(f"  {o.name:<22} {mark:<12} edit {o.edit_similarity:.2f}  {o.error}")
+        print(f"  {o.name:<22} {mark:<12} {'' if o.shown else 'hidden':<7} edit {o.edit_similarity:.2f}  {o.error}")
     print(f"passes {s['passes']:.1%}   compiles {s['compiles']:.1%}   exact {s['exact']:.1%}   "
           f"edit similarity {s['edit_similarity']:.3f}   ({report['seconds']} s)")
+    if not args.references:
+        print(f"the editors would show {s['shown']} of {s['n']} (first line at least {MIN_PROBABILITY:g} likely), "
+              f"{s['shown_passing']} of them passing")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
