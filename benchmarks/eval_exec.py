@@ -8,13 +8,18 @@ after a `// @tests` line the `#[test]`s its completion must pass. The model sees
 prefix and the rest up to `// @tests` as the suffix (never the tests), with the cursor at the start of the
 middle's first line: a block body, as `make eval`'s multi-line tasks and `make run`'s gcd example lay it out.
 
-Decoding is what the daemon serves for such a request (greedy, its serving stops; `benchmarks/eval_fim.py`'s
-`run_tasks`). Then prefix + completion + suffix + tests is compiled with `rustc --test` and run, each test
-binary limited to a few seconds (a wrong loop body can loop for ever).
+Line tasks ask less: each line of a middle with a letter or digit in it, the cursor after its indentation, the
+rest of the middle given in the suffix (what a user who has typed the other lines gets for this one).
+
+Decoding is what the daemon serves for such a request (`benchmarks/eval_fim.py`'s `run_tasks`): a body greedily
+with its serving stops, a line by a beam search of 3 stopped at the line end. Then the program with the completion
+in its place, and the tests, is compiled with `rustc --test` and run, each test binary limited to a few seconds (a
+wrong loop body can loop for ever).
 
   passes    the tests pass
   compiles  rustc accepts the program (whatever the tests then say)
   exact     the completion is the reference middle (normalised as in eval_fim); edit similarity likewise
+  shown     the editors would show it: its first line at least their confidence floor (0.05) likely
 
 Needs `rustc` on PATH (Debian: `apt-get install rustc`); nothing else of Rust.
 
@@ -49,21 +54,38 @@ MIDDLE, END, TESTS = "// @middle", "// @end", "// @tests"
 
 @dataclass(frozen=True)
 class Problem:
+    """A program with a hole: `prefix` + middle + `suffix` + `tests` is the whole test crate."""
+
     name: str
     prefix: str
     middle: str
     suffix: str
     tests: str
+    kind: str = "body"  # body: whole lines, the cursor at the first's start | line: one line's text after its indent
 
     def program(self, middle: str) -> str:
-        if middle and not middle.endswith("\n"):
+        if self.kind == "body" and middle and not middle.endswith("\n"):
             middle += "\n"
         return self.prefix + middle + self.suffix + "\n" + self.tests
+
+    def lines(self) -> list[Problem]:
+        """A line task for each line of the middle with a letter or digit in it."""
+        rows = self.middle.splitlines(keepends=True)
+        out = []
+        for i, row in enumerate(rows):
+            text = row.rstrip("\n")
+            if not any(c.isalnum() for c in text):
+                continue
+            indent = text[: len(text) - len(text.lstrip(" \t"))]
+            out.append(Problem(f"{self.name}:{i + 1}", self.prefix + "".join(rows[:i]) + indent, text[len(indent):],
+                               "\n" + "".join(rows[i + 1 :]) + self.suffix, self.tests, "line"))
+        return out
 
 
 @dataclass
 class Outcome:
     name: str
+    kind: str  # body | line
     target: str
     prediction: str
     exact: bool
@@ -71,7 +93,7 @@ class Outcome:
     compiles: bool
     passes: bool
     error: str  # the first rustc error, or why the tests failed ("" when they passed)
-    shown: bool = True  # the editors would show it: its first line at least their confidence floor (policy.confident)
+    shown: bool = True  # the editors would show it (policy.confident at MIN_PROBABILITY)
 
 
 def parse_problem(path: Path) -> Problem:
@@ -120,28 +142,22 @@ def score(problems: list[Problem], predictions: list[str], rustc: str, log,
         for k, (pr, pred) in enumerate(zip(problems, predictions, strict=True)):
             compiles, passes, error = run_program(pr.program(pred), Path(tmp), rustc)
             p, g = normalize(pred), normalize(pr.middle)
-            out.append(Outcome(pr.name, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles, passes,
-                               error, shown[k]))
-            if (k + 1) % 10 == 0:
+            out.append(Outcome(pr.name, pr.kind, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles,
+                               passes, error, shown[k]))
+            if (k + 1) % 20 == 0:
                 log(f"  {k + 1}/{len(problems)} compiled and tested")
     return out
 
 
-def complete(bundle: Path, problems: list[Problem], dtype: str, quant: str, threads: int | None, max_tokens: int,
-             log) -> tuple[list[str], list[bool], dict]:
-    """Each problem's completion as the daemon serves a block body (eval_fim.run_tasks), and whether the editors
-    would show it."""
+def complete(engine, problems: list[Problem], max_tokens: int, beams: int, log) -> tuple[list[str], list[bool]]:
+    """Each problem's completion as the daemon serves it (eval_fim.run_tasks), and whether the editors would show
+    it."""
     from eval_fim import run_tasks
 
-    from m31r.engine import Engine
-
-    engine = Engine(bundle, dtype=dtype, threads=threads, quant=None if quant == "none" else quant)
-    tasks = [Task("multi", pr.name, pr.prefix.count("\n"), pr.prefix, pr.suffix, pr.middle) for pr in problems]
-    results = run_tasks(engine, tasks, max_tokens, max_tokens, log)
-    model = {"model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "dtype": dtype,
-             "quant": engine.quant}
-    shown = [confident(r.line_logprob, MIN_PROBABILITY) for r in results]
-    return [r.prediction for r in results], shown, model
+    tasks = [Task("multi" if pr.kind == "body" else "single", pr.name, pr.prefix.count("\n"), pr.prefix, pr.suffix,
+                  pr.middle) for pr in problems]
+    results = run_tasks(engine, tasks, max_tokens, max_tokens, log, beams=beams)
+    return [r.prediction for r in results], [confident(r.line_logprob, MIN_PROBABILITY) for r in results]
 
 
 def summary(outcomes: list[Outcome]) -> dict:
@@ -160,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bundle", type=Path, help="the model to complete with (omit with --references)")
     p.add_argument("--references", action="store_true", help="test the reference middles instead of a model's")
     p.add_argument("--problems", type=Path, default=PROBLEMS, help="folder of problem files")
-    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens of a completion (make eval's)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens of a body (make eval's)")
+    p.add_argument("--beams", type=int, default=3, help="beam width for line tasks (the daemon's --beams)")
+    p.add_argument("--no-lines", action="store_true", help="body tasks only")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quant", default="none", help="weights as the daemon's --quant (none: as stored)")
     p.add_argument("--threads", type=int, default=None)
@@ -178,32 +196,46 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.rustc!r} not found: this evaluation compiles completions (Debian: apt-get install "
                          "rustc, or --rustc PATH)")
     version = subprocess.run([rustc, "--version"], capture_output=True, text=True).stdout.strip()
-    problems = load_problems(args.problems)
-    if not problems:
+    bodies = load_problems(args.problems)
+    if not bodies:
         raise SystemExit(f"no problem files (*.rs) in {args.problems}")
+    problems = bodies + ([] if args.no_lines else [line for pr in bodies for line in pr.lines()])
     t0 = time.perf_counter()
     if args.references:
         predictions, shown, model = [pr.middle for pr in problems], None, {"model": "references"}
     else:
-        predictions, shown, model = complete(args.bundle, problems, args.dtype, args.quant, args.threads,
-                                             args.max_tokens, log)
+        from m31r.engine import Engine
+
+        engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads,
+                        quant=None if args.quant == "none" else args.quant)
+        model = {"model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "dtype": args.dtype,
+                 "quant": engine.quant, "beams": args.beams}
+        log(f"{engine.bundle.model_id}: {len(bodies)} bodies and {len(problems) - len(bodies)} lines")
+        predictions, shown = complete(engine, problems, args.max_tokens, args.beams, log)
     outcomes = score(problems, predictions, rustc, log, shown)
-    report = {**model, "rustc": version, "problems": str(args.problems), "summary": summary(outcomes),
+    kinds = [k for k in ("body", "line") if any(o.kind == k for o in outcomes)]
+    report = {**model, "rustc": version, "problems": str(args.problems),
+              **{k: summary([o for o in outcomes if o.kind == k]) for k in kinds},
               "seconds": round(time.perf_counter() - t0, 1), "outcomes": [asdict(o) for o in outcomes]}
-    s = report["summary"]
-    print(f"\nexecution evaluation of {model['model']} on {s['n']} problems ({version})")
+    print(f"\nexecution evaluation of {model['model']} ({version})")
     for o in outcomes:
-        mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
-        print(f"  {o.name:<22} {mark:<12} {'' if o.shown else 'hidden':<7} edit {o.edit_similarity:.2f}  {o.error}")
-    print(f"passes {s['passes']:.1%}   compiles {s['compiles']:.1%}   exact {s['exact']:.1%}   "
-          f"edit similarity {s['edit_similarity']:.3f}   ({report['seconds']} s)")
-    if not args.references:
-        print(f"the editors would show {s['shown']} of {s['n']} (first line at least {MIN_PROBABILITY:g} likely), "
-              f"{s['shown_passing']} of them passing")
+        if o.kind == "body":
+            mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
+            print(f"  {o.name:<22} {mark:<12} {'' if o.shown else 'hidden':<7} edit {o.edit_similarity:.2f}  "
+                  f"{o.error}")
+    print(f"{'tasks':<7} {'n':>4} {'passes':>7} {'compiles':>9} {'exact':>7} {'edit-sim':>9} {'shown':>6} "
+          f"{'shown+pass':>11}")
+    for k in kinds:
+        s = report[k]
+        name = {"body": "bodies", "line": "lines"}[k]
+        print(f"{name:<7} {s['n']:>4} {s['passes']:>7.1%} {s['compiles']:>9.1%} {s['exact']:>7.1%} "
+              f"{s['edit_similarity']:>9.3f} {s['shown']:>6} {s['shown_passing']:>11}")
+    print(f"({report['seconds']} s; shown: what the editors would show, the first line at least {MIN_PROBABILITY:g} "
+          "likely)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if not args.references or s["passes"] == 1.0 else 1
+    return 0 if not args.references or all(o.passes for o in outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,20 @@ def test_every_problem_parses_with_a_middle_and_tests(eval_exec):
         assert p.program(p.middle).count("#[test]") == p.tests.count("#[test]")
 
 
+def test_line_tasks_rebuild_the_same_program(eval_exec):
+    """Each line task with its reference line in place is the body task's program, character for character; lines
+    without a letter or digit (`}`) are no tasks."""
+    problems = {p.name: p for p in eval_exec.load_problems()}
+    gcd = problems["gcd"]
+    lines = gcd.lines()
+    assert [(t.name, t.kind, t.middle) for t in lines] == [("gcd:1", "line", "b = a % b;"), ("gcd:2", "line", "a = t;")]
+    assert lines[0].prefix.endswith("let t = b;\n        ") and lines[0].suffix.startswith("\n        a = t;\n    }")
+    for p in problems.values():
+        for t in p.lines():
+            assert t.program(t.middle) == p.program(p.middle), t.name
+    assert [t.name for t in problems["clamp"].lines()] == [f"clamp:{i}" for i in range(1, 7)]  # not line 7, `}`
+
+
 def test_a_file_without_its_markers_is_refused_by_name(eval_exec, tmp_path: Path):
     bad = tmp_path / "no_end.rs"
     bad.write_text("fn f() -> u8 {\n// @middle\n    1\n}\n// @tests\n#[test]\nfn t() {}\n")
@@ -51,9 +65,9 @@ def test_a_file_without_its_markers_is_refused_by_name(eval_exec, tmp_path: Path
 
 @needs_rustc
 def test_every_reference_passes_and_a_body_that_does_nothing_fails(eval_exec):
-    """The references pass (the command's exit status says so), and `unimplemented!()` in place of each middle
-    passes none: every problem's tests can fail."""
-    assert eval_exec.main(["--references"]) == 0
+    """The references pass (the command's exit status says so; a line task's program is its body's, above), and
+    `unimplemented!()` in place of each middle passes none: every problem's tests can fail."""
+    assert eval_exec.main(["--references", "--no-lines"]) == 0
     problems = eval_exec.load_problems()
     out = eval_exec.score(problems, ["        unimplemented!()\n"] * len(problems), RUSTC, lambda m: None)
     assert [o.name for o in out if o.passes] == []
@@ -81,9 +95,11 @@ def test_a_model_completes_compiles_and_reports(eval_exec, tiny_bundle, tmp_path
     assert eval_exec.main(["--bundle", str(tiny_bundle.path), "--problems", str(folder), "--max-tokens", "8",
                            "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["summary"]["n"] == 2
-    assert 0 <= report["summary"]["shown_passing"] <= report["summary"]["shown"] <= 2
-    assert [o["name"] for o in report["outcomes"]] == ["fahrenheit", "stack"]
+    assert report["body"]["n"] == report["line"]["n"] == 2
+    assert 0 <= report["body"]["shown_passing"] <= report["body"]["shown"] <= 2
+    assert [(o["name"], o["kind"]) for o in report["outcomes"]] == [
+        ("fahrenheit", "body"), ("stack", "body"), ("fahrenheit:1", "line"), ("stack:1", "line")]
+    assert "\n" not in report["outcomes"][2]["prediction"]  # a line task's answer is one line
     assert report["rustc"].startswith("rustc ")
     for o in report["outcomes"]:
         assert o["passes"] <= o["compiles"]
