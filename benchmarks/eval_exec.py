@@ -9,7 +9,7 @@ prefix and the rest up to `// @tests` as the suffix (never the tests), with the 
 middle's first line: a block body, as `make eval`'s multi-line tasks and `make run`'s gcd example lay it out.
 
 Line tasks ask less: each line of a middle with a letter or digit in it, the cursor after its indentation, the
-rest of the middle given in the suffix (what a user who has typed the other lines gets for this one).
+other lines of the middle given around it (what a user who has typed the other lines of the body gets for this one).
 
 Decoding is what the daemon serves for such a request (`benchmarks/eval_fim.py`'s `run_tasks`): a body greedily
 with its serving stops, a line by a beam search of 3 stopped at the line end. Then the program with the completion
