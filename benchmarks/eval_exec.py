@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eval_fim import Task, edit_similarity, normalize  # noqa: E402
+from eval_fim import Task, edit_similarity, normalize, run_tasks  # noqa: E402
 
 from m31r_protocol.policy import MIN_PROBABILITY, confident  # noqa: E402
 
@@ -152,8 +152,6 @@ def score(problems: list[Problem], predictions: list[str], rustc: str, log,
 def complete(engine, problems: list[Problem], max_tokens: int, beams: int, log) -> tuple[list[str], list[bool]]:
     """Each problem's completion as the daemon serves it (eval_fim.run_tasks), and whether the editors would show
     it."""
-    from eval_fim import run_tasks
-
     tasks = [Task("multi" if pr.kind == "body" else "single", pr.name, pr.prefix.count("\n"), pr.prefix, pr.suffix,
                   pr.middle) for pr in problems]
     results = run_tasks(engine, tasks, max_tokens, max_tokens, log, beams=beams)
