@@ -625,6 +625,33 @@ def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> 
         click.echo(f"{split}: {n:,} tokens")
 
 
+@train.command("textbook")
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The new data folder (corpus/, tokenizer.json), to pass to `m31r train model --data`.")
+@click.option("--plain-share", type=float, default=1.0, show_default=True,
+              help="Whole train files to add, in characters, per character of textbook pieces.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@user_errors
+def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int) -> None:
+    """Cut DATA_DIR's train split into doc-test examples and small documented functions, one file each, mixed
+    with whole train files, as a data folder of their own (same validation split and tokenizer)."""
+    from m31r.train.textbook import build_textbook
+
+    for need in (data_dir / "corpus" / "train.jsonl", data_dir / "corpus" / "manifest.json",
+                 data_dir / "tokenizer.json"):
+        if not need.exists():
+            fail(f"{need} is missing: build DATA_DIR with `m31r train corpus` and `m31r train tokenizer` first")
+    if out_dir.resolve() == data_dir.resolve():
+        fail("--out must be a folder other than DATA_DIR")
+    if plain_share < 0:
+        fail(f"--plain-share must be 0 or more, not {plain_share}")
+    tb = build_textbook(data_dir, out_dir, plain_share=plain_share, seed=seed)["textbook"]
+    click.echo(f"{tb['examples']:,} doc examples and {tb['functions']:,} documented functions "
+               f"({tb['piece_chars'] / 1e6:.1f} MB), {tb['plain_files']:,} whole files "
+               f"({tb['plain_chars'] / 1e6:.1f} MB) in {out_dir / 'corpus'}")
+
+
 @train.command("model")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)

@@ -524,6 +524,30 @@ def test_new_run_starts_from_a_bundle(full_run, data_dir: Path, tmp_path: Path):
         train(cfg, data_dir, tmp_path / "run-other", init_from=bundle.path, max_steps=1, log=lambda s: None)
 
 
+def test_a_run_continues_on_textbook_pieces(full_run, data_dir: Path, tmp_path: Path):
+    """`m31r train textbook` makes a data folder that `train` and `export` take as they take the corpus, and the
+    bundle says which data it saw."""
+    from m31r.cli import main
+
+    run, _ = full_run
+    tb = tmp_path / "textbook"
+    result = CliRunner().invoke(main, ["train", "textbook", str(data_dir), "--out", str(tb)])
+    assert result.exit_code == 0, result.output
+    assert "documented functions" in result.output
+    texts = [json.loads(line)["text"] for line in (tb / "corpus" / "train.jsonl").read_text().splitlines()]
+    assert any(t.startswith("/// Creates an empty `") for t in texts)  # the fixture's `new` with its doc comment
+    bad = CliRunner().invoke(main, ["train", "textbook", str(data_dir), "--out", str(data_dir)])
+    assert bad.exit_code != 0 and "other than DATA_DIR" in bad.output
+
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    cfg = data_dir.parent / "train-textbook.yaml"
+    cfg.write_text(train_yaml(fim_rate=0.7, block_fim=0.5))
+    state = train(cfg, tb, tmp_path / "run-tb", init_from=bundle.path, max_steps=2, log=lambda s: None)
+    assert state["step"] == 2 and all(math.isfinite(h["train_fim"]) for h in state["history"])
+    out = export(tmp_path / "run-tb", tb, tmp_path / "tb-bundle")
+    assert out.metadata["dataset_version"].startswith(bundle.metadata["dataset_version"] + "+textbook-")
+
+
 def test_weights_travel_as_shards_and_training_continues(full_run, data_dir: Path, tmp_path: Path):
     from m31r.train.shards import import_shards, write_shards
 
