@@ -215,21 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     report = {**model, "rustc": version, "problems": str(args.problems),
               **{k: summary([o for o in outcomes if o.kind == k]) for k in kinds},
               "seconds": round(time.perf_counter() - t0, 1), "outcomes": [asdict(o) for o in outcomes]}
+    with_shown = shown is not None  # references are no model's: nothing is shown or hidden
     print(f"\nexecution evaluation of {model['model']} ({version})")
     for o in outcomes:
         if o.kind == "body":
             mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
             print(f"  {o.name:<22} {mark:<12} {'' if o.shown else 'hidden':<7} edit {o.edit_similarity:.2f}  "
                   f"{o.error}")
-    print(f"{'tasks':<7} {'n':>4} {'passes':>7} {'compiles':>9} {'exact':>7} {'edit-sim':>9} {'shown':>6} "
-          f"{'shown+pass':>11}")
+    print(f"{'tasks':<7} {'n':>4} {'passes':>7} {'compiles':>9} {'exact':>7} {'edit-sim':>9}"
+          + (f" {'shown':>6} {'shown+pass':>11}" if with_shown else ""))
     for k in kinds:
         s = report[k]
         name = {"body": "bodies", "line": "lines"}[k]
         print(f"{name:<7} {s['n']:>4} {s['passes']:>7.1%} {s['compiles']:>9.1%} {s['exact']:>7.1%} "
-              f"{s['edit_similarity']:>9.3f} {s['shown']:>6} {s['shown_passing']:>11}")
-    print(f"({report['seconds']} s; shown: what the editors would show, the first line at least {MIN_PROBABILITY:g} "
-          "likely)")
+              f"{s['edit_similarity']:>9.3f}" + (f" {s['shown']:>6} {s['shown_passing']:>11}" if with_shown else ""))
+    print(f"({report['seconds']} s" + (f"; shown: what the editors would show, the first line at least "
+                                         f"{MIN_PROBABILITY:g} likely)" if with_shown else ")"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
