@@ -16,6 +16,9 @@ import re
 import shutil
 from pathlib import Path
 
+from m31r.train.samples import block_bodies
+from m31r.train.trainer import read_docs
+
 _FENCE = re.compile(r"^```\s*([\w,\- ]*)\s*$")
 _DOC_LINE = re.compile(r"^[ \t]*//[/!] ?(.*)$")
 _FN = re.compile(r"^([ \t]*)(?:pub(?:\([^)]*\))? )?(?:const )?(?:async )?(?:unsafe )?(?:extern \"\w+\" )?fn \w+")
@@ -69,29 +72,25 @@ def doc_examples(text: str) -> list[str]:
 
 def documented_functions(text: str) -> list[str]:
     """Each function with a `///` doc comment and a body of a few lines, from its doc comment to its closing
-    brace (found by indentation), moved to the left margin."""
+    brace (block_bodies finds it by indentation, as for block-FIM middles), moved to the left margin."""
     lines = text.split("\n")
+    closing = dict(block_bodies(lines, FUNCTION_BODY_LINES[1]))  # first body line -> closing line
     out = []
     for i, line in enumerate(lines):
         m = _FN.match(line)
-        if not m or not line.rstrip().endswith("{"):
+        end = closing.get(i + 1)
+        if not m or end is None or end - i - 1 < FUNCTION_BODY_LINES[0]:
             continue
-        indent = m.group(1)
         top = i
         while top > 0 and lines[top - 1].strip().startswith("#["):
             top -= 1
         doc = top
         while doc > 0 and lines[doc - 1].strip().startswith("///"):
             doc -= 1
-        if doc == top:
-            continue
-        for end in range(i + 1, min(len(lines), i + FUNCTION_BODY_LINES[1] + 2)):
-            stripped = lines[end].strip()
-            if stripped and len(lines[end]) - len(lines[end].lstrip()) <= len(indent):
-                if lines[end].rstrip() == indent + "}" and FUNCTION_BODY_LINES[0] <= end - i - 1:
-                    piece = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[doc:end + 1]]
-                    out.append("\n".join(piece) + "\n")
-                break
+        indent = m.group(1)
+        if doc < top and lines[end].rstrip() == indent + "}":  # not `} else {`, `});` or `} // ...`
+            piece = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[doc:end + 1]]
+            out.append("\n".join(piece) + "\n")
     return out
 
 
@@ -104,8 +103,7 @@ def build_textbook(data_dir: Path, out_dir: Path, *, plain_share: float = 1.0, s
     train files drawn at random up to plain_share times their characters, shuffled; the validation split and
     tokenizer as they are, so validation figures compare with DATA_DIR's. Returns the manifest."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    with open(data_dir / "corpus" / "train.jsonl") as f:
-        docs = [d for d in (json.loads(line) for line in f if line.strip()) if d["text"]]
+    docs = [d for d in read_docs(data_dir / "corpus" / "train.jsonl") if d["text"]]
     seen: set[str] = set()
     pieces: list[dict] = []
     counts = {"examples": 0, "functions": 0}
