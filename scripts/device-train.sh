@@ -90,8 +90,11 @@ fi
 if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
 "$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
 
-"$PY" - <<PY
-import math, time, traceback
+# Tokeniser threads only for the tokenising above: in training, 12-14 forked row builders each with a pool of a
+# thread per core would crowd out the one process that feeds the GPU (the twenty-ninth session's calls ran at half
+# the earlier leases' tokens/s; the log's rows_wait_s and the line printed below say which side was short).
+TOKENIZERS_PARALLELISM=false "$PY" - <<PY
+import math, os, time, traceback
 from pathlib import Path
 
 import torch
@@ -142,6 +145,10 @@ except Exception:  # torch.compile is the part most likely to fail on an image n
     state = attempt(False)
 print(f"step {state['step']}, {state['tokens']:,} tokens, {state['seconds']:.0f} s of training, "
       f"{state['tokens'] / max(1e-9, state['seconds']):,.0f} tokens/s")
+# Which side limits the run: steps blocked on the row builders, or the model (and the one process feeding it).
+wait = sum(r.get("rows_wait_s", 0.0) for r in state["history"])
+print(f"blocked on the row builders: {wait:.0f} s of the run's {state['seconds']:.0f} s; "
+      f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} cores")
 PY
 rm -rf "$W/shards"
 "$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \

@@ -708,6 +708,9 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     assert state["step"] >= 1 and state["init_from"]["model"] == bundle.model_id
     assert 0.1 <= state["train_config"]["minutes"] < 0.5  # what the call had left, not the config's 1.0
     assert state["history"][-1]["lr"] < 3e-4 * 1.2  # decayed to about min_lr by the end of those minutes
+    # Which side limits the run: each step's wait on the row builders, summed in the call's last lines.
+    waits = [r["rows_wait_s"] for r in state["history"]]
+    assert all(0 <= w for w in waits) and "blocked on the row builders:" in proc.stdout
     # A second candidate on the warm machine (RUN): the same start, not the first run's weights, and the corpus as the
     # first call left it (not unpacked or tokenised again).
     out2 = tmp_path / "out2"

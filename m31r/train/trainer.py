@@ -455,7 +455,9 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             lr = lr_at(step, tc, state["seconds"])
             for g in opt.param_groups:
                 g["lr"] = lr
-            parts = accumulate_step(fwd, batches.get(step), tc, cast)
+            step_rows = batches.get(step)
+            waited = time.perf_counter() - t0  # blocked on the row builders: what tells which side limits a GPU run
+            parts = accumulate_step(fwd, step_rows, tc, cast)
             gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -468,7 +470,8 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
             bar.set_postfix(loss=f"{parts['next']:.3f}", fim=f"{parts['fim']:.3f}", lr=f"{lr:.1e}", seq=seq,
                             tok_s=f"{tokens / dt:.0f}")
             record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
-                      "tok_s": round(tokens / dt, 1), "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
+                      "tok_s": round(tokens / dt, 1), "rows_wait_s": round(waited, 4),
+                      "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
                       **{f"train_{k}": v for k, v in parts.items()}}
             last = state["step"] == stop_at or (tc.minutes > 0 and state["seconds"] >= 60 * tc.minutes)
             out_of_time = max_minutes is not None and (time.time() - t_start) / 60 > max_minutes
