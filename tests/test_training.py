@@ -819,6 +819,30 @@ def test_a_corpus_built_again_is_tokenised_again(data_dir: Path, tmp_path: Path)
     assert len(list(data.glob("train-*.npz"))) == 1  # the stale stream is gone
 
 
+def test_the_token_stream_is_the_same_from_any_number_of_processes(data_dir: Path, tmp_path: Path, monkeypatch):
+    """Forked processes tokenise ranges of files (trainer.token_stream); the stream, categories included, is each
+    file's own tokenisation followed by <|endoftext|>, in corpus order, however many processes build it."""
+    from m31r.train import trainer
+    from m31r.train.samples import tokenize_document
+
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", trainer.DEFAULT_SPECIAL)
+    texts = [t for t in trainer.read_jsonl(data_dir / "corpus" / "train.jsonl") if t][:40]
+    texts[5] = "fn f() {\n    // add one\n    x + 1\n}\n"  # a reasoning comment: COT tokens in the stream
+    monkeypatch.setattr(trainer, "TOKENISE_CHUNK", 3)  # 14 ranges, so order across processes matters
+    serial = trainer.token_stream(tok, texts, tmp_path / "one.npz", workers=1)
+    forked = trainer.token_stream(tok, texts, tmp_path / "three.npz", workers=3)
+    want_ids, want_cats = [], []
+    for text in texts:
+        ids, cats = tokenize_document(tok, text)
+        want_ids += [*ids, tok.eos_id]
+        want_cats += [*cats, trainer.NEXT]
+    for ids, cats in (serial, forked):
+        assert ids.tolist() == want_ids and cats.tolist() == want_cats
+    assert trainer.COT in want_cats
+    cached = trainer.token_stream(tok, [], tmp_path / "three.npz")  # read back from its cache, not tokenised again
+    assert cached[0].tolist() == want_ids
+
+
 def test_a_steps_gradient_does_not_depend_on_its_micro_batches(data_dir: Path):
     """Each category's mean runs over the whole step (trainer.accumulate_step): four rows as one micro-batch or as four
     give the same loss terms and the same gradient. Per-micro-batch means did not: a lone row's FIM tokens were
