@@ -165,7 +165,7 @@ max_context: 128
 
 def train_yaml(**over) -> str:
     cfg = {"model": "model.yaml", "micro_batch": 2, "grad_accum": 1, "max_steps": STEPS, "lr": 3e-3,
-           "min_lr": 3e-4, "warmup_steps": 5, "eval_interval": STEPS, "eval_batches": 2, "ckpt_interval": 10,
+           "min_lr": 3e-4, "warmup_steps": 5, "eval_interval": STEPS, "ckpt_interval": 10,
            "seed": 7, "threads": 1, **over}
     return yaml.safe_dump(cfg)
 
@@ -710,7 +710,7 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     assert state["history"][-1]["lr"] < 3e-4 * 1.2  # decayed to about min_lr by the end of those minutes
     # Which side limits the run: each step's wait on the row builders, summed in the call's last lines.
     waits = [r["rows_wait_s"] for r in state["history"]]
-    assert all(0 <= w for w in waits) and "blocked on the row builders:" in proc.stdout
+    assert all(w >= 0 for w in waits) and "blocked on the row builders:" in proc.stdout
     # A second candidate on the warm machine (RUN): the same start, not the first run's weights, and the corpus as the
     # first call left it (not unpacked or tokenised again).
     out2 = tmp_path / "out2"
@@ -841,6 +841,30 @@ def test_the_token_stream_is_the_same_from_any_number_of_processes(data_dir: Pat
     assert trainer.COT in want_cats
     cached = trainer.token_stream(tok, [], tmp_path / "three.npz")  # read back from its cache, not tokenised again
     assert cached[0].tolist() == want_ids
+
+
+def test_every_run_is_measured_on_the_same_validation_rows(data_dir: Path):
+    """The losses a run logs come from rows of their own seed and shares (trainer.validation_rows), not the run's: two
+    configs with other seeds, FIM shares and micro-batches give the same figures for the same weights."""
+    from m31r.config import load_config
+    from m31r.model import Transformer
+    from m31r.train.samples import FIM, NEXT
+    from m31r.train.trainer import VAL_ROWS, Data, TrainConfig, evaluate
+
+    mc = load_config(data_dir.parent / "model.yaml")
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
+    plain = Data(tok, data_dir, mc.max_context, fim_rate=0.0, block_fim=0.0)
+    fim = Data(tok, data_dir, mc.max_context, fim_rate=0.9, block_fim=0.6)
+    rows, cats = plain.validation_rows()
+    assert rows.shape == (VAL_ROWS, mc.max_context + 1)
+    assert torch.equal(rows, fim.validation_rows()[0]) and torch.equal(cats, fim.validation_rows()[1])
+    assert (cats == FIM).any() and (cats == NEXT).any()  # plain and FIM rows both, whatever the run's shares
+    torch.manual_seed(0)
+    model = Transformer(mc)
+    one = evaluate(model, plain, TrainConfig(model="m", micro_batch=1, seed=1), None)
+    five = evaluate(model, fim, TrainConfig(model="m", micro_batch=5, seed=2), None)
+    assert one == pytest.approx(five, rel=1e-5) and one["next"] > 0 and one["fim"] > 0
+    assert model.training  # handed back in training mode
 
 
 def test_a_steps_gradient_does_not_depend_on_its_micro_batches(data_dir: Path):

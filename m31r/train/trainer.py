@@ -61,7 +61,6 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     beta: float = 0.2  # weight of L_cot
     seed: int = 1234
     eval_interval: int = 100
-    eval_batches: int = 8
     ckpt_interval: int = 100
     threads: int = 0  # 0 = torch default
     dtype: str = "auto"  # autocast dtype: auto (bf16 where native, else fp32) | bfloat16 | float32
@@ -219,6 +218,12 @@ def corpus_tokens(data_dir: Path) -> dict[str, int]:
                                 stream_cache(data_dir, s))[0]) for s in ("train", "val")}
 
 
+# The held-out rows every run is measured on while it trains: drawn with a seed and shares of their own, not the
+# run's (until the twenty-ninth session they followed the config's seed, FIM shares and batch, so two runs' logged
+# losses did not compare), at the model's full context.
+VAL_ROWS, VAL_SEED, VAL_BLOCK_FIM = 16, 0x5EED, 0.25  # half plain rows, half FIM rows (a quarter of them block bodies)
+
+
 class Data:
     def __init__(self, tok: Tokenizer, data_dir: Path, seq_len: int, fim_rate: float, block_fim: float,
                  context_fim: float = 0.0):
@@ -230,6 +235,19 @@ class Data:
         self.neighbours = {s: Neighbours([d["path"] for d in ds], [d.get("crate") or d["path"] for d in ds])
                            for s, ds in docs.items()}
         self.streams = {s: token_stream(tok, self.texts[s], stream_cache(data_dir, s)) for s in self.texts}
+        self._validation: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def validation_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """VAL_ROWS rows of the validation split, the same for every run on this corpus and context."""
+        if self._validation is None:
+            rng, half = random.Random(VAL_SEED), VAL_ROWS // 2
+            budget = FimBudget.for_context(self.seq_len)
+            rows = [lm_row(*self.streams["val"], rng, self.seq_len) for _ in range(half)]
+            rows += [pack_fim_row(self.tok, self.texts["val"], rng, self.seq_len, budget, VAL_BLOCK_FIM)
+                     for _ in range(VAL_ROWS - half)]
+            self._validation = (torch.from_numpy(np.stack([r for r, _ in rows])),
+                                torch.from_numpy(np.stack([c for _, c in rows])))
+        return self._validation
 
     def batch(self, split: str, rng: random.Random, n: int, seq_len: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,16 +413,18 @@ def load_weights(model: Transformer, bundle_dir: str | Path) -> None:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Data, tc: TrainConfig, dtype: torch.dtype | None = torch.bfloat16
              ) -> dict[str, float]:
-    """Validation losses on fixed batches at the full context (same seed every time, so figures compare)."""
+    """Each category's mean loss over data.validation_rows, taken in micro-batches of the run's size."""
     model.eval()
-    rng = random.Random(tc.seed ^ 0x5EED)
-    sums = {"next": 0.0, "fim": 0.0, "cot": 0.0}
-    for _ in range(tc.eval_batches):
-        rows, cats = data.batch("val", rng, tc.micro_batch)
-        for k, v in loss_terms(model, rows, cats, dtype).items():
-            sums[k] += float(v)
+    rows, cats = data.validation_rows()
+    counts = category_counts([(rows, cats)])
+    sums = {name: 0.0 for name, _ in CATEGORIES}
+    with torch.no_grad():
+        for i in range(0, len(rows), tc.micro_batch):
+            part = slice(i, i + tc.micro_batch)
+            for k, v in loss_terms(model, rows[part], cats[part], dtype, counts).items():
+                sums[k] += float(v)
     model.train()
-    return {k: v / tc.eval_batches for k, v in sums.items()}
+    return sums
 
 
 def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
