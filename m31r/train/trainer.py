@@ -168,7 +168,9 @@ def token_stream(tok: Tokenizer, texts: list[str], cache: Path, workers: int | N
     if tok.vocab_size > 2**16:
         raise ValueError(f"a vocabulary of {tok.vocab_size} does not fit the uint16 token stream")
     ranges = [(a, min(a + TOKENISE_CHUNK, len(texts))) for a in range(0, len(texts), TOKENISE_CHUNK)]
-    workers = min(workers or len(os.sched_getaffinity(0)), len(ranges))
+    # Forked processes where fork is the norm (Linux); elsewhere (macOS) one process, as before.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    workers = min(workers or cores, len(ranges))
     bar = tqdm(total=len(texts), desc=f"tokenising {cache.stem}", unit="file", mininterval=2)
     _TOKENISE_ARGS = (tok, texts)
     pool = None
@@ -418,11 +420,10 @@ def evaluate(model: torch.nn.Module, data: Data, tc: TrainConfig, dtype: torch.d
     rows, cats = data.validation_rows()
     counts = category_counts([(rows, cats)])
     sums = {name: 0.0 for name, _ in CATEGORIES}
-    with torch.no_grad():
-        for i in range(0, len(rows), tc.micro_batch):
-            part = slice(i, i + tc.micro_batch)
-            for k, v in loss_terms(model, rows[part], cats[part], dtype, counts).items():
-                sums[k] += float(v)
+    for i in range(0, len(rows), tc.micro_batch):
+        part = slice(i, i + tc.micro_batch)
+        for k, v in loss_terms(model, rows[part], cats[part], dtype, counts).items():
+            sums[k] += float(v)
     model.train()
     return sums
 
