@@ -31,7 +31,11 @@ W=${WORK:-/tmp/m31r-device}  # kept between calls while the machine stays warm
 P=${PACKED:-.device}
 R=$W/${RUN:-run}
 OUT=${OUT:?OUT is set by the device tool}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+# The tokeniser's own threads off: corpus tokenising runs a process per core (trainer.token_stream), and in training
+# 12-14 forked row builders each with a thread per core would crowd out the one process that feeds the GPU (the
+# twenty-ninth session's calls ran at half the earlier leases' tokens/s; the log's rows_wait_s and the line printed
+# after training say which side was short).
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 send_shards() {  # $1: which group of four shards
   local k=$1 i=0
@@ -90,10 +94,7 @@ fi
 if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
 "$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
 
-# Tokeniser threads only for the tokenising above: in training, 12-14 forked row builders each with a pool of a
-# thread per core would crowd out the one process that feeds the GPU (the twenty-ninth session's calls ran at half
-# the earlier leases' tokens/s; the log's rows_wait_s and the line printed below say which side was short).
-TOKENIZERS_PARALLELISM=false "$PY" - <<PY
+"$PY" - <<PY
 import math, os, time, traceback
 from pathlib import Path
 

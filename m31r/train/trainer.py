@@ -148,7 +148,7 @@ def _tokenise_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     for i, c in tokenize_documents(tok, texts[bounds[0] : bounds[1]]):
         ids += (i, eos)
         cats += (c, nxt)
-    return (np.concatenate(ids), np.concatenate(cats)) if ids else (np.zeros(0, np.uint16), np.zeros(0, np.int8))
+    return np.concatenate(ids), np.concatenate(cats)  # a range is never empty
 
 
 def _single_threaded_tokeniser() -> None:
