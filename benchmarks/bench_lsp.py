@@ -170,6 +170,8 @@ def main() -> None:
         meta = json.loads((bundle / "metadata.json").read_text())
         res["meta"]["model"] = f"{meta.get('model_name')}@{meta.get('model_version')}"
         res["meta"]["parameters"] = meta.get("parameter_count")
+        if not args.bundle:  # random weights are unsure of every line: the server would hide all (README "Confidence")
+            base["minProbability"] = 0
         runs = [("daemon", None), ("lsp", {**base, "debounceMode": "fixed", "debounceMs": 0}),
                 ("lsp-default", {**base})]
         for name, settings in runs:

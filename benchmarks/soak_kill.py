@@ -35,8 +35,10 @@ CYCLES = 10
 # A cursor at the end of a different line each time: the server reuses a finished suggestion for its own cursor.
 RUST = "fn main() {\n" + "".join(f"    let v{i} = v{i - 1} + {i};\n" for i in range(1, 200)) + "}\n"
 LINES = [(i, len(line)) for i, line in enumerate(RUST.split("\n")) if line.startswith("    let")]
+# minProbability 0: the random tiny model is unsure of everything, and the language server would hide it all (README
+# "Confidence"); this job measures that suggestions come back, not whether they are shown.
 LSP_SETTINGS = {"multiline": "always", "temperature": 1.0, "seed": 7, "debounceMode": "fixed", "debounceMs": 0,
-                "maxTokens": 400, "deadlineMs": 20000, "autostart": False}
+                "maxTokens": 400, "deadlineMs": 20000, "autostart": False, "minProbability": 0}
 
 
 def free_port() -> int:
