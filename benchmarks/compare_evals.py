@@ -9,6 +9,9 @@ on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, 
   edit sim.     both means, the mean paired difference and its 95% interval from a seeded paired bootstrap.
 
 Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
+Last comes the release rule's verdict (README "Which tasks decide a release"): on the larger draw (`make eval-large`)
+and the same settings, does the candidate beat the base on both single-line exact match and multi-line edit
+similarity? A tie is not a win.
 
     python benchmarks/compare_evals.py BASE.json CANDIDATE.json [--json]
 """
@@ -73,7 +76,30 @@ def compare(base: dict, cand: dict) -> dict:
             "edit_candidate": sum(y["edit_similarity"] for _, y in pairs) / n,
             "edit_diff": sum(diffs) / n, "edit_diff_95": [low, high],
         }
+    out["release"] = release_verdict(out)
     return out
+
+
+DECIDING_DRAW = {"single": 300, "multi": 150}  # `make eval-large`: the tasks that decide a release
+
+
+def release_verdict(r: dict) -> dict:
+    """Whether `compare`'s result lets the candidate replace the base. The figures are compared as they are
+    reported: exact matches in tasks, edit similarity to three decimals, so a tie is a tie however the digits past
+    the third fall."""
+    counts = {kind: r[kind]["n"] if kind in r else 0 for kind in KINDS}
+    if counts != DECIDING_DRAW:
+        return {"wins": False, "why": f"not the deciding draw: {counts['single']} single-line and {counts['multi']} "
+                f"multi-line tasks against {DECIDING_DRAW['single']} and {DECIDING_DRAW['multi']} (make eval-large)"}
+    if "settings_differ" in r:
+        return {"wins": False, "why": "the runs differ in their settings, not only in the model"}
+    s, m = r["single"], r["multi"]
+    single = round(s["exact_candidate"] * s["n"]) - round(s["exact_base"] * s["n"])
+    multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
+    wins = single > 0 and multi > 0
+    word = lambda d: "wins" if d > 0 else "ties" if d == 0 else "loses"  # noqa: E731
+    return {"wins": wins, "why": f"single-line exact match {word(single)} ({single:+d} tasks), multi-line edit "
+            f"similarity {word(multi)} ({multi:+.3f})"}
 
 
 def table(r: dict) -> str:
@@ -91,6 +117,8 @@ def table(r: dict) -> str:
             lines.append(f"| {kind} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
                          f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
                          f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    v = r.get("release") or release_verdict(r)
+    lines += ["", f"release rule: {'the candidate wins both' if v['wins'] else 'not a release'}: {v['why']}"]
     return "\n".join(lines)
 
 

@@ -70,3 +70,32 @@ def test_runs_with_different_serving_settings_are_flagged() -> None:
     assert "settings_differ" not in ce.compare(a, a)
     assert "settings_differ" not in ce.compare(a, a | {"beams": 1})  # results from before --beams were greedy
     assert ce.compare(a, a | {"beams": 3})["settings_differ"] == {"beams": [1, 3]}
+
+
+def _draw(exact_single: int, edit_multi: list[float]) -> dict:
+    """A result on the deciding draw: 300 single-line tasks, the first `exact_single` right, and 150 multi-line."""
+    n_s, n_m = ce.DECIDING_DRAW["single"], ce.DECIDING_DRAW["multi"]
+    assert len(edit_multi) == n_m
+    return _result("m@1", [i < exact_single for i in range(n_s)] + [False] * n_m,
+                   [1.0 if i < exact_single else 0.5 for i in range(n_s)] + edit_multi,
+                   ["single"] * n_s + ["multi"] * n_m)
+
+
+def test_the_release_verdict_needs_both_figures_won_on_the_deciding_draw() -> None:
+    base = _draw(143, [0.4] * 150)
+    win = ce.compare(base, _draw(144, [0.4] * 149 + [0.6]))  # one more line; multi-line +0.0013
+    assert win["release"] == {"wins": True, "why": "single-line exact match wins (+1 tasks), multi-line edit "
+                              "similarity wins (+0.001)"}
+    assert "release rule: the candidate wins both" in ce.table(win)
+    # Past the third decimal the multi-line figure is a tie, and a tie is not a win.
+    tie = ce.compare(base, _draw(150, [0.4] * 149 + [0.45]))
+    assert not tie["release"]["wins"] and "multi-line edit similarity ties (+0.000)" in tie["release"]["why"]
+    lost = ce.compare(base, _draw(140, [0.5] * 150))
+    assert not lost["release"]["wins"] and "single-line exact match loses (-3 tasks)" in lost["release"]["why"]
+    assert "release rule: not a release" in ce.table(lost)
+    # make eval's smaller draw does not decide, however the candidate does on it.
+    small = ce.compare(_result("a@1", [False, False], [0.0, 0.2], ["single", "multi"]),
+                       _result("b@1", [True, False], [1.0, 0.9], ["single", "multi"]))
+    assert not small["release"]["wins"] and small["release"]["why"].startswith("not the deciding draw: 1 single")
+    other = ce.compare(base | {"beams": 1}, _draw(150, [0.9] * 150) | {"beams": 3})
+    assert not other["release"]["wins"] and "settings" in other["release"]["why"]
