@@ -157,6 +157,9 @@ async def cycle(daemon: Daemon, http: Http, lsp: Lsp, hc: httpx.AsyncClient) -> 
 
     streaming = asyncio.create_task(stream())
     await asyncio.wait_for(first.wait(), 30)
+    # The language server's request goes through its own process and may reach the daemon after the HTTP stream's
+    # first chunk: wait (a few seconds at most) until both run there, so that the kill lands mid-request on both.
+    await until(lambda: _both_in_flight(daemon.sock), 5, 0.01)
     r["in_flight_at_kill"] = await active_jobs(daemon.sock)
     r["lsp_pending_at_kill"] = not pending.done()
     # 3. kill -9
@@ -192,6 +195,10 @@ async def cycle(daemon: Daemon, http: Http, lsp: Lsp, hc: httpx.AsyncClient) -> 
 
 async def _items(lsp: Lsp) -> bool:
     return await lsp.complete() > 0
+
+
+async def _both_in_flight(sock: Path) -> bool:
+    return await active_jobs(sock) >= 2
 
 
 async def _served(hc: httpx.AsyncClient) -> bool:
