@@ -104,9 +104,11 @@ eval: install
 
 # The tasks that decide a release since the thirtieth session (README "Which tasks decide a release"): 300 single-line
 # and 150 multi-line tasks of the same seed, three times `make eval`'s; about 2 minutes on 2 cores.
+# EVAL_OUT names the JSON, so that two bundles' results can stand side by side for compare_evals.py.
+EVAL_OUT ?= bench-results/eval-large.json
 eval-large: install
 	$(BIN)/python benchmarks/eval_fim.py --bundle $(BUNDLE) --data $(DATA) --n-single 300 --n-multi 150 --ppl-windows 4 \
-		--out bench-results/eval-large.json
+		--out $(EVAL_OUT)
 
 # Textbook functions completed by the model, compiled and tested with rustc (README "Does the code run?").
 eval-exec: install
