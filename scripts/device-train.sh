@@ -17,6 +17,7 @@
 #   PACKED   the folder pack-device.sh filled (default .device; tests point it elsewhere)
 #   RUN      the run's folder under WORK (default run): a second name on a warm machine trains a second candidate
 #            from the same start, on the corpus the first call unpacked and tokenised
+#   GPU_SAMPLE_S  seconds between samples of the GPU's utilisation and clocks while it trains (default 10)
 #
 # The run starts from .device/shards (weights sent back by an earlier call) when present, else from the bundle in
 # .device/init (an int8 copy of the release: half the bytes of the bf16 one), else from scratch.
@@ -91,8 +92,22 @@ import_shards(Path('$P/shards'), Path('$R'))"
 elif [ ! -f "$R/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
   INIT=$P/init
 fi
-if [ "$DEVICE" != cpu ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
+if [ "$DEVICE" != cpu ]; then  # || true: a field this driver does not know must not end the call
+  nvidia-smi --query-gpu=name,memory.used,memory.total,mig.mode.current,clocks.max.sm,power.limit --format=csv || true
+fi
 "$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
+
+# What the GPU did while it trained: the fourth lease's calls ran at half the earlier leases' tokens/s, cause
+# unknown. Its utilisation and clocks every 10 s are printed after training (in train.out: $OUT already holds 7 of
+# the 8 files a call may send back), with their medians: busy at low
+# tokens/s means the GPU itself was slower (clocks, power, a slice of it); idle means the side feeding it was short.
+SAMPLER=
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+    --format=csv,noheader,nounits -l "${GPU_SAMPLE_S:-10}" > "$W/gpu.csv" 2>/dev/null &
+  SAMPLER=$!
+  trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
+fi
 
 "$PY" - <<PY
 import math, os, time, traceback
@@ -151,6 +166,21 @@ wait = sum(r.get("rows_wait_s", 0.0) for r in state["history"])
 print(f"blocked on the row builders: {wait:.0f} s of the run's {state['seconds']:.0f} s; "
       f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} cores")
 PY
+if [ -n "$SAMPLER" ]; then
+  kill "$SAMPLER" 2>/dev/null || true
+  "$PY" - "$W/gpu.csv" <<'PY' || true
+import statistics, sys
+
+rows = [[f.strip() for f in line.split(",")] for line in open(sys.argv[1])]
+rows = [r for r in rows if len(r) == 6 and r[1].isdigit()]
+for r in rows:
+    print("gpu sample:", ", ".join(r))
+if rows:
+    med = lambda i: statistics.median(float(r[i]) for r in rows)  # noqa: E731
+    print(f"GPU while training: utilisation median {med(1):.0f}% ({len(rows)} samples), SM clock median "
+          f"{med(2):.0f} of {med(3):.0f} MHz, power median {med(4):.0f} W, temperature median {med(5):.0f} C")
+PY
+fi
 rm -rf "$W/shards"
 "$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \
 write_shards(Path('$R/ckpt.pt'), Path('$W/shards'))"

@@ -688,8 +688,17 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     python = tmp_path / "device-python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{site_dirs}" exec "{sys.executable}" -S "$@"\n')
     python.chmod(0o755)
+    # An nvidia-smi of our own, so that the GPU sampler runs too: a sample every GPU_SAMPLE_S seconds, as the real
+    # one prints them with -l.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *" -l "*) ;; *) exit 0 ;; esac\n'
+                                     'while :; do echo "2026/11/27 20:00:00.000, 97, 1500, 1980, 512.5, 61"; '
+                                     'sleep 0.2; done\n')
+    (fake / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "CONFIG": str(cfg), "BUDGET": "30", "DEVICE": "cpu", "PYTHON": str(python),
-           "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed)}
+           "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed), "GPU_SAMPLE_S": "0.2",
+           "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)  # without the upload call first: a clear stop before any training
@@ -711,6 +720,13 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     # Which side limits the run: each step's wait on the row builders, summed in the call's last lines.
     waits = [r["rows_wait_s"] for r in state["history"]]
     assert all(w >= 0 for w in waits) and "blocked on the row builders:" in proc.stdout
+    # What the GPU did meanwhile: its samples come back, summed up in one line, and the sampler is gone.
+    assert proc.stdout.count("gpu sample: 2026/11/27 20:00:00.000, 97, 1500, 1980, 512.5, 61\n") >= 2
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
+        ["log.jsonl", "state.json", *(p.name for p in (out / "shards").glob("weights-*"))])  # a call sends back 8
+    assert "GPU while training: utilisation median 97% (" in proc.stdout
+    assert "SM clock median 1500 of 1980 MHz, power median 512 W" in proc.stdout
+    assert subprocess.run(["pgrep", "-f", str(fake / "nvidia-smi")], capture_output=True).returncode == 1
     # A second candidate on the warm machine (RUN): the same start, not the first run's weights, and the corpus as the
     # first call left it (not unpacked or tokenised again).
     out2 = tmp_path / "out2"
