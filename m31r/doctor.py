@@ -154,10 +154,13 @@ def check_bundle(ctx: Context) -> Check:
 def check_socket(ctx: Context) -> Check:
     import stat
 
+    from m31r_protocol.paths import socket_path_problem
     from m31rd.sockets import UnsafeSocketFolder, check_folder
 
     folder = ctx.socket.parent
     where = f"{ctx.socket} ({ctx.socket_source})"
+    if why := socket_path_problem(ctx.socket):
+        return Check("socket", "fail", why)
     if not os.path.lexists(folder):
         return Check("socket", "ok", f"{where}: its folder does not exist yet; the daemon creates it 0700")
     try:
@@ -172,8 +175,12 @@ def check_socket(ctx: Context) -> Check:
 
 def check_daemon(ctx: Context) -> Check:
     from m31r_protocol import blocking
+    from m31r_protocol.paths import socket_path_problem
     from m31r_protocol.peer import ForeignPeer
 
+    if socket_path_problem(ctx.socket):
+        return Check("daemon", "fail", f"none can listen on {ctx.socket}: the path is too long (the socket check says "
+                                       "how long it may be)")
     try:
         s = blocking.status(ctx.socket, timeout=2.0)
     except ForeignPeer as e:

@@ -9,6 +9,8 @@ import socket
 import stat
 from pathlib import Path
 
+from m31r_protocol.paths import socket_path_problem
+
 SD_LISTEN_FDS_START = 3
 
 
@@ -61,6 +63,8 @@ def bind_unix(path: Path) -> socket.socket:
 
     A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). One that
     exists must already be this user's alone (check_folder); its mode is never changed."""
+    if why := socket_path_problem(path):
+        raise OSError(why)
     try:
         path.parent.mkdir(parents=True, mode=0o700)
         os.chmod(path.parent, 0o700)  # mkdir's mode is masked by the umask

@@ -14,6 +14,7 @@ from typing import Any
 from m31r_protocol.framing import HEADER, pack
 from m31r_protocol.limits import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from m31r_protocol.minipack import packb, unpackb
+from m31r_protocol.paths import socket_path_problem
 from m31r_protocol.peer import check_daemon_owner
 
 
@@ -39,6 +40,8 @@ def _read(sock: socket.socket) -> dict[str, Any]:
 def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
     """The daemon's StatusReply as a dict (with its `type` and `id`), or an exception (OSError, ConnectionError,
     ValueError) for any other outcome."""
+    if why := socket_path_problem(path):
+        raise ValueError(why)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))

@@ -38,7 +38,7 @@ from m31r_protocol.messages import (
     encoder,
     server_decoder,
 )
-from m31r_protocol.paths import default_socket_path, state_dir
+from m31r_protocol.paths import default_socket_path, socket_path_problem, state_dir
 from m31r_protocol.peer import ForeignPeer, check_daemon_owner
 
 
@@ -59,6 +59,10 @@ class ForeignDaemon(DaemonError):
 
 class DaemonUnavailable(ConnectionError):
     """No daemon answers on the socket, or the connection was lost."""
+
+
+class SocketPathTooLong(DaemonUnavailable):
+    """The socket's path is longer than a Unix socket's path may be: no daemon can answer there, nor be started."""
 
 
 class Stream:
@@ -123,6 +127,8 @@ class Client:
         """Connect and shake hands. Once the socket accepts, the Welcome may take a while: a socket-activated
         daemon loads its model before it answers, so that wait has its own, longer limit."""
         path = Path(path or default_socket_path())
+        if why := socket_path_problem(path):
+            raise SocketPathTooLong(why)
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
@@ -288,6 +294,8 @@ async def connect_or_start(
     path = Path(path or default_socket_path())
     try:
         return await Client.connect(path, client=client)
+    except SocketPathTooLong:
+        raise  # a daemon started there could not listen either
     except DaemonUnavailable:
         if not autostart:
             raise

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+# A Unix socket's path must fit sockaddr_un.sun_path, its closing NUL included: 108 bytes on Linux, 104 on macOS and
+# the BSDs. A longer one fails deep in bind or connect ("AF_UNIX path too long"), which names neither the path nor
+# the way out; socket_path_problem does both.
+MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
 
 
 def runtime_dir() -> Path:
@@ -18,6 +24,15 @@ def runtime_dir() -> Path:
 
 def default_socket_path() -> Path:
     return Path(os.environ.get("M31R_SOCKET") or runtime_dir() / "m31rd.sock")
+
+
+def socket_path_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a Unix socket's path here, or None when it can."""
+    n = len(os.fsencode(path))
+    if n <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return (f"the socket path {path} is {n} bytes long, and a Unix socket's path holds at most "
+            f"{MAX_SOCKET_PATH_BYTES} bytes here: choose a shorter one (--socket, or M31R_SOCKET)")
 
 
 def state_dir() -> Path:
