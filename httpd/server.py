@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +34,36 @@ def check_bind(host: str, allow_remote: bool) -> bool:
         raise ValueError(f"--host {host} is not a loopback address: the server would be reachable from other "
                          "machines; pass --allow-remote if that is what you want (and consider --token-file)")
     return False
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets, one per address `host` resolves to, as asyncio's create_server would bind them. Bound
+    here, before the app starts: its start-up connects to the daemon and may start one, and a port in use must be one
+    clear error, not a daemon started for nothing and a log line from deep in the server."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # each family on its own socket, as asyncio binds them
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                why = ("the port is in use (another m31r serve, or another program?): choose another with --port"
+                       if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+                raise OSError(f"cannot listen on {host}:{port}: {why}") from None
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | None = None, *,
@@ -72,10 +104,11 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
     config = uvicorn.Config(create_app(settings), host=host, port=port, loop=loop, lifespan="on",
                             log_level=log_level, log_config=None, access_log=False, server_header=False,
                             limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
+    socks = listen(host, port)
     log.info("serving", extra={"fields": {"url": f"http://{host}:{port}", "socket": str(socket or "default"),
                                           "autostart": autostart, "bundle": str(bundle or "default"),
                                           "token": token is not None,
                                           "cors_origins": list(cors_origins), "max_tokens_cap": max_tokens_cap}})
     server = uvicorn.Server(config)
-    server.run()
+    server.run(sockets=socks)
     return 0 if server.started else 1

@@ -445,7 +445,11 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
     if file_path is not None:
         if prefix is not None or line is None or column is None:
             fail("use either --prefix/--suffix or --file with --line and --column")
-        text = file_path.read_text()
+        try:
+            text = file_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model "
+                 "completes UTF-8 source")
         lines = text.splitlines(keepends=True)
         if not 1 <= line <= len(lines) + 1:
             fail(f"--line {line} is outside {file_path} ({len(lines)} lines)")

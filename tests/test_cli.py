@@ -120,6 +120,12 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
                                                                      searched.alternatives)
     bad = cli("fim", "--file", str(f), "--line", "3", "--column", "99", "--socket", str(sock))
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
+    latin1 = tmp_path / "latin1.rs"
+    latin1.write_bytes("// caf\u00e9\nfn main() {}\n".encode("latin-1"))
+    bad = cli("fim", "--file", str(latin1), "--line", "2", "--column", "4", "--socket", str(sock))
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr == (f"error: {latin1} is not UTF-8 text (byte 0xe9 at offset 6); the model completes UTF-8 "
+                          "source\n")
 
 
 def test_fim_file_context_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):

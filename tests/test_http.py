@@ -731,6 +731,24 @@ def test_refuses_a_remote_bind_without_allow_remote():
     assert r.returncode == 1 and "--allow-remote" in r.stderr
 
 
+def test_a_port_in_use_is_one_clear_error_and_starts_no_daemon(tiny_bundle, tmp_path):
+    """The port is bound before the app starts (its start-up would autostart a daemon): another program on it is one
+    line and exit 1, with no daemon started on --socket and none of uvicorn's start-up lines."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sock = tmp_path / "never.sock"
+        r = subprocess.run([*SERVE, "--port", str(port), "--socket", str(sock), "--bundle", str(tiny_bundle.path)],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[-1] == (f"error: cannot listen on 127.0.0.1:{port}: the port is in use (another m31r "
+                                         "serve, or another program?): choose another with --port")
+    assert "Started server process" not in r.stderr and "starting the m31r daemon" not in r.stderr
+    assert not sock.exists() and not (tmp_path / "state").exists()
+
+
 def test_autostart(tiny_bundle, tmp_path):
     """Without --no-autostart, the server starts a daemon when none answers (here: at startup) on --socket, with
     --bundle, and requests wait for it within their timeout."""
