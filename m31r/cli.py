@@ -368,7 +368,8 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
     sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
     common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"],
                   lookahead=opts["lookahead"], beams=opts["beams"], logprobs=opts["logprobs"])
-    stream = await (client.generate(payload["prompt"], **common) if kind == "generate"
+    stream = await (client.generate(payload["prompt"], truncate=payload.get("truncate", False), **common)
+                    if kind == "generate"
                     else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
                                     context=payload.get("context"), **common))
     text, frames = [], []
@@ -418,14 +419,16 @@ def _say_if_unsure(line_logprob: float | None) -> None:
 
 @main.command()
 @click.argument("prompt", required=False, default="-")
+@click.option("--truncate", is_flag=True, help="A prompt longer than the model's context (less --max-tokens) keeps "
+              "its end, instead of failing with context_overflow.")
 @sampling_options
-def generate(prompt: str, **opts: Any) -> None:
+def generate(prompt: str, truncate: bool, **opts: Any) -> None:
     """Continue PROMPT (or stdin with `-`), streaming text to stdout."""
     if prompt == "-":
         prompt = sys.stdin.read()
     if not prompt:
         fail("empty prompt: pass text or pipe it on stdin")
-    _run_client(_stream, "generate", {"prompt": prompt}, opts)
+    _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts)
 
 
 @main.command()

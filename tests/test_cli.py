@@ -79,6 +79,21 @@ def test_generate_json(daemon, tiny_engine):
     assert r.returncode != 0 and "add --json" in r.stderr and r.stdout == ""
 
 
+def test_generate_truncate_keeps_the_end_of_a_prompt_too_long(daemon, tiny_engine):
+    """Past the model's context a prompt fails with context_overflow, whose message says to ask for truncation:
+    `--truncate` is how, and the daemon then keeps the prompt's last tokens that fit beside --max-tokens."""
+    _, sock = daemon
+    prompt = "let x = 1;\n" * 400  # well past the tiny model's context
+    assert len(tiny_engine.tokenizer.encode(prompt)) > tiny_engine.config.max_context
+    r = cli("generate", "-", "--max-tokens", "4", "--socket", str(sock), input=prompt)
+    assert r.returncode == 1 and r.stderr.startswith("error: context_overflow:") and "truncation" in r.stderr
+    r = cli("generate", "-", "--max-tokens", "4", "--truncate", "--json", "--socket", str(sock), input=prompt)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert 0 < out["usage"]["prompt_tokens"] <= tiny_engine.config.max_context - 4
+    assert out["usage"]["completion_tokens"] == len(out["tokens"]) > 0
+
+
 def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     from m31r.beams import beam_generate
     from m31r.engine import Outcome
