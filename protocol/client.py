@@ -276,6 +276,18 @@ def daemon_log_path() -> Path:
     return state_dir() / "m31rd.log"
 
 
+# An autostarted daemon appends a line per request to its log for as long as it runs, and the next one appends to
+# the same file: past this size the file is moved aside (one older copy, m31rd.log.1) when the next daemon starts.
+LOG_ROTATE_BYTES = 10 << 20
+
+
+def rotate_log(log: Path, limit: int | None = None) -> None:
+    """Move `log` to LOG.1 (replacing an older one) if it has grown past `limit` (LOG_ROTATE_BYTES) bytes."""
+    with contextlib.suppress(FileNotFoundError):
+        if log.stat().st_size > (LOG_ROTATE_BYTES if limit is None else limit):
+            os.replace(log, log.with_name(log.name + ".1"))
+
+
 async def connect_or_start(
     path: str | Path | None = None,
     *,
@@ -301,6 +313,7 @@ async def connect_or_start(
             raise
     log = daemon_log_path()
     log.parent.mkdir(parents=True, exist_ok=True)
+    rotate_log(log)
     if progress:
         progress(f"starting the m31r daemon… (socket {path}, log {log})")
     cmd = [*(daemon_command or [sys.executable, *DAEMON_COMMAND]), "--socket", str(path), *(daemon_args or [])]

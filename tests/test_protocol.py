@@ -461,3 +461,28 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
     [err] = await handshake(b"\xc1 not msgpack", status)
     assert isinstance(err, m.Error) and err.code == "bad_request"
     assert await handshake(m.Hello(protocol=m.PROTOCOL_VERSION)) == [WELCOME]
+
+
+async def test_an_autostart_rotates_a_grown_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An autostarted daemon appends to $XDG_STATE_HOME/m31r/m31rd.log, as every one before it did: past
+    LOG_ROTATE_BYTES the file is moved to m31rd.log.1 (replacing an older copy) when the next one starts, so the log
+    stays bounded. Here the "daemon" prints a line and exits, which the client reports."""
+    from m31r_protocol import client as client_mod
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(client_mod, "LOG_ROTATE_BYTES", 1000)
+    log = client_mod.daemon_log_path()
+    log.parent.mkdir(parents=True)
+    (log.parent / "m31rd.log.1").write_text("the oldest\n")
+    old = "a request line\n" * 100  # 1,500 bytes: past the limit
+    log.write_text(old)
+    fake = [sys.executable, "-c", "import sys; print('fake daemon up'); sys.exit(3)"]
+    sock = tmp_path / "s" / "d.sock"
+    with pytest.raises(DaemonUnavailable, match="exited with code 3"):
+        await connect_or_start(sock, daemon_command=fake, timeout=30)
+    assert (log.parent / "m31rd.log.1").read_text() == old
+    assert log.read_text() == "fake daemon up\n"
+    # Under the limit, the next start appends to the same file.
+    with pytest.raises(DaemonUnavailable):
+        await connect_or_start(sock, daemon_command=fake, timeout=30)
+    assert log.read_text() == "fake daemon up\n" * 2 and (log.parent / "m31rd.log.1").read_text() == old
