@@ -269,12 +269,15 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
                    "stored). auto: int8 on a CPU with native bf16, else none.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON log lines to this file instead of stderr, moving it to FILE.1 past 10 MiB (the "
+                   "launchd agent uses it: nothing rotates its log otherwise).")
 def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype: str, kv_dtype: str,
            prefill_gemm: str, threads: int | None,
            cache_mb: float, max_queue: int, max_per_connection: int, max_prompt_chars: int, read_timeout: float,
            max_active: int, decode_width: int, lookahead: int, beams: int, chunk_size: int, quant: str | None,
-           log_level: str) -> None:
-    """Run the m31r daemon in the foreground (JSON log lines on stderr)."""
+           log_level: str, log_file: Path | None) -> None:
+    """Run the m31r daemon in the foreground (JSON log lines on stderr, or --log-file)."""
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
@@ -285,7 +288,7 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
                          max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
                          lookahead=lookahead, beams=beams, chunk_size=chunk_size, quant=quant,
-                         log_level=log_level)
+                         log_level=log_level, log_file=log_file)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
     sys.stdout.flush()

@@ -24,8 +24,8 @@ LOOKAHEAD = 0
 BEAMS = 3
 
 
-def setup_logging(level: str) -> None:
-    log_json(["m31rd"], level)
+def setup_logging(level: str, file: Path | None = None) -> None:
+    log_json(["m31rd"], level, file)
 
 
 def default_bundle() -> Path:
@@ -56,10 +56,11 @@ class DaemonOptions:
     quant: str | None = "auto"  # auto | int8 | int4 | none (see m31r.engine.auto_precision)
     grace_s: float = 5.0
     log_level: str = "info"
+    log_file: Path | None = None  # stderr when None
 
 
 def run(opts: DaemonOptions) -> int:
-    setup_logging(opts.log_level)
+    setup_logging(opts.log_level, opts.log_file)
     # Before any socket file exists: a client that sees the file and signals must never meet the default handler,
     # which kills the process and leaves the file behind.
     start_up = _StartUp()

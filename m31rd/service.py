@@ -117,7 +117,9 @@ def render_launchd(command: Sequence[str], bundle: Path, socket: Path, log: Path
     wrong), written back as a plist."""
     with (UNITS_DIR / LAUNCHD_PLIST).open("rb") as f:
         plist = plistlib.load(f)
-    values = {"@BUNDLE@": str(bundle), "@SOCKET@": str(socket), "@LOG@": str(log)}
+    # The daemon writes (and rotates) `log` itself; its stdout and stderr, start-up failures only, go beside it.
+    values = {"@BUNDLE@": str(bundle), "@SOCKET@": str(socket), "@LOG@": str(log),
+              "@ERRLOG@": str(log.with_name("m31rd.stderr.log"))}
     args: list[str] = []
     for a in plist["ProgramArguments"]:
         if a == "@M31R@":

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class JsonFormatter(logging.Formatter):
@@ -21,9 +22,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def log_json(names: Iterable[str], level: str) -> None:
-    """Send these loggers' records, at `level` and above, to stderr as JSON lines (and nowhere else)."""
-    handler = logging.StreamHandler(sys.stderr)
+# A log file the program writes itself (`m31r daemon --log-file`) is moved to FILE.1 past this size: a daemon kept
+# running for months by launchd writes a line per request, and nothing on macOS rotates a user agent's log.
+LOG_FILE_BYTES = 10 << 20
+
+
+def log_json(names: Iterable[str], level: str, file: str | Path | None = None) -> None:
+    """Send these loggers' records, at `level` and above, as JSON lines to stderr, or to `file` (rotated past
+    LOG_FILE_BYTES, one older copy kept), and nowhere else."""
+    handler: logging.Handler
+    if file is None:
+        handler = logging.StreamHandler(sys.stderr)
+    else:
+        from logging.handlers import RotatingFileHandler
+
+        Path(file).parent.mkdir(parents=True, exist_ok=True)
+        handler = RotatingFileHandler(file, maxBytes=LOG_FILE_BYTES, backupCount=1, encoding="utf-8")
     handler.setFormatter(JsonFormatter())
     for name in names:
         logger = logging.getLogger(name)

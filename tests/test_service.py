@@ -128,12 +128,15 @@ def test_install_launchd(home: Path, fake_bundle: Path):
     cmd = service.m31r_command()
     sock = home / "run" / "m31r" / "m31rd.sock"
     assert plist["Label"] == "dev.m31r.m31rd"
+    log = home / "Library" / "Logs" / "m31r" / "m31rd.log"
+    # The daemon writes its log itself and rotates it (nothing on macOS rotates an agent's); launchd's own files
+    # catch only what reaches stdout and stderr.
     assert plist["ProgramArguments"] == [*cmd, "daemon", "--bundle", str(fake_bundle.resolve()),
-                                          "--socket", str(sock)]
+                                          "--socket", str(sock), "--log-file", str(log)]
     assert plist["RunAtLoad"] is True
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
-    log = home / "Library" / "Logs" / "m31r" / "m31rd.log"
-    assert plist["StandardErrorPath"] == str(log) and plist["StandardOutPath"] == str(log)
+    stderr_log = str(log.with_name("m31rd.stderr.log"))
+    assert plist["StandardErrorPath"] == stderr_log and plist["StandardOutPath"] == stderr_log
     assert log.parent.is_dir()  # launchd creates the log file, not its folder
     assert plist["Umask"] == 0o077
     assert not any("@" in str(v) for v in [*plist["ProgramArguments"], plist["StandardErrorPath"]])
