@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from m31r_protocol.framing import pack, read_frame
+from m31r_protocol.logs import LOG_FILE_BYTES
 from m31r_protocol.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -276,15 +277,12 @@ def daemon_log_path() -> Path:
     return state_dir() / "m31rd.log"
 
 
-# An autostarted daemon appends a line per request to its log for as long as it runs, and the next one appends to
-# the same file: past this size the file is moved aside (one older copy, m31rd.log.1) when the next daemon starts.
-LOG_ROTATE_BYTES = 10 << 20
-
-
-def rotate_log(log: Path, limit: int | None = None) -> None:
-    """Move `log` to LOG.1 (replacing an older one) if it has grown past `limit` (LOG_ROTATE_BYTES) bytes."""
+def rotate_log(log: Path) -> None:
+    """Move `log` to LOG.1 (replacing an older one) once it has grown past LOG_FILE_BYTES. An autostarted daemon
+    writes a line per request to it for as long as it runs, and the next one appends to the same file: this, at each
+    start, keeps it bounded (a daemon with --log-file rotates its own file as it goes)."""
     with contextlib.suppress(FileNotFoundError):
-        if log.stat().st_size > (LOG_ROTATE_BYTES if limit is None else limit):
+        if log.stat().st_size > LOG_FILE_BYTES:
             os.replace(log, log.with_name(log.name + ".1"))
 
 

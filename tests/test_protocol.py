@@ -465,12 +465,12 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
 
 async def test_an_autostart_rotates_a_grown_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An autostarted daemon appends to $XDG_STATE_HOME/m31r/m31rd.log, as every one before it did: past
-    LOG_ROTATE_BYTES the file is moved to m31rd.log.1 (replacing an older copy) when the next one starts, so the log
+    LOG_FILE_BYTES the file is moved to m31rd.log.1 (replacing an older copy) when the next one starts, so the log
     stays bounded. Here the "daemon" prints a line and exits, which the client reports."""
     from m31r_protocol import client as client_mod
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.setattr(client_mod, "LOG_ROTATE_BYTES", 1000)
+    monkeypatch.setattr(client_mod, "LOG_FILE_BYTES", 1000)
     log = client_mod.daemon_log_path()
     log.parent.mkdir(parents=True)
     (log.parent / "m31rd.log.1").write_text("the oldest\n")
