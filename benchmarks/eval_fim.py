@@ -174,7 +174,11 @@ def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, s
 def val_texts(data: Path) -> list[tuple[str, str, str]]:
     """(path, text, crate) of the non-blank validation files in DATA/corpus/val.jsonl; files outside any crate (an
     older corpus) count as a crate each."""
-    with open(data / "corpus" / "val.jsonl") as f:
+    path = data / "corpus" / "val.jsonl"
+    if not path.is_file():  # the usual first run of `make eval`: before `make train-data`
+        raise SystemExit(f"error: {path} does not exist: build the corpus first, `make train-data` (`make "
+                         f"train-data DATA={data}` for this folder)")
+    with open(path) as f:
         docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
     return [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
 
@@ -407,15 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
+    texts = val_texts(args.data)  # first: a missing corpus is said before the model loads
+    if not texts:
+        raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
     engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads,
                     quant=None if args.quant == "none" else args.quant)
     meta = engine.bundle.metadata
     data_tok = args.data / "tokenizer.json"
     if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
         log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's is used")
-    texts = val_texts(args.data)
-    if not texts:
-        raise SystemExit(f"no validation files in {args.data / 'corpus' / 'val.jsonl'}")
     reserve = FimBudget.for_context(engine.config.max_context).reserve
     single_max, multi_max = min(args.single_tokens, reserve), min(args.multi_tokens, reserve)
     if (single_max, multi_max) != (args.single_tokens, args.multi_tokens):

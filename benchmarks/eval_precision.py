@@ -65,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    with open(args.data / "corpus" / "val.jsonl") as f:
-        docs = [d for d in map(json.loads, filter(str.strip, f)) if d["text"].strip()]
-    # eval_fim's layout: (path, text, crate); files outside any crate (an older corpus) count as a crate each.
-    texts = [(d["path"], d["text"], d.get("crate") or d["path"]) for d in docs]
+    texts = eval_fim.val_texts(args.data)
     rows, reference, outputs = [], None, {}
     for name, dtype, quant, kv in [p for p in PRECISIONS if p[0] in wanted]:
         t0 = time.perf_counter()

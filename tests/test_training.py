@@ -326,6 +326,11 @@ def test_eval_fim_benchmark_runs(full_run, data_dir: Path, tmp_path: Path, monke
     assert len(many) == 60 and 15 <= sum(t.path == "f0.rs" for t in many) <= 45
     assert eval_fim.edit_similarity("abc", "abd") == pytest.approx(2 / 3)
     assert eval_fim.edit_similarity("", "") == 1.0 and eval_fim.levenshtein("kitten", "sitting") == 3
+    # `make eval` before `make train-data`: one line that says what to run, not a traceback.
+    with pytest.raises(SystemExit) as e:
+        eval_fim.main(["--bundle", str(bundle.path), "--data", str(tmp_path / "no-data")])
+    assert str(e.value) == (f"error: {tmp_path / 'no-data' / 'corpus' / 'val.jsonl'} does not exist: build the corpus "
+                            f"first, `make train-data` (`make train-data DATA={tmp_path / 'no-data'}` for this folder)")
 
 
 def load_benchmarks(monkeypatch, *names: str) -> dict:
