@@ -81,6 +81,7 @@ def main() -> int:
         load_train_config,
         loss_terms,
         make_optimizer,
+        require_data,
         rows_per_micro_batch,
         total_loss,
     )
@@ -88,6 +89,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     tc, mc = load_train_config(args.config)
     data_dir = Path(args.data).expanduser()
+    try:
+        require_data(data_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim)
     new_cast = autocast_dtype("auto", torch.device("cpu"))

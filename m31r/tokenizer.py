@@ -48,6 +48,8 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, special: dict[str, str], model_vocab: int | None = None) -> Tokenizer:
+        if not Path(path).is_file():  # the tokenizers library says only "No such file or directory (os error 2)"
+            raise FileNotFoundError(f"no tokenizer at {path}")
         return cls(HFTokenizer.from_file(str(path)), special, model_vocab)
 
     def encode(self, text: str) -> list[int]:

@@ -746,6 +746,24 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     assert (tmp_path / "work" / "run" / "ckpt.pt").exists() and (tmp_path / "work" / "b" / "ckpt.pt").exists()
 
 
+def test_training_without_a_data_folder_says_how_to_make_one(tmp_path: Path):
+    """`make train` or `make bench-train` before `make train-data`: one line naming what is missing and the command
+    that makes it (the tokenizers library alone said "No such file or directory (os error 2)"), and no run folder."""
+    import subprocess
+
+    empty = tmp_path / "data"
+    empty.mkdir()
+    (empty / "tokenizer.json").write_text("{}")
+    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "mini-phase6.yaml"
+    r = subprocess.run([sys.executable, "-m", "m31r.cli", "train", "model", str(config), "--data", str(empty),
+                        "--run", str(tmp_path / "run"), "--max-steps", "1"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (f"error: {empty} is not a training data folder (corpus/train.jsonl, corpus/val.jsonl missing): "
+                        f"build it with `make train-data` (`make train-data DATA={empty}` for this folder)\n")
+    assert not (tmp_path / "run").exists()
+
+
 TRAIN_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs" / "train").glob("*.yaml"))
 
 

@@ -212,6 +212,14 @@ def stream_cache(data_dir: Path, split: str) -> Path:
     return data_dir / f"{split}-{tag}-{hashlib.sha256(f'{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:8]}.npz"
 
 
+def require_data(data_dir: Path) -> None:
+    """FileNotFoundError, saying how to make it, unless `data_dir` holds what training reads."""
+    missing = [p for p in ("tokenizer.json", "corpus/train.jsonl", "corpus/val.jsonl") if not (data_dir / p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{data_dir} is not a training data folder ({', '.join(missing)} missing): build it "
+                                f"with `make train-data` (`make train-data DATA={data_dir}` for this folder)")
+
+
 def corpus_tokens(data_dir: Path) -> dict[str, int]:
     """Tokenise both splits with DATA_DIR/tokenizer.json (cached beside the corpus, as training reads them);
     tokens per split."""
@@ -464,6 +472,7 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     """
     tc, mc = load_train_config(config_path)
     data_dir, run_dir, dev = Path(data_dir), Path(run_dir), torch.device(device)
+    require_data(data_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tc.threads:
         torch.set_num_threads(tc.threads)
