@@ -66,6 +66,8 @@ def test_socket_unit_template():
     service_text = (UNITS / "m31rd.service").read_text()
     assert "Type=notify" in service_text and "Restart=on-failure" in service_text
     assert "ExecStart=@M31R@ daemon --bundle @BUNDLE@" in service_text
+    # Only the ExecStart line is filled in: an installed unit's comments show no paths of this machine.
+    assert [line for line in service_text.splitlines() if "@" in line] == ["ExecStart=@M31R@ daemon --bundle @BUNDLE@"]
 
 
 def test_systemd_quote():
