@@ -762,6 +762,13 @@ def test_training_without_a_data_folder_says_how_to_make_one(tmp_path: Path):
     assert r.stderr == (f"error: {empty} is not a training data folder (corpus/train.jsonl, corpus/val.jsonl missing): "
                         f"build it with `make train-data` (`make train-data DATA={empty}` for this folder)\n")
     assert not (tmp_path / "run").exists()
+    # Exporting a run folder that holds no checkpoint says where one comes from.
+    (tmp_path / "empty-run").mkdir()
+    r = subprocess.run([sys.executable, "-m", "m31r.cli", "train", "export", "--run", str(tmp_path / "empty-run"),
+                        "--data", str(empty), "--out", str(tmp_path / "out"), "--model-version", "0.0.1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path / 'empty-run'} holds no checkpoint (ckpt.pt)")
+    assert "m31r train import-shards" in r.stderr and not (tmp_path / "out").exists()
 
 
 TRAIN_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs" / "train").glob("*.yaml"))

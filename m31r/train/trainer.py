@@ -580,6 +580,9 @@ def record_config_change(state: dict, config: dict) -> None:
 def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0") -> Bundle:
     """Write the run's latest checkpoint as a release bundle (16-bit weights)."""
     run_dir, data_dir = Path(run_dir), Path(data_dir)
+    if not (run_dir / "ckpt.pt").is_file():
+        raise FileNotFoundError(f"{run_dir} holds no checkpoint (ckpt.pt): a run writes one as it trains (`m31r train "
+                                "model`), and `m31r train import-shards` makes one of a GPU call's shards")
     saved = torch.load(run_dir / "ckpt.pt", weights_only=False, map_location="cpu")
     state = saved["state"]
     mc = msgspec.convert(state["model_config"], ModelConfig)
