@@ -94,7 +94,7 @@ def release_verdict(r: dict) -> dict:
     if "settings_differ" in r:
         return {"wins": False, "why": "the runs differ in their settings, not only in the model"}
     s, m = r["single"], r["multi"]
-    single = round(s["exact_candidate"] * s["n"]) - round(s["exact_base"] * s["n"])
+    single = s["gained"] - s["lost"]  # the difference in exact matches, in tasks
     multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
     wins = single > 0 and multi > 0
     word = lambda d: "wins" if d > 0 else "ties" if d == 0 else "loses"  # noqa: E731
@@ -117,7 +117,7 @@ def table(r: dict) -> str:
             lines.append(f"| {kind} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
                          f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
                          f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
-    v = r.get("release") or release_verdict(r)
+    v = r["release"]
     lines += ["", f"release rule: {'the candidate wins both' if v['wins'] else 'not a release'}: {v['why']}"]
     return "\n".join(lines)
 

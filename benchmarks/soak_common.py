@@ -19,6 +19,8 @@ for extra in (REPO / "tests", REPO / "benchmarks"):  # tests/protocol_fuzz.py, t
 
 from bench_daemon import pct  # noqa: E402,F401  (the soak jobs take it from here, with the rest of what they share)
 
+from m31r_protocol import blocking  # noqa: E402
+
 # The soak runs on the tiny test shape, with what the tests pass (one thread, fp32): figures about reliability,
 # not speed, bounded in time on a 2-core machine.
 DAEMON_ARGS = ["--threads", "1", "--dtype", "float32", "--quant", "none"]
@@ -53,7 +55,10 @@ def make_tiny_bundle(out: Path) -> Path:
 
 
 class Daemon:
-    """`m31r daemon` in a subprocess, its stderr (one JSON line per request) in a file."""
+    """`m31r daemon` in a subprocess, its stderr (one JSON line per request) in a file; ready once it has warmed up.
+    It answers on its socket before, while it loads the model (requests wait meanwhile, and the loading holds its
+    interpreter for up to a second at a time): that is its start, which no job means to measure as behaviour under
+    load (the first burst of the concurrent clients got its `busy` answers after ~0.9 s)."""
 
     def __init__(self, bundle: Path, sock: Path, log: Path, *args: str, timeout: float = 120.0):
         self.bundle, self.sock, self.log, self.args = bundle, sock, log, args
@@ -62,7 +67,7 @@ class Daemon:
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        while not answers(sock):
+        while not warm(sock):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
             if time.monotonic() - t0 > timeout:
@@ -119,6 +124,16 @@ def answers(sock: Path) -> bool:
         return False
     finally:
         s.close()
+
+
+def warm(sock: Path) -> bool:
+    """A daemon answers on `sock` and has loaded and warmed up its model."""
+    if not answers(sock):
+        return False
+    try:
+        return not blocking.status(sock).get("warming", False)
+    except (OSError, ValueError):  # gone again, or not answering yet
+        return False
 
 
 def log_errors(lines: list[dict]) -> list[dict]:

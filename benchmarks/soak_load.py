@@ -75,20 +75,7 @@ async def one_client(sock: Path, k: int, per: int, start: asyncio.Event, tally: 
                 break
 
 
-async def warmed_up(sock: Path, timeout: float = 120.0) -> None:
-    """Until the daemon has loaded its model and warmed up. It answers on its socket before (requests wait for the
-    model meanwhile, and the loading holds the interpreter for up to a second at a time), and that is its start,
-    not its behaviour under load: without this wait the first burst's `busy` answers took ~0.9 s."""
-    async with await Client.connect(sock, client="soak-load") as c:
-        t0 = time.perf_counter()
-        while (await c.status()).warming:
-            if time.perf_counter() - t0 > timeout:
-                raise TimeoutError(f"the daemon still warms up after {timeout:g} s")
-            await asyncio.sleep(0.05)
-
-
 async def load(sock: Path, clients: int, per: int) -> tuple[Tally, float]:
-    await warmed_up(sock)
     tally, start = Tally(), asyncio.Event()
     tasks = [asyncio.create_task(one_client(sock, k, per, start, tally)) for k in range(clients)]
     await asyncio.sleep(0)

@@ -98,9 +98,9 @@ fi
 "$PY" -c "from pathlib import Path; from m31r.train.trainer import corpus_tokens; print(corpus_tokens(Path('$W/data')))"
 
 # What the GPU did while it trained: the fourth lease's calls ran at half the earlier leases' tokens/s, cause
-# unknown. Its utilisation and clocks every 10 s are printed after training (in train.out: $OUT already holds 7 of
-# the 8 files a call may send back), with their medians: busy at low
-# tokens/s means the GPU itself was slower (clocks, power, a slice of it); idle means the side feeding it was short.
+# unknown. Its utilisation and clocks every 10 s are printed after training, with their medians (in train.out: $OUT
+# already holds 7 of the 8 files a call may send back). Busy at low tokens/s means the GPU itself was slower (clocks,
+# power, a slice of it); idle means the side feeding it was short.
 SAMPLER=
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
