@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import ipaddress
 import logging
 import sys
@@ -124,7 +125,12 @@ class M31rLanguageServer(LanguageServer):
             self.shutdown()
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(connection, host, port)
+            try:
+                self._server = await asyncio.start_server(connection, host, port)
+            except OSError as e:  # one line for the user, not asyncio's "[Errno 98] error while attempting to bind"
+                why = ("the port is in use (another m31r lsp, or another program?): choose another with --tcp"
+                       if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+                raise OSError(f"cannot listen on {host}:{port}: {why}") from None
             async with self._server:
                 await self._server.serve_forever()
 
@@ -313,6 +319,8 @@ def _main() -> None:  # `python -m m31r_lsp [--tcp HOST:PORT] [--socket PATH] [-
         run(a.socket, a.tcp, not a.no_autostart, bundle=a.bundle, log_level=a.log_level, allow_remote=a.allow_remote)
     except ValueError as e:
         ap.error(str(e))
+    except OSError as e:
+        sys.exit(f"m31r-lsp: error: {e}")
 
 
 if __name__ == "__main__":

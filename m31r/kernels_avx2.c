@@ -41,14 +41,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVXVNNI__
+#if defined(__AVXVNNI__) /* the VEX forms (avx2vnni; avx512vnni where the CPU has them too) */
 #define VNNI 1
+#define DPWSSD256 _mm256_dpwssd_avx_epi32
+#define DPBUSD256 _mm256_dpbusd_avx_epi32
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) /* their EVEX forms (avx512vnni on e.g. Zen 4) */
+#define VNNI 1
+#define DPWSSD256 _mm256_dpwssd_epi32
+#define DPBUSD256 _mm256_dpbusd_epi32
 #else
 #define VNNI 0
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q16_PAIRS 1 /* the avx512vnni build: q16 tiles of two rows per 512-bit register (below) */
+#else
+#define Q16_PAIRS 0
+#endif
+
 /* Whether this build's integer dot products are AVX-VNNI's (native.Kernels checks it against its family). */
 int m31r_avx2_vnni(void) { return VNNI; }
+
+/* Whether this build runs the 512-bit q16 tiles of row pairs (native.Kernels checks it against its family). */
+int m31r_avx2_q16_pairs(void) { return Q16_PAIRS; }
 
 #define MAX_CHUNKS 32 /* head_dim up to 256, in chunks of 8 */
 #define BLOCK 8       /* matmul columns per unit of work; N must be a multiple */
@@ -366,7 +381,7 @@ static inline float bf16_value(uint16_t h) {
 /* 32 products of one block, summed pairwise to 8 int32: |x| * (w with x's sign) = x * w, exact (|x|, |w| <= 127). */
 static inline __m256 dot32(__m256i aq, __m256i xq, __m256i w) {
 #if VNNI
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aq, _mm256_sign_epi8(w, xq)));
+  return _mm256_cvtepi32_ps(DPBUSD256(_mm256_setzero_si256(), aq, _mm256_sign_epi8(w, xq)));
 #else
   __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(w, xq));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
@@ -437,8 +452,8 @@ static inline __m256i widen16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm
 /* One block of 32: int16 activations x, weights widened to int16 in w0 (values 0-15) and w1 (16-31). */
 static inline __m256 wdot32(const int16_t* x, __m256i w0, __m256i w1) {
 #if VNNI
-  __m256i a = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_loadu_si256((const __m256i*)x));
-  return _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(a, w1, _mm256_loadu_si256((const __m256i*)(x + 16))));
+  __m256i a = DPWSSD256(_mm256_setzero_si256(), w0, _mm256_loadu_si256((const __m256i*)x));
+  return _mm256_cvtepi32_ps(DPWSSD256(a, w1, _mm256_loadu_si256((const __m256i*)(x + 16))));
 #else
   __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)x));
   __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(x + 16)));
@@ -477,6 +492,90 @@ Q16_TILE(5, 1)
 Q16_TILE(6, 1)
 Q16_TILE(7, 1)
 Q16_TILE(8, 1)
+
+#if Q16_PAIRS
+/* The avx512vnni build's q16 tiles: two rows in one 512-bit register, each lane pair (2i, 2i + 1) holding lane i of
+ * the 8-lane accumulators above for the first and the second row. Per block of 32 and pair of rows: two vpdpwssd,
+ * one conversion and one FMA, where the tiles above spend twice that on the two rows. Every lane sums the same four
+ * products (exact in int32) and then takes the same conversion, FMA and final fold as its 8-lane twin, so a row's
+ * bits are the avx2 build's, alone or batched, paired or not (tests/test_native_vnni.py checks it). The activations
+ * come laid out for it (q16_pair): per pair and block, values 0-15 of both rows with their dwords interleaved, then
+ * values 16-31 likewise, and the two rows' scales side by side, so every operand is one load. */
+static void q16_pair(const int16_t* x0, const int16_t* x1, const float* d0, const float* d1, int K, int16_t* xp,
+                     float* dp) {
+  const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  for (int b = 0; b < K / 32; ++b)
+    for (int h = 0; h < 2; ++h) {
+      const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x0 + 32 * b + 16 * h)));
+      const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x1 + 32 * b + 16 * h)));
+      _mm512_storeu_si512(xp + 64 * b + 32 * h, _mm512_permutex2var_epi32(a, idx, c));
+      dp[2 * b + h] = h ? d1[b] : d0[b];
+    }
+}
+
+#define Q16P_TILE(P, C)                                                                                            \
+  static void q16p_tile_##P##_##C(const int16_t* xp, const float* dp, int K, const int8_t* w, const uint16_t* s,   \
+                                  float* y, int N) {                                                             \
+    const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);                         \
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));                                               \
+    __m512 acc[P * C];                                                                                           \
+    for (int i = 0; i < P * C; ++i) acc[i] = _mm512_setzero_ps();                                                \
+    const int nb = K / 32;                                                                                       \
+    for (int b = 0; b < nb; ++b) {                                                                               \
+      __m512i w0[C], w1[C]; /* each dword (two codes) twice: once per row of the pair */                          \
+      for (int c = 0; c < C; ++c) {                                                                              \
+        const __m512i wz = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (long)c * K + 32 * b)));  \
+        w0[c] = _mm512_permutexvar_epi32(lo, wz);                                                                \
+        w1[c] = _mm512_permutexvar_epi32(hi, wz);                                                                \
+      }                                                                                                          \
+      if (!(b & 1))                                                                                              \
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + (long)(C + c) * K + 32 * b + 64), _MM_HINT_T0); \
+      for (int p = 0; p < P; ++p) {                                                                              \
+        const int16_t* xb = xp + (long)p * 2 * K + 64 * b;                                                       \
+        const __m512i x0 = _mm512_loadu_si512(xb), x1 = _mm512_loadu_si512(xb + 32);                            \
+        double dd;                                                                                               \
+        memcpy(&dd, dp + (long)p * 2 * nb + 2 * b, 8);                                                           \
+        const __m512 dv = _mm512_castpd_ps(_mm512_set1_pd(dd)); /* the two rows' scales, alternating */           \
+        for (int c = 0; c < C; ++c) {                                                                            \
+          const __m512i t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0[c], x0);                              \
+          acc[p * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(t, w1[c], x1)), dv,             \
+                                           acc[p * C + c]);                                                      \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
+    const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);                 \
+    for (int p = 0; p < P; ++p)                                                                                  \
+      for (int c = 0; c < C; ++c) {                                                                              \
+        const __m512 v = _mm512_permutexvar_ps(split, acc[p * C + c]);                                           \
+        const float sc = bf16_value(s[c]);                                                                       \
+        y[(long)(2 * p) * N + c] = hsum8(_mm512_castps512_ps256(v)) * sc;                                        \
+        y[(long)(2 * p + 1) * N + c] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))) * sc; \
+      }                                                                                                          \
+  }
+Q16P_TILE(1, 4)
+Q16P_TILE(2, 4)
+Q16P_TILE(3, 4)
+Q16P_TILE(4, 4)
+
+/* R rows (1-8) over BLOCK columns: their pairs in the tiles above, an odd last row in the 8-lane tile. */
+static void q16_pairs_block(int R, const int16_t* xq, const float* d, const int16_t* xp, const float* dp, int K,
+                            const int8_t* w, const uint16_t* s, float* y, int N) {
+#define Q16P_RUN(P, C) \
+  for (int c = 0; c < BLOCK; c += C) q16p_tile_##P##_##C(xp, dp, K, w + (long)c * K, s + c, y + c, N);
+  switch (R / 2) {
+    case 1: Q16P_RUN(1, 4) break;
+    case 2: Q16P_RUN(2, 4) break;
+    case 3: Q16P_RUN(3, 4) break;
+    case 4: Q16P_RUN(4, 4) break;
+  }
+#undef Q16P_RUN
+  if (R & 1) {
+    const int r = R - 1;
+    for (int c = 0; c < BLOCK; c += 4)
+      q16_tile_1_4(xq + (long)r * K, d + (long)r * (K / 32), K, w + (long)c * K, s + c, y + (long)r * N + c, N);
+  }
+}
+#endif
 
 /* The fp32 alternative: each code widened to fp32, one fused multiply-add per weight and row (8 columns at a time,
  * rows one by one). Same contract as m31r_int8_mm_q8 without the work buffer; for comparison (README "Speed"). */
@@ -524,7 +623,7 @@ static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes → 32 codes: 16
 
 static inline __m256 udot32(__m256i q, __m256i xq) { /* codes 0..15 (unsigned) times signed activations */
 #if VNNI
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xq));
+  return _mm256_cvtepi32_ps(DPBUSD256(_mm256_setzero_si256(), q, xq));
 #else
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1)));
 #endif

@@ -151,28 +151,46 @@ int m31r_int4_mm_q8(int M, int N, int K, int G, const float* x, const uint8_t* w
   return 0;
 }
 
-static void q16_block(int R, const int16_t* xq, const float* d, int K, const int8_t* w, const uint16_t* s, float* y,
-                      int N) {
+#ifndef Q16_PAIRS
+#define Q16_PAIRS 0
+#endif
+
+/* xp, dp: the rows' pair layout, where the family pairs rows (Q16_PAIRS: kernels_avx2.c's q16_pair); else unused. */
+static void q16_block(int R, const int16_t* xq, const float* d, const int16_t* xp, const float* dp, int K,
+                      const int8_t* w, const uint16_t* s, float* y, int N) {
+#if Q16_PAIRS
+  q16_pairs_block(R, xq, d, xp, dp, K, w, s, y, N);
+#else
+  (void)xp;
+  (void)dp;
 #define Q16_RUN(R, C)                                                                                \
   for (int c = 0; c < BLOCK; c += C) q16_tile_##R##_##C(xq, d, K, w + (long)c * K, s + c, y + c, N);
   BY_ROWS(R, Q16_RUN, 4, 2, 2, 2, 1, 1, 1, 1);
 #undef Q16_RUN
+#endif
 }
 
 /* Same contract as m31r_int8_mm_q8, on q16 activations: the int8 matmul fp32 engines run. */
 int m31r_int8_mm_q16(int M, int N, int K, const float* x, const int8_t* w, const uint16_t* scale, float* y) {
   if (M < 1 || K % 32 || N % BLOCK) return 1;
-  void* work = malloc(2L * M * K + (long)M * (K / 32) * 4);
+  const long nb = K / 32, paired = Q16_PAIRS ? M / 2 * 2 : 0; /* rows with a pair layout too */
+  void* work = malloc(2L * (M + paired) * K + (M + paired) * nb * 4);
   if (!work) return 2;
   int16_t* xq = (int16_t*)work;
-  float* d = (float*)((uint8_t*)work + 2L * M * K);
-  for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + (long)m * (K / 32));
+  int16_t* xp = xq + (long)M * K; /* pair p's rows at p * 2K: the same offset as its first row's in xq */
+  float* d = (float*)(xp + paired * K);
+  float* dp = d + M * nb;
+  for (int m = 0; m < M; ++m) q16_row(x + (long)m * K, K, xq + (long)m * K, d + m * nb);
+#if Q16_PAIRS
+  for (int m = 0; m < paired; m += 2)
+    q16_pair(xq + (long)m * K, xq + (long)(m + 1) * K, d + m * nb, d + (m + 1) * nb, K, xp + (long)m * K, dp + m * nb);
+#endif
 #pragma omp parallel for schedule(dynamic, 16)
   for (int b = 0; b < N / BLOCK; ++b) {
     const long n = (long)b * BLOCK;
     for (int m = 0; m < M; m += 8)
-      q16_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + (long)m * (K / 32), K, w + n * K, scale + n,
-                y + (long)m * N + n, N);
+      q16_block(M - m < 8 ? M - m : 8, xq + (long)m * K, d + m * nb, xp + (long)m * K, dp + m * nb, K, w + n * K,
+                scale + n, y + (long)m * N + n, N);
   }
   free(work);
   return 0;

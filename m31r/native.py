@@ -10,6 +10,10 @@ Four families, chosen at run time by the CPU's features (never assumed):
           decoding to keep fp32's choices), int4 on activations quantized to int8 in blocks of 32 (q8, llama.cpp's
           q8_0 idea), and fp32 weights (`f32_mm`: a summation order that no row count changes, so an fp32 row
           gets the same bits alone or batched). The q8 int8 kernel stays for comparison (`int8_mm(..., mode="q8")`).
+  avx512vnni  the same source built with AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4): the avx2 family
+          with one change, its q16 int8 matmul, which runs two rows per 512-bit register (half the instructions per
+          row for batched decode rows) and keeps the avx2 build's bits (kernels_avx2.c's Q16P tiles say how); its
+          256-bit integer dot products are vpdpwssd / vpdpbusd, as in avx2vnni. auto prefers it for fp32.
   avx2vnni  the same source built with -mavxvnni, where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since
           Zen 5): each block's integer dot product takes vpdpwssd / vpdpbusd, fewer instructions for the same
           exact int32 sums, so its results are the avx2 build's bit for bit (kernels_avx2.c says why).
@@ -22,11 +26,11 @@ Four families, chosen at run time by the CPU's features (never assumed):
 `Kernels.int8_check` is the start-up self-check `--quant auto` relies on before it picks int8 for fp32 engines: a
 small product against a float64 reference, within the error its activation rounding allows.
 
-`M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx2vnni`, `avx2` (plain
-AVX2 even where the CPU has AVX-VNNI), `neon` (a family the CPU lacks is refused, never run), or `eager` (none:
-torch only).
+`M31R_KERNELS` picks one: `auto` (default: the widest family this CPU runs), `avx512`, `avx512vnni`, `avx2vnni`,
+`avx2` (plain AVX2 even where the CPU has AVX-VNNI), `neon` (a family the CPU lacks is refused, never run), or
+`eager` (none: torch only).
 `M31R_NATIVE=0` is the older spelling of `eager`. Under `auto`, a compiler that cannot build avx2vnni (GCC < 11,
-clang < 12 lack -mavxvnni) leaves the plain avx2 build running, with the reason said.
+clang < 12 lack -mavxvnni) or avx512vnni leaves the plain avx2 build running, with the reason said.
 
 Building takes ~0.3 s and happens the first time an engine loads on a machine (the shared object is cached under
 $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), so from the first request on a
@@ -87,6 +91,10 @@ FAMILIES = {
                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", *_COMMON),
                      ("avx512f", "avx512bw", "avx512vl"), ("AVX512", "AVX512_BF16", "AMX"), torch.bfloat16,
                      "avx512"),
+    "avx512vnni": Family("avx512vnni", Path(__file__).with_name("kernels_avx2.c"),
+                         (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", *_COMMON),
+                         ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                         ("AVX512", "AVX512_BF16", "AMX"), torch.float32, "avx2"),
     "avx2vnni": Family("avx2vnni", Path(__file__).with_name("kernels_avx2.c"), (*_AVX2_FLAGS, "-mavxvnni", *_COMMON),
                        ("avx2", "fma", "f16c", "avx_vnni"), _AVX2_CAPS, torch.float32, "avx2"),
     "avx2": Family("avx2", Path(__file__).with_name("kernels_avx2.c"), (*_AVX2_FLAGS, *_COMMON),
@@ -325,6 +333,7 @@ class Kernels:
         self._bf16 = None  # m31r_bf16_mm, in avx512
         self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
+        self.q16_pairs = False  # whether q16 runs two rows per 512-bit register (the avx512vnni build)
         if self.family.base == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", *[_I32] * 4, *[_P] * 9, _F32, _P)
             self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
@@ -355,9 +364,14 @@ class Kernels:
                     raise RuntimeError(f"{path.name}: built with dot products for a CPU without them (asimddp)")
             else:
                 self.vnni = bool(_fn(self.lib, "m31r_avx2_vnni")())
-                if self.vnni != ("-mavxvnni" in self.family.flags):  # the build is what its family promises
+                self.q16_pairs = bool(_fn(self.lib, "m31r_avx2_q16_pairs")())
+                vnni = "-mavxvnni" in self.family.flags or "-mavx512vnni" in self.family.flags
+                if self.vnni != vnni:  # the build is what its family promises
                     raise RuntimeError(f"{path.name}: built {'with' if self.vnni else 'without'} AVX-VNNI for "
                                        f"{self.name}")
+                if self.q16_pairs != ("-mavx512vnni" in self.family.flags):
+                    raise RuntimeError(f"{path.name}: built {'with' if self.q16_pairs else 'without'} 512-bit q16 "
+                                       f"tiles for {self.name}")
 
     @property
     def int8(self) -> bool:
@@ -371,7 +385,8 @@ class Kernels:
             dot16, dot8 = ("vpdpwssd", "vpdpbusd") if self.vnni else ("vpmaddwd", "vpmaddubsw")
             if self.family.base == "neon":
                 dot16, dot8 = "smull/smlal", "sdot" if self.dotprod else "smull and pairwise adds"
-            how = {"q16": f"int16 activations per block of 32, {dot16} on int8 codes widened to int16",
+            pairs = ", two rows per 512-bit register" if self.q16_pairs else ""
+            how = {"q16": f"int16 activations per block of 32, {dot16} on int8 codes widened to int16{pairs}",
                    "q8": f"int8 activations per block of 32, {dot8} on int8 codes",
                    "f32": "int8 codes widened to fp32, one FMA per weight and row"}[self.int8_mode]
             return f"{self.name} {self.int8_mode}: {how}"
@@ -389,6 +404,8 @@ class Kernels:
             parts.append(f"{'fp32' if self.linear_dtype == torch.float32 else 'bf16'} matmul")
         if self.vnni:
             parts.append("AVX-VNNI dot products")
+        if self.q16_pairs:
+            parts.append("512-bit q16 tiles of row pairs")
         if self.dotprod:
             parts.append("sdot dot products")
         return f"{self.name}: " + ", ".join(parts)

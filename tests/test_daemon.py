@@ -1090,9 +1090,10 @@ def test_auto_precision_is_resolved_and_reported(life):
     want = auto_precision(torch.device("cpu"), "auto", "auto", None)  # test_quant checks the rules themselves
     ready = life.wait_logs(lambda x: x.get("msg") == "ready")[0]
     assert (ready["dtype"], ready["quant"]) == want
+    native_families = ("avx512", "avx512vnni", "avx2vnni", "avx2", "neon", "eager")
     warm = life.wait_logs(lambda x: x.get("msg") == "warm")[0]  # before ready: the probe and a short generation
     assert warm["decode_widths"] and warm["decode_widths"][-1] == 8 and warm["ts"] <= ready["ts"]
-    assert warm["kernels"] in ("avx512", "avx2vnni", "avx2", "neon", "eager") and warm["kernels_why"]  # which, why
+    assert warm["kernels"] in native_families and warm["kernels_why"]  # which, and why
     assert {"native_attention", "native_int8", "native_int4", "native_float"} <= warm.keys()
     assert warm["precision_why"].startswith("dtype ")  # how auto resolved
     if warm["native_int8"]:

@@ -800,6 +800,23 @@ def test_tcp_on_a_remote_address_needs_allow_remote(tmp_path):
     assert "warning: m31r lsp is listening on 0.0.0.0" in proc.stderr.read()  # ...and says so
 
 
+def test_tcp_on_a_port_in_use_is_one_line_and_exit_1(tmp_path):
+    """Another program on the port: the user reads which address and what to do, not asyncio's errno text."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "m31r.cli", "lsp", "--tcp", f"127.0.0.1:{port}", "--no-autostart",
+                            "--socket", str(tmp_path / "nobody.sock")], capture_output=True, text=True, timeout=60)
+        m = subprocess.run([sys.executable, "-m", "m31r_lsp", "--tcp", f"127.0.0.1:{port}", "--no-autostart"],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: the port is in use (another m31r lsp, or another program?): "
+        "choose another with --tcp"], r.stderr
+    assert m.returncode == 1 and m.stderr.splitlines()[-1].startswith(f"m31r-lsp: error: cannot listen on 127.0.0.1:"
+                                                                      f"{port}: the port is in use"), m.stderr
+
+
 def test_tcp_closes_a_browser_request_and_serves_lsp(tmp_path):
     """A web page can make the browser POST to 127.0.0.1:PORT (a "simple" request: no preflight). Its body must
     not be run as JSON-RPC: a connection whose first line is not LSP framing is closed unanswered."""
