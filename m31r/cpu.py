@@ -14,7 +14,7 @@ from pathlib import Path
 
 # Flags that decide which kernels run, in /proc/cpuinfo spelling, with the names people know them by.
 X86_FEATURES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx_vnni": "AVX-VNNI", "avx512f": "AVX-512F",
-                "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX"}
+                "avx512_vnni": "AVX512-VNNI", "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX"}
 ARM_FEATURES = {"asimd": "NEON", "asimddp": "dotprod"}
 
 
