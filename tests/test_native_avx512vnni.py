@@ -12,12 +12,10 @@ elsewhere; the choice and fallback tests run on any x86-64 Linux CPU with AVX2 (
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from test_native import family  # the loaded or built kernels of a family, or skip
-from test_native_vnni import _activations, _codes, _needs_avx2, _scales, bits
+from test_native_vnni import _activations, _codes, _needs_avx2, _scales, bits, old_compiler
 
 from m31r import native
 from m31r.quant import Int8Linear
@@ -135,24 +133,13 @@ def test_auto_prefers_avx512vnni_for_fp32_where_the_cpu_has_it(monkeypatch) -> N
 
 
 def test_auto_falls_back_to_the_plain_build_where_the_compiler_lacks_avx512vnni(monkeypatch, tmp_path) -> None:
-    _needs_avx2()
-    real = native.compiler()
-    if real is None:
-        pytest.skip("no C compiler")
-    cc = tmp_path / "old-cc"
-    cc.write_text("#!/bin/sh\nfor a in \"$@\"; do\n  if [ \"$a\" = -mavx512vnni ]; then\n"
-                  "    echo \"cc: error: unrecognized command-line option '-mavx512vnni'\" >&2; exit 1\n  fi\ndone\n"
-                  f"exec {shutil.which(real)} \"$@\"\n")
-    cc.chmod(0o755)
-    monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("M31R_KERNELS", "auto")
-    monkeypatch.delenv("M31R_NATIVE", raising=False)
+    old_compiler(monkeypatch, tmp_path, "-mavx512vnni")
     _flags(monkeypatch, wide=True)
     native.load.cache_clear()
     try:
         loaded = native.load(torch.float32)
         assert loaded is not None and loaded.name == "avx2" and not loaded.q16_pairs
         assert loaded.reason.startswith("the widest family that builds here (avx512vnni did not: ")
+        assert "unrecognized command-line option '-mavx512vnni'" in loaded.reason
     finally:
         native.load.cache_clear()

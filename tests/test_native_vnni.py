@@ -235,22 +235,28 @@ def test_a_cpu_without_avx_vnni_is_refused_the_vnni_build(monkeypatch) -> None:
     assert native.forced() is None
 
 
-def test_auto_falls_back_to_the_plain_build_where_the_compiler_lacks_avxvnni(monkeypatch, tmp_path) -> None:
-    """GCC before 11 and clang before 12 reject -mavxvnni: under auto the plain avx2 build runs and the reason says
-    why; forced, the VNNI family is not replaced."""
+def old_compiler(monkeypatch, tmp_path, flag: str) -> None:
+    """CC: the real compiler behind a script that rejects `flag` as an older one does; auto kernels, a fresh cache
+    (skips where there is no AVX2 or no compiler)."""
     _needs_avx2()
     real = native.compiler()
     if real is None:
         pytest.skip("no C compiler")
     cc = tmp_path / "old-cc"
-    cc.write_text("#!/bin/sh\nfor a in \"$@\"; do\n  if [ \"$a\" = -mavxvnni ]; then\n"
-                  "    echo \"cc: error: unrecognized command-line option '-mavxvnni'\" >&2; exit 1\n  fi\ndone\n"
+    cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do\n  if [ \"$a\" = {flag} ]; then\n"
+                  f"    echo \"cc: error: unrecognized command-line option '{flag}'\" >&2; exit 1\n  fi\ndone\n"
                   f"exec {shutil.which(real)} \"$@\"\n")
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("M31R_KERNELS", "auto")
     monkeypatch.delenv("M31R_NATIVE", raising=False)
+
+
+def test_auto_falls_back_to_the_plain_build_where_the_compiler_lacks_avxvnni(monkeypatch, tmp_path) -> None:
+    """GCC before 11 and clang before 12 reject -mavxvnni: under auto the plain avx2 build runs and the reason says
+    why; forced, the VNNI family is not replaced."""
+    old_compiler(monkeypatch, tmp_path, "-mavxvnni")
     _flags(monkeypatch, vnni=True)
     native.load.cache_clear()
     try:
