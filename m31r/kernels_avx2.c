@@ -41,11 +41,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVXVNNI__) /* the VEX forms (avx2vnni; avx512vnni where the CPU has them too) */
+#if defined(__AVXVNNI__) /* the VEX forms (the avx2vnni build) */
 #define VNNI 1
 #define DPWSSD256 _mm256_dpwssd_avx_epi32
 #define DPBUSD256 _mm256_dpbusd_avx_epi32
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) /* their EVEX forms (avx512vnni on e.g. Zen 4) */
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) /* their EVEX forms (avx512vnni: Zen 4 has no AVX-VNNI) */
 #define VNNI 1
 #define DPWSSD256 _mm256_dpwssd_epi32
 #define DPBUSD256 _mm256_dpbusd_epi32
