@@ -477,7 +477,9 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[],
                     choices=["cold", "warm", "lookahead", "roundtrip", "throughput"])
     ap.add_argument("--lookahead", type=int, default=3,
-                    help="The --lookahead compared with 0 in the prompt-lookup run (the daemon's default is 0).")
+                    help="The --lookahead compared with 0 in the prompt-lookup run.")
+    ap.add_argument("--daemon-lookahead", type=int, default=None,
+                    help="The cold and warm daemons' --lookahead (default: the daemon's, 3).")
     ap.add_argument("--seconds", type=float, default=None, help="Throughput window per client count.")
     ap.add_argument("--out", type=Path, help="Write the results as JSON.")
     args = ap.parse_args()
@@ -495,11 +497,13 @@ def main() -> None:
         daemon_args += ["--quant", args.quant]
     if args.chunk_size:
         daemon_args += ["--chunk-size", str(args.chunk_size)]
+    warm_args = [] if args.daemon_lookahead is None else ["--lookahead", str(args.daemon_lookahead)]
 
     _, target, _ = session_document()
     res: dict = {"meta": {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "quant": args.quant, "stored_quant": args.stored_quant, "chunk_size": args.chunk_size,
+        "daemon_lookahead": args.daemon_lookahead,
         "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "fim_max_tokens": fim_tokens, "gen_max_tokens": gen_tokens, "session_keystrokes": len(keystrokes(target)),
         "loadavg_start": os.getloadavg(),
@@ -527,7 +531,7 @@ def main() -> None:
             for mode, cache_args, n in [("cold", ["--cache-mb", "0"], cold_keys), ("warm", [], keys)]:
                 if mode in args.skip:
                     continue
-                d = Daemon(bundle, sock, log, daemon_args + cache_args)
+                d = Daemon(bundle, sock, log, daemon_args + warm_args + cache_args)
                 res["meta"][f"{mode}_daemon_ready_s"] = round(d.ready_s, 2)
                 res["meta"][f"{mode}_daemon_listening_s"] = round(d.listening_s, 2)
                 res["meta"][f"{mode}_daemon_warm_s"] = round(d.warm_s, 2)

@@ -254,10 +254,11 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--decode-width", type=int, default=8, show_default=True,
               help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
                    "beside them; 1 gives the lowest single-stream latency but no batching.")
-@click.option("--lookahead", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--lookahead", type=click.IntRange(min=0), default=3, show_default=True,
               help="Prompt-lookup decoding: draft tokens copied from the prompt, verified per decode step (greedy "
                    "requests only; the output is the same, it comes faster where the completion repeats the "
-                   "document; 3 measured best). 0 turns it off; a request's `lookahead` field overrides it.")
+                   "document; 3 measured best). Drafts run while a stream decodes alone, not beside others. 0 "
+                   "turns it off; a request's `lookahead` field overrides it.")
 @click.option("--beams", type=click.IntRange(1, 8), default=3, show_default=True,
               help="Beam search width for greedy line completions (a request with a \"\\n\" stop, as editors send "
                    "mid-line) that do not choose: the likeliest line as a whole, at some latency; 1 is plain greedy "

@@ -423,7 +423,7 @@ async def test_many_connections(warm, tiny_engine):
 
 async def test_cancel_mid_stream(warm):
     async with await Client.connect(warm.socket) as c:
-        s = await c.generate("fn main() {", max_tokens=400)
+        s = await c.generate("fn main() {", max_tokens=400, lookahead=0)  # drafts would end the tiny model's loop sooner
         got = [await asyncio.wait_for(s.__anext__(), 10) for _ in range(2)]
         t0 = time.monotonic()
         await s.cancel()
@@ -811,14 +811,15 @@ async def test_a_deadline_is_hard(warm):
     margin = 0.25
     async with await Client.connect(warm.socket) as c:
         # Without a deadline this request runs at least three times as long as the deadline below (at most 150 ms:
-        # a fast machine decodes the tiny model's 480 tokens in ~0.3 s).
+        # a fast machine decodes the tiny model's 480 tokens in ~0.3 s; without drafts, which the tiny model's
+        # loops would accept nearly all of).
         t0 = time.perf_counter()
-        full = await run(await c.generate("fn main() {", max_tokens=480))
+        full = await run(await c.generate("fn main() {", max_tokens=480, lookahead=0))
         full_s = time.perf_counter() - t0
         deadline_ms = min(150, int(full_s * 1000 / 3))
         assert full.finish_reason == "length" and deadline_ms >= 20, full_s
         t0 = time.perf_counter()
-        out = await run(await c.generate("fn main() {", max_tokens=480, deadline_ms=deadline_ms))
+        out = await run(await c.generate("fn main() {", max_tokens=480, deadline_ms=deadline_ms, lookahead=0))
         elapsed = time.perf_counter() - t0
         assert out.finish_reason == "deadline" and elapsed < deadline_ms / 1000 + margin, (out.done, elapsed)
         assert out.done.usage.completion_tokens < 480 and full.text.startswith(out.text)

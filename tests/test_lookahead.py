@@ -140,12 +140,33 @@ def test_sampling_and_penalties_run_without_drafts(tiny_engine: Engine) -> None:
 
 
 def test_batched_streams_with_drafts_decode_as_they_do_alone(engine: Engine) -> None:
-    """Several streams with drafts share passes through the scheduler (rows packed up to decode_width)."""
+    """Several streams asking for drafts share rounds through the scheduler (Engine.run drops their drafts while
+    they do, and the last one left drafts alone): each decodes what it decodes alone."""
     prompts = PROMPTS[2::2]
     alone = [[p.id for p in engine.generate(x, max_tokens=32)] for x in prompts]
     together, sched = run_together(engine, prompts, 32, lookahead=3)
     assert together == alone
     assert sched.rounds < max(len(a) for a in alone) * len(prompts)
+
+
+def test_drafts_run_for_a_lone_decode_only(tiny_engine: Engine) -> None:
+    """A round of several decodes runs none of their drafts (each Decode's emptied, one logits row back, the logits
+    a round without drafts gives); a lone decode runs its drafts (a row per token fed)."""
+    from m31r.engine import Decode
+
+    def caches() -> list:
+        out = [tiny_engine.new_cache() for _ in range(2)]
+        for c, ids in zip(out, ([1, 2, 3], [4, 5, 6, 7]), strict=True):
+            list(tiny_engine.prefill(c, ids, 0))
+        return out
+
+    a, b = (Decode(c, 9, drafts) for c, drafts in zip(caches(), ([10, 11], [12]), strict=True))
+    got = tiny_engine.run([a, b], [])[0]
+    assert a.drafts == [] and b.drafts == [] and [t.shape for t in got] == [(tiny_engine.config.vocab_size,)] * 2
+    want = tiny_engine.run([Decode(c, 9) for c in caches()], [])[0]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    lone = Decode(caches()[0], 9, [10, 11])
+    assert tiny_engine.run([lone], [])[0][0].shape == (3, tiny_engine.config.vocab_size) and lone.drafts == [10, 11]
 
 
 def test_a_decode_wider_than_the_pass_is_refused(tiny_engine: Engine) -> None:
