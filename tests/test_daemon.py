@@ -423,7 +423,8 @@ async def test_many_connections(warm, tiny_engine):
 
 async def test_cancel_mid_stream(warm):
     async with await Client.connect(warm.socket) as c:
-        s = await c.generate("fn main() {", max_tokens=400, lookahead=0)  # drafts would end the tiny model's loop sooner
+        # No drafts: they would finish the tiny model's looping 400 tokens before the cancel could arrive.
+        s = await c.generate("fn main() {", max_tokens=400, lookahead=0)
         got = [await asyncio.wait_for(s.__anext__(), 10) for _ in range(2)]
         t0 = time.monotonic()
         await s.cancel()
