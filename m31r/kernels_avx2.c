@@ -498,19 +498,21 @@ Q16_TILE(8, 1)
  * the 8-lane accumulators above for the first and the second row. Per block of 32 and pair of rows: two vpdpwssd,
  * one conversion and one FMA, where the tiles above spend twice that on the two rows. Every lane sums the same four
  * products (exact in int32) and then takes the same conversion, FMA and final fold as its 8-lane twin, so a row's
- * bits are the avx2 build's, alone or batched, paired or not (tests/test_native_vnni.py checks it). The activations
+ * bits are the avx2 build's, alone or batched, paired or not (tests/test_native_avx512vnni.py). The activations
  * come laid out for it (q16_pair): per pair and block, values 0-15 of both rows with their dwords interleaved, then
  * values 16-31 likewise, and the two rows' scales side by side, so every operand is one load. */
 static void q16_pair(const int16_t* x0, const int16_t* x1, const float* d0, const float* d1, int K, int16_t* xp,
                      float* dp) {
   const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  for (int b = 0; b < K / 32; ++b)
+  for (int b = 0; b < K / 32; ++b) {
     for (int h = 0; h < 2; ++h) {
       const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x0 + 32 * b + 16 * h)));
       const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x1 + 32 * b + 16 * h)));
       _mm512_storeu_si512(xp + 64 * b + 32 * h, _mm512_permutex2var_epi32(a, idx, c));
-      dp[2 * b + h] = h ? d1[b] : d0[b];
     }
+    dp[2 * b] = d0[b];
+    dp[2 * b + 1] = d1[b];
+  }
 }
 
 #define Q16P_TILE(P, C)                                                                                            \

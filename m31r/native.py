@@ -1,6 +1,6 @@
 """The native CPU kernels: built once with the system C compiler, cached, loaded through ctypes.
 
-Four families, chosen at run time by the CPU's features (never assumed):
+Five families, chosen at run time by the CPU's features (never assumed):
 
   avx512  m31r/kernels.c, for bf16 activations: decode attention over a bf16 KV cache, and the weight-only int8
           matmul of small row counts (AVX512-BF16 dot products; `Kernels.int8_dtype` is None without them).
@@ -331,7 +331,7 @@ class Kernels:
         self.kv_dtypes: tuple[torch.dtype, ...] = (self.family.dtype,)
         self._layer = None  # m31r_decode_layer_f32, in the fp32 families
         self._bf16 = None  # m31r_bf16_mm, in avx512
-        self.vnni = False  # whether the integer dot products are AVX-VNNI's (the avx2vnni build)
+        self.vnni = False  # whether the integer dot products are VNNI's (the avx2vnni and avx512vnni builds)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         self.q16_pairs = False  # whether q16 runs two rows per 512-bit register (the avx512vnni build)
         if self.family.base == "avx512":
@@ -403,7 +403,7 @@ class Kernels:
         if self.linear_dtype is not None:
             parts.append(f"{'fp32' if self.linear_dtype == torch.float32 else 'bf16'} matmul")
         if self.vnni:
-            parts.append("AVX-VNNI dot products")
+            parts.append(f"{'AVX-VNNI' if '-mavxvnni' in self.family.flags else 'AVX512-VNNI'} dot products")
         if self.q16_pairs:
             parts.append("512-bit q16 tiles of row pairs")
         if self.dotprod:

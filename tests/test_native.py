@@ -426,9 +426,10 @@ def test_an_imported_shape_runs_both_kernels(tiny_config, tmp_path) -> None:
     config = msgspec.structs.replace(tiny_config, n_kv_heads=2, qkv_bias=True, tie_embeddings=False)
     model = Transformer(config)
     init_weights(model, 5)
+    gen = torch.Generator().manual_seed(5)  # not the global generator: its state depends on the tests run before
     with torch.no_grad():
         for layer in model.layers:
-            layer.attention.wqkv.bias.normal_(0, 0.5)
+            layer.attention.wqkv.bias.normal_(0, 0.5, generator=gen)
     bundle = write_bundle(tmp_path / "b", config, model.state_dict(), build_byte_tokenizer(300), seed=5,
                           dataset_version="test", dtype=torch.float32)
     engine = _engine(bundle, "avx512", dtype="bfloat16", quant="int8")
