@@ -497,7 +497,7 @@ def main() -> None:
         daemon_args += ["--quant", args.quant]
     if args.chunk_size:
         daemon_args += ["--chunk-size", str(args.chunk_size)]
-    warm_args = [] if args.daemon_lookahead is None else ["--lookahead", str(args.daemon_lookahead)]
+    lookahead_args = [] if args.daemon_lookahead is None else ["--lookahead", str(args.daemon_lookahead)]
 
     _, target, _ = session_document()
     res: dict = {"meta": {
@@ -531,7 +531,7 @@ def main() -> None:
             for mode, cache_args, n in [("cold", ["--cache-mb", "0"], cold_keys), ("warm", [], keys)]:
                 if mode in args.skip:
                     continue
-                d = Daemon(bundle, sock, log, daemon_args + warm_args + cache_args)
+                d = Daemon(bundle, sock, log, daemon_args + lookahead_args + cache_args)
                 res["meta"][f"{mode}_daemon_ready_s"] = round(d.ready_s, 2)
                 res["meta"][f"{mode}_daemon_listening_s"] = round(d.listening_s, 2)
                 res["meta"][f"{mode}_daemon_warm_s"] = round(d.warm_s, 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -114,25 +113,11 @@ class Daemon:
         return out
 
 
-def answers(sock: Path) -> bool:
-    """Something accepts connections on `sock`."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(sock))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def warm(sock: Path) -> bool:
     """A daemon answers on `sock` and has loaded and warmed up its model."""
-    if not answers(sock):
-        return False
     try:
         return not blocking.status(sock).get("warming", False)
-    except (OSError, ValueError):  # gone again, or not answering yet
+    except (OSError, ValueError):  # no socket yet, not answering yet, or gone again
         return False
 
 
