@@ -19,6 +19,9 @@ activation dtype instead of eager against native, both on the native kernels.
 `--layer-calls` compares decode passes through the per-call path (about 25 torch and ctypes calls per layer) against
 one native call per layer (m31r_decode_layer_f32), both on the native kernels, the same engine switched in place.
 
+`--one-thread` compares the family's one-thread build (no OpenMP: what a Mac runs where torch's libomp is not found)
+against its OpenMP build, both on the native kernels, the same engine switched in place.
+
 `--fp32-matmuls` times the float weights of a whole decode step instead (every layer's four matrices, so the weights
 stream from memory as in a real step): the AVX2 family's fp32 matmul against oneDNN on the packed weights (what
 fp32 layers ran before it) and torch's F.linear (MKL), at the row counts of `--rows`, alternating in a rotating
@@ -312,6 +315,9 @@ def main() -> None:
     ap.add_argument("--layer-calls", action="store_true",
                     help="compare decode passes on the native kernels through the per-call path against one native "
                          "call per layer (Transformer.layer_calls), instead of eager against native")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="compare the family's one-thread build (no OpenMP) against its OpenMP build, instead of "
+                         "eager against native")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -352,14 +358,21 @@ def main() -> None:
                 act = str(engines[name].dtype).removeprefix("torch.")
                 engines[name + "/kv"] = Engine(path, dtype=act, threads=args.threads, decode_width=1, kv_dtype=act)
         kernels = {name: e.kernels for name, e in engines.items()}
+        alone = {}  # --one-thread: the same family built without OpenMP
+        if args.one_thread:
+            if any(k is None for k in kernels.values()):
+                raise SystemExit(f"--one-thread: no native kernels run here ({native.why_not(first_dtype(engines))})")
+            alone = {name: native.Kernels(native.build(family=k.name, openmp=False), k.family, "one-thread build")
+                     for name, k in kernels.items()}
         kinds = (("kv " + str(first_dtype(engines)), "kv auto") if args.kv_cache
-                 else ("per call", "layer call") if args.layer_calls else ("eager", "native"))
+                 else ("per call", "layer call") if args.layer_calls
+                 else ("one thread", "OpenMP") if args.one_thread else ("eager", "native"))
         pairs = [(n, k) for n in names for k in kinds]
 
         def engine(name: str, kind: str):
             """The pair's engine, its kernels set."""
             e = engines[name + "/kv" if kind == kinds[0] and args.kv_cache else name]
-            e.use_kernels(kernels[name] if kind != "eager" else None)
+            e.use_kernels(None if kind == "eager" else alone[name] if kind == "one thread" else kernels[name])
             e.model.layer_calls = kind != "per call"
             return e
 

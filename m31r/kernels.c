@@ -21,6 +21,7 @@
 #define PREFETCH_KEYS 16 /* keys and values are fetched this many positions ahead of the scores */
 
 #include "kernels_rows.h"
+#include "kernels_threads.h"
 
 static inline __m512 load_bf16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256((const __m256i*)p);

@@ -17,6 +17,7 @@
 /* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
 
 #include "kernels_rows.h"
+#include "kernels_threads.h"
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
  * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors

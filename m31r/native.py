@@ -37,9 +37,13 @@ $XDG_CACHE_HOME/m31r/kernels, keyed by the source, the compiler and the flags), 
 daemon runs one arithmetic and never switches. Where no family runs, no C compiler exists or the build fails,
 `load` returns None and the engine keeps its eager path (the reason is logged once, and `why_not` says it).
 
-The library is linked with -fopenmp (except on macOS, whose Apple clang has no OpenMP) and so needs libgomp.so.1:
-torch has loaded its own copy by then, and the dynamic loader reuses a loaded library of the same soname, so these
-kernels run on torch's OpenMP threads, not on a second pool competing with it for the cores.
+The kernels run on torch's OpenMP threads, not on a second pool competing with them for the cores. On Linux the
+library is linked with -fopenmp and so needs libgomp.so.1: torch has loaded its own copy by then, and the dynamic
+loader reuses a loaded library of the same soname. Apple's clang ships no OpenMP runtime or header, but torch's macOS
+wheels carry libomp.dylib: there the library is compiled with `-Xclang -fopenmp`, links no runtime, and binds its
+OpenMP calls when it loads to the libomp torch has loaded (`openmp_runtime`, made global first). Where that runtime
+is not found, or that build does not compile or load, the one-thread build (no OpenMP) runs, and `Kernels.reason`
+says why; `Kernels.threads` says how many threads a build's loops run on.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ from m31r.cpu import cpu_info
 log = logging.getLogger("m31r.native")
 
 _COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# macOS: OpenMP code generation without a runtime of its own; the runtime's symbols are bound at load time (not
+# lazily, so that a missing one fails the load, not a call) to the libomp torch loaded.
+_OPENMP_MACOS = ("-Xclang", "-fopenmp", "-Wl,-undefined,dynamic_lookup", "-Wl,-bind_at_load")
 
 
 @dataclass(frozen=True)
@@ -159,12 +166,42 @@ def family_unsupported(name: str) -> str | None:
     return None
 
 
-def flags_for(family: Family, cpu_flags: set[str], system: str = sys.platform) -> tuple[str, ...]:
+def flags_for(family: Family, cpu_flags: set[str], system: str = sys.platform, openmp: bool = True) -> tuple[str, ...]:
     """The compiler flags that build `family` for a CPU with these flags: its first variant whose CPU flag is there
-    (neon: dot products where asimddp is), else its plain flags; without -fopenmp on macOS (Apple clang has no
-    OpenMP: the kernels' `#pragma omp` lines are then ignored and they run on one thread)."""
+    (neon: dot products where asimddp is), else its plain flags. OpenMP as the system needs it (macOS: bound to
+    torch's libomp, see the module's docstring); `openmp=False` is the one-thread build, whose `#pragma omp` lines
+    are ignored."""
     flags = next((extra for flag, extra in family.variants if flag in cpu_flags), family.flags)
-    return tuple(f for f in flags if f != "-fopenmp") if system == "darwin" else flags
+    if openmp and system != "darwin":
+        return flags
+    plain = tuple(f for f in flags if f != "-fopenmp")
+    return (*plain, *_OPENMP_MACOS) if openmp else plain
+
+
+def loaded_libraries(system: str = sys.platform) -> list[Path]:
+    """The shared libraries this process has loaded (macOS: dyld's images; Linux: /proc/self/maps)."""
+    if system == "darwin":
+        dyld = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+        dyld._dyld_image_count.restype = ctypes.c_uint32
+        dyld._dyld_get_image_name.restype = ctypes.c_char_p
+        dyld._dyld_get_image_name.argtypes = [ctypes.c_uint32]
+        names = (dyld._dyld_get_image_name(i) for i in range(dyld._dyld_image_count()))
+        return [Path(os.fsdecode(n)) for n in names if n]
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    paths = (line.split(None, 5)[5] for line in maps if len(line.split(None, 5)) == 6)
+    return list(dict.fromkeys(Path(p) for p in paths if p.startswith("/")))
+
+
+def openmp_runtime(system: str = sys.platform, names: tuple[str, ...] = ("libomp.dylib",)) -> Path | None:
+    """The OpenMP runtime torch has loaded, which a macOS build binds to, or None (torch without OpenMP). One file
+    only: loading a second copy of libomp aborts the process."""
+    if not torch.backends.openmp.is_available():
+        return None
+    found = [p for p in loaded_libraries(system) if p.name in names]
+    return found[0] if len({p.resolve() for p in found}) == 1 else None
 
 
 def forced() -> Family | None:
@@ -271,14 +308,16 @@ def source_text(source: Path) -> str:
     return "\0".join(p.read_text() for p in [source, *sorted(source.parent.glob("kernels*.h"))])
 
 
-def build(out_dir: Path | None = None, family: str | None = None) -> Path:
+def build(out_dir: Path | None = None, family: str | None = None, openmp: bool = True,
+          system: str = sys.platform) -> Path:
     """Compile a family's source (default: the one `choose` picks, else avx512), or return the cached build of the
-    same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files)."""
+    same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files). `openmp=False`:
+    the one-thread build; `system`: whose OpenMP flags (`flags_for`)."""
     fam = FAMILIES[family] if family else (choose()[0] or FAMILIES["avx512"])
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    flags = flags_for(fam, cpu_info()[1])
+    flags = flags_for(fam, cpu_info()[1], system, openmp)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([source_text(fam.source), cc, version, *flags]).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
@@ -334,6 +373,7 @@ class Kernels:
         self.vnni = False  # whether the integer dot products are VNNI's (the avx2vnni and avx512vnni builds)
         self.dotprod = False  # whether the q8 products are the dot-product extension's sdot (a neon build)
         self.q16_pairs = False  # whether q16 runs two rows per 512-bit register (the avx512vnni build)
+        self._threads = _fn(self.lib, "m31r_threads")
         if self.family.base == "avx512":
             self._attend = _fn(self.lib, "m31r_attend_decode", *[_I32] * 4, *[_P] * 9, _F32, _P)
             self._int8 = _fn(self.lib, "m31r_int8_mm", _I32, _I32, _I32, _P, _P, _P, _P)
@@ -374,6 +414,12 @@ class Kernels:
                                        f"tiles for {self.name}")
 
     @property
+    def threads(self) -> int:
+        """How many threads the kernels' parallel loops run on now: torch's OpenMP team size (torch.set_num_threads),
+        or 1 for a build without OpenMP."""
+        return int(self._threads())
+
+    @property
     def int8(self) -> bool:
         """Whether this family runs the int8 matmul on this CPU."""
         return self.int8_dtype is not None
@@ -408,7 +454,8 @@ class Kernels:
             parts.append("512-bit q16 tiles of row pairs")
         if self.dotprod:
             parts.append("sdot dot products")
-        return f"{self.name}: " + ", ".join(parts)
+        threads = self.threads
+        return f"{self.name}: " + ", ".join(parts) + f"; {threads} thread{'s' if threads != 1 else ''}"
 
     def attend_decode(self, q: Tensor, knew: Tensor, vnew: Tensor, table: DecodeTable, layer: int,
                       out: Tensor) -> None:
@@ -652,6 +699,25 @@ class DecodeTable:
         self.kernels.attend_qkv(qkv, cos, sin, self, layer, out)
 
 
+def open_family(family: Family, why: str, system: str = sys.platform, out_dir: Path | None = None) -> Kernels:
+    """The family's build, loaded. On macOS its OpenMP build rests on torch's libomp (the module's docstring): where
+    that runtime is missing, or the build does not compile (a compiler without `-Xclang -fopenmp`) or load (a
+    symbol not found), the one-thread build runs instead, and its reason says why."""
+    if system != "darwin":
+        return Kernels(build(out_dir, family.name), family, why)
+    runtime = openmp_runtime(system)
+    if runtime is None:
+        note = "torch's OpenMP runtime (libomp) is not loaded"
+    else:
+        try:
+            ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)  # the loaded image itself, its symbols made global
+            return Kernels(build(out_dir, family.name, system=system), family, why)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            note = f"its OpenMP build failed ({str(e).strip().splitlines()[0][:300]})"
+    log.info("native kernels on one thread: %s", note)
+    return Kernels(build(out_dir, family.name, False, system), family, f"{why}; one thread: {note}")
+
+
 @cache
 def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
     family, why = choose(dtype)
@@ -660,7 +726,8 @@ def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
             why = "no C compiler found (set CC)"
         else:
             try:
-                return Kernels(build(family=family.name), family, why), why
+                kernels = open_family(family, why)
+                return kernels, kernels.reason
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 why = str(e)
             base = FAMILIES[family.base]
@@ -668,7 +735,8 @@ def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
                 # a compiler without the variant's flag: the plain build runs, and says why
                 why = f"the widest family that builds here ({family.name} did not: {why.splitlines()[0][:300]})"
                 try:
-                    return Kernels(build(family=base.name), base, why), why
+                    kernels = open_family(base, why)
+                    return kernels, kernels.reason
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     why = str(e)
     log.info("native kernels off: %s; decode attention runs in eager torch, quantized layers on torch's kernels", why)

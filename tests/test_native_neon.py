@@ -761,15 +761,21 @@ def test_an_arm_cpu_runs_the_neon_family_and_no_x86_one(monkeypatch) -> None:
 
 def test_the_neon_build_uses_dot_products_where_the_cpu_has_them() -> None:
     """armv8.2-a+dotprod where the CPU lists asimddp (FEAT_DotProd is an Armv8.2 option; GCC's arm_neon.h offers
-    vdotq_s32 from armv8.2-a only), plain armv8-a elsewhere; OpenMP except on macOS, whose Apple clang has none.
-    The x86 families keep their flags."""
+    vdotq_s32 from armv8.2-a only), plain armv8-a elsewhere. OpenMP on macOS through clang's front end, bound at
+    load to torch's libomp (Apple's clang has no runtime of its own); none in the one-thread build. The x86 families
+    keep their flags."""
     neon = native.FAMILIES["neon"]
     dot = native.flags_for(neon, {"asimd", "asimddp"}, "linux")
     plain = native.flags_for(neon, {"asimd"}, "linux")
     assert dot[0] == "-march=armv8.2-a+dotprod" and plain[0] == "-march=armv8-a"
     assert "-fopenmp" in dot and "-fopenmp" in plain and "-ffp-contract=off" in plain
-    assert "-fopenmp" not in native.flags_for(neon, {"asimd", "asimddp"}, "darwin")
-    assert native.flags_for(neon, {"asimd"}, "darwin")[0] == "-march=armv8-a"
+    mac = native.flags_for(neon, {"asimd", "asimddp"}, "darwin")
+    assert mac[0] == "-march=armv8.2-a+dotprod" and mac.count("-fopenmp") == 1
+    assert mac[mac.index("-fopenmp") - 1] == "-Xclang"  # the front end's OpenMP; the driver's would link a runtime
+    assert {"-Wl,-undefined,dynamic_lookup", "-Wl,-bind_at_load"} <= set(mac)
+    alone = native.flags_for(neon, {"asimd"}, "darwin", openmp=False)
+    assert alone[0] == "-march=armv8-a" and not {"-fopenmp", "-Xclang"} & set(alone)
+    assert "-fopenmp" not in native.flags_for(neon, {"asimd"}, "linux", openmp=False)
     for family in native.FAMILIES.values():
         if family.base != "neon":
             assert native.flags_for(family, {"asimddp", "avx2", "avx_vnni"}, "linux") == family.flags, family.name

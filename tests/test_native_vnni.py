@@ -71,7 +71,7 @@ def test_each_build_is_what_its_family_says() -> None:
     assert vnni.vnni and not plain.vnni
     assert vnni.path != plain.path and vnni.path.name.startswith("kernels-avx2vnni-")
     assert "vpdpwssd" in vnni.int8_kernel and "vpmaddwd" in plain.int8_kernel
-    assert vnni.describe().endswith("AVX-VNNI dot products") and "VNNI" not in plain.describe()
+    assert "AVX-VNNI dot products" in vnni.describe() and "VNNI" not in plain.describe()
     with pytest.raises(RuntimeError, match="built without AVX-VNNI for avx2vnni"):
         native.Kernels(plain.path, "avx2vnni")  # a plain build is never taken for the VNNI family
     with pytest.raises(RuntimeError, match="built with AVX-VNNI for avx2"):
