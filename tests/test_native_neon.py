@@ -1,8 +1,9 @@
 """The neon family (m31r/kernels_neon.c), tested where no Arm machine is: cross-compiled with aarch64-linux-gnu-gcc
 and run under qemu-user through a small C driver (tests/kernels_driver.c, which calls the kernels on arrays read
 from files), once built with the dot-product extension (run on qemu's `max` CPU, which has it) and once without (run
-on an emulated Cortex-A53, which lacks it: the plain build must not need it). The same driver built for this machine
-against kernels_avx2.c checks the driver and gives the bits the neon builds must reproduce.
+on an emulated Cortex-A53, which lacks it: the plain build must not need it), and with it by clang, as a Mac builds
+it (without OpenMP). The same driver built for this machine against kernels_avx2.c checks the driver and gives the
+bits the neon builds must reproduce.
 
 Each product against float64: int8 within the bound of its q16 activations (the AVX2 tests' bound) and, given its
 quantized activations, exact up to fp32 accumulation; int4 likewise on q8 activations, reading the even column from
@@ -82,7 +83,8 @@ def _driver_flags(family: str, cpu_flags: set[str]) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def builds(pytestconfig, tmp_path_factory) -> dict[str, Build]:
-    """neon+dotprod and neon (always, under qemu), and avx2 for this machine where its CPU runs that family."""
+    """neon+dotprod and neon (always, under qemu; the first also built by clang), and avx2 for this machine where
+    its CPU runs that family."""
     require_cross_tools()
     cache = getattr(pytestconfig, "cache", None)
     out = cache.mkdir("kernels-drivers") if cache is not None else tmp_path_factory.mktemp("drivers")
@@ -93,6 +95,16 @@ def builds(pytestconfig, tmp_path_factory) -> dict[str, Build]:
         "neon": Build("neon", (QEMU, "-cpu", "cortex-a53", str(_compile(
             CROSS_CC, (*_driver_flags("neon", {"asimd"}), "-static"), neon, out, "neon")))),
     }
+    # As a Mac builds it: clang (Apple's on a Mac), the dot-product variant (every Apple CPU has it), here without
+    # OpenMP (no aarch64 libomp to link statically; test_native_threads.py runs the OpenMP recipe), which is also the
+    # one-thread build a Mac falls back to.
+    clang = shutil.which("clang")
+    if clang is None:
+        pytest.fail("clang not installed: apt-get install --no-install-recommends clang (.ci/run does)")
+    mac = native.flags_for(native.FAMILIES["neon"], {"asimd", "asimddp"}, "darwin", openmp=False)
+    found["neon+dotprod/clang"] = Build("neon+dotprod/clang", (QEMU, "-cpu", "max", str(_compile(
+        clang, ("--target=aarch64-linux-gnu", *(f for f in mac if f not in ("-shared", "-fPIC")), "-static"), neon,
+        out, "neon-dotprod-clang"))))
     if native.family_unsupported("avx2") is None and native.compiler() is not None:
         found["avx2"] = Build("avx2", (str(_compile(native.compiler(), _driver_flags("avx2", set()),
                                                     native.FAMILIES["avx2"].source, out, "avx2")),))
@@ -249,7 +261,7 @@ def test_the_builds_are_what_they_claim_and_the_plain_one_needs_no_dot_products(
     """The library reports its variant (native.Kernels.dotprod); the dotprod build really runs sdot (a CPU without
     the extension stops it), while the plain build has just run on such a CPU."""
     said = {name: run_driver(b, ["variant"]).stdout.strip() for name, b in builds.items()}
-    assert said["neon+dotprod"] == "dotprod 1" and said["neon"] == "dotprod 0"
+    assert said["neon+dotprod"] == said["neon+dotprod/clang"] == "dotprod 1" and said["neon"] == "dotprod 0"
     assert said.get("avx2", "dotprod -1") == "dotprod -1"
     calls = Calls(tmp_path)
     x, codes, scales = _x32(2, 64, seed=1), *_int8_weights(8, 64, seed=1)
