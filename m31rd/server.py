@@ -484,7 +484,8 @@ class Daemon:
         request = Request(ids, max_tokens, job.sampling, stop=request_stops(job.wire), heal=heal, document=job.document,
                           deadline=job.deadline, lookahead=lookahead, received=job.received,
                           beams=job.beams, top_logprobs=job.wire.logprobs or 0,
-                          cancellation=job.cancellation, repeat_context=line_context(job.wire.prefix) if fim else None)
+                          cancellation=job.cancellation,
+                          repeat_context=line_context(job.wire.prefix if fim else job.wire.prompt))
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
     def _deliver(self, job: InFlight, event: Event) -> None:

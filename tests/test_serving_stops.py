@@ -1,4 +1,5 @@
-"""The serving stops of a Fim (m31r.fim.suffix_stop, m31r.stops.RepeatedLine), end to end.
+"""The serving stops of a Fim (m31r.fim.suffix_stop, m31r.stops.RepeatedLine) and of a Generate (the repeated line),
+end to end.
 
 A model that loops is built by hand: the tiny config with weights that make greedy decoding write `ab;` and a line
 end over and over, whatever came before (each token's embedding is mapped by the first feed-forward layer to the
@@ -119,8 +120,13 @@ def test_the_daemon_cuts_a_loop_where_it_repeats(looping_bundle, tmp_path: Path)
                 # A stop sequence of the client's own still ends the text first.
                 text, done = await (await client.fim("fn f() {\n", "}\n", max_tokens=24, stop=["b"])).collect()
                 out.append((text, done.finish_reason))
+                # A Generate has no suffix, but a repeated line ends it too: the prompt's last line counts.
+                for prompt in ("fn f() {\n", "fn f() {\nab;\n"):
+                    text, done = await (await client.generate(prompt, max_tokens=24)).collect()
+                    out.append((text, done.finish_reason))
                 return out
 
-        assert asyncio.run(answers()) == [(text, "stop") for _, _, text, _ in CASES] + [("a", "stop")]
+        served = [(text, "stop") for _, _, text, _ in CASES]
+        assert asyncio.run(answers()) == [*served, ("a", "stop"), (CYCLE, "stop"), ("", "stop")]
     finally:
         stop_daemon(proc)
