@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from m31r.stops import RepeatedLine
 from m31r.tokenizer import Tokenizer
 
 
@@ -173,8 +174,12 @@ def suffix_stop(prefix: str, suffix: str) -> str | None:
     return None
 
 
-def line_context(prefix: str) -> str:
-    """The prefix's last whole line and the cursor line's text: what the repeated-line stop (m31r.stops) compares
-    a completion's first lines with, so that a completion repeating the line above the cursor ends too."""
-    i = prefix.rfind("\n")
-    return prefix[prefix.rfind("\n", 0, max(i, 0)) + 1 :]
+def line_context(prefix: str, lines: int = RepeatedLine.MAX_PERIOD) -> str:
+    """The prefix's last `lines` whole lines and the cursor line's text: what the repeated-line stop (m31r.stops)
+    compares a completion's first lines with, so that a completion repeating the lines above the cursor ends too."""
+    i = len(prefix)
+    for _ in range(lines + 1):
+        i = prefix.rfind("\n", 0, max(i, 0))
+        if i < 0:
+            return prefix
+    return prefix[i + 1 :]

@@ -20,7 +20,7 @@ class StopMatcher:
     def clone(self) -> StopMatcher:
         """An independent copy of the matching state (a beam search's hypotheses fork it)."""
         new = copy.copy(self)
-        new.repeats = copy.copy(self.repeats)
+        new.repeats = self.repeats.copy() if self.repeats is not None else None
         return new
 
     def feed(self, piece: str) -> tuple[str, bool]:
@@ -66,46 +66,95 @@ class StopMatcher:
 
 
 class RepeatedLine:
-    """Ends a completion at a non-blank line that repeats the line before it, leaving the repeat out.
+    """Ends a completion where it starts to repeat the block of 1 to MAX_PERIOD lines before it, leaving the repeat out.
 
-    A small model decoding greedily most often fails by looping: the same line over and over, to the token limit.
-    Consecutive identical lines are rare in real Rust (0.3% of non-blank lines in the held-out crates), so the
-    first repeat is where the suggestion ends. A line is held back only while it could still be a repeat (its text
-    so far begins the line before); `context` is the document before the completion, whose last lines the first
-    completed lines are compared with.
+    A small model decoding greedily most often fails by looping: the same line over and over, to the token limit, or
+    a block of a few lines. Consecutive identical lines are rare in real Rust (0.3% of non-blank lines in the held-out
+    crates) and a block of 2 to 4 lines repeated at once rarer still (0.07%, mostly tables of numbers), so the first
+    repeat is where the suggestion ends. A block counts when one of its lines is not blank; a period-p repeat is
+    confirmed when its p-th line ends. Completion lines are held back only while they could still be such a repeat
+    (their text so far begins the lines p before, for some p), so streaming waits at most for the end of that block.
+    `context` is the document before the completion (its last whole lines and the cursor's line so far, as
+    m31r.fim.line_context gives them), whose lines the first completed lines are compared with.
     """
+
+    MAX_PERIOD = 4
 
     def __init__(self, context: str):
         lines = context.split("\n")
-        self.prev = lines[-2].rstrip() if len(lines) > 1 else ""  # the last whole line
+        self.lines = [ln.rstrip() for ln in lines[:-1]][-self.MAX_PERIOD :]  # whole lines so far (rstripped)
         self.cur = lines[-1]  # the current line so far, the document's part included
-        self.held = ""
-        self.diverged = not self._could_repeat()
+        self.start = len(self.lines)  # the first line held back (== len(lines): only the current line, if at all)
+        self.held: list[str] = []  # the completion's text of each held whole line, its line end included
+        self.held_cur = ""  # the completion's text of the current line, held back
+        self.holding = bool(self._candidates())  # whether the current line's text is being held back
 
-    def _could_repeat(self) -> bool:
-        return bool(self.prev.strip()) and self.prev.startswith(self.cur.rstrip())
+    def copy(self) -> RepeatedLine:
+        """An independent copy (a beam search's hypotheses fork it)."""
+        new = copy.copy(self)
+        new.lines, new.held = list(self.lines), list(self.held)
+        return new
+
+    def _candidates(self) -> list[int]:
+        """The periods p for which the held lines and the current line so far begin a repeat of the p lines before."""
+        s, k = self.start, len(self.lines)
+        out = []
+        for p in range(1, self.MAX_PERIOD + 1):
+            if s - p < 0 or k - s >= p:
+                continue
+            block = self.lines[s - p : s]
+            if not any(ln.strip() for ln in block):
+                continue
+            if all(self.lines[j] == self.lines[j - p] for j in range(s, k)) and \
+                    self.lines[k - p].startswith(self.cur.rstrip()):
+                out.append(p)
+        return out
+
+    def _complete(self, line: str) -> bool:
+        """Whether `line`, ending now, completes a repeat: it and the held lines repeat the p lines before them."""
+        s, k = self.start, len(self.lines)
+        p = k + 1 - s
+        return (s - p >= 0 and p <= self.MAX_PERIOD and any(ln.strip() for ln in self.lines[s - p : s])
+                and self.lines[k - p] == line and all(self.lines[j] == self.lines[j - p] for j in range(s, k)))
+
+    def _settle(self) -> str:
+        """Lets held text go, the oldest line first, until what is still held could begin a repeat; returns it."""
+        out = []
+        while self.start < len(self.lines) and not self._candidates():
+            out.append(self.held.pop(0))
+            self.start += 1
+        if self.start == len(self.lines) and self.holding and not self._candidates():
+            out.append(self.held_cur)
+            self.held_cur, self.holding = "", False
+        return "".join(out)
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a repeated line ended the completion)."""
+        """Returns (text safe to emit, whether a repeated block ended the completion)."""
         out = []
         for i, seg in enumerate(text.split("\n")):
             if i:  # a line end: the current line is whole
-                if not self.diverged and self.cur.rstrip() == self.prev:
-                    self.held = ""
-                    return "".join(out), True
-                out.append(self.held + "\n")
-                self.prev, self.cur, self.held = self.cur.rstrip(), "", ""
-                self.diverged = not self._could_repeat()
+                line = self.cur.rstrip()
+                if self.holding:
+                    if self._complete(line):
+                        self.held, self.held_cur = [], ""
+                        return "".join(out), True
+                    self.held.append(self.held_cur + "\n")
+                else:
+                    out.append("\n")
+                    self.start = len(self.lines) + 1
+                self.lines.append(line)
+                self.cur, self.held_cur = "", ""
+                self.holding = True  # a new line could begin a repeat until _settle finds it cannot
+                out.append(self._settle())
             self.cur += seg
-            if not self.diverged and not self._could_repeat():
-                self.diverged = True
-            if self.diverged:
-                out.append(self.held + seg)
-                self.held = ""
+            if self.holding:
+                self.held_cur += seg
+                out.append(self._settle())
             else:
-                self.held += seg
+                out.append(seg)
         return "".join(out), False
 
     def flush(self) -> str:
-        held, self.held = self.held, ""
+        held, self.held, self.held_cur = "".join(self.held) + self.held_cur, [], ""
+        self.start, self.holding = len(self.lines), False
         return held

@@ -215,6 +215,39 @@ def test_repeated_line_stop(split: int) -> None:
     assert repeat_feed("x\n", "  a\n  b\n}\n  b\n", ["\n}\n"], split=split) == ("  a\n  b", True)
 
 
+@pytest.mark.parametrize("split", [0, 1, 2, 5])
+def test_repeated_block_stop(split: int) -> None:
+    a, b, c, d = "    a();\n", "    b();\n", "    c();\n", "    d();\n"
+    # A block of 2 to 4 lines repeating the block before it ends the text where the repeat begins.
+    assert repeat_feed("fn f() {\n", a + b + a + b + a, split=split) == (a + b, True)
+    assert repeat_feed("fn f() {\n", a + b + c + a + b + c + a, split=split) == (a + b + c, True)
+    assert repeat_feed("fn f() {\n", (a + b + c + d) * 2, split=split) == (a + b + c + d, True)
+    # make run's loop of comments: the first line's text begins at the cursor, after its indentation
+    loop = "// x\n    // y\n    //\n"
+    assert repeat_feed("pub fn f() {\n    ", loop + "    // x\n    // y\n    //\n    // x", split=split) == (loop, True)
+    # The lines above the cursor count: a completion that writes them again ends before them.
+    assert repeat_feed("fn f() {\n" + a + b + "    ", "a();\n" + b + c, split=split) == ("", True)
+    # Longer blocks are not looked for, and a repeat that breaks off lets every held line through, in order.
+    five = a + b + c + d + "    e();\n"
+    assert repeat_feed("fn f() {\n", five * 2, split=split) == (five * 2, False)
+    for text in (a + b + a + c, a + b + c + a + b + d + a, a + b + a + "    b(1);\n"):
+        assert repeat_feed("fn f() {\n", text, split=split) == (text, False)
+    # Blocks of blank lines alone never count; a blank line inside a block does.
+    assert repeat_feed("x\n", "\n\n\n\n" + a, split=split) == ("\n\n\n\n" + a, False)
+    assert repeat_feed("fn f() {\n", a + "\n" + a + "\n" + a, split=split) == (a + "\n", True)
+    # What is held when the text ends was no repeat: it comes out.
+    assert repeat_feed("fn f() {\n", a + b + a + "    b()", split=split) == (a + b + a + "    b()", False)
+
+
+def test_a_repeated_block_stop_forks_with_its_state() -> None:
+    """A beam search forks a hypothesis's StopMatcher: the copy and the original go on independently."""
+    m = StopMatcher([], repeat_context="fn f() {\n")
+    out, _ = m.feed("    a();\n    b();\n    a();\n")
+    fork = m.clone()
+    assert fork.feed("    b();\n") == ("", True)  # the fork completes the repeat
+    assert m.feed("    c();\n") == ("    a();\n    c();\n", False) and out == "    a();\n    b();\n"
+
+
 def test_engine_stops_on_a_stop_sequence(tiny_engine: Engine) -> None:
     _, free = run(tiny_engine, max_tokens=48)
     assert len(free.text) >= 24, free.text

@@ -29,10 +29,12 @@ def test_suffix_stop_is_the_next_whole_line_after_the_cursor() -> None:
     assert suffix_stop("x\n", "") is None and suffix_stop("x", "\n\n") is None
 
 
-def test_line_context_is_the_last_whole_line_and_the_cursor_line() -> None:
-    assert line_context("a\nb\nc") == "b\nc"
-    assert line_context("a\nb\n") == "b\n"
+def test_line_context_is_the_last_whole_lines_and_the_cursor_line() -> None:
+    assert line_context("a\nb\nc", 1) == "b\nc"
+    assert line_context("a\nb\n", 1) == "b\n"
     assert line_context("abc") == "abc" and line_context("") == "" and line_context("\nx") == "\nx"
+    assert line_context("1\n2\n3\n4\n5\n6") == "2\n3\n4\n5\n6"  # RepeatedLine.MAX_PERIOD whole lines
+    assert line_context("1\n2\n") == "1\n2\n"
 
 
 @pytest.fixture(scope="module")
