@@ -27,6 +27,7 @@ OTHER_PROGRAMS = {
     "make": "make targets take no flags of ours",
     "llama-bench": "`llama-bench ... --repack 0`: llama.cpp's benchmark, which the llama.cpp comparison runs",
     "rustc": "`rustc --test` builds the execution evaluation's programs (benchmarks/eval_exec.py)",
+    "xcode-select": "`xcode-select --install` installs Apple's command line tools (a C compiler) on a Mac",
     "clang": "`clang --target=...` cross-compiles the neon kernels as a Mac's compiler would (test_native_neon.py)",
 }
 # A `*.py` first word is a script (benchmarks/*.py, run with or without `python`): the flags are its argparse's.
