@@ -415,8 +415,8 @@ class Kernels:
 
     @property
     def threads(self) -> int:
-        """How many threads the kernels' parallel loops run on now: torch's OpenMP team size (torch.set_num_threads),
-        or 1 for a build without OpenMP."""
+        """How many threads the kernels' parallel loops run on when called from this thread: torch's OpenMP team size
+        (torch.set_num_threads, which OpenMP keeps per calling thread), or 1 for a build without OpenMP."""
         return int(self._threads())
 
     @property
