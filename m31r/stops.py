@@ -72,8 +72,9 @@ class RepeatedLine:
     a block of a few lines. Consecutive identical lines are rare in real Rust (0.3% of non-blank lines in the held-out
     crates) and a block of 2 to 4 lines repeated at once rarer still (0.07%, mostly tables of numbers), so the first
     repeat is where the suggestion ends. A block counts when one of its lines is not blank; a period-p repeat is
-    confirmed when its p-th line ends. Completion lines are held back only while they could still be such a repeat
-    (their text so far begins the lines p before, for some p), so streaming waits at most for the end of that block.
+    confirmed when its p-th line ends, and where a line completes two, the one that began first ends the text.
+    Completion lines are held back only while they could still be such a repeat (their text so far begins the lines
+    p before, for some p), so streaming waits at most for the end of that block.
     `context` is the document before the completion (its last whole lines and the cursor's line so far, as
     m31r.fim.line_context gives them), whose lines the first completed lines are compared with.
     """
@@ -110,12 +111,16 @@ class RepeatedLine:
                 out.append(p)
         return out
 
-    def _complete(self, line: str) -> bool:
-        """Whether `line`, ending now, completes a repeat: it and the held lines repeat the p lines before them."""
-        s, k = self.start, len(self.lines)
-        p = k + 1 - s
-        return (s - p >= 0 and p <= self.MAX_PERIOD and any(ln.strip() for ln in self.lines[s - p : s])
-                and self.lines[k - p] == line and all(self.lines[j] == self.lines[j - p] for j in range(s, k)))
+    def _repeat_from(self, line: str) -> int | None:
+        """The first line of a repeat that `line`, ending now, completes (it and the held lines from there repeat the
+        p lines before them), the earliest such held line; None if it completes none."""
+        k = len(self.lines)
+        for s in range(self.start, k + 1):
+            p = k + 1 - s
+            if (s - p >= 0 and p <= self.MAX_PERIOD and any(ln.strip() for ln in self.lines[s - p : s])
+                    and self.lines[k - p] == line and all(self.lines[j] == self.lines[j - p] for j in range(s, k))):
+                return s
+        return None
 
     def _settle(self) -> str:
         """Lets held text go, the oldest line first, until what is still held could begin a repeat; returns it."""
@@ -135,7 +140,8 @@ class RepeatedLine:
             if i:  # a line end: the current line is whole
                 line = self.cur.rstrip()
                 if self.holding:
-                    if self._complete(line):
+                    if (at := self._repeat_from(line)) is not None:  # the held lines before it were no repeat
+                        out.append("".join(self.held[: at - self.start]))
                         self.held, self.held_cur = [], ""
                         return "".join(out), True
                     self.held.append(self.held_cur + "\n")

@@ -235,6 +235,8 @@ def test_repeated_block_stop(split: int) -> None:
     # Blocks of blank lines alone never count; a blank line inside a block does.
     assert repeat_feed("x\n", "\n\n\n\n" + a, split=split) == ("\n\n\n\n" + a, False)
     assert repeat_feed("fn f() {\n", a + "\n" + a + "\n" + a, split=split) == (a + "\n", True)
+    # A shorter repeat inside a longer one that breaks off still ends the text, after the lines before it.
+    assert repeat_feed("fn f() {\n" + a + b + b + c, a + b + b + d, split=split) == (a + b, True)
     # What is held when the text ends was no repeat: it comes out.
     assert repeat_feed("fn f() {\n", a + b + a + "    b()", split=split) == (a + b + a + "    b()", False)
 
