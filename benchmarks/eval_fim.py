@@ -253,7 +253,7 @@ def edit_similarity(pred: str, target: str) -> float:
 
 
 def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True,
-              serving_stops: bool = True, beams: int = 1) -> list[Result]:
+              serving_stops: bool = True, beams: int = 1, floor_stop: float | None = None) -> list[Result]:
     from m31r.beams import beam_generate
     from m31r.context import context_budget, context_ids
     from m31r.engine import Outcome, line_logprobs
@@ -274,6 +274,8 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         kw = dict(max_tokens=single_max if single else multi_max, cache=cache, result=res, heal=prompt.heal,
                   stop=["\n"] if single else [at_suffix] if at_suffix else [],
                   repeat_context=line_context(t.prefix) if serving_stops else None)
+        if floor_stop and not (beams > 1 and single):
+            kw["min_probability"] = floor_stop
         wide = beams > 1 and single  # the daemon searches only completions that end at a line end
         stream = beam_generate(engine, ids, width=beams, spares=spares, **kw) if wide else None
         for _ in stream or engine.generate(ids, **kw):
@@ -401,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="without the daemon's suffix and repeated-line stops (for comparison)")
     p.add_argument("--min-probability", type=float, default=MIN_PROBABILITY,
                    help="the editors' confidence floor (policy.confident): what it would hide is reported")
+    p.add_argument("--floor-stop", action="store_true",
+                   help="send the floor with each task, as the editors do (Fim.min_probability): generation ends "
+                        "where it decided what is shown, so the shown suggestions and their cut lines stay the same "
+                        "while tokens and time drop; exact match and edit similarity then count the cut answers "
+                        "(for comparison, not for releases)")
     args = p.parse_args(argv)
 
     from m31r.bundle import sha256_file
@@ -431,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
     results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal,
-                        serving_stops=not args.no_serving_stops, beams=args.beams)
+                        serving_stops=not args.no_serving_stops, beams=args.beams,
+                        floor_stop=args.min_probability if args.floor_stop else None)
     t_ppl = time.perf_counter()
     ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
@@ -451,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "healing": "whole word" if not args.no_heal else "none",  # one token only before the seventeenth session
         "serving_stops": not args.no_serving_stops,
         "beams": args.beams,
+        "floor_stop": args.floor_stop,
         "context": args.context,
         "seed": args.seed,
         "dtype": args.dtype,

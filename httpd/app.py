@@ -567,7 +567,7 @@ class Service:
         document = f"http:{r.path}" if r.path else ""
         return Generation(self, "/completion", lambda c: c.fim(
             **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams,
-            context=snippets(r.context)),
+            context=snippets(r.context), min_probability=r.min_probability or None),
             CompletionRenderer(plan, len(r.prefix), r.min_probability), r.stream)
 
     async def openai_completions(self, request: Request) -> Generation:

@@ -183,6 +183,9 @@ class Completer:
             return None
         kwargs = plan.fim_kwargs()
         kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context)
+        # The daemon stops once the floor below has decided what is shown (Fim.min_probability): the same suggestion,
+        # without the tokens it would cut.
+        kwargs["min_probability"] = s.min_probability or None
         context = await self._context(uri, plan.prefix, s)
         self.last_fim = {**kwargs, "document": uri, "context": [c.path for c in context]}
         t0 = time.perf_counter()

@@ -109,7 +109,8 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | deadline
-    stopped_by: str | None = None  # what a "stop" was: end (the model's end token) | sequence | repeat (m31r.stops)
+    # what a "stop" was: end (the model's end token) | sequence | repeat (m31r.stops) | unsure (min_probability)
+    stopped_by: str | None = None
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
@@ -652,6 +653,7 @@ class Engine:
         lookahead: int = 0,
         repeat_context: str | None = None,
         top_logprobs: int = 0,
+        min_probability: float | None = None,
     ) -> Iterator[Piece | Chunk | Decode]:
         """Stream tokens for a prompt. Breaking out of the loop is how a caller cancels.
 
@@ -667,6 +669,12 @@ class Engine:
 
         `repeat_context` (the document before the completion) turns on the repeated-line stop (m31r.stops): the
         completion ends, finish_reason "stop", before a line that repeats the line before it.
+
+        `min_probability` (an editor's confidence floor, m31r_protocol.policy) ends the completion, finish_reason
+        "stop", at the token that takes its probability so far under the floor. Log-probabilities only add up
+        downwards, so the line that token is in is one the editor would cut, with those after it (`line_logprobs`
+        summed line by line: policy.confident_lines), or, the first line, hide the suggestion for
+        (policy.confident). The editor shows what it would have shown of the whole completion, without the tokens.
 
         `result` (if given) is filled in as generation runs. With `batched`, each prefill chunk and decode step is
         yielded (a `Chunk`, a `Decode`) for the driver to run with other streams' (Engine.run) and send back the
@@ -703,6 +711,8 @@ class Engine:
         after_space = False
         lookahead = min(lookahead, self.decode_width - 1) if sampler.params.greedy and not need_history else 0
         lookup = Lookup(ids) if lookahead > 0 else None
+        floor = math.log(min_probability) if min_probability and min_probability > 0 else None
+        spent = 0.0  # the completion's log-probability so far: it only falls
         ahead: list[tuple[int, torch.Tensor]] = []  # drafts fed after the last token, each with the logits after it
         valid = len(ids)  # cache positions that hold this sequence; drafts past them were not accepted
         try:
@@ -745,6 +755,11 @@ class Engine:
                         res.finish_reason = "stop"
                         res.stopped_by = text.stopped_by
                     break
+                if floor is not None:
+                    spent += res.logprobs[-1]
+                    if spent < floor:  # the line being written is one the editor cuts, or hides the whole for
+                        res.finish_reason, res.stopped_by = "stop", "unsure"
+                        break
                 if i + 1 < max_tokens:
                     if late():
                         res.finish_reason = "deadline"

@@ -53,6 +53,7 @@ class Request:
     beams: int = 1  # above 1: a beam search of this width (m31r.beams; greedy only), lookahead unused
     repeat_context: str | None = None  # the document before a completion: the repeated-line stop (m31r.stops)
     top_logprobs: int = 0  # the likeliest tokens each Piece carries (Engine.generate, beam_generate)
+    min_probability: float | None = None  # an editor's confidence floor: ends the text once met (Engine.generate)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
     cancellation: Cancellation = field(default_factory=Cancellation)
 
@@ -243,7 +244,8 @@ class Scheduler:
                                     top_logprobs=req.top_logprobs, **common)
         else:
             run.gen = self.engine.generate(req.ids, sampling=req.sampling, lookahead=req.lookahead,
-                                           top_logprobs=req.top_logprobs, **common)
+                                           top_logprobs=req.top_logprobs, min_probability=req.min_probability,
+                                           **common)
         return True
 
     def _end(self, run: _Run, event: Finished | Failed, reusable: bool = True) -> bool:

@@ -403,6 +403,8 @@ class Daemon:
             return refuse("bad_request", why)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
+        if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
+            return refuse("bad_request", f"min_probability must be between 0 and 1, got {req.min_probability}")
         if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
             return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
@@ -485,7 +487,8 @@ class Daemon:
                           deadline=job.deadline, lookahead=lookahead, received=job.received,
                           beams=job.beams, top_logprobs=job.wire.logprobs or 0,
                           cancellation=job.cancellation,
-                          repeat_context=line_context(job.wire.prefix if fim else job.wire.prompt))
+                          repeat_context=line_context(job.wire.prefix if fim else job.wire.prompt),
+                          min_probability=job.wire.min_probability if fim else None)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 
     def _deliver(self, job: InFlight, event: Event) -> None:

@@ -226,12 +226,13 @@ class Client:
         self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
         sampling: Sampling | None = None, stop: list[str] | None = None, seed: int | None = None,
         deadline_ms: int | None = None, lookahead: int | None = None, beams: int | None = None,
-        context: list[Snippet] | None = None, logprobs: int | None = None,
+        context: list[Snippet] | None = None, logprobs: int | None = None, min_probability: float | None = None,
     ) -> Stream:
         return await self._request(lambda rid: Fim(
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,
-            lookahead=lookahead, beams=beams, context=list(context or []), logprobs=logprobs))
+            lookahead=lookahead, beams=beams, context=list(context or []), logprobs=logprobs,
+            min_probability=min_probability))
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)

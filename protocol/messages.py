@@ -94,6 +94,12 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # Each Token frame carries its token's log-probability and this many (0 to 20) of the likeliest tokens at that
     # step, with theirs (a beam search's: those of its answer's steps). None: neither.
     logprobs: int | None = None
+    # The editor's confidence floor (0 to 1; m31r_protocol.policy.confident and confident_lines): generation ends
+    # (finish_reason "stop") at the token that takes the completion's probability so far under the floor. The line
+    # it is in is then one the policy cuts, or (the first line) the whole suggestion one it hides, so the editor shows
+    # what it would have shown of the whole completion, sooner. None or 0: off. A beam search (beams above 1) runs
+    # to its end regardless.
+    min_probability: float | None = None
 
 
 class Cancel(Struct, tag="cancel", forbid_unknown_fields=True):

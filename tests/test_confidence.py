@@ -4,6 +4,7 @@ multi-line completion is cut where its lines together fall under it (line_logpro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,45 @@ def test_a_multi_line_completion_is_cut_to_the_lines_the_model_is_sure_of(releas
     assert len(lines) >= 2 and lines[0] == "fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {", res.text
     assert confident(by_line[0], MIN_PROBABILITY), by_line
     assert confident_lines(res.text, by_line, MIN_PROBABILITY) == lines[0], by_line
+
+
+def block(engine, prefix: str, suffix: str, min_probability: float | None = None):
+    from m31r.engine import Outcome, line_logprobs
+    from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
+
+    p = build_fim_prompt(engine.tokenizer, prefix, suffix, FimBudget.for_context(engine.config.max_context))
+    res = Outcome(prompt_tokens=0)
+    for _ in engine.generate(p.ids, max_tokens=64, result=res, heal=p.heal, stop=[suffix_stop(prefix, suffix)],
+                             repeat_context=line_context(prefix), min_probability=min_probability):
+        pass
+    return res, line_logprobs(engine.tokenizer.token_bytes, res.tokens, res.logprobs, res.text.count("\n") + 1)
+
+
+DISPLAY = ("use std::fmt;\n\npub struct Point {\n    x: i32,\n    y: i32,\n}\n\nimpl fmt::Display for Point {\n    ",
+           "\n}\n")
+
+
+@pytest.mark.parametrize(("prefix", "suffix"), [DISPLAY, (UNSURE[0][0] + "\n    ", UNSURE[0][1])])
+def test_a_floor_ends_generation_where_it_decided_what_is_shown(release_engine, prefix, suffix):
+    """With the floor (Fim.min_probability) the model stops at the token that takes the completion's probability
+    under it: in the first line when it is unsure of that, else in the line the editor cuts. The editor then shows
+    what it would have shown of the whole completion, from fewer tokens of the same greedy path; without a floor
+    nothing changes."""
+    free, free_lines = block(release_engine, prefix, suffix)
+    cut, cut_lines = block(release_engine, prefix, suffix, MIN_PROBABILITY)
+    assert (cut.finish_reason, cut.stopped_by) == ("stop", "unsure")
+    assert cut.tokens == free.tokens[: len(cut.tokens)] and len(cut.tokens) < len(free.tokens)
+    n = len(cut_lines)  # the last one cut short: its figure so far, at least the whole line's
+    assert free.text.startswith(cut.text) and cut_lines[:-1] == free_lines[: n - 1]
+    assert cut_lines[-1] >= free_lines[n - 1]
+    assert confident(cut_lines[0], MIN_PROBABILITY) == confident(free_lines[0], MIN_PROBABILITY)
+    floor = math.log(MIN_PROBABILITY)
+    assert sum(cut.logprobs) < floor <= sum(cut.logprobs[:-1])  # its last token crossed the floor
+    if confident(free_lines[0], MIN_PROBABILITY):  # shown: cut to the same lines
+        shown = confident_lines(free.text, free_lines, MIN_PROBABILITY)
+        assert confident_lines(cut.text, cut_lines, MIN_PROBABILITY) == shown and len(cut_lines) >= 2
+    else:  # hidden: it stopped in the first line
+        assert cut.text.count("\n") == 0 and free.text.startswith(cut.text)
+    for off in (None, 0.0):
+        same, _ = block(release_engine, prefix, suffix, off)
+        assert same.tokens == free.tokens and same.text == free.text

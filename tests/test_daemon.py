@@ -262,6 +262,24 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
 
 
+async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm, tiny_engine):
+    """Fim.min_probability: the daemon stops at the token that takes the completion's probability so far under the
+    floor (Engine.generate), the same tokens as the engine's run without it, up to there."""
+    import math
+
+    prefix, suffix = FIM_CASES[0]
+    free = fim_outcome(tiny_engine, prefix, suffix, 24)
+    sums = [sum(free.logprobs[: i + 1]) for i in range(len(free.tokens))]
+    k = 3  # a floor that the fourth token's figure crosses: the tiny model is sure of nothing
+    floor = math.exp((sums[k - 1] + sums[k]) / 2)
+    async with await Client.connect(warm.socket) as c:
+        out = await run(await c.fim(prefix, suffix, max_tokens=24, min_probability=floor, document="floor"))
+        assert [t for t, _ in out.pieces if t is not None] == free.tokens[: k + 1] and out.finish_reason == "stop"
+        assert out.done.usage.completion_tokens == k + 1 < free.completion_tokens
+        full = await run(await c.fim(prefix, suffix, max_tokens=24, min_probability=0.0))
+        assert [t for t, _ in full.pieces if t is not None] == free.tokens
+
+
 async def test_fim_context_snippets_lead_the_prompt(warm, tiny_engine):
     """A Fim's context snippets go before its prompt as m31r.context lays them out, within the room the prompt leaves;
     the answer is the engine's for that prompt. More snippets than the protocol allows are refused."""
@@ -586,6 +604,8 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         25: {"type": "generate", "id": 25, "prompt": "fn", "beams": 9},
         26: {"type": "fim", "id": 26, "prefix": "x", "beams": 2, "sampling": {"temperature": 0.5}},
         27: {"type": "fim", "id": 27, "prefix": "x", "beams": 3, "sampling": {"repetition_penalty": 1.2}},
+        28: {"type": "fim", "id": 28, "prefix": "x", "min_probability": 1.5},
+        29: {"type": "generate", "id": 29, "prompt": "fn", "min_probability": 0.05},  # a Fim's only
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
         17: {"type": "generate", "id": 17, "prompt": "fn", "sampling": {"temperature": float("nan")}},

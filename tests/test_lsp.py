@@ -198,13 +198,16 @@ async def _stat_at_least(s: Session, key: str, n: int) -> bool:
 
 async def test_unsure_suggestions_are_hidden_below_min_probability(lsp):
     """minProbability gates on the daemon's first-line log-probability: the tiny random model gives a line far less
-    than 0.5, so with that floor the same request that shows a suggestion without it shows none, and says why."""
+    than 0.5, so with that floor the same request that shows a suggestion without it shows none, and says why. The
+    floor goes to the daemon too (Fim.min_probability), which stops at the first token that takes the answer under
+    it: here its first."""
     s = await lsp({**NOISE, "minProbability": 0.5})
     s.open(RUST)
     offset = RUST.index("    counts\n}") + len("    counts")
     res = await s.inline(offset)
     st = await s.stats()
-    assert st["daemon_requests"] == 1 and st["lastRaw"]  # the daemon answered ...
+    assert st["daemon_requests"] == 1 and st["lastFim"]["min_probability"] == 0.5  # the daemon answered ...
+    assert len(st["lastLogprobByLine"]) == 1 and st["lastLogprobByLine"][0] < math.log(0.5)  # ... one token, unsure
     assert len(res.items) == 0 and st["unsure"] == 1 and st.get("suggestions", 0) == 0  # ... and it was held back
     off = {"m31r": {"minProbability": 0}}
     s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings=off))
@@ -237,7 +240,9 @@ async def test_a_suggestion_is_cut_to_the_lines_the_model_is_sure_of(lsp):
     s2.open(RUST)
     res = await s2.inline(offset)
     st = await s2.stats()
-    assert st["lastRaw"] == raw and st["lines_cut"] == 1 and st.get("unsure", 0) == 0
+    # The daemon stopped inside line k, at the token that took the answer under the floor (Fim.min_probability).
+    assert raw.startswith(st["lastRaw"]) and st["lastRaw"].count("\n") == k and len(st["lastRaw"]) < len(raw)
+    assert st["lines_cut"] == 1 and st.get("unsure", 0) == 0
     assert len(res.items) == 1
     shown = check_item(res.items[0], RUST, offset, cut, multiline="always")
     assert shown.text != whole.items[0].insert_text and whole.items[0].insert_text.startswith(shown.text)
