@@ -232,7 +232,8 @@ class Client:
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,
             lookahead=lookahead, beams=beams, context=list(context or []), logprobs=logprobs,
-            min_probability=min_probability))
+            # a daemon started before the field refuses it: left out there, the answer only ends later
+            min_probability=min_probability if "min_probability" in self.welcome.capabilities else None))
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)

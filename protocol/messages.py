@@ -98,7 +98,8 @@ class Fim(Struct, tag="fim", forbid_unknown_fields=True, omit_defaults=True):
     # (finish_reason "stop") at the token that takes the completion's probability so far under the floor. The line
     # it is in is then one the policy cuts, or (the first line) the whole suggestion one it hides, so the editor shows
     # what it would have shown of the whole completion, sooner. None or 0: off. A beam search (beams above 1) runs
-    # to its end regardless.
+    # to its end regardless. Only for a daemon whose Welcome lists the "min_probability" capability (one started
+    # before it refuses the field); Client.fim leaves it out for others, as it changes only how soon the answer ends.
     min_probability: float | None = None
 
 
@@ -241,7 +242,7 @@ class ShutdownReply(Struct, tag="shutdown_reply"):
 ServerMessage = Welcome | Token | Done | Error | StatusReply | ShutdownReply
 
 CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline",
-                "lookahead", "beams"]
+                "lookahead", "beams", "min_probability"]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -276,6 +276,25 @@ async def test_client_routes_interleaved_events_and_reports_a_lost_connection(so
             await asyncio.wait_for(sc.__anext__(), 5)
 
 
+@pytest.mark.parametrize("capable", [True, False])
+async def test_a_confidence_floor_goes_only_to_a_daemon_that_takes_it(sock: Path, capable: bool) -> None:
+    """Fim.min_probability reaches a daemon whose Welcome lists the capability; for one started before it (which
+    refuses the unknown field) the client leaves it out: it changes only how soon the answer ends."""
+    caps = [c for c in m.CAPABILITIES if capable or c != "min_probability"]
+    received: list[m.Fim] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await send(writer, msgspec.structs.replace(WELCOME, capabilities=caps))
+        fim = await recv(reader)
+        assert isinstance(fim, m.Fim)
+        received.append(fim)
+        await send(writer, m.Done(id=fim.id, finish_reason="stop", usage=m.Usage(), timings=m.Timings()))
+
+    async with FakeDaemon(sock, handler), await Client.connect(sock) as client:
+        await asyncio.wait_for((await client.fim("a", "b", min_probability=0.05)).collect(), 5)
+    assert [f.min_probability for f in received] == [0.05 if capable else None]
+
+
 async def test_m31r_status_never_imports_torch(sock: Path) -> None:
     check = "import sys, m31r_protocol, m31r.cli; sys.exit('torch' in sys.modules)"
     r = await asyncio.create_subprocess_exec(sys.executable, "-c", check, env=ENV)
