@@ -200,7 +200,10 @@ def openmp_runtime(system: str = sys.platform, names: tuple[str, ...] = ("libomp
     only: loading a second copy of libomp aborts the process."""
     if not torch.backends.openmp.is_available():
         return None
-    found = [p for p in loaded_libraries(system) if p.name in names]
+    try:
+        found = [p for p in loaded_libraries(system) if p.name in names]
+    except (OSError, AttributeError, ValueError):  # no dyld list to read: the one-thread build, not no kernels
+        return None
     return found[0] if len({p.resolve() for p in found}) == 1 else None
 
 

@@ -99,6 +99,12 @@ def test_openmp_runtime_is_one_loaded_file(monkeypatch) -> None:
     for images, want in (([Path("/t/libtorch_cpu.dylib"), one], one), ([one], one), ([], None), ([one, other], None)):
         monkeypatch.setattr(native, "loaded_libraries", lambda system="darwin", images=images: images)
         assert native.openmp_runtime("darwin") == want
+    def unreadable(system: str = "darwin") -> list[Path]:
+        raise OSError("no libSystem here")
+
+    monkeypatch.setattr(native, "loaded_libraries", unreadable)  # a list it cannot read is no runtime, not a failure
+    assert native.openmp_runtime("darwin") is None
+    monkeypatch.setattr(native, "loaded_libraries", lambda system="darwin": [one])
     monkeypatch.setattr(torch.backends.openmp, "is_available", lambda: False)
     assert native.openmp_runtime("darwin") is None
 
