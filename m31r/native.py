@@ -191,8 +191,8 @@ def loaded_libraries(system: str = sys.platform) -> list[Path]:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return []
-    paths = (line.split(None, 5)[5] for line in maps if len(line.split(None, 5)) == 6)
-    return list(dict.fromkeys(Path(p) for p in paths if p.startswith("/")))
+    fields = (line.split(None, 5) for line in maps)  # address, perms, offset, device, inode, path
+    return list(dict.fromkeys(Path(f[5]) for f in fields if len(f) == 6 and f[5].startswith("/")))
 
 
 def openmp_runtime(system: str = sys.platform, names: tuple[str, ...] = ("libomp.dylib",)) -> Path | None:

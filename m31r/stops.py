@@ -88,7 +88,7 @@ class RepeatedLine:
         self.start = len(self.lines)  # the first line held back (== len(lines): only the current line, if at all)
         self.held: list[str] = []  # the completion's text of each held whole line, its line end included
         self.held_cur = ""  # the completion's text of the current line, held back
-        self.holding = bool(self._candidates())  # whether the current line's text is being held back
+        self.holding = self._could_repeat()  # whether the current line's text is being held back
 
     def copy(self) -> RepeatedLine:
         """An independent copy (a beam search's hypotheses fork it)."""
@@ -96,39 +96,30 @@ class RepeatedLine:
         new.lines, new.held = list(self.lines), list(self.held)
         return new
 
-    def _candidates(self) -> list[int]:
-        """The periods p for which the held lines and the current line so far begin a repeat of the p lines before."""
-        s, k = self.start, len(self.lines)
-        out = []
-        for p in range(1, self.MAX_PERIOD + 1):
-            if s - p < 0 or k - s >= p:
-                continue
-            block = self.lines[s - p : s]
-            if not any(ln.strip() for ln in block):
-                continue
-            if all(self.lines[j] == self.lines[j - p] for j in range(s, k)) and \
-                    self.lines[k - p].startswith(self.cur.rstrip()):
-                out.append(p)
-        return out
+    def _repeats(self, s: int, p: int) -> bool:
+        """Whether the whole lines from s on repeat the p lines before s, one of which is not blank."""
+        return (s - p >= 0 and p <= self.MAX_PERIOD and any(ln.strip() for ln in self.lines[s - p : s])
+                and all(self.lines[j] == self.lines[j - p] for j in range(s, len(self.lines))))
+
+    def _could_repeat(self) -> bool:
+        """Whether the held lines and the current line so far could begin a repeat of the p lines before, some p."""
+        s, k, cur = self.start, len(self.lines), self.cur.rstrip()
+        return any(self._repeats(s, p) and self.lines[k - p].startswith(cur) for p in range(k - s + 1, s + 1))
 
     def _repeat_from(self, line: str) -> int | None:
-        """The first line of a repeat that `line`, ending now, completes (it and the held lines from there repeat the
-        p lines before them), the earliest such held line; None if it completes none."""
+        """The first line of a repeat that `line`, ending now, completes (it and the held lines from s on repeat the
+        p = k + 1 - s lines before s, the last of which it pairs with), the earliest such held line; None if none."""
         k = len(self.lines)
-        for s in range(self.start, k + 1):
-            p = k + 1 - s
-            if (s - p >= 0 and p <= self.MAX_PERIOD and any(ln.strip() for ln in self.lines[s - p : s])
-                    and self.lines[k - p] == line and all(self.lines[j] == self.lines[j - p] for j in range(s, k))):
-                return s
-        return None
+        return next((s for s in range(self.start, k + 1) if self._repeats(s, k + 1 - s) and self.lines[s - 1] == line),
+                    None)
 
     def _settle(self) -> str:
         """Lets held text go, the oldest line first, until what is still held could begin a repeat; returns it."""
         out = []
-        while self.start < len(self.lines) and not self._candidates():
+        while self.start < len(self.lines) and not self._could_repeat():
             out.append(self.held.pop(0))
             self.start += 1
-        if self.start == len(self.lines) and self.holding and not self._candidates():
+        if self.start == len(self.lines) and self.holding and not self._could_repeat():
             out.append(self.held_cur)
             self.held_cur, self.holding = "", False
         return "".join(out)

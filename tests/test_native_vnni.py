@@ -253,6 +253,16 @@ def old_compiler(monkeypatch, tmp_path, flag: str) -> None:
     monkeypatch.delenv("M31R_NATIVE", raising=False)
 
 
+def plain_build_under_auto(flag: str, family: str) -> native.Kernels:
+    """auto's fp32 kernels where the compiler (old_compiler) rejected `flag`: the plain avx2 build, whose reason says
+    that `family` did not build, and why."""
+    loaded = native.load(torch.float32)
+    assert loaded is not None and loaded.name == "avx2" and not loaded.vnni and not loaded.q16_pairs
+    assert loaded.reason.startswith(f"the widest family that builds here ({family} did not: ")
+    assert f"unrecognized command-line option '{flag}'" in loaded.reason
+    return loaded
+
+
 def test_auto_falls_back_to_the_plain_build_where_the_compiler_lacks_avxvnni(monkeypatch, tmp_path) -> None:
     """GCC before 11 and clang before 12 reject -mavxvnni: under auto the plain avx2 build runs and the reason says
     why; forced, the VNNI family is not replaced."""
@@ -260,10 +270,7 @@ def test_auto_falls_back_to_the_plain_build_where_the_compiler_lacks_avxvnni(mon
     _flags(monkeypatch, vnni=True)
     native.load.cache_clear()
     try:
-        loaded = native.load(torch.float32)
-        assert loaded is not None and loaded.name == "avx2" and not loaded.vnni
-        assert loaded.reason.startswith("the widest family that builds here (avx2vnni did not: ")
-        assert "unrecognized command-line option '-mavxvnni'" in loaded.reason
+        loaded = plain_build_under_auto("-mavxvnni", "avx2vnni")
         assert loaded.reason == native.why_not(torch.float32)
         monkeypatch.setenv("M31R_KERNELS", "avx2vnni")
         native.load.cache_clear()
