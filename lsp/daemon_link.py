@@ -2,7 +2,7 @@
 is told about it.
 
 Every state change goes out as `m31r/status` ({state, model, lastLatencyMs}); latency updates at most once a second.
-The user is told once per outage (`window/showMessage`).
+The user is told once per outage (`window/showMessage`), and once per outdated daemon.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from m31r_protocol.capabilities import restart_hint
+from m31r_protocol.client import Client
 from m31r_protocol.reconnect import READY, UNAVAILABLE, DaemonLink, LinkConfig
 
 log = logging.getLogger("m31r_lsp.daemon")
@@ -18,10 +20,12 @@ log = logging.getLogger("m31r_lsp.daemon")
 
 class EditorLink(DaemonLink):
     def __init__(self, config: LinkConfig, *, on_status: Callable[[dict], None] | None = None,
-                 on_unavailable: Callable[[str], None] | None = None, client_name: str = "m31r-lsp"):
-        super().__init__(config, client_name=client_name, log=log, on_state=self._state_changed)
+                 tell: Callable[[str], None] | None = None, client_name: str = "m31r-lsp"):
+        super().__init__(config, client_name=client_name, log=log, on_state=self._state_changed,
+                         on_connect=self._connected)
         self.on_status = on_status or (lambda status: None)
-        self.on_unavailable = on_unavailable or (lambda message: None)
+        self.tell = tell or (lambda message: None)  # window/showMessage
+        self._told_outdated: set[str] = set()  # fingerprint/daemon_version of the outdated daemons told of
         self.last_latency_ms: float | None = None
         self.latency_ema_ms: float | None = None
         self._told = False  # the user was told about the current outage
@@ -42,8 +46,16 @@ class EditorLink(DaemonLink):
         self.on_status(self.editor_status())
         if state == UNAVAILABLE and not self._told:
             self._told = True
-            self.on_unavailable(f"m31r: the completion daemon is unavailable ({reason}); completions are off "
+            self.tell(f"m31r: the completion daemon is unavailable ({reason}); completions are off "
                                 "until it answers again.")
+
+    def _connected(self, client: Client) -> None:
+        """An outdated daemon serves, without what it lacks. The user is told once per model and daemon version: only
+        a restart brings it up to date, and this server will not impose one on the daemon's other clients."""
+        key = f"{client.welcome.fingerprint}/{client.welcome.daemon_version}"
+        if (missing := client.missing) and key not in self._told_outdated:
+            self._told_outdated.add(key)
+            self.tell(f"m31r: {restart_hint(missing)}.")
 
     def record_latency(self, ms: float) -> None:
         self.last_latency_ms = round(ms, 2)

@@ -52,7 +52,7 @@ class M31rLanguageServer(LanguageServer):
     def __init__(self, defaults: EditorSettings | None = None):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.config = defaults or EditorSettings()
-        self.link = EditorLink(link_config(self.config), on_status=self.send_status, on_unavailable=self.tell)
+        self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
                                    project=ProjectContext(self.open_documents))
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`

@@ -358,6 +358,10 @@ async def _stream(kind: str, payload: dict, opts: dict) -> None:
     config = link_config(opts["socket_path"], autostart=not opts["no_autostart"])
     link = DaemonLink(config, client_name="m31r", progress=lambda msg: click.echo(msg, err=True))
     client = await link.get(wait=config.start_timeout + 10)  # an autostart's own limit decides
+    if missing := client.missing:
+        from m31r_protocol.capabilities import restart_hint
+
+        click.echo(f"note: {restart_hint(missing)}", err=True)
     try:
         await _complete(kind, payload, opts, client)
     finally:

@@ -175,6 +175,7 @@ def check_socket(ctx: Context) -> Check:
 
 def check_daemon(ctx: Context) -> Check:
     from m31r_protocol import blocking
+    from m31r_protocol.capabilities import missing, restart_hint
     from m31r_protocol.paths import socket_path_problem
     from m31r_protocol.peer import ForeignPeer
 
@@ -182,7 +183,7 @@ def check_daemon(ctx: Context) -> Check:
         return Check("daemon", "fail", f"none can listen on {ctx.socket}: the path is too long (the socket check says "
                                        "how long it may be)")
     try:
-        s = blocking.status(ctx.socket, timeout=2.0)
+        welcome, s = blocking.welcome_and_status(ctx.socket, timeout=2.0)
     except ForeignPeer as e:
         return Check("daemon", "fail", str(e))
     except (FileNotFoundError, ConnectionRefusedError):
@@ -196,9 +197,12 @@ def check_daemon(ctx: Context) -> Check:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         return Check("daemon", "fail", f"something answers on {ctx.socket}, but not as this m31r's daemon does: {e}")
     quant = f", {s['quant']} weights" if s.get("quant") else ""
-    return Check("daemon", "ok", f"pid {s.get('pid')} serves {s.get('model')} ({s.get('device')}, {s.get('dtype')}"
-                                 f"{quant}) from {s.get('bundle')}; up {s.get('uptime_s', 0):.0f} s, "
-                                 f"{s.get('requests')} requests")
+    serves = (f"pid {s.get('pid')} serves {s.get('model')} ({s.get('device')}, {s.get('dtype')}{quant}) from "
+              f"{s.get('bundle')}; up {s.get('uptime_s', 0):.0f} s, {s.get('requests')} requests")
+    caps = welcome.get("capabilities")
+    if isinstance(caps, list) and (lacks := missing([str(c) for c in caps])):
+        return Check("daemon", "warn", f"{serves}; {restart_hint(lacks)}")
+    return Check("daemon", "ok", serves)
 
 
 # -- the service units --------------------------------------------------------------------------------------------

@@ -40,6 +40,11 @@ def _read(sock: socket.socket) -> dict[str, Any]:
 def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
     """The daemon's StatusReply as a dict (with its `type` and `id`), or an exception (OSError, ConnectionError,
     ValueError) for any other outcome."""
+    return welcome_and_status(path, timeout)[1]
+
+
+def welcome_and_status(path: str | os.PathLike, timeout: float = 2.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The daemon's Welcome and StatusReply as dicts, as `status` gets them."""
     if why := socket_path_problem(path):
         raise ValueError(why)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -54,7 +59,7 @@ def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
         reply = _read(sock)
         if reply.get("type") != "status_reply" or reply.get("id") != 1:
             raise ValueError(f"unexpected reply {reply.get('type')!r}")
-        return reply
+        return welcome, reply
 
 
 def status_json(fields: dict[str, Any]) -> str:

@@ -14,9 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
+from m31r_protocol import capabilities
 from m31r_protocol.framing import pack, read_frame
 from m31r_protocol.logs import LOG_FILE_BYTES
 from m31r_protocol.messages import (
@@ -42,6 +44,7 @@ from m31r_protocol.messages import (
 from m31r_protocol.paths import default_socket_path, socket_path_problem, state_dir
 from m31r_protocol.peer import ForeignPeer, check_daemon_owner
 
+T = TypeVar("T")
 
 class DaemonError(Exception):
     """The daemon answered a request with an Error."""
@@ -119,6 +122,7 @@ class Client:
         self._ids = itertools.count(1)
         self._streams: dict[int, Stream] = {}
         self._lock = asyncio.Lock()
+        self._can = capabilities.listed(welcome.capabilities)
         self._reader_task = asyncio.create_task(self._read_loop())
         self.closed = asyncio.Event()
 
@@ -212,15 +216,32 @@ class Client:
             raise
         return stream
 
+    @property
+    def missing(self) -> list[str]:
+        """What this install can ask for and the daemon cannot do: it runs an older install (restart_hint)."""
+        return capabilities.missing(self.welcome.capabilities)
+
+    def _hint(self, name: str, value: T) -> T | None:
+        """A field that changes only how good or how soon the answer is: left out for a daemon that would refuse it
+        (m31r_protocol.capabilities), which then answers as it did before the field."""
+        return value if name in self._can else None
+
+    def _asked(self, name: str, value: T) -> T:
+        """A field whose answer the caller asked for: refused here, with the way out, by a daemon that lacks it."""
+        if value is not None and name not in self._can:
+            raise DaemonError("bad_request", capabilities.restart_hint([name]))
+        return value
+
     async def generate(
         self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
         seed: int | None = None, truncate: bool = False, deadline_ms: int | None = None,
         lookahead: int | None = None, beams: int | None = None, logprobs: int | None = None,
     ) -> Stream:
+        logprobs = self._asked("logprobs", logprobs)
         return await self._request(lambda rid: Generate(
             id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
-            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead, beams=beams,
-            logprobs=logprobs))
+            seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead,
+            beams=self._hint("beams", beams), logprobs=logprobs))
 
     async def fim(
         self, prefix: str, suffix: str = "", *, document: str = "", max_tokens: int = 64,
@@ -228,12 +249,13 @@ class Client:
         deadline_ms: int | None = None, lookahead: int | None = None, beams: int | None = None,
         context: list[Snippet] | None = None, logprobs: int | None = None, min_probability: float | None = None,
     ) -> Stream:
+        logprobs = self._asked("logprobs", logprobs)
         return await self._request(lambda rid: Fim(
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,
-            lookahead=lookahead, beams=beams, context=list(context or []), logprobs=logprobs,
-            # a daemon started before the field refuses it: left out there, the answer only ends later
-            min_probability=min_probability if "min_probability" in self.welcome.capabilities else None))
+            lookahead=lookahead, beams=self._hint("beams", beams),
+            context=self._hint("context", list(context or [])) or [],
+            logprobs=logprobs, min_probability=self._hint("min_probability", min_probability)))
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)

@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
+from m31r_protocol.capabilities import CAPABILITIES as CAPABILITIES  # re-exported
 from m31r_protocol.limits import MAX_FRAME_BYTES as MAX_FRAME_BYTES  # re-exported
 from m31r_protocol.limits import PROTOCOL_VERSION as PROTOCOL_VERSION
 
@@ -241,8 +242,6 @@ class ShutdownReply(Struct, tag="shutdown_reply"):
 
 ServerMessage = Welcome | Token | Done | Error | StatusReply | ShutdownReply
 
-CAPABILITIES = ["generate", "fim", "cancel", "status", "shutdown", "prefix_cache", "typed_through", "deadline",
-                "lookahead", "beams", "min_probability"]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from m31r_protocol.capabilities import restart_hint
 from m31r_protocol.client import Client, DaemonError, DaemonUnavailable, connect_or_start
 from m31r_protocol.messages import StatusReply, Welcome
 
@@ -138,6 +139,8 @@ class DaemonLink:
         self.connects += 1
         self.log.info("connected to the daemon", extra={"fields": {"model": client.welcome.model,
                                                                    "fingerprint": client.welcome.fingerprint}})
+        if missing := client.missing:
+            self.log.warning("%s", restart_hint(missing))
         self._watcher = asyncio.ensure_future(self._watch(client))
         self.on_connect(client)
         self._set_state(READY)

@@ -276,23 +276,100 @@ async def test_client_routes_interleaved_events_and_reports_a_lost_connection(so
             await asyncio.wait_for(sc.__anext__(), 5)
 
 
-@pytest.mark.parametrize("capable", [True, False])
-async def test_a_confidence_floor_goes_only_to_a_daemon_that_takes_it(sock: Path, capable: bool) -> None:
-    """Fim.min_probability reaches a daemon whose Welcome lists the capability; for one started before it (which
-    refuses the unknown field) the client leaves it out: it changes only how soon the answer ends."""
-    caps = [c for c in m.CAPABILITIES if capable or c != "min_probability"]
-    received: list[m.Fim] = []
+# What each daemon generation listed: today's, then yesterday's (context and logprobs taken but not yet named), then
+# one from before the confidence floor, then one from before beam search.
+TODAY = list(m.CAPABILITIES)
+NAMELESS = [c for c in TODAY if c not in ("context", "logprobs")]
+NO_FLOOR = [c for c in NAMELESS if c != "min_probability"]
+NO_BEAMS = [c for c in NO_FLOOR if c != "beams"]
 
+
+def answer_each(received: list[msgspec.Struct], caps: list[str]) -> Handler:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await send(writer, msgspec.structs.replace(WELCOME, capabilities=caps))
-        fim = await recv(reader)
-        assert isinstance(fim, m.Fim)
-        received.append(fim)
-        await send(writer, m.Done(id=fim.id, finish_reason="stop", usage=m.Usage(), timings=m.Timings()))
+        while (msg := await recv(reader)) is not None:
+            received.append(msg)
+            await send(writer, m.Done(id=msg.id, finish_reason="stop", usage=m.Usage(), timings=m.Timings()))
+    return handler
 
-    async with FakeDaemon(sock, handler), await Client.connect(sock) as client:
-        await asyncio.wait_for((await client.fim("a", "b", min_probability=0.05)).collect(), 5)
-    assert [f.min_probability for f in received] == [0.05 if capable else None]
+
+@pytest.mark.parametrize("caps", [TODAY, NAMELESS, NO_FLOOR, NO_BEAMS],
+                         ids=["today", "nameless", "no-floor", "no-beams"])
+async def test_optional_fields_go_only_to_a_daemon_that_takes_them(sock: Path, caps: list[str]) -> None:
+    """A daemon started from an older install refuses fields it does not know. The client leaves out the hints
+    (beams, context, the confidence floor: the answer is only less good or ends later) and refuses logprobs, which
+    the caller asked to see, itself, saying how to restart the daemon; it sends nothing then."""
+    snippet = m.Snippet(path="src/a.rs", text="fn a() {}")
+    received: list[msgspec.Struct] = []
+    async with FakeDaemon(sock, answer_each(received, caps)), await Client.connect(sock) as client:
+        hinted = await client.fim("a", "b", beams=2, context=[snippet], min_probability=0.05)
+        await asyncio.wait_for(hinted.collect(), 5)
+        await asyncio.wait_for((await client.generate("a", beams=2)).collect(), 5)
+        if caps in (TODAY, NAMELESS):
+            await asyncio.wait_for((await client.fim("a", logprobs=3)).collect(), 5)
+            await asyncio.wait_for((await client.generate("a", logprobs=3)).collect(), 5)
+        else:
+            for ask in (client.fim("a", logprobs=3), client.generate("a", logprobs=3)):
+                with pytest.raises(DaemonError) as e:
+                    await ask
+                assert e.value.code == "bad_request" and "lacks logprobs" in e.value.message
+                assert "`m31r stop`" in e.value.message
+        missing = client.missing
+    fim, gen = received[:2]
+    assert isinstance(fim, m.Fim) and isinstance(gen, m.Generate)
+    floor = caps in (TODAY, NAMELESS)
+    assert (fim.min_probability, fim.context) == ((0.05, [snippet]) if floor else (None, []))
+    assert fim.beams == gen.beams == (None if caps is NO_BEAMS else 2)
+    assert [getattr(r, "logprobs", None) for r in received[2:]] == ([3, 3] if floor else [])
+    assert missing == [c for c in TODAY if c not in caps and (not floor or c not in ("context", "logprobs"))]
+
+
+async def test_an_outdated_daemon_is_named_with_the_way_out(sock: Path, tmp_path: Path) -> None:
+    """`m31r doctor` warns, `m31r fim` notes it on stderr (and still answers), the language server tells the user
+    once however often it reconnects."""
+    from m31r import doctor
+    from m31r_lsp.daemon_link import EditorLink
+    from m31r_protocol.capabilities import restart_hint
+    from m31r_protocol.reconnect import link_config
+
+    received: list[msgspec.Struct] = []
+
+    async def old_daemon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await send(writer, msgspec.structs.replace(WELCOME, capabilities=NO_FLOOR))
+        while (msg := await recv(reader)) is not None:
+            received.append(msg)
+            if isinstance(msg, m.Status):
+                await send(writer, m.StatusReply(id=msg.id, **STATUS))
+            else:
+                await send(writer, m.Token(id=msg.id, text="x", token=1))
+                await send(writer, m.Done(id=msg.id, finish_reason="stop", usage=m.Usage(), timings=m.Timings()))
+
+    async with FakeDaemon(sock, old_daemon):
+        ctx = doctor.Context(sock, "--socket", tmp_path, "--bundle")
+        check = await asyncio.to_thread(doctor.check_daemon, ctx)
+        assert check.level == "warn" and "lacks min_probability, context, logprobs" in check.detail, check
+        assert "pid 4242 serves fake" in check.detail
+
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "m31r.cli", "fim", "--prefix", "fn a", "--socket", str(sock), "--no-autostart",
+            env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(p.communicate(), 60)
+        assert (p.returncode, out.decode().strip()) == (0, "x"), err.decode()
+        assert "note: the running daemon is older than this m31r (it lacks min_probability" in err.decode()
+
+        told: list[str] = []
+        link = EditorLink(link_config(sock, autostart=False), tell=told.append)
+        try:
+            for _ in range(2):
+                client = await link.get(5)
+                link.lost(client)
+            await link.get(5)
+        finally:
+            await link.close()
+        assert link.connects == 3 and len(told) == 3  # the rest: each lost connection, once
+        hint = restart_hint(["min_probability", "context", "logprobs"])
+        assert [t for t in told if "older" in t] == [f"m31r: {hint}."]
+        assert "(it lacks min_probability, context, logprobs): `m31r stop` ends it" in told[0]
 
 
 async def test_m31r_status_never_imports_torch(sock: Path) -> None:
