@@ -408,21 +408,29 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                     "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}
                                   if opts["logprobs"] is not None else {})}))
     else:
-        if text and not "".join(text).endswith("\n") and sys.stdout.isatty():
+        open_line = bool(text) and not "".join(text).endswith("\n")
+        if open_line and sys.stdout.isatty():
             sys.stdout.write("\n")
-        _say_if_unsure(done.line_logprob)
+            open_line = False
+        _say_if_unsure(done.line_logprob, open_line)
 
 
-def _say_if_unsure(line_logprob: float | None) -> None:
-    """On stderr (stdout keeps the completion alone): the editors would have hidden this suggestion."""
+def _say_if_unsure(line_logprob: float | None, open_line: bool) -> None:
+    """On stderr (stdout keeps the completion alone): the editors would have hidden this suggestion. `open_line`:
+    stdout's last line is unfinished, so a note into the same file (`2>&1`) starts a line of its own."""
     import math
+    import os
 
     from m31r_protocol.policy import MIN_PROBABILITY, confident
 
     if not confident(line_logprob, MIN_PROBABILITY):
         sys.stdout.flush()
-        click.echo(f"(unsure: the model gives its first line a probability of {math.exp(line_logprob):.3f}; the "
-                   f"editors hide suggestions under {MIN_PROBABILITY})", err=True)
+        try:
+            shared = open_line and os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+        except (OSError, ValueError):  # no real file behind one of them
+            shared = False
+        click.echo(f"{chr(10) if shared else ''}(unsure: the model gives its first line a probability of "
+                   f"{math.exp(line_logprob):.3f}; the editors hide suggestions under {MIN_PROBABILITY})", err=True)
 
 
 @main.command()

@@ -125,18 +125,22 @@ class Outcome:
 
 
 def line_logprobs(token_bytes: list[bytes | None], tokens: list[int], logprobs: list[float],
-                  lines: int | None = None) -> list[float]:
+                  lines: int | None = None, healed_breaks: int = 0) -> list[float]:
     """Each line's log-probability: its tokens' up to and including the one that holds its line break (a token
     holding several breaks ends as many lines, the later ones certain), the last line's with the end token's where
     the model ended it (Outcome.logprobs). The first k summed are how likely the model finds the completion's first
     k lines: what an editor cuts a multi-line suggestion to (m31r_protocol.policy.confident_lines); the first alone
     is Done.line_logprob, which predicts whether the line an editor shows first is right (README "Confidence").
-    `lines`: the number of lines the completion's text kept (a stop sequence may end it before its last tokens)."""
+    `lines`: the number of lines the completion's text kept (a stop sequence may end it before its last tokens).
+    `healed_breaks`: the line breaks in the healed text (m31r.fim.heal_prompt), which the first tokens write again:
+    the prompt's, not the completion's, so they end no line (their tokens count towards the first)."""
     out: list[float] = []
     total = 0.0
     for tok, lp in zip(tokens, logprobs, strict=False):
         total += lp
-        for _ in range((token_bytes[tok] or b"").count(b"\n")):
+        breaks = (token_bytes[tok] or b"").count(b"\n")
+        skip, healed_breaks = min(breaks, healed_breaks), healed_breaks - min(breaks, healed_breaks)
+        for _ in range(breaks - skip):
             out.append(total)
             total = 0.0
     if logprobs:

@@ -260,7 +260,8 @@ class Scheduler:
         o, received = run.outcome, run.request.received
         assert o is not None
         queue_ms = (run.started - received) * 1000
-        by_line = line_logprobs(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs, o.text.count("\n") + 1)
+        by_line = line_logprobs(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs, o.text.count("\n") + 1,
+                                run.request.heal.count("\n"))
         return Finished(
             o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,

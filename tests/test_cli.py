@@ -60,6 +60,12 @@ def test_generate_json(daemon, tiny_engine):
     if unsure:
         assert f"{math.exp(out['line_logprob']):.3f}" in plain.stderr
     assert "unsure" not in r.stderr  # --json carries the figure itself
+    # Into one file (`2>&1`), the note starts a line of its own after a completion that ends mid-line.
+    both = subprocess.run([*M31R, "generate", "fn main", "--max-tokens", "8", "--socket", str(sock)], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert both.returncode == 0 and both.stdout.startswith(ref.text)
+    assert unsure and not ref.text.endswith("\n")  # the random model's line: both cases below are this one
+    assert both.stdout[len(ref.text):].startswith("\n(unsure: ")
     # --logprobs: each token's figure (the engine's) and the likeliest tokens at its step; only with --json.
     r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--logprobs", "2", "--socket", str(sock))
     assert r.returncode == 0, r.stderr

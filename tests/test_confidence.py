@@ -124,3 +124,44 @@ def test_a_floor_ends_generation_where_it_decided_what_is_shown(release_engine, 
     for off in (None, 0.0):
         same, _ = block(release_engine, prefix, suffix, off)
         assert same.tokens == free.tokens and same.text == free.text
+
+
+def test_line_logprobs_leaves_the_healed_line_breaks_to_the_prompt():
+    """A plain prompt ending in `{\n    ` is healed back to `{`: the first token writes the line break and indent
+    again. That break is the prompt's, so it ends no line: its figure joins the completion's first line."""
+    from m31r.engine import line_logprobs
+
+    token_bytes = [b"\n    ", b"n", b" > 0\n", b"}", None]
+    tokens, logprobs = [0, 1, 2, 3], [-0.5, -1.0, -2.0, -0.25, -3.0]
+    assert line_logprobs(token_bytes, tokens, logprobs) == [-0.5, -3.0, -3.25]  # the break read as the text's
+    assert line_logprobs(token_bytes, tokens, logprobs, healed_breaks=1) == [-3.5, -3.25]
+    assert line_logprobs(token_bytes, tokens, logprobs, lines=1, healed_breaks=1) == [-3.5]
+    assert line_logprobs([b"\n\n  ", b"x"], [0, 1], [-1.0, -2.0], healed_breaks=1) == [-1.0, -2.0]
+
+
+async def test_a_healed_generate_prompt_scores_the_line_the_model_writes(tmp_path: Path):
+    """Through the daemon with the bundled model: `generate` after `{\\n    ` (healed back across the line break)
+    reports as line_logprob the figure of the first line it shows, not that of the healed break alone."""
+    from daemon_util import start_daemon, stop_daemon
+
+    from m31r_protocol import Client
+
+    sock = tmp_path / "s" / "d.sock"
+    sock.parent.mkdir(mode=0o700)
+    proc = start_daemon(RELEASE, sock)
+    try:
+        async with await Client.connect(sock) as c:
+            stream = await c.generate("pub fn is_power_of_two(n: u64) -> bool {\n    ", max_tokens=24, logprobs=0)
+            frames = [t async for t in stream]
+    finally:
+        stop_daemon(proc)
+    done = stream.done
+    assert done is not None and frames and frames[0].text == ""  # the healing token: its text is the prompt's
+    first_line = []
+    for f in frames:
+        first_line.append(f.logprob)
+        if "\n" in f.text:
+            break
+    assert done.line_logprob == pytest.approx(sum(first_line), abs=1e-3)
+    assert len(done.logprob_by_line) == "".join(f.text for f in frames).count("\n") + 1
+    assert sum(done.logprob_by_line) == pytest.approx(done.logprob, abs=1e-3)
