@@ -201,9 +201,18 @@ class Client:
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.closed.is_set():
             raise DaemonUnavailable("the connection to the daemon is closed")
+        try:
+            body = self._enc.encode(msg)
+        except UnicodeEncodeError as e:  # a lone surrogate: str allows it, UTF-8 (and so MessagePack) does not
+            raise DaemonError("bad_request", f"the request's text is not valid Unicode: a lone surrogate at "
+                                             f"character {e.start} of one of its strings (bytes that were not "
+                                             "UTF-8?)") from None
         async with self._lock:
-            self._writer.write(pack(self._enc.encode(msg)))
-            await self._writer.drain()
+            try:
+                self._writer.write(pack(body))
+                await self._writer.drain()
+            except ConnectionError as e:  # the daemon went away since the last read: as the read loop says it
+                raise DaemonUnavailable(f"connection to the daemon lost: {e}") from None
 
     async def _request(self, make: Callable[[int], msgspec.Struct]) -> Stream:
         rid = next(self._ids)

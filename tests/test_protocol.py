@@ -372,6 +372,30 @@ async def test_an_outdated_daemon_is_named_with_the_way_out(sock: Path, tmp_path
         assert "(it lacks min_probability, context, logprobs): `m31r stop` ends it" in told[0]
 
 
+async def test_text_that_is_not_unicode_is_refused_by_the_client(sock: Path) -> None:
+    """A lone surrogate (a Python str may hold one: bytes that were not UTF-8, read with surrogateescape, or JSON's
+    \\ud800) cannot go into MessagePack: a clear bad_request, nothing sent, and the connection serves on."""
+    received: list[msgspec.Struct] = []
+    async with FakeDaemon(sock, answer_each(received, TODAY)), await Client.connect(sock) as client:
+        with pytest.raises(DaemonError) as e:
+            await client.fim("fn a\udcff", "")
+        assert e.value.code == "bad_request" and "lone surrogate at character 4" in e.value.message
+        await asyncio.wait_for((await client.fim("fn a", "")).collect(), 5)
+    assert [r.prefix for r in received] == ["fn a"]
+
+
+async def test_a_send_to_a_daemon_gone_since_the_last_read_is_daemon_unavailable() -> None:
+    """The daemon's end closed before the client's reader noticed: the write fails (EPIPE), and the caller hears
+    DaemonUnavailable, as for a read, so a front end reconnects instead of logging a traceback."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    client = Client(reader, writer, WELCOME)
+    theirs.close()
+    with pytest.raises(DaemonUnavailable):
+        await client.fim("fn a", "")  # no await before the write: the reader has not run yet
+    await client.close()
+
+
 async def test_m31r_status_never_imports_torch(sock: Path) -> None:
     check = "import sys, m31r_protocol, m31r.cli; sys.exit('torch' in sys.modules)"
     r = await asyncio.create_subprocess_exec(sys.executable, "-c", check, env=ENV)
