@@ -18,6 +18,7 @@ tokens consistent with it, then leaves it out of the text it returns. Training l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from m31r.stops import RepeatedLine
@@ -36,6 +37,21 @@ class FimBudget:
     def for_context(cls, max_context: int, line_step: int = 16) -> FimBudget:
         suffix, line, reserve = max_context // 8, max_context // 16, max_context // 8
         return cls(suffix, line, max_context - suffix - line - reserve - 3, reserve, line_step)
+
+    @property
+    def max_reserve(self) -> int:
+        """The longest completion a FIM request may ask for: half the context, the rest for the code around it."""
+        return (self.suffix + self.line + self.above + self.reserve + 3) // 2
+
+    def with_reserve(self, max_tokens: int) -> FimBudget:
+        """This layout, with room for `max_tokens` where they pass the usual reserve (up to max_reserve): the lines
+        above the cursor give it up, so a long completion costs context rather than its own end. Requests within
+        the reserve keep the one layout, and with it their prefix cache."""
+        if max_tokens <= self.reserve:
+            return self
+        if max_tokens > self.max_reserve:
+            raise ValueError(f"max_tokens {max_tokens} is more than a fim completion may have ({self.max_reserve})")
+        return dataclasses.replace(self, above=self.above - (max_tokens - self.reserve), reserve=max_tokens)
 
 
 @dataclass(frozen=True)

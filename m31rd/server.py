@@ -152,10 +152,11 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     thread it stalled every stream). Raises ContextOverflowError (too many tokens) or ValueError (an empty
     prompt)."""
     if isinstance(req, m.Fim):
+        budget = budget.with_reserve(req.max_tokens)  # within max_reserve: the request was checked
         prompt = build_fim_prompt(engine.tokenizer, req.prefix, req.suffix, budget)
         room = context_budget(budget, len(prompt.ids))
         head = context_ids(engine.tokenizer, req.context, room) if req.context else []
-        return head + prompt.ids, min(req.max_tokens, budget.reserve), prompt.heal
+        return head + prompt.ids, req.max_tokens, prompt.heal
     ids = engine.tokenizer.encode(req.prompt)
     if not ids:
         raise ValueError("empty prompt: nothing to continue from")
@@ -388,6 +389,10 @@ class Daemon:
         limit = self.engine.config.max_context
         if not 0 <= req.max_tokens <= limit:
             return refuse("bad_request", f"max_tokens must be between 0 and {limit}, got {req.max_tokens}")
+        if isinstance(req, m.Fim) and req.max_tokens > self.budget.max_reserve:
+            return refuse("bad_request", f"max_tokens {req.max_tokens} is more than a fim completion may have with "
+                                         f"this model: {self.budget.max_reserve}, half its context (the rest holds "
+                                         "the code around the cursor)")
         s = req.sampling
         if not all(math.isfinite(x) for x in (s.temperature, s.top_p, s.repetition_penalty)):
             return refuse("bad_request", "temperature, top_p and repetition_penalty must be finite numbers")

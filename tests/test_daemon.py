@@ -148,9 +148,9 @@ def reference(engine, prompt: str | list[int], max_tokens: int, sampling=None, s
 def fim_reference(engine, prefix: str, suffix: str, max_tokens: int, sampling=None) -> Out:
     from m31r.fim import FimBudget, build_fim_prompt
 
-    budget = FimBudget.for_context(engine.config.max_context)
+    budget = FimBudget.for_context(engine.config.max_context).with_reserve(max_tokens)
     p = build_fim_prompt(engine.tokenizer, prefix, suffix, budget)
-    return reference(engine, p.ids, min(max_tokens, budget.reserve), sampling, heal=p.heal)
+    return reference(engine, p.ids, max_tokens, sampling, heal=p.heal)
 
 
 def fim_outcome(engine, prefix: str, suffix: str, max_tokens: int):
@@ -256,10 +256,16 @@ async def test_generate_streams_what_the_engine_streams(warm, tiny_engine):
 
 async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
     async with await Client.connect(warm.socket) as c:
-        for (prefix, suffix), n in zip(FIM_CASES, [10, 6, 10, 80], strict=True):  # 80 > the FIM reserve: capped
+        for (prefix, suffix), n in zip(FIM_CASES, [10, 6, 10, 80], strict=True):  # 80 > the usual reserve (64)
             out = await run(await c.fim(prefix, suffix, max_tokens=n))
             ref = fim_reference(tiny_engine, prefix, suffix, n)
             assert out.pieces == ref.pieces and out.finish_reason == ref.finish_reason
+        assert out.finish_reason == "stop" or out.done.usage.completion_tokens == 80  # honoured, not cut to 64
+        # More than half the context: refused, with the limit, rather than silently cut.
+        half = tiny_engine.config.max_context // 2
+        await run(await c.fim(*FIM_CASES[0], max_tokens=half))
+        err = await expect_error(await c.fim(*FIM_CASES[0], max_tokens=half + 1), "bad_request")
+        assert f"{half}, half its context" in err.message
 
 
 async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm, tiny_engine):
@@ -605,6 +611,7 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         26: {"type": "fim", "id": 26, "prefix": "x", "beams": 2, "sampling": {"temperature": 0.5}},
         27: {"type": "fim", "id": 27, "prefix": "x", "beams": 3, "sampling": {"repetition_penalty": 1.2}},
         28: {"type": "fim", "id": 28, "prefix": "x", "min_probability": 1.5},
+        30: {"type": "fim", "id": 30, "prefix": "x", "max_tokens": 257},  # past half the tiny model's context
         29: {"type": "generate", "id": 29, "prompt": "fn", "min_probability": 0.05},  # a Fim's only
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},

@@ -431,3 +431,14 @@ def test_fim_budget_fits_the_context():
         b = FimBudget.for_context(n)
         assert b.suffix + b.line + b.above + b.reserve + 3 == n
         assert min(b.suffix, b.line, b.above, b.reserve) > 0
+
+
+def test_a_longer_fim_completion_takes_its_room_from_the_lines_above():
+    for n in (128, 512, 2048):
+        b = FimBudget.for_context(n)
+        assert b.with_reserve(b.reserve) is b and b.with_reserve(1) is b  # the usual layout, and its prefix cache
+        wide = b.with_reserve(b.max_reserve)
+        assert (wide.reserve, wide.suffix, wide.line) == (n // 2, b.suffix, b.line) and wide.above > 0
+        assert wide.suffix + wide.line + wide.above + wide.reserve + 3 == n
+        with pytest.raises(ValueError, match="more than a fim completion may have"):
+            b.with_reserve(b.max_reserve + 1)
