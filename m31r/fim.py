@@ -156,9 +156,13 @@ def heal_prompt(tok: Tokenizer, ids: list[int]) -> tuple[list[int], str]:
 
 def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget, heal: bool = True) -> FimPrompt:
     above, line = split_prefix(prefix)
-    s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))
+    # The cuts count tokens line by line; encoded whole, a text can come out a few tokens longer (a first suffix line
+    # cut by tokens, then decoded and encoded again): the ids are held to their budgets all the same, so a prompt
+    # never takes the completion's room.
+    s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))[: budget.suffix]
     above_text, start_line = cut_above(tok, above, budget.above, budget.line_step)
     a_ids = tok.encode(above_text)
+    a_ids = a_ids[len(a_ids) - budget.above :] if len(a_ids) > budget.above else a_ids
     l_ids = tok.encode(line)
     if len(l_ids) > budget.line:  # a very long cursor line: keep its end, nearest the cursor
         l_ids = l_ids[len(l_ids) - budget.line :]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m31r.beams import beam_generate
-from m31r.engine import Chunk, Decode, Engine, Outcome, Piece, line_logprobs
+from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Outcome, Piece, line_logprobs
 from m31r.model import KVCache
 from m31r.sampling import SamplingParams
 from m31rd.cancellation import Cancellation
@@ -165,6 +165,10 @@ class Scheduler:
             run = self.pending[0]
             try:
                 started = self._try_start(run)
+            except ContextOverflowError as e:  # a prompt the server let through too long: the client's to shorten
+                self.pending.popleft()
+                self._emit(run, Failed("context_overflow", str(e)))
+                continue
             except Exception as e:  # never let one request kill the only inference thread
                 log.error("starting a request failed: %s", traceback.format_exc())
                 self.pending.popleft()
@@ -283,6 +287,8 @@ class Scheduler:
                 ev = run.gen.send(logits)
             except StopIteration:
                 return self._end(run, self._finished(run))
+            except ContextOverflowError as e:  # a prompt the server let through too long: the client's to shorten
+                return self._end(run, Failed("context_overflow", str(e)), reusable=False)
             except Exception as e:
                 log.error("inference failed: %s", traceback.format_exc())
                 return self._end(run, Failed("internal", f"inference failed: {e!r}"), reusable=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -442,3 +443,32 @@ def test_a_longer_fim_completion_takes_its_room_from_the_lines_above():
         assert wide.suffix + wide.line + wide.above + wide.reserve + 3 == n
         with pytest.raises(ValueError, match="more than a fim completion may have"):
             b.with_reserve(b.max_reserve + 1)
+
+
+def test_a_fim_prompt_never_takes_the_completions_room():
+    """The cuts count tokens line by line; a first suffix line cut by tokens, decoded and encoded again, can come
+    out longer (3 tokens with the bundled tokenizer and this seed), which with the lines above filling their share
+    exactly took the prompt past max_context - reserve and the request failed inside the scheduler."""
+    from m31r.config import load_config
+
+    release = Path(__file__).resolve().parent.parent / "release"
+    cfg = load_config(release / "config.yaml")
+    tok = Tokenizer.from_file(release / "tokenizer.json", cfg.special_tokens, cfg.vocab_size)
+    b = FimBudget.for_context(cfg.max_context)
+    rnd = random.Random(0)
+    alphabet = ["é", "😀", "中", "a", " ", "\t", "x", "\r", "\u2028", "\x85", "\x0b", "ß", "🦀", "\u0301", "{", "}"]
+    line = "let a = 1; " * 300  # the lines above: one line of exactly their share
+    while len(tok.encode(line + "\n")) > b.above:
+        line = line[: -max(1, 2 * (len(tok.encode(line + "\n")) - b.above))]
+    while len(tok.encode(line + "x\n")) <= b.above:
+        line += "x"
+    assert len(tok.encode(line + "\n")) == b.above
+    prefix = line + "\n" + "(" * 400
+    worst = 0
+    for _ in range(60):
+        first = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(b.suffix, 4 * b.suffix)))
+        suffix = first + "\n}\n"
+        worst = max(worst, len(tok.encode(cut_suffix(tok, suffix, b.suffix))) - b.suffix)
+        p = build_fim_prompt(tok, prefix, suffix, b)
+        assert len(p.ids) <= cfg.max_context - b.reserve
+    assert worst == 3  # the case is among them: the re-encoded suffix passed its budget

@@ -179,7 +179,8 @@ def test_a_prompt_over_the_context_is_refused_not_cut(sched, tiny_engine) -> Non
     events = Events()
     sched.submit(Request([10 + i % 200 for i in range(over)], 4), events.append)
     sched.drain()
-    assert [type(e) for e in events] == [Failed] and "ContextOverflowError" in events[0].message
+    assert [type(e) for e in events] == [Failed] and events[0].code == "context_overflow"  # not `internal`
+    assert f"prompt ({over} tokens) + max_tokens (4)" in events[0].message
     assert sched.rounds == 0
     _, ok = submit(sched, tiny_engine, PROMPTS[0], max_tokens=3)
     sched.drain()
