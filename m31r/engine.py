@@ -790,6 +790,9 @@ class Engine:
         finally:
             del cache.tokens[valid:]
         if not hit and (tail := text.flush()):
-            res.text += tail
-            yield Piece(None, tail)
+            if res.finish_reason == "deadline" and "\n" in tail:  # a line end held back (for a stop "\n...") ends it
+                tail = tail[: tail.index("\n")]
+            if tail:
+                res.text += tail
+                yield Piece(None, tail)
         res.total_ms = (time.perf_counter() - t0) * 1000

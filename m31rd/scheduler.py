@@ -78,6 +78,7 @@ class Finished:
     logprob: float | None = None  # the completion's log-probability, its end included (Outcome.logprobs)
     line_logprob: float | None = None  # its first line's (the first of m31r.engine.line_logprobs)
     logprob_by_line: tuple[float, ...] = ()  # each of its text's lines' (m31r.engine.line_logprobs)
+    stopped_by: str | None = None  # what a "stop" was (Outcome.stopped_by)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class Scheduler:
         for run in [r for r in self.pending if r.cancel_reason or self._expired(r, now)]:
             self.pending.remove(run)  # answer cancelled and expired waiters now, not when they reach the head
             if run.cancel_reason:
-                self._emit(run, Failed("cancelled", run.cancel_reason))
+                self._emit(run, Failed(run.request.cancellation.code, run.cancel_reason))
             else:
                 ms = (now - run.request.received) * 1000
                 self._emit(run, Finished("deadline", len(run.request.ids), queue_ms=ms, total_ms=ms))
@@ -271,7 +272,7 @@ class Scheduler:
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
             accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,
-            line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line))
+            line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line), stopped_by=o.stopped_by)
 
     def _advance(self, run: _Run) -> bool:
         """Advance a running request to its next model call (collected for this round), emitting the tokens produced
@@ -279,7 +280,7 @@ class Scheduler:
         if run.failure is not None:
             return self._end(run, Failed("internal", run.failure), reusable=False)
         if run.cancel_reason:
-            return self._end(run, Failed("cancelled", run.cancel_reason))
+            return self._end(run, Failed(run.request.cancellation.code, run.cancel_reason))
         assert run.gen is not None
         while True:
             try:

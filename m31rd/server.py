@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
-from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS
+from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
 from m31rd.cancellation import Cancellation
@@ -80,18 +81,28 @@ class Typed:
     ends: tuple[int, ...]  # where each of the suggestion's tokens ends in `text`
     logprob: float | None = None  # the suggestion's (Done.logprob): a lower bound for any rest of it
     by_line: tuple[float, ...] = ()  # Done.logprob_by_line: the line the user is on gives a lower bound for its rest
+    stopped_by: str | None = None  # what a "stop" was (Outcome.stopped_by): end | sequence | repeat | unsure
+    stops: tuple[str, ...] = ()  # the stop sequences it ran with (request_stops)
+    shape: tuple = ()  # what else decided its text (answer_shape)
 
 
-def typed_through(last: Typed | None, req: m.Fim) -> Typed | None:
-    """What is left of the last suggestion if the user typed its beginning, else None."""
-    if last is None or req.suffix != last.suffix or not req.prefix.startswith(last.prefix):
+def answer_shape(req: m.Fim, sampling: SamplingParams, beams: int) -> tuple:
+    """What, besides the prompt and the limits `clip` applies, decides a greedy Fim's text: an answer of another
+    shape is not the one this request would get."""
+    return sampling.repetition_penalty, beams, hash(tuple((s.path, s.text) for s in req.context))
+
+
+def typed_through(last: Typed | None, req: m.Fim, shape: tuple = ()) -> Typed | None:
+    """What is left of the last suggestion if the user typed its beginning (and the request has its shape),
+    else None."""
+    if last is None or req.suffix != last.suffix or not req.prefix.startswith(last.prefix) or shape != last.shape:
         return None
     typed = req.prefix[len(last.prefix) :]
     k = len(typed)
     if typed and last.text.startswith(typed) and len(last.text) > k:
         ends = tuple(e - k for e in last.ends if e > k)
-        return Typed(req.prefix, req.suffix, last.text[k:], last.finish_reason, ends, last.logprob,
-                     last.by_line[typed.count("\n") :])
+        return dataclasses.replace(last, prefix=req.prefix, text=last.text[k:], ends=ends,
+                                   by_line=last.by_line[typed.count("\n") :])
     return None
 
 
@@ -99,16 +110,22 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str]:
+def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str] | None:
     """The typed-through answer to a request with these limits, and its finish reason: `rest` cut after
     `max_tokens` tokens (a partly typed token counts as one), then before the first stop sequence, as the model
-    would have stopped."""
-    text, reason = rest.text, rest.finish_reason
-    if max_tokens < len(rest.ends):
-        text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
+    would have stopped. None where only the model can answer: the rest ends where the earlier request's own limits
+    ended it (its max_tokens or deadline, its confidence floor, which the typed tokens no longer weigh on, or a stop
+    sequence this request lacks) and this request's limits end nothing sooner."""
+    text, reason, cut = rest.text, rest.finish_reason, False
+    if max_tokens <= len(rest.ends):
+        cut = True
+        if max_tokens < len(rest.ends):
+            text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
     if hits := [i for i in (text.find(s) for s in stop if s) if i >= 0]:
-        text, reason = text[: min(hits)], "stop"
-    return text, reason
+        text, reason, cut = text[: min(hits)], "stop", True
+    own_end = rest.finish_reason == "stop" and (
+        rest.stopped_by in ("end", "repeat") or (rest.stopped_by == "sequence" and set(rest.stops) <= set(stop)))
+    return (text, reason) if cut or own_end else None
 
 
 def request_stops(req: m.Generate | m.Fim) -> list[str]:
@@ -164,6 +181,12 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     return ids, req.max_tokens, heal
 
 
+def build_unless_cancelled(engine: Engine, budget: FimBudget, job: InFlight) -> tuple[list[int], int, str] | None:
+    """build_prompt, unless the job was cancelled while it waited for the worker: a client that cancels what it sends
+    must not keep the workers tokenising megabytes for nothing (the limits count only live requests)."""
+    return None if job.cancelled else build_prompt(engine, budget, job.wire)
+
+
 @dataclass(eq=False)
 class InFlight:
     """A Generate or Fim the daemon accepted, from admission to its last frame. Only the event loop touches it;
@@ -178,6 +201,7 @@ class InFlight:
     text: str = ""  # what was sent so far (typed-through reuses it)
     ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
     beams: int = 1  # the beam width it runs with (request_beams)
+    stopped_by: str | None = None  # Finished.stopped_by, for the typed-through answers that may follow
 
     @property
     def rid(self) -> int:
@@ -191,8 +215,8 @@ class InFlight:
     def cancelled(self) -> bool:
         return self.cancellation.cancelled
 
-    def cancel(self, reason: str) -> None:
-        self.cancellation.cancel(reason)
+    def cancel(self, reason: str, code: str = "cancelled") -> None:
+        self.cancellation.cancel(reason, code)
 
 
 class Connection:
@@ -311,7 +335,7 @@ class Daemon:
         self.scheduler = None
         self.loaded = False  # on the event loop: the engine is attached and the waiting requests were submitted
         self.load_error: str | None = None
-        self.waiting: list[tuple[Connection, m.Generate | m.Fim]] = []  # requests that came before the model
+        self.waiting: list[tuple[Connection, m.Generate | m.Fim, float]] = []  # came before the model, and when
         self.closing = threading.Event()  # set at shutdown: the torch thread's queued start-up work is skipped
         self.max_queue, self.grace_s = max_queue, grace_s
         self.max_per_connection, self.max_prompt_chars = max_per_connection, max_prompt_chars
@@ -370,22 +394,33 @@ class Daemon:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def submit(self, conn: Connection, req: m.Generate | m.Fim) -> None:
-        def refuse(code: str, message: str) -> None:
-            conn.send(m.Error(id=req.id, code=code, message=message))  # type: ignore[arg-type]
+    def submit(self, conn: Connection, req: m.Generate | m.Fim, received: float | None = None) -> None:
+        """Admit a request, or refuse it at once. `received`: when it arrived, if before now (it waited for the
+        model to load): its deadline counts from then."""
+        def refuse(code: str, message: str, rid: int | None = req.id) -> None:
+            conn.send(m.Error(id=rid, code=code, message=message))  # type: ignore[arg-type]
             log.info("request refused", extra={"fields": {"id": req.id, "code": code, "client": conn.client}})
+
+        def duplicate() -> None:  # answered without its id: that id's frames belong to the request in flight
+            refuse("bad_request", f"request id {req.id} is already in flight on this connection; this one was "
+                                  "dropped", None)
 
         if self.stopping is not None and self.stopping.is_set():
             return refuse("shutting_down", "the daemon is shutting down")
         if not self.loaded:  # checked and run once the model has loaded (`_loaded`)
-            if req.id in conn.jobs or any(c is conn and r.id == req.id for c, r in self.waiting):
-                return refuse("bad_request", f"request id {req.id} is already in flight on this connection")
-            self.waiting.append((conn, req))
+            if req.id in conn.jobs or any(c is conn and r.id == req.id for c, r, _ in self.waiting):
+                return duplicate()
+            mine = sum(1 for c, _, _ in self.waiting if c is conn)
+            if mine >= self.max_per_connection or len(self.waiting) >= self.max_queue:
+                return refuse("busy", f"{len(self.waiting)} requests wait for the model to load ({mine} of them on "
+                                      f"this connection; limits {self.max_queue} and {self.max_per_connection}); "
+                                      "retry shortly")
+            self.waiting.append((conn, req, time.perf_counter()))
             return
         from m31r.sampling import SamplingParams
 
         if req.id in conn.jobs:
-            return refuse("bad_request", f"request id {req.id} is already in flight on this connection")
+            return duplicate()
         limit = self.engine.config.max_context
         if not 0 <= req.max_tokens <= limit:
             return refuse("bad_request", f"max_tokens must be between 0 and {limit}, got {req.max_tokens}")
@@ -410,6 +445,10 @@ class Daemon:
             return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
         if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
             return refuse("bad_request", f"min_probability must be between 0 and 1, got {req.min_probability}")
+        if len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop):
+            return refuse("bad_request", f"stop has {len(req.stop)} sequences of up to "
+                                         f"{max(map(len, req.stop))} characters; at most {MAX_STOPS} of at most "
+                                         f"{MAX_STOP_CHARS} are taken (each is matched on every token)")
         if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
             return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
@@ -426,7 +465,7 @@ class Daemon:
         if live >= self.max_queue:
             return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
         self.requests += 1
-        job = InFlight(conn, req, sampling)
+        job = InFlight(conn, req, sampling, received=received or time.perf_counter())
         if req.deadline_ms is not None:  # counted from arrival: tokenising and queueing spend it too
             job.deadline = job.received + req.deadline_ms / 1000
         if isinstance(req, m.Fim) and req.document:
@@ -444,7 +483,7 @@ class Daemon:
 
     def cancel_waiting(self, conn: Connection, rid: int) -> bool:
         """Cancel a request that came before the model loaded; False if there is none of that id."""
-        for k, (c, r) in enumerate(self.waiting):
+        for k, (c, r, _) in enumerate(self.waiting):
             if c is conn and r.id == rid:
                 del self.waiting[k]
                 conn.send(m.Error(id=rid, code="cancelled", message="cancelled by the client"))
@@ -458,13 +497,13 @@ class Daemon:
             known = isinstance(e, ValueError | OSError | BundleError)
             self.load_error = str(e) if known else f"{type(e).__name__}: {e}"
             log.error("cannot load the model: %s", self.load_error)
-            for conn, req in waiting:
+            for conn, req, _ in waiting:
                 conn.send(m.Error(id=req.id, code="internal", message=f"cannot load the model: {self.load_error}"))
             return self.request_stop("cannot load the model")
         self.loaded = True
-        for conn, req in waiting:
+        for conn, req, received in waiting:
             if not conn.writer.is_closing():
-                self.submit(conn, req)
+                self.submit(conn, req, received)
 
     async def _prepare(self, job: InFlight) -> None:
         """Tokenise the request's prompt on a worker thread, then queue it for the inference thread."""
@@ -474,7 +513,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         pool = self.prompt_pools[prompt_chars(job.wire) > SMALL_PROMPT_CHARS]
         try:
-            ids, max_tokens, heal = await loop.run_in_executor(pool, build_prompt, self.engine, self.budget, job.wire)
+            built = await loop.run_in_executor(pool, build_unless_cancelled, self.engine, self.budget, job)
+            if built is None:  # cancelled while it waited for a worker: its prompt was never tokenised
+                why = job.cancellation
+                return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason or ""), True)  # type: ignore[arg-type]
+            ids, max_tokens, heal = built
         except ContextOverflowError as e:
             return self._answer(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
         except ValueError as e:
@@ -483,8 +526,8 @@ class Daemon:
             log.exception("building a prompt failed")
             return self._answer(job, m.Error(id=job.rid, code="internal", message=f"cannot build the prompt: {e!r}"),
                                 True)
-        if job.cancellation.reason is not None:  # cancelled, superseded or its client left while it was tokenised
-            return self._answer(job, m.Error(id=job.rid, code="cancelled", message=job.cancellation.reason), True)
+        if (why := job.cancellation).reason is not None:  # cancelled, superseded or its client left meanwhile
+            return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason), True)  # type: ignore[arg-type]
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         fim = isinstance(job.wire, m.Fim)
         job.beams = request_beams(job.wire, job.sampling, self.beams)
@@ -502,6 +545,7 @@ class Daemon:
 
         if isinstance(event, Finished):
             e = event
+            job.stopped_by = e.stopped_by
             first = None if e.first_token_ms is None else round(e.first_token_ms, 2)
             self._answer(job, m.Done(
                 id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
@@ -516,7 +560,10 @@ class Daemon:
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:
             job.text += event.text
-            job.ends.append(len(job.text))
+            if event.id is None and job.ends:  # text held back, released at the end: its token's, not one more
+                job.ends[-1] = len(job.text)
+            else:
+                job.ends.append(len(job.text))
             self._answer(job, self._token(job, event), False)
 
     def _token(self, job: InFlight, piece: Piece) -> m.Token:
@@ -536,14 +583,15 @@ class Daemon:
     def _answer_typed_through(self, conn: Connection, job: InFlight) -> bool:
         req = job.wire
         assert isinstance(req, m.Fim)
-        rest = typed_through(self.typed.get(req.document), req)
-        if rest is None:
+        shape = answer_shape(req, job.sampling, request_beams(req, job.sampling, self.beams))
+        rest = typed_through(self.typed.get(req.document), req, shape)
+        if rest is None or (answer := clip(rest, req.max_tokens, request_stops(req))) is None:
             return False
         # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
         self.typed[req.document] = rest
         self.typed.move_to_end(req.document)
         del self.by_document[req.document]
-        text, finish_reason = clip(rest, req.max_tokens, request_stops(req))
+        text, finish_reason = answer
         ms = round((time.perf_counter() - job.received) * 1000, 3)
         if text:
             conn.send(m.Token(id=req.id, text=text))
@@ -569,8 +617,10 @@ class Daemon:
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
-                self.typed[req.document] = Typed(req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends),
-                                                 msg.logprob, tuple(msg.logprob_by_line))
+                self.typed[req.document] = Typed(
+                    req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
+                    tuple(msg.logprob_by_line), job.stopped_by, tuple(request_stops(req)),
+                    answer_shape(req, job.sampling, job.beams))
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)
@@ -657,7 +707,7 @@ class Daemon:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for job in list(self.in_flight):
-            job.cancel("the daemon is shutting down")
+            job.cancel("the daemon is shutting down", "shutting_down")
         t_cancel = time.monotonic()
         while self.in_flight and time.monotonic() - t_cancel < 2.0:
             await asyncio.sleep(0.01)

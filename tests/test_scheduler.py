@@ -334,6 +334,28 @@ async def test_admission_busy_per_connection_and_in_all(daemon) -> None:
     assert isinstance(await a.final(4), m.Done)
 
 
+async def test_a_request_cancelled_before_its_worker_starts_is_never_tokenised(daemon, monkeypatch) -> None:
+    """A client that sends huge prompts and cancels them at once (the limits count only live requests) must not keep
+    the tokenising workers busy for nothing: the cancel is looked at before the work starts."""
+    import m31rd.server as server
+
+    built: list[int] = []
+    real = server.build_prompt
+
+    def counted(engine, budget, req):
+        built.append(req.id)
+        return real(engine, budget, req)
+
+    monkeypatch.setattr(server, "build_prompt", counted)
+    c = Conn()
+    daemon.submit(c, gen(1, max_tokens=2))
+    [job] = c.jobs.values()
+    job.cancel("cancelled by the client")  # before the event loop ran the job's preparation
+    assert (await c.final(1)).code == "cancelled" and built == []
+    daemon.submit(c, gen(2, max_tokens=2))
+    assert isinstance(await c.final(2), m.Done) and built == [2]
+
+
 async def test_admission_refuses_bad_requests_at_once(daemon) -> None:
     c = Conn()
     daemon.submit(c, gen(1, max_tokens=10**6))

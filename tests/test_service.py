@@ -518,11 +518,23 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
             with pytest.raises(DaemonError, match="cancelled"):
                 await dropped.collect()
             assert (await c.status()).queue == 1  # the daemon let the cancelled one go: it never runs (`requests`)
+            # A deadline counts from the request's arrival, the wait for the model included.
+            hurried = await c.generate("fn hurried() {", max_tokens=4, deadline_ms=200)
+            # The wait has the queue's limits: 16 on one connection (--max-per-connection), then `busy`.
+            more = [await c.generate("fn more() {", max_tokens=1) for _ in range(14)]
+            with pytest.raises(DaemonError, match="busy: 16 requests wait for the model to load"):
+                await (await c.generate("fn one_too_many() {", max_tokens=1)).collect()
+            await asyncio.sleep(0.3)
             gate.touch()
             text, done = await asyncio.wait_for(answer, 60)
             assert done.usage.completion_tokens >= 1, text
+            _, late = await asyncio.wait_for(hurried.collect(), 60)
+            assert (late.finish_reason, late.usage.completion_tokens) == ("deadline", 0)
+            assert late.timings.total_ms >= 200
+            for s in more:
+                await asyncio.wait_for(s.collect(), 60)
             st = await c.status()
-            assert not st.warming and st.requests == 1 and st.dtype == "float32"
+            assert not st.warming and st.requests == 16 and st.dtype == "float32"
         assert '"msg": "ready"' in log.read_text()
 
     run_gated_daemon(GATED_TORCH, tiny_bundle.path, tmp_path, session)
