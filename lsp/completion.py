@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
+from m31r_lsp.documents import scrub
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
+from m31r_protocol.messages import Snippet
 from m31r_protocol.reconnect import Unavailable
 
 log = logging.getLogger("m31r_lsp.completion")
@@ -182,7 +184,8 @@ class Completer:
             self.stats["unavailable"] += 1
             return None
         kwargs = plan.fim_kwargs()
-        kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context)
+        kwargs["prefix"], kwargs["suffix"] = scrub(plan.prefix), scrub(plan.suffix)
+        kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context // 2)
         # The daemon stops once the floor below has decided what is shown (Fim.min_probability): the same suggestion,
         # without the tokens it would cut.
         kwargs["min_probability"] = s.min_probability or None
@@ -197,7 +200,7 @@ class Completer:
                     # The width applies to a single-line suggestion of greedy decoding (the daemon searches only
                     # those; a multi-line one stays greedy); None leaves it to the daemon's --beams.
                     beams = s.beams if not plan.multiline and s.temperature == 0 else None
-                    stream = await client.fim(**kwargs, document=uri, seed=s.seed, beams=beams, context=context,
+                    stream = await client.fim(**kwargs, document=scrub(uri), seed=s.seed, beams=beams, context=context,
                                               sampling=Sampling(temperature=s.temperature))
                     self.stats["daemon_requests"] += 1
                     raw, done = await stream.collect()
@@ -255,11 +258,12 @@ class Completer:
             log.exception("finding the crate's other files failed")
             return []
         self.stats["context_snippets"] += len(found)
-        return found
+        return [Snippet(text=scrub(c.text), path=scrub(c.path)) for c in found]
 
     def _clamp_max_tokens(self, max_tokens: int, limit: int) -> int:
-        """The daemon refuses max_tokens above its model's context (every completion would silently come back
-        empty): send its limit instead, and tell the user once per setting."""
+        """The daemon refuses a fim's max_tokens above half its model's context, the rest being the code around
+        the cursor (every completion would silently come back empty): send its limit instead, and tell the user once
+        per setting."""
         if max_tokens <= limit:
             return max_tokens
         self.stats["max_tokens_clamped"] += 1
@@ -279,8 +283,8 @@ class Completer:
         context = await self._context(uri, plan.prefix, s)  # the same head as the request it warms for
         stream = None
         try:
-            stream = await client.fim(plan.prefix, plan.suffix, document=uri, max_tokens=1, stop=plan.stop,
-                                      context=context)
+            stream = await client.fim(scrub(plan.prefix), scrub(plan.suffix), document=scrub(uri), max_tokens=1,
+                                      stop=plan.stop, context=context)
             self.stats["warm_requests"] += 1
             await stream.collect()
         except asyncio.CancelledError:

@@ -1,8 +1,9 @@
 """Positions ↔ offsets in a document string, in the negotiated position encoding.
 
-pygls keeps the documents (incremental sync); completions work on a snapshot of a document's text taken
-when the request arrives, so the conversions here run on that snapshot, never on the live document.
-Lines break at "\\n", "\\r\\n" and "\\r", as the LSP specification says.
+pygls keeps the documents, with incremental changes applied by `edit` (pygls' own splits lines where
+str.splitlines does); completions work on a snapshot of a document's text taken when the request arrives, so
+the conversions here run on that snapshot, never on the live document.
+Lines break at "\\n", "\\r\\n" and "\\r", as the LSP specification says (not at form feeds, U+2028 ...).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 from collections.abc import Callable
 
 _EOL = re.compile(r"\r\n|\r|\n")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _utf8(s: str) -> int:
@@ -66,3 +68,22 @@ def position_at(text: str, offset: int, encoding: str | None = "utf-16") -> tupl
     if start > offset:
         start = offset
     return line, _units(encoding)(text[start:offset])
+
+
+def edit(text: str, start: tuple[int, int], end: tuple[int, int], new: str, encoding: str | None = "utf-16") -> str:
+    """`text` with the range between two client positions (line, character) replaced by `new`: an incremental
+    didChange, placed by the line rules above (the editor's), a character past a line's end meaning its end."""
+    a = offset_at(text, *start, encoding)
+    b = max(a, offset_at(text, *end, encoding))
+    return text[:a] + new + text[b:]
+
+
+def first_line(s: str) -> str:
+    """`s` up to its first line break, whichever of the three it is."""
+    return _EOL.split(s, 1)[0]
+
+
+def scrub(s: str) -> str:
+    """`s` with lone surrogates (JSON may carry them, UTF-8 cannot: the daemon request would not encode) as U+FFFD,
+    one code point for one, so offsets and positions stay the same."""
+    return s if s.isascii() else _SURROGATE.sub("\ufffd", s)

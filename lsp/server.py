@@ -31,7 +31,8 @@ from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
 from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
-from m31r_lsp.documents import offset_at, position_at
+from m31r_lsp.documents import first_line, offset_at, position_at
+from m31r_lsp.rpc import M31rProtocol, moved_on
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import reconnect
 from m31r_protocol.reconnect import LinkConfig
@@ -50,7 +51,8 @@ def link_config(s: EditorSettings) -> LinkConfig:
 
 class M31rLanguageServer(LanguageServer):
     def __init__(self, defaults: EditorSettings | None = None):
-        super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
+                         protocol_cls=M31rProtocol)
         self.config = defaults or EditorSettings()
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
@@ -101,6 +103,10 @@ class M31rLanguageServer(LanguageServer):
 
     async def suggest(self, uri: str, position: types.Position, *, invoked: bool) -> Result | None:
         enc = self.encoding
+        doc = self.document(uri)
+        if doc is not None and moved_on(uri, doc[1]):  # a didChange was applied before this handler first ran
+            self.completer.stats["stale"] += 1
+            return None
         return await self.completer.complete(
             uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked)
 
@@ -139,19 +145,25 @@ class M31rLanguageServer(LanguageServer):
 
 
 class _Replay:
-    """A stream reader that gives back a line already read before the rest of the stream."""
+    """A stream reader that gives back a line already read before the rest of the stream.
+
+    Each read first lets the tasks that are ready run: messages that arrived in one read would otherwise all be
+    handled before any handler task started, so a request followed by a didChange would read the changed text
+    (stdin is read on a thread, which yields anyway)."""
 
     def __init__(self, line: bytes, reader: asyncio.StreamReader):
         self.line: bytes | None = line
         self.reader = reader
 
     async def readline(self) -> bytes:
+        await asyncio.sleep(0)
         if self.line is not None:
             line, self.line = self.line, None
             return line
         return await self.reader.readline()
 
     async def readexactly(self, n: int) -> bytes:
+        await asyncio.sleep(0)
         return await self.reader.readexactly(n)
 
 
@@ -252,7 +264,7 @@ def completion_item(ls: M31rLanguageServer, result: Result, params: types.Comple
     if start == result.offset:
         start = word_before(text, result.offset)
         new_text = text[start : result.offset] + s.text
-    first = new_text.strip().split("\n", 1)[0]
+    first = first_line(new_text.strip())
     label = first if len(first) <= 80 else first[:79] + "…"
     doc = ls.workspace.text_documents.get(unquote(params.text_document.uri))
     lang = (doc.language_id if doc is not None else None) or ""
@@ -263,7 +275,7 @@ def completion_item(ls: M31rLanguageServer, result: Result, params: types.Comple
         if types.MarkupKind.Markdown in formats else new_text)
     return types.CompletionItem(
         label=label or new_text.strip()[:80],
-        kind=types.CompletionItemKind.Snippet if "\n" in new_text else types.CompletionItemKind.Text,
+        kind=types.CompletionItemKind.Snippet if first != new_text.strip() else types.CompletionItemKind.Text,
         detail="m31r",
         documentation=documentation,
         preselect=True,

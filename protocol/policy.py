@@ -75,7 +75,7 @@ class Cursor:
     blank_line: bool  # the cursor line is whitespace only
     next_lines: tuple[str, ...]  # the lines after the cursor line (without line breaks), a few at most
     previous_line: str | None  # the nearest non-blank line above the cursor line
-    newline: str  # the document's line break ("\n" or "\r\n")
+    newline: str  # the document's line break ("\n", "\r\n" or "\r")
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,20 @@ class Shown:
 # -- the cursor -----------------------------------------------------------------------------------------------
 
 
+# Lines break at "\r\n", "\r" and "\n", as in LSP (and the editors): a file of lone "\r"s has lines too.
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
 def _newline_of(text: str) -> str:
-    i = text.find("\n")
-    return "\r\n" if i > 0 and text[i - 1] == "\r" else "\n"
+    m = _EOL.search(text)
+    return m.group() if m else "\n"
+
+
+def _line_start(text: str, offset: int) -> int:
+    """Offset of the first character of the line holding `offset`; inside a "\r\n", the line it ends."""
+    if 0 < offset < len(text) and text[offset - 1 : offset + 1] == "\r\n":
+        offset -= 1
+    return max(text.rfind("\n", 0, offset), text.rfind("\r", 0, offset)) + 1
 
 
 def leading_ws(s: str) -> str:
@@ -132,32 +143,27 @@ def leading_ws(s: str) -> str:
 def cursor_at(text: str, offset: int, *, context_lines: int = 8) -> Cursor:
     if not 0 <= offset <= len(text):
         raise ValueError(f"offset {offset} outside a text of {len(text)} characters")
-    line_start = text.rfind("\n", 0, offset) + 1
-    nl = text.find("\n", offset)
-    line_end = len(text) if nl < 0 else nl
-    if line_end > line_start and text[line_end - 1] == "\r" and line_end - 1 >= offset:
-        line_end -= 1  # CRLF: the line's text ends before the \r
+    line_start = _line_start(text, offset)
+    eol = _EOL.search(text, offset)
+    line_end = len(text) if eol is None else eol.start()
     line = text[line_start:line_end]
     before, after = text[line_start:offset], text[offset:line_end]
     next_lines: list[str] = []
-    if nl >= 0:
-        pos = nl + 1
-        while len(next_lines) < context_lines and pos <= len(text):
-            j = text.find("\n", pos)
-            seg = text[pos:] if j < 0 else text[pos:j]
-            next_lines.append(seg.rstrip("\r"))
-            if j < 0:
-                break
-            pos = j + 1
+    pos = -1 if eol is None else eol.end()
+    while pos >= 0 and len(next_lines) < context_lines:
+        m = _EOL.search(text, pos)
+        next_lines.append(text[pos : len(text) if m is None else m.start()])
+        pos = -1 if m is None else m.end()
     previous_line = None
-    end = line_start - 1  # the \n ending the previous line
+    end = line_start  # where the line after the one looked at starts
     while end > 0:
-        s = text.rfind("\n", 0, end) + 1
-        prev = text[s:end].rstrip("\r")
+        brk = end - 2 if text[end - 2 : end] == "\r\n" else end - 1  # the line break ending the line looked at
+        s = _line_start(text, brk)
+        prev = text[s:brk]
         if prev.strip():
             previous_line = prev
             break
-        end = s - 1
+        end = s
     return Cursor(offset, line_start, line_end, before, after, leading_ws(line), not line.strip(),
                   tuple(next_lines), previous_line, _newline_of(text))
 
@@ -458,8 +464,8 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
     if (cur.previous_line is not None and "\n" not in body and first_line.strip() == cur.previous_line.strip()
             and not cur.after.strip() and len(first_line.strip()) > 1):
         return None
-    if cur.newline == "\r\n":
-        comp = comp.replace("\n", "\r\n")
+    if cur.newline != "\n":
+        comp = comp.replace("\n", cur.newline)
     return Suggestion(comp, start, end)
 
 
@@ -530,8 +536,7 @@ _IDENT = re.compile(r"[A-Za-z0-9_]*$")
 
 def word_before(text: str, offset: int) -> int:
     """Offset where the identifier ending at `offset` starts (completion menus filter on it)."""
-    line_start = text.rfind("\n", 0, offset) + 1
-    m = _IDENT.search(text, line_start, offset)
+    m = _IDENT.search(text, _line_start(text, offset), offset)
     return m.start() if m else offset
 
 

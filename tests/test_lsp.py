@@ -78,10 +78,10 @@ class Session:
         self.client.text_document_did_open(t.DidOpenTextDocumentParams(
             t.TextDocumentItem(uri=uri, language_id="rust", version=1, text=text)))
 
-    def edit(self, start: int, end: int, new: str, uri: str = URI) -> None:
-        """Replace texts[uri][start:end] with `new` (an incremental change, UTF-16 positions)."""
+    def edit(self, start: int, end: int, new: str, uri: str = URI, enc: str = "utf-16") -> None:
+        """Replace texts[uri][start:end] with `new` (an incremental change, positions in `enc`)."""
         text = self.texts[uri]
-        (l0, c0), (l1, c1) = position_at(text, start), position_at(text, end)
+        (l0, c0), (l1, c1) = position_at(text, start, enc), position_at(text, end, enc)
         self.version[uri] += 1
         self.texts[uri] = text[:start] + new + text[end:]
         self.client.text_document_did_change(t.DidChangeTextDocumentParams(
@@ -371,6 +371,130 @@ async def test_position_encoding_utf8_negotiated(lsp):
     check_item(res.items[0], text, offset, st["lastRaw"], enc="utf-8", multiline="always")
 
 
+# -- the server's copy of a document ----------------------------------------------------------------------------
+
+# Characters that str.splitlines breaks lines at and LSP does not (pygls split the lines of a document with it).
+NOT_LINE_BREAKS = "\x0c\x0b\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+@pytest.mark.parametrize("enc", ["utf-16", "utf-8", "utf-32"])
+async def test_incremental_edits_land_where_the_editor_made_them(lsp, enc):
+    """The server applies an edit by the editor's line rules: lines break at \\n, \\r\\n and \\r only (form feeds,
+    U+2028 and the like are characters of a line), and a character past a line's end means the line's end, on a last
+    line without a line break too. The Fim sent is the editor's text, split at the cursor."""
+    s = await lsp({**NOISE, "multiline": "never"}, encodings=[enc])
+    assert (await s.stats())["positionEncoding"] == enc
+    text = f"// {'|'.join(NOT_LINE_BREAKS)}\nfn main() {{\n    let 🐢 = 1;\n}}"
+    s.open(text)
+    pos = text.index("= 1;") + 4
+    s.edit(pos, pos, " let y = 2;", enc=enc)  # on line 2, below the characters, after a character of 4 UTF-8 bytes
+    pos += len(" let y = 2;")
+    await s.inline(pos, enc=enc)
+    fim = (await s.stats())["lastFim"]
+    assert (fim["prefix"], fim["suffix"]) == (s.texts[URI][:pos], s.texts[URI][pos:])
+    s.version[URI] += 1
+    s.texts[URI] += "\n// end"
+    s.client.text_document_did_change(t.DidChangeTextDocumentParams(
+        text_document=t.VersionedTextDocumentIdentifier(uri=URI, version=s.version[URI]),
+        content_changes=[t.TextDocumentContentChangePartial(range=t.Range(t.Position(3, 99), t.Position(3, 99)),
+                                                            text="\n// end")]))
+    await s.inline(len(s.texts[URI]), enc=enc)
+    fim = (await s.stats())["lastFim"]
+    assert fim["prefix"] == s.texts[URI] == text.replace("1;", "1; let y = 2;") + "\n// end"
+
+
+async def test_handled_notifications_leave_nothing_behind():
+    """pygls keeps the future of every notification that a coroutine or generator handled (every didChange: each
+    keystroke) in its protocol's `_request_futures`, and never removes it: about 2 KB a keystroke for as long as the
+    editor runs. The real server, driven in process with the JSON messages an editor sends, keeps none once done."""
+    from m31r_lsp.server import create_server
+
+    server = create_server()
+    proto = server.protocol
+    sent: list[bytes] = []
+
+    class Sink:
+        def write(self, data: bytes) -> None:
+            sent.append(data)
+
+        def close(self) -> None:
+            pass
+
+    proto.set_writer(Sink())
+
+    def send(**msg) -> None:
+        proto.handle_message(proto.structure_message({"jsonrpc": "2.0", **msg}))
+
+    async def answered(msg_id: int) -> bool:
+        return any(b'"id": %d' % msg_id in d or b'"id":%d' % msg_id in d for d in sent)
+
+    send(id=1, method="initialize", params={"capabilities": {}, "initializationOptions": {
+        "m31r": {"enable": False, "autostart": False}}})
+    await until(lambda: answered(1), timeout=10)
+    send(method="initialized", params={})
+    send(method="textDocument/didOpen", params={"textDocument": {"uri": URI, "languageId": "rust", "version": 1,
+                                                                 "text": ""}})
+    n = 300
+    for v in range(2, n + 2):
+        end = {"line": 0, "character": v - 2}
+        send(method="textDocument/didChange", params={
+            "textDocument": {"uri": URI, "version": v}, "contentChanges": [{"range": {"start": end, "end": end},
+                                                                            "text": "x"}]})
+        send(method="workspace/didChangeConfiguration", params={"settings": {"m31r": {"debounceMs": v}}})
+        if v % 50 == 0:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert server.workspace.get_text_document(URI).source == "x" * n and server.config.debounce_ms == n + 1
+    assert len(proto._request_futures) <= 2  # the last messages', until the next one arrives
+    send(id=2, method="shutdown", params=None)
+    await until(lambda: answered(2), timeout=10)
+
+
+@pytest.mark.parametrize("nl", ["\r\n", "\r"])
+async def test_menu_item_of_a_multi_line_suggestion_in_a_crlf_or_cr_document(lsp, nl):
+    """A multi-line suggestion is written with the document's line break (\\r alone is one, as in LSP); the menu item
+    is labelled with its first line, without a stray \\r, and is a snippet."""
+    s = await lsp({**NOISE, "seed": 3})  # (a seed whose suggestion here has lines)
+    text = nl.join(["fn main() {", "    let v = vec![1, 2, 3];", "    ", "}", ""])
+    s.open(text)
+    offset = text.index("    " + nl + "}") + 4
+    res = await s.client.text_document_completion_async(t.CompletionParams(
+        text_document=t.TextDocumentIdentifier(URI), position=t.Position(2, 4)))
+    st = await s.stats()
+    want = expected(text, offset, st["lastRaw"], multiline="always")
+    assert want is not None and nl in want.text and "\n" not in want.text.replace("\r\n", "")
+    [item] = res.items
+    assert item.text_edit.new_text == want.text
+    assert item.label == want.text.strip().split(nl)[0] and "\r" not in item.label
+    assert item.kind == t.CompletionItemKind.Snippet
+
+
+async def test_lone_surrogates_are_sent_as_replacement_characters(lsp, tmp_path):
+    """JSON may carry a lone surrogate (an editor's buffer can hold one), UTF-8 cannot: the daemon request would not
+    encode and no completion in the document would work. What is sent (prefix, suffix, the other files' snippets) has
+    U+FFFD in its place, one character for one, so positions stay right."""
+    root = tmp_path / "demo"
+    (root / "src").mkdir(parents=True)
+    (root / "Cargo.toml").write_text('[package]\nname = "demo"\n')
+    (root / "src/main.rs").write_text("")
+    (root / "src/odd.rs").write_text("// on disk, not what the editor has\n")
+    main, odd = (root / "src/main.rs").as_uri(), (root / "src/odd.rs").as_uri()
+    lib = 'pub fn odd_text() -> String {\n    String::from("\ud800")\n}\n'
+    text = 'fn main() {\n    let s = "\udc00"; let n = odd_text();\n    let t = \n}\n'
+    offset = text.index("let t = ") + len("let t = ")
+    s = await lsp({**NOISE, "projectContext": True})
+    s.open(lib, uri=odd)
+    s.open(text, uri=main)
+    res = await s.inline(offset, uri=main)
+    st = await s.stats()
+    assert st.get("daemon_requests", 0) == 1 and st["lastRaw"] is not None  # (not an encoding error)
+    fim = st["lastFim"]
+    assert fim["prefix"] == text[:offset].replace("\udc00", "\ufffd") and fim["suffix"] == text[offset:]
+    assert fim["context"] == ["src/odd.rs"]
+    assert len(res.items) == 1
+    check_item(res.items[0], text, offset, st["lastRaw"], multiline="always")
+
+
 # -- cancellation, superseding, stale versions -----------------------------------------------------------------
 
 
@@ -476,21 +600,22 @@ async def test_did_change_configuration(lsp):
 
 
 async def test_max_tokens_above_the_daemon_limit_is_clamped_and_the_user_told_once(lsp, tiny_config):
-    """maxTokens accepts up to 4096, the tiny model's context is 512: the daemon would refuse every request
-    (`bad_request`) and the editor would show nothing. The server sends the daemon's limit and says so once."""
+    """maxTokens accepts up to 4096, the tiny model's context is 512, and a fim may have half of it: the daemon would
+    refuse every request (`bad_request`) and the editor would show nothing. The server sends the daemon's limit and
+    says so once."""
     s = await lsp({**NOISE, "maxTokens": 4000})
     s.open(RUST)
     offset = RUST.index("    counts\n}") + len("    counts")
     for cursor in (offset, LINE_ENDS[0]):
         res = await s.inline(cursor)
         st = await s.stats()
-        assert st["lastFim"]["max_tokens"] == tiny_config.max_context
+        assert st["lastFim"]["max_tokens"] == tiny_config.max_context // 2
         assert "daemon_error_bad_request" not in st and st["lastRaw"]
         if cursor == offset:
             assert len(res.items) == 1  # a suggestion, as with the default maxTokens
     told = [m for m in s.client.messages if "maxTokens" in m.message]
     assert len(told) == 1 and told[0].type == t.MessageType.Warning
-    assert "maxTokens 4000" in told[0].message and f"limit of {tiny_config.max_context}" in told[0].message
+    assert "maxTokens 4000" in told[0].message and f"limit of {tiny_config.max_context // 2}" in told[0].message
     assert st["max_tokens_clamped"] == 2
 
 
@@ -844,3 +969,49 @@ def test_tcp_closes_a_browser_request_and_serves_lsp(tmp_path):
                 body += s.recv(length - len(body))
     reply = json.loads(body)
     assert reply["id"] == 1 and reply["result"]["serverInfo"]["name"] == "m31r-lsp"
+
+
+async def _reply(reader: asyncio.StreamReader, msg_id: int) -> dict:
+    """Read LSP messages until the response to `msg_id`."""
+    while True:
+        length = 0
+        while (line := await reader.readline()) != b"\r\n":
+            assert line, "the server closed the connection"
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        msg = json.loads(await reader.readexactly(length))
+        if msg.get("id") == msg_id and "method" not in msg:
+            return msg
+
+
+async def test_tcp_request_and_the_edit_after_it_in_one_read(tmp_path, daemon):
+    """Over TCP a request and the didChange after it can arrive in one read, and are then both handled before the
+    request's handler starts. The request's position is for the text before the change: it must not be read in the
+    changed text (answered for the text it was meant for, or dropped as stale: here the change drops it)."""
+    before = "fn main() {\n    let total = \n}\n"
+    cursor = {"line": 1, "character": 16}
+    assert offset_at(before, 1, 16) == before.index("= ") + 2
+    settings = {"m31r": {**NOISE, "socket": str(daemon), "multiline": "never"}}
+    with tcp_server(tmp_path, "127.0.0.1") as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(frame({**INITIALIZE, "params": {**INITIALIZE["params"], "initializationOptions": settings}}))
+            await _reply(reader, 1)
+            writer.write(frame({"jsonrpc": "2.0", "method": "initialized", "params": {}}) + frame(
+                {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+                    "uri": URI, "languageId": "rust", "version": 1, "text": before}}}))
+            writer.write(frame({"jsonrpc": "2.0", "id": 2, "method": "m31r/stats", "params": {}}))
+            await _reply(reader, 2)  # the document is open
+            writer.write(frame({"jsonrpc": "2.0", "id": 3, "method": "textDocument/inlineCompletion", "params": {
+                "textDocument": {"uri": URI}, "position": cursor, "context": {"triggerKind": 1}}}) + frame(
+                {"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
+                    "textDocument": {"uri": URI, "version": 2}, "contentChanges": [{"range": {
+                        "start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}},
+                        "text": "use std::io;\n"}]}}))
+            answer = (await _reply(reader, 3))["result"]
+            writer.write(frame({"jsonrpc": "2.0", "id": 4, "method": "m31r/stats", "params": {}}))
+            st = (await _reply(reader, 4))["result"]
+        finally:
+            writer.close()
+    assert answer["items"] == [] and st.get("stale", 0) == 1
+    assert st["lastFim"] is None or st["lastFim"]["prefix"] == before[: before.index("= ") + 2]

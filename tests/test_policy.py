@@ -345,6 +345,26 @@ def test_crlf_document():
     assert s is not None and s.text == "\r\n    let b = 2;" and s.end == offset
 
 
+@pytest.mark.parametrize("nl", ["\r", "\r\n"])
+def test_a_lone_cr_breaks_lines_as_in_the_editor(nl):
+    """LSP (and editors) break lines at "\r\n", "\r" and "\n": a document of lone "\r"s has the cursor context, the
+    request and the suggestion of its "\n" twin, with its own line break in the suggestion."""
+    twin = "fn main() {\n    let a = 1;\n\n    █\n    run(a);\n}\n"
+    raw = "let b = 2;\nif b > a {\n    go();\n}"
+    (lf, at), (text, offset) = cur(twin), cur(twin.replace("\n", nl))
+    c, want = policy.cursor_at(text, offset), policy.cursor_at(lf, at)
+    assert (c.before, c.after, c.indent, c.blank_line, c.next_lines, c.previous_line, c.newline) == (
+        want.before, want.after, want.indent, want.blank_line, want.next_lines, want.previous_line, nl)
+    assert text[c.line_end:].startswith(nl + "    run(a);")
+    p, q = policy.plan(text, offset), policy.plan(lf, at)
+    assert (p.prefix, p.suffix, p.multiline, p.stop) == (q.prefix.replace("\n", nl), q.suffix.replace("\n", nl),
+                                                         True, [])
+    s, t = policy.postprocess(p, raw), policy.postprocess(q, raw)
+    assert s is not None and t is not None and t.text.count("\n") == 3
+    assert s.text == t.text.replace("\n", nl) and (s.start, s.end) == (c.line_start, c.line_end)
+    assert policy.word_before("let a\rlet bc", 12) == 10
+
+
 def test_cursor_context():
     text, offset = cur("a\n\n  b█c\nd\n")
     c = policy.cursor_at(text, offset)

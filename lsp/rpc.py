@@ -1,0 +1,72 @@
+"""pygls' LanguageServerProtocol with the fixes this server needs.
+
+- Incremental changes are applied on the text with documents.py's line rules. pygls splits lines with
+  str.splitlines, which also breaks at form feeds, \\v, \\x1c-\\x1e, U+0085, U+2028 and U+2029, so an edit below
+  one of them landed on the wrong line; and it placed an edit past the end of a last line one character early.
+- Finished handler futures are dropped: pygls keeps the future of every notification (every keystroke's didChange)
+  that a coroutine or generator handled, in `_request_futures`, and never removes it.
+- A request notes, as it arrives, the version of the document it names: its position is for that version, and
+  `moved_on` tells its handler whether the text it reads is another.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Generator
+from typing import Any
+from urllib.parse import unquote
+
+from lsprotocol import types
+from pygls.protocol import LanguageServerProtocol, lsp_method
+
+from m31r_lsp import documents
+
+# (uri, version) of the document a request names, as the request arrived; the handler's task inherits it.
+_received: contextvars.ContextVar[tuple[str, int | None] | None] = contextvars.ContextVar("m31r_received",
+                                                                                         default=None)
+
+
+def moved_on(uri: str, version: int | None) -> bool:
+    """Whether document `uri` had another version than `version` when the running request arrived (False when that
+    is unknown): its position would then be read in text it was not meant for."""
+    got = _received.get()
+    return got is not None and got[0] == uri and got[1] != version
+
+
+class M31rProtocol(LanguageServerProtocol):
+    def handle_message(self, msg: Any) -> None:
+        """Drop the finished futures first (pygls would keep a notification's for ever), then handle `msg`."""
+        for msg_id in [k for k, f in self._request_futures.items() if f.done()]:
+            del self._request_futures[msg_id]  # finished: a request's answer is sent by a callback holding its future
+        super().handle_message(msg)
+
+    def _handle_request(self, msg_id: Any, method_name: str, params: Any) -> None:
+        """Note the named document's version now, in message order: the handler runs later."""
+        _received.set(self._version_of(params))
+        super()._handle_request(msg_id, method_name, params)
+
+    def _version_of(self, params: Any) -> tuple[str, int | None] | None:
+        uri = getattr(getattr(params, "text_document", None), "uri", None)
+        try:
+            doc = self.workspace.text_documents.get(unquote(uri)) if isinstance(uri, str) else None
+        except RuntimeError:  # not initialized yet
+            return None
+        return None if doc is None else (uri, doc.version)
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
+    def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams) -> Generator[Any, Any, None]:
+        """pygls' handler, with the changes applied by documents.edit (the editor's line rules)."""
+        doc = self.workspace.text_documents.get(unquote(params.text_document.uri))
+        if doc is not None:
+            text, enc = doc.source, self.workspace.position_encoding  # a PositionEncodingKind (a str) or None
+            for change in params.content_changes:
+                if isinstance(change, types.TextDocumentContentChangePartial):
+                    r = change.range
+                    text = documents.edit(text, (r.start.line, r.start.character), (r.end.line, r.end.character),
+                                          change.text, enc)
+                else:
+                    text = change.text
+            self.workspace.put_text_document(types.TextDocumentItem(
+                uri=doc.uri, language_id=doc.language_id or "", version=params.text_document.version, text=text))
+        if (user_handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
+            yield user_handler, (params,), None
