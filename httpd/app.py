@@ -1,12 +1,13 @@
 """The Starlette application: endpoints, streaming, cancellation, error mapping.
 
-Request path: HTTP body → msgspec Struct (400 naming the field when it does not fit) → a daemon request on
-the shared connection → tokens → JSON or Server-Sent Events. The HTTP status waits for the daemon's first
-event, so an error the daemon reports (busy, context overflow) is a proper status, streaming or not.
+Request path: HTTP body → msgspec Struct (400 naming the field when it does not fit) → one of the daemon slots
+(Admission: the daemon takes only so many requests from one connection, so more wait their turn here) → a daemon
+request on the shared connection → tokens → JSON or Server-Sent Events. The HTTP status waits for the daemon's
+first event, so an error the daemon reports (busy, context overflow) is a proper status, streaming or not.
 
 While a request waits on the daemon, a watcher listens for `http.disconnect`: a client that leaves (or a
-request that runs past the timeout) cancels its daemon request, streaming or not. A cancelled request is
-drained in the background so its answer never lingers on the connection.
+request that runs past the timeout, or whose work fails) cancels its daemon request, streaming or not. A cancelled
+request is drained in the background so its answer never lingers on the connection.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -34,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
-from m31r_http.security import GuardMiddleware, HostPolicy, error_body
+from m31r_http.security import OLLAMA_PREFIX, GuardMiddleware, HostPolicy, error_body
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
@@ -44,10 +46,14 @@ log = logging.getLogger("m31r_http")
 
 ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
              "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
-OLLAMA_PREFIX = "/api/"  # Ollama's API (httpd/ollama.py): its own error shape
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
+# Every HTTP request shares one daemon connection, and the daemon takes at most --max-per-connection (16 by
+# default) requests from one connection: this server has at most that many in the daemon at once, and lets more
+# wait their turn, up to WAITING_LINE of them (each within the request timeout); past that, 503 busy.
+DAEMON_SLOTS = 16
+WAITING_LINE = 64
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,42 @@ def daemon_error_status(e: DaemonError) -> tuple[int, int | None]:
         return 503, 2
     return {"context_overflow": 400, "bad_request": 400, "cancelled": 409, "frame_too_large": 413,
             "internal": 502}.get(e.code, 503), None
+
+
+def daemon_busy(message: str) -> str:
+    """The daemon's `busy` in words an HTTP client can act on: it cannot see the connection the daemon speaks of."""
+    if "per connection" in message:  # a daemon started with a --max-per-connection under DAEMON_SLOTS
+        return (f"the daemon takes fewer requests at once from this server than the {DAEMON_SLOTS} it sends (the "
+                "daemon's --max-per-connection is lower); retry shortly")
+    return (f"the daemon is busy: its queue is full ({message.split(';')[0]}), with this server's requests and other "
+            "clients' (editors, other servers); retry shortly")
+
+
+@dataclass(frozen=True)
+class Fields:
+    """An endpoint's names for what a context overflow is about (None: the endpoint has no such field)."""
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+    truncate: str | None = "truncate"
+
+
+_OVERFLOW = re.compile(r"prompt \((\d+) tokens\) \+ max_tokens \((\d+)\) = \d+ exceeds the model's context of "
+                       r"(\d+) tokens")
+
+
+def overflow_error(message: str, fields: Fields) -> tuple[str, str | None]:
+    """The daemon's context_overflow message with the ways out this endpoint has (the daemon's names none that it
+    lacks), and the field to blame: the prompt when it fills the context alone, else max_tokens."""
+    m = _OVERFLOW.search(message)
+    if m is None:
+        return message, None
+    n, k, ctx = map(int, m.groups())
+    cut = f", or send {fields.truncate}: true to keep the prompt's end" if fields.truncate and k < ctx else ""
+    if n >= ctx:
+        return f"{m.group(0)}: the prompt alone fills it; shorten the prompt{cut}", fields.prompt
+    return (f"{m.group(0)}: lower {fields.max_tokens} to at most {ctx - n}, or shorten the prompt{cut}",
+            fields.max_tokens)
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
@@ -232,13 +274,25 @@ class CompletionRenderer(Renderer):
         return msgspec.json.encode(self.response(g))
 
 
+def top_by_key(tops: list[s.TopToken]) -> dict[str, float]:
+    """A step's alternatives keyed as OpenAI keys them, by text, one entry each: tokens that are part of a character
+    all read U+FFFD (and two tokens may read alike), so such a one is keyed `token:<id>` instead."""
+    out: dict[str, float] = {}
+    for c in tops:
+        key = c.text if "\ufffd" not in c.text and c.text not in out else f"token:{c.token}"
+        while key in out:  # (a token whose text is `token:<id>` itself)
+            key += "#"
+        out[key] = c.logprob
+    return out
+
+
 def openai_logprobs(frames: list[Token], offset: int) -> s.OpenAILogprobs:
     """token_figures in OpenAI's legacy form, the text offsets counted from `offset`."""
     out = s.OpenAILogprobs([], [], [], [])
     for t in token_figures(frames):
         out.tokens.append(t.text)
         out.token_logprobs.append(t.logprob)
-        out.top_logprobs.append({c.text: c.logprob for c in t.top_logprobs})
+        out.top_logprobs.append(top_by_key(t.top_logprobs))
         out.text_offset.append(offset)
         offset += len(t.text)
     return out
@@ -312,13 +366,41 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+class Admission:
+    """The daemon slots this server's requests share (DAEMON_SLOTS), and the bounded line of those waiting for one:
+    the daemon would refuse a request past its per-connection limit, which no HTTP client can see."""
+
+    def __init__(self, slots: int = DAEMON_SLOTS, line: int = WAITING_LINE):
+        self.slots, self.line = slots, line
+        self.free = asyncio.Semaphore(slots)
+        self.taken = self.waiting = 0
+
+    async def acquire(self) -> None:
+        """A slot, once one is free (the caller's timeout bounds the wait); Failed (503 busy) when the line is full."""
+        if self.free.locked() and self.waiting >= self.line:
+            raise Failed(503, "busy", f"this server has its {self.slots} requests in the daemon (the most the daemon "
+                                      f"takes from it at once) and {self.waiting} more waiting their turn, the most it "
+                                      "holds; retry shortly", 1)
+        self.waiting += 1
+        try:
+            await self.free.acquire()
+        finally:
+            self.waiting -= 1
+        self.taken += 1
+
+    def release(self) -> None:
+        self.taken -= 1
+        self.free.release()
+
+
 class Generation:
-    """One HTTP request's daemon request, as the ASGI response that runs it: connect, submit, wait for the
-    first event, answer — all under a disconnect watcher and the request timeout."""
+    """One HTTP request's daemon request, as the ASGI response that runs it: wait for a daemon slot, connect,
+    submit, wait for the first event, answer — all under a disconnect watcher and the request timeout."""
 
     def __init__(self, svc: Service, endpoint: str, start: Callable[[Client], Awaitable[Stream]],
-                 renderer: Renderer, stream: bool):
+                 renderer: Renderer, stream: bool, fields: Fields = Fields()):
         self.svc, self.endpoint, self.start, self.renderer, self.stream = svc, endpoint, start, renderer, stream
+        self.fields = fields  # the request's names, for a context overflow's message
         self.t0 = time.perf_counter()
         self.loaded = self.t0  # when the daemon connection was ready
         self.deadline = self.t0 + svc.settings.request_timeout
@@ -327,7 +409,9 @@ class Generation:
         self.frames: list[Token] = []  # the daemon's Token frames so far: their texts make up the answer
         self.done: Done | None = None
         self.ended = False  # the daemon request is over (done or error)
-        self.started = False  # response headers sent
+        self.responded = False  # response headers sent (or being sent)
+        self.started = False  # streaming's headers sent: errors are events from here on
+        self.slot = False  # holds one of the daemon slots (Admission)
 
     @property
     def text(self) -> str:
@@ -337,13 +421,16 @@ class Generation:
         work = asyncio.ensure_future(self._work(send))
         gone = asyncio.ensure_future(_disconnected(receive))
         reason: str | None = None
+        error: BaseException | None = None
         try:
             finished, _ = await asyncio.wait({work, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
                                              return_when=asyncio.FIRST_COMPLETED)
             if work in finished:
-                work.result()
-                return
-            reason = "disconnect" if gone in finished else "timeout"
+                if (error := work.exception()) is None:
+                    return
+                reason = "error"  # a bug, or a response the server could not send: the daemon request must end too
+            else:
+                reason = "disconnect" if gone in finished else "timeout"
         except asyncio.CancelledError:
             reason = "shutdown"
             raise
@@ -354,11 +441,26 @@ class Generation:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
                 self._abandon(reason)
+            elif self.slot:
+                self._release()
         if reason == "timeout":
             message = f"the request ran past the server's {self.svc.settings.request_timeout:g}s timeout"
             await self._fail(send, Failed(504, "timeout", message))
+        elif error is not None:
+            log.error("request failed", exc_info=error, extra={"fields": {"path": self.endpoint}})
+            if self.responded and not self.started:
+                raise error  # a whole answer half sent: only closing the connection tells the client
+            try:
+                await self._fail(send, Failed(500, "internal",
+                                              f"the server hit an internal error: {type(error).__name__}"))
+            except Exception:
+                raise error from None
 
     # -- the work ---------------------------------------------------------------------------------------------
+
+    async def _respond(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.responded = True
+        await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _work(self, send: Send) -> None:
         try:
@@ -375,31 +477,50 @@ class Generation:
             except Failed as f:
                 return await self._fail(send, f)
             body = self.renderer.body(self)
-            await send({"type": "http.response.start", "status": 200, "headers": [
+            await self._respond(send, 200, [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                *self.renderer.headers]})
+                *self.renderer.headers])
             await send({"type": "http.response.body", "body": body})
             return
         self.started = True  # from here on, errors are events
-        await send({"type": "http.response.start", "status": 200, "headers": [
+        await self._respond(send, 200, [
             (b"content-type", self.renderer.media_type), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"), *self.renderer.headers]})
-        live = self.renderer.live
+            (b"x-accel-buffering", b"no"), *self.renderer.headers])
+        live, every = self.renderer.live, self.renderer.every_token
         if prelude := self.renderer.prelude():
             await send({"type": "http.response.body", "body": prelude, "more_body": True})
+        # With every token's figures, each token's chunk waits for the next frame: text held back and released at
+        # the end (a stop sequence's start that did not complete) has no token of its own and joins the one before,
+        # as in the whole answer (scored_tokens), so the chunks' tokens are the answer's.
+        held: Token | None = None
         try:
             piece = first
             while piece is not None:
-                if live and (piece or self.renderer.every_token):
-                    body = self.renderer.chunk(piece, self.frames[-1])
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                frame = self.frames[-1]
+                if live and every:
+                    if held is not None and (frame.token is None or frame.logprob is None):
+                        held = msgspec.structs.replace(held, text=held.text + frame.text)
+                    else:
+                        if held is not None:
+                            await self._chunk(send, held)
+                        held = frame
+                elif live and piece:
+                    await self._chunk(send, frame)
                 piece = await self._next()
         except Failed as f:
             return await self._fail(send, f)
+        if held is not None:
+            await self._chunk(send, held)
         await send({"type": "http.response.body", "body": self.renderer.final(self), "more_body": False})
 
+    async def _chunk(self, send: Send, frame: Token) -> None:
+        await send({"type": "http.response.body", "body": self.renderer.chunk(frame.text, frame), "more_body": True})
+
     async def _begin(self) -> str | None:
-        """Connect, submit, and wait for the daemon's first event: its text, or None if it ended at once."""
+        """Wait for a daemon slot, connect, submit, and wait for the daemon's first event: its text, or None if it
+        ended at once."""
+        await self.svc.admission.acquire()
+        self.slot = True
         up = self.svc.upstream
         try:
             self.client = await up.get(max(0.0, self.deadline - time.perf_counter()))
@@ -411,6 +532,9 @@ class Generation:
         except DaemonUnavailable as e:
             up.lost(self.client)
             raise Failed(503, "unavailable", str(e), 1) from None
+        except DaemonError as e:  # refused before it was sent (a field this daemon lacks, text that is not UTF-8)
+            status, retry = daemon_error_status(e)
+            raise Failed(status, e.code, e.message, retry) from None
         except UnicodeEncodeError as e:
             raise Failed(400, "invalid", f"the request's text is not valid Unicode: {e}") from None
         except s.InvalidRequest as e:  # a check that needs the daemon's answer (the model's name)
@@ -425,7 +549,7 @@ class Generation:
         try:
             tok = await anext(self.daemon)
         except StopAsyncIteration:
-            self.ended = True
+            self._end()
             self.done = d = self.daemon.done
             assert d is not None
             m, ep = self.svc.metrics, self.endpoint
@@ -436,11 +560,16 @@ class Generation:
                 m.first_token.labels(ep).observe(time.perf_counter() - self.t0)
             return None
         except DaemonError as e:
-            self.ended = True
+            self._end()
             status, retry = daemon_error_status(e)
-            raise Failed(status, e.code, e.message, retry) from None
+            message, param = e.message, None
+            if e.code == "busy":
+                message = daemon_busy(e.message)
+            elif e.code == "context_overflow":
+                message, param = overflow_error(e.message, self.fields)
+            raise Failed(status, e.code, message, retry, param) from None
         except DaemonUnavailable as e:
-            self.ended = True
+            self._end()
             if self.client is not None:
                 self.svc.upstream.lost(self.client)
             raise Failed(503, "unavailable", f"the daemon went away: {e}", 1) from None
@@ -452,18 +581,37 @@ class Generation:
     async def _fail(self, send: Send, f: Failed) -> None:
         if not self.started:
             resp = self.renderer.error(f.status, f.code, f.message, param=f.param, retry_after=f.retry_after)
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+            await self._respond(send, resp.status_code, resp.raw_headers)
             await send({"type": "http.response.body", "body": resp.body})
             return
         await send({"type": "http.response.body", "body": self.renderer.error_event(f.status, f.code, f.message),
                     "more_body": False})
 
+    def _end(self) -> None:
+        """The daemon request is over: its slot is free for the next."""
+        self.ended = True
+        self._release()
+
+    def _release(self) -> None:
+        if self.slot:
+            self.slot = False
+            self.svc.admission.release()
+
     def _abandon(self, reason: str) -> None:
-        """The client left or time ran out: cancel the daemon request and drain its answer in the background."""
+        """The client left, time ran out or the work failed: cancel the daemon request and drain its answer in the
+        background. Its slot stays taken until the daemon lets go of it (else the daemon could refuse the next)."""
         self.svc.metrics.cancelled.labels(self.endpoint, reason).inc()
         log.info("request cancelled", extra={"fields": {"path": self.endpoint, "reason": reason}})
         if self.daemon is not None and not self.ended:
-            self.svc.spawn(self.svc.drain(self.daemon))
+            self.svc.spawn(self._drain(self.daemon))
+        else:
+            self._release()
+
+    async def _drain(self, daemon: Stream) -> None:
+        try:
+            await self.svc.drain(daemon)
+        finally:
+            self._release()
 
 
 # -- the service ----------------------------------------------------------------------------------------------
@@ -473,6 +621,7 @@ class Service:
     def __init__(self, settings: ServeSettings, upstream: DaemonLink | None = None):
         self.settings = settings
         self.metrics = Metrics(ENDPOINTS)
+        self.admission = Admission()
         self.upstream = upstream or DaemonLink(
             link_config(settings.socket, autostart=settings.autostart, bundle=settings.bundle), client_name="m31r-http",
             log=log, on_connect=lambda client: self.metrics.reconnects.inc())
@@ -551,7 +700,7 @@ class Service:
             r.prefix, r.suffix, document=document, max_tokens=r.max_tokens, sampling=sampling, stop=r.stop,
             seed=r.seed, deadline_ms=r.deadline_ms or None, beams=r.beams, context=snippets(r.context),
             logprobs=r.logprobs),
-            NativeRenderer(r.logprobs is not None), r.stream)
+            NativeRenderer(r.logprobs is not None), r.stream, Fields("prefix", truncate=None))
 
     async def completion(self, request: Request) -> Generation:
         r: s.CompletionRequest = await self.read(request, s.CompletionRequest)
@@ -568,7 +717,7 @@ class Service:
         return Generation(self, "/completion", lambda c: c.fim(
             **plan.fim_kwargs(), document=document, sampling=sampling, seed=r.seed, beams=r.beams,
             context=snippets(r.context), min_probability=r.min_probability or None),
-            CompletionRenderer(plan, len(r.prefix), r.min_probability), r.stream)
+            CompletionRenderer(plan, len(r.prefix), r.min_probability), r.stream, Fields("prefix", truncate=None))
 
     async def openai_completions(self, request: Request) -> Generation:
         r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest, s.OPENAI_REFUSALS)
@@ -577,6 +726,8 @@ class Service:
         self.check_cap(max_tokens)
         sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        if r.stream_options is not None and not r.stream:  # as OpenAI answers it
+            raise s.InvalidRequest("stream_options: only allowed when stream is true", "stream_options")
         if r.logprobs is not None and r.echo:
             raise s.InvalidRequest("logprobs: with echo it would need the prompt's log-probabilities, which this "
                                    "server does not compute: send one or the other", "logprobs")
@@ -591,7 +742,7 @@ class Service:
             kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
             return c.fim(prompt, suffix, **kw) if suffix is not None else c.generate(prompt, **kw)
 
-        return Generation(self, "/v1/completions", start, renderer, bool(r.stream))
+        return Generation(self, "/v1/completions", start, renderer, bool(r.stream), Fields(truncate=None))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -623,7 +774,8 @@ class Service:
         w = self.upstream.welcome
         if w is None:
             return Response(self.openapi, media_type="application/json")
-        doc = s.with_models(msgspec.json.decode(self.openapi), model_names(w.model))
+        doc = s.with_fim_limit(s.with_models(msgspec.json.decode(self.openapi), model_names(w.model)),
+                               w.max_context // 2)
         return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
@@ -659,7 +811,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
-                                     max_age=600))
+                                     expose_headers=["retry-after", "x-m31r-ignored-options"], max_age=600))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request,
                                         **ollama.EXCEPTION_HANDLERS, Exception: internal_error})

@@ -51,7 +51,7 @@ class Metrics:
         self.completion_tokens = Counter("m31r_completion_tokens", "Generated tokens of finished requests.",
                                          ["endpoint"], registry=r)
         self.cancelled = Counter("m31r_http_cancelled", "Daemon requests cancelled by the HTTP server.",
-                                 ["endpoint", "reason"], registry=r)  # reason: disconnect | timeout | shutdown
+                                 ["endpoint", "reason"], registry=r)  # reason: disconnect | timeout | shutdown | error
         self.cancel_outcomes = Counter(
             "m31r_http_cancel_outcomes", "How the daemon ended requests the server cancelled: `cancelled` (ended "
             "early) or `finished` (it had already completed).", ["outcome"], registry=r)
@@ -103,9 +103,9 @@ class MetricsMiddleware:
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
             await send(message)
+            if message["type"] == "http.response.start":  # once sent: a start the server refused is no answer
+                status = message["status"]
 
         m.in_flight.inc()
         try:

@@ -7,7 +7,7 @@ Where it follows Ollama and where it does not:
   template is ever applied, so `raw` changes nothing.
 - Options honoured: num_predict, temperature, top_k, top_p, seed, stop. Every other option is ignored, as Ollama
   ignores options it does not know (plugins send num_ctx, num_thread, repeat_penalty by habit); the response's
-  `X-M31R-Ignored-Options` header names them.
+  `X-M31R-Ignored-Options` header names them (percent-encoded where a name holds what a header cannot carry).
 - Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
   num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
   cap is refused. A prompt too long for the context loses its start, as Ollama's does (`truncate: false` refuses).
@@ -22,6 +22,7 @@ Where it follows Ollama and where it does not:
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Generation, Renderer, Service, model_names, token_figures
+from m31r_http.app import Fields, Generation, Renderer, Service, model_names, token_figures
 from m31r_http.fim_templates import split_fim
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_LOGPROBS
@@ -48,6 +49,10 @@ HONOURED = frozenset({"num_predict", "temperature", "top_k", "top_p", "seed", "s
 TEMPLATE = ("{{- if .Suffix }}<|fim_suffix|>{{ .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_middle|>"
             "{{- else }}{{ .Prompt }}{{- end }}")
 NDJSON = b"application/x-ndjson"
+# What an option's name may hold as it is in the X-M31R-Ignored-Options header: visible ASCII but the list's comma and
+# the escape's percent sign. Anything else (a line break would end the header and lose the whole response) is
+# percent-encoded, UTF-8 bytes.
+HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in ",%")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -167,7 +172,8 @@ class OllamaRenderer(Renderer):
 
     def __init__(self, model: str, ignored: list[str], logprobs: bool = False):
         self.model = model  # echoed as the request named it, as Ollama does
-        self.headers = ((b"x-m31r-ignored-options", ", ".join(ignored).encode()),) if ignored else ()
+        names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
+        self.headers = ((b"x-m31r-ignored-options", names.encode()),) if ignored else ()
         self.every_token = self.logprobs = logprobs
 
     def _line(self, obj: dict) -> bytes:
@@ -286,7 +292,7 @@ class Ollama:
                 return c.fim(prefix, suffix, **kw)
             return c.generate(prefix, truncate=r.truncate, **kw)
 
-        return Generation(svc, "/api/generate", start, renderer, r.stream)
+        return Generation(svc, "/api/generate", start, renderer, r.stream, Fields(max_tokens="options.num_predict"))
 
     async def show(self, request: Request) -> Response:
         r: ShowRequest = await self.svc.read(request, ShowRequest)

@@ -411,7 +411,8 @@ _ERRORS = {
     "403": "The Host header is not a loopback name (DNS-rebinding defence), or the Origin is not allowed.",
     "409": "Cancelled by the daemon: superseded by a newer request for the same `path`.",
     "413": "The request body exceeds the server's limit.",
-    "503": "The daemon is busy (its queue is full), starting, or unavailable: retry after Retry-After seconds.",
+    "503": "The daemon is busy (its queue is full), starting, or unavailable, or this server's line of requests "
+           "waiting for the daemon is full: retry after Retry-After seconds.",
     "504": "The request ran past the server's request timeout.",
 }
 
@@ -447,6 +448,10 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
     for name in ("GenerateRequest", "FimRequest", "CompletionRequest"):  # a beam search samples nothing
         components[name]["if"] = {"required": ["beams"], "properties": {"beams": {"type": "integer", "minimum": 2}}}
         components[name]["then"] = {"properties": {"temperature": {"exclusiveMaximum": GREEDY_BELOW}}}
+    # As OpenAI: stream_options only with stream true.
+    components["OpenAICompletionRequest"]["if"] = {"required": ["stream_options"],
+                                                   "properties": {"stream_options": {"type": "object"}}}
+    components["OpenAICompletionRequest"]["then"] = {"required": ["stream"], "properties": {"stream": {"const": True}}}
     gen_errors = ("400", "401", "403", "409", "413", "503", "504")
     common = ("401", "403")
 
@@ -506,6 +511,24 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
     if token:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def with_fim_limit(doc: dict, limit: int) -> dict:
+    """`doc` with the fill-in-the-middle requests' max_tokens held to `limit`, the daemon's (half its model's context,
+    known once it has answered): the native FIM endpoints', and /v1/completions' where it has a suffix."""
+    doc = msgspec.json.decode(msgspec.json.encode(doc))  # a deep copy
+    schemas = doc["components"]["schemas"]
+    for name in ("FimRequest", "CompletionRequest"):
+        prop = schemas[name]["properties"]["max_tokens"]
+        for schema in prop.get("anyOf", [prop]):
+            if schema.get("type") == "integer":
+                schema["maximum"] = min(schema.get("maximum", limit), limit)
+    openai = schemas["OpenAICompletionRequest"]
+    capped = {"anyOf": [{"type": "integer", "maximum": limit}, {"type": "null"}]}
+    rule = {"if": {"required": ["suffix"], "properties": {"suffix": {"type": "string"}}},
+            "then": {"properties": {"max_tokens": capped}}}
+    openai["allOf"] = [*openai.get("allOf", []), rule]
     return doc
 
 

@@ -78,14 +78,19 @@ def load_token(path: str | Path) -> str:
     return token
 
 
+OLLAMA_PREFIX = "/api/"  # Ollama's API (ollama.py): its clients read errors as {"error": "message"}
+
+
 def error_body(status: int, code: str, message: str) -> bytes:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind)))
 
 
-async def send_error(send: Send, status: int, code: str, message: str,
+async def send_error(send: Send, path: str, status: int, code: str, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = error_body(status, code, message)
+    """An error before routing, in the shape the path's clients read (as app._error_for chooses it)."""
+    body = (msgspec.json.encode({"error": message}) if path.startswith(OLLAMA_PREFIX)
+            else error_body(status, code, message))
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
@@ -108,27 +113,34 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v for k, v in scope["headers"]}
+        origin = headers.get("origin")
+        o = origin.decode("latin-1").rstrip("/") if origin is not None else None
+        allowed = o is not None and (o in self.origins or "*" in self.origins)
+        # An allowed page must be able to read these refusals too: the CORS middleware inside never sees them.
+        cors = [(b"access-control-allow-origin", b"*" if "*" in self.origins else origin or b""),
+                (b"vary", b"Origin")] if allowed else []
+
+        async def refuse(status: int, code: str, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+            await send_error(send, scope["path"], status, code, message, [*extra, *cors])
+
         host = headers.get("host", b"").decode("latin-1")
         if not self.hosts.allows(host):
-            return await send_error(send, 403, "forbidden_host", (
+            return await refuse(403, "forbidden_host", (
                 f"Host {host!r} is not a loopback name; start the server with --allowed-host to accept it"))
-        origin = headers.get("origin")
-        if origin is not None:
-            o = origin.decode("latin-1").rstrip("/")
-            if o not in self.origins and "*" not in self.origins:
-                return await send_error(send, 403, "forbidden_origin", (
-                    f"Origin {o!r} is not allowed; start the server with --cors-origin to allow it"))
+        if o is not None and not allowed:
+            return await refuse(403, "forbidden_origin", (
+                f"Origin {o!r} is not allowed; start the server with --cors-origin to allow it"))
         preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
         if self.token is not None and not preflight:
             auth = headers.get("authorization", b"")
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
-                return await send_error(send, 401, "unauthorized", "a bearer token is required",
-                                        [(b"www-authenticate", b'Bearer realm="m31r"')])
+                return await refuse(401, "unauthorized", "a bearer token is required",
+                                    ((b"www-authenticate", b'Bearer realm="m31r"'),))
         length = headers.get("content-length", b"")
         if self.max_body is not None and length.isdigit() and int(length) > self.max_body:
             # A declared size over the limit is refused before reading. (Starlette's per-route limit, inside,
             # catches bodies that grow past it without declaring a size.)
-            return await send_error(send, 413, "too_large", (
+            return await refuse(413, "too_large", (
                 f"the request body ({int(length)} bytes) exceeds this server's limit of {self.max_body} bytes"))
         await self.app(scope, receive, send)

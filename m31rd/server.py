@@ -84,6 +84,8 @@ class Typed:
     stopped_by: str | None = None  # what a "stop" was (Outcome.stopped_by): end | sequence | repeat | unsure
     stops: tuple[str, ...] = ()  # the stop sequences it ran with (request_stops)
     shape: tuple = ()  # what else decided its text (answer_shape)
+    max_tokens: int = 0  # the request's limits, which may have ended it
+    min_probability: float = 0.0
 
 
 def answer_shape(req: m.Fim, sampling: SamplingParams, beams: int) -> tuple:
@@ -110,12 +112,14 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str] | None:
+def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> tuple[str, str] | None:
     """The typed-through answer to a request with these limits, and its finish reason: `rest` cut after
     `max_tokens` tokens (a partly typed token counts as one), then before the first stop sequence, as the model
-    would have stopped. None where only the model can answer: the rest ends where the earlier request's own limits
-    ended it (its max_tokens or deadline, its confidence floor, which the typed tokens no longer weigh on, or a stop
-    sequence this request lacks) and this request's limits end nothing sooner."""
+    would have stopped. None where only the model can answer: the rest ends where the earlier request's limits ended
+    it, and this request allows more (a larger max_tokens, a lower confidence floor, fewer stop sequences), or where
+    a deadline ended it; and this request's own limits end nothing sooner. (With the same limits, as an editor sends
+    while the user types, the rest is answered: the model's would start the same and may run a little further, the
+    typed tokens no longer counting towards max_tokens or the floor.)"""
     text, reason, cut = rest.text, rest.finish_reason, False
     if max_tokens <= len(rest.ends):
         cut = True
@@ -123,8 +127,13 @@ def clip(rest: Typed, max_tokens: int, stop: list[str]) -> tuple[str, str] | Non
             text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
     if hits := [i for i in (text.find(s) for s in stop if s) if i >= 0]:
         text, reason, cut = text[: min(hits)], "stop", True
-    own_end = rest.finish_reason == "stop" and (
-        rest.stopped_by in ("end", "repeat") or (rest.stopped_by == "sequence" and set(rest.stops) <= set(stop)))
+    if rest.finish_reason == "length":
+        own_end = max_tokens <= rest.max_tokens
+    elif rest.finish_reason == "stop":
+        own_end = {"end": True, "repeat": True, "unsure": min_probability >= rest.min_probability,
+                   "sequence": set(rest.stops) <= set(stop)}.get(rest.stopped_by or "", False)
+    else:  # a deadline's cut
+        own_end = False
     return (text, reason) if cut or own_end else None
 
 
@@ -585,7 +594,8 @@ class Daemon:
         assert isinstance(req, m.Fim)
         shape = answer_shape(req, job.sampling, request_beams(req, job.sampling, self.beams))
         rest = typed_through(self.typed.get(req.document), req, shape)
-        if rest is None or (answer := clip(rest, req.max_tokens, request_stops(req))) is None:
+        answer = None if rest is None else clip(rest, req.max_tokens, request_stops(req), req.min_probability or 0.0)
+        if rest is None or answer is None:
             return False
         # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
         self.typed[req.document] = rest
@@ -620,7 +630,7 @@ class Daemon:
                 self.typed[req.document] = Typed(
                     req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
                     tuple(msg.logprob_by_line), job.stopped_by, tuple(request_stops(req)),
-                    answer_shape(req, job.sampling, job.beams))
+                    answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0)
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)

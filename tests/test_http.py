@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -199,6 +200,13 @@ def test_health_and_models(http, tiny_bundle):
     openai_req = doc["components"]["schemas"]["OpenAICompletionRequest"]["properties"]
     assert {"maximum": CAP, "type": "integer"}.items() <= openai_req["max_tokens"]["anyOf"][0].items()
     assert openai_req["model"]["anyOf"][0]["enum"] == [tiny_bundle.model_id, name, "m31r"]
+    # A fill-in-the-middle completion may have half the model's context (512 here): the daemon refuses more.
+    fim_max = doc["components"]["schemas"]["FimRequest"]["properties"]["max_tokens"]["maximum"]
+    assert fim_max == 256 < CAP
+    [rule] = doc["components"]["schemas"]["OpenAICompletionRequest"]["allOf"]
+    assert rule["then"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 256
+    r = http.post("/fim", json={"prefix": "fn a() {", "suffix": "}", "max_tokens": 257})
+    assert r.status_code == 400 and "half its context" in r.json()["error"]["message"]
 
 
 # -- native endpoints -------------------------------------------------------------------------------------------
@@ -463,6 +471,52 @@ def test_openai_client(server, tiny_bundle):
         assert e.value.type == "invalid_request_error"
 
 
+def _daemon_frames(sock: Path, **kw) -> list[pm.Token]:
+    """The daemon's frames for a Generate (to see text held back and released at the end: a frame with no token)."""
+
+    async def go() -> list[pm.Token]:
+        async with await Client.connect(sock) as c:
+            return [f async for f in await c.generate(**kw)]
+
+    return asyncio.run(go())
+
+
+def test_streamed_figures_are_the_answers(http, daemon):
+    """With logprobs, a stream's tokens are the whole answer's, text held back and released at the end included (it
+    joins the token before it, as in the answer): joined, they are the text, with the same figures and offsets."""
+    frames = _daemon_frames(daemon["sock"], prompt="x", max_tokens=3, stop=["xq"], logprobs=0)
+    assert frames[-1].token is None and frames[-1].text, frames  # the case at hand: text released at the end
+    body = {"prompt": "x", "max_tokens": 3, "stop": ["xq"], "logprobs": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    events = sse_events(http.post("/v1/completions", json={**body, "stream": True}).text)
+    streamed = [json.loads(d)["choices"][0] for _, d in events[:-1]]
+    assert "".join(c["text"] for c in streamed) == whole["text"] == "".join(f.text for f in frames)
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in streamed if c["logprobs"] for x in c["logprobs"][key]] == whole["logprobs"][key], key
+    native = http.post("/generate", json=body).json()
+    chunks = [json.loads(d) for e, d in sse_events(http.post("/generate", json={**body, "stream": True}).text)
+              if e == "chunk"]
+    assert [(c["text"], c["logprob"]) for c in chunks] == [(t["text"], t["logprob"]) for t in native["tokens"]]
+    assert "".join(c["text"] for c in chunks) == native["text"] == whole["text"]
+
+
+def test_openai_top_logprobs_keep_every_alternative(http):
+    """Tokens that are part of a character all read U+FFFD: OpenAI's `top_logprobs`, keyed by text, keys them
+    `token:<id>`, so every step keeps all of its alternatives."""
+    body = {"prompt": "é", "max_tokens": 12, "logprobs": 5}
+    steps = http.post("/generate", json=body).json()["tokens"]
+    assert any(sum(c["text"] == "\ufffd" for c in t["top_logprobs"]) >= 2 for t in steps)  # the case at hand
+    lp = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == len(steps)
+    for got, step in zip(lp["top_logprobs"], steps, strict=True):
+        want = {c["text"] if "\ufffd" not in c["text"] else f"token:{c['token']}": c["logprob"]
+                for c in step["top_logprobs"]}
+        assert got == want and len(got) == len(step["top_logprobs"])
+    events = sse_events(http.post("/v1/completions", json={**body, "stream": True}).text)
+    streamed = [json.loads(d)["choices"][0]["logprobs"] for _, d in events[:-1]]
+    assert [x for c in streamed if c for x in c["top_logprobs"]] == lp["top_logprobs"]
+
+
 def test_openai_wire_format(http, tiny_bundle):
     r = http.post("/v1/completions", json={"model": "m31r", "prompt": ["fn"], "max_tokens": 4, "stop": "\n",
                                            "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
@@ -514,6 +568,8 @@ def test_openai_wire_format(http, tiny_bundle):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
 ])
 def test_400_names_the_field(http, path, body, param):
     r = http.post(path, json=body)
@@ -586,6 +642,22 @@ def test_context_overflow_400(http):
     assert ok.status_code == 200
 
 
+def test_context_overflow_says_what_the_endpoint_can_do(http):
+    """The way out an overflow's message names is one the endpoint has (/v1/completions takes no `truncate`), and
+    `param` is the field to blame: the prompt when it fills the context alone, else max_tokens."""
+    fits, too_long = "fn a() {}\n" * 30, "fn a() {}\n" * 60
+    err = http.post("/v1/completions", json={"prompt": too_long, "max_tokens": 400}).json()["error"]
+    assert err["code"] == "context_overflow" and err["param"] == "prompt", err
+    assert "shorten the prompt" in err["message"] and "truncat" not in err["message"]
+    err = http.post("/v1/completions", json={"prompt": fits, "max_tokens": 400}).json()["error"]
+    assert err["param"] == "max_tokens" and "truncat" not in err["message"], err
+    most = int(re.search(r"lower max_tokens to at most (\d+), or shorten the prompt", err["message"]).group(1))
+    assert http.post("/v1/completions", json={"prompt": fits, "max_tokens": most}).status_code == 200  # true, too
+    assert http.post("/v1/completions", json={"prompt": fits, "max_tokens": most + 1}).status_code == 400
+    err = http.post("/generate", json={"prompt": fits, "max_tokens": 400}).json()["error"]
+    assert err["param"] == "max_tokens" and "send truncate: true" in err["message"], err
+
+
 # -- cancellation -----------------------------------------------------------------------------------------------
 
 
@@ -655,9 +727,42 @@ def test_metrics_counters_move(http):
 # -- load -------------------------------------------------------------------------------------------------------
 
 
+def test_more_clients_than_the_daemon_takes_from_one_connection(server, daemon):
+    """Every HTTP request shares the server's one daemon connection, which the daemon lets carry 16 requests: more
+    clients at once than that wait their turn instead of a 503."""
+    async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await c.post("/v1/completions", json={"prompt": f"fn f{i}() {{\n", "max_tokens": 100})
+
+    async def go() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=30, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(24)))
+
+    responses = asyncio.run(go())
+    assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses if r.status_code != 200]
+
+
+def test_a_daemon_full_of_other_clients_requests_is_a_503(http, daemon):
+    """Another client (here a socket one) fills the daemon's queue: a 503 `busy` whose message speaks of the daemon's
+    queue, not of a connection the HTTP client cannot see."""
+    async def go() -> httpx.Response:
+        async with await Client.connect(daemon["sock"]) as c:
+            streams = [await c.generate(f"fn f{i}() {{", max_tokens=400) for i in range(16)]  # its --max-queue
+            r = await asyncio.to_thread(http.post, "/v1/completions", json={"prompt": "fn", "max_tokens": 2})
+            for st in streams:
+                await st.cancel()
+            return r
+
+    r = asyncio.run(go())
+    err = r.json()["error"]
+    assert r.status_code == 503 and err["code"] == "busy" and r.headers["retry-after"] == "1", r.text
+    assert err["message"].startswith("the daemon is busy: its queue is full") and "connection" not in err["message"]
+    assert wait_for(lambda: daemon_status(daemon["sock"]).queue == 0)
+
+
 def test_load_100_concurrent_clients(server, daemon):
     async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
-        return await c.post("/generate", json={"prompt": f"fn f{i}() {{", "max_tokens": 16})
+        return await c.post("/generate", json={"prompt": f"fn f{i}() {{", "max_tokens": 200})
 
     async def go() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
@@ -669,14 +774,15 @@ def test_load_100_concurrent_clients(server, daemon):
     for r in responses:
         if r.status_code == 200:
             g = msgspec.json.decode(r.content, type=s.GenerateResponse)
-            assert g.usage.completion_tokens <= 16
+            assert g.usage.completion_tokens <= 200
             ok += 1
         else:
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "busy" and int(r.headers["retry-after"]) >= 1
+            assert "16 requests in the daemon" in r.json()["error"]["message"]  # the server's own limit
             busy += 1
-    # 100 at once against a queue of 16: some are served, the rest answered `busy` at once (not left hanging).
-    assert ok >= 16 and busy >= 1 and ok + busy == 100
+    # 100 at once: 16 in the daemon (its queue holds 16), 64 waiting their turn, the rest answered `busy` at once.
+    assert ok >= 80 and busy >= 1 and ok + busy == 100
     st = daemon_status(daemon["sock"])  # the daemon is still up, and idle again
     assert wait_for(lambda: daemon_status(daemon["sock"]).queue == 0) and st.pid == daemon["proc"].pid
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -807,10 +913,11 @@ def test_security_helpers(tmp_path):
 
 
 class StalledDaemon:
-    """Speaks the handshake and answers Status; records Generate/Cancel and never generates."""
+    """Speaks the handshake and answers Status; records Generate/Cancel and never generates (nor, unless
+    `answer_cancels`, answers a Cancel)."""
 
-    def __init__(self, path: Path):
-        self.path, self.received = path, []
+    def __init__(self, path: Path, answer_cancels: bool = True):
+        self.path, self.received, self.answer_cancels = path, [], answer_cancels
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen()
@@ -838,7 +945,7 @@ class StalledDaemon:
             if isinstance(msg, pm.Hello):
                 send(pm.Welcome(protocol=pm.PROTOCOL_VERSION, model="stalled", fingerprint="0", max_context=512,
                                 capabilities=[], daemon_version="test"))
-            elif isinstance(msg, pm.Cancel):
+            elif isinstance(msg, pm.Cancel) and self.answer_cancels:
                 send(pm.Error(id=msg.id, code="cancelled", message="cancelled by the client"))
 
     def close(self) -> None:
@@ -857,6 +964,39 @@ def test_request_timeout_cancels(tmp_path):
         gens = [m.id for m in stalled.received if isinstance(m, pm.Generate)]
         assert len(gens) == 2
         assert wait_for(lambda: sorted(m.id for m in stalled.received if isinstance(m, pm.Cancel)) == gens)
+    finally:
+        srv.stop()
+        stalled.close()
+
+
+def test_requests_wait_their_turn_for_the_daemon_within_the_timeout(tmp_path):
+    """The server has at most 16 requests in the daemon and 64 waiting their turn, each within the request timeout
+    (504); more are refused at once, 503 with Retry-After, naming the server's limit. A daemon that answers nothing
+    here, not even a Cancel, keeps its 16 taken: those waiting never reach it."""
+    stalled = StalledDaemon(tmp_path / "deaf.sock", answer_cancels=False)
+    srv = Server(tmp_path, stalled.path, "--request-timeout", "3")
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        r = await c.post("/generate", json={"prompt": f"fn f{i}", "max_tokens": 4})
+        return r, time.monotonic() - t0
+
+    async def go() -> list[tuple[httpx.Response, float]]:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16 + 64 + 4)))
+
+    try:
+        answers = asyncio.run(go())
+        busy = [(r, dt) for r, dt in answers if r.status_code == 503]
+        assert len(busy) == 4, [r.status_code for r, _ in answers]
+        for r, dt in busy:
+            err = r.json()["error"]
+            assert err["code"] == "busy" and r.headers["retry-after"] == "1" and dt < 2.5, (err, dt)
+            assert "16 requests in the daemon" in err["message"] and "64 more waiting" in err["message"]
+        assert all(r.status_code == 504 and r.json()["error"]["code"] == "timeout" for r, _ in answers
+                   if r.status_code != 503)
+        assert len([m for m in stalled.received if isinstance(m, pm.Generate)]) == 16
     finally:
         srv.stop()
         stalled.close()

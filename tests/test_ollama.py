@@ -7,6 +7,7 @@ A random-weight model writes noise, so answers are compared with the native endp
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime
 
@@ -14,6 +15,8 @@ import httpx
 import ollama
 import pytest
 from test_http import Server
+
+from m31r_protocol import Client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,6 +145,72 @@ def test_options(client, http):
     # num_predict left out: generation runs on (here to the tiny model's stop or half its context, 256 > CAP).
     r = client.generate(model="m31r", prompt="fn")
     assert r.eval_count == CAP or r.done_reason == "stop"
+
+
+def test_ignored_option_names_that_a_header_cannot_carry(http):
+    """An option's name is the client's to choose: one with a line break (or anything else a header cannot carry) is
+    percent-encoded in X-M31R-Ignored-Options, streaming or not, instead of losing the whole response."""
+    body = {"model": "m31r", "prompt": "fn main() {\n", "options": {"num_predict": 4, "bad\r\nx": 1, "é": 2,
+                                                                    "num_ctx": 8, "a, b%": 3}}
+    for stream in (False, True):
+        r = http.post("/api/generate", json={**body, "stream": stream})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-m31r-ignored-options"] == "a%2C%20b%25, bad%0D%0Ax, num_ctx, %C3%A9"
+        assert json.loads(r.text.splitlines()[-1])["done"] is True
+
+
+def test_streamed_logprobs_are_the_answers(http, shared_daemon):
+    """Text held back and released at the end (the start of a stop sequence that did not come) joins the token before
+    it in a stream's `logprobs`, as in a whole answer: the streamed tokens are the answer's."""
+    async def frames() -> list:
+        async with await Client.connect(shared_daemon[1]) as c:
+            return [f async for f in await c.generate("x", max_tokens=3, stop=["xq"], logprobs=0)]
+
+    assert asyncio.run(frames())[-1].token is None  # the case at hand: text released at the end, no token of its own
+    body = {"model": "m31r", "prompt": "x", "logprobs": True, "options": {"num_predict": 3, "stop": ["xq"]}}
+    whole = http.post("/api/generate", json={**body, "stream": False}).json()
+    lines = [json.loads(line) for line in http.post("/api/generate", json=body).text.splitlines()]
+    streamed = [t for line in lines for t in line.get("logprobs", [])]
+    assert "".join(t["token"] for t in whole["logprobs"]) == whole["response"]
+    assert streamed == whole["logprobs"]
+    assert "".join(line["response"] for line in lines) == whole["response"]
+
+
+def test_guard_errors_have_ollamas_shape_and_cors(shared_daemon, tmp_path):
+    """What the guard refuses before routing (token, Host, Origin, declared size) has Ollama's error shape under
+    /api/ and OpenAI's elsewhere, and an allowed origin's page can read it; it can read X-M31R-Ignored-Options too."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    origin = "http://localhost:5173"
+    srv = Server(tmp_path, shared_daemon[1], "--token-file", str(token), "--cors-origin", origin,
+                 "--max-body", "1024")
+    auth = {"authorization": "Bearer s3cret"}
+    try:
+        srv.wait_healthy(**auth)
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=srv.url, timeout=30).generate(model="m31r", prompt="fn")
+        assert e.value.status_code == 401 and e.value.error == "a bearer token is required"
+        for headers, body, status, words in (
+                ({"origin": origin}, {}, 401, "bearer token"),
+                ({"origin": origin, **auth}, {"prompt": "x" * 2000}, 413, "exceeds this server's limit"),
+                ({"origin": origin, "host": "evil.example", **auth}, {}, 403, "not a loopback name")):
+            r = httpx.post(f"{srv.url}/api/generate", json={"model": "m31r", **body}, headers=headers)
+            assert r.status_code == status and words in r.json()["error"], r.text
+            assert r.headers["access-control-allow-origin"] == origin
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", **body}, headers=headers)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+            assert r.headers["access-control-allow-origin"] == origin
+        r = httpx.post(f"{srv.url}/api/generate", json={"model": "m31r"}, headers={"origin": "http://evil.example"})
+        assert r.status_code == 403 and "not allowed" in r.json()["error"]
+        assert "access-control-allow-origin" not in r.headers
+        r = httpx.post(f"{srv.url}/api/generate", headers={"origin": origin, **auth}, json={
+            "model": "m31r", "prompt": "fn", "stream": False, "options": {"num_predict": 2, "num_ctx": 8}})
+        assert r.status_code == 200 and r.headers["x-m31r-ignored-options"] == "num_ctx"
+        exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+        assert {"x-m31r-ignored-options", "retry-after"} <= exposed
+    finally:
+        srv.stop()
 
 
 def test_fim_layouts_of_other_models(client, http):
