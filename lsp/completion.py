@@ -44,7 +44,7 @@ class Result:
 
 @dataclass
 class Job:
-    key: tuple[int | None, int]  # (version, cursor offset)
+    key: tuple[int | None, int, str]  # (version, cursor offset, the menu item's text it completes after)
     task: asyncio.Task[Result | None]
     waiters: int = 0
 
@@ -94,8 +94,11 @@ class Completer:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    async def complete(self, uri: str, offset_of: Callable[[str], int], *, invoked: bool = False) -> Result | None:
-        """The suggestion at a cursor (`offset_of(text)` maps the request's position into the snapshot)."""
+    async def complete(self, uri: str, offset_of: Callable[[str], int], *, invoked: bool = False,
+                       selected: Callable[[str], tuple[str, int, str]] | None = None) -> Result | None:
+        """The suggestion at a cursor (`offset_of(text)` maps the request's position into the snapshot). With
+        `selected` (the editor's completion menu has an item selected), the suggestion is for the text as it will be
+        once that item is accepted: `selected(text)` gives that text, its cursor and the item's text."""
         s = self.settings()
         if not s.enable:
             return None
@@ -103,7 +106,11 @@ class Completer:
         if doc is None:
             return None
         text, version = doc
-        offset = offset_of(text)
+        item = ""
+        if selected is not None:
+            text, offset, item = selected(text)
+        else:
+            offset = offset_of(text)
         st = self.docs.setdefault(uri, DocState())
         self.stats["requests"] += 1
 
@@ -116,7 +123,7 @@ class Completer:
             if not (st.shown.text == text and st.shown.offset == offset):
                 st.shown = None
 
-        key = (version, offset)
+        key = (version, offset, item)
         job = st.job
         if job is not None and job.key == key and not job.task.cancelled() and not (
                 job.task.done() and (job.task.exception() is not None or job.task.result() is None)):

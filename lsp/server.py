@@ -101,14 +101,25 @@ class M31rLanguageServer(LanguageServer):
                               position_at(result.text, end, self.encoding))
         return types.Range(types.Position(l0, c0), types.Position(l1, c1))
 
-    async def suggest(self, uri: str, position: types.Position, *, invoked: bool) -> Result | None:
+    async def suggest(self, uri: str, position: types.Position, *, invoked: bool,
+                      selected: types.SelectedCompletionInfo | None = None) -> Result | None:
         enc = self.encoding
         doc = self.document(uri)
         if doc is not None and moved_on(uri, doc[1]):  # a didChange was applied before this handler first ran
             self.completer.stats["stale"] += 1
             return None
+
+        def accepted(text: str) -> tuple[str, int, str]:
+            """The text with the menu's selected item accepted, and the cursor after it."""
+            assert selected is not None
+            r = selected.range
+            a = offset_at(text, r.start.line, r.start.character, enc)
+            b = max(a, offset_at(text, r.end.line, r.end.character, enc))
+            return text[:a] + selected.text + text[b:], a + len(selected.text), selected.text
+
         return await self.completer.complete(
-            uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked)
+            uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked,
+            selected=accepted if selected is not None else None)
 
     def start_tcp(self, host: str, port: int) -> None:
         """pygls' TCP server, except that a connection whose first line is not LSP framing (`Content-Length:`,
@@ -229,13 +240,23 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
     async def inline_completion(ls: M31rLanguageServer,
                                 params: types.InlineCompletionParams) -> types.InlineCompletionList:
         invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
-        result = await ls.suggest(params.text_document.uri, params.position, invoked=invoked)
+        selected = params.context.selected_completion_info
+        result = await ls.suggest(params.text_document.uri, params.position, invoked=invoked, selected=selected)
         if result is None:
             return types.InlineCompletionList(items=[])
+        suggestions = (result.suggestion, *result.alternatives)
+        if selected is not None:
+            # The menu's item is selected: the editor shows only items that extend its text over its range, so the
+            # suggestion (made for the text with it accepted) goes after it; one that would replace text past it
+            # cannot be shown that way.
+            a = result.offset - len(selected.text)  # where the item's text starts in the text it completed
+            return types.InlineCompletionList(items=[
+                types.InlineCompletionItem(insert_text=selected.text[: s.start - a] + s.text, range=selected.range)
+                for s in suggestions if a <= s.start <= s.end == result.offset])
         # The suggestion, then the daemon's runners-up (a beam search's), for the editor to cycle through.
         return types.InlineCompletionList(items=[
             types.InlineCompletionItem(insert_text=s.text, range=ls.to_range(result, s.start, s.end))
-            for s in (result.suggestion, *result.alternatives)])
+            for s in suggestions])
 
     @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=COMPLETION_TRIGGERS))
     async def completion(ls: M31rLanguageServer, params: types.CompletionParams) -> types.CompletionList:

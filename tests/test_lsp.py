@@ -272,6 +272,32 @@ async def test_inline_completion_at_cursor(lsp):
     check_item(res.items[0], text, offset, st["lastRaw"], multiline="always")
 
 
+async def test_inline_completion_after_the_menus_selected_item(lsp):
+    """With the completion menu open, an editor shows only inline items that extend the selected item's text over its
+    range (LSP 3.18 selectedCompletionInfo; VS Code drops the others). The server completes the text as it will be
+    once that item is accepted, and answers the item's text followed by the suggestion, over the item's range."""
+    s = await lsp(NOISE)
+    text = RUST.replace("let counts = count_words(text);", "let counts = count_w")
+    s.open(text)
+    cursor = text.index("count_w\n") + len("count_w")
+    start = cursor - len("count_w")
+    (l0, c0), (l1, c1) = position_at(text, start, "utf-16"), position_at(text, cursor, "utf-16")
+    sel = t.SelectedCompletionInfo(range=t.Range(t.Position(l0, c0), t.Position(l1, c1)), text="count_words")
+    params = s.inline_params(cursor)
+    params.context.selected_completion_info = sel
+    res = await s.client.text_document_inline_completion_async(params)
+    st = await s.stats()
+    assert st["lastFim"]["prefix"] == text[:start] + "count_words" and st["lastFim"]["suffix"] == text[cursor:]
+    assert st["lastRaw"] and len(res.items) == 1
+    item = res.items[0]
+    assert item.range == sel.range and item.insert_text.startswith("count_words")
+    assert len(item.insert_text) > len("count_words")
+    # Without the menu, the same cursor completes the text as typed.
+    res = await s.inline(cursor)
+    st = await s.stats()
+    assert st["lastFim"]["prefix"] == text[:cursor]
+
+
 async def test_completion_fallback_carries_the_suggestion(lsp):
     s = await lsp(NOISE)
     text = "fn main() {\n    let total = cou\n}\n"
