@@ -412,6 +412,7 @@ class Generation:
         self.responded = False  # response headers sent (or being sent)
         self.started = False  # streaming's headers sent: errors are events from here on
         self.slot = False  # holds one of the daemon slots (Admission)
+        self.submitting: asyncio.Future[Stream] | None = None  # the daemon request being sent
 
     @property
     def text(self) -> str:
@@ -528,7 +529,10 @@ class Generation:
             raise Failed(503, "unavailable", str(e), e.retry_after) from None
         self.loaded = time.perf_counter()
         try:
-            self.daemon = await self.start(self.client)
+            # Shielded: a timeout or disconnect while the request is being sent must not lose a request the daemon
+            # may already have (its slot would be freed under it); _abandon cancels it once it is known.
+            self.submitting = asyncio.ensure_future(self.start(self.client))
+            self.daemon = await asyncio.shield(self.submitting)
         except DaemonUnavailable as e:
             up.lost(self.client)
             raise Failed(503, "unavailable", str(e), 1) from None
@@ -599,11 +603,14 @@ class Generation:
 
     def _abandon(self, reason: str) -> None:
         """The client left, time ran out or the work failed: cancel the daemon request and drain its answer in the
-        background. Its slot stays taken until the daemon lets go of it (else the daemon could refuse the next)."""
+        background. Its slot is given back once the Cancel is sent: the daemon counts only live requests against its
+        limits, and reads the Cancel before any request sent after it."""
         self.svc.metrics.cancelled.labels(self.endpoint, reason).inc()
         log.info("request cancelled", extra={"fields": {"path": self.endpoint, "reason": reason}})
         if self.daemon is not None and not self.ended:
             self.svc.spawn(self._drain(self.daemon))
+        elif self.daemon is None and self.submitting is not None:  # left while the request was being sent
+            self.svc.spawn(self._drain_submitted(self.submitting))
         else:
             self._release()
 
@@ -612,6 +619,14 @@ class Generation:
             await self.svc.drain(daemon)
         finally:
             self._release()
+
+    async def _drain_submitted(self, submitting: asyncio.Future[Stream]) -> None:
+        try:
+            daemon = await submitting
+        except Exception:  # it never reached the daemon
+            self._release()
+            return
+        await self._drain(daemon)
 
 
 # -- the service ----------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import socket
 import struct
 from collections import Counter
@@ -44,6 +45,7 @@ ENCODER = m.encoder()
 FINAL = (m.Done, m.Error, m.StatusReply)
 # A request may be refused with these; `internal` (a daemon bug) and the connection-level codes never answer one.
 REQUEST_CODES = {"bad_request", "busy", "context_overflow", "cancelled"}
+DUPLICATE = re.compile(r"request id (-?\d+) is already in flight on this connection")
 PROBE_PROMPT = "fn main() {\n    let x = "
 
 # -- hypothesis strategies over the message Structs ------------------------------------------------------------
@@ -396,7 +398,10 @@ async def _body(frames: Frames, writer: asyncio.StreamWriter, body: list[Case], 
             out.violations.append(f"unexpected {msg!r}")
             continue
         out.answers += 1
-        got[msg.id] += 1
+        # A request reusing the id of one still in flight is refused without an id (that id's frames are the running
+        # one's): its message names the id.
+        dup = isinstance(msg, m.Error) and msg.id is None and DUPLICATE.match(msg.message)
+        got[int(dup.group(1)) if dup else msg.id] += 1
         if isinstance(msg, m.Error):
             out.codes[msg.code] += 1
             if msg.code not in REQUEST_CODES:
