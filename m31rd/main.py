@@ -78,12 +78,18 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     """Listen at once and serve while the model loads: importing torch and building the engine (~1–2 s) happen on
     the torch thread while the event loop already answers Hello and Status (`warming`), so a launch is seen to be up
     in a fraction of that (README "Medium shape": launch → status). Requests wait for the model, then run warm."""
-    from m31r.checksums import verify_in_background
+    from m31r.checksums import BundleError, check_present, verify_in_background
     from m31rd.server import BundleIdentity, Daemon
     from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify
     from m31rd.torch_thread import TorchThread
 
     t0 = time.perf_counter()
+    try:  # before the socket: a daemon that cannot load must leave no socket file (and say why, not how)
+        check_present(opts.bundle)
+    except BundleError as e:
+        log.error("cannot load the model: %s", e)
+        print(f"m31rd: cannot load the model: {e}", file=sys.stderr)
+        return 1
     sock = activated_socket()
     owned = None
     if sock is None:

@@ -4,6 +4,7 @@ m31r_protocol.peer, shared with the clients)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import stat
@@ -20,6 +21,25 @@ class SocketInUse(RuntimeError):
 
 class UnsafeSocketFolder(RuntimeError):
     """The socket's folder could let another user put their own socket in our place."""
+
+
+_HELD: list[int] = []  # the lock files' descriptors, open for the process's life (the OS lets go when it ends)
+
+
+def _claim(path: Path) -> None:
+    """Hold `<socket>.lock` (beside the socket, in the folder that is ours alone) for as long as this process lives.
+    The check for a live daemon, the removal of a stale socket file and the bind are not one step: two daemons
+    starting at once on a stale socket both found it stale, and the second removed the first one's new socket, which
+    then served no one. Whoever holds the lock is the one daemon on the path; a crash lets go of it."""
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SocketInUse(f"another m31rd is already starting or serving on {path} (stop it with `m31r stop`)"
+                          ) from None
+    _HELD.append(fd)
 
 
 def _is_live(path: Path) -> bool:
@@ -71,6 +91,7 @@ def bind_unix(path: Path) -> socket.socket:
     except FileExistsError:
         pass
     check_folder(path.parent)
+    _claim(path)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")

@@ -550,3 +550,55 @@ def test_a_model_that_fails_to_load_ends_the_daemon(corrupt_bundle: Path, tmp_pa
     assert proc.returncode == 1, proc.stderr
     assert "m31rd: cannot load the model:" in proc.stderr and "checksum mismatch" in proc.stderr, proc.stderr
     assert not sock_path.exists()
+
+
+@pytest.mark.parametrize("fault", ["no folder", "a file missing"])
+def test_a_bundle_that_is_not_there_ends_the_daemon_cleanly(tiny_bundle, tmp_path: Path, fault: str):
+    """A missing bundle, or one without all its files, is refused before the socket exists: exit 1, one line saying
+    why (no traceback), no socket file left for the next start to trip over."""
+    bundle = tmp_path / "bundle"
+    if fault == "a file missing":
+        shutil.copytree(tiny_bundle.path, bundle)
+        (bundle / "tokenizer.json").unlink()
+    sock_path = tmp_path / "run" / "m31rd.sock"
+    proc = subprocess.run([sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(bundle), "--socket",
+                           str(sock_path), "--threads", "1"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    want = "not a bundle directory" if fault == "no folder" else "tokenizer.json: missing from the bundle"
+    assert "m31rd: cannot load the model:" in proc.stderr and want in proc.stderr, proc.stderr
+    assert not sock_path.exists()
+
+
+def test_one_daemon_per_socket_path_even_when_two_start_at_once(tmp_path: Path):
+    """The check for a live daemon, the removal of a stale socket file and the bind are not one step; the lock beside
+    the socket makes them one. While another holds it (a daemon starting, or serving), a second daemon refuses
+    before touching the path: the stale file it would have replaced stays as it was."""
+    import fcntl
+    import stat
+
+    from m31rd.sockets import SocketInUse, bind_unix
+
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    path = folder / "m31rd.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    made = path.stat().st_ctime_ns
+    held = os.open(folder / "m31rd.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a daemon starting in another process holds it
+    code = ("import sys; from pathlib import Path; from m31rd.sockets import SocketInUse, bind_unix\n"
+            "try:\n    bind_unix(Path(sys.argv[1]))\nexcept SocketInUse as e:\n    sys.exit(str(e))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "already starting or serving" in r.stderr, r.stderr
+    assert path.stat().st_ctime_ns == made  # untouched
+    os.close(held)
+    sock = bind_unix(path)  # the lock is free again: the stale file is replaced
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))  # a live socket now, where the stale one refused connections
+        with pytest.raises(SocketInUse, match="already starting or serving"):
+            bind_unix(path)  # (this process holds it now; a second claim in it is refused as well)
+    finally:
+        sock.close()
