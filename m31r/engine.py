@@ -316,7 +316,9 @@ class Engine:
             elif isinstance(module, Int4Linear):
                 module.use_native(None)
         self.native_int8 = self.native_int4 = False  # whether int8 / int4 layers run a native kernel
-        if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim):
+        # Decode attention on the kernels where they take every position of the context (native.takes): a model
+        # longer than their MAX_KEYS keeps torch's, rather than failing at that position mid-generation.
+        if kernels is not None and kernels.dtype == dt and native.takes(self.config.head_dim, self.config.max_context):
             model.native = kernels
         # Prefill chunks of int8 layers on the family's fp32 activations: bf16 GEMMs where native, which a cold
         # prompt (a cursor jump) pays for in full. Not under a family M31R_KERNELS forces: that serves as a CPU of

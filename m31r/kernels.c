@@ -111,7 +111,7 @@ static void attend_head(const uint16_t* q, const uint16_t* KS, const uint16_t* V
 int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t* q, const uint16_t* knew,
                        const uint16_t* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                        const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, uint16_t* out) {
-  if (hd % 16 || hd > 16 * MAX_CHUNKS || heads % kv_heads) return 1;
+  if (kv_heads < 1 || heads < 1 || hd < 1 || hd % 16 || hd > 16 * MAX_CHUNKS || heads % kv_heads) return 1;
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
 #pragma omp parallel

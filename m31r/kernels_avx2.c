@@ -36,6 +36,7 @@
  * four operands -32768) cannot occur on q16 activations clamped to [-32767, 32767].
  */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -326,6 +327,13 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
   }
 }
 
+/* The multiplier that turns a block's values into codes of at most `top` (127: q8, 32767: q16) given its max |x|,
+ * or 0 (all codes zero) where top / mx is not finite: mx = 0, or a block so small (q16: mx below ~1e-34, q8: ~4e-37)
+ * that the quotient overflows, where inf * x (and NaN for x = 0) would convert to INT_MIN and clamp every code to
+ * -top whatever x's sign. Such a block then adds nothing, as a zero block does (its true share is below 4e-30 times
+ * the weights' scale). */
+static inline float code_step(float top, float mx) { return mx > 0.0f && top / mx <= FLT_MAX ? top / mx : 0.0f; }
+
 /* ---------------------------------------------------------------------------------------------------------------
  * Activations to q8: x [M, K] fp32 → codes [M, K] int8 (|code| <= 127), |codes| [M, K] uint8 and one fp32 scale per
  * block of 32 values [M, K/32]: scale = max|x| / 127, code = round-to-nearest-even(x / scale). `nibble_order` lays
@@ -349,7 +357,7 @@ static void q8_row(const float* x, int K, int nibble_order, int8_t* q, uint8_t* 
     const float mx = _mm_cvtss_f32(m4);
     const float scale = mx / 127.0f;
     d[b] = scale;
-    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 127.0f / mx : 0.0f);
+    const __m256 inv = _mm256_set1_ps(code_step(127.0f, mx));
     __m256i v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(t + 8 * i), inv));
     /* pack 32 int32 → 32 int8 in order (packs interleave 128-bit lanes; the permute restores the order) */
@@ -437,7 +445,7 @@ static void q16_row(const float* x, int K, int16_t* q, float* d) {
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float mx = _mm_cvtss_f32(m4);
     d[b] = mx / 32767.0f;
-    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    const __m256 inv = _mm256_set1_ps(code_step(32767.0f, mx));
     for (int h = 0; h < 2; ++h) { /* 16 values: 2 x 8 int32 → 16 int16 (packs interleaves 128-bit lanes) */
       __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h), inv));
       __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h + 8), inv));

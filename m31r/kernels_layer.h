@@ -26,7 +26,7 @@
 int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
                            const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                            const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
-  if (hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  if (kv_heads < 1 || heads < 1 || hd < 1 || hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
 #pragma omp parallel
@@ -233,7 +233,7 @@ static int one_cache(int r, int s, const int64_t* kptr, const int64_t* vptr, con
 static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos, const float* sin,
                       const int64_t* kptr, const int64_t* vptr, const int32_t* cap, const int32_t* len,
                       const int32_t* lead, const int32_t* shared, float scale, int kv16, float* out) {
-  if (hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
+  if (kv_heads < 1 || heads < 1 || hd < 1 || hd % 16 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
   const long width = (long)(heads + 2 * kv_heads) * hd;

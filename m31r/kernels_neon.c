@@ -28,6 +28,7 @@
  * explains; a thread never changes a column's bits.
  */
 #include <arm_neon.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -184,6 +185,11 @@ static inline float block_max(const float* xb) {
 
 static inline int32x4_t round4(const float* p, float32x4_t inv) { return vcvtnq_s32_f32(vmulq_f32(vld1q_f32(p), inv)); }
 
+/* kernels_avx2.c's code_step: the multiplier to codes of at most `top`, or 0 (all codes zero) where top / mx is not
+ * finite (mx = 0, or a block so small that the quotient overflows, where the codes would saturate), so that both
+ * families round such a block alike. */
+static inline float code_step(float top, float mx) { return mx > 0.0f && top / mx <= FLT_MAX ? top / mx : 0.0f; }
+
 /* Activations to q8: x [M, K] fp32 → codes [M, K] int8 (|code| <= 127) and one fp32 scale per block of 32 values
  * [M, K/32]: scale = max|x| / 127, code = round-to-nearest-even(x / scale), as kernels_avx2.c's q8_row (which also
  * keeps |codes| for vpmaddubsw: NEON multiplies signed bytes). `nibble_order` lays each block out as the int4
@@ -202,7 +208,7 @@ static void q8_row(const float* x, int K, int nibble_order, int8_t* q, uint8_t* 
     const float mx = block_max(t);
     const float scale = mx / 127.0f;
     d[b] = scale;
-    const float32x4_t inv = vdupq_n_f32(scale > 0.0f ? 127.0f / mx : 0.0f);
+    const float32x4_t inv = vdupq_n_f32(code_step(127.0f, mx));
     for (int h = 0; h < 2; ++h) { /* 16 values: 4 x 4 int32 → 16 int8, saturating, then clamped to -127 */
       const float* th = t + 16 * h;
       const int16x8_t a = vcombine_s16(vqmovn_s32(round4(th, inv)), vqmovn_s32(round4(th + 4, inv)));
@@ -290,7 +296,7 @@ static void q16_row(const float* x, int K, int16_t* q, float* d) {
     const float* xb = x + 32 * b;
     const float mx = block_max(xb);
     d[b] = mx / 32767.0f;
-    const float32x4_t inv = vdupq_n_f32(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    const float32x4_t inv = vdupq_n_f32(code_step(32767.0f, mx));
     for (int i = 0; i < 32; i += 8) {
       const int16x8_t p = vcombine_s16(vqmovn_s32(round4(xb + i, inv)), vqmovn_s32(round4(xb + i + 4, inv)));
       vst1q_s16(q + 32 * b + i, vmaxq_s16(p, vdupq_n_s16(-32767)));

@@ -130,6 +130,9 @@ MAT_INT8 = {"q16": 1, "q8": 2, "f32": 3}  # by the int8 activation mode
 INT8_MODES = ("q16", "q8", "f32")  # the avx2 and neon int8 matmuls (Kernels.int8_mm); q16 is the one engines run
 # Activation rounding step per block of 32, relative to the block's max |x| (Kernels.int8_check).
 ACTIVATION_STEP = {"q16": 1 / 32767, "q8": 1 / 127}
+# The longest context every family's decode attention takes (MAX_KEYS in kernels.c, kernels_avx2.c, kernels_neon.c:
+# each head's scores sit on its thread's stack); rows_ok refuses longer ones.
+MAX_KEYS = 65536
 
 
 def cache_dir() -> Path:
@@ -283,10 +286,11 @@ def int8_error_bound(family: str, x: Tensor, w: Tensor, mode: str = "q16") -> Te
     return (step.repeat_interleave(32, dim=1) / 2) @ wd.T * 1.001 + noise
 
 
-def takes(head_dim: int) -> bool:
+def takes(head_dim: int, max_context: int = MAX_KEYS) -> bool:
     """Whether decode attention handles this head size (kernels.c: chunks of 16 values, up to 256; kernels_avx2.c
-    and kernels_neon.c take any multiple of 8 up to 256)."""
-    return head_dim % 16 == 0 and head_dim <= 256
+    and kernels_neon.c take any multiple of 8 up to 256) at every position of a model's context: the kernels refuse
+    a row past MAX_KEYS, so a longer model (imported Llama configs: 131072) would fail mid-generation there."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 256 and max_context <= MAX_KEYS
 
 
 def takes_int8(out_features: int, in_features: int) -> bool:
@@ -471,6 +475,7 @@ class Kernels:
             assert t.dtype == self.dtype and t.is_contiguous() and t.device.type == "cpu", f"{self.dtype} CPU tensors"
         assert rows == table.rows and knew.shape == vnew.shape == (rows, kv, hd) and out.shape == q.shape
         assert table.dtype == self.dtype, f"caches of {table.dtype}, kernels for {self.dtype}"
+        table.check_heads(heads, kv, hd, layer)
         err = self._attend(rows, heads, kv, hd, q.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
                            table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
                            table.len.data_ptr(), table.lead_ptr, table.shared_ptr, hd**-0.5, out.data_ptr())
@@ -540,7 +545,8 @@ class Kernels:
         and keys (torch's bits: apply_rope's fused multiply-add), writes each new key/value into its cache and the
         attention output into out [rows, heads * hd]."""
         rows, kv, hd = qkv.shape[0], table.kv_heads, table.head_dim
-        heads = qkv.shape[1] // hd - 2 * kv
+        heads = qkv.shape[1] // max(hd, 1) - 2 * kv
+        table.check_heads(heads, kv, hd, layer)
         for t in (qkv, cos, sin, out):
             assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu", "float32 CPU tensors"
         assert rows == table.rows and qkv.shape == (rows, (heads + 2 * kv) * hd) and out.shape == (rows, heads * hd)
@@ -567,6 +573,8 @@ class Kernels:
         """silu(gate) * up for rows of [gate | up] (avx2, neon; [..., 2h] fp32 → [..., h], h a multiple of 8)."""
         h = gate_up.shape[-1] // 2
         assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
+        if h < 1 or gate_up.shape[-1] != 2 * h:  # an odd width would make numel // 2h count a row more than out has
+            raise ValueError(f"native SwiGLU takes rows of [gate | up], an even width; got {gate_up.shape[-1]}")
         out = torch.empty(*gate_up.shape[:-1], h, dtype=torch.float32)
         if self._swiglu(gate_up.numel() // (2 * h), h, gate_up.data_ptr(), out.data_ptr()):
             raise ValueError(f"native SwiGLU does not take rows of {2 * h}")
@@ -587,6 +595,7 @@ class Kernels:
         checked the operands once (Transformer.layer_plan); this is the per-token path."""
         d, heads, kv, hd, ffn = shape
         rows, n = x.shape[0], table.rows
+        table.check_heads(heads, kv, hd, layer)
         err = self._layer(rows, n, d, heads, kv, hd, ffn, mats, norms[0].data_ptr(), norms[1], norms[2].data_ptr(),
                           norms[3], x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
@@ -667,8 +676,12 @@ class DecodeTable:
         self.kernels = kernels
         self.rows = len(caches)
         self.kv_heads, self.head_dim = caches[0].kv_heads, caches[0].head_dim
+        self.n_layers = n_layers
         self.dtype = caches[0].dtype
         assert all(c.dtype == self.dtype for c in caches), "one dtype for every cache of a step"
+        shapes = {(c.n_layers, c.kv_heads, c.head_dim) for c in caches}
+        if len(shapes) > 1:  # the kernels index every row's cache with one shape
+            raise ValueError(f"a decode step's caches differ in (layers, kv_heads, head_dim): {sorted(shapes)}")
         self.k = torch.tensor([[c.k[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
         self.v = torch.tensor([[c.v[i].data_ptr() for c in caches] for i in range(n_layers)], dtype=torch.int64)
         self.cap = torch.tensor([c.capacity for c in caches], dtype=torch.int32)
@@ -686,6 +699,19 @@ class DecodeTable:
                         shared[r] = max(0, min(n, positions[r], positions[lead[r]] + 1))
             self.lead = torch.tensor(lead, dtype=torch.int32)
             self.shared = torch.tensor(shared, dtype=torch.int32)
+
+    def check_heads(self, heads: int, kv_heads: int, head_dim: int, layer: int) -> None:
+        """Raises ValueError unless operands of these heads fit the caches: the kernels write each row's new key and
+        value at [kv head, position] of a [kv_heads, capacity, head_dim] cache, so another kv_heads or head_dim
+        writes past it, and kv_heads 0 would divide by zero in C."""
+        if kv_heads < 1 or heads < 1 or heads % kv_heads:
+            raise ValueError(f"native decode attention takes heads a multiple of kv_heads >= 1; got heads={heads}, "
+                             f"kv_heads={kv_heads}")
+        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim):
+            raise ValueError(f"operands of kv_heads={kv_heads}, head_dim={head_dim} for caches of "
+                             f"kv_heads={self.kv_heads}, head_dim={self.head_dim}")
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} of caches with {self.n_layers} layers")
 
     @property
     def lead_ptr(self) -> int:

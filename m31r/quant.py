@@ -13,8 +13,9 @@ bundle's tensors into an inference model whose matmuls run on the fastest CPU ke
   int8    int8 weights with one bf16 scale per output channel. Small row counts (decode, short chunks) run the
           native kernel (m31r/kernels.c: AVX512-BF16 dot products on the codes widened to bf16) where the engine
           sets it, else `aten._weight_int8pack_mm` with bf16 activations (its fp32-activation path is ~13x
-          slower); larger chunks run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its
-          output columns, 2.5x faster than aten's int8 kernel at 256 rows. With fp32 activations and the AVX2
+          slower) where K is a multiple of 32 (`int8pack_ok`: it reads past other rows); larger chunks, and other K,
+          run the bf16 GEMM on the codes cast to bf16 (exact: |q| <= 127) and scale its output columns, 2.5x faster
+          than aten's int8 kernel at 256 rows. With fp32 activations and the AVX2
           kernel family (m31r/kernels_avx2.c: CPUs without native bf16; on Arm its NEON twin, m31r/kernels_neon.c),
           small row counts run its q16 kernel
           (activations quantized to int16 in blocks of 32, integer dot products on the codes widened to int16)
@@ -74,9 +75,17 @@ _mkldnn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # absent 
 
 
 def _aligned(t: Tensor) -> Tensor:
-    """The weight-only kernels need 16-byte-aligned operands (the int8 one segfaults otherwise): bundles are written
-    aligned (bundle.save_aligned), anything else is copied into a fresh, aligned allocation."""
+    """Codes and scales at a 64-byte boundary, as bundles store them (bundle.save_aligned), else copied into a fresh
+    allocation (torch's are 64-byte aligned): torch's int8 kernel (`aten._weight_int8pack_mm`, torch 2.13) segfaults
+    on codes that are not 16-byte aligned from 4 rows on. The native kernels (m31r/kernels*.c) load unaligned."""
     return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+def int8pack_ok(in_features: int) -> bool:
+    """Whether torch's `aten._weight_int8pack_mm` computes this K right. With torch 2.13 on AVX-512 (AMD Zen 5) it
+    reads past the end of each row where K % 16 == 8: relative errors up to 1e26, NaN, or a segfault. Checked correct
+    there for every K % 32 == 0 up to 1024 and 4096 (M 1-63, N 8-264); other K run the bf16 GEMM on the codes."""
+    return in_features % 32 == 0
 
 
 def _mkldnn_ok(weight: Tensor) -> bool:
@@ -229,12 +238,12 @@ class Int8Linear(nn.Module):
             return self._forward_f32(x, x2)
         if x.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
-        if x2.shape[0] >= INT8_GEMM_ROWS:
-            y = F.linear(x2, self.codes.to(torch.bfloat16)).mul_(self.scales)
-        elif self.native is not None:
+        if self.native is not None and x2.shape[0] < INT8_GEMM_ROWS:
             y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
-        else:
+        elif x2.shape[0] < INT8_GEMM_ROWS and int8pack_ok(self.in_features):
             y = _int8_mm(x2, self.codes, self.scales)
+        else:  # chunks, and the K aten's kernel gets wrong (int8pack_ok): exact on the codes (|q| <= 127)
+            y = F.linear(x2, self.codes.to(torch.bfloat16)).mul_(self.scales)
         if self.bias is not None:
             y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)

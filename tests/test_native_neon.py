@@ -301,12 +301,13 @@ def _int8_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 def quantized(x: torch.Tensor, top: int, order: torch.Tensor | None = None) -> torch.Tensor:
     """x as the kernels round it, in float64: per block of 32, scale = max|x| / top and codes round(x / scale) to the
-    nearest even, computed in fp32 as the C code does (x * (top / max|x|)). Only the scale term is rounded."""
+    nearest even, computed in fp32 as the C code does (x * (top / max|x|)); zero codes where top / max|x| is not
+    finite (code_step). Only the scale term is rounded."""
     m, k = x.shape
     xb = x.view(m, k // 32, 32)
     mx = xb.abs().amax(-1)
     d = mx / top
-    inv = torch.where(mx > 0, top / mx, torch.zeros_like(mx))
+    inv = torch.where((mx > 0) & torch.isfinite(top / mx), top / mx, torch.zeros_like(mx))
     codes = torch.round(xb * inv[..., None]).clamp(-top, top)
     return (codes.double() * d.double()[..., None]).view(m, k)
 
@@ -394,6 +395,32 @@ def test_a_row_gets_the_same_bits_alone_and_batched(builds, tmp_path, mode: str)
     for m, (rc, part) in zip((1, 2, 3, 4, 5, 6, 7, 8, 17), parts, strict=True):
         assert rc == 0 and torch.equal(part["y"], full["y"][-m:]), m
     assert torch.equal(shuffled["y"], full["y"][order])
+
+
+def test_a_block_too_small_to_quantize_adds_nothing(builds, tmp_path) -> None:
+    """A block whose max |x| is below 3e-37 (32767 / max|x| and 127 / max|x| overflow fp32): once every code of it
+    was -32767 on AVX2 and ±32767 by sign on NEON, builds apart. Every build, avx2 too, now rounds it to zero codes:
+    int8 (q16, q8) and int4 give the product with that block zero, bit for bit, and the block alone gives zero."""
+    x = _x32(4, 128, seed=9)
+    tiny = torch.zeros(4, 32)
+    tiny[0, 0], tiny[1, :2], tiny[3, 5] = 2e-37, torch.tensor([2e-37, -2e-37]), -3e-38
+    tiny[2] = torch.randn(32, generator=torch.Generator().manual_seed(9)) * 2e-38
+    x[:, 32:64] = tiny
+    zeroed = x.clone()
+    zeroed[:, 32:64] = 0
+    codes, scales = _int8_weights(16, 128, seed=9)
+    codes4, scale, base = _int4_weights(16, 128, 32, seed=9)
+    calls = Calls(tmp_path)
+    for mode in ("q16", "q8"):
+        calls.int8(mode, x, codes, scales)
+        calls.int8(mode, zeroed, codes, scales)
+        calls.int8(mode, tiny, codes[:, 32:64].contiguous(), scales)
+    calls.int4(x, codes4, scale, base, 32)
+    calls.int4(zeroed, codes4, scale, base, 32)
+    (_, a16), (_, z16), (_, t16), (_, a8), (_, z8), (_, t8), (_, a4), (_, z4) = run_all(calls, builds)
+    assert torch.equal(a16["y"], z16["y"]) and torch.equal(a8["y"], z8["y"]) and torch.equal(a4["y"], z4["y"])
+    assert not t16["y"].any() and not t8["y"].any()
+    assert torch.equal(quantized(x, 32767), quantized(zeroed, 32767))  # the reference rounds it alike
 
 
 # -- int4 ------------------------------------------------------------------------------------------------------
