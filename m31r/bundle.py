@@ -12,6 +12,7 @@ loading stays a memory map (int4 codes are packed for the CPU's kernel at load).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+_METADATA_INTS = ("format_version", "parameter_count", "training_seed")  # the other METADATA_KEYS but dtype: strings
 _FLOAT_ST = ("F32", "BF16", "F16")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
@@ -150,7 +152,11 @@ def write_bundle(
 
 
 def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor table of a safetensors file and the offset where tensor data starts."""
+    """The tensor table of a safetensors file and the offset where tensor data starts.
+
+    Checked as the safetensors library checks it, so that a file that passes here also maps: every entry names a
+    known dtype, a shape and offsets whose span is exactly the shape's bytes, and the tensors tile the data that
+    follows the header from its first byte to the end of the file, without gaps or overlaps."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -163,8 +169,41 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise BundleError(f"{path}: unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise BundleError(f"{path}: the safetensors header must be a JSON object, not {type(header).__name__}")
     header.pop("__metadata__", None)
+    spans = sorted((_tensor_span(path, name, info), name) for name, info in header.items())
+    data = size - 8 - n
+    end = 0
+    for (begin, stop), name in spans:
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap of {begin - end} bytes before it"
+            raise BundleError(f"{path}: tensor {name} at data offset {begin} {what} (the data ends at {end} there)")
+        end = stop
+    if end != data:
+        raise BundleError(f"{path}: the tensors cover {end} bytes of data but the file holds {data} after the header "
+                          f"({'truncated' if end > data else 'trailing bytes'})")
     return header, 8 + n
+
+
+def _tensor_span(path: Path, name: str, info: object) -> tuple[int, int]:
+    """One header entry's [begin, end) data offsets, once its dtype, shape and offsets agree with each other."""
+    if not isinstance(info, dict):
+        raise BundleError(f"{path}: header entry {name} must be an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ST_DTYPES:
+        raise BundleError(f"{path}: tensor {name} has unsupported dtype {dtype!r} (one of {', '.join(_ST_DTYPES)})")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise BundleError(f"{path}: tensor {name} has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise BundleError(f"{path}: tensor {name} has data_offsets {offsets!r}, not [begin, end] with "
+                          "0 <= begin <= end")
+    nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise BundleError(f"{path}: tensor {name} spans {offsets[1] - offsets[0]} bytes but its shape {shape} of "
+                          f"{dtype} needs {nbytes}")
+    return offsets[0], offsets[1]
 
 
 def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
@@ -181,9 +220,7 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         metadata = json.loads((path / "metadata.json").read_text())
     except ValueError as e:
         raise BundleError(f"{path / 'metadata.json'}: not valid JSON: {e}") from None
-    missing = [k for k in METADATA_KEYS if k not in metadata]
-    if missing:
-        raise BundleError(f"{path / 'metadata.json'}: missing keys {', '.join(missing)}")
+    _check_metadata(path / "metadata.json", metadata)
     quantization = metadata.get("quantization")
     if quantization is not None:
         _check_quantization(path / "metadata.json", quantization)
@@ -195,6 +232,29 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
     if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):
         raise BundleError(f"{path / 'tokenizer.json'}: does not match tokenizer_hash in metadata.json")
     return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path))
+
+
+def _check_metadata(f: Path, metadata: object) -> None:
+    """The keys every reader takes for granted (the CLI's summary, the daemon's status, quantize and average copy
+    them), each of the type its writer gives it, so that a hand-edited file fails here rather than in a reader."""
+    if not isinstance(metadata, dict):
+        raise BundleError(f"{f}: must be a JSON object, not {type(metadata).__name__}")
+    missing = [k for k in METADATA_KEYS if k not in metadata]
+    if missing:
+        raise BundleError(f"{f}: missing keys {', '.join(missing)}")
+    for key in METADATA_KEYS:
+        value = metadata[key]
+        if key in _METADATA_INTS:
+            if type(value) is not int or (key != "training_seed" and value < 0):
+                kind = "an integer" if key == "training_seed" else "a non-negative integer"
+                raise BundleError(f"{f}: {key} must be {kind}, got {value!r}")
+        elif key == "dtype":
+            if value not in _DTYPES_BY_NAME:
+                raise BundleError(f"{f}: dtype must be one of {', '.join(_DTYPES_BY_NAME)} (the float dtype of the "
+                                  f"weights, or of a quantized bundle's norms), got {value!r}")
+        elif not isinstance(value, str) or (key in ("model_name", "model_version") and not value):
+            raise BundleError(f"{f}: {key} must be a {'non-empty ' if key in ('model_name', 'model_version') else ''}"
+                              f"string, got {value!r}")
 
 
 def _check_tokenizer(f: Path, config: ModelConfig) -> None:
@@ -310,10 +370,14 @@ def average_bundles(sources: list[str | Path], weights: list[float], out: str | 
     """
     if len(sources) < 2 or len(weights) != len(sources):
         raise ValueError(f"need two or more bundles and one weight each, got {len(sources)} and {len(weights)}")
-    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-    total = sum(weights)
-    weights = [w / total for w in weights]
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or max(weights) <= 0:
+        raise ValueError(f"weights must be finite, non-negative numbers, at least one above 0, got "
+                         f"{', '.join(map(str, weights))}")
+    # Scaled by the largest first: the sum of weights near the float limit would overflow to inf (every weight
+    # then 0), and weights too small to sum exactly stay in proportion.
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    weights = [w / sum(scaled) for w in scaled]
     bundles = [open_bundle(p) for p in sources]
     first = bundles[0]
     for b in bundles:

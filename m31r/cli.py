@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -82,7 +84,40 @@ def _new_bundle_dir(out: Path) -> Iterator[None]:
         raise
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader went away (`yes | head`)
+
+
+def closed_pipe_exit() -> NoReturn:
+    """stdout's reader is gone (`m31r generate ... | head -c 5`): not an error worth a message. stdout and stderr
+    are pointed at /dev/null first, so that the interpreter's last flush of what is still buffered cannot fail
+    again (Python would print a warning and exit 120). `m31r status`'s fast path (m31r.entry) ends the same way."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or no file behind it
+                os.dup2(devnull, stream.fileno())
+    sys.exit(CLOSED_PIPE_EXIT)
+
+
+class _Main(click.Group):
+    """The top-level group: a closed stdout pipe ends any command quietly with CLOSED_PIPE_EXIT (click's own
+    handling would exit 1, like a failure)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            closed_pipe_exit()
+
+
+def need_stdout() -> None:
+    """Commands whose output is the point refuse to run with stdout closed (`>&-`: sys.stdout is None), before
+    they ask the daemon for anything."""
+    if sys.stdout is None:
+        fail("stdout is closed: there is nowhere to write the output (redirect it to a file or /dev/null instead)")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="m31r", prog_name="m31r")
 def main() -> None:
     """M31R: local, offline Rust code completion."""
@@ -216,6 +251,13 @@ def _summary(b: Any) -> str:
 # daemon: the long-lived process that owns the model
 # ------------------------------------------------------------------------------------------------------------
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """FloatRange lets nan through (every comparison with it is false) and inf sizes nothing."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
+
+
 socket_option = click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
                              help="Daemon socket (default: $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
 
@@ -234,11 +276,12 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--prefill-gemm", type=click.Choice(["auto", "float32"]), default="auto", show_default=True,
               help="Prefill GEMMs of int8 layers on float32 activations. auto: bfloat16 where the CPU runs it natively "
               "(AVX512-BF16, AMX; faster cold prompts), else float32, which may also be named.")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
-@click.option("--cache-mb", type=float, default=1536, show_default=True,
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch intra-op threads (default: all cores).")
+@click.option("--cache-mb", type=click.FloatRange(min=0), default=1536, show_default=True, callback=_finite,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
                    "bounds concurrent requests. 0 disables reuse across requests.")
-@click.option("--max-queue", type=int, default=32, show_default=True,
+@click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
               help="Requests in flight before new ones are answered `busy`.")
 @click.option("--max-per-connection", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests one connection may have in flight before its new ones are answered `busy`, so that one "
@@ -249,9 +292,9 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
 @click.option("--read-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds a frame may take to arrive once its first byte has (0: no limit); a connection that "
                    "stalls mid-frame gets an error and is closed. Idle connections are never timed out.")
-@click.option("--max-active", type=int, default=8, show_default=True,
+@click.option("--max-active", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests advanced together (each holds a cache slot; bounded by --cache-mb).")
-@click.option("--decode-width", type=int, default=8, show_default=True,
+@click.option("--decode-width", type=click.IntRange(min=1), default=8, show_default=True,
               help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
                    "beside them; 1 gives the lowest single-stream latency but no batching.")
 @click.option("--lookahead", type=click.IntRange(min=0), default=3, show_default=True,
@@ -263,7 +306,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(path_typ
               help="Beam search width for greedy line completions (a request with a \"\\n\" stop, as editors send "
                    "mid-line) that do not choose: the likeliest line as a whole, at some latency; 1 is plain greedy "
                    "decoding. A request's `beams` field overrides it.")
-@click.option("--chunk-size", type=int, default=8, show_default=True,
+@click.option("--chunk-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
 @click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
               help="Weight quantization, applied to a float bundle at load (a quantized bundle is served as "
@@ -302,13 +345,27 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
 # ------------------------------------------------------------------------------------------------------------
 
 
+class WireInt(click.ParamType):
+    """An integer the protocol can carry (MessagePack: -2**63 to 2**64 - 1); the daemon judges the value itself
+    (it answers bad_request with the allowed range), but one past 64 bits cannot even be sent."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        n = click.INT.convert(value, param, ctx)
+        if not -(1 << 63) <= n < 1 << 64:
+            self.fail(f"{n} does not fit in 64 bits (the protocol carries -2**63 to 2**64 - 1)", param, ctx)
+        return n
+
+
 def sampling_options(fn: F) -> F:
     for opt in reversed([
-        click.option("--max-tokens", type=int, default=64, show_default=True),
+        click.option("--max-tokens", type=WireInt(), default=64, show_default=True),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--top-k", type=WireInt(), default=0, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Makes sampling reproducible."),
+        click.option("--seed", type=WireInt(), default=None,
+                     help="Makes sampling reproducible (a 64-bit integer: -2**63 to 2**64 - 1)."),
         click.option("--stop", multiple=True, help="Stop sequence (repeatable); not included in the output."),
         click.option("--lookahead", type=click.IntRange(min=0), default=None,
                      help="Prompt-lookup draft tokens per decode step (greedy only; same output); 0 turns it off. "
@@ -440,11 +497,24 @@ def _say_if_unsure(line_logprob: float | None, open_line: bool) -> None:
 @sampling_options
 def generate(prompt: str, truncate: bool, **opts: Any) -> None:
     """Continue PROMPT (or stdin with `-`), streaming text to stdout."""
+    need_stdout()
     if prompt == "-":
+        if sys.stdin is None:  # started with stdin closed (`<&-`)
+            fail("stdin is closed: pass the prompt as an argument, or pipe it on stdin")
         prompt = sys.stdin.read()
     if not prompt:
         fail("empty prompt: pass text or pipe it on stdin")
     _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts)
+
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def editor_lines(text: str) -> list[str]:
+    """`text`'s lines, each with its line end, as editors and LSP count them: only \\n, \\r\\n and \\r end a line
+    (str.splitlines also breaks at form feeds, \\x1c-\\x1e, U+0085, U+2028 and U+2029, which would put the cursor
+    lines away from where the editor shows it)."""
+    return _LINE.findall(text)
 
 
 @main.command()
@@ -460,6 +530,7 @@ def generate(prompt: str, truncate: bool, **opts: Any) -> None:
 def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | None, column: int | None,
         with_context: bool, **opts: Any) -> None:
     """Fill in the middle: complete at a cursor, given the text before and after it."""
+    need_stdout()
     document = ""
     if file_path is not None:
         if prefix is not None or line is None or column is None:
@@ -469,12 +540,12 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         except UnicodeDecodeError as e:
             fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model "
                  "completes UTF-8 source")
-        lines = text.splitlines(keepends=True)
+        lines = editor_lines(text)
         if not 1 <= line <= len(lines) + 1:
             fail(f"--line {line} is outside {file_path} ({len(lines)} lines)")
-        row = lines[line - 1] if line <= len(lines) else ""
-        if not 1 <= column <= len(row.rstrip("\r\n")) + 1:
-            fail(f"--column {column} is outside line {line} ({len(row.rstrip(chr(10)))} characters)")
+        width = len(lines[line - 1].rstrip("\r\n")) if line <= len(lines) else 0
+        if not 1 <= column <= width + 1:
+            fail(f"--column {column} is outside line {line} ({width} characters)")
         offset = sum(len(x) for x in lines[: line - 1]) + column - 1
         prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
     elif prefix is None:
@@ -503,7 +574,11 @@ async def _status(socket_path: Path | None) -> None:
 @socket_option
 def status(socket_path: Path | None) -> None:
     """Print the running daemon's state as JSON (model, device, queue, cache, memory)."""
+    need_stdout()
     _run_client(_status, socket_path)
+
+
+STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-flight work and close
 
 
 async def _stop(socket_path: Path | None) -> None:
@@ -513,7 +588,11 @@ async def _stop(socket_path: Path | None) -> None:
 
     async with await Client.connect(socket_path) as client:
         await client.shutdown()
-        await asyncio.wait_for(client.closed.wait(), 30)
+        try:
+            await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)
+        except TimeoutError:
+            fail(f"the daemon accepted the shutdown but was still running {STOP_WAIT_S:g} s later (it finishes "
+                 f"in-flight requests first); `m31r status` shows whether it is still there")
 
 
 @main.command()
@@ -755,12 +834,14 @@ service_kind_option = click.option("--kind", type=click.Choice(["systemd", "laun
 @click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Model bundle the service serves (default: $M31R_BUNDLE or the bundled release/).")
 @click.option("--dry-run", is_flag=True, help="Print the files and where they would go; write nothing.")
+@click.option("--force", is_flag=True, help="Replace unit files that differ from what install writes (edited by "
+              "hand, links, an older install's); each old one is kept as FILE.bak.")
 @user_errors
-def service_install(kind: str | None, bundle_dir: Path | None, dry_run: bool) -> None:
+def service_install(kind: str | None, bundle_dir: Path | None, dry_run: bool, force: bool) -> None:
     """Write the unit files with this environment's paths, and print the command that enables them."""
     from m31rd.service import install
 
-    install(kind, bundle_dir, dry_run, echo=click.echo)
+    install(kind, bundle_dir, dry_run, force=force, echo=click.echo)
 
 
 @service.command("uninstall")

@@ -226,18 +226,33 @@ def check_service(ctx: Context) -> Check:
     return _systemd_state(paths) if kind == "systemd" else _launchd_state(paths[0])
 
 
+def systemd_unquote(word: str) -> str | None:
+    """Undo service.systemd_quote's escaping of one ExecStart= word that shlex has unquoted: `%%` is a `%`, `$$` a
+    `$`. None where a lone `%` (a specifier such as %h) or `$` (a variable) is left, which only systemd can expand."""
+    out, i = [], 0
+    while i < len(word):
+        c = word[i]
+        if c in "%$":
+            if word[i + 1:i + 2] != c:
+                return None
+            i += 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def _systemd_state(paths: list[Path]) -> Check:
     from m31rd.service import unit_dir
 
     for line in paths[1].read_text(errors="replace").splitlines():  # m31rd.service: does its command still exist?
         if line.startswith("ExecStart="):
             try:  # systemd_quote's quoting is a subset of the shell's
-                exe = shlex.split(line.removeprefix("ExecStart="))[0]
+                exe = systemd_unquote(shlex.split(line.removeprefix("ExecStart="))[0])
             except (ValueError, IndexError):
                 return Check("service", "fail", f"{paths[1]}: cannot read its ExecStart= line")
-            if not os.path.exists(exe):
+            if exe is not None and not os.path.exists(exe):
                 return Check("service", "fail", f"{paths[1]} runs {exe}, which no longer exists: run "
-                                                "`m31r service install` again")
+                                                "`m31r service install --force` (it keeps the old unit as .bak)")
     if shutil.which("systemctl") is None:
         return Check("service", "warn", f"units installed in {unit_dir('systemd')}; systemctl not found")
     enabled = _run(["systemctl", "--user", "is-enabled", "m31rd.socket"])

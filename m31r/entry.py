@@ -23,14 +23,22 @@ def _status_socket(args: list[str]) -> str | None | bool:
 
 
 def quick_status(socket: str | None) -> bool:
+    """Print the daemon's status; False where the click CLI must answer instead (it says why, in one line)."""
     from m31r_protocol import blocking
     from m31r_protocol.paths import default_socket_path
 
+    if sys.stdout is None:  # stdout closed (`>&-`): the CLI refuses with a message
+        return False
     try:
         reply = blocking.status(socket or default_socket_path())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    print(blocking.status_json(reply))
+    try:
+        print(blocking.status_json(reply), flush=True)
+    except BrokenPipeError:  # `m31r status | head -c 1`: ends as every command does on a closed pipe
+        from m31r.cli import closed_pipe_exit
+
+        closed_pipe_exit()
     return True
 
 

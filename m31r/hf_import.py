@@ -39,6 +39,9 @@ def _refuse(hf_dir: Path, what: str) -> BundleError:
 
 def _rope(hf_dir: Path, hf: dict) -> tuple[float, dict | None]:
     """rope_theta and the scaling, from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (4)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(hf.get(key) or {}, dict):
+            raise BundleError(f"{hf_dir / 'config.json'}: {key} must be an object or null, got {hf[key]!r}")
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     if any(isinstance(v, dict) for v in params.values()):
         raise _refuse(hf_dir, "per-layer RoPE parameters are not supported")
@@ -75,6 +78,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         raise _refuse(hf_dir, "sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(hf_dir, f"activation {hf['hidden_act']!r} is not SwiGLU (silu)")
+    _check_sizes(hf_dir, hf)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // heads):
         raise _refuse(hf_dir, f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads")
@@ -91,7 +95,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
                               f"(looked for {', '.join(names)}); M31R needs FIM tokens")
         special[role] = found
     tok_cfg = hf_dir / "tokenizer_config.json"
-    eos = json.loads(tok_cfg.read_text()).get("eos_token") if tok_cfg.exists() else None
+    eos = _json_object(tok_cfg).get("eos_token") if tok_cfg.exists() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos  # older files spell an AddedToken out
     special["eos_token"] = eos if isinstance(eos, str) and eos in vocab else "<|endoftext|>"
     special["pad_token"] = "<|pad|>" if "<|pad|>" in vocab else special["eos_token"]
@@ -109,17 +113,75 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
 
 
-def _read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+# Sizes _hf_config divides by and the tensor shapes follow from: checked first, so that a bad value is named instead
+# of surfacing as a ZeroDivisionError or as a shape mismatch in the bundle written from it.
+_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+
+
+def _json_object(f: Path) -> dict:
+    """A JSON file that must hold an object (config.json, tokenizer_config.json)."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{f}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BundleError(f"{f}: must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _check_sizes(hf_dir: Path, hf: dict) -> None:
+    for key in (*_SIZES, *_OPTIONAL_SIZES):
+        value = hf.get(key)
+        if value is None and key in _OPTIONAL_SIZES:
+            continue
+        if key not in hf:
+            raise BundleError(f"{hf_dir / 'config.json'}: missing key {key!r}")
+        if type(value) is not int or value <= 0:
+            raise BundleError(f"{hf_dir / 'config.json'}: {key} must be a positive integer, got {value!r}")
+
+
+def _read_tensors(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of the checkpoint, and the file each came from (for messages)."""
     files = sorted(hf_dir.glob("model*.safetensors"))
     if not files:
         raise BundleError(f"{hf_dir}: no model*.safetensors weights (PyTorch .bin checkpoints are not read)")
-    tensors = {}
+    tensors, origin = {}, {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; recomputed
-                    tensors[name] = sf.get_tensor(name)
-    return tensors
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; recomputed
+                        tensors[name], origin[name] = sf.get_tensor(name), f
+        except Exception as e:  # safetensors raises SafetensorError (a bare Exception subclass) on a damaged file
+            raise BundleError(f"{f}: cannot be read as safetensors ({e}): damaged or truncated?") from None
+    return tensors, origin
+
+
+def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each checkpoint tensor, by its Hugging Face name."""
+    d, hd, ffn = config.d_model, config.head_dim, config.ffn_hidden
+    q, kv = config.n_heads * hd, config.kv_heads * hd
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
+              "model.norm.weight": (d,)}
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        for n, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[p + f"self_attn.{n}_proj.weight"] = (rows, d)
+            shapes[p + f"self_attn.{n}_proj.bias"] = (rows,)
+        shapes |= {p + "self_attn.o_proj.weight": (d, q), p + "mlp.gate_proj.weight": (ffn, d),
+                   p + "mlp.up_proj.weight": (ffn, d), p + "mlp.down_proj.weight": (d, ffn),
+                   p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+    return shapes
+
+
+def _dtype(hf: dict, emb: torch.Tensor) -> torch.dtype:
+    """The checkpoint's dtype: config.json's (`dtype`, or transformers 4's `torch_dtype`), else that of the weights
+    themselves (the embedding's); float32 only where neither is a float dtype a bundle stores."""
+    named = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")))
+    if named is not None:
+        return named
+    return emb.dtype if emb.dtype in _DTYPES.values() else torch.float32
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "unknown (imported)") -> Bundle:
@@ -127,25 +189,34 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
     for name in ("config.json", "tokenizer.json"):
         if not (hf_dir / name).is_file():
             raise BundleError(f"{hf_dir / name}: missing; an HF checkpoint directory needs it")
-    hf = json.loads((hf_dir / "config.json").read_text())
-    tok = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    hf = _json_object(hf_dir / "config.json")
+    try:
+        tok = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception on a file it cannot read
+        raise BundleError(f"{hf_dir / 'tokenizer.json'}: cannot be loaded as a tokenizer: {e}") from None
     try:
         config = _hf_config(hf_dir, hf, tok)
     except KeyError as e:
         raise BundleError(f"{hf_dir / 'config.json'}: missing key {e}") from None
-    src = _read_tensors(hf_dir)
+    except (TypeError, ValueError) as e:  # a field of the wrong type where a number or a mapping belongs
+        raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
+    src, origin = _read_tensors(hf_dir)
     if not config.qkv_bias and any(k.endswith(".bias") for k in src):
         raise _refuse(hf_dir, "the checkpoint has bias tensors")
+    shapes = _hf_shapes(config)
 
     def take(name: str) -> torch.Tensor:
         if name not in src:
             raise BundleError(f"{hf_dir}: tensor {name} is missing from the checkpoint")
+        if tuple(src[name].shape) != shapes[name]:
+            raise BundleError(f"{origin[name]}: tensor {name} has shape {list(src[name].shape)}, config.json implies "
+                              f"{list(shapes[name])}")
         return src.pop(name)
 
     emb = take("model.embed_tokens.weight")
     sd = {"tok_embeddings.weight": emb, "norm.weight": take("model.norm.weight")}
     if config.tie_embeddings:
-        head = src.pop("lm_head.weight", None)
+        head = take("lm_head.weight") if "lm_head.weight" in src else None
         if head is not None and not torch.equal(head, emb):
             raise _refuse(hf_dir, "lm_head.weight differs from the embedding, yet tie_word_embeddings is true")
     else:
@@ -167,6 +238,5 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
         sd[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
     if src:
         raise _refuse(hf_dir, f"unrecognised tensor {next(iter(src))}")
-    dtype = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32)
-    return write_bundle(out, config, sd, tok, dtype=dtype, seed=-1, dataset_version=dataset_version,
+    return write_bundle(out, config, sd, tok, dtype=_dtype(hf, emb), seed=-1, dataset_version=dataset_version,
                         model_version="imported", extra={"source": "hf-import", "source_dir": hf_dir.name})

@@ -136,20 +136,48 @@ def render_launchd(command: Sequence[str], bundle: Path, socket: Path, log: Path
 # -- install / uninstall --------------------------------------------------------------------------------
 
 
-def _write(path: Path, data: bytes) -> None:
+def _differs(path: Path, data: bytes) -> bool:
+    """Whether `path` holds something other than `data`: a unit edited by hand, another install's, a link to a
+    file with other content, or anything unreadable. A missing path does not differ: there is nothing to lose."""
+    if not path.exists() and not path.is_symlink():
+        return False
+    try:
+        return not path.is_file() or path.read_bytes() != data
+    except OSError:  # a dangling link, a file we may not read
+        return True
+
+
+def _backup_name(path: Path) -> Path:
+    """FILE.bak, or FILE.bak.N where earlier backups are in the way (none is ever overwritten): names that end in
+    neither a systemd unit type nor .plist, so the service manager does not load the old unit beside the new."""
+    bak = path.with_name(path.name + ".bak")
+    n = 1
+    while bak.exists() or bak.is_symlink():
+        bak, n = path.with_name(f"{path.name}.bak.{n}"), n + 1
+    return bak
+
+
+def _write(path: Path, data: bytes, backup: Path | None = None) -> None:
+    """Write `data` to `path` atomically; with `backup`, what was at `path` (a link stays a link) moves there first."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     tmp.chmod(0o644)
+    if backup is not None:
+        os.rename(path, backup)
     os.replace(tmp, path)
 
 
-def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: bool = False, *,
+def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: bool = False, *, force: bool = False,
             socket: str | Path | None = None, echo: Echo = print) -> list[Path]:
     """Write the unit files for `kind` (default: this platform's) and print the command that enables them.
 
     `socket` (launchd only) defaults to the path clients use, `m31r_protocol.paths.default_socket_path()`;
     systemd units always listen on %t/m31r/m31rd.sock, which is that same default. Returns the paths
     written (with dry_run: the paths that would be written; nothing is written and the content is printed).
+
+    A unit file that differs from what would be written (edited by hand, a link to another file, an older install
+    with other paths) is never replaced silently: install refuses, naming it, and writes nothing; with `force` it is
+    moved to FILE.bak (said in the output) and replaced. An identical file is left as it is.
     """
     k = _kind(kind)
     bundle_path = resolve_bundle(bundle)
@@ -163,14 +191,31 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
         sock = Path(socket).expanduser().absolute() if socket else default_socket_path().absolute()
         log = launchd_log_path()
         files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, log)}
+    differing = [path for path, data in files.items() if _differs(path, data)]
     if dry_run:
         for path, data in files.items():
             echo(f"# {path}\n{data.decode()}")
+        for path in differing:
+            fate = f"moves it to {_backup_name(path)}" if force else "refuses to replace it without --force"
+            echo(f"({path} differs from this: install {fate})")
         echo("(dry run: nothing written)")
         return list(files)
+    if differing and not force:
+        one = len(differing) == 1
+        what = ", ".join(str(p) + (" (a link)" if p.is_symlink() else "") for p in differing)
+        raise ValueError(f"{what} {'differs' if one else 'differ'} from what install writes (edited by hand, a link, "
+                         f"or an older install's): nothing written; `--dry-run` shows the new content, `--force` "
+                         f"replaces {'it' if one else 'them'}, keeping the old as {differing[0].name}.bak"
+                         f"{'' if one else ' etc.'}")
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write(path, data)
+        if path not in differing and path.exists():  # the same bytes (through a link, too): nothing to do
+            echo(f"unchanged {path}")
+            continue
+        backup = _backup_name(path) if path in differing else None
+        _write(path, data, backup)
+        if backup is not None:
+            echo(f"kept the previous {path} as {backup}")
         echo(f"wrote {path}")
     if k == "systemd":
         echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")

@@ -316,3 +316,143 @@ def test_cli_average_refuses_other_shapes_and_quantized_bundles(tiny_config, tmp
     result = runner.invoke(main, ["bundle", "average", str(a.path), str(a.path), "--out", str(tmp_path / "w"),
                                   "--weights", "1,-1", "--model-version", "x"])
     assert result.exit_code == 1 and "non-negative" in result.stderr
+
+
+# -- weights that cannot load, metadata of the wrong type ------------------------------------------------------
+
+
+def _rewrite_weights(d: Path, edit) -> None:
+    """Rewrite model.safetensors through `edit(header, data) -> (header, data)`, then re-sign the bundle: only the
+    structural checks can catch what follows."""
+    import struct
+
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    head = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    _rewrite_checksums(d)
+
+
+def _first(header: dict) -> str:
+    return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def _set(header: dict, name: str, key: str, value: object) -> dict:
+    header[name][key] = value
+    return header
+
+
+WEIGHT_FAULTS = {
+    "header is a list": (lambda h, d: ([1, 2], d), r"safetensors header must be a JSON object, not list"),
+    "entry is a string": (lambda h, d: ({**h, _first(h): "x"}, d), r"header entry \S+ must be an object"),
+    "no data_offsets": (lambda h, d: ({**h, _first(h): {k: v for k, v in h[_first(h)].items()
+                                                          if k != "data_offsets"}}, d),
+                        r"has data_offsets None, not \[begin, end\]"),
+    "shape not a list": (lambda h, d: (_set(h, _first(h), "shape", "64x64"), d), r"has shape '64x64', not a list"),
+    "unknown dtype": (lambda h, d: (_set(h, _first(h), "dtype", "F64"), d), r"unsupported dtype 'F64'"),
+    "span too short": (lambda h, d: (_set(h, _first(h), "data_offsets", [0, 4]), d),
+                       r"spans 4 bytes but its shape \[\d+(, \d+)*\] of F32 needs \d+"),
+    "span past the end": (lambda h, d: (_set(h, _first(h), "data_offsets", [0, 4 * len(d)]), d),
+                          r"spans \d+ bytes but its shape"),
+    "truncated data": (lambda h, d: (h, d[: len(d) // 2]), r"the tensors cover \d+ bytes of data but the file holds "
+                                                          r"\d+ after the header \(truncated\)"),
+    "trailing bytes": (lambda h, d: (h, d + b"\0" * 64), r"\(trailing bytes\)"),
+    "overlap": (lambda h, d: (_set(h, "norm.weight", "data_offsets", h["layers.0.ffn_norm.weight"]["data_offsets"]), d),
+                r"overlaps the tensor before it|leaves a gap"),
+}
+
+
+@pytest.mark.parametrize("fault", list(WEIGHT_FAULTS))
+def test_weights_that_cannot_load_are_refused(bundle_dir: Path, fault: str) -> None:
+    """Checksums pass (the bundle was re-signed), shapes and names still match the config: only the header's own
+    consistency shows that these weights would map wrong or not at all."""
+    edit, message = WEIGHT_FAULTS[fault]
+    _rewrite_weights(bundle_dir, edit)
+    with pytest.raises(BundleError, match=r"model\.safetensors: .*(" + message + ")"):
+        open_bundle(bundle_dir)
+
+
+def test_weights_header_that_is_not_an_object_is_one_line_from_the_cli(bundle_dir: Path) -> None:
+    _rewrite_weights(bundle_dir, WEIGHT_FAULTS["header is a list"][0])
+    proc = subprocess.run([sys.executable, "-m", "m31r.cli", "bundle", "verify", str(bundle_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"error: {bundle_dir / 'model.safetensors'}: the safetensors header must be a JSON object, "
+                           f"not list\n")
+
+
+def test_quantized_bundles_still_verify(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """The header checks hold for what quantize writes (int8 codes, int4 packed codes, zero-padding-free layout)."""
+    from m31r.bundle import quantize_bundle
+
+    for method in ("int8", "int4"):
+        q = quantize_bundle(tiny_bundle.path, tmp_path / method, method, 32)
+        assert open_bundle(q.path).quantization["method"] == method
+        assert load_weights(q).keys()
+
+
+METADATA_FAULTS = {
+    "parameter_count": ("many", r"parameter_count must be a non-negative integer, got 'many'"),
+    "training_seed": (1.5, r"training_seed must be an integer, got 1\.5"),
+    "format_version": (True, r"format_version must be a non-negative integer, got True"),
+    "dtype": ("int8", r"dtype must be one of float32, float16, bfloat16 .*got 'int8'"),
+    "model_name": (7, r"model_name must be a non-empty string, got 7"),
+    "model_version": ("", r"model_version must be a non-empty string, got ''"),
+    "created": (None, r"created must be a string, got None"),
+}
+
+
+@pytest.mark.parametrize("key", list(METADATA_FAULTS))
+def test_metadata_of_the_wrong_type_names_the_field(bundle_dir: Path, key: str) -> None:
+    value, message = METADATA_FAULTS[key]
+    f = bundle_dir / "metadata.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), key: value}))
+    _rewrite_checksums(bundle_dir)
+    with pytest.raises(BundleError, match=r"metadata\.json: " + message):
+        open_bundle(bundle_dir)
+
+
+@pytest.mark.parametrize("content", ["5", "[1, 2]", '"text"'])
+def test_metadata_that_is_not_an_object_is_one_line_from_the_cli(bundle_dir: Path, content: str) -> None:
+    (bundle_dir / "metadata.json").write_text(content)
+    _rewrite_checksums(bundle_dir)
+    proc = subprocess.run([sys.executable, "-m", "m31r.cli", "bundle", "verify", str(bundle_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    kind = type(json.loads(content)).__name__
+    assert proc.stderr == f"error: {bundle_dir / 'metadata.json'}: must be a JSON object, not {kind}\n"
+
+
+def test_cli_average_refuses_weights_that_are_not_finite(tiny_config, tmp_path: Path) -> None:
+    """inf/inf is NaN: `--weights inf,1` wrote an all-NaN model with NaN in metadata.json (not JSON)."""
+    from m31r.bundle import init_bundle
+
+    a = init_bundle(tiny_config, tmp_path / "a", seed=1, dtype=torch.float32)
+    b = init_bundle(tiny_config, tmp_path / "b", seed=2, dtype=torch.float32)
+    runner = CliRunner()
+    for weights in ("inf,1", "nan,1", "1,-inf", "0,0"):
+        out = tmp_path / f"out-{weights}"
+        result = runner.invoke(main, ["bundle", "average", str(a.path), str(b.path), "--out", str(out),
+                                      "--weights", weights, "--model-version", "x"])
+        assert result.exit_code == 1, (weights, result.output)
+        assert "weights must be finite, non-negative numbers" in result.stderr and result.stderr.count("\n") == 1
+        assert not out.exists()
+
+
+def test_cli_average_of_huge_weights_is_their_proportion(tiny_config, tmp_path: Path) -> None:
+    """Weights whose sum overflows (5e307 + 1.5e308 = inf) divided every weight to 0: an all-zero model."""
+    from m31r.bundle import init_bundle
+
+    a = init_bundle(tiny_config, tmp_path / "a", seed=1, dtype=torch.float32)
+    b = init_bundle(tiny_config, tmp_path / "b", seed=2, dtype=torch.float32)
+    out = tmp_path / "avg"
+    result = CliRunner().invoke(main, ["bundle", "average", str(a.path), str(b.path), "--out", str(out),
+                                       "--weights", "5e307,1.5e308", "--model-version", "x"])
+    assert result.exit_code == 0, result.output
+    wa, wb, wm = load_weights(a), load_weights(b), load_weights(open_bundle(out))
+    for name in wa:
+        assert torch.allclose(wm[name], 0.25 * wa[name] + 0.75 * wb[name], atol=1e-6), name
+    meta = json.loads((out / "metadata.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert [p["weight"] for p in meta["averaged_from"]] == [0.25, 0.75]

@@ -255,3 +255,119 @@ def test_stop(tiny_bundle, tmp_path):
         assert not sock.exists()
     finally:
         stop_daemon(proc)
+
+
+# -- closed pipes and streams, out-of-range options: one line or none, never a traceback -----------------------------
+
+
+@pytest.mark.parametrize("args", [["-m", "m31r.entry", "status"], ["-m", "m31r.cli", "status"],
+                                  ["-m", "m31r.cli", "generate", "fn main", "--max-tokens", "8"]],
+                         ids=["status-fast-path", "status-click", "generate"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(daemon, args):
+    """`m31r status | head -c 1`, `m31r generate ... | head -c 5`: stdout's reader is gone before the output is
+    written (the pipe's read end is closed up front, so every run meets it), which ends the command with exit 141
+    and nothing on stderr, on the status fast path in m31r.entry as through click."""
+    _, sock = daemon
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, *args, "--socket", str(sock)], stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
+def _closed(redirect: str, *args: str) -> subprocess.CompletedProcess:
+    """The CLI run with stdin (`<&-`) or stdout (`>&-`) closed, as a shell leaves them."""
+    return subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", *M31R, *args], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+
+
+def test_closed_stdin_or_stdout_is_a_one_line_error(tmp_path):
+    sock = str(tmp_path / "nobody-home.sock")  # each is refused before any daemon is looked for
+    r = _closed("<&-", "generate", "-", "--no-autostart", "--socket", sock)
+    assert (r.returncode, r.stderr) == (1, "error: stdin is closed: pass the prompt as an argument, or pipe it on "
+                                           "stdin\n")
+    stdout_closed = ("error: stdout is closed: there is nowhere to write the output (redirect it to a file or "
+                     "/dev/null instead)\n")
+    for args in (["generate", "fn", "--no-autostart"], ["fim", "--prefix", "fn ", "--no-autostart"], ["status"]):
+        r = _closed(">&-", *args, "--socket", sock)
+        assert (r.returncode, r.stderr) == (1, stdout_closed), args
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "m31r.entry", "status", "--socket",
+                        sock], stderr=subprocess.PIPE, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (1, stdout_closed)
+    assert not Path(sock).exists()
+
+
+def test_integers_past_64_bits_are_refused_before_sending(daemon):
+    """The protocol (MessagePack) carries -2**63 .. 2**64 - 1: a larger --seed raised OverflowError in the encoder.
+    The edges themselves are sent, and the daemon judges them."""
+    _, sock = daemon
+    for flag, value in (("--seed", 1 << 64), ("--seed", -(1 << 63) - 1), ("--max-tokens", 1 << 64),
+                        ("--top-k", 10 ** 30)):
+        r = cli("generate", "fn", flag, str(value), "--socket", str(sock))
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert f"Invalid value for '{flag}': {value} does not fit in 64 bits" in r.stderr
+        assert "Traceback" not in r.stderr
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        r = cli("generate", "fn", "--seed", str(seed), "--temperature", "1", "--max-tokens", "2", "--json",
+                "--socket", str(sock))
+        assert r.returncode == 0 and json.loads(r.stdout)["usage"]["completion_tokens"] == 2, r.stderr
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--max-queue", "0", "0 is not in the range x>=1"), ("--max-active", "0", "0 is not in the range x>=1"),
+    ("--threads", "-1", "-1 is not in the range x>=1"), ("--decode-width", "0", "0 is not in the range x>=1"),
+    ("--chunk-size", "0", "0 is not in the range x>=1"), ("--cache-mb", "-5", "-5.0 is not in the range x>=0"),
+    ("--cache-mb", "nan", "nan is not a finite number"), ("--cache-mb", "inf", "inf is not a finite number"),
+])
+def test_daemon_options_that_size_nothing_are_usage_errors(tmp_path, flag, value, expected):
+    """Refused by click before the daemon starts: no bundle needed (this one does not exist), and no socket made."""
+    sock = tmp_path / "run" / "d.sock"
+    r = cli("daemon", "--bundle", str(tmp_path / "no-bundle"), "--socket", str(sock), flag, value, timeout=60)
+    assert r.returncode == 2 and f"Invalid value for '{flag}': {expected}" in r.stderr, r.stderr
+    assert not sock.parent.exists()
+
+
+def test_fim_counts_lines_as_editors_do(daemon, tmp_path):
+    """Only \\n, \\r\\n and \\r end a line, as in LSP and editors: str.splitlines also broke at the form feed and
+    U+2028 below, so line 2 was `y` (too short for column 4), and the file had 4 lines instead of 2."""
+    _, sock = daemon
+    src = "// x\x0cy\u2028z\r\nfn main() {}\n"
+    f = tmp_path / "main.rs"
+    f.write_bytes(src.encode())
+    text = f.read_text(encoding="utf-8")  # as the CLI reads it (universal newlines)
+    cursor = text.index("main")  # line 2, column 4
+    r = cli("fim", "--file", str(f), "--line", "2", "--column", "4", "--json", "--max-tokens", "4", "--socket",
+            str(sock))
+    assert r.returncode == 0, r.stderr
+    ref = cli("fim", "--prefix", text[:cursor], "--suffix", text[cursor:], "--json", "--max-tokens", "4", "--socket",
+              str(sock))
+    assert ref.returncode == 0, ref.stderr
+    out, want = json.loads(r.stdout), json.loads(ref.stdout)
+    assert (out["tokens"], out["usage"]["prompt_tokens"]) == (want["tokens"], want["usage"]["prompt_tokens"])
+    r = cli("fim", "--file", str(f), "--line", "4", "--column", "1", "--socket", str(sock))
+    assert (r.returncode, r.stderr) == (1, f"error: --line 4 is outside {f} (2 lines)\n")
+    r = cli("fim", "--file", str(f), "--line", "1", "--column", "10", "--socket", str(sock))
+    assert (r.returncode, r.stderr) == (1, "error: --column 10 is outside line 1 (8 characters)\n")
+
+
+def test_stop_that_outlasts_its_wait_says_so(tiny_bundle, tmp_path, monkeypatch):
+    """`m31r stop` waits STOP_WAIT_S (30 s) for the daemon to close; past it, TimeoutError escaped as a traceback.
+    Here the wait is 0, so the daemon (which did accept the shutdown, and still exits) outlasts it."""
+    from click.testing import CliRunner
+
+    import m31r.cli
+
+    sock = tmp_path / "m31rd.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    try:
+        monkeypatch.setattr(m31r.cli, "STOP_WAIT_S", 0.0)
+        r = CliRunner().invoke(m31r.cli.main, ["stop", "--socket", str(sock)])
+        assert r.exit_code == 1 and r.stdout == "", r.output
+        assert r.stderr == ("error: the daemon accepted the shutdown but was still running 0 s later (it finishes "
+                            "in-flight requests first); `m31r status` shows whether it is still there\n")
+        assert proc.wait(20) == 0
+    finally:
+        stop_daemon(proc)

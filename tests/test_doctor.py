@@ -144,3 +144,45 @@ def test_editor_configs_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert doctor.check_neovim(ctx).level == "warn"
     (nvim / "m31r.lua").write_text('return { dir = "~/src/m31r/editors/neovim", opts = {} }\n')
     assert doctor.check_neovim(ctx).level == "ok"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd units")
+def test_service_whose_command_path_has_percent_and_dollar_is_ok(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`m31r service install` escapes % and $ in ExecStart= as systemd wants (%% and $$); doctor read the escaped
+    path back as it stood and reported a working service's command as gone."""
+    from m31rd import service
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    fake = tmp_path / "bin"  # the user's systemd is never asked: a systemctl that says enabled and active
+    fake.mkdir()
+    (fake / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *is-enabled*) echo enabled;; *) echo active;; esac\n")
+    (fake / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    venv = tmp_path / "100% $HOME venv" / "bin"
+    venv.mkdir(parents=True)
+    exe = venv / "m31r"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    units = tmp_path / "config" / "systemd" / "user"
+    units.mkdir(parents=True)
+    for name, text in service.render_systemd([str(exe)], bundle).items():
+        (units / name).write_text(text)
+    escaped = str(exe).replace("%", "%%").replace("$", "$$")
+    assert f'ExecStart="{escaped}" daemon' in (units / "m31rd.service").read_text()
+    ctx = doctor.Context.create(tmp_path / "d.sock", bundle)
+    check = doctor.check_service(ctx)
+    assert check.level == "ok", check.detail
+    exe.unlink()  # and a command that really is gone is still reported, under its real name
+    check = doctor.check_service(ctx)
+    assert check.level == "fail" and f"runs {exe}, which no longer exists" in check.detail
+
+
+def test_systemd_unquote() -> None:
+    assert doctor.systemd_unquote("/a/100%%/$$x") == "/a/100%/$x"
+    assert doctor.systemd_unquote("/plain") == "/plain"
+    assert doctor.systemd_unquote("%h/bin/m31r") is None  # a specifier: only systemd knows its value
+    assert doctor.systemd_unquote("$HOME/m31r") is None

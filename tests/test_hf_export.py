@@ -106,3 +106,69 @@ def test_cli_export_and_refusals(tmp_path: Path) -> None:
     quantize_bundle(src, tmp_path / "int8", "int8")
     with pytest.raises(BundleError, match="quantized"):
         export_hf(tmp_path / "int8", tmp_path / "nope")
+
+
+# -- import-hf on malformed checkpoints: one line naming the file, no traceback, no bundle left behind ----------------
+
+
+def _hf_checkpoint(tmp: Path) -> Path:
+    """A real checkpoint (export of the tiny bundle), free to damage."""
+    return export_hf(_bundle(tmp), tmp / "hf")
+
+
+def _edit_config(hf: Path, **changes) -> None:
+    f = hf / "config.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:6])  # less than the 8-byte header length
+
+
+MALFORMED = {
+    "tokenizer not a tokenizer": (lambda hf: (hf / "tokenizer.json").write_text('{"version": oops'),
+                                  "tokenizer.json: cannot be loaded as a tokenizer: "),
+    "config a list": (lambda hf: (hf / "config.json").write_text("[1]"),
+                      "config.json: must be a JSON object, not list"),
+    "config not JSON": (lambda hf: (hf / "config.json").write_text("{"), "config.json: not valid JSON: "),
+    "tokenizer_config a list": (lambda hf: (hf / "tokenizer_config.json").write_text("[]"),
+                                "tokenizer_config.json: must be a JSON object, not list"),
+    "weights truncated": (lambda hf: _truncate(hf / "model.safetensors"),
+                          "model.safetensors: cannot be read as safetensors ("),
+    "no heads": (lambda hf: _edit_config(hf, num_attention_heads=0),
+                 "config.json: num_attention_heads must be a positive integer, got 0"),
+    "hidden size a string": (lambda hf: _edit_config(hf, hidden_size="64"),
+                             "config.json: hidden_size must be a positive integer, got '64'"),
+    "ffn size contradicts the weights": (lambda hf: _edit_config(hf, intermediate_size=512),
+                                         "model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape "
+                                         "[128, 64], config.json implies [512, 64]"),
+    "rope scaling not a mapping": (lambda hf: _edit_config(hf, rope_scaling="linear"),
+                                   "config.json: rope_scaling must be an object or null, got 'linear'"),
+}
+
+
+@pytest.mark.parametrize("fault", list(MALFORMED))
+def test_cli_import_malformed_checkpoint_is_one_line_naming_the_file(tmp_path: Path, fault: str) -> None:
+    damage, message = MALFORMED[fault]
+    hf = _hf_checkpoint(tmp_path)
+    damage(hf)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["bundle", "import-hf", str(hf), str(out)])
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.startswith(f"error: {hf}/") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_import_without_a_config_dtype_keeps_the_weights_dtype(tmp_path: Path, dtype: str) -> None:
+    """A config.json without `dtype`/`torch_dtype` (older or hand-written ones) imported as float32, doubling a
+    bf16 checkpoint's size: the safetensors header says what the weights are."""
+    hf = export_hf(_bundle(tmp_path), tmp_path / "hf", dtype=dtype)
+    cfg = {k: v for k, v in json.loads((hf / "config.json").read_text()).items() if k not in ("dtype", "torch_dtype")}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    b = import_hf(hf, tmp_path / "back")
+    assert b.metadata["dtype"] == dtype
+    assert {t.dtype for t in load_weights(b).values()} == {getattr(torch, dtype)}
+    _edit_config(hf, torch_dtype="float32")  # a config that names one still decides
+    assert import_hf(hf, tmp_path / "named").metadata["dtype"] == "float32"

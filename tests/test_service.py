@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import plistlib
+import re
 import shutil
 import socket
 import subprocess
@@ -187,6 +188,88 @@ def test_cli_service(home: Path, fake_bundle: Path):
     r = runner.invoke(main, ["service", "uninstall", "--kind", "systemd", "--dry-run"])
     assert r.exit_code == 0 and "would remove" in r.output
     assert (home / "config" / "systemd" / "user" / "m31rd.service").exists()
+
+
+def test_install_again_leaves_the_same_units_alone(home: Path, fake_bundle: Path):
+    paths = service.install("systemd", fake_bundle, echo=lambda _: None)
+    before = [p.stat().st_mtime_ns for p in paths]
+    out: list[str] = []
+    assert service.install("systemd", fake_bundle, echo=out.append) == paths
+    files = [line for line in out if line.startswith(("unchanged", "wrote", "kept"))]
+    assert files == [f"unchanged {p}" for p in paths]
+    assert [p.stat().st_mtime_ns for p in paths] == before
+    assert sorted(x.name for x in paths[0].parent.iterdir()) == ["m31rd.service", "m31rd.socket"]  # no backups
+
+
+def test_install_refuses_to_replace_an_edited_unit_unless_forced(home: Path, fake_bundle: Path):
+    """A hand edit (here an Environment= line) is the user's: install names the file and writes nothing; --force
+    replaces it and keeps the edited one as FILE.bak, saying so."""
+    sock, svc = service.install("systemd", fake_bundle, echo=lambda _: None)
+    rendered = svc.read_text()
+    edited = rendered.replace("[Service]\n", "[Service]\nEnvironment=OMP_NUM_THREADS=4\n")
+    assert edited != rendered
+    svc.write_text(edited)
+    sock.unlink()  # half installed: the missing one is not written either while the other is refused
+    with pytest.raises(ValueError, match=rf"{re.escape(str(svc))} differs from what install writes .*--force"):
+        service.install("systemd", fake_bundle, echo=lambda _: None)
+    assert svc.read_text() == edited and not sock.exists()
+    assert not svc.with_name("m31rd.service.bak").exists()
+    # --dry-run says what --force would do, and still writes nothing.
+    out: list[str] = []
+    service.install("systemd", fake_bundle, dry_run=True, force=True, echo=out.append)
+    assert f"({svc} differs from this: install moves it to {svc}.bak)" in out and svc.read_text() == edited
+    out = []
+    service.install("systemd", fake_bundle, force=True, echo=out.append)
+    assert svc.read_text() == rendered and svc.with_name("m31rd.service.bak").read_text() == edited
+    assert f"kept the previous {svc} as {svc}.bak" in out and f"wrote {sock}" in out
+    # Another forced install over another edit keeps both backups.
+    svc.write_text(edited + "# again\n")
+    service.install("systemd", fake_bundle, force=True, echo=lambda _: None)
+    assert svc.with_name("m31rd.service.bak").read_text() == edited
+    assert svc.with_name("m31rd.service.bak.1").read_text() == edited + "# again\n"
+
+
+def test_install_never_replaces_a_link_silently(home: Path, fake_bundle: Path, tmp_path: Path):
+    """Units kept elsewhere (a dotfiles repository) and linked in: a link to the same content stays a link; one to
+    other content is refused, and --force moves the link itself to FILE.bak, its target untouched."""
+    svc = home / "config" / "systemd" / "user" / "m31rd.service"
+    rendered = service.render_systemd(service.m31r_command(), fake_bundle.resolve())["m31rd.service"]
+    dotfile = tmp_path / "dotfiles" / "m31rd.service"
+    dotfile.parent.mkdir()
+    dotfile.write_text(rendered)
+    svc.parent.mkdir(parents=True)
+    svc.symlink_to(dotfile)
+    out: list[str] = []
+    service.install("systemd", fake_bundle, echo=out.append)
+    assert f"unchanged {svc}" in out and svc.is_symlink() and svc.resolve() == dotfile
+    mine = rendered + "Environment=RUST_LOG=debug\n"
+    dotfile.write_text(mine)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(svc))} \(a link\) differs"):
+        service.install("systemd", fake_bundle, echo=lambda _: None)
+    assert svc.is_symlink() and dotfile.read_text() == mine
+    service.install("systemd", fake_bundle, force=True, echo=lambda _: None)
+    assert not svc.is_symlink() and svc.read_text() == rendered
+    bak = svc.with_name("m31rd.service.bak")
+    assert bak.is_symlink() and bak.resolve() == dotfile and dotfile.read_text() == mine
+
+
+def test_cli_service_install_refusal_and_force(home: Path, fake_bundle: Path):
+    from m31r.cli import main
+
+    runner = CliRunner()
+    plist = home / "Library" / "LaunchAgents" / "dev.m31r.m31rd.plist"
+    args = ["service", "install", "--kind", "launchd", "--bundle", str(fake_bundle)]
+    assert runner.invoke(main, args).exit_code == 0
+    plist.write_bytes(plist.read_bytes().replace(b"<key>RunAtLoad</key>", b"<key>Nice</key><integer>5</integer>"
+                                                 b"<key>RunAtLoad</key>"))
+    edited = plist.read_bytes()
+    r = runner.invoke(main, args)
+    assert r.exit_code == 1 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"error: {plist} differs from what install writes") and "--force" in r.stderr
+    assert plist.read_bytes() == edited
+    r = runner.invoke(main, [*args, "--force"])
+    assert r.exit_code == 0 and f"kept the previous {plist} as {plist}.bak" in r.stdout
+    assert plist.with_name(plist.name + ".bak").read_bytes() == edited and plist.read_bytes() != edited
 
 
 def test_service_module_does_not_import_torch():
