@@ -270,6 +270,32 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
         assert f"{half}, half its context" in err.message
 
 
+async def test_crlf_line_ends_are_read_as_lf(warm, tiny_engine):
+    """The model learned from LF-only text: a file with CRLF (or lone CR) line ends is read as LF, so it gets the
+    completion its LF twin gets (with CR LF served as it was, make eval's single-line exact match fell from 52% to
+    16%). Project context too, and a plain prompt."""
+    from m31r_protocol.messages import Snippet
+
+    def crlf(s: str) -> str:
+        return s.replace("\n", "\r\n")
+
+    async with await Client.connect(warm.socket) as c:
+        for prefix, suffix in FIM_CASES:
+            want = await run(await c.fim(prefix, suffix, max_tokens=12))
+            assert want.pieces == fim_reference(tiny_engine, prefix, suffix, 12).pieces
+            for ends in (crlf, lambda s: s.replace("\n", "\r")):
+                got = await run(await c.fim(ends(prefix), ends(suffix), max_tokens=12))
+                assert got.pieces == want.pieces and got.done.usage.prompt_tokens == want.done.usage.prompt_tokens
+        snippet = Snippet(path="src/a.rs", text="fn a() {\n    1\n}\n")
+        want = await run(await c.fim(*FIM_CASES[0], max_tokens=8, context=[snippet]))
+        got = await run(await c.fim(*map(crlf, FIM_CASES[0]), max_tokens=8,
+                                    context=[Snippet(path=snippet.path, text=crlf(snippet.text))]))
+        assert got.pieces == want.pieces
+        want = await run(await c.generate("fn main() {\n    let x = 1;\n", max_tokens=8))
+        got = await run(await c.generate("fn main() {\r\n    let x = 1;\r\n", max_tokens=8))
+        assert got.pieces == want.pieces
+
+
 async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm, tiny_engine):
     """Fim.min_probability: the daemon stops at the token that takes the completion's probability so far under the
     floor (Engine.generate), the same tokens as the engine's run without it, up to there."""
