@@ -270,7 +270,7 @@ async def test_fim_streams_what_the_engine_streams(warm, tiny_engine):
         assert f"{half}, half its context" in err.message
 
 
-async def test_crlf_line_ends_are_read_as_lf(warm, tiny_engine):
+async def test_text_is_read_as_the_model_learned_it(warm, tiny_engine):
     """The model learned from LF-only text: a file with CRLF (or lone CR) line ends is read as LF, so it gets the
     completion its LF twin gets (with CR LF served as it was, make eval's single-line exact match fell from 52% to
     16%). Project context too, and a plain prompt."""
@@ -294,6 +294,16 @@ async def test_crlf_line_ends_are_read_as_lf(warm, tiny_engine):
         want = await run(await c.generate("fn main() {\n    let x = 1;\n", max_tokens=8))
         got = await run(await c.generate("fn main() {\r\n    let x = 1;\r\n", max_tokens=8))
         assert got.pieces == want.pieces
+        # A byte order mark, and spaces at the ends of whole lines (blank lines indented as editors leave them): read
+        # without them, as the corpus has none. The cursor's line keeps what was typed: `let y = ` ends in a space.
+        clean = ("fn main() {\n\n    let x = 1;\n    let y = ", ";\n\n}\n")
+        dirty = ("\ufefffn main() {  \n    \n    let x = 1;\t\n    let y = ", ";  \n    \n}\n")
+        want = await run(await c.fim(*clean, max_tokens=12))
+        got = await run(await c.fim(*dirty, max_tokens=12))
+        assert got.pieces == want.pieces and got.done.usage.prompt_tokens == want.done.usage.prompt_tokens
+        assert want.pieces != (await run(await c.fim(clean[0].rstrip(), clean[1], max_tokens=12))).pieces
+        want = await run(await c.generate(clean[0], max_tokens=8))
+        assert (await run(await c.generate(dirty[0], max_tokens=8))).pieces == want.pieces
 
 
 async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm, tiny_engine):
