@@ -53,7 +53,10 @@ class M31rLanguageServer(LanguageServer):
     def __init__(self, defaults: EditorSettings | None = None):
         super().__init__("m31r-lsp", VERSION, text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
                          protocol_cls=M31rProtocol)
-        self.config = defaults or EditorSettings()
+        # The command line's settings (`--socket`, `--bundle`, `--no-autostart`): an empty `socket` or `bundle` in
+        # the client's settings goes back to these.
+        self.defaults = defaults or EditorSettings()
+        self.config = self.defaults
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
                                    project=ProjectContext(self.open_documents))
@@ -86,7 +89,7 @@ class M31rLanguageServer(LanguageServer):
             self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning, message=p))
 
     async def apply_settings(self, raw: object) -> None:
-        new, problems = settings_mod.apply(self.config, raw)
+        new, problems = settings_mod.apply(self.config, raw, self.defaults)
         self.log_problems(problems)
         old, self.config = self.config, new
         if link_config(new) != link_config(old):
@@ -330,7 +333,8 @@ def run(socket: str | None = None, tcp: str | None = None, autostart: bool = Tru
     address = tcp_address(tcp, allow_remote) if tcp else None
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="m31r-lsp %(levelname)s %(name)s: %(message)s")
-    server = create_server(EditorSettings(socket=socket, autostart=autostart, bundle=bundle))
+    server = create_server(EditorSettings(socket=settings_mod.expand_path(socket), autostart=autostart,
+                                          bundle=settings_mod.expand_path(bundle)))
     if address:
         server.start_tcp(*address)
     else:

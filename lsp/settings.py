@@ -2,12 +2,15 @@
 
 Both may carry the keys directly or under an "m31r" section (`{"m31r": {...}}`); didChangeConfiguration's
 `settings` usually holds the whole configuration tree, of which only "m31r" is read. A bad value is
-reported and the previous value kept; unknown keys are reported and ignored.
+reported and the previous value kept; unknown keys are reported and ignored. An empty or null `socket` or `bundle`
+means the server's default (`m31r lsp --socket` / `--bundle`, else the built-in one), and a leading `~` in either is
+the home folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +82,16 @@ def _opt_str(v: Any) -> str | None:
     raise ValueError("expected a string")
 
 
+def expand_path(v: str | None) -> str | None:
+    """A socket or bundle path with a leading `~` expanded (os.path.expanduser): editors other than VS Code pass
+    `~/x.sock` through as written, and taken literally it would name a folder `~` in the editor's working directory."""
+    return None if v is None else os.path.expanduser(v)
+
+
+def _opt_path(v: Any) -> str | None:
+    return expand_path(_opt_str(v))
+
+
 def _opt_int(v: Any) -> int | None:
     return None if v is None else _int_range(0, 2**63 - 1)(v)
 
@@ -104,8 +117,8 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "deadlineMs": ("deadline_ms", _int_range(1, 60000)),
     "maxTokens": ("max_tokens", _int_range(1, 4096)),
     "maxLines": ("max_lines", _int_range(1, 200)),
-    "socket": ("socket", _opt_str),
-    "bundle": ("bundle", _opt_str),
+    "socket": ("socket", _opt_path),
+    "bundle": ("bundle", _opt_path),
     "autostart": ("autostart", _bool),
     "typedThrough": ("typed_through", _bool),
     "acceptAhead": ("accept_ahead", _bool),
@@ -132,8 +145,12 @@ def section(raw: Any) -> dict | None:
     return None
 
 
-def apply(current: EditorSettings, raw: Any) -> tuple[EditorSettings, list[str]]:
-    """Settings updated from `raw` (a payload as above), and one message per rejected or unknown key."""
+def apply(current: EditorSettings, raw: Any,
+          defaults: EditorSettings | None = None) -> tuple[EditorSettings, list[str]]:
+    """Settings updated from `raw` (a payload as above), and one message per rejected or unknown key. `defaults` are
+    the settings the server started with (its command line's `--socket`, `--bundle`): an empty or null `socket` or
+    `bundle` goes back to them, not to the value a previous payload set."""
+    defaults = defaults or EditorSettings()
     data = section(raw)
     if data is None:
         return current, []
@@ -144,9 +161,10 @@ def apply(current: EditorSettings, raw: Any) -> tuple[EditorSettings, list[str]]
         if spec is None:
             problems.append(f"m31r.{key}: unknown setting, ignored")
             continue
-        if key in ("socket", "bundle") and value in (None, ""):
-            continue  # empty means "the default": keep what the command line (`--socket`, `--bundle`) set
         name, check = spec
+        if key in ("socket", "bundle") and value in (None, ""):
+            changes[name] = getattr(defaults, name)  # "the default": what the command line set, if anything
+            continue
         try:
             changes[name] = check(value)
         except ValueError as e:

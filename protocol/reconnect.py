@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -208,6 +209,17 @@ class DaemonLink:
 
 def link_config(socket: str | Path | None = None, *, autostart: bool = True, bundle: str | Path | None = None,
                 daemon_command: Sequence[str] | None = None, start_timeout: float = 120.0) -> LinkConfig:
-    """A LinkConfig from the front ends' options (`--socket`, `--no-autostart`, `--bundle`)."""
+    """A LinkConfig from the front ends' options (`--socket`, `--no-autostart`, `--bundle`). A leading `~` in `socket`
+    or `bundle` is the home folder: a caller that got the path from an editor's settings, or from a command line run
+    without a shell, may pass it unexpanded."""
+    socket = _expand_user(socket)
+    bundle = _expand_user(bundle)
     return LinkConfig(socket, autostart, ("--bundle", str(bundle)) if bundle else (),
                       tuple(daemon_command) if daemon_command else None, start_timeout)
+
+
+def _expand_user(path: str | Path | None) -> str | Path | None:
+    """`path` with a leading `~` expanded, of the type it came as."""
+    if path is None or not str(path).startswith("~"):
+        return path
+    return Path(path).expanduser() if isinstance(path, Path) else os.path.expanduser(path)

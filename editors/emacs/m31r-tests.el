@@ -15,8 +15,26 @@
 (ert-deftest m31r-settings-defaults ()
   (should (equal (m31r-settings)
                  '(:enable t :debounceMs 75 :debounceMode "adaptive"
-                   :multiline "auto" :deadlineMs 800 :maxTokens 64
+                   :multiline "auto" :deadlineMs 800 :maxTokens 64 :beams nil
                    :projectContext :json-false :minProbability 0.05 :socket ""))))
+
+(ert-deftest m31r-settings-beams ()
+  ;; nil is JSON null (the daemon's --beams), as eglot's jsonrpc serializes it.
+  (should (string-match-p "\"beams\":null"
+                          (json-serialize (m31r-settings) :null-object nil
+                                          :false-object :json-false)))
+  (let ((m31r-beams 2))
+    (should (equal (plist-get (m31r-settings) :beams) 2))))
+
+(ert-deftest m31r-socket-tilde-is-the-home-directory ()
+  ;; The server is run without a shell: a literal ~ would name a folder.
+  (let ((process-environment (cons "HOME=/tmp/m31r-home" process-environment))
+        (m31r-socket "~/d.sock"))
+    (should (equal (plist-get (m31r-settings) :socket) "/tmp/m31r-home/d.sock"))
+    (should (equal (m31r-command) '("m31r" "lsp" "--socket" "/tmp/m31r-home/d.sock"))))
+  (let ((m31r-socket "relative/~d.sock"))
+    (should (equal (plist-get (m31r-settings) :socket) "relative/~d.sock"))
+    (should (equal (m31r-command) '("m31r" "lsp" "--socket" "relative/~d.sock")))))
 
 (ert-deftest m31r-settings-false-and-socket ()
   (let ((m31r-enable nil) (m31r-socket "/tmp/d.sock"))
@@ -69,7 +87,8 @@
            (file (expand-file-name "lib.rs" dir))
            (m31r-major-modes '(m31r-test-rust-mode))
            (eglot-server-programs nil)
-           (m31r-status nil))
+           (m31r-status nil)
+           (m31r-beams 2))
       (define-derived-mode m31r-test-rust-mode prog-mode "Rust")
       (with-temp-file file
         (insert "fn main() {\n    let counts = 1;\n    \n}\n"))
@@ -106,6 +125,24 @@
                 (let ((text (plist-get (aref items 0) :insertText)))
                   (should (stringp text))
                   (should (> (length text) 0)))))
+            ;; m31r-beams reaches the server, at start and when pushed; nil as null (the daemon's --beams).
+            (cl-flet ((beams-is (want)
+                        (cl-loop repeat 50
+                                 for got = (plist-get
+                                            (plist-get (jsonrpc-request server :m31r/stats
+                                                                        (make-hash-table))
+                                                       :settings)
+                                            :beams)
+                                 until (equal got want)
+                                 do (accept-process-output nil 0.05)
+                                 finally return got)))
+              (should (equal (beams-is 2) 2))
+              (setq m31r-beams 3)
+              (m31r-push-settings)
+              (should (equal (beams-is 3) 3))
+              (setq m31r-beams nil)
+              (m31r-push-settings)
+              (should (equal (beams-is nil) nil)))
             (m31r-toggle -1)
             (m31r-toggle 1)
             (eglot-shutdown server)))))))

@@ -41,7 +41,8 @@
   :type 'string)
 
 (defcustom m31r-socket ""
-  "Path of the m31rd daemon's socket; empty means the daemon's default."
+  "Path of the m31rd daemon's socket; empty means the daemon's default.
+A leading ~ is the home directory."
   :type 'string)
 
 (defcustom m31r-major-modes '(rust-mode rust-ts-mode rustic-mode)
@@ -77,6 +78,12 @@ included: once spent, the suggestion ends with what was written so far."
   "Maximum number of tokens generated for one suggestion."
   :type 'integer)
 
+(defcustom m31r-beams nil
+  "Beam search width (1-8) of a single-line suggestion; nil: the daemon's --beams.
+The search's runners-up are further inline completions to cycle through."
+  :type '(choice (const :tag "The daemon's --beams" nil)
+                 (integer :tag "Width (1-8)")))
+
 (defcustom m31r-project-context nil
   "Non-nil: send snippets of the crate's other files with each request."
   :type 'boolean)
@@ -104,6 +111,12 @@ Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
   "VALUE as a JSON boolean for both eglot and lsp-mode."
   (if value t :json-false))
 
+(defun m31r--socket ()
+  "`m31r-socket' with a leading ~ expanded (the server would take it literally).
+Empty (or nil) stays \"\": the default socket."
+  (let ((socket (or m31r-socket "")))
+    (if (string-prefix-p "~" socket) (expand-file-name socket) socket)))
+
 (defun m31r-settings ()
   "The settings object sent to the server (a plist with camelCase keys)."
   (list :enable (m31r--bool m31r-enable)
@@ -112,15 +125,17 @@ Only used with lsp-mode >= 9.0.1 (`lsp-inline-completion-mode')."
         :multiline m31r-multiline
         :deadlineMs m31r-deadline-ms
         :maxTokens m31r-max-tokens
+        :beams m31r-beams
         :projectContext (m31r--bool m31r-project-context)
         :minProbability m31r-min-probability
-        :socket (or m31r-socket "")))
+        :socket (m31r--socket)))
 
 (defun m31r-command ()
   "The server command line, a list of strings."
-  (append (list m31r-executable "lsp")
-          (unless (string-empty-p (or m31r-socket ""))
-            (list "--socket" m31r-socket))))
+  (let ((socket (m31r--socket)))
+    (append (list m31r-executable "lsp")
+            (unless (string-empty-p socket)
+              (list "--socket" socket)))))
 
 (defun m31r--wanted-mode-p (mode)
   "Non-nil when M31R should complete in major MODE."
@@ -292,6 +307,7 @@ Eglot runs one server per buffer: there M31R takes rust-analyzer's place."
      ("m31r.multiline" m31r-multiline)
      ("m31r.deadlineMs" m31r-deadline-ms)
      ("m31r.maxTokens" m31r-max-tokens)
+     ("m31r.beams" m31r-beams)
      ("m31r.projectContext" m31r-project-context t)
      ("m31r.minProbability" m31r-min-probability)
      ("m31r.socket" m31r-socket)))

@@ -54,6 +54,7 @@ check("server settings: defaults, validation, socket", function()
     multiline = "auto",
     deadlineMs = 800,
     maxTokens = 64,
+    beams = vim.NIL,
     projectContext = false,
     minProbability = 0.05,
     socket = "",
@@ -65,11 +66,32 @@ check("server settings: defaults, validation, socket", function()
   eq(s.maxTokens, 12, "rounded")
   eq(s.enable, true, "bad bool")
   eq(s.debounceMode, "fixed", "good enum")
+  -- the server's ranges: a value outside is replaced by the default (the server would drop it unseen)
+  s = m31r.server_settings({ deadlineMs = 0, maxTokens = 5000, debounceMs = 6000 })
+  eq({ s.deadlineMs, s.maxTokens, s.debounceMs }, { 800, 64, 75 }, "out of range: the defaults")
+  s = m31r.server_settings({ deadlineMs = 1, maxTokens = 4096, debounceMs = 0 })
+  eq({ s.deadlineMs, s.maxTokens, s.debounceMs }, { 1, 4096, 0 }, "range ends are accepted")
+  eq(m31r.server_settings({ maxTokens = 0 }).maxTokens, 64, "maxTokens 0")
+  eq(m31r.server_settings({ deadlineMs = 0 / 0 }).deadlineMs, 800, "nan")
+  eq(m31r.server_settings({ debounceMs = math.huge }).debounceMs, 75, "inf")
+  -- beams: an integer 1..8, or vim.NIL for the daemon's --beams
+  eq(m31r.server_settings({ beams = 3 }).beams, 3, "beams")
+  eq(m31r.server_settings({ beams = vim.NIL }).beams, vim.NIL, "beams null")
+  eq(m31r.server_settings({ beams = 9 }).beams, vim.NIL, "beams out of range")
+  eq(m31r.server_settings({ beams = "2" }).beams, vim.NIL, "beams not a number")
+  eq(vim.json.decode(vim.json.encode(m31r.server_settings({}))).beams, vim.NIL, "beams sent as null")
+  -- a leading ~ is the home folder (Neovim passes the path to the server as written)
+  eq(m31r.server_settings({ socket = "~/m31rd.sock" }).socket, vim.env.HOME .. "/m31rd.sock", "~ expanded")
+  eq(m31r.server_settings({ socket = "/tmp/~x.sock" }).socket, "/tmp/~x.sock", "only a leading ~")
   m31r.setup({ socket = "/tmp/m31rd-test.sock", settings = { maxTokens = 8 } })
   eq(m31r.config.settings_resolved.socket, "/tmp/m31rd-test.sock", "socket in settings")
   eq(m31r.config.settings_resolved.maxTokens, 8, "maxTokens")
   m31r.setup({ cmd = { "m31r", "lsp", "--socket", "/tmp/from-cmd.sock" } })
   eq(m31r.config.settings_resolved.socket, "/tmp/from-cmd.sock", "socket taken from cmd")
+  m31r.setup({ cmd = { "m31r", "lsp", "--socket", "~/from-cmd.sock" } })
+  eq(m31r.config.settings_resolved.socket, vim.env.HOME .. "/from-cmd.sock", "~ in cmd's socket expanded")
+  m31r.setup({ socket = "~/opt.sock" })
+  eq(m31r.config.settings_resolved.socket, vim.env.HOME .. "/opt.sock", "~ in the socket option expanded")
   m31r.setup({})
   eq(m31r.config.settings_resolved.socket, "", "default socket")
 end)
@@ -170,6 +192,27 @@ else
     eq(m31r.statusline(), "M31R off", "statusline")
     m31r.toggle(true)
     eq(client.settings.m31r.enable, true, "client.settings")
+  end)
+
+  check("beams reaches the server, vim.NIL as null", function()
+    local function beams_is(want)
+      local got
+      for _ = 1, 50 do
+        got = request("m31r/stats", {}).settings.beams
+        if got == nil then
+          got = vim.NIL -- JSON null (decoded as nil in objects)
+        end
+        if got == want then
+          break
+        end
+        vim.wait(50)
+      end
+      return got
+    end
+    m31r.set({ beams = 2 })
+    eq(beams_is(2), 2, "beams set")
+    m31r.set({ beams = vim.NIL })
+    eq(beams_is(vim.NIL), vim.NIL, "beams back to the daemon's")
   end)
 
   check("Neovim 0.12 inline completion path (stubbed API)", function()

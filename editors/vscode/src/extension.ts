@@ -193,8 +193,16 @@ export class M31rController implements vscode.Disposable {
     client.onDidChangeState((e) => {
       if (gen !== this.generation) return;
       if (e.newState === State.Running) this.clientState = 'running';
-      else if (e.newState === State.Starting) this.clientState = 'starting';
-      else if (this.clientState !== 'failed') {
+      else if (e.newState === State.Starting) {
+        this.clientState = 'starting';
+        this.error = undefined;
+      } else if (e.newState === State.StartFailed) {
+        // vscode-languageclient 11: the server did not start (also on the client's own restart after a crash, which
+        // no `start()` of ours awaits). A rejected `start()` below replaces this text with its reason.
+        this.clientState = 'failed';
+        this.serverStatus = undefined;
+        this.error ??= 'The server exited while starting: "M31R: Show Log" has its output.';
+      } else if (this.clientState !== 'failed') {
         this.clientState = 'stopped';
         this.serverStatus = undefined;
       }

@@ -11,6 +11,9 @@ const vscode = require('vscode');
 const lc = require('vscode-languageclient/node');
 const ext = require('../out/extension.js');
 
+// vscode-languageclient 11's State has StartFailed (4); the fake predates it.
+lc.State.StartFailed ??= 4;
+
 const fake = vscode.__fake.state;
 const clients = lc.__fake.instances;
 let controller;
@@ -222,6 +225,40 @@ test('a server that cannot start shows an error and click restarts', async () =>
   assert.equal(item.command, 'm31r.restart');
   assert.equal(item.backgroundColor.id, 'statusBarItem.errorBackground');
   lc.__fake.behaviour.failStart = false;
+  await vscode.commands.executeCommand('m31r.restart');
+  assert.equal(controller.state.client, 'running');
+  assert.equal(item.text, '$(sparkle) M31R');
+});
+
+test('StartFailed (vscode-languageclient 11) is a failure with its reason, not "stopped"', async () => {
+  // The client's own restart after a crash fails: no start() of ours rejects, only the state says so.
+  const { client, item } = await activate();
+  client.setState(lc.State.Starting);
+  client.setState(lc.State.StartFailed);
+  assert.equal(controller.state.client, 'failed');
+  assert.equal(item.text, '$(error) M31R');
+  assert.match(item.tooltip, /exited while starting/);
+  assert.match(item.tooltip, /Show Log/);
+  assert.equal(item.command, 'm31r.restart');
+  client.setState(lc.State.Stopped); // what follows a failed start
+  assert.equal(controller.state.client, 'failed');
+  assert.equal(item.text, '$(error) M31R');
+
+  // A start() of ours that fails: v11 reports StartFailed, then the promise rejects with the reason, which is kept.
+  const start = lc.LanguageClient.prototype.start;
+  lc.LanguageClient.prototype.start = async function () {
+    this.setState(lc.State.Starting);
+    this.setState(lc.State.StartFailed);
+    throw new Error(`spawn ${this.serverOptions.command} ENOENT`);
+  };
+  try {
+    await vscode.commands.executeCommand('m31r.restart');
+  } finally {
+    lc.LanguageClient.prototype.start = start;
+  }
+  assert.equal(controller.state.client, 'failed');
+  assert.match(item.tooltip, /ENOENT/);
+  assert.doesNotMatch(item.tooltip, /exited while starting/);
   await vscode.commands.executeCommand('m31r.restart');
   assert.equal(controller.state.client, 'running');
   assert.equal(item.text, '$(sparkle) M31R');

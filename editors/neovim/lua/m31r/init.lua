@@ -23,11 +23,12 @@ M.server_defaults = {
   debounceMode = "adaptive", -- "adaptive" | "fixed"
   multiline = "auto", -- "auto" | "always" | "never"
   deadlineMs = 800,
-  maxTokens = 64,
+  maxTokens = 64, -- above half the model's context the server clamps it (and says so once)
+  beams = vim.NIL, -- beam width 1..8 of a single-line suggestion; vim.NIL = the daemon's --beams
   projectContext = false, -- true: send snippets of the crate's other files
   minProbability = 0.05, -- hide suggestions whose first line the model gives less than this, cut multi-line ones
   -- to the lines that together keep it (0 shows all, whole)
-  socket = "", -- "" = the daemon's default socket
+  socket = "", -- "" = the server's default (`--socket` in cmd, else the daemon's); a leading ~ is expanded
 }
 
 M.defaults = {
@@ -93,10 +94,33 @@ local valid = {
   multiline = { auto = true, always = true, never = true },
   deadlineMs = "number",
   maxTokens = "number",
+  beams = "number",
   projectContext = "boolean",
   minProbability = "probability",
   socket = "string",
 }
+
+-- The server's ranges (lsp/settings.py): it drops a value outside them, so one is replaced here, with a warning.
+local ranges = {
+  debounceMs = { 0, 5000 },
+  deadlineMs = { 1, 60000 },
+  maxTokens = { 1, 4096 },
+  beams = { 1, 8 },
+}
+
+-- Settings that may be vim.NIL (JSON null): the server's default.
+local nullable = { beams = true }
+
+-- A leading ~ is the home folder: the server would otherwise get it as written (Neovim runs it without a shell).
+local function expand_home(path)
+  if path:sub(1, 1) == "~" then
+    local expanded = vim.fn.expand(path, true) -- true: 'wildignore' does not apply
+    if expanded ~= "" then
+      return expanded
+    end
+  end
+  return path
+end
 
 --- The full settings object sent to the server (all keys present, invalid values replaced).
 function M.server_settings(user)
@@ -105,6 +129,8 @@ function M.server_settings(user)
     local want = valid[key]
     if want == nil then
       notify_once("key:" .. key, ("unknown setting %q ignored"):format(key))
+    elseif value == vim.NIL and nullable[key] then
+      out[key] = value
     elseif type(want) == "table" then
       if type(value) == "string" and want[value] then
         out[key] = value
@@ -120,11 +146,15 @@ function M.server_settings(user)
     elseif type(value) ~= want then
       notify_once("bad:" .. key, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
     elseif want == "number" then
-      if value < 0 or value ~= value then
-        notify_once("bad:" .. key, ("%s must be >= 0"):format(key))
+      local lo, hi = ranges[key][1], ranges[key][2]
+      local n = math.floor(value + 0.5)
+      if value ~= value or n < lo or n > hi then
+        notify_once("bad:" .. key, ("%s must be in %d..%d, got %s"):format(key, lo, hi, vim.inspect(value)))
       else
-        out[key] = math.floor(value + 0.5)
+        out[key] = n
       end
+    elseif key == "socket" then
+      out[key] = expand_home(value)
     else
       out[key] = value
     end
