@@ -9,9 +9,9 @@ on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, 
   edit sim.     both means, the mean paired difference and its 95% interval from a seeded paired bootstrap.
 
 Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
-Last comes the release rule's verdict (README "Which tasks decide a release"): on the larger draw (`make eval-large`)
-and the same settings, does the candidate beat the base on both single-line exact match and multi-line edit
-similarity? A tie is not a win.
+Last comes the release rule's verdict (README "Which tasks decide a release"): on the larger draw (`make eval-large`:
+its task counts, seed and token budgets), with the same settings and without --floor-stop, does the candidate beat the
+base on both single-line exact match and multi-line edit similarity? A tie is not a win.
 
     python benchmarks/compare_evals.py BASE.json CANDIDATE.json [--json]
 """
@@ -47,6 +47,19 @@ def bootstrap_interval(diffs: list[float], *, rounds: int = 2000, seed: int = 0)
     return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
+# What a result says about how it was run, with the value meant where a result from before the option has none:
+# --beams and --context came later (greedy and without them before), --floor-stop too (off before). eval_fim
+# reports the confidence floor under gate.min_probability; the seed and token budgets pick and cut the tasks.
+SETTINGS = {"healing": None, "serving_stops": None, "dtype": None, "quant": None, "max_new_tokens": None,
+            "beams": 1, "context": False, "floor_stop": False, "min_probability": None, "seed": None}
+
+
+def settings_of(result: dict) -> dict:
+    got = {k: result.get(k, d) for k, d in SETTINGS.items()}
+    got["min_probability"] = (result.get("gate") or {}).get("min_probability")
+    return got
+
+
 def compare(base: dict, cand: dict) -> dict:
     a, b = base["tasks"], cand["tasks"]
     if len(a) != len(b) or any(tuple(x[k] for k in _IDENTITY) != tuple(y[k] for k in _IDENTITY)
@@ -54,10 +67,10 @@ def compare(base: dict, cand: dict) -> dict:
         raise ValueError("the two results hold different tasks: run both with the same --seed, --n-single, "
                          "--n-multi and data")
     out: dict = {"base": base["model"], "candidate": cand["model"]}
-    settings = {"healing": None, "serving_stops": None, "dtype": None, "quant": None, "max_new_tokens": None,
-                "beams": 1, "context": False}  # (results from before --beams and --context had neither)
-    if differ := [k for k, d in settings.items() if base.get(k, d) != cand.get(k, d)]:  # a serving change
-        out["settings_differ"] = {k: [base.get(k, settings[k]), cand.get(k, settings[k])] for k in differ}
+    sb, sc = settings_of(base), settings_of(cand)
+    out["settings"] = {"base": sb, "candidate": sc}
+    if differ := [k for k in sb if sb[k] != sc[k]]:  # a serving change
+        out["settings_differ"] = {k: [sb[k], sc[k]] for k in differ}
     for kind in KINDS:
         pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["kind"] == kind]
         if not pairs:
@@ -81,6 +94,9 @@ def compare(base: dict, cand: dict) -> dict:
 
 
 DECIDING_DRAW = {"single": 300, "multi": 150}  # `make eval-large`: the tasks that decide a release
+# eval-large passes no --seed, --single-tokens or --multi-tokens: eval_fim's defaults draw and cut its tasks.
+DECIDING_SEED = 0
+DECIDING_TOKENS = {"single": 48, "multi": 128}
 
 
 def release_verdict(r: dict) -> dict:
@@ -91,8 +107,16 @@ def release_verdict(r: dict) -> dict:
     if counts != DECIDING_DRAW:
         return {"wins": False, "why": f"not the deciding draw: {counts['single']} single-line and {counts['multi']} "
                 f"multi-line tasks against {DECIDING_DRAW['single']} and {DECIDING_DRAW['multi']} (make eval-large)"}
+    sides = [(name, r.get("settings", {}).get(name, {})) for name in ("base", "candidate")]
+    if floor := [name for name, s in sides if s.get("floor_stop")]:
+        return {"wins": False, "why": f"the {' and the '.join(floor)} ran with --floor-stop, whose answers are cut "
+                "where the editors' floor would hide the rest: for comparison, not for releases"}
     if "settings_differ" in r:
         return {"wins": False, "why": "the runs differ in their settings, not only in the model"}
+    for name, s in sides:
+        if s.get("seed") != DECIDING_SEED or s.get("max_new_tokens") != DECIDING_TOKENS:
+            return {"wins": False, "why": f"not the deciding draw: the {name} ran with seed {s.get('seed')} and token "
+                    f"budgets {s.get('max_new_tokens')}, make eval-large with {DECIDING_SEED} and {DECIDING_TOKENS}"}
     s, m = r["single"], r["multi"]
     single = s["gained"] - s["lost"]  # the difference in exact matches, in tasks
     multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)

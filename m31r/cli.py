@@ -258,12 +258,23 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
-socket_option = click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+class UserPath(click.Path):
+    """click.Path with a leading `~` expanded to the home folder. A shell expands it only in an unquoted word's start
+    (not in `--socket=~/x.sock`), and an editor that runs `m31r lsp --socket ~/x.sock` without a shell not at all:
+    taken literally, `~` would be a folder of that name in the working directory."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = os.path.expanduser(value)
+        return super().convert(value, param, ctx)
+
+
+socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
                              help="Daemon socket (default: $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
 
 
 @main.command()
-@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--bundle", "bundle_dir", type=UserPath(path_type=Path), default=None,
               help="Model bundle directory (default: $M31R_BUNDLE or the bundled release/).")
 @socket_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -604,7 +615,7 @@ def stop(socket_path: Path | None) -> None:
 
 
 @main.command()
-@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--bundle", "bundle_dir", type=UserPath(path_type=Path), default=None,
               help="Bundle to check (default: $M31R_BUNDLE or the bundled release/).")
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="Print {ok, checks: [{name, level, detail}]} as JSON.")
@@ -790,12 +801,13 @@ def train_shards(run_dir: Path, out: Path) -> None:
 @train.command("import-shards")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--force", is_flag=True, help="Replace RUN's checkpoint when it has one (refused without).")
 @user_errors
-def train_import_shards(folder: Path, run_dir: Path) -> None:
+def train_import_shards(folder: Path, run_dir: Path, force: bool) -> None:
     """Make RUN's checkpoint from shards written by `m31r train shards` (no optimizer state)."""
     from m31r.train.shards import import_shards
 
-    state = import_shards(folder, run_dir)
+    state = import_shards(folder, run_dir, force=force)
     click.echo(f"{run_dir / 'ckpt.pt'}: step {state['step']}, {state['tokens']:,} tokens")
 
 
@@ -809,10 +821,8 @@ def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -
     """Write the run's latest checkpoint as a release bundle (bf16 weights, full metadata)."""
     from m31r.train.trainer import export
 
-    if out.exists():
-        for name in ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json", "checksum.txt"):
-            (out / name).unlink(missing_ok=True)
-    click.echo(_summary(export(run_dir, data_dir, out, model_version=model_version)))
+    click.echo(_summary(export(run_dir, data_dir, out, model_version=model_version,
+                               log=lambda s: click.echo(s, err=True))))  # OUT replaced once the new bundle is whole
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -831,7 +841,7 @@ service_kind_option = click.option("--kind", type=click.Choice(["systemd", "laun
 
 @service.command("install")
 @service_kind_option
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--bundle", "bundle_dir", type=UserPath(file_okay=False, path_type=Path), default=None,
               help="Model bundle the service serves (default: $M31R_BUNDLE or the bundled release/).")
 @click.option("--dry-run", is_flag=True, help="Print the files and where they would go; write nothing.")
 @click.option("--force", is_flag=True, help="Replace unit files that differ from what install writes (edited by "
@@ -874,7 +884,7 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--token-file", type=click.Path(path_type=Path), default=None,
               help="Require `Authorization: Bearer <token>`, the token read from this file (mode 0600).")
 @click.option("--no-autostart", is_flag=True, help="Answer 503 instead of starting a daemon when none runs.")
-@click.option("--bundle", "bundle_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+@click.option("--bundle", "bundle_dir", type=UserPath(exists=True, file_okay=False, path_type=Path), default=None,
               help="Bundle for an autostarted daemon (default: $M31R_BUNDLE or the bundled release/); a daemon "
                    "already running on --socket keeps its own.")
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
@@ -912,7 +922,7 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
               help="Serve LSP over TCP instead of stdio; HOST must be loopback unless --allow-remote.")
 @click.option("--allow-remote", is_flag=True, help="Allow --tcp on a non-loopback address (prints a warning).")
 @click.option("--no-autostart", is_flag=True, help="Do not start a daemon when none runs.")
-@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--bundle", "bundle_dir", type=UserPath(path_type=Path), default=None,
               help="Bundle for an autostarted daemon (default: the daemon's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)

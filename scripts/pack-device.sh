@@ -24,7 +24,16 @@ PY=${PY:-.venv/bin/python}
 D=$DEST/.device MORE=$DEST/.device-more WHL=$DEST/.whl
 mkdir -p "$D" "$WHL"
 cp "$DATA/tokenizer.json" "$DATA/corpus/manifest.json" "$D/"
-[ -f "$D/val.jsonl.xz" ] || xz -T0 -6 -c "$DATA/corpus/val.jsonl" > "$D/val.jsonl.xz"
+# Each .xz is written under a temporary name and renamed when whole (an interrupted pack leaves no truncated one),
+# and made again when its file changed (size, time to the nanosecond), as when the corpus is built again.
+stamp() { stat -c '%s %.9Y' "$1"; }
+val_stamp="$(stamp "$DATA/corpus/val.jsonl")"
+if [ ! -f "$D/val.jsonl.xz" ] || [ "$(cat "$D/val.stamp" 2>/dev/null || true)" != "$val_stamp" ]; then
+  rm -f "$D/val.stamp"
+  xz -T0 -6 -c "$DATA/corpus/val.jsonl" > "$D/val.jsonl.xz.tmp"
+  mv "$D/val.jsonl.xz.tmp" "$D/val.jsonl.xz"
+  echo "$val_stamp" > "$D/val.stamp"
+fi
 # The run's start: an int8 copy of the release (29 MB), since the bf16 one (59 MB) and the corpus are over 64 MiB.
 rm -rf "$D/init"  # made again each time: release/ may have changed since
 if [ ! -d "$D/shards" ]; then
@@ -40,15 +49,15 @@ if ! compgen -G "$WHL/msgspec-$version-*.whl" >/dev/null; then
 fi
 
 # The training corpus in parts of whole lines, each its own xz stream (made again only when the corpus changed).
-stamp="$(stat -c '%s %Y' "$DATA/corpus/train.jsonl") $PART"
-if [ "$(cat "$D/parts.stamp" 2>/dev/null || true)" != "$stamp" ]; then
-  rm -rf "$D"/train-*.jsonl.xz "$MORE"
-  tmp=$(mktemp -d)
+parts_stamp="$(stamp "$DATA/corpus/train.jsonl") $PART"
+if [ "$(cat "$D/parts.stamp" 2>/dev/null || true)" != "$parts_stamp" ]; then
+  rm -rf "$D"/train-*.jsonl.xz "$MORE" "$D/parts.stamp" "$D"/.parts.*
+  tmp=$(mktemp -d "$D/.parts.XXXXXX")  # beside the parts: each mv below is a rename
   split -d -a 2 -C "$PART" --additional-suffix=.jsonl "$DATA/corpus/train.jsonl" "$tmp/train-"
   for f in "$tmp"/train-*.jsonl; do xz -T0 -9 "$f"; done
   mv "$tmp"/train-*.jsonl.xz "$D/"
   rmdir "$tmp"
-  echo "$stamp" > "$D/parts.stamp"
+  echo "$parts_stamp" > "$D/parts.stamp"
 fi
 # Move trailing parts out to .device-more/ until the travelling tree fits.
 shopt -s nullglob

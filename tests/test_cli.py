@@ -191,6 +191,23 @@ def test_status(daemon, tiny_bundle):
         assert key in st
 
 
+@pytest.mark.parametrize("form", ["--socket", "--socket="])
+def test_a_tilde_in_socket_is_the_home_folder(daemon, tmp_path, form):
+    """`~` in --socket is the home folder also where no shell expanded it: quoted, after `=`, or run by an editor
+    without a shell. Taken literally it named a folder `~` in the working directory (and no daemon answered there)."""
+    _, sock = daemon
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / "d.sock").symlink_to(sock)
+    args = ["--socket", "~/d.sock"] if form == "--socket" else ["--socket=~/d.sock"]
+    for cmd in (["status", *args], ["generate", "fn", "--max-tokens", "1", "--no-autostart", *args]):
+        r = subprocess.run([*M31R, *cmd], capture_output=True, text=True, timeout=120, cwd=cwd,
+                           env={**os.environ, "HOME": str(home)})
+        assert r.returncode == 0, r.stderr
+    assert list(cwd.iterdir()) == []
+
+
 @pytest.mark.parametrize("args", [["generate", "fn", "--no-autostart"], ["fim", "--prefix", "x", "--no-autostart"],
                                   ["status"], ["stop"]], ids=lambda a: a[0])
 def test_no_daemon_is_one_line_error(tmp_path, args):

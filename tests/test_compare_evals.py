@@ -73,12 +73,15 @@ def test_runs_with_different_serving_settings_are_flagged() -> None:
 
 
 def _draw(exact_single: int, edit_multi: list[float]) -> dict:
-    """A result on the deciding draw: 300 single-line tasks, the first `exact_single` right, and 150 multi-line."""
+    """A result on the deciding draw: 300 single-line tasks, the first `exact_single` right, and 150 multi-line, with
+    the seed, token budgets and floor that `make eval-large` runs with."""
     n_s, n_m = ce.DECIDING_DRAW["single"], ce.DECIDING_DRAW["multi"]
     assert len(edit_multi) == n_m
     return _result("m@1", [i < exact_single for i in range(n_s)] + [False] * n_m,
                    [1.0 if i < exact_single else 0.5 for i in range(n_s)] + edit_multi,
-                   ["single"] * n_s + ["multi"] * n_m)
+                   ["single"] * n_s + ["multi"] * n_m) | {
+        "seed": 0, "max_new_tokens": {"single": 48, "multi": 128}, "floor_stop": False,
+        "gate": {"min_probability": 0.05}}
 
 
 def test_the_release_verdict_needs_both_figures_won_on_the_deciding_draw() -> None:
@@ -99,3 +102,50 @@ def test_the_release_verdict_needs_both_figures_won_on_the_deciding_draw() -> No
     assert not small["release"]["wins"] and small["release"]["why"].startswith("not the deciding draw: 1 single")
     other = ce.compare(base | {"beams": 1}, _draw(150, [0.9] * 150) | {"beams": 3})
     assert not other["release"]["wins"] and "settings" in other["release"]["why"]
+
+
+def test_floor_stop_never_decides_a_release() -> None:
+    """eval_fim --floor-stop cuts answers where the editors' floor hides the rest ("for comparison, not for
+    releases"): a candidate run with it, or both, does not win however its figures go; the floor itself is a
+    setting both runs must share."""
+    base, better = _draw(143, [0.4] * 150), _draw(150, [0.6] * 150)
+    assert ce.compare(base, better)["release"]["wins"]
+    one = ce.compare(base, better | {"floor_stop": True})
+    assert one["settings_differ"] == {"floor_stop": [False, True]}
+    assert not one["release"]["wins"] and one["release"]["why"].startswith("the candidate ran with --floor-stop")
+    both = ce.compare(base | {"floor_stop": True}, better | {"floor_stop": True})
+    assert "settings_differ" not in both and not both["release"]["wins"]
+    assert both["release"]["why"].startswith("the base and the candidate ran with --floor-stop")
+    floor = ce.compare(base, better | {"gate": {"min_probability": 0.2}})
+    assert floor["settings_differ"] == {"min_probability": [0.05, 0.2]} and not floor["release"]["wins"]
+
+
+def test_the_deciding_draw_has_eval_larges_seed_and_token_budgets() -> None:
+    """The same tasks counts under another seed or other token budgets are another draw: not the one that decides."""
+    base, better = _draw(143, [0.4] * 150), _draw(150, [0.6] * 150)
+    seeded = ce.compare(base | {"seed": 1}, better | {"seed": 1})
+    assert not seeded["release"]["wins"] and seeded["release"]["why"].startswith(
+        "not the deciding draw: the base ran with seed 1")
+    cut = {"max_new_tokens": {"single": 48, "multi": 64}}
+    short = ce.compare(base | cut, better | cut)
+    assert not short["release"]["wins"] and "token budgets {'single': 48, 'multi': 64}" in short["release"]["why"]
+    unknown = ce.compare(_draw(143, [0.4] * 150) | {"seed": None}, better | {"seed": None})
+    assert not unknown["release"]["wins"]  # a result that does not say its seed does not decide either
+
+
+def test_the_deciding_settings_are_eval_larges() -> None:
+    """DECIDING_SEED and DECIDING_TOKENS follow the Makefile's eval-large and eval_fim.py's defaults."""
+    import re
+
+    root = SCRIPT.parents[1]
+    recipe = (root / "Makefile").read_text().split("\neval-large:", 1)[1].split("\n\n", 1)[0]
+    assert "--n-single 300" in recipe and "--n-multi 150" in recipe
+    assert not re.search(r"--seed|--single-tokens|--multi-tokens|--floor-stop", recipe)
+    main = (root / "benchmarks" / "eval_fim.py").read_text().split("\ndef main(", 1)[1]
+
+    def default(flag: str) -> int:
+        return int(re.search(rf'"{flag}", type=int, default=(\d+)', main).group(1))
+
+    assert default("--seed") == ce.DECIDING_SEED
+    assert {"single": default("--single-tokens"), "multi": default("--multi-tokens")} == ce.DECIDING_TOKENS
+    assert (ce.DECIDING_DRAW["single"], ce.DECIDING_DRAW["multi"]) == (300, 150)

@@ -270,3 +270,58 @@ def test_a_later_suite_is_read_through_its_own_apt_configuration(tmp_path: Path)
     assert settings["Dir::Etc::SourceParts"] == "/dev/null"
     if shutil.which("apt-cache"):  # nothing fetched into the private lists yet: apt knows no crate packages there
         assert debian.list_packages(options) == ["rust-src"]
+
+
+def test_snippet_paths_are_relative_to_the_crate_root_in_every_layout(tmp_path: Path) -> None:
+    """Each file's crate_path is the path the language server shows for it (relative to the nearest folder holding
+    a Cargo.toml, else its name), for every layout the corpus has: a registry crate and one nested in it (a fuzz
+    crate), the toolchain's library, compiler and tools crates, a file outside any crate, and a later suite's
+    registry under its label. samples.crate_path guesses the common layouts for a corpus built before it was
+    recorded."""
+    from m31r.train.samples import crate_path
+    from m31r_lsp.context import _shown, crate_root
+
+    files = {  # (root, file): (its crate's folder, the crate), as Debian's registry and rust-src lay them out
+        ("registry", "serde-1.0.0/src/de/mod.rs"): ("serde-1.0.0", "serde"),
+        ("registry", "serde-1.0.0/fuzz/fuzz_targets/parse.rs"): ("serde-1.0.0/fuzz", "serde-fuzz"),
+        ("rust", "library/core/src/fmt/mod.rs"): ("library/core", "core"),
+        ("rust", "library/portable-simd/crates/core_simd/src/lane.rs"): ("library/portable-simd/crates/core_simd",
+                                                                         "core_simd"),
+        ("rust", "compiler/rustc_lexer/src/cursor.rs"): ("compiler/rustc_lexer", "rustc_lexer"),
+        ("rust", "src/tools/clippy/build.rs"): ("src/tools/clippy", "clippy"),
+        ("rust", "src/etc/loose.rs"): (None, None),
+    }
+    src, later = tmp_path / "src", tmp_path / "trixie"
+    for i, ((root, rel), (folder, name)) in enumerate(files.items()):
+        write(src / root, rel, unique_fn(f"f{i}"))
+        if folder:
+            write(src / root, f"{folder}/Cargo.toml", cargo(name, "MIT"))
+    write(later / "registry", "bar-2.0.0/Cargo.toml", cargo("bar", "MIT"))
+    write(later / "registry", "bar-2.0.0/src/main.rs", unique_fn("later"))
+    build_corpus([src / "registry", src / "rust"], tmp_path / "out", val_fraction=0.0, packages={},
+                 train_only_roots=[("trixie", later / "registry")])
+    rows = {r["path"]: r for r in map(json.loads, (tmp_path / "out" / "train.jsonl").open())}
+    on_disk = {f"{root}/{rel}": src / root / rel for root, rel in files} | {
+        "trixie/registry/bar-2.0.0/src/main.rs": later / "registry" / "bar-2.0.0/src/main.rs"}
+    assert set(rows) == set(on_disk)
+    served = {p: _shown(f, crate_root(f)) for p, f in on_disk.items()}  # what the language server sends
+    assert {p: r["crate_path"] for p, r in rows.items()} == served
+    assert served["registry/serde-1.0.0/fuzz/fuzz_targets/parse.rs"] == "fuzz_targets/parse.rs"
+    assert served["rust/library/portable-simd/crates/core_simd/src/lane.rs"] == "src/lane.rs"
+    assert served["rust/src/tools/clippy/build.rs"] == "build.rs"
+    assert served["rust/src/etc/loose.rs"] == "loose.rs"
+    for p in ("registry/serde-1.0.0/src/de/mod.rs", "rust/library/core/src/fmt/mod.rs",
+              "rust/compiler/rustc_lexer/src/cursor.rs", "trixie/registry/bar-2.0.0/src/main.rs"):
+        assert crate_path(p) == served[p], p  # the usual layouts, guessed alike without the recorded path
+    assert crate_path("trixie/rust/library/core/src/fmt/mod.rs") == "src/fmt/mod.rs"
+
+
+def test_dataset_version_covers_the_split(src_tree: Path, tmp_path: Path) -> None:
+    """The same kept files split otherwise (another val_fraction) are another dataset; the same split, the same."""
+    apart = build_corpus([src_tree], tmp_path / "o1", val_fraction=0.5, max_file_bytes=5000, packages={})
+    together = build_corpus([src_tree], tmp_path / "o2", val_fraction=0.0, max_file_bytes=5000, packages={})
+    assert apart["files_kept"] == together["files_kept"] == 3
+    assert apart["splits"]["val"]["files"] > 0 and together["splits"]["val"]["files"] == 0
+    assert apart["dataset_version"] != together["dataset_version"]
+    assert build_corpus([src_tree], tmp_path / "o3", val_fraction=0.0, max_file_bytes=5000,
+                        packages={})["dataset_version"] == together["dataset_version"]

@@ -604,9 +604,10 @@ def test_a_run_starts_from_an_int8_bundle(full_run, data_dir: Path, tmp_path: Pa
         train(cfg, data_dir, tmp_path / "run-int4", init_from=int4.path, max_steps=1, log=lambda s: None)
 
 
-def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part: str = "8K"):
+def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part: str = "8K", **env_over: str):
     """scripts/pack-device.sh into `dest` (the repository's tree is measured as on a lease, nothing is written
-    there), starting from `bundle`; the msgspec wheel is put there first, so nothing is downloaded."""
+    there), starting from `bundle`; the msgspec wheel is put there first, so nothing is downloaded. `env_over`: more
+    of the script's environment."""
     import os
     import subprocess
 
@@ -616,7 +617,7 @@ def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part
     whl.mkdir(parents=True, exist_ok=True)
     (whl / f"msgspec-{msgspec.__version__}-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"wheel")
     env = {**os.environ, "DATA": str(data_dir), "DEST": str(dest), "RELEASE": str(bundle), "PART": part,
-           "LIMIT": str(limit), "PY": sys.executable, "M31R": str(Path(sys.executable).parent / "m31r")}
+           "LIMIT": str(limit), "PY": sys.executable, "M31R": str(Path(sys.executable).parent / "m31r"), **env_over}
     repo = Path(__file__).resolve().parent.parent
     return subprocess.run(["bash", "scripts/pack-device.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -657,6 +658,74 @@ def test_pack_device_splits_the_corpus_to_fit_one_call(full_run, data_dir: Path,
     assert {n: ((device / n) if (device / n).exists() else (more / n)).stat().st_mtime_ns for n in names} == mtimes
     proc = pack(data_dir, bundle.path, dest, limit=1024)
     assert proc.returncode == 1 and "the init and one corpus part are over" in proc.stderr
+
+
+def test_pack_device_packs_a_rebuilt_corpus_again_and_never_leaves_a_cut_file(full_run, data_dir: Path,
+                                                                              tmp_path: Path):
+    """A pack cut short while compressing leaves no .xz that a later pack would take as done, and a corpus built
+    again (another split: both files change) is packed again, the validation split included."""
+    import lzma
+    import os
+    import shutil
+
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    data, dest = tmp_path / "data", tmp_path / "dest"
+    shutil.copytree(data_dir, data, ignore=shutil.ignore_patterns("*.npz"))
+    device = dest / ".device"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "xz").write_text("#!/bin/sh\nprintf 'cut short'\nexit 1\n")  # an xz killed halfway through its output
+    (fake / "xz").chmod(0o755)
+    proc = pack(data, bundle.path, dest, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode != 0 and not (device / "val.jsonl.xz").exists()
+
+    def packed_right() -> bool:
+        names = (device / "parts.txt").read_text().split()
+        train = b"".join(lzma.decompress((device / n).read_bytes()) for n in names)
+        return (lzma.decompress((device / "val.jsonl.xz").read_bytes()) == (data / "corpus" / "val.jsonl").read_bytes()
+                and train == (data / "corpus" / "train.jsonl").read_bytes())
+
+    assert pack(data, bundle.path, dest).returncode == 0 and packed_right()
+    train, val = data / "corpus" / "train.jsonl", data / "corpus" / "val.jsonl"
+    moved = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(moved[3:]))  # the corpus built again with another split: three files change sides
+    val.write_text(val.read_text() + "".join(moved[:3]))
+    assert pack(data, bundle.path, dest).returncode == 0 and packed_right()
+    assert not list(device.glob(".parts.*")) and not list(device.glob("*.tmp"))
+
+
+def test_importing_shards_never_overwrites_a_checkpoint_unasked(full_run, tmp_path: Path, monkeypatch):
+    """import-shards refuses a run folder that has a checkpoint (it may be the run's only copy) unless --force, and
+    writes the checkpoint under another name first: a failure while writing leaves the old one whole. The state
+    travels whole, the tokenizer and dataset the run trained with included."""
+    from m31r.cli import main
+    from m31r.train import shards
+
+    run, state = full_run
+    shards.write_shards(run / "ckpt.pt", tmp_path / "shards")
+    target = tmp_path / "run"
+    imported = shards.import_shards(tmp_path / "shards", target)
+    assert imported["step"] == STEPS and imported["tokenizer_sha256"] == state["tokenizer_sha256"]
+    assert imported["dataset_version"] == state["dataset_version"]
+    before = (target / "ckpt.pt").read_bytes()
+    args = ["train", "import-shards", str(tmp_path / "shards"), "--run", str(target)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "exists" in r.stderr and "--force" in r.stderr
+    assert (target / "ckpt.pt").read_bytes() == before
+
+    def cut_short(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(shards.torch, "save", cut_short)
+    with pytest.raises(OSError, match="No space"):
+        shards.import_shards(tmp_path / "shards", target, force=True)
+    monkeypatch.undo()
+    assert (target / "ckpt.pt").read_bytes() == before and sorted(p.name for p in target.iterdir()) == ["ckpt.pt"]
+    r = CliRunner().invoke(main, [*args, "--force"])
+    assert r.exit_code == 0, r.output
+    assert torch.load(target / "ckpt.pt", weights_only=False)["state"]["step"] == STEPS
 
 
 def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir: Path, tmp_path: Path):
@@ -948,3 +1017,153 @@ def test_a_steps_gradient_does_not_depend_on_its_micro_batches(data_dir: Path):
         per_row = [loss_terms(model, rows[i : i + 1], cats[i : i + 1], None)["fim"] for i in range(4)]
     assert {k: float(v) for k, v in one.items()} == pytest.approx(whole, rel=1e-5)
     assert abs(float(sum(per_row)) / 4 - whole["fim"]) > 1e-3
+
+
+def test_a_run_keeps_the_tokenizer_and_dataset_it_trained_with(full_run, data_dir: Path, tmp_path: Path):
+    """A run records its tokenizer's sha256 and dataset version when it starts. Export and resume with a data folder
+    of another tokenizer are refused (its ids would not be the ones the weights learned), naming both hashes, and
+    before anything is written or tokenised; with the same tokenizer and another corpus the bundle names the run's
+    dataset, and a resume records the change. A run from before they were recorded takes DATA's, and says so."""
+    import shutil
+
+    run, state = full_run
+    manifest = json.loads((data_dir / "corpus" / "manifest.json").read_text())
+    ours = trainer_mod.sha256_file(data_dir / "tokenizer.json")
+    assert state["tokenizer_sha256"] == ours and state["dataset_version"] == manifest["dataset_version"]
+    other = tmp_path / "other"  # the same files under another version, with a tokenizer trained on the other split
+    shutil.copytree(data_dir / "corpus", other / "corpus")
+    (other / "corpus" / "manifest.json").write_text(json.dumps({**manifest, "dataset_version": "elsewhere+1"}))
+    train_tokenizer(other / "corpus" / "val.jsonl", other / "tokenizer.json", VOCAB)
+    theirs = trainer_mod.sha256_file(other / "tokenizer.json")
+    assert theirs != ours
+    out = tmp_path / "bundle"
+    with pytest.raises(ValueError, match=theirs) as refused:
+        export(run, other, out, log=lambda s: None)
+    assert ours in str(refused.value) and not out.exists()
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(run / "ckpt.pt", resumed / "ckpt.pt")
+    cfg = tmp_path / "more.yaml"
+    cfg.write_text(train_yaml(max_steps=STEPS + 1, model=str(data_dir.parent / "model.yaml")))
+    with pytest.raises(ValueError, match=f"{theirs}.*{ours}"):
+        train(cfg, other, resumed, log=lambda s: None)
+    assert not list(other.glob("*.npz"))  # refused before the corpus was tokenised with the wrong tokenizer
+
+    shutil.copy(data_dir / "tokenizer.json", other / "tokenizer.json")
+    logs: list[str] = []
+    meta = export(run, other, out, log=logs.append).metadata
+    assert meta["dataset_version"] == manifest["dataset_version"] and meta["dataset_packages"] == {}
+    assert any("not the run's" in m for m in logs)
+    more = train(cfg, other, resumed, log=logs.append)
+    assert more["dataset_version"] == manifest["dataset_version"]
+    assert more["dataset_changes"] == [{"step": STEPS, "dataset_version": "elsewhere+1"}]
+    assert export(resumed, other, out, log=lambda s: None).metadata["dataset_changes"] == more["dataset_changes"]
+
+    old = tmp_path / "old-run"  # a checkpoint (or shards) from before the run recorded them
+    old.mkdir()
+    saved = torch.load(run / "ckpt.pt", weights_only=False)
+    del saved["state"]["tokenizer_sha256"], saved["state"]["dataset_version"]
+    torch.save(saved, old / "ckpt.pt")
+    logs.clear()
+    meta = export(old, data_dir, tmp_path / "old-bundle", log=logs.append).metadata
+    assert meta["dataset_version"] == manifest["dataset_version"] and meta["tokenizer_hash"] == ours
+    assert any("records no tokenizer" in m and ours in m for m in logs)
+
+
+def test_export_replaces_the_bundle_only_once_the_new_one_is_whole(full_run, data_dir: Path, tmp_path: Path,
+                                                                  monkeypatch):
+    """`make export` writes into release/: a wrong run folder, or a failure while writing, leaves the bundle there as
+    it was; a good export replaces it whole (a file kept beside it stays) and leaves no temporary folder behind."""
+    from m31r.cli import main
+
+    run, _ = full_run
+    out = tmp_path / "release"
+    export(run, data_dir, out, model_version="1.0.0")
+    (out / "NOTES.md").write_text("kept")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "empty-run").mkdir()
+    r = CliRunner().invoke(main, ["train", "export", "--run", str(tmp_path / "empty-run"), "--data", str(data_dir),
+                                  "--out", str(out)])
+    assert r.exit_code == 1 and "holds no checkpoint" in r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def half_written(path, *args, **kwargs):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(trainer_mod, "write_bundle", half_written)
+    with pytest.raises(OSError, match="No space"):
+        export(run, data_dir, out)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    r = CliRunner().invoke(main, ["train", "export", "--run", str(run), "--data", str(data_dir), "--out", str(out),
+                                  "--model-version", "2.0.0"])
+    assert r.exit_code == 0, r.output
+    assert open_bundle(out).metadata["model_version"] == "2.0.0" and (out / "NOTES.md").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "release"]
+
+
+def test_snippet_headers_show_the_crate_relative_path_the_corpus_recorded(data_dir: Path, tmp_path: Path):
+    """Training's snippet headers show each file's crate_path from the corpus (the path the language server sends,
+    relative to the crate's Cargo.toml folder), not one guessed from the corpus path's layout."""
+    tok = Tokenizer.from_file(data_dir / "tokenizer.json", DEFAULT_SPECIAL)
+    tc = trainer_mod.TrainConfig(model="m", micro_batch=2, grad_accum=1, fim_rate=1.0, seed=3)
+    labelled = crate_labelled(data_dir, tmp_path / "data")
+    for split in ("train", "val"):
+        f = labelled / "corpus" / f"{split}.jsonl"
+        docs = [json.loads(line) for line in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps({**d, "path": f"trixie/registry/demo-1.0.0/{d['path']}",
+                                         "crate_path": f"src/{d['path']}"}) + "\n" for d in docs))
+    data = trainer_mod.Data(tok, labelled, 2048, tc.fim_rate, 0.0, 1.0)
+    docs = [json.loads(line) for line in (labelled / "corpus" / "train.jsonl").read_text().splitlines()]
+    assert data.neighbours["train"].paths == [d["crate_path"] for d in docs]
+    text = tok.hf.decode(trainer_mod.step_batches(data, tc, 2048, 0)[0][0][0].tolist(), skip_special_tokens=False)
+    assert "// src/crate/" in text and "// registry/" not in text and "// demo-1.0.0/" not in text
+
+
+def test_a_resumed_run_logs_each_step_once(data_dir: Path, tmp_path: Path, monkeypatch):
+    """A run that dies after its last checkpoint logged steps it trains again when resumed: the resume drops them
+    from log.jsonl (and a line the crash cut short), so each step is logged once."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(train_yaml(max_steps=8, ckpt_interval=3, eval_interval=100,
+                              model=str(data_dir.parent / "model.yaml")))
+    run = tmp_path / "run"
+    steps = iter(range(100))
+
+    class Killed(Exception):
+        pass
+
+    def die_at_step_five(run_dir, log, poll=0.5):
+        if next(steps) == 5:  # steps 1-5 logged, the checkpoint at 3
+            with open(run_dir / "log.jsonl", "a") as f:
+                f.write('{"step": 6, "lr"')  # a record the kill cut short
+            raise Killed
+        return 0.0
+
+    monkeypatch.setattr(trainer_mod, "wait_while_paused", die_at_step_five)
+    with pytest.raises(Killed):
+        train(cfg, data_dir, run, log=lambda s: None)
+    monkeypatch.undo()
+    state = train(cfg, data_dir, run, log=lambda s: None)
+    logged = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 9)) == [h["step"] for h in state["history"]]
+
+
+def test_a_configs_init_from_is_recorded_as_written(full_run, data_dir: Path, tmp_path: Path):
+    """A config's init_from (relative to its folder) starts the run from that bundle, and the run's state and the
+    bundle's metadata keep it as written: no path of this machine reaches a released bundle."""
+    import shutil
+
+    run, _ = full_run
+    export(run, data_dir, tmp_path / "bundles" / "start")
+    shutil.copy(data_dir.parent / "model.yaml", tmp_path / "model.yaml")
+    cfg = tmp_path / "init.yaml"
+    cfg.write_text(train_yaml(init_from="bundles/start"))
+    logs: list[str] = []
+    state = train(cfg, data_dir, tmp_path / "run", max_steps=1, log=logs.append)
+    assert any(f"new run from the weights of {tmp_path / 'bundles' / 'start'}" in m for m in logs)
+    assert state["train_config"]["init_from"] == "bundles/start"
+    meta = export(tmp_path / "run", data_dir, tmp_path / "out").metadata
+    assert meta["train_config"]["init_from"] == "bundles/start"
+    assert str(tmp_path) not in (tmp_path / "out" / "metadata.json").read_text()

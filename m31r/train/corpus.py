@@ -77,6 +77,9 @@ class Doc:
     text: str
     sha256: str
     crate: str | None = None  # split key; None outside any crate
+    # The path the language server shows for this file (lsp.context): relative to the nearest folder above it
+    # holding a Cargo.toml, else its name. Training's snippet headers use it, whatever the corpus layout.
+    crate_path: str | None = None
 
 
 _VERSIONED_DIR = re.compile(r"^(.+?)-(\d+(?:\.\d+)*)([^/]*)$")
@@ -177,6 +180,22 @@ def crate_of(folder: Path) -> Crate | None:
                         break
             return Crate(name.replace("_", "-").lower(), lic)
     return None
+
+
+@cache
+def cargo_root(folder: Path) -> Path | None:
+    """The nearest folder at or above `folder` holding a Cargo.toml, of any kind: the language server's crate root
+    (lsp.context.crate_root), which its snippet paths are relative to."""
+    for d in (folder, *folder.parents):
+        if (d / "Cargo.toml").is_file():
+            return d
+    return None
+
+
+def shown_path(full: Path) -> str:
+    """A file's path as the language server shows it in a snippet's header (lsp.context._shown)."""
+    root = cargo_root(full.parent)
+    return full.relative_to(root).as_posix() if root is not None else full.name
 
 
 def is_test_suite_path(relpath: str) -> bool:
@@ -302,12 +321,13 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def dataset_version(docs: list[Doc], packages: dict[str, str]) -> str:
-    """`rust-src-<ver>[+<n>crates][+<suite>-<n>crates]+<12 hex>`: the hash covers the kept file list and
-    contents, so any change shows; the package list with versions is in the manifest."""
+def dataset_version(docs: list[Doc], packages: dict[str, str], held_out: list[bool]) -> str:
+    """`rust-src-<ver>[+<n>crates][+<suite>-<n>crates]+<12 hex>`: the hash covers the kept file list, contents and
+    each file's side of the split (`held_out`, in docs' order), so any change shows, another val_fraction included
+    (versions made before the side was hashed differ for the same files); the package list is in the manifest."""
     digest = hashlib.sha256()
-    for doc in sorted(docs, key=lambda d: d.path):
-        digest.update(f"{doc.path}\t{doc.sha256}\n".encode())
+    for doc, val in sorted(zip(docs, held_out, strict=True), key=lambda dv: dv[0].path):
+        digest.update(f"{doc.path}\t{doc.sha256}\t{'val' if val else 'train'}\n".encode())
     base = f"rust-src-{packages['rust-src']}" if "rust-src" in packages else "local"
     crates = sum(name.startswith("librust-") for name in packages)
     if crates:
@@ -354,7 +374,7 @@ def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str
     items = [(full, rel, max_file_bytes) for full, rel in files]
     with Pool(workers) if workers > 1 and len(items) > 256 else _Serial() as pool:
         results = pool.imap(_examine, items, chunksize=64)
-        for i, ((_, rel), crate, (reason, text, sha, sig)) in enumerate(tqdm(
+        for i, ((full, rel), crate, (reason, text, sha, sig)) in enumerate(tqdm(
             zip(files, crates, results, strict=True), total=len(files), desc="filtering", unit="file",
             mininterval=2, disable=len(files) < 1000,
         )):
@@ -373,7 +393,7 @@ def select_docs(src_roots: list[Path], max_file_bytes: int, reasons: Counter[str
                         reason = "near_duplicate"
                     else:
                         near.add(sig)
-                        docs.append(Doc(rel, text, sha, crate.name if crate else None))
+                        docs.append(Doc(rel, text, sha, crate.name if crate else None, shown_path(full)))
             if reason is not None:
                 reasons[reason] += 1
     return docs
@@ -395,7 +415,7 @@ class _Serial:
 def _write_jsonl(path: Path, docs: list[Doc]) -> dict[str, int]:
     with path.open("w", encoding="utf-8") as f:
         for doc in docs:
-            row = {"path": doc.path, "crate": doc.crate, "text": doc.text}
+            row = {"path": doc.path, "crate": doc.crate, "crate_path": doc.crate_path, "text": doc.text}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return {"files": len(docs), "bytes": sum(len(d.text.encode()) for d in docs),
             "crates": len({d.crate for d in docs if d.crate})}
@@ -427,7 +447,7 @@ def build_corpus(
     packages = package_versions() if packages is None else packages
     seen = reasons.pop("seen", 0)
     manifest = {
-        "dataset_version": dataset_version(docs, packages),
+        "dataset_version": dataset_version(docs, packages, held_out),
         "source_packages": dict(sorted(packages.items())),
         "source_roots": [str(r) for r in src_roots],
         "train_only_roots": [[label, str(r)] for label, r in later],

@@ -177,8 +177,12 @@ class Neighbours:
     """Other files of a text's crate, as an editor has them at hand (a few open or nearby files), with their
     windows kept: a sample's context is chosen from up to `files` of them, drawn at random."""
 
-    def __init__(self, paths: list[str], crates: list[str], files: int = 16) -> None:
-        self.paths, self.files = paths, files
+    def __init__(self, paths: list[str], crates: list[str], files: int = 16, shown: list[str | None] | None = None
+                 ) -> None:
+        """`shown`: each file's path as the language server shows it (the corpus's `crate_path`); where None,
+        crate_path guesses it from the corpus path (a corpus built before it was recorded)."""
+        shown = shown or [None] * len(paths)
+        self.paths, self.files = [s or crate_path(p) for p, s in zip(paths, shown, strict=True)], files
         self.by_crate: dict[str, list[int]] = {}
         for i, c in enumerate(crates):
             self.by_crate.setdefault(c, []).append(i)
@@ -193,12 +197,20 @@ class Neighbours:
         for j in others:
             if j not in self._windows:
                 self._windows[j] = windows(texts[j])
-            out.append((crate_path(self.paths[j]), self._windows[j]))
+            out.append((self.paths[j], self._windows[j]))
         return out
 
 
 def crate_path(path: str) -> str:
-    """A corpus path as a project-relative one: `registry/serde-1.0.0/src/de.rs` -> `src/de.rs`."""
+    """A corpus path as the language server would show it, relative to its crate's folder, guessed from the corpus's
+    layouts (`m31r train corpus` records the exact one, `crate_path`, since it walks the Cargo.toml files):
+    `[suite/]registry/serde-1.0.0/src/de.rs` and `[suite/]rust/library/core/src/fmt.rs` -> `src/...`."""
+    parts = path.split("/")
+    for i, part in enumerate(parts[:2]):  # an optional suite label (`trixie/`) first
+        if part == "registry" and len(parts) > i + 2:
+            return "/".join(parts[i + 2 :])
+        if part == "rust" and len(parts) > i + 3 and parts[i + 1] in ("library", "compiler"):
+            return "/".join(parts[i + 3 :])
     return path.split("/", 2)[-1]
 
 

@@ -9,6 +9,7 @@ a fresh optimizer.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -57,8 +58,13 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
     return [*paths, out / "state.json"]
 
 
-def import_shards(folder: Path, run_dir: Path) -> dict:
-    """A checkpoint in run_dir from shards (no optimizer state: the next `train` starts a fresh one)."""
+def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
+    """A checkpoint in run_dir from shards (no optimizer state: the next `train` starts a fresh one). The shards'
+    state.json carries the run's state whole (its tokenizer's sha256 and dataset version included). An existing
+    checkpoint is replaced only with `force` (it may be a run's only copy), and never half-written."""
+    ckpt = Path(run_dir) / "ckpt.pt"
+    if ckpt.exists() and not force:
+        raise FileExistsError(f"{ckpt} exists: import into a new run folder, or pass --force to replace it")
     shards = sorted(Path(folder).glob("weights-*-of-*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{folder}: no weights-*-of-*.safetensors shards")
@@ -79,6 +85,11 @@ def import_shards(folder: Path, run_dir: Path) -> dict:
             raise ValueError(f"{folder}: parts {sorted(pieces)} of {name} do not run 0..{len(pieces) - 1}")
         model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
     state = json.loads((Path(folder) / "state.json").read_text())
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model, "optimizer": None, "state": state}, run_dir / "ckpt.pt")
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt.with_suffix(".tmp")
+    try:
+        torch.save({"model": model, "optimizer": None, "state": state}, tmp)
+        os.replace(tmp, ckpt)
+    finally:
+        tmp.unlink(missing_ok=True)
     return state

@@ -114,7 +114,8 @@ def build_textbook(data_dir: Path, out_dir: Path, *, plain_share: float = 1.0, s
                     continue
                 seen.add(k)
                 counts[kind] += 1
-                pieces.append({"path": f"{d['path']}#{kind[:-1]}{counts[kind]}", "crate": d.get("crate"), "text": t})
+                pieces.append({"path": f"{d['path']}#{kind[:-1]}{counts[kind]}", "crate": d.get("crate"),
+                               "crate_path": d.get("crate_path"), "text": t})  # its file's, as served
     rng = random.Random(seed)
     piece_chars = sum(len(p["text"]) for p in pieces)
     order = list(range(len(docs)))

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-from m31r.bundle import Bundle, sha256_file, write_bundle
+from m31r.bundle import Bundle, open_bundle, sha256_file, write_bundle
 from m31r.config import ModelConfig, load_config
 from m31r.cpu import cpu_info
 from m31r.engine import fast_bf16
@@ -67,7 +68,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # (start as a share of max_steps, row length): from each start on, rows have that many tokens; micro_batch
     # counts rows of the model's max_context, so shorter rows come more per micro-batch (same tokens per step).
     context_schedule: list[tuple[float, int]] = msgspec.field(default_factory=list)
-    init_from: str | None = None  # a bundle whose weights start a new run (relative to the config's folder)
+    # A bundle whose weights start a new run, relative to the config's folder. Kept as written (the run's state and a
+    # bundle's metadata record it): a path of this machine must not reach a released bundle.
+    init_from: str | None = None
     compile: bool = False  # torch.compile the model for training
     data_workers: int = 0  # processes building rows ahead of the model (a GPU outruns one Python process)
     # > 0: the schedule runs on training time instead of steps. The lr decays over this many minutes of training
@@ -82,9 +85,12 @@ def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
     if tc.minutes < 0 or (tc.minutes > 0 and tc.context_schedule):
         raise ValueError(f"{path}: minutes must be >= 0, and a run scheduled by minutes has no context_schedule "
                          f"(its steps are not known beforehand)")
-    if tc.init_from is not None and not Path(tc.init_from).is_absolute():
-        tc = msgspec.structs.replace(tc, init_from=str((path.parent / tc.init_from).resolve()))
     return tc, load_config((path.parent / tc.model).resolve())
+
+
+def config_init_from(tc: TrainConfig, config_path: str | Path) -> Path | None:
+    """Where the config's `init_from` is on this machine (it is written relative to the config's folder)."""
+    return None if tc.init_from is None else (Path(config_path).parent / tc.init_from).resolve()
 
 
 def seq_len_at(step: int, tc: TrainConfig, max_context: int) -> int:
@@ -212,6 +218,29 @@ def stream_cache(data_dir: Path, split: str) -> Path:
     return data_dir / f"{split}-{tag}-{hashlib.sha256(f'{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:8]}.npz"
 
 
+def data_identity(data_dir: Path) -> tuple[str, str]:
+    """(sha256 of the tokenizer, the corpus manifest's dataset_version or "unknown") of a data folder."""
+    manifest = data_dir / "corpus" / "manifest.json"
+    version = json.loads(manifest.read_text()).get("dataset_version") if manifest.exists() else None
+    return sha256_file(data_dir / "tokenizer.json"), version or "unknown"
+
+
+def run_data(state: dict, data_dir: Path, run_dir: Path, log: Callable[[str], None]) -> tuple[str, str]:
+    """(tokenizer sha256, dataset_version) a run trained with, from its state. The tokenizer of `data_dir` must be
+    that one: weights read through another tokenizer's ids are garbage, so a resume or export with it is refused.
+    A run that recorded neither (a checkpoint, or shards, from before they were recorded) takes `data_dir`'s, and
+    says so."""
+    sha, version = data_identity(data_dir)
+    recorded = state.get("tokenizer_sha256")
+    if recorded is None:
+        log(f"{run_dir} records no tokenizer or dataset version (a run from before they were recorded): taking "
+            f"{data_dir}'s (tokenizer sha256 {sha}, dataset {version}) as the run's")
+    elif recorded != sha:
+        raise ValueError(f"{data_dir / 'tokenizer.json'} (sha256 {sha}) is not the tokenizer {run_dir} trained "
+                         f"with (sha256 {recorded}): give the data folder the run trained on")
+    return recorded or sha, state.get("dataset_version") or version
+
+
 def require_data(data_dir: Path) -> None:
     """FileNotFoundError, saying how to make it, unless `data_dir` holds what training reads."""
     missing = [p for p in ("tokenizer.json", "corpus/train.jsonl", "corpus/val.jsonl") if not (data_dir / p).is_file()]
@@ -242,8 +271,11 @@ class Data:
         docs = {s: [d for d in read_docs(data_dir / "corpus" / f"{s}.jsonl") if d["text"]] for s in ("train", "val")}
         self.texts = {s: [d["text"] for d in ds] for s, ds in docs.items()}
         # Files outside any crate (an older corpus) have no neighbours.
-        self.neighbours = {s: Neighbours([d["path"] for d in ds], [d.get("crate") or d["path"] for d in ds])
-                           for s, ds in docs.items()}
+        # Snippet headers show a file's path in its crate as the language server does (the corpus's crate_path; a
+        # textbook piece's is its file's); an older corpus's are guessed from the corpus path.
+        self.neighbours = {s: Neighbours([d["path"].partition("#")[0] for d in ds],
+                                         [d.get("crate") or d["path"] for d in ds],
+                                         shown=[d.get("crate_path") for d in ds]) for s, ds in docs.items()}
         self.streams = {s: token_stream(tok, self.texts[s], stream_cache(data_dir, s)) for s in self.texts}
         self._validation: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -478,23 +510,34 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
     cast = autocast_dtype(tc.dtype, dev)
+    # The checkpoint first: a resume with another tokenizer is refused before the corpus is tokenised with it.
+    ckpt = run_dir / "ckpt.pt"
+    tok_sha, version = data_identity(data_dir)
+    state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "train_config": msgspec.to_builtins(tc),
+             "model_config": mc.to_dict(), "tokenizer_sha256": tok_sha, "dataset_version": version}
+    saved = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.exists() else None
+    if saved is not None:
+        state = saved["state"]
+        state["tokenizer_sha256"], state["dataset_version"] = run_data(state, data_dir, run_dir, log)
+        if version != (state.get("dataset_changes") or [state])[-1]["dataset_version"]:  # same tokenizer, new corpus
+            log(f"{run_dir} trained on {state['dataset_version']}; from step {state['step']} on, on {version}")
+            state.setdefault("dataset_changes", []).append({"step": state["step"], "dataset_version": version})
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     if tok.vocab_size != mc.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
     data = Data(tok, data_dir, mc.max_context, tc.fim_rate, tc.block_fim, tc.context_fim)
     model = Transformer(mc)
     init_weights(model, tc.seed)
-    ckpt = run_dir / "ckpt.pt"
-    state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "train_config": msgspec.to_builtins(tc),
-             "model_config": mc.to_dict()}
-    saved = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.exists() else None
     if saved is not None:
         model.load_state_dict(saved["model"])
-        state = saved["state"]
         log(f"resumed {ckpt} at step {state['step']}")
+        old = state["train_config"].get("init_from")
+        if old and tc.init_from and Path(old).is_absolute() and Path(old) == config_init_from(tc, config_path):
+            state["train_config"]["init_from"] = tc.init_from  # a run from before init_from was kept as written
         record_config_change(state, msgspec.to_builtins(tc))
+        trim_log(run_dir / "log.jsonl", state["step"])
     elif init_from or tc.init_from:
-        source = init_from or tc.init_from
+        source = init_from or config_init_from(tc, config_path)
         load_weights(model, source)
         state["init_from"] = bundle_identity(source)
         log(f"new run from the weights of {source} (fresh optimizer)")
@@ -567,6 +610,26 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     return state
 
 
+def trim_log(path: Path, step: int) -> None:
+    """Drop the log's records of steps past `step`: a run that stopped after its last checkpoint (a crash, a kill)
+    logged steps it trains again when resumed, and would log them twice."""
+    if not path.exists():
+        return
+
+    def logged(line: str) -> int | None:
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:  # blank, or cut short by the crash: it would run into the next record
+            return None
+
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if (n := logged(line)) is not None and n <= step and line.endswith("\n")]
+    if len(keep) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+
+
 def record_config_change(state: dict, config: dict) -> None:
     """A resumed run follows its config file as it is now (max_steps raised or lowered to fit a session): the state
     then records that config, and from which step each changed value held, so a bundle's metadata says what ran."""
@@ -577,24 +640,35 @@ def record_config_change(state: dict, config: dict) -> None:
         state["train_config"] = config
 
 
-def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0") -> Bundle:
-    """Write the run's latest checkpoint as a release bundle (16-bit weights)."""
-    run_dir, data_dir = Path(run_dir), Path(data_dir)
+def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_version: str = "0.1.0",
+           log: Callable[[str], None] = print) -> Bundle:
+    """Write the run's latest checkpoint as a release bundle (16-bit weights), with the tokenizer the run trained with
+    (`data_dir`'s must be that one) and its dataset version. `out` is replaced only once the new bundle is whole:
+    `make export` writes into release/, and a wrong run or data folder must leave it as it was."""
+    run_dir, data_dir, out = Path(run_dir), Path(data_dir), Path(out)
     if not (run_dir / "ckpt.pt").is_file():
         raise FileNotFoundError(f"{run_dir} holds no checkpoint (ckpt.pt): a run writes one as it trains (`m31r train "
                                 "model`), and `m31r train import-shards` makes one of a GPU call's shards")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is not a folder: a bundle is a folder")
     saved = torch.load(run_dir / "ckpt.pt", weights_only=False, map_location="cpu")
     state = saved["state"]
+    _, dataset = run_data(state, data_dir, run_dir, log)
     mc = msgspec.convert(state["model_config"], ModelConfig)
     evals = [h for h in state["history"] if "val_next" in h]
     manifest_path = data_dir / "corpus" / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    if manifest.get("dataset_version", "unknown") != dataset:
+        log(f"{data_dir} holds {manifest.get('dataset_version', 'unknown')}, not the run's {dataset}: the bundle's "
+            f"metadata gets no package list or held-out crates")
+        manifest = {}
     extra = {
         "steps": state["step"],
         "tokens_seen": state["tokens"],
         "train_seconds": round(state["seconds"]),
         "train_config": state["train_config"],
         "train_config_changes": state.get("config_changes", []),
+        "dataset_changes": state.get("dataset_changes", []),
         "init_from": bundle_identity(init) if isinstance(init := state.get("init_from"), str) else init,
         "hardware": "; ".join(state.get("hardware", [])) or f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
         # What the dataset version's hash was made from: every source package with its version, and the crates
@@ -609,6 +683,37 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
     from tokenizers import Tokenizer as HFTokenizer
 
     tok = HFTokenizer.from_file(str(data_dir / "tokenizer.json"))
-    return write_bundle(out, mc, saved["model"], tok, dtype=torch.bfloat16, seed=state["train_config"]["seed"],
-                        dataset_version=manifest.get("dataset_version", "unknown"), model_version=model_version,
-                        extra=extra)
+    out = out.resolve() if out.is_symlink() else out  # a link to the bundle: replace the folder it names
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = out.with_name(f".{out.name}.new-{os.getpid()}")
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        write_bundle(new, mc, saved["model"], tok, dtype=torch.bfloat16, seed=state["train_config"]["seed"],
+                     dataset_version=dataset, model_version=model_version, extra=extra)
+        swap_in(new, out)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+    return open_bundle(out)
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the finished folder `new` at `out` by renames. Files of `out` that are not the new folder's (a note kept
+    beside a bundle) are copied over first; the old folder stays whole until the new one is in place."""
+    if not out.exists():
+        os.rename(new, out)
+        return
+    for entry in out.iterdir():
+        if not (new / entry.name).exists():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, new / entry.name, symlinks=True)
+            else:
+                shutil.copy2(entry, new / entry.name, follow_symlinks=False)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out, old)
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old)
