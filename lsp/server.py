@@ -70,7 +70,9 @@ class M31rLanguageServer(LanguageServer):
 
     def open_documents(self) -> list[tuple[str, str]]:
         """(uri, text) of the open documents."""
-        return [(uri, doc.source) for uri, doc in self.workspace.text_documents.items()]
+        # doc.uri as the editor sent it: pygls keys the documents by the URI unquoted once, and a second unquote (the
+        # project context's uri_path) made `a%2520b.rs` (a file named a%20b.rs) `a b.rs`.
+        return [(doc.uri, doc.source) for doc in self.workspace.text_documents.values()]
 
     @property
     def encoding(self) -> str:

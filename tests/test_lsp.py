@@ -522,6 +522,26 @@ async def test_lone_surrogates_are_sent_as_replacement_characters(lsp, tmp_path)
     check_item(res.items[0], text, offset, st["lastRaw"], multiline="always")
 
 
+async def test_project_context_names_files_as_the_editor_does(lsp, tmp_path):
+    """Open files whose names hold `%` or a space: the snippet carries the path on disk, relative to the crate root,
+    and the current file is never its own context (pygls keys documents by the URI unquoted once; unquoting again
+    made a file named `a%20b.rs` read as `a b.rs`)."""
+    root = tmp_path / "demo"
+    (root / "src").mkdir(parents=True)
+    (root / "Cargo.toml").write_text('[package]\nname = "demo"\n')
+    odd, spaced = root / "src" / "a%20b.rs", root / "src" / "main file.rs"
+    odd.write_text("")
+    spaced.write_text("")
+    s = await lsp({**NOISE, "projectContext": True})
+    s.open("pub fn percent_named() -> u32 {\n    7\n}\n", uri=odd.as_uri())
+    text = "fn main() {\n    let n = percent_named();\n    let t = \n}\n"
+    s.open(text, uri=spaced.as_uri())
+    assert "%2520" in odd.as_uri() and "%20" in spaced.as_uri()
+    await s.inline(text.index("let t = ") + len("let t = "), uri=spaced.as_uri())
+    st = await s.stats()
+    assert st["lastFim"]["context"] == ["src/a%20b.rs"]
+
+
 # -- cancellation, superseding, stale versions -----------------------------------------------------------------
 
 
