@@ -167,7 +167,8 @@ def request_beams(req: m.Generate | m.Fim, sampling: SamplingParams, default: in
     return default if plain and "\n" in req.stop else 1
 
 
-_TRAILING = re.compile(r"[ \t\f\v]+(?=\n)")
+# Whitespace at a line's end, as str.rstrip (m31r.train.corpus.normalize's) takes it: \s is str.isspace's set.
+_TRAILING = re.compile(r"[^\S\n]+(?=\n)")
 
 
 def _lf(s: str) -> str:
@@ -560,10 +561,6 @@ class Daemon:
         pool = self.prompt_pools[prompt_chars(job.wire) > SMALL_PROMPT_CHARS]
         try:
             built = await loop.run_in_executor(pool, build_unless_cancelled, self.engine, self.budget, job)
-            if built is None:  # cancelled while it waited for a worker: its prompt was never tokenised
-                why = job.cancellation
-                return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason or ""), True)  # type: ignore[arg-type]
-            ids, max_tokens, heal = built
         except ContextOverflowError as e:
             return self._answer(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
         except ValueError as e:
@@ -572,8 +569,12 @@ class Daemon:
             log.exception("building a prompt failed")
             return self._answer(job, m.Error(id=job.rid, code="internal", message=f"cannot build the prompt: {e!r}"),
                                 True)
-        if (why := job.cancellation).reason is not None:  # cancelled, superseded or its client left meanwhile
-            return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason), True)  # type: ignore[arg-type]
+        # Cancelled, superseded or its client left while it waited for a worker (`built` None: never tokenised) or
+        # while it was tokenised.
+        if built is None or job.cancellation.reason is not None:
+            why = job.cancellation
+            return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason or ""), True)  # type: ignore[arg-type]
+        ids, max_tokens, heal = built
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         fim = isinstance(job.wire, m.Fim)
         job.beams = request_beams(job.wire, job.sampling, self.beams)

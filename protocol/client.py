@@ -46,6 +46,7 @@ from m31r_protocol.peer import ForeignPeer, check_daemon_owner
 
 T = TypeVar("T")
 
+
 class DaemonError(Exception):
     """The daemon answered a request with an Error."""
 
@@ -235,18 +236,17 @@ class Client:
         (m31r_protocol.capabilities), which then answers as it did before the field."""
         return value if name in self._can else None
 
-    def _asked(self, name: str, value: T) -> T:
+    def _check_asked(self, name: str, value: object) -> None:
         """A field whose answer the caller asked for: refused here, with the way out, by a daemon that lacks it."""
         if value is not None and name not in self._can:
             raise DaemonError("bad_request", capabilities.restart_hint([name]))
-        return value
 
     async def generate(
         self, prompt: str, *, max_tokens: int = 64, sampling: Sampling | None = None, stop: list[str] | None = None,
         seed: int | None = None, truncate: bool = False, deadline_ms: int | None = None,
         lookahead: int | None = None, beams: int | None = None, logprobs: int | None = None,
     ) -> Stream:
-        logprobs = self._asked("logprobs", logprobs)
+        self._check_asked("logprobs", logprobs)
         return await self._request(lambda rid: Generate(
             id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling or Sampling(), stop=list(stop or []),
             seed=seed, truncate=truncate, deadline_ms=deadline_ms, lookahead=lookahead,
@@ -258,7 +258,7 @@ class Client:
         deadline_ms: int | None = None, lookahead: int | None = None, beams: int | None = None,
         context: list[Snippet] | None = None, logprobs: int | None = None, min_probability: float | None = None,
     ) -> Stream:
-        logprobs = self._asked("logprobs", logprobs)
+        self._check_asked("logprobs", logprobs)
         return await self._request(lambda rid: Fim(
             id=rid, prefix=prefix, suffix=suffix, document=document, max_tokens=max_tokens,
             sampling=sampling or Sampling(), stop=list(stop or []), seed=seed, deadline_ms=deadline_ms,

@@ -727,18 +727,21 @@ def test_metrics_counters_move(http):
 # -- load -------------------------------------------------------------------------------------------------------
 
 
+def post_at_once(url: str, path: str, bodies: list[dict]) -> list[httpx.Response]:
+    """Each body POSTed on a connection of its own, all at once."""
+    async def go() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(c.post(path, json=b) for b in bodies))
+
+    return asyncio.run(go())
+
+
 def test_more_clients_than_the_daemon_takes_from_one_connection(server, daemon):
     """Every HTTP request shares the server's one daemon connection, which the daemon lets carry 16 requests: more
     clients at once than that wait their turn instead of a 503."""
-    async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
-        return await c.post("/v1/completions", json={"prompt": f"fn f{i}() {{\n", "max_tokens": 100})
-
-    async def go() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=30, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(24)))
-
-    responses = asyncio.run(go())
+    responses = post_at_once(server.url, "/v1/completions",
+                             [{"prompt": f"fn f{i}() {{\n", "max_tokens": 100} for i in range(24)])
     assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses if r.status_code != 200]
 
 
@@ -761,15 +764,8 @@ def test_a_daemon_full_of_other_clients_requests_is_a_503(http, daemon):
 
 
 def test_load_100_concurrent_clients(server, daemon):
-    async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
-        return await c.post("/generate", json={"prompt": f"fn f{i}() {{", "max_tokens": 200})
-
-    async def go() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(100)))
-
-    responses = asyncio.run(go())
+    responses = post_at_once(server.url, "/generate", [{"prompt": f"fn f{i}() {{", "max_tokens": 200}
+                                                       for i in range(100)])
     ok = busy = 0
     for r in responses:
         if r.status_code == 200:
@@ -913,11 +909,10 @@ def test_security_helpers(tmp_path):
 
 
 class StalledDaemon:
-    """Speaks the handshake and answers Status; records Generate/Cancel and never generates (nor, unless
-    `answer_cancels`, answers a Cancel)."""
+    """Speaks the handshake and answers Status; records Generate/Cancel and never generates."""
 
-    def __init__(self, path: Path, answer_cancels: bool = True):
-        self.path, self.received, self.answer_cancels = path, [], answer_cancels
+    def __init__(self, path: Path):
+        self.path, self.received = path, []
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen()
@@ -945,7 +940,7 @@ class StalledDaemon:
             if isinstance(msg, pm.Hello):
                 send(pm.Welcome(protocol=pm.PROTOCOL_VERSION, model="stalled", fingerprint="0", max_context=512,
                                 capabilities=[], daemon_version="test"))
-            elif isinstance(msg, pm.Cancel) and self.answer_cancels:
+            elif isinstance(msg, pm.Cancel):
                 send(pm.Error(id=msg.id, code="cancelled", message="cancelled by the client"))
 
     def close(self) -> None:
@@ -974,7 +969,7 @@ def test_requests_wait_their_turn_for_the_daemon_within_the_timeout(tmp_path):
     timeout (504); more are refused at once, 503 with Retry-After, naming the server's limit. A request that times
     out gives its slot back once its Cancel is sent (the daemon counts only live requests), so on a slow machine some
     of those waiting may reach the daemon before their own time runs out: never more than 16 live at once."""
-    stalled = StalledDaemon(tmp_path / "deaf.sock", answer_cancels=False)
+    stalled = StalledDaemon(tmp_path / "deaf.sock")
     srv = Server(tmp_path, stalled.path, "--request-timeout", "3")
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[httpx.Response, float]:
