@@ -119,7 +119,8 @@ class Completer:
             if hit is not None:
                 self._supersede(st)
                 self.stats["typed_through"] += 1
-                return Result(text, version, offset, hit, "typed_through")
+                return Result(text, version, offset, hit, "typed_through",
+                              policy.typed_through_alternatives(st.shown, text, offset))
             if not (st.shown.text == text and st.shown.offset == offset):
                 st.shown = None
 
@@ -247,11 +248,11 @@ class Completer:
             self.stats["empty"] += 1
             return None
         self.stats["suggestions"] += 1
-        st.shown = policy.Shown(text, offset, suggestion)
-        if s.accept_ahead:
-            st.warm = self._spawn(self._warm(uri, st.shown, s))
         alternatives = policy.alternatives(plan, suggestion, done.alternatives)
         self.stats["alternatives"] += len(alternatives)
+        st.shown = policy.Shown(text, offset, suggestion, alternatives=tuple(alternatives))
+        if s.accept_ahead:
+            st.warm = self._spawn(self._warm(uri, st.shown, s))
         return Result(text, version, offset, suggestion, "model", alternatives)
 
     async def _context(self, uri: str, prefix: str, s: EditorSettings) -> list:

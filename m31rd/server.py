@@ -87,6 +87,7 @@ class Typed:
     shape: tuple = ()  # what else decided its text (answer_shape)
     max_tokens: int = 0  # the request's limits, which may have ended it
     min_probability: float = 0.0
+    alternatives: tuple[str, ...] = ()  # Done.alternatives: a beam search's runners-up, whole
 
 
 def answer_shape(req: m.Fim, sampling: SamplingParams, beams: int) -> tuple:
@@ -104,8 +105,9 @@ def typed_through(last: Typed | None, req: m.Fim, shape: tuple = ()) -> Typed | 
     k = len(typed)
     if typed and last.text.startswith(typed) and len(last.text) > k:
         ends = tuple(e - k for e in last.ends if e > k)
+        alternatives = tuple(a[k:] for a in last.alternatives if a.startswith(typed) and len(a) > k)
         return dataclasses.replace(last, prefix=req.prefix, text=last.text[k:], ends=ends,
-                                   by_line=last.by_line[typed.count("\n") :])
+                                   by_line=last.by_line[typed.count("\n") :], alternatives=alternatives)
     return None
 
 
@@ -136,6 +138,21 @@ def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float =
     else:  # a deadline's cut
         own_end = False
     return (text, reason) if cut or own_end else None
+
+
+def clip_alternatives(rest: Typed, answer: str, max_tokens: int, stop: list[str]) -> list[str]:
+    """The runners-up still open after the typed text, cut at this request's stop sequences as the answer is, so an
+    editor cycling through suggestions keeps them while the user types. None are kept where this request's max_tokens is
+    below the earlier one's: their tokens are not kept, so where that limit would cut them is unknown."""
+    if max_tokens < rest.max_tokens:
+        return []
+    out: list[str] = []
+    for a in rest.alternatives:
+        if hits := [i for i in (a.find(s) for s in stop if s) if i >= 0]:
+            a = a[: min(hits)]
+        if a and a != answer and a not in out:
+            out.append(a)
+    return out
 
 
 def request_stops(req: m.Generate | m.Fim) -> list[str]:
@@ -632,7 +649,8 @@ class Daemon:
         assert isinstance(req, m.Fim)
         shape = answer_shape(req, job.sampling, request_beams(req, job.sampling, self.beams))
         rest = typed_through(self.typed.get(req.document), req, shape)
-        answer = None if rest is None else clip(rest, req.max_tokens, request_stops(req), req.min_probability or 0.0)
+        stops = request_stops(req)
+        answer = None if rest is None else clip(rest, req.max_tokens, stops, req.min_probability or 0.0)
         if rest is None or answer is None:
             return False
         # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
@@ -640,12 +658,14 @@ class Daemon:
         self.typed.move_to_end(req.document)
         del self.by_document[req.document]
         text, finish_reason = answer
+        alternatives = clip_alternatives(rest, text, req.max_tokens, stops)
         ms = round((time.perf_counter() - job.received) * 1000, 3)
         if text:
             conn.send(m.Token(id=req.id, text=text))
         conn.send(m.Done(id=req.id, finish_reason=finish_reason, usage=m.Usage(),  # type: ignore[arg-type]
                          timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through",
-                         logprob=rest.logprob, line_logprob=rest.by_line[0] if rest.by_line else rest.logprob,
+                         alternatives=alternatives, logprob=rest.logprob,
+                         line_logprob=rest.by_line[0] if rest.by_line else rest.logprob,
                          logprob_by_line=list(rest.by_line)))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
@@ -668,7 +688,8 @@ class Daemon:
                 self.typed[req.document] = Typed(
                     req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
                     tuple(msg.logprob_by_line), job.stopped_by, tuple(request_stops(req)),
-                    answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0)
+                    answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
+                    tuple(msg.alternatives))
                 self.typed.move_to_end(req.document)
                 while len(self.typed) > 256:
                     self.typed.popitem(last=False)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Multiline = Literal["auto", "always", "never"]
@@ -115,6 +115,7 @@ class Shown:
     offset: int
     suggestion: Suggestion
     extra: dict = field(default_factory=dict, compare=False)  # front-end bookkeeping, never read here
+    alternatives: tuple[Suggestion, ...] = ()  # shown beside it, for the editor to cycle through
 
 
 # -- the cursor -----------------------------------------------------------------------------------------------
@@ -522,6 +523,13 @@ def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
         return None
     s = shown.suggestion
     return Suggestion(s.text, s.start, s.end + n)
+
+
+def typed_through_alternatives(shown: Shown, text: str, offset: int) -> list[Suggestion]:
+    """The shown runners-up that the typed text agrees with too, each as typed_through makes the suggestion: an
+    editor cycling through them keeps them while the user types."""
+    others = (typed_through(replace(shown, suggestion=a), text, offset) for a in shown.alternatives)
+    return [s for s in others if s is not None]
 
 
 def accepted_state(shown: Shown) -> tuple[str, int]:

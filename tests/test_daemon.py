@@ -1101,6 +1101,35 @@ def test_typed_through_counts_a_partly_typed_token_as_one():
     assert clip(ended, 5, ["\n", ";"]) == ("o.bar()", "stop")  # this request stops there too
 
 
+def test_typed_through_keeps_the_runners_up_still_open():
+    """A beam search's runners-up that the typed text agrees with stay beside the answer, less what was typed and cut
+    at this request's stops, so an editor cycling through them does not lose them on a keystroke."""
+    from m31rd.server import Typed, clip_alternatives, typed_through
+
+    last = Typed("x = ", "", "foo(a)", "stop", (3, 6), max_tokens=8,
+                 alternatives=("foo(b)", "bar()", "f", "foo(a);\nz", "foo(a)"))
+    rest = typed_through(last, m.Fim(id=1, prefix="x = fo", suffix=""))
+    assert rest is not None and rest.text == "o(a)" and rest.alternatives == ("o(b)", "o(a);\nz", "o(a)")
+    # the answer itself is not repeated among them; a stop cuts them as it cuts the answer
+    assert clip_alternatives(rest, "o(a)", 8, []) == ["o(b)", "o(a);\nz"]
+    assert clip_alternatives(rest, "o(a)", 8, [";"]) == ["o(b)"]
+    assert clip_alternatives(rest, "o(a)", 8, ["o"]) == []  # cut to nothing
+    assert clip_alternatives(rest, "o(a)", 7, []) == []  # a lower limit would cut them where their tokens end
+
+
+async def test_typed_through_answers_with_the_beam_runners_up(warm):
+    prefix, suffix, doc = "fn main() {\n    let total: u64 = values.iter().sum", "();\n}\n", "doc-typed-beams"
+    async with await Client.connect(warm.socket) as c:
+        first = await run(await c.fim(prefix, suffix, document=doc, max_tokens=8, beams=4))
+        assert first.done.source == "model" and len(first.text) >= 2 and first.done.alternatives
+        k = 1
+        typed = first.text[:k]
+        out = await run(await c.fim(prefix + typed, suffix, document=doc, max_tokens=8, beams=4))
+        assert out.done.source == "typed_through" and out.text == first.text[k:]
+        want = [a[k:] for a in first.done.alternatives if a.startswith(typed) and len(a) > k and a[k:] != out.text]
+        assert out.done.alternatives == want and want  # (the tiny model's runners-up share its first character)
+
+
 def test_typed_through_leaves_out_the_figures_of_the_lines_typed():
     from m31rd.server import Typed, typed_through
 

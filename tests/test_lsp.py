@@ -744,6 +744,19 @@ async def test_mid_line_greedy_completion_is_beam_searched(lsp, shared_daemon, t
     for item, x in zip(items, want, strict=True):
         assert (item.range.start.line, item.range.start.character) == position_at(text, x.start, "utf-16")
         assert (item.range.end.line, item.range.end.character) == position_at(text, x.end, "utf-16")
+    # Typing the suggestion's first character answers without the daemon, and keeps the runners-up that the typed
+    # character agrees with (the editor's other items while the user types).
+    before = (await s.stats())["daemon_requests"]
+    typed = want[0].text[offset - want[0].start]
+    s.edit(offset, offset, typed)
+    new = s.texts[URI]
+    res = await s.inline(offset + 1, invoked=False)
+    st = await s.stats()
+    assert st["typed_through"] == 1 and st["daemon_requests"] == before
+    kept = policy.typed_through_alternatives(policy.Shown(text, offset, want[0], alternatives=tuple(want[1:])),
+                                             new, offset + 1)
+    assert kept and [i.insert_text for i in res.items] == [want[0].text, *(x.text for x in kept)]
+    s.edit(offset, offset + 1, "")
 
     def logged() -> list[dict]:
         lines = [json.loads(x) for x in list(shared_daemon[0].log_lines) if x.startswith("{")]

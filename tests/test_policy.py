@@ -419,6 +419,18 @@ def test_typed_through_needs_the_rest_of_the_document_unchanged():
     assert policy.typed_through(shown, text, offset) is None
 
 
+def test_typed_through_keeps_the_alternatives_the_typed_text_agrees_with():
+    text, offset = cur("let x = █")
+    p = policy.plan(text, offset)
+    first, *others = (policy.postprocess(p, raw) for raw in ("compute(1);", "compare(a, b);", "clone();", "x;"))
+    shown = Shown(text, offset, first, alternatives=tuple(others))
+    text, offset = cur("let x = comp█")
+    kept = policy.typed_through_alternatives(shown, text, offset)
+    assert [text[: s.start] + s.text + text[s.end :] for s in kept] == ["let x = compare(a, b);"]
+    assert all(s.text.startswith(text[s.start : offset]) for s in kept)
+    assert policy.typed_through_alternatives(shown, *cur("let x = compu█")) == []
+
+
 def test_accepted_state():
     shown = shown_for("    foo(█)\n", "a, b);")
     text, offset = policy.accepted_state(shown)
