@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -92,13 +91,17 @@ def daemon_error_status(e: DaemonError) -> tuple[int, int | None]:
             "internal": 502}.get(e.code, 503), None
 
 
-def daemon_busy(message: str) -> str:
-    """The daemon's `busy` in words an HTTP client can act on: it cannot see the connection the daemon speaks of."""
-    if "per connection" in message:  # a daemon started with a --max-per-connection under DAEMON_SLOTS
+def daemon_busy(e: DaemonError) -> str:
+    """The daemon's `busy` in words an HTTP client can act on: it cannot see the connection the daemon speaks of. From
+    the Error's detail, not its wording; an older daemon's, which has none, is passed on as it is."""
+    if e.busy is None:
+        return e.message
+    if e.busy.scope == "connection":  # a daemon started with a --max-per-connection under DAEMON_SLOTS
         return (f"the daemon takes fewer requests at once from this server than the {DAEMON_SLOTS} it sends (the "
-                "daemon's --max-per-connection is lower); retry shortly")
-    return (f"the daemon is busy: its queue is full ({message.split(';')[0]}), with this server's requests and other "
-            "clients' (editors, other servers); retry shortly")
+                f"daemon's --max-per-connection is {e.busy.limit}); retry shortly")
+    waiting = "wait for the model to load" if e.busy.scope == "loading" else "in flight"
+    return (f"the daemon is busy: its queue is full ({e.busy.limit} requests {waiting}, its --max-queue), with this "
+            "server's requests and other clients' (editors, other servers); retry shortly")
 
 
 @dataclass(frozen=True)
@@ -110,22 +113,18 @@ class Fields:
     truncate: str | None = "truncate"
 
 
-_OVERFLOW = re.compile(r"prompt \((\d+) tokens\) \+ max_tokens \((\d+)\) = \d+ exceeds the model's context of "
-                       r"(\d+) tokens")
-
-
-def overflow_error(message: str, fields: Fields) -> tuple[str, str | None]:
-    """The daemon's context_overflow message with the ways out this endpoint has (the daemon's names none that it
-    lacks), and the field to blame: the prompt when it fills the context alone, else max_tokens."""
-    m = _OVERFLOW.search(message)
-    if m is None:
-        return message, None
-    n, k, ctx = map(int, m.groups())
+def overflow_error(e: DaemonError, fields: Fields) -> tuple[str, str | None]:
+    """A context_overflow in this endpoint's names, with the ways out it has (the daemon's message names some it
+    lacks), and the field to blame: the prompt when it fills the context alone, else max_tokens. From the Error's
+    detail, not its wording; an older daemon's, which has none, is passed on as it is."""
+    if e.overflow is None:
+        return e.message, None
+    n, k, ctx = e.overflow.prompt_tokens, e.overflow.max_tokens, e.overflow.max_context
+    what = f"prompt ({n} tokens) + {fields.max_tokens} ({k}) = {n + k} exceeds the model's context of {ctx} tokens"
     cut = f", or send {fields.truncate}: true to keep the prompt's end" if fields.truncate and k < ctx else ""
     if n >= ctx:
-        return f"{m.group(0)}: the prompt alone fills it; shorten the prompt{cut}", fields.prompt
-    return (f"{m.group(0)}: lower {fields.max_tokens} to at most {ctx - n}, or shorten the prompt{cut}",
-            fields.max_tokens)
+        return f"{what}: the prompt alone fills it; shorten the prompt{cut}", fields.prompt
+    return f"{what}: lower {fields.max_tokens} to at most {ctx - n}, or shorten the prompt{cut}", fields.max_tokens
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
@@ -568,9 +567,9 @@ class Generation:
             status, retry = daemon_error_status(e)
             message, param = e.message, None
             if e.code == "busy":
-                message = daemon_busy(e.message)
+                message = daemon_busy(e)
             elif e.code == "context_overflow":
-                message, param = overflow_error(e.message, self.fields)
+                message, param = overflow_error(e, self.fields)
             raise Failed(status, e.code, message, retry, param) from None
         except DaemonUnavailable as e:
             self._end()

@@ -83,10 +83,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The last event of a request that did not run to its end: code `cancelled` or `internal`."""
+    """The last event of a request that did not run to its end: code `cancelled`, `shutting_down`, `internal` or
+    `context_overflow` (with its figures in `overflow`, which the server puts in the Error frame)."""
 
     code: str
     message: str
+    overflow: ContextOverflowError | None = None
 
 
 Event = Piece | Finished | Failed
@@ -168,7 +170,7 @@ class Scheduler:
                 started = self._try_start(run)
             except ContextOverflowError as e:  # a prompt the server let through too long: the client's to shorten
                 self.pending.popleft()
-                self._emit(run, Failed("context_overflow", str(e)))
+                self._emit(run, Failed("context_overflow", str(e), e))
                 continue
             except Exception as e:  # never let one request kill the only inference thread
                 log.error("starting a request failed: %s", traceback.format_exc())
@@ -289,7 +291,7 @@ class Scheduler:
             except StopIteration:
                 return self._end(run, self._finished(run))
             except ContextOverflowError as e:  # a prompt the server let through too long: the client's to shorten
-                return self._end(run, Failed("context_overflow", str(e)), reusable=False)
+                return self._end(run, Failed("context_overflow", str(e), e), reusable=False)
             except Exception as e:
                 log.error("inference failed: %s", traceback.format_exc())
                 return self._end(run, Failed("internal", f"inference failed: {e!r}"), reusable=False)

@@ -41,7 +41,7 @@ from m31rd.cancellation import Cancellation
 from m31rd.torch_thread import TorchThread
 
 if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Status before it has loaded
-    from m31r.engine import Engine, Piece
+    from m31r.engine import ContextOverflowError, Engine, Piece
     from m31r.sampling import SamplingParams
     from m31rd.scheduler import Event
 
@@ -109,6 +109,12 @@ def typed_through(last: Typed | None, req: m.Fim, shape: tuple = ()) -> Typed | 
         return dataclasses.replace(last, prefix=req.prefix, text=last.text[k:], ends=ends,
                                    by_line=last.by_line[typed.count("\n") :], alternatives=alternatives)
     return None
+
+
+def overflow_error(rid: int, e: ContextOverflowError) -> m.Error:
+    """The `context_overflow` frame, with the figures a front end words its own advice from (m31r_http)."""
+    return m.Error(id=rid, code="context_overflow", message=str(e),
+                   overflow=m.OverflowDetail(e.prompt_tokens, e.max_tokens, e.max_context))
 
 
 def _round(x: float | None) -> float | None:
@@ -460,9 +466,12 @@ class Daemon:
     def submit(self, conn: Connection, req: m.Generate | m.Fim, received: float | None = None) -> None:
         """Admit a request, or refuse it at once. `received`: when it arrived, if before now (it waited for the
         model to load): its deadline counts from then."""
-        def refuse(code: str, message: str, rid: int | None = req.id) -> None:
-            conn.send(m.Error(id=rid, code=code, message=message))  # type: ignore[arg-type]
+        def refuse(code: str, message: str, rid: int | None = req.id, busy: m.BusyDetail | None = None) -> None:
+            conn.send(m.Error(id=rid, code=code, message=message, busy=busy))  # type: ignore[arg-type]
             log.info("request refused", extra={"fields": {"id": req.id, "code": code, "client": conn.client}})
+
+        def busy(scope: m.BusyScope, limit: int, message: str) -> None:
+            refuse("busy", f"{message}; retry shortly", busy=m.BusyDetail(scope, limit))
 
         def duplicate() -> None:  # answered without its id: that id's frames belong to the request in flight
             refuse("bad_request", f"request id {req.id} is already in flight on this connection; this one was "
@@ -474,10 +483,13 @@ class Daemon:
             if req.id in conn.jobs or any(c is conn and r.id == req.id for c, r, _ in self.waiting):
                 return duplicate()
             mine = sum(1 for c, _, _ in self.waiting if c is conn)
-            if mine >= self.max_per_connection or len(self.waiting) >= self.max_queue:
-                return refuse("busy", f"{len(self.waiting)} requests wait for the model to load ({mine} of them on "
-                                      f"this connection; limits {self.max_queue} and {self.max_per_connection}); "
-                                      "retry shortly")
+            if mine >= self.max_per_connection:
+                return busy("connection", self.max_per_connection,
+                            f"{mine} requests wait for the model to load on this connection (limit "
+                            f"{self.max_per_connection} per connection, --max-per-connection)")
+            if len(self.waiting) >= self.max_queue:
+                return busy("loading", self.max_queue,
+                            f"{len(self.waiting)} requests wait for the model to load (limit {self.max_queue})")
             self.waiting.append((conn, req, time.perf_counter()))
             return
         from m31r.sampling import SamplingParams
@@ -522,11 +534,12 @@ class Daemon:
         superseded = self.by_document.get(req.document) if isinstance(req, m.Fim) and req.document else None
         mine = sum(1 for j in conn.jobs.values() if not j.cancelled and j is not superseded)
         if mine >= self.max_per_connection:  # one connection must not take the whole queue from the others
-            return refuse("busy", f"{mine} requests in flight on this connection (limit {self.max_per_connection} "
-                                  f"per connection, --max-per-connection); retry shortly")
+            return busy("connection", self.max_per_connection,
+                        f"{mine} requests in flight on this connection (limit {self.max_per_connection} per "
+                        "connection, --max-per-connection)")
         live = sum(1 for j in self.in_flight if not j.cancelled and j is not superseded)
         if live >= self.max_queue:
-            return refuse("busy", f"{live} requests in flight (limit {self.max_queue}); retry shortly")
+            return busy("daemon", self.max_queue, f"{live} requests in flight (limit {self.max_queue})")
         self.requests += 1
         req = as_trained(req)
         job = InFlight(conn, req, sampling, received=received or time.perf_counter())
@@ -579,7 +592,7 @@ class Daemon:
         try:
             built = await loop.run_in_executor(pool, build_unless_cancelled, self.engine, self.budget, job)
         except ContextOverflowError as e:
-            return self._answer(job, m.Error(id=job.rid, code="context_overflow", message=str(e)), True)
+            return self._answer(job, overflow_error(job.rid, e), True)
         except ValueError as e:
             return self._answer(job, m.Error(id=job.rid, code="bad_request", message=str(e)), True)
         except Exception as e:
@@ -620,6 +633,8 @@ class Daemon:
                                   first_token_ms=first, total_ms=round(e.total_ms, 2)),
                 alternatives=list(e.alternatives), logprob=_round(e.logprob),
                 line_logprob=_round(e.line_logprob), logprob_by_line=[round(x, 4) for x in e.logprob_by_line]), True)
+        elif isinstance(event, Failed) and event.overflow is not None:
+            self._answer(job, overflow_error(job.rid, event.overflow), True)
         elif isinstance(event, Failed):
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:

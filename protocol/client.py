@@ -23,12 +23,14 @@ from m31r_protocol.framing import pack, read_frame
 from m31r_protocol.logs import LOG_FILE_BYTES
 from m31r_protocol.messages import (
     PROTOCOL_VERSION,
+    BusyDetail,
     Cancel,
     Done,
     Error,
     Fim,
     Generate,
     Hello,
+    OverflowDetail,
     Sampling,
     ServerMessage,
     Shutdown,
@@ -48,11 +50,18 @@ T = TypeVar("T")
 
 
 class DaemonError(Exception):
-    """The daemon answered a request with an Error."""
+    """The daemon answered a request with an Error. `busy` and `overflow` are its detail (None from an older daemon,
+    and for other codes): a front end words its own message from them rather than from `message`."""
 
-    def __init__(self, code: str, message: str):
-        self.code, self.message = code, message
+    def __init__(self, code: str, message: str, *, busy: BusyDetail | None = None,
+                 overflow: OverflowDetail | None = None):
+        self.code, self.message, self.busy, self.overflow = code, message, busy, overflow
         super().__init__(f"{code}: {message}")
+
+    @classmethod
+    def of(cls, error: Error) -> DaemonError:
+        """The exception an Error frame raises, its detail kept."""
+        return cls(error.code, error.message, busy=error.busy, overflow=error.overflow)
 
 
 class ForeignDaemon(DaemonError):
@@ -95,7 +104,7 @@ class Stream:
             self.done = msg
             raise StopAsyncIteration
         if isinstance(msg, Error):
-            raise DaemonError(msg.code, msg.message)
+            raise DaemonError.of(msg)
         if isinstance(msg, BaseException):
             raise msg
         raise DaemonError("internal", f"unexpected {type(msg).__name__} for request {self.id}")
@@ -169,7 +178,7 @@ class Client:
             raise DaemonError("bad_request", f"undecodable handshake reply from {path}: {e}") from None
         if isinstance(msg, Error):
             writer.close()
-            raise DaemonError(msg.code, msg.message)
+            raise DaemonError.of(msg)
         if not isinstance(msg, Welcome):
             writer.close()
             raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
@@ -190,7 +199,7 @@ class Client:
                 if stream is not None:
                     stream.queue.put_nowait(msg)
                 elif isinstance(msg, Error) and rid is None:
-                    error = DaemonError(msg.code, msg.message)
+                    error = DaemonError.of(msg)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError, UnicodeDecodeError) as e:
             error = DaemonUnavailable(f"connection to the daemon lost: {e}")
         finally:
@@ -271,7 +280,7 @@ class Client:
         msg = await stream.queue.get()
         self._streams.pop(stream.id, None)
         if isinstance(msg, Error):
-            raise DaemonError(msg.code, msg.message)
+            raise DaemonError.of(msg)
         if isinstance(msg, BaseException):
             raise msg
         return msg

@@ -205,10 +205,38 @@ class Done(Struct, tag="done"):
     logprob_by_line: list[float] = []
 
 
-class Error(Struct, tag="error"):
+BusyScope = Literal[
+    "connection",  # this connection's requests in flight, or waiting for the model to load (--max-per-connection)
+    "daemon",  # every connection's requests in flight (--max-queue)
+    "loading",  # every connection's requests waiting for the model to load (--max-queue)
+]
+
+
+class BusyDetail(Struct, frozen=True):
+    """Which of the daemon's limits a `busy` request hit, so that a front end (the HTTP adapter) can say so in its
+    own words without reading the message."""
+
+    scope: BusyScope
+    limit: int  # the limit reached: that many requests were counted against it
+
+
+class OverflowDetail(Struct, frozen=True):
+    """The figures of a `context_overflow`: prompt_tokens + max_tokens exceeded max_context."""
+
+    prompt_tokens: int
+    max_tokens: int
+    max_context: int
+
+
+class Error(Struct, tag="error", omit_defaults=True):
     id: int | None
     code: ErrorCode
-    message: str
+    message: str  # for people: its wording may change, so a program reads `code` and the detail below
+    # The detail of a `busy` and of a `context_overflow`; None for other codes and from an older daemon (a client
+    # then shows `message` as it is). Error does not forbid unknown fields, so an older client ignores them; no
+    # capability names them, since a client sends nothing for them and their absence tells the older daemon apart.
+    busy: BusyDetail | None = None
+    overflow: OverflowDetail | None = None
 
 
 class StatusReply(Struct, tag="status_reply"):

@@ -720,7 +720,7 @@ async def test_queue_full_answers_busy_at_once(cold):
         t0 = time.monotonic()
         for s in streams[2:]:  # --max-queue 2: two in flight, the rest refused
             err = await expect_error(s, "busy", timeout=5)
-            assert "limit 2" in err.message
+            assert "limit 2" in err.message and err.busy == m.BusyDetail("daemon", 2) and err.overflow is None
         assert time.monotonic() - t0 < 2
         st = await c.status()  # the two accepted ones are still at work: (at most) one running, one waiting
         assert st.active + st.queue == 2 and st.active <= 1, st
@@ -740,11 +740,30 @@ async def test_one_connection_cannot_fill_the_queue(warm):
         for s in streams[16:]:
             err = await expect_error(s, "busy", timeout=5)
             assert "16 requests in flight on this connection (limit 16 per connection" in err.message, err
+            assert err.busy == m.BusyDetail("connection", 16), err.busy
         for s in streams[:16]:
             await s.cancel()
         out = await run(admitted)
         assert out.done.usage.completion_tokens == 2
     await until_idle(warm.socket)
+
+
+async def test_context_overflow_carries_its_figures(warm, tiny_engine):
+    """A context_overflow carries the figures a front end words its own advice from (m31r_http), the very ones the
+    message states; other errors carry no detail."""
+    ctx = tiny_engine.config.max_context
+    fits, too_long = "fn a() {}\n" * 30, "fn a() {}\n" * 60  # the second fills the context alone
+    n_fits, n_long = (len(tiny_engine.tokenizer.encode(p)) for p in (fits, too_long))
+    assert n_fits < ctx <= n_long
+    async with await Client.connect(warm.socket) as c:
+        for prompt, n, k in ((fits, n_fits, ctx - n_fits + 1), (too_long, n_long, 4)):  # k: past the room left
+            err = await expect_error(await c.generate(prompt, max_tokens=k), "context_overflow")
+            assert err.overflow == m.OverflowDetail(n, k, ctx) and err.busy is None, err.overflow
+            said = f"prompt ({n} tokens) + max_tokens ({k}) = {n + k} exceeds the model's context of {ctx} tokens"
+            assert said in err.message, err.message
+        err = await expect_error(await c.generate("", max_tokens=2), "bad_request")
+        assert err.overflow is None and err.busy is None
+    await still_serves(warm.socket)
 
 
 async def test_a_prompt_over_the_character_limit_is_refused_untokenised(warm):

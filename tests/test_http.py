@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -759,7 +760,8 @@ def test_a_daemon_full_of_other_clients_requests_is_a_503(http, daemon):
     r = asyncio.run(go())
     err = r.json()["error"]
     assert r.status_code == 503 and err["code"] == "busy" and r.headers["retry-after"] == "1", r.text
-    assert err["message"].startswith("the daemon is busy: its queue is full") and "connection" not in err["message"]
+    assert err["message"].startswith("the daemon is busy: its queue is full (16 requests in flight, its --max-queue)")
+    assert "connection" not in err["message"]
     assert wait_for(lambda: daemon_status(daemon["sock"]).queue == 0)
 
 
@@ -909,10 +911,11 @@ def test_security_helpers(tmp_path):
 
 
 class StalledDaemon:
-    """Speaks the handshake and answers Status; records Generate/Cancel and never generates."""
+    """Speaks the handshake; records Generate/Cancel and never generates: a request gets no answer, or the frame
+    `answer` makes of it (a daemon's Error, scripted)."""
 
-    def __init__(self, path: Path):
-        self.path, self.received = path, []
+    def __init__(self, path: Path, answer: Callable[[pm.Generate | pm.Fim], pm.Error | None] | None = None):
+        self.path, self.received, self.answer = path, [], answer
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen()
@@ -942,6 +945,8 @@ class StalledDaemon:
                                 capabilities=[], daemon_version="test"))
             elif isinstance(msg, pm.Cancel):
                 send(pm.Error(id=msg.id, code="cancelled", message="cancelled by the client"))
+            elif isinstance(msg, pm.Generate | pm.Fim) and self.answer and (reply := self.answer(msg)) is not None:
+                send(reply)
 
     def close(self) -> None:
         self.sock.close()
@@ -1000,6 +1005,89 @@ def test_requests_wait_their_turn_for_the_daemon_within_the_timeout(tmp_path):
     finally:
         srv.stop()
         stalled.close()
+
+
+# Errors as a daemon words them, each with the detail the adapter words its own from: the prompt names the case.
+# The daemon's wording is not this release's (a daemon's message may change); the adapter must not read it.
+SCRIPTED_ERRORS = {
+    "busy-connection": ("busy", pm.BusyDetail("connection", 4)),
+    "busy-daemon": ("busy", pm.BusyDetail("daemon", 32)),
+    "busy-loading": ("busy", pm.BusyDetail("loading", 32)),
+    "overflow-prompt": ("context_overflow", pm.OverflowDetail(600, 16, 512)),
+    "overflow-max-tokens": ("context_overflow", pm.OverflowDetail(300, 400, 512)),
+}
+
+
+def scripted_error(req: pm.Generate | pm.Fim) -> pm.Error:
+    """The scripted daemon's answer: the error the prompt names, with its detail unless the prompt starts `old:` (a
+    daemon from before the detail, which words it as this release's did)."""
+    name = req.prompt if isinstance(req, pm.Generate) else req.prefix
+    code, detail = SCRIPTED_ERRORS[name.removeprefix("old:")]
+    if name.startswith("old:"):
+        message = ("16 requests in flight on this connection (limit 16 per connection, --max-per-connection); retry "
+                   "shortly" if code == "busy" else "prompt (600 tokens) + max_tokens (16) = 616 exceeds the model's "
+                   "context of 512 tokens; shorten the prompt, lower max_tokens, or ask for truncation")
+        return pm.Error(id=req.id, code=code, message=message)
+    kind = "busy" if code == "busy" else "overflow"
+    return pm.Error(id=req.id, code=code, message=f"la demande est refusée ({name})", **{kind: detail})
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """A server in front of a daemon that answers every request with the error its prompt names."""
+    tmp = tmp_path_factory.mktemp("scripted")
+    daemon = StalledDaemon(tmp / "errors.sock", scripted_error)
+    srv = Server(tmp, daemon.path)
+    yield srv
+    srv.stop()
+    daemon.close()
+
+
+def test_daemon_errors_are_worded_from_their_detail(scripted):
+    """The adapter words busy and context_overflow from the Error's detail, never from the daemon's message (here in
+    another wording altogether): which limit was hit, and the way out this endpoint has, in its own field names."""
+    def post(path: str, prompt: str, **body) -> tuple[int, dict]:
+        r = httpx.post(f"{scripted.url}{path}", json={"prompt": prompt, **body}, timeout=30)
+        return r.status_code, r.json()
+
+    status, body = post("/generate", "busy-connection")
+    assert status == 503 and body["error"]["code"] == "busy", body
+    assert body["error"]["message"] == ("the daemon takes fewer requests at once from this server than the 16 it sends "
+                                        "(the daemon's --max-per-connection is 4); retry shortly")
+    status, body = post("/generate", "busy-daemon")
+    assert status == 503 and body["error"]["message"] == (
+        "the daemon is busy: its queue is full (32 requests in flight, its --max-queue), with this server's requests "
+        "and other clients' (editors, other servers); retry shortly"), body
+    status, body = post("/generate", "busy-loading")
+    assert status == 503 and "its queue is full (32 requests wait for the model to load" in body["error"]["message"]
+    status, body = post("/generate", "overflow-prompt")
+    assert status == 400 and body["error"]["code"] == "context_overflow" and body["error"]["param"] == "prompt"
+    assert body["error"]["message"] == (
+        "prompt (600 tokens) + max_tokens (16) = 616 exceeds the model's context of 512 tokens: the prompt alone "
+        "fills it; shorten the prompt, or send truncate: true to keep the prompt's end")
+    status, body = post("/v1/completions", "overflow-max-tokens", max_tokens=400)
+    assert status == 400 and body["error"]["param"] == "max_tokens", body
+    assert body["error"]["message"] == (
+        "prompt (300 tokens) + max_tokens (400) = 700 exceeds the model's context of 512 tokens: lower max_tokens to "
+        "at most 212, or shorten the prompt")  # /v1/completions has no `truncate`
+    status, body = post("/api/generate", "overflow-max-tokens", model="m31r", stream=False)
+    assert status == 400 and body["error"].startswith(  # Ollama's names
+        "prompt (300 tokens) + options.num_predict (400) = 700 exceeds the model's context of 512 tokens: lower "
+        "options.num_predict to at most 212"), body
+
+
+def test_an_older_daemons_errors_pass_through(scripted):
+    """A daemon from before the Error's detail: its busy and context_overflow messages are passed on as they are,
+    with the same statuses (nothing is parsed out of them)."""
+    r = httpx.post(f"{scripted.url}/generate", json={"prompt": "old:busy-connection"}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["message"] == ("16 requests in flight on this connection (limit 16 per connection, "
+                                            "--max-per-connection); retry shortly")
+    r = httpx.post(f"{scripted.url}/generate", json={"prompt": "old:overflow-prompt"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_overflow" and err["param"] is None, err
+    assert err["message"] == ("prompt (600 tokens) + max_tokens (16) = 616 exceeds the model's context of 512 tokens; "
+                              "shorten the prompt, lower max_tokens, or ask for truncation")
 
 
 # -- schemathesis -----------------------------------------------------------------------------------------------

@@ -97,6 +97,8 @@ SERVER_MESSAGES = [
            source="typed_through"),
     *[m.Error(id=i, code=code, message=code) for i, code in enumerate(m.ERROR_CODES)],
     m.Error(id=None, code="frame_too_large", message="too big"),
+    m.Error(id=6, code="busy", message="full", busy=m.BusyDetail("loading", 32)),
+    m.Error(id=7, code="context_overflow", message="too long", overflow=m.OverflowDetail(600, 16, 512)),
     m.StatusReply(id=9, model="m", fingerprint="f", bundle="/b", device="cpu", dtype="float32", pid=1, uptime_s=1.0,
                   queue=0, active=0, requests=3, cache_slots=4, cache_slots_used=1, cache_mb=1.0,
                   cache_budget_mb=512.0, cache_hit_rate=0.5, rss_mb=100.0),
@@ -127,6 +129,23 @@ def test_error_codes_are_a_closed_documented_set() -> None:
                                   "context_overflow", "cancelled", "shutting_down", "internal"}
     with pytest.raises(msgspec.ValidationError):
         m.server_decoder().decode(msgspec.msgpack.encode({"type": "error", "id": 1, "code": "oops", "message": ""}))
+
+
+def test_an_errors_detail_is_optional_both_ways() -> None:
+    """A daemon from before the Error's detail sends none (its frames decode with None), and a client from before it
+    ignores it: the server messages do not forbid unknown fields, as the client messages do."""
+    old = msgspec.msgpack.encode({"type": "error", "id": 1, "code": "busy", "message": "full"})
+    assert m.server_decoder().decode(old) == m.Error(id=1, code="busy", message="full", busy=None, overflow=None)
+    assert m.encoder().encode(m.Error(id=1, code="busy", message="full")) == old  # no detail: the same bytes
+
+    class OldError(msgspec.Struct, tag="error"):  # Error as a client from before the detail has it
+        id: int | None
+        code: str
+        message: str
+
+    new = m.encoder().encode(m.Error(id=2, code="context_overflow", message="long",
+                                     overflow=m.OverflowDetail(600, 16, 512)))
+    assert msgspec.msgpack.decode(new, type=OldError) == OldError(2, "context_overflow", "long")
 
 
 @pytest.mark.parametrize("raw", [

@@ -181,6 +181,8 @@ def test_a_prompt_over_the_context_is_refused_not_cut(sched, tiny_engine) -> Non
     sched.drain()
     assert [type(e) for e in events] == [Failed] and events[0].code == "context_overflow"  # not `internal`
     assert f"prompt ({over} tokens) + max_tokens (4)" in events[0].message
+    o = events[0].overflow  # the figures, for the server's Error frame
+    assert o is not None and (o.prompt_tokens, o.max_tokens, o.max_context) == (over, 4, tiny_engine.config.max_context)
     assert sched.rounds == 0
     _, ok = submit(sched, tiny_engine, PROMPTS[0], max_tokens=3)
     sched.drain()
@@ -321,10 +323,11 @@ async def test_admission_busy_per_connection_and_in_all(daemon) -> None:
         daemon.submit(a, gen(rid))
     [busy] = a.of(3)
     assert busy.code == "busy" and "--max-per-connection" in busy.message
+    assert busy.busy == m.BusyDetail("connection", 2) and busy.overflow is None
     daemon.submit(b, gen(1))
     daemon.submit(b, gen(2))
     [busy] = b.of(2)
-    assert busy.code == "busy" and "limit 3" in busy.message
+    assert busy.code == "busy" and "limit 3" in busy.message and busy.busy == m.BusyDetail("daemon", 3)
     for job in list(daemon.in_flight):
         job.cancel("done")
     for conn, rid in ((a, 1), (a, 2), (b, 1)):
@@ -332,6 +335,43 @@ async def test_admission_busy_per_connection_and_in_all(daemon) -> None:
     assert not daemon.in_flight
     daemon.submit(a, gen(4, max_tokens=2))  # room again
     assert isinstance(await a.final(4), m.Done)
+
+
+def test_admission_busy_while_the_model_loads(tiny_bundle) -> None:
+    """Requests that wait for the model have the same limits, and their `busy` says which one was hit: this
+    connection's, or the daemon's line of requests waiting for the model (scope `loading`)."""
+    thread = TorchThread("test-loading")  # never given the engine: the model is still loading
+    d = Daemon(thread, BundleIdentity.read(tiny_bundle.path), cache_mb=8, max_queue=3, max_per_connection=2)
+    try:
+        a, b = Conn(), Conn()
+        for rid in (1, 2, 3):
+            d.submit(a, gen(rid))
+        [busy] = a.of(3)
+        assert busy.busy == m.BusyDetail("connection", 2) and "wait for the model to load" in busy.message, busy
+        d.submit(b, gen(1))
+        d.submit(b, gen(2))
+        [busy] = b.of(2)
+        assert busy.busy == m.BusyDetail("loading", 3) and "limit 3" in busy.message, busy
+        assert len(d.waiting) == 3 and not a.of(1) + a.of(2) + b.of(1)  # the others wait, unanswered
+    finally:
+        thread.close(5)
+        for pool in d.prompt_pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def test_an_overflow_the_scheduler_finds_carries_its_figures(daemon, monkeypatch, tiny_engine) -> None:
+    """The scheduler's own context_overflow (a prompt the server let through too long) reaches the client with the
+    figures too, from the scheduler's plain Failed event: the server builds the Error frame."""
+    import m31rd.server as server
+
+    ctx = tiny_engine.config.max_context
+    monkeypatch.setattr(server, "build_prompt", lambda engine, budget, req: ([10 + i % 200 for i in range(ctx)],
+                                                                              req.max_tokens, ""))
+    a = Conn()
+    daemon.submit(a, gen(1, max_tokens=4))
+    err = await a.final(1)
+    assert err.code == "context_overflow" and err.overflow == m.OverflowDetail(ctx, 4, ctx), err
+    assert f"prompt ({ctx} tokens) + max_tokens (4)" in err.message
 
 
 async def test_a_request_cancelled_before_its_worker_starts_is_never_tokenised(daemon, monkeypatch) -> None:

@@ -605,8 +605,9 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
             hurried = await c.generate("fn hurried() {", max_tokens=4, deadline_ms=200)
             # The wait has the queue's limits: 16 on one connection (--max-per-connection), then `busy`.
             more = [await c.generate("fn more() {", max_tokens=1) for _ in range(14)]
-            with pytest.raises(DaemonError, match="busy: 16 requests wait for the model to load"):
+            with pytest.raises(DaemonError, match="busy: 16 requests wait for the model to load") as refused:
                 await (await c.generate("fn one_too_many() {", max_tokens=1)).collect()
+            assert refused.value.busy == m.BusyDetail("connection", 16)  # this connection's limit, not the queue's
             await asyncio.sleep(0.3)
             gate.touch()
             text, done = await asyncio.wait_for(answer, 60)
