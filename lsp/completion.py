@@ -308,6 +308,15 @@ class Completer:
         task.add_done_callback(self._background.discard)
         return task
 
+    async def close(self) -> None:
+        """Cancel every document's job and warm-up and wait for them and the Cancels they send: a TCP session's
+        server is dropped when its editor leaves, and its tasks must not outlive it."""
+        tasks = [t for st in self.docs.values() for t in (st.job.task if st.job else None, st.warm) if t is not None]
+        for uri in list(self.docs):
+            self.closed(uri)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     def snapshot(self) -> dict:
         return {**self.stats, "lastRaw": self.last_raw, "lastLogprobByLine": self.last_by_line,
                 "lastFim": self.last_fim, "debounceMs": round(self.debounce_s(self.settings()) * 1000, 2)}

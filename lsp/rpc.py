@@ -7,12 +7,13 @@
   that a coroutine or generator handled, in `_request_futures`, and never removes it.
 - A request notes, as it arrives, the version of the document it names: its position is for that version, and
   `moved_on` tells its handler whether the text it reads is another.
+- `exit` over TCP ends that editor's session, not the process (`on_exit`): the server stays for the next editor.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 from urllib.parse import unquote
 
@@ -34,6 +35,19 @@ def moved_on(uri: str, version: int | None) -> bool:
 
 
 class M31rProtocol(LanguageServerProtocol):
+    # Set for a TCP session: what `exit` does instead of ending the process (which serves the next editor too).
+    on_exit: Callable[[], None] | None = None
+
+    @lsp_method(types.EXIT)
+    def lsp_exit(self, *args: Any) -> Generator[Any, Any, None]:
+        """pygls' handler (sys.exit) on stdio; over TCP, `on_exit`: the editor leaves, the server stays."""
+        if self.on_exit is None:
+            yield from super().lsp_exit(*args)
+            return
+        if (user_handler := self.fm.features.get(types.EXIT)) is not None:
+            yield user_handler, args, None
+        self.on_exit()
+
     def handle_message(self, msg: Any) -> None:
         """Drop the finished futures first (pygls would keep a notification's for ever), then handle `msg`."""
         for msg_id in [k for k, f in self._request_futures.items() if f.done()]:

@@ -17,9 +17,11 @@ import contextlib
 import dataclasses
 import errno
 import ipaddress
+import json
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from urllib.parse import unquote
 
 from lsprotocol import types
@@ -126,38 +128,143 @@ class M31rLanguageServer(LanguageServer):
             uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked,
             selected=accepted if selected is not None else None)
 
-    def start_tcp(self, host: str, port: int) -> None:
-        """pygls' TCP server, except that a connection whose first line is not LSP framing (`Content-Length:`,
-        `Content-Type:`) is closed unanswered: a web page can make the browser POST to a port on 127.0.0.1, and
-        that request must not be read as JSON-RPC."""
-        self._stop_event = stop_event = threading.Event()
+    async def close(self) -> None:
+        """End this server's session (its TCP editor left): cancel the handlers still running and the completion
+        jobs, and close the daemon connection, so that nothing of it outlives the editor."""
+        pending = [f for f in self.protocol._request_futures.values() if not f.done()]
+        for f in pending:
+            f.cancel()
+        await asyncio.gather(*(f for f in pending if isinstance(f, asyncio.Future)), return_exceptions=True)
+        await self.completer.close()
+        await self.link.close()
+        self.shutdown()  # pygls' own: its thread pool, if a handler started one
 
-        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                first = await reader.readline()
-            except (ValueError, ConnectionError):  # a first line over the stream's limit, or a reset
-                first = b""
-            if not first.lower().startswith(b"content-"):
-                log.warning("closed a TCP connection that does not speak LSP (first bytes %r)", first[:16])
-                writer.close()
-                return
-            self.protocol.set_writer(writer)  # type: ignore[arg-type]
-            await run_async(stop_event=stop_event, reader=_Replay(first, reader), protocol=self.protocol,
-                            logger=log, error_handler=self.report_server_error)
-            self.shutdown()
 
-        async def serve() -> None:
-            try:
-                self._server = await asyncio.start_server(connection, host, port)
-            except OSError as e:  # one line for the user, not asyncio's "[Errno 98] error while attempting to bind"
-                why = ("the port is in use (another m31r lsp, or another program?): choose another with --tcp"
-                       if e.errno == errno.EADDRINUSE else e.strerror or str(e))
-                raise OSError(f"cannot listen on {host}:{port}: {why}") from None
-            async with self._server:
-                await self._server.serve_forever()
+class TcpServer:
+    """`--tcp`: one editor at a time, each with a server of its own.
 
+    pygls' start_tcp runs every connection on its one server: a second editor took over the first one's transport
+    (the first got no more answers), documents and pending requests, and the first connection to end stopped the
+    process. Here a connection that comes while an editor is served is told why and closed, and the editor served
+    keeps its session; once that editor leaves (`exit`, or the connection just closes), the next one gets a new
+    server: no documents, settings or jobs of the last one. One editor per server, as on stdio: a second editor
+    sent to a port in use is more likely a mistake than a plan, and each would need its own daemon link anyway.
+
+    A connection whose first line is not LSP framing (`Content-Length:`, `Content-Type:`) is closed unanswered: a
+    web page can make the browser POST to a port on 127.0.0.1, and that request must not be read as JSON-RPC."""
+
+    REFUSE_WAIT_S = 5.0  # how long a refused editor gets to send its first message, and then to close
+    MAX_FIRST_MESSAGE = 1 << 20  # a refused editor's first message is read (for its id) up to this size
+
+    def __init__(self, host: str, port: int, new_server: Callable[[], M31rLanguageServer]):
+        self.host, self.port, self.new_server = host, port, new_server
+        self.serving: M31rLanguageServer | None = None
+
+    def run(self) -> None:
         with contextlib.suppress(asyncio.CancelledError):
-            asyncio.run(serve())
+            asyncio.run(self.serve())
+
+    async def serve(self) -> None:
+        try:
+            listener = await asyncio.start_server(self.connection, self.host, self.port)
+        except OSError as e:  # one line for the user, not asyncio's "[Errno 98] error while attempting to bind"
+            why = ("the port is in use (another m31r lsp, or another program?): choose another with --tcp"
+                   if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+            raise OSError(f"cannot listen on {self.host}:{self.port}: {why}") from None
+        async with listener:
+            await listener.serve_forever()
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await reader.readline()
+        except (ValueError, ConnectionError):  # a first line over the stream's limit, or a reset
+            first = b""
+        if not first.lower().startswith(b"content-"):
+            log.warning("closed a TCP connection that does not speak LSP (first bytes %r)", first[:16])
+            writer.close()
+            return
+        if self.serving is not None:
+            await self.refuse(first, reader, writer)
+            return
+        self.serving = ls = self.new_server()
+        peer = writer.get_extra_info("peername")
+        log.info("serving the editor at %s", peer)
+        ls.protocol.set_writer(writer)  # type: ignore[arg-type]
+        ls.protocol.on_exit = writer.close  # the end of the stream ends the session below
+        try:
+            await run_async(stop_event=threading.Event(), reader=_Replay(first, reader), protocol=ls.protocol,
+                            logger=log, error_handler=ls.report_server_error)
+        except (ConnectionError, EOFError, ValueError) as e:  # a reset, a message cut short, a header over the limit
+            log.info("the connection of the editor at %s ended: %r", peer, e)
+        finally:
+            self.serving = None  # the editor has left: the next one need not wait for the cleanup
+            ls.protocol.set_writer(_Gone())
+            writer.close()
+            await ls.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            log.info("the editor at %s left (%d asyncio tasks running)", peer, len(asyncio.all_tasks()))
+
+    async def refuse(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Tell an editor that this server serves another one (window/showMessage, and an error answer to its first
+        request, its `initialize`), then close its connection."""
+        host, port = writer.get_extra_info("sockname")[:2]
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        why = (f"m31r lsp on {address} already serves another editor (one editor at a time): start another with "
+               f"`m31r lsp --tcp {address.rpartition(':')[0]}:<another port>`, or let this editor run `m31r lsp` "
+               "itself over stdio")
+        log.warning("refused the editor at %s: %s", writer.get_extra_info("peername"), why)
+        msg_id: int | str | None = None
+        with contextlib.suppress(ValueError, OSError, EOFError, TimeoutError):
+            async with asyncio.timeout(self.REFUSE_WAIT_S):
+                msg_id = await self._request_id(first, reader)
+        out = _frame({"jsonrpc": "2.0", "method": types.WINDOW_SHOW_MESSAGE,
+                      "params": {"type": types.MessageType.Error.value, "message": why}})
+        if msg_id is not None:
+            out += _frame({"jsonrpc": "2.0", "id": msg_id, "error": {
+                "code": types.LSPErrorCodes.RequestFailed.value, "message": why, "data": {"retry": False}}})
+        try:
+            writer.write(out)
+            await writer.drain()
+            writer.write_eof()
+            # Read until the editor closes: closing with its bytes unread would reset the connection, and the
+            # editor could lose the answer before reading it.
+            async with asyncio.timeout(self.REFUSE_WAIT_S):
+                while await reader.read(1 << 16):
+                    pass
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def _request_id(self, first: bytes, reader: asyncio.StreamReader) -> int | str | None:
+        """The id of the request that a connection opens with (`first`: its first header line, already read)."""
+        length, line = 0, first
+        while line.strip():
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+            line = await reader.readline()
+        if not 0 < length <= self.MAX_FIRST_MESSAGE:
+            return None
+        msg = json.loads(await reader.readexactly(length))
+        msg_id = msg.get("id") if isinstance(msg, dict) and "method" in msg else None
+        return msg_id if isinstance(msg_id, (int, str)) and not isinstance(msg_id, bool) else None
+
+
+def _frame(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(data) + data
+
+
+class _Gone:
+    """The writer of a session whose editor has left: what its cancelled requests answer goes nowhere."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Replay:
@@ -335,12 +442,12 @@ def run(socket: str | None = None, tcp: str | None = None, autostart: bool = Tru
     address = tcp_address(tcp, allow_remote) if tcp else None
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="m31r-lsp %(levelname)s %(name)s: %(message)s")
-    server = create_server(EditorSettings(socket=settings_mod.expand_path(socket), autostart=autostart,
-                                          bundle=settings_mod.expand_path(bundle)))
+    defaults = EditorSettings(socket=settings_mod.expand_path(socket), autostart=autostart,
+                              bundle=settings_mod.expand_path(bundle))
     if address:
-        server.start_tcp(*address)
+        TcpServer(*address, lambda: create_server(defaults)).run()
     else:
-        server.start_io()
+        create_server(defaults).start_io()
 
 
 def _main() -> None:  # `python -m m31r_lsp [--tcp HOST:PORT] [--socket PATH] [--no-autostart]`

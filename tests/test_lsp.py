@@ -1007,15 +1007,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def tcp_server(tmp_path: Path, host: str, *args: str):
-    """`m31r lsp --tcp HOST:PORT` in a subprocess, once it accepts connections: yields (process, port)."""
+def tcp_server(tmp_path: Path, host: str, *args: str, log: Path | None = None):
+    """`m31r lsp --tcp HOST:PORT` in a subprocess, once it accepts connections: yields (process, port). Its stderr
+    goes to `log` if given (a pipe nobody reads would fill up under --log-level info), else to a pipe."""
     port = free_port()
+    stderr = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([sys.executable, "-m", "m31r.cli", "lsp", "--tcp", f"{host}:{port}", "--no-autostart",
-                             "--socket", str(tmp_path / "nobody.sock"), *args], stderr=subprocess.PIPE, text=True)
+                             "--socket", str(tmp_path / "nobody.sock"), *args], stderr=stderr, text=True)
     try:
         t0 = time.monotonic()
         while True:
-            assert proc.poll() is None, proc.communicate()[1]
+            assert proc.poll() is None, proc.communicate()[1] if log is None else log.read_text()
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
                 break
             assert time.monotonic() - t0 < 30, "the LSP server did not listen"
@@ -1024,6 +1026,8 @@ def tcp_server(tmp_path: Path, host: str, *args: str):
     finally:
         proc.kill()
         proc.wait()
+        if log is not None:
+            stderr.close()
 
 
 def frame(body: dict) -> bytes:
@@ -1137,3 +1141,140 @@ async def test_tcp_request_and_the_edit_after_it_in_one_read(tmp_path, daemon):
             writer.close()
     assert answer["items"] == [] and st.get("stale", 0) == 1
     assert st["lastFim"] is None or st["lastFim"]["prefix"] == before[: before.index("= ") + 2]
+
+
+async def _open_session(port: int, settings: dict | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw LSP connection, initialized."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(frame({**INITIALIZE, "params": {**INITIALIZE["params"], "initializationOptions": settings}}))
+    assert "result" in await _reply(reader, 1)
+    writer.write(frame({"jsonrpc": "2.0", "method": "initialized", "params": {}}))
+    return reader, writer
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> list[dict]:
+    """The messages the server sends until it closes the connection."""
+    got = []
+    async with asyncio.timeout(30):
+        while True:
+            length = 0
+            while (line := await reader.readline()) != b"\r\n":
+                if not line:
+                    return got
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            got.append(json.loads(await reader.readexactly(length)))
+
+
+async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg_id: int, method: str,
+                   params: dict) -> dict:
+    writer.write(frame({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}))
+    async with asyncio.timeout(30):
+        return await _reply(reader, msg_id)
+
+
+def _did_open(uri: str, text: str) -> bytes:
+    return frame({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": uri, "languageId": "rust", "version": 1, "text": text}}})
+
+
+def _inline(uri: str, line: int, character: int) -> dict:
+    return {"textDocument": {"uri": uri}, "position": {"line": line, "character": character},
+            "context": {"triggerKind": 1}}
+
+
+async def _sessions_ended(log: Path, n: int) -> list[int]:
+    """Wait until the server's log says that `n` editors have left; the asyncio task counts it logged then."""
+    counts: list[int] = []
+
+    async def ended() -> bool:
+        counts[:] = [int(line.split("(")[-1].split()[0]) for line in log.read_text().splitlines()
+                     if "m31r_lsp: the editor at" in line and " left (" in line]
+        return len(counts) >= n
+
+    await until(ended)
+    return counts
+
+
+async def test_tcp_serves_one_editor_and_refuses_a_second(tmp_path, daemon):
+    """A second editor on the port of one being served is told why and turned away, and the first goes on unaffected
+    (pygls' server gave the second one the first one's transport, documents and answers). Once the first leaves
+    without shutdown or exit, the next editor is served, by a server that has none of the first one's documents."""
+    settings = {"m31r": {**NOISE, "socket": str(daemon)}}
+    log = tmp_path / "lsp.log"
+    with tcp_server(tmp_path, "127.0.0.1", "--log-level", "info", log=log) as (proc, port):
+        ra, wa = await _open_session(port, settings)
+        wa.write(_did_open(URI, RUST))
+        assert "items" in (await _request(ra, wa, 2, "textDocument/inlineCompletion", _inline(URI, 3, 21)))["result"]
+
+        rb, wb = await asyncio.open_connection("127.0.0.1", port)
+        wb.write(frame(INITIALIZE))
+        refusal = await _until_closed(rb)  # told, then closed
+        wb.close()
+        shown = [m["params"] for m in refusal if m.get("method") == "window/showMessage"]
+        errors = [m["error"] for m in refusal if m.get("id") == 1]
+        assert len(shown) == 1 and len(errors) == 1 and "result" not in str(refusal), refusal
+        why = errors[0]["message"]
+        assert shown[0] == {"type": 1, "message": why} and errors[0]["data"] == {"retry": False}
+        assert f"127.0.0.1:{port} already serves another editor" in why and "stdio" in why and "--tcp" in why, why
+
+        # The first editor is still served, with its document and its counters.
+        assert "items" in (await _request(ra, wa, 3, "textDocument/inlineCompletion", _inline(URI, 3, 21)))["result"]
+        st = (await _request(ra, wa, 4, "m31r/stats", {}))["result"]
+        assert st["requests"] == 2 and st["lastFim"]["document"] == URI, st
+        wa.close()  # gone without shutdown or exit
+        await _sessions_ended(log, 1)
+        assert proc.poll() is None
+
+        rc, wc = await _open_session(port, settings)
+        try:
+            answer = (await _request(rc, wc, 2, "textDocument/inlineCompletion", _inline(URI, 3, 21)))["result"]
+            st = (await _request(rc, wc, 3, "m31r/stats", {}))["result"]
+        finally:
+            wc.close()
+    assert answer == {"items": []} and st.get("requests", 0) == 0 and st["lastFim"] is None, st  # no such document
+    assert "refused the editor at" in log.read_text()
+
+
+async def test_tcp_editors_leave_nothing_behind(tmp_path, daemon):
+    """An editor that leaves with a request pending, one that leaves with shutdown and exit, and one that just closes:
+    each time the server goes on listening, and is left with the asyncio tasks and open files it had before."""
+    settings = {"m31r": {**NOISE, "socket": str(daemon)}}
+    log = tmp_path / "lsp.log"
+    fds = Path("/proc/self/fd").is_dir()
+    with tcp_server(tmp_path, "127.0.0.1", "--log-level", "info", log=log) as (proc, port):
+        open_files = []
+
+        async def left(n: int) -> list[int]:
+            counts = await _sessions_ended(log, n)
+            assert proc.poll() is None
+            if fds:
+                open_files.append(len(os.listdir(f"/proc/{proc.pid}/fd")))
+            return counts
+
+        r, w = await _open_session(port, settings)  # a completion is under way as it leaves
+        w.write(_did_open(URI, RUST) + frame({"jsonrpc": "2.0", "id": 2, "method": "textDocument/inlineCompletion",
+                                              "params": _inline(URI, 3, 21)}))
+        await w.drain()
+        w.close()
+        await left(1)
+
+        r, w = await _open_session(port, settings)  # shutdown and exit: the server closes the connection
+        w.write(_did_open(URI, RUST))
+        assert (await _request(r, w, 2, "shutdown", None))["result"] is None
+        w.write(frame({"jsonrpc": "2.0", "method": "exit"}))
+        assert await _until_closed(r) == []
+        w.close()
+        await left(2)
+
+        for n in (3, 4):
+            r, w = await _open_session(port, settings)
+            w.write(_did_open(URI2, RUST))
+            assert "items" in (await _request(r, w, 2, "textDocument/inlineCompletion",
+                                              _inline(URI2, 3, 21)))["result"]
+            w.close()
+            counts = await left(n)
+    assert len(set(counts)) == 1, counts  # the listener and the connection ending: nothing of the editors before
+    assert len(set(open_files[1:])) <= 1, open_files  # (the first session may open what the process keeps)
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text
