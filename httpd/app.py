@@ -66,6 +66,7 @@ class ServeSettings:
     max_body: int = 1 << 20
     max_tokens_cap: int = 512
     request_timeout: float = 60.0
+    body_timeout: float | None = 30.0  # a request's body must arrive within this of its headers (None: no limit)
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -820,7 +821,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
     middleware = [
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,
-                   token=settings.token, max_body=settings.max_body),
+                   token=settings.token, max_body=settings.max_body, body_timeout=settings.body_timeout),
     ]
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),

@@ -11,6 +11,8 @@ Where it follows Ollama and where it does not:
 - Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
   num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
   cap is refused. A prompt too long for the context loses its start, as Ollama's does (`truncate: false` refuses).
+  A num_predict too large for the context with the prompt is capped to what fits, keeping the prompt (at least half
+  the context of it), where Ollama would shift its context and go on; `truncate: false` refuses it (fit_num_predict).
 - `logprobs: true` gives each chunk (and a whole answer) Ollama's `logprobs` list: each token's text, natural-log
   probability and UTF-8 bytes, with `top_logprobs` (0 to 20) of the likeliest tokens at its step.
 - Fields asking for what this model cannot do (system, template, context, images, format, think, image generation)
@@ -152,6 +154,34 @@ def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
     return opts, sorted(k for k in raw if k not in HONOURED)
 
 
+def fit_num_predict(n: int, max_context: int, prompt: str | None, truncate: bool) -> int:
+    """The tokens to ask of the daemon for num_predict `n` with this prompt (None: a FIM request).
+
+    Ollama fails no request for its num_predict: it cuts a prompt to the context and shifts the context while it
+    generates. The daemon generates within one context, prompt included, and refuses what does not fit. So with
+    `truncate` (Ollama's default) `n` is capped to keep the prompt: all of one that surely fits in half the context,
+    else its last half-context (what Ollama's shift keeps), the answer ending `length` where the context is full, as
+    Ollama's does with `shift: false`. A FIM request may have half the context whatever its prompt (the daemon's
+    limit: the rest holds the code around the cursor). With `truncate: false`, an `n` past those limits for any
+    prompt is refused, naming it (one too large for this prompt alone is the daemon's context_overflow)."""
+    half = max_context // 2
+    if prompt is None:
+        limit = hard = half
+        why = (f"is more than a fill-in-the-middle completion may have with this model: {half} tokens, half its "
+               f"context (the rest holds the code around the cursor); ask for at most {half}")
+    else:
+        # Every token stands for at least one byte of the text, so a prompt of b bytes is at most b tokens.
+        limit, hard = max_context - min(len(prompt.encode()), half), max_context - 1
+        why = (f"leaves no room for the prompt in the model's context of {max_context} tokens, which the prompt and "
+               f"the completion share; ask for fewer than {max_context} tokens less the prompt's")
+    if truncate:
+        return min(n, limit)
+    if n > hard:
+        raise s.InvalidRequest(f"options.num_predict: {n} {why}, or leave truncate on (the default) to have it capped "
+                               "to what fits", "options.num_predict")
+    return n
+
+
 # -- responses --------------------------------------------------------------------------------------------------
 
 
@@ -285,7 +315,9 @@ class Ollama:
 
         def start(c: Client) -> Awaitable[Stream]:
             check_model(c, r.model)
-            max_tokens = n if n is not None and n >= 0 else min(cap, c.welcome.max_context // 2)
+            ctx = c.welcome.max_context
+            max_tokens = n if n is not None and n >= 0 else min(cap, ctx // 2)
+            max_tokens = fit_num_predict(max_tokens, ctx, prefix if suffix is None else None, r.truncate)
             kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed,
                       logprobs=r.top_logprobs if r.logprobs else None)
             if suffix is not None:

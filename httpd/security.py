@@ -5,10 +5,14 @@
 - Browsers: no CORS headers by default, and a request carrying an Origin that is not on the allow-list is
   refused (403) before it costs any compute; a page's "simple" cross-origin POST would otherwise run.
 - An optional bearer token, read from a file only its owner can read (mode 0600 or stricter).
+- A request's body must arrive within --body-timeout of its headers (408 past it, the connection closed): uvicorn
+  waits for a body as long as the client likes, so one that trickles its body, or stops mid-way, would otherwise
+  hold its connection and task for good. (Uvicorn has no timeout for headers either; that one is not covered.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import os
@@ -17,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m31r_http.schemas import ErrorDetail, ErrorResponse
 
@@ -96,16 +100,51 @@ async def send_error(send: Send, path: str, status: int, code: str, message: str
     await send({"type": "http.response.body", "body": body})
 
 
+CLOSE = (b"connection", b"close")
+
+
+class BodyTimeout(Exception):
+    """The request's body did not arrive within the body timeout."""
+
+
+class BodyWatch:
+    """The request's `receive`, under a deadline while the body is still to come: `timeout` seconds from the
+    headers for all of it (not per chunk, which a client trickling a byte at a time would meet forever). Once the
+    body is in, `receive` waits untimed: it then only waits for a disconnect while the answer is worked out or
+    streams, which the request timeout bounds."""
+
+    def __init__(self, receive: Receive, headers: dict[str, bytes], timeout: float | None):
+        self.receive = receive
+        length = headers.get("content-length", b"")
+        self.pending = (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers  # body still to come
+        self.deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
+
+    async def __call__(self) -> Message:
+        if not self.pending or self.deadline is None:
+            return await self.receive()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                message = await self.receive()
+        except TimeoutError:
+            raise BodyTimeout from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.pending = False  # the whole body, or the client left
+        return message
+
+
 class GuardMiddleware:
-    """Host check, Origin check, bearer token and declared body size, before any routing or body reading.
+    """Host check, Origin check, bearer token, declared body size and the body's deadline, before any routing or
+    body reading.
 
     CORS preflights (OPTIONS with Access-Control-Request-Method) from allowed origins pass through to the CORS
     middleware inside; everything else needs a good Host, an allowed (or no) Origin, and the token if one is set.
+    An answer sent before the request's body is all in (a refusal, a 408) closes the connection: reading the rest
+    of a body nobody wants would keep it for as long as the client takes to send it.
     """
 
     def __init__(self, app: ASGIApp, *, hosts: HostPolicy, origins: Iterable[str] = (), token: str | None = None,
-                 max_body: int | None = None):
-        self.app, self.hosts, self.max_body = app, hosts, max_body
+                 max_body: int | None = None, body_timeout: float | None = None):
+        self.app, self.hosts, self.max_body, self.body_timeout = app, hosts, max_body, body_timeout
         self.origins = frozenset(o.rstrip("/") for o in origins)
         self.token = token.encode() if token else None
 
@@ -119,9 +158,19 @@ class GuardMiddleware:
         # An allowed page must be able to read these refusals too: the CORS middleware inside never sees them.
         cors = [(b"access-control-allow-origin", b"*" if "*" in self.origins else origin or b""),
                 (b"vary", b"Origin")] if allowed else []
+        body = BodyWatch(receive, headers, self.body_timeout)
+        started = False
+
+        async def answer(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if body.pending and CLOSE not in message.get("headers", []):
+                    message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+            await send(message)
 
         async def refuse(status: int, code: str, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-            await send_error(send, scope["path"], status, code, message, [*extra, *cors])
+            await send_error(answer, scope["path"], status, code, message, [*extra, *cors])
 
         host = headers.get("host", b"").decode("latin-1")
         if not self.hosts.allows(host):
@@ -143,4 +192,10 @@ class GuardMiddleware:
             # catches bodies that grow past it without declaring a size.)
             return await refuse(413, "too_large", (
                 f"the request body ({int(length)} bytes) exceeds this server's limit of {self.max_body} bytes"))
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, body, answer)
+        except BodyTimeout:
+            if started:  # (every endpoint reads its body before it answers)
+                raise
+            await refuse(408, "timeout", f"the request's body did not arrive within {self.body_timeout:g}s of its "
+                                         "headers (m31r serve --body-timeout)")

@@ -16,7 +16,8 @@ log = logging.getLogger("m31r_http")
 DEFAULT_PORT = 8731
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a large source file; the daemon's own frame limit is 8 MiB
 DEFAULT_MAX_TOKENS_CAP = 512
-DEFAULT_REQUEST_TIMEOUT = 60.0
+DEFAULT_REQUEST_TIMEOUT = 60.0  # from a request's body being in to its answer's end: the daemon's work (504 past it)
+DEFAULT_BODY_TIMEOUT = 30.0  # from a request's headers to its body being in (408 past it)
 MAX_CONNECTIONS = 512  # uvicorn answers 503 beyond this many concurrent connections
 
 
@@ -71,14 +72,14 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (), token_file: str | Path | None = None, max_body: int = DEFAULT_MAX_BODY,
         max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        log_level: str = "info") -> int:
+        body_timeout: float = DEFAULT_BODY_TIMEOUT, log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM. ValueError (before binding) for a bad configuration."""
     from m31r_http.security import load_token
 
     loopback = check_bind(host, allow_remote)
     token = load_token(token_file) if token_file is not None else None
-    if max_body < 1 or max_tokens_cap < 1 or request_timeout <= 0:
-        raise ValueError("--max-body, --max-tokens-cap and --request-timeout must be positive")
+    if max_body < 1 or max_tokens_cap < 1 or request_timeout <= 0 or body_timeout <= 0:
+        raise ValueError("--max-body, --max-tokens-cap, --request-timeout and --body-timeout must be positive")
     hosts = list(allowed_hosts)
     if not loopback:
         if host not in ("0.0.0.0", "::", ""):
@@ -94,7 +95,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
     setup_logging(log_level)
     settings = ServeSettings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),
                         cors_origins=tuple(cors_origins), token=token, max_body=max_body,
-                        max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
+                        max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, body_timeout=body_timeout)
     try:
         import uvloop  # noqa: F401
 

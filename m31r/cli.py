@@ -892,13 +892,17 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
               help="Largest max_tokens a request may ask for.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds before a request is cancelled (504).")
+              help="Seconds a request may take once its body is in, the daemon's work included (504 past it; the "
+                   "daemon request is cancelled).")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client has to send a request's body after its headers (408 past it, and the connection "
+                   "is closed), so that a client trickling its body cannot hold a connection for good.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @user_errors
 def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, allowed_hosts: tuple[str, ...],
           cors_origins: tuple[str, ...], token_file: Path | None, no_autostart: bool, bundle_dir: Path | None,
-          max_body: int, max_tokens_cap: int, request_timeout: float, log_level: str) -> None:
+          max_body: int, max_tokens_cap: int, request_timeout: float, body_timeout: float, log_level: str) -> None:
     """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions, Ollama's
     /api/generate."""
     from m31r_http.server import run
@@ -908,7 +912,8 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
     bundle = bundle_dir.resolve() if bundle_dir is not None else None  # the daemon may run from another folder
     sys.exit(run(host, port, socket_path, autostart=not no_autostart, bundle=bundle, allow_remote=allow_remote,
                  allowed_hosts=allowed_hosts, cors_origins=cors_origins, token_file=token_file, max_body=max_body,
-                 max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, log_level=log_level))
+                 max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, body_timeout=body_timeout,
+                 log_level=log_level))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -919,7 +924,8 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
 @main.command()
 @socket_option
 @click.option("--tcp", metavar="HOST:PORT", default=None,
-              help="Serve LSP over TCP instead of stdio; HOST must be loopback unless --allow-remote.")
+              help="Serve LSP over TCP instead of stdio, one editor at a time (another is told and turned away); HOST "
+                   "must be loopback unless --allow-remote.")
 @click.option("--allow-remote", is_flag=True, help="Allow --tcp on a non-loopback address (prints a warning).")
 @click.option("--no-autostart", is_flag=True, help="Do not start a daemon when none runs.")
 @click.option("--bundle", "bundle_dir", type=UserPath(path_type=Path), default=None,

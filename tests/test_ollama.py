@@ -276,3 +276,63 @@ def test_no_daemon_is_a_503(tmp_path):
         assert httpx.get(f"{srv.url}/api/version").status_code == 200  # needs no daemon
     finally:
         srv.stop()
+
+
+# -- num_predict and the context ----------------------------------------------------------------------------------
+
+LONG = "fn a() {}\n" * 120  # far more than half the tiny model's context (512 tokens)
+MEDIUM = "fn a() {}\n" * 20  # some tens of tokens
+
+
+@pytest.fixture(scope="module")
+def wide(shared_daemon, tmp_path_factory):
+    """A server whose --max-tokens-cap (1000) lets num_predict reach the tiny model's context (512) and past it."""
+    srv = Server(tmp_path_factory.mktemp("wide"), shared_daemon[1], "--max-tokens-cap", "1000")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(("prompt", "suffix", "num_predict", "max_tokens"), [
+    ("fn", None, 512, 510),  # a short prompt is kept whole: the rest of the context is generated
+    ("fn", None, 1000, 510),
+    (LONG, None, 512, 256),  # a long one keeps its last half-context
+    (LONG, None, 300, 256),
+    (PREFIX, SUFFIX, 512, 256),  # fill-in-the-middle: half the context, the daemon's limit
+])
+def test_num_predict_past_the_context_is_capped(wide, prompt, suffix, num_predict, max_tokens):
+    """Ollama refuses no num_predict for its length (it shifts its context and goes on): with truncation on, the
+    default, the tokens asked of the daemon are capped so that the prompt's end and the completion fit. The answer
+    is the native endpoint's for that many tokens, streamed or not."""
+    client = ollama.Client(host=wide.url, timeout=30)
+    with httpx.Client(base_url=wide.url, timeout=30) as http:
+        expected = (native(http, prefix=prompt, suffix=suffix, max_tokens=max_tokens) if suffix is not None
+                    else native(http, prompt=prompt, max_tokens=max_tokens, truncate=True))
+    kw = {"suffix": suffix} if suffix is not None else {}
+    r = client.generate(model="m31r", prompt=prompt, options={"num_predict": num_predict}, **kw)
+    assert r.response == expected["text"] and r.eval_count == expected["usage"]["completion_tokens"]
+    assert r.prompt_eval_count == expected["usage"]["prompt_tokens"] and r.prompt_eval_count + r.eval_count <= 512
+    assert r.done_reason == ("length" if expected["finish_reason"] == "length" else "stop")
+    parts = list(client.generate(model="m31r", prompt=prompt, options={"num_predict": num_predict}, stream=True, **kw))
+    assert "".join(p.response for p in parts) == r.response and parts[-1].eval_count == r.eval_count
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"prompt": "fn", "options": {"num_predict": 512}}, "options.num_predict: 512 leaves no room for the prompt in "
+                                                        "the model's context of 512 tokens"),
+    ({"prompt": "fn", "options": {"num_predict": 1000}}, "options.num_predict: 1000 leaves no room"),
+    ({"prompt": PREFIX, "suffix": SUFFIX, "options": {"num_predict": 300}},
+     "options.num_predict: 300 is more than a fill-in-the-middle completion may have with this model: 256 tokens"),
+    ({"prompt": MEDIUM, "options": {"num_predict": 500}}, "options.num_predict"),  # the daemon's context_overflow
+])
+def test_num_predict_past_the_context_without_truncation_is_refused(wide, body, words):
+    """With `truncate: false`, a num_predict that cannot fit is a 400 in Ollama's shape naming num_predict and the
+    limit, and the way to have it capped."""
+    for stream in (False, True):
+        r = httpx.post(f"{wide.url}/api/generate", json={"model": "m31r", "truncate": False, "stream": stream, **body},
+                       timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and words in err, r.text
+        assert "leave truncate on" in err or body["prompt"] == MEDIUM  # (the daemon's overflow words its own way out)

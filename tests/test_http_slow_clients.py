@@ -1,0 +1,168 @@
+"""Slow clients on `m31r serve`: a request body that trickles in, or stops mid-way, is answered 408 once
+--body-timeout has passed since its headers, the connection closed, while other clients are served; a large body
+that arrives promptly, and an answer that takes longer than the body timeout (streamed or not), are untouched.
+
+The real server in front of the shared real daemon, driven by raw sockets (what a slow client is) and httpx; the
+one test of a long answer uses the stalled daemon of test_http, since the tiny model answers in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from test_http import Server, StalledDaemon, sse_events
+
+from m31r_protocol import messages as pm
+
+pytestmark = pytest.mark.timeout(120)
+
+BODY_TIMEOUT = 0.5
+
+
+@pytest.fixture(scope="module")
+def server(shared_daemon, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("slow"), shared_daemon[1], "--body-timeout", str(BODY_TIMEOUT))
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def read_response(conn: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length, read off a raw socket: status, headers, body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        chunk = conn.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def closed(conn: socket.socket, timeout: float = 5.0) -> bool:
+    """The server has closed the connection (EOF or reset) within `timeout`."""
+    conn.settimeout(timeout)
+    try:
+        while conn.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def in_flight(srv: Server) -> float:
+    """m31r_http_requests_in_flight, this scrape's own request included."""
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("m31r_http_requests_in_flight ")))
+
+
+def completion_ok(srv: Server) -> None:
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "fn", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("path", "trickle"), [("/v1/completions", True), ("/api/generate", False)])
+def test_slow_body_gets_408_and_others_are_served(server, path, trickle):
+    """Content-Length 200, then part of the body: trickled a byte every 0.1 s (each wait well within the timeout, so
+    only a deadline for the whole body ends it), or nothing more. 408 in the path's error shape, at the timeout, the
+    connection closed; another connection is served meanwhile and afterwards, and nothing of it is left in flight."""
+    conn = socket.create_connection(("127.0.0.1", server.port))
+    conn.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 200\r\n\r\n".encode() + b'{"model": "m31r", "prompt": "')
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def drip() -> None:
+        while not stop.wait(0.1):
+            try:
+                conn.sendall(b"x")
+            except OSError:  # the server closed the connection
+                return
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    if trickle:
+        dripper.start()
+    try:
+        completion_ok(server)  # served while the slow body is pending
+        conn.settimeout(10)
+        status, headers, body = read_response(conn)
+        elapsed = time.monotonic() - t0
+        assert status == 408, body
+        assert BODY_TIMEOUT * 0.9 < elapsed < BODY_TIMEOUT + 5
+        assert headers["connection"] == "close" and headers["content-type"] == "application/json"
+        message = json.loads(body)["error"]
+        if path.startswith("/api/"):  # Ollama's shape
+            assert isinstance(message, str)
+        else:  # OpenAI's
+            assert message["code"] == "timeout" and message["type"] == "invalid_request_error"
+            message = message["message"]
+        assert f"within {BODY_TIMEOUT:g}s" in message and "--body-timeout" in message
+        assert closed(conn)
+    finally:
+        stop.set()
+        conn.close()
+    completion_ok(server)
+    assert in_flight(server) == 1  # the scrape itself: the slow request is gone
+
+
+def test_large_body_arriving_promptly_is_served(server):
+    """A body near --max-body (1 MiB: a short prompt padded with JSON whitespace), sent at once or chunked without
+    a length, is served; one declared past the limit is refused before it is read, closing the connection."""
+    body = b'{"prompt": "fn", "max_tokens": 2' + b" " * ((1 << 20) - 64) + b"}"
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+
+    def pieces():
+        for i in range(0, len(body), 64 * 1024):
+            yield body[i:i + 64 * 1024]
+
+    r = httpx.post(f"{server.url}/v1/completions", content=pieces(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 200 and "content-length" not in r.request.headers, r.text
+    conn = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2000000\r\n\r\n{")
+        conn.settimeout(10)
+        status, headers, _ = read_response(conn)
+        assert status == 413 and headers["connection"] == "close"
+        assert closed(conn)
+    finally:
+        conn.close()
+
+
+def test_answers_that_outlive_the_body_timeout_are_not_cut(tmp_path):
+    """Once the body is in, the body timeout no longer applies: an answer still open past it (a daemon that sends
+    one token and then nothing) ends at the request timeout, streamed (the token, then the timeout's error event)
+    or not (504), rather than being cut at the body timeout."""
+    stalled = StalledDaemon(tmp_path / "stalled.sock", answer=lambda req: pm.Token(id=req.id, text="x", token=120))
+    srv = Server(tmp_path, stalled.path, "--request-timeout", "1.5", "--body-timeout", "0.3")
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/generate", json={"prompt": "fn", "stream": True}, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - t0 > 1.2
+        events = sse_events(r.text)
+        assert [e for e, _ in events] == ["chunk", "error"] and json.loads(events[0][1])["text"] == "x"
+        assert json.loads(events[1][1])["error"]["code"] == "timeout"
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/generate", json={"prompt": "fn"}, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout" and time.monotonic() - t0 > 1.2
+    finally:
+        srv.stop()
+        stalled.close()
