@@ -204,3 +204,164 @@ def test_plugin_smoke_suite_against_the_server(daemon, tmp_path):
     done = re.search(r"(\d+) passed, 0 failed, 0 skipped", out)
     assert done and int(done.group(1)) >= 12, out[-4000:]
     assert "ok - beams reaches the server, vim.NIL as null" in out
+
+
+# Keys need Neovim's main loop (`-l` scripts end before it runs): this script runs with `-c "luafile …"`, drives insert
+# mode through timers, writes its result and quits.
+KEYS_SCRIPT = r"""
+local cfg = vim.json.decode(os.getenv("M31R_TEST_CONFIG"))
+local out = { cases = {} }
+local function finish(err)
+  out.err = err
+  local f = assert(io.open(cfg.out, "w"))
+  f:write(vim.json.encode(out))
+  f:close()
+  vim.cmd("qa!")
+end
+vim.defer_fn(function() finish("timed out") end, 120000)
+local ok, err = pcall(function()
+  require("m31r").setup({ cmd = cfg.cmd, settings = cfg.settings })
+  vim.cmd.edit(cfg.file)
+  vim.bo.filetype = "rust"
+end)
+if not ok then
+  return finish(tostring(err))
+end
+local buf = vim.api.nvim_get_current_buf()
+local client
+local function text()
+  return table.concat(vim.api.nvim_buf_get_lines(buf, 0, -1, false), "\n") .. "\n"
+end
+local function keys(k)
+  vim.api.nvim_feedkeys(vim.api.nvim_replace_termcodes(k, true, false, true), "t", false)
+end
+-- poll `cond` every 50 ms, then `next_step`; give up after `ms`
+local function until_then(cond, ms, what, next_step)
+  local t0 = vim.uv.now()
+  local function poll()
+    local ok2, done = pcall(cond)
+    if not ok2 then
+      return finish(tostring(done))
+    elseif done then
+      return next_step()
+    elseif vim.uv.now() - t0 > ms then
+      return finish("timed out waiting for " .. what)
+    end
+    vim.defer_fn(poll, 50)
+  end
+  vim.defer_fn(poll, 50)
+end
+
+local run_case
+run_case = function(i)
+  local case = cfg.cases[i]
+  if not case then
+    return finish(nil)
+  end
+  vim.cmd.stopinsert()
+  vim.o.completeopt = case.completeopt
+  if case.file then
+    vim.cmd.edit(case.file)
+    vim.bo.filetype = "rust"
+    buf = vim.api.nvim_get_current_buf()
+  end
+  -- sampled with a seed: a random test model's greedy answer is mostly noise that post-processing drops
+  client:notify("workspace/didChangeConfiguration", { settings = { m31r = case.sampling } })
+  -- (the first poll after 50 ms: the main loop leaves insert mode first)
+  until_then(function()
+    return vim.api.nvim_get_mode().mode == "n" and #vim.lsp.get_clients({ name = "m31r", bufnr = buf }) == 1
+  end, 10000, "the client on case " .. i .. "'s buffer", function()
+    vim.api.nvim_buf_set_lines(buf, case.row - 1, case.row, false, { case.line })
+    local before = text()
+    vim.api.nvim_win_set_cursor(0, { case.row, 0 })
+    keys("A<C-x><C-o>")
+    local item
+    until_then(function()
+      local items = vim.fn.complete_info({ "items" }).items
+      item = items[1] and vim.tbl_get(items[1], "user_data", "nvim", "lsp", "completion_item")
+      return item ~= nil
+    end, 30000, "the completion of case " .. i, function()
+      keys(case.accept)
+      vim.defer_fn(function()
+        local cur = vim.api.nvim_win_get_cursor(0)
+        table.insert(out.cases, { before = before, after = text(), item = item, cursor = { cur[1] - 1, cur[2] },
+                                  mode = vim.api.nvim_get_mode().mode, fileformat = vim.bo[buf].fileformat })
+        run_case(i + 1)
+      end, 200)
+    end)
+  end)
+end
+
+until_then(function()
+  client = vim.lsp.get_clients({ name = "m31r", bufnr = buf })[1]
+  return client ~= nil and client.initialized
+end, 30000, "the server", function()
+  out.omnifunc = vim.bo[buf].omnifunc
+  run_case(1)
+end)
+"""
+
+
+SEED_MULTILINE = 21  # the tiny test model's sampled suggestion on the loop's empty line has two lines with this seed
+
+
+def test_completion_fallback_inserts_the_whole_suggestion(daemon, tmp_path):
+    """Neovim 0.11's fallback (`vim.lsp.completion`, `<C-x><C-o>`) must insert the suggestion the server sent, whole:
+    Neovim makes a plain-text item's word of its text up to the first whitespace (an LSP item is usually a name),
+    which left out all but the first word of a line of code, and on an indented empty line (the suggestion's edit
+    starts at the line start, with the indentation) replaced the indentation with nothing. A multi-line suggestion's
+    other lines come once it is accepted with <C-y> (a menu item has one line)."""
+    src = tmp_path / "proj" / "src"
+    src.mkdir(parents=True)
+    (tmp_path / "proj" / "Cargo.toml").write_text('[package]\nname = "t"\n')
+    file = src / "main.rs"
+    file.write_text(RUST)
+    crlf = src / "crlf.rs"
+    crlf.write_bytes(RUST.replace("\n", "\r\n").encode())
+    row = RUST.splitlines().index("    for word in text.split_whitespace() {") + 2  # the loop's body
+    out = tmp_path / "out.json"
+    cases = [
+        # Neovim's default 'completeopt': the only item is inserted at once, nothing to accept
+        {"line": "        ", "completeopt": "menu,popup", "accept": "", "seed": 11},  # an indented empty line
+        {"line": "        let n = wo", "completeopt": "menu,popup", "accept": "", "seed": 11},  # after a word
+        # a menu even for one item, accepted with <C-y>; this seed's suggestion has several lines
+        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE},
+        # the same in a CRLF file: Neovim sends its text with "\r\n", and so does the server its suggestion
+        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE,
+         "file": str(crlf)},
+    ]
+    for case in cases:
+        case.update(row=row, sampling={"temperature": 1.0, "seed": case.pop("seed")})
+    cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
+           "settings": {"minProbability": 0, "debounceMode": "fixed", "debounceMs": 0, "multiline": "always"},
+           "file": str(file), "out": str(out), "cases": cases}
+    env = {**os.environ, "M31R_TEST_CONFIG": json.dumps(cfg)}
+    script = tmp_path / "keys.lua"
+    script.write_text(KEYS_SCRIPT)
+    proc = subprocess.run([NVIM, "--clean", "--headless", "--cmd", f"set rtp+={REPO / 'editors' / 'neovim'}",
+                           "-c", f"luafile {script}"], env=env, capture_output=True, text=True, timeout=170,
+                          stdin=subprocess.DEVNULL)
+    assert out.exists(), f"nvim wrote no result (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    res = json.loads(out.read_text())
+    assert res.get("err") is None, res
+    assert res["omnifunc"] == "v:lua.vim.lsp.omnifunc"
+    assert len(res["cases"]) == len(cases)
+    for n, case in enumerate(res["cases"]):
+        before, item = case["before"], case["item"]
+        edit = item["textEdit"]
+        start = offset_of(before, edit["range"]["start"]["line"], edit["range"]["start"]["character"], "utf-8")
+        end = offset_of(before, edit["range"]["end"]["line"], edit["range"]["end"]["character"], "utf-8")
+        new = edit["newText"]
+        print(n, repr(new))
+        if case["fileformat"] == "dos":  # Neovim's lines have no line breaks: the suggestion's lines, without "\r"
+            assert "\r\n" in new, case
+            new = new.replace("\r\n", "\n")
+        assert new.strip() and (" " in new.strip() or n == 0), case  # text after a space, or indentation
+        want = before[:start] + new + before[end:]
+        assert case["after"] == want, case
+        # the cursor after the suggestion, still in insert mode
+        line = want[: start + len(new)].count("\n")
+        col = len(want[: start + len(new)].rpartition("\n")[2].encode())
+        assert case["cursor"] == [line, col] and case["mode"].startswith("i"), case
+    assert "\n" in res["cases"][2]["item"]["textEdit"]["newText"]
+    assert [c["fileformat"] for c in res["cases"]] == ["unix", "unix", "unix", "dos"]

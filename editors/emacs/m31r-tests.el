@@ -67,6 +67,17 @@
     (should (equal (m31r--get h "state") "ready")))
   (should (equal (m31r--get '(:state "ready") "state") "ready")))
 
+;; This file's folder, which holds m31r.el and its README.
+(defconst m31r-tests--dir (file-name-directory (or load-file-name buffer-file-name)))
+
+(ert-deftest m31r-readme-lists-every-setting ()
+  (let ((readme (with-temp-buffer
+                  (insert-file-contents (expand-file-name "README.md" m31r-tests--dir))
+                  (buffer-string))))
+    (dolist (member (get 'm31r 'custom-group))
+      (when (eq (cadr member) 'custom-variable)
+        (should (string-match-p (regexp-quote (format "| `%s` |" (car member))) readme))))))
+
 (ert-deftest m31r-eglot-registration ()
   (skip-unless (require 'eglot nil t))
   (let ((eglot-server-programs '((rust-mode . ("rust-analyzer")))))

@@ -100,6 +100,40 @@ check("statusline before any server", function()
   eq(m31r.statusline(), "", "no client")
 end)
 
+check("a missing executable is reported once, and again on :M31rRestart", function()
+  vim.wait(50) -- the earlier checks' warnings (scheduled)
+  local notes = {}
+  local notify = vim.notify
+  vim.notify = function(msg)
+    table.insert(notes, msg)
+  end
+  local ok, err = pcall(function()
+    m31r.setup({ cmd = { "m31r-not-installed-here", "lsp" } })
+    local dir = vim.fn.tempname()
+    vim.fn.mkdir(dir, "p")
+    vim.cmd.edit(dir .. "/a.rs")
+    vim.cmd.edit(dir .. "/b.rs")
+    vim.wait(200, function()
+      return #notes > 1
+    end)
+    eq(#notes, 1, "one message for two buffers: " .. vim.inspect(notes))
+    assert(notes[1]:match("m31r%-not%-installed%-here"), notes[1])
+    vim.cmd("M31rRestart")
+    assert(
+      vim.wait(2000, function()
+        return #notes == 2
+      end, 20),
+      "no message on restart: " .. vim.inspect(notes)
+    )
+    eq(notes[2], notes[1], "the same message")
+    eq(#vim.lsp.get_clients({ name = "m31r" }), 0, "no client")
+  end)
+  vim.notify = notify
+  vim.cmd("silent! %bwipeout!") -- no file buffer left for the next setup() to start a server for
+  m31r.setup({})
+  assert(ok, err)
+end)
+
 local cmd_env = os.getenv("M31R_LSP_CMD")
 if not cmd_env or cmd_env == "" then
   skip("attach to a real server", "M31R_LSP_CMD is not set")

@@ -63,14 +63,14 @@ export function statusView(input: StatusInput): StatusView {
     const why = input.error ? `\n${input.error}` : '';
     return {
       text: '$(error) M31R',
-      tooltip: `M31R: the language server could not be started.${why}\nCheck the m31r.path setting, then run "M31R: Restart".`,
+      tooltip: `M31R: the language server could not be started.${why}\nCheck the m31r.path setting, then run "M31R: Restart Language Server".`,
       severity: 'error',
     };
   }
   if (input.client === 'stopped') {
     return {
       text: '$(circle-slash) M31R stopped',
-      tooltip: 'M31R: the language server is not running. Run "M31R: Restart".',
+      tooltip: 'M31R: the language server is not running. Run "M31R: Restart Language Server".',
       severity: 'warning',
     };
   }

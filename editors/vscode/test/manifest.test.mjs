@@ -96,3 +96,24 @@ test('packaging files exist', () => {
     assert.ok(existsSync(new URL(`../${f}`, import.meta.url)), `${f} missing`);
   }
 });
+
+test('the docs name every setting, and only commands that exist', () => {
+  const readme = readFileSync(new URL('../README.md', import.meta.url), 'utf8');
+  for (const key of Object.keys(props)) {
+    assert.ok(readme.includes(`| \`${key}\` |`), `${key} is missing from README.md's settings table`);
+  }
+  // Commands as the palette shows them ("Category: Title"), wherever the docs and the status bar name one.
+  const titles = new Set(pkg.contributes.commands.map((c) => `${c.category}: ${c.title}`));
+  const st = require('../out/status.js');
+  const tooltips = ['failed', 'stopped', 'running']
+    .map((client) => st.statusView({ client, enabled: true }).tooltip)
+    .join('\n');
+  const editors = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+  const named = [
+    ...tooltips.matchAll(/"(M31R: [^"]+)"/g),
+    ...readme.matchAll(/\*{1,2}(M31R: [^*]+)\*{1,2}/g),
+    ...editors.matchAll(/`(M31R: [^`]+)`/g),
+  ].map((m) => m[1]);
+  assert.ok(named.length >= 5, `found only ${named}`);
+  for (const name of named) assert.ok(titles.has(name), `"${name}" is not a command (${[...titles].join(', ')})`);
+});

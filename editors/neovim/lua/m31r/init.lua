@@ -247,6 +247,50 @@ local function setup_inline(client, bufnr)
   end
 end
 
+-- The lines of an M31R completion item's text (the server marks its items with detail "m31r"), or nil.
+local function suggestion_lines(item)
+  if type(item) ~= "table" or item.detail ~= "m31r" or type(item.textEdit) ~= "table" then
+    return nil
+  end
+  local text = item.textEdit.newText
+  if type(text) ~= "string" then
+    return nil
+  end
+  -- A CRLF buffer's suggestion has "\r\n": Neovim's lines have no line breaks.
+  return vim.split((text:gsub("\r\n?", "\n")), "\n", { plain = true })
+end
+
+-- vim.lsp.completion makes a plain-text item's word of its text up to the first whitespace (an item is usually a
+-- name): of a suggestion, a line of code, that is its first word, and on an indented empty line (the edit starts at
+-- the line start) nothing at all, so the indentation was replaced by nothing. The word is the first line instead.
+local function convert_item(item)
+  local lines = suggestion_lines(item)
+  return lines and { word = lines[1] } or {}
+end
+
+-- A word has one line: once a multi-line suggestion is accepted (<C-y>), its other lines go after the first one.
+local function complete_rest(bufnr)
+  vim.api.nvim_create_autocmd("CompleteDone", {
+    group = vim.api.nvim_create_augroup("m31r.completion." .. bufnr, { clear = true }),
+    buffer = bufnr,
+    desc = "M31R: insert the lines of an accepted suggestion after its first",
+    callback = function()
+      if (vim.v.event or {}).reason ~= "accept" then
+        return
+      end
+      local lines = suggestion_lines(vim.tbl_get(vim.v.completed_item, "user_data", "nvim", "lsp", "completion_item"))
+      if not lines or #lines < 2 then
+        return
+      end
+      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      local rest = { "" }
+      vim.list_extend(rest, lines, 2)
+      vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col, rest)
+      vim.api.nvim_win_set_cursor(0, { row + #lines - 1, #lines[#lines] })
+    end,
+  })
+end
+
 local function on_attach(client, bufnr)
   local cfg = M.config
   local inline_ok = cfg.inline.enabled
@@ -257,7 +301,13 @@ local function on_attach(client, bufnr)
   elseif cfg.completion.enabled and supports(client, "textDocument/completion", bufnr) then
     if vim.lsp.completion and vim.lsp.completion.enable then
       -- 0.11+: completion through vim.lsp.completion (also sets omnifunc-like behaviour).
-      vim.lsp.completion.enable(true, client.id, bufnr, { autotrigger = cfg.completion.autotrigger })
+      vim.lsp.completion.enable(
+        true,
+        client.id,
+        bufnr,
+        { autotrigger = cfg.completion.autotrigger, convert = convert_item }
+      )
+      complete_rest(bufnr)
     else
       -- 0.10: <C-x><C-o> through the LSP omnifunc.
       vim.bo[bufnr].omnifunc = "v:lua.vim.lsp.omnifunc"
@@ -365,6 +415,7 @@ end
 
 --- Stop the server and start it again for every buffer that should have it.
 function M.restart()
+  warned.exe = nil -- asked for: say again why no server starts
   local old = clients()
   for _, client in ipairs(old) do
     client_call(client, "stop")
