@@ -61,7 +61,11 @@ if [ "$(cat "$D/parts.stamp" 2>/dev/null || true)" != "$parts_stamp" ]; then
 fi
 # Move trailing parts out to .device-more/ until the travelling tree fits.
 shopt -s nullglob
-tracked=$(git ls-files -z | grep -zv '^release/model.safetensors$' | du -cb --files0-from=- | tail -1 | cut -f1)
+# What the device tool sends beside the carried folders: tracked files and untracked ones git does not ignore, as
+# they are in the working tree (a tracked file deleted there travels as nothing; du stopped the pack on it).
+tracked=$(git ls-files -z --cached --others --exclude-standard | grep -zv '^release/model.safetensors$' |
+  while IFS= read -r -d '' f; do if [ -f "$f" ]; then printf '%s\0' "$f"; fi; done |
+  du -cb --files0-from=- | tail -1 | cut -f1)
 size() { find "$D" "$WHL" -type f -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }'; }  # file bytes
 mkdir -p "$MORE"
 for f in "$MORE"/train-*.jsonl.xz; do mv "$f" "$D/"; done

@@ -604,10 +604,11 @@ def test_a_run_starts_from_an_int8_bundle(full_run, data_dir: Path, tmp_path: Pa
         train(cfg, data_dir, tmp_path / "run-int4", init_from=int4.path, max_steps=1, log=lambda s: None)
 
 
-def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part: str = "8K", **env_over: str):
-    """scripts/pack-device.sh into `dest` (the repository's tree is measured as on a lease, nothing is written
-    there), starting from `bundle`; the msgspec wheel is put there first, so nothing is downloaded. `env_over`: more
-    of the script's environment."""
+def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part: str = "8K", repo: Path | None = None,
+         **env_over: str):
+    """scripts/pack-device.sh into `dest` (the repository's tree, or `repo`'s, is measured as on a lease, nothing is
+    written there), starting from `bundle`; the msgspec wheel is put there first, so nothing is downloaded.
+    `env_over`: more of the script's environment."""
     import os
     import subprocess
 
@@ -618,17 +619,26 @@ def pack(data_dir: Path, bundle: Path, dest: Path, limit: int | str = "1G", part
     (whl / f"msgspec-{msgspec.__version__}-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"wheel")
     env = {**os.environ, "DATA": str(data_dir), "DEST": str(dest), "RELEASE": str(bundle), "PART": part,
            "LIMIT": str(limit), "PY": sys.executable, "M31R": str(Path(sys.executable).parent / "m31r"), **env_over}
-    repo = Path(__file__).resolve().parent.parent
+    repo = repo or Path(__file__).resolve().parent.parent
     return subprocess.run(["bash", "scripts/pack-device.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
 
 
+def travelling_files(repo: Path) -> list[Path]:
+    """What the device tool sends of a repository beside the carried folders: tracked files and untracked ones git
+    does not ignore, as they are in the working tree (release weights out)."""
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    return [repo / f for f in names if f != "release/model.safetensors" and (repo / f).is_file()]
+
+
 def test_pack_device_splits_the_corpus_to_fit_one_call(full_run, data_dir: Path, tmp_path: Path):
     """pack-device.sh compresses the corpus in parts listed in order in parts.txt, keeps what fits the call's
-    ceiling (the repository's tracked files counted, the release weights not) and moves the trailing parts out for
+    ceiling (the repository's travelling files counted, the release weights not) and moves the trailing parts out for
     the upload call; packed again with the same corpus, it moves them back and out again without recompressing."""
     import lzma
-    import subprocess
 
     run, _ = full_run
     bundle = export(run, data_dir, tmp_path / "bundle")
@@ -645,9 +655,7 @@ def test_pack_device_splits_the_corpus_to_fit_one_call(full_run, data_dir: Path,
     assert lzma.decompress((device / "val.jsonl.xz").read_bytes()) == (data_dir / "corpus" / "val.jsonl").read_bytes()
 
     # The ceiling two parts short of everything: exactly the last two go out, the list keeps all of them.
-    repo = Path(__file__).resolve().parent.parent
-    files = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
-    tracked = sum((repo / f).stat().st_size for f in files if f != "release/model.safetensors" and (repo / f).exists())
+    tracked = sum(f.stat().st_size for f in travelling_files(Path(__file__).resolve().parent.parent))
     total = tracked + sum(f.stat().st_size for d in (device, dest / ".whl") for f in d.rglob("*") if f.is_file())
     mtimes = {n: (device / n).stat().st_mtime_ns for n in names}
     last_two = sum((device / n).stat().st_size for n in names[-2:])
@@ -658,6 +666,33 @@ def test_pack_device_splits_the_corpus_to_fit_one_call(full_run, data_dir: Path,
     assert {n: ((device / n) if (device / n).exists() else (more / n)).stat().st_mtime_ns for n in names} == mtimes
     proc = pack(data_dir, bundle.path, dest, limit=1024)
     assert proc.returncode == 1 and "the init and one corpus part are over" in proc.stderr
+
+
+def test_pack_device_measures_the_tree_the_device_tool_sends(full_run, data_dir: Path, tmp_path: Path):
+    """The ceiling is checked against what the device tool sends: tracked files and untracked ones git does not
+    ignore (they count towards its 64 MiB too), never ignored ones or the packed folders twice; a tracked file
+    deleted in the working tree travels as nothing (du stopped the pack on it, with only its own message)."""
+    import shutil
+    import subprocess
+
+    run, _ = full_run
+    bundle = export(run, data_dir, tmp_path / "bundle")
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parent.parent / "scripts" / "pack-device.sh", repo / "scripts")
+    (repo / ".gitignore").write_text("/.device/\n/.device-more/\n.whl/\nignored.bin\n")
+    (repo / "gone.txt").write_text("deleted since the last commit\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "tree"], cwd=repo, check=True)
+    (repo / "gone.txt").unlink()
+    (repo / "untracked.bin").write_bytes(bytes(3 * 2**20))  # travels: counted
+    (repo / "ignored.bin").write_bytes(bytes(5 * 2**20))  # stays here: not counted
+    proc = pack(data_dir, bundle.path, repo, repo=repo)
+    assert proc.returncode == 0, proc.stderr
+    assert "(code 3 MiB, release weights left out)" in proc.stdout
+    assert sum(f.stat().st_size for f in travelling_files(repo)) < 3 * 2**20 + 2**20  # .device/, .whl/ not in it
 
 
 def test_pack_device_packs_a_rebuilt_corpus_again_and_never_leaves_a_cut_file(full_run, data_dir: Path,
