@@ -140,6 +140,14 @@ class M31rLanguageServer(LanguageServer):
         self.shutdown()  # pygls' own: its thread pool, if a handler started one
 
 
+def lf(text: str) -> str:
+    """An inline suggestion's text with "\n" line breaks whatever the document's: Neovim 0.12 splits the text it
+    inserts at "\n" only (`vim.lsp.inline_completion.get`), so each line of a CRLF file's would end in a stray "\r",
+    and VS Code writes an inserted text's line breaks as the document's. (Menu items keep the document's: Helix
+    inserts a text edit as it is.)"""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 class TcpServer:
     """`--tcp`: one editor at a time, each with a server of its own.
 
@@ -363,11 +371,11 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
             # cannot be shown that way.
             a = result.offset - len(selected.text)  # where the item's text starts in the text it completed
             return types.InlineCompletionList(items=[
-                types.InlineCompletionItem(insert_text=selected.text[: s.start - a] + s.text, range=selected.range)
+                types.InlineCompletionItem(insert_text=lf(selected.text[: s.start - a] + s.text), range=selected.range)
                 for s in suggestions if a <= s.start <= s.end == result.offset])
         # The suggestion, then the daemon's runners-up (a beam search's), for the editor to cycle through.
         return types.InlineCompletionList(items=[
-            types.InlineCompletionItem(insert_text=s.text, range=ls.to_range(result, s.start, s.end))
+            types.InlineCompletionItem(insert_text=lf(s.text), range=ls.to_range(result, s.start, s.end))
             for s in suggestions])
 
     @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=COMPLETION_TRIGGERS))

@@ -496,6 +496,24 @@ async def test_menu_item_of_a_multi_line_suggestion_in_a_crlf_or_cr_document(lsp
     assert item.kind == t.CompletionItemKind.Snippet
 
 
+@pytest.mark.parametrize("nl", ["\r\n", "\r"])
+async def test_inline_suggestions_break_lines_with_lf_in_any_document(lsp, nl):
+    """Inline items are written with "\n" whatever the document's line break: Neovim splits an accepted inline text
+    at "\n" only, and VS Code writes it with the document's own. The range is the document's, as always."""
+    s = await lsp({**NOISE, "seed": 3})
+    text = nl.join(["fn main() {", "    let v = vec![1, 2, 3];", "    ", "}", ""])
+    s.open(text)
+    offset = text.index("    " + nl + "}") + 4
+    res = await s.inline(offset)
+    st = await s.stats()
+    want = expected(text, offset, st["lastRaw"], multiline="always")
+    assert want is not None and nl in want.text
+    [item] = res.items
+    assert item.insert_text == want.text.replace(nl, "\n") and "\r" not in item.insert_text
+    assert (item.range.start.line, item.range.start.character) == position_at(text, want.start, "utf-16")
+    assert (item.range.end.line, item.range.end.character) == position_at(text, want.end, "utf-16")
+
+
 async def test_lone_surrogates_are_sent_as_replacement_characters(lsp, tmp_path):
     """JSON may carry a lone surrogate (an editor's buffer can hold one), UTF-8 cannot: the daemon request would not
     encode and no completion in the document would work. What is sent (prefix, suffix, the other files' snippets) has
