@@ -37,7 +37,17 @@ check("setup({}) loads and defines the commands", function()
     assert(vim.fn.exists(":" .. cmd) == 2, cmd .. " missing")
   end
   eq(m31r.config.cmd, { "m31r", "lsp" }, "default cmd")
-  eq(m31r.config.filetypes, nil, "default filetypes")
+  eq(m31r.config.filetypes, { "rust" }, "default filetypes: Rust only, as VS Code's and Emacs'")
+end)
+
+check('filetypes = "*" (or a list holding it) means every filetype', function()
+  m31r.setup({ filetypes = "*" })
+  eq(m31r.config.filetypes, nil, "every filetype")
+  eq(vim.api.nvim_get_autocmds({ group = "m31r", event = "FileType" })[1].pattern, "*", "FileType pattern")
+  m31r.setup({ filetypes = { "rust", "*" } })
+  eq(m31r.config.filetypes, nil, "every filetype")
+  m31r.setup({})
+  eq(vim.api.nvim_get_autocmds({ group = "m31r", event = "FileType" })[1].pattern, "rust", "FileType pattern")
 end)
 
 check("setup() twice is harmless", function()

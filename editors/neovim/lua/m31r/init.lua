@@ -3,7 +3,7 @@
 --   require("m31r").setup({
 --     cmd = { "m31r", "lsp" },      -- the language server (LSP over stdio)
 --     socket = nil,                  -- daemon socket: adds `--socket PATH` and settings.socket
---     filetypes = nil,               -- nil = every filetype; e.g. { "rust" }
+--     filetypes = { "rust" },        -- "*" = every filetype (the model knows Rust only)
 --     settings = { maxTokens = 64 }, -- server settings (camelCase, see README)
 --   })
 --
@@ -35,7 +35,7 @@ M.defaults = {
   name = "m31r",
   cmd = { "m31r", "lsp" },
   socket = nil,
-  filetypes = nil,
+  filetypes = { "rust" }, -- the model knows Rust only: elsewhere its suggestions are noise ("*": every filetype)
   settings = {},
   root_markers = { "Cargo.toml", ".git" },
   -- Neovim >= 0.12 inline completion. Keys may be false to leave them unmapped.
@@ -475,6 +475,9 @@ function M.setup(opts)
   end
   if type(cfg.filetypes) == "string" then
     cfg.filetypes = { cfg.filetypes }
+  end
+  if cfg.filetypes and vim.tbl_contains(cfg.filetypes, "*") then
+    cfg.filetypes = nil -- every filetype, and buffers without one
   end
   local settings = vim.deepcopy(cfg.settings or {})
   if cfg.socket and cfg.socket ~= "" then
