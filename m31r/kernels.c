@@ -21,6 +21,7 @@
 #define PREFETCH_KEYS 16 /* keys and values are fetched this many positions ahead of the scores */
 
 #include "kernels_rows.h"
+#include "kernels_scratch.h"
 #include "kernels_threads.h"
 
 static inline __m512 load_bf16(const uint16_t* p) {
@@ -106,14 +107,17 @@ static void attend_head(const uint16_t* q, const uint16_t* KS, const uint16_t* V
  * and value are written first, and it attends over positions [0, len[r]). out [rows, heads, hd] bf16.
  * Query head h reads k/v head h / (heads / kv_heads). lead/shared (NULL: none): row r reads positions [0, shared[r])
  * from row lead[r]'s cache, which holds the same bits there (kernels_layer.h's attend_qkv says why); the rows of a
- * head run one after another. Returns nonzero, having done nothing, for shapes it does not handle (the caller then
- * runs the eager path). */
+ * head run one after another. Returns 1, having done nothing, for shapes it does not handle (the caller then runs the
+ * eager path); 2 where a thread's score scratch (kernels_scratch.h) cannot grow: the new keys and values may then be
+ * written (the same bits the next try writes again), the output is not. */
 int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t* q, const uint16_t* knew,
                        const uint16_t* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                        const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, uint16_t* out) {
   if (kv_heads < 1 || heads < 1 || hd < 1 || hd % 16 || hd > 16 * MAX_CHUNKS || heads % kv_heads) return 1;
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
+  const size_t need = (size_t)longest(rows, len) + 16; /* scores of the longest row, and room for a masked tail */
+  int failed = 0;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -129,12 +133,17 @@ int m31r_attend_decode(int rows, int heads, int kv_heads, int hd, const uint16_t
       const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
       const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
       const long at = ((long)r * heads + h) * hd;
-      float s[len[r] + 16]; /* scores, on the thread's stack (at most MAX_KEYS * 4 bytes) */
+      float* s = thread_scratch(need); /* the scores: heap, not the stack, whose size is the thread's creator's */
+      if (!s) {
+#pragma omp atomic write
+        failed = 1;
+        continue;
+      }
       attend_head(q + at, (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
                   (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, out + at);
     }
   }
-  return 0;
+  return failed ? 2 : 0;
 }
 
 /* Weight-only int8 matmul: y[m, n] = bf16(scale[n] * sum_k x[m, k] * w[n, k]) for bf16 x [M, K], int8 w [N, K].

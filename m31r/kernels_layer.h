@@ -17,18 +17,22 @@
 /* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
 
 #include "kernels_rows.h"
+#include "kernels_scratch.h"
 #include "kernels_threads.h"
 
 /* One decode step's attention for `rows` sequences in one layer, fp32 throughout; layout and contract as
  * kernels.c's (bf16) m31r_attend_decode: q/out [rows, heads, hd], knew/vnew [rows, kv_heads, hd], row r's cache tensors
  * at kptr[r] / vptr[r] laid out [kv_heads, cap[r], hd], its new token at position len[r] - 1; lead/shared as
- * attend_qkv's (below). Returns nonzero, having done nothing, for shapes it does not handle. */
+ * attend_qkv's (below). Returns 1, having done nothing, for shapes it does not handle; 2 where a thread's score
+ * scratch cannot grow (kernels.c's m31r_attend_decode says what is then written). */
 int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const float* q, const float* knew,
                            const float* vnew, const int64_t* kptr, const int64_t* vptr, const int32_t* cap,
                            const int32_t* len, const int32_t* lead, const int32_t* shared, float scale, float* out) {
   if (kv_heads < 1 || heads < 1 || hd < 1 || hd % 8 || hd > 8 * MAX_CHUNKS || heads % kv_heads) return 1;
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
+  const size_t need = (size_t)longest(rows, len) + 8; /* the longest row's scores (kernels_scratch.h) */
+  int failed = 0;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -44,12 +48,17 @@ int m31r_attend_decode_f32(int rows, int heads, int kv_heads, int hd, const floa
       const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
       const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
       const long at = ((long)r * heads + h) * hd;
-      float s[len[r] + 8];
+      float* s = thread_scratch(need);
+      if (!s) {
+#pragma omp atomic write
+        failed = 1;
+        continue;
+      }
       attend_head(q + at, (const float*)kptr[l] + lbase, (const float*)vptr[l] + lbase, p, (const float*)kptr[r] + base,
                   (const float*)vptr[r] + base, len[r], hd, scale, s, out + at);
     }
   }
-  return 0;
+  return failed ? 2 : 0;
 }
 
 /* Each family's tiles of one kind over a block of BLOCK columns for R rows (1-8): the tile widths (columns per
@@ -224,7 +233,8 @@ static int one_cache(int r, int s, const int64_t* kptr, const int64_t* vptr, con
  * reads qkv[r] = [heads query heads | kv_heads keys | kv_heads values] of hd values each and its rotation tables
  * cos[r], sin[r] (hd values at its position); its keys are rotated on their way into the cache and its queries
  * before they attend. Writes out [rows, heads * hd]. Replaces the layout copies and the RoPE ops of the torch side
- * with one call. Returns nonzero, having done nothing, for shapes it does not handle (hd a multiple of 16 here).
+ * with one call. Returns 1, having done nothing, for shapes it does not handle (hd a multiple of 16 here); 2 where a
+ * thread's score scratch cannot grow (the new keys and values may then be written, the output is not).
  *
  * lead/shared (NULL: none): row r reads positions [0, shared[r]) from row lead[r]'s cache instead of its own, whose
  * keys and values there must be the same bits (a beam search's hypotheses share their prompt, each in a cache of its
@@ -237,6 +247,9 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
   if (!rows_ok(rows, cap, len, lead, shared)) return 1;
   const int group = heads / kv_heads;
   const long width = (long)(heads + 2 * kv_heads) * hd;
+  /* A thread's scores (kernels_scratch.h): one row's, or a pair's, the second at `stride` (whole cache lines). */
+  const size_t stride = ((size_t)longest(rows, len) + 8 + 15) / 16 * 16;
+  int failed = 0;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -268,7 +281,13 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
         const long base = (long)(h / group) * cap[ra] * hd;
         float* oa = out + ((long)ra * heads + h) * hd;
         float* ob = out + ((long)rb * heads + h) * hd;
-        float sa[len[ra] + 8], sb[len[rb] + 8];
+        float* sa = thread_scratch(2 * stride);
+        if (!sa) {
+#pragma omp atomic write
+          failed = 1;
+          continue;
+        }
+        float* sb = sa + stride;
         if (kv16)
           attend_pair_f16(q[a], q[1 - a], (const uint16_t*)kptr[ra] + base, (const uint16_t*)vptr[ra] + base, len[ra],
                           len[rb], hd, scale, sa, sb, oa, ob);
@@ -282,7 +301,12 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
         const int l = lead && shared ? lead[r] : r, p = lead && shared ? shared[r] : 0;
         const long base = (long)(h / group) * cap[r] * hd, lbase = (long)(h / group) * cap[l] * hd;
         float* o = out + ((long)r * heads + h) * hd;
-        float s[len[r] + 8];
+        float* s = thread_scratch(stride);
+        if (!s) {
+#pragma omp atomic write
+          failed = 1;
+          continue;
+        }
         if (kv16)
           attend_head_f16(q[i], (const uint16_t*)kptr[l] + lbase, (const uint16_t*)vptr[l] + lbase, p,
                           (const uint16_t*)kptr[r] + base, (const uint16_t*)vptr[r] + base, len[r], hd, scale, s, o);
@@ -292,7 +316,7 @@ static int attend_qkv(int rows, int heads, int kv_heads, int hd, const float* qk
       }
     }
   }
-  return 0;
+  return failed ? 2 : 0;
 }
 
 int m31r_attend_qkv_f32(int rows, int heads, int kv_heads, int hd, const float* qkv, const float* cos,
@@ -337,7 +361,8 @@ static int mat_mul(const m31r_mat* m, int rows, const float* x, float* y) {
  * norm on return; mats: wqkv, wo, w13, w2; cos/sin [n, hd]; the caches, lead/shared and kv16 as
  * m31r_attend_qkv_f32(_kv16);
  * scratch: rows * ((heads + 2 kv) hd + heads hd + 2 d + 3 ffn) floats. Returns nonzero at the first kernel that
- * refuses its shape (nothing is half-written that the per-call path would not have written too). */
+ * refuses its shape (nothing is half-written that the per-call path would not have written too), 2 at the first
+ * that runs out of memory. */
 int m31r_decode_layer_f32(int rows, int n, int d, int heads, int kv_heads, int hd, int ffn, const m31r_mat* mats,
                           const float* ffn_norm, float ffn_eps, const float* next_norm, float next_eps, float* x,
                           float* h, const float* cos, const float* sin, const int64_t* kptr, const int64_t* vptr,

@@ -353,6 +353,16 @@ def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:
     return f
 
 
+def _refused(err: int, op: str, operands: str) -> None:
+    """A kernel's return code: 0 ran; 2 ran out of memory (a thread's attention scores, kernels_scratch.h, or a
+    matmul's work buffer could not be allocated), a MemoryError; any other nonzero refused the operands' shape, a
+    ValueError. `op` and `operands` name the call in either."""
+    if err == 2:
+        raise MemoryError(f"native {op} ran out of memory ({operands})")
+    if err:
+        raise ValueError(f"native {op} does not take {operands}")
+
+
 class Kernels:
     """A loaded family, with argument checks that keep a bad call from touching memory it should not.
 
@@ -479,8 +489,7 @@ class Kernels:
         err = self._attend(rows, heads, kv, hd, q.data_ptr(), knew.data_ptr(), vnew.data_ptr(),
                            table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
                            table.len.data_ptr(), table.lead_ptr, table.shared_ptr, hd**-0.5, out.data_ptr())
-        if err:
-            raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
+        _refused(err, "decode attention", f"heads={heads}, kv_heads={kv}, head_dim={hd}")
 
     def int8_mm(self, x: Tensor, codes: Tensor, scales: Tensor, mode: str | None = None) -> Tensor:
         """x [M, K] (int8_dtype) times int8 codes [N, K] (one bf16 scale per output): [M, N] in x's dtype.
@@ -498,8 +507,8 @@ class Kernels:
         if self._int8_modes and mode not in self._int8_modes:
             raise ValueError(f"int8 mode {mode!r}: the {self.name} kernels have {', '.join(self._int8_modes)}")
         fn = self._int8_modes.get(mode, self._int8)
-        if fn(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()):
-            raise ValueError(f"native int8 matmul does not take [{m}, {k}] x [{n}, {k}]")
+        _refused(fn(m, n, k, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr()),
+                 "int8 matmul", f"[{m}, {k}] x [{n}, {k}]")
         return y
 
     def int8_check(self) -> tuple[bool, str]:
@@ -555,8 +564,7 @@ class Kernels:
         err = fn(rows, heads, kv, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), table.k[layer].data_ptr(),
                  table.v[layer].data_ptr(), table.cap.data_ptr(), table.len.data_ptr(), table.lead_ptr,
                  table.shared_ptr, hd**-0.5, out.data_ptr())
-        if err:
-            raise ValueError(f"native decode attention does not take heads={heads}, kv_heads={kv}, head_dim={hd}")
+        _refused(err, "decode attention", f"heads={heads}, kv_heads={kv}, head_dim={hd}")
 
     def add_rmsnorm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out: Tensor) -> None:
         """x += delta (the residual add; none for None), then out = RMSNorm(x) with `weight` (avx2, neon; rows of
@@ -601,8 +609,7 @@ class Kernels:
                           table.k[layer].data_ptr(), table.v[layer].data_ptr(), table.cap.data_ptr(),
                           table.len.data_ptr(), table.lead_ptr, table.shared_ptr, hd**-0.5,
                           int(table.dtype == torch.float16), scratch.data_ptr())
-        if err:
-            raise ValueError(f"native decode layer does not take rows={rows}, d={d}, heads={heads}, hd={hd}")
+        _refused(err, "decode layer", f"rows={rows}, d={d}, heads={heads}, hd={hd}")
 
     @staticmethod
     def decode_scratch(rows: int, shape: tuple[int, ...]) -> int:
@@ -655,9 +662,9 @@ class Kernels:
         for t in (scale, base):
             assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n, k // group_size)
         y = torch.empty(m, n, dtype=torch.float32)
-        if self._int4(m, n, k, group_size, x.data_ptr(), codes.data_ptr(), scale.data_ptr(), base.data_ptr(),
-                      y.data_ptr()):
-            raise ValueError(f"native int4 matmul does not take [{m}, {k}] x [{n}, {k}] in groups of {group_size}")
+        _refused(self._int4(m, n, k, group_size, x.data_ptr(), codes.data_ptr(), scale.data_ptr(), base.data_ptr(),
+                            y.data_ptr()),
+                 "int4 matmul", f"[{m}, {k}] x [{n}, {k}] in groups of {group_size}")
         return y
 
 

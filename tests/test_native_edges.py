@@ -1,6 +1,7 @@
 """Edge shapes around the native kernels that once crashed the process or wrote past a buffer: int8 layers whose K
 torch's int8 kernel reads past, contexts longer than the kernels' MAX_KEYS, attention operands whose heads do not
-match their caches (kv_heads 0 included), SwiGLU of an odd width, and activation blocks too small to quantize.
+match their caches (kv_heads 0 included), long contexts on threads with small stacks (and out of memory for their
+scores), SwiGLU of an odd width, and activation blocks too small to quantize.
 
 A call that crashed runs in a fresh interpreter (`_run`): a regression then fails its test instead of killing
 pytest, and memory written past a buffer cannot corrupt the tests after it."""
@@ -279,6 +280,171 @@ def test_the_c_attention_returns_an_error_for_no_kv_heads(name: str) -> None:
     """The C entry points themselves, past Python's checks: kv_heads 0 (or negative) and heads 0 return nonzero."""
     out = _run(_KV0, _family(name))
     assert out and all(rc == 1 for rc in out.values()), out
+
+
+# -- long contexts on threads with small stacks ----------------------------------------------------------------
+
+_SMALL_STACKS = """
+    import json, sys, threading, torch
+    from m31r import native
+    from m31r.model import KVCache
+
+    class Cfg:
+        def __init__(self, n_layers, kv_heads, head_dim):
+            self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+
+    kernels = native.Kernels(native.build(family=sys.argv[1]), sys.argv[1])
+    n, heads, kv, hd = native.MAX_KEYS, 2, 1, 16  # the longest context the kernels take; tiny heads, so it is fast
+    gen = torch.Generator().manual_seed(11)
+
+    def cache(dt):
+        c = KVCache(Cfg(1, kv, hd), n, dt, "cpu")
+        for t in (*c.k, *c.v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        return c
+
+    def reference(c, length, q):  # fp32 attention of q [heads, hd] over positions [0, length) of one cache
+        k, v = c.k[0][0, :, :length].float(), c.v[0][0, :, :length].float()
+        p = torch.softmax((q.float()[:, None, :] * hd**-0.5 * k.repeat_interleave(heads // kv, 0)).sum(-1), -1)
+        return (p[:, :, None] * v.repeat_interleave(heads // kv, 0)).sum(1)
+
+    calls = {}  # name: (call, output, check against reference or None)
+    dt = kernels.dtype
+    caches = [cache(dt), cache(dt)]  # two rows, so that each thread gets heads of a row
+    q, kn, vn = ((torch.randn(2, h, hd, generator=gen) * 2).to(dt) for h in (heads, kv, kv))
+    out = torch.empty_like(q)
+    table = native.DecodeTable(kernels, caches, [n - 1, n - 2])
+    calls["attend_decode"] = (lambda: kernels.attend_decode(q, kn, vn, table, 0, out), out,
+                              lambda: [reference(c, m, q[r]) for r, (c, m) in enumerate(zip(caches, [n, n - 1]))])
+    if kernels.float_dtype is not None:  # the projection's path: rows on caches of their own, and a chunk's pair
+        for kv_dt in kernels.kv_dtypes:
+            qkv = torch.randn(2, (heads + 2 * kv) * hd, generator=gen)
+            cos, sin = torch.randn(2, hd, generator=gen), torch.randn(2, hd, generator=gen)
+            one = cache(kv_dt)
+            for how, rows in (("rows", [cache(kv_dt), cache(kv_dt)]), ("pair", [one, one])):
+                o = torch.empty(2, heads * hd)
+                t = native.DecodeTable(kernels, rows, [n - 2, n - 1])
+                calls[f"attend_qkv {kv_dt} {how}"] = (
+                    lambda t=t, qkv=qkv, cos=cos, sin=sin, o=o: kernels.attend_qkv(qkv, cos, sin, t, 0, o), o, None)
+
+    said = {}
+    for name, (call, o, ref) in calls.items():
+        torch.set_num_threads(1)
+        call()  # on the main thread alone (8 MB of stack): the bits every run must give
+        alone = o.clone()
+        torch.set_num_threads(2)
+        o.zero_()
+        call()  # half the heads on an OpenMP worker, whose stack is OMP_STACKSIZE
+        workers = torch.equal(o, alone)
+        o.zero_()
+        threading.stack_size(256 * 1024)  # a thread another runtime made, with a small stack of its own
+        th = threading.Thread(target=call)
+        th.start()
+        th.join()
+        threading.stack_size(0)
+        worst = None
+        if ref is not None:
+            worst = max(((o[r].float() - x).abs().max() / x.abs().max()).item() for r, x in enumerate(ref()))
+        said[name] = {"workers": workers, "small thread": torch.equal(o, alone), "worst": worst}
+    print(json.dumps(said))
+"""
+
+
+@pytest.mark.parametrize("name", list(native.FAMILIES))
+def test_a_long_context_runs_on_threads_with_small_stacks(name: str) -> None:
+    """Decode attention at MAX_KEYS positions on 2 threads with OMP_STACKSIZE=128K (aarch64's smallest: libgomp
+    ignores less there), and on a thread of 256 KB: the per-position score arrays were variable-length arrays on the
+    thread's stack (256 KB, 512 KB for a chunk's pair of rows), and such a thread died of SIGSEGV. They live in
+    per-thread heap scratch now (kernels_scratch.h): every path gives the main thread's bits, close to fp32
+    attention."""
+    out = _run(_SMALL_STACKS, _family(name), env={"OMP_STACKSIZE": "128K", "OMP_NUM_THREADS": "2",
+                                                  "OMP_WAIT_POLICY": "passive"})
+    assert "attend_decode" in out and (native.FAMILIES[name].dtype != torch.float32 or len(out) == 5), out
+    for call, got in out.items():
+        assert got["workers"] and got["small thread"], (call, got)
+    assert out["attend_decode"]["worst"] <= 1e-2, out  # bf16: one rounding of the output; fp32: ~1e-6
+
+
+# posix_memalign (what kernels_scratch.h grows a thread's scores with) that fails while no_memory(1) is in force.
+_FAILING_MEMALIGN = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+static int failing;
+void no_memory(int on) { failing = on; }
+int posix_memalign(void** p, size_t align, size_t n) {
+  static int (*real)(void**, size_t, size_t);
+  if (failing) return ENOMEM;
+  if (!real) real = (int (*)(void**, size_t, size_t))dlsym(RTLD_NEXT, "posix_memalign");
+  return real(p, align, n);
+}
+"""
+
+_NO_MEMORY = """
+    import ctypes, json, sys, threading, torch
+    from m31r import native
+    from m31r.model import KVCache
+
+    class Cfg:
+        def __init__(self, n_layers, kv_heads, head_dim):
+            self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+
+    shim = ctypes.CDLL(sys.argv[2])  # the preloaded copy, which the kernels' posix_memalign resolves to
+    kernels = native.Kernels(native.build(family=sys.argv[1]), sys.argv[1])
+    n, heads, kv, hd = native.MAX_KEYS, 2, 1, 16
+    cache = KVCache(Cfg(1, kv, hd), n, kernels.dtype, "cpu")
+    q, kn, vn = (torch.ones(1, h, hd, dtype=kernels.dtype) for h in (heads, kv, kv))
+    qkv, cs = torch.ones(1, (heads + 2 * kv) * hd), torch.ones(1, hd)
+    tables = {length: native.DecodeTable(kernels, [cache], [length - 1]) for length in (64, n)}
+    out, o = torch.zeros_like(q), torch.zeros(1, heads * hd)
+    calls = {"attend_decode": lambda t: kernels.attend_decode(q, kn, vn, t, 0, out)}
+    if kernels.float_dtype is not None:
+        calls["attend_qkv"] = lambda t: kernels.attend_qkv(qkv, cs, cs, t, 0, o)
+
+    def attempt(call, length, failing):
+        shim.no_memory(failing)
+        try:
+            call(tables[length])
+            return "ran"
+        except MemoryError as e:
+            return str(e)
+        finally:
+            shim.no_memory(0)
+
+    said = {}
+
+    def steps(name, call):  # on a thread of its own (OMP_NUM_THREADS=1), whose scratch starts empty
+        said[name] = [attempt(call, 64, 0),  # the thread's scratch, at its smallest
+                      attempt(call, n, 1),  # too small for n positions, and it cannot grow
+                      attempt(call, 64, 1),  # large enough: nothing to allocate
+                      attempt(call, n, 0)]  # with memory back, it runs
+        said[name].append(bool(torch.isfinite(out).all() and torch.isfinite(o).all()))
+
+    for name, call in calls.items():
+        th = threading.Thread(target=steps, args=(name, call))
+        th.start()
+        th.join()
+    print(json.dumps(said))
+"""
+
+
+@pytest.mark.parametrize("name", list(native.FAMILIES))
+def test_attention_out_of_memory_for_its_scores_is_a_memory_error(name: str, tmp_path) -> None:
+    """A thread whose score scratch cannot grow (posix_memalign failing, through a preloaded shim) makes the call
+    return 2, which Python raises as MemoryError instead of crashing; a thread whose scratch is large enough
+    allocates nothing, and with memory back the long call runs."""
+    if sys.platform != "linux":
+        pytest.skip("the shim is an LD_PRELOAD of Linux's dynamic loader")
+    name = _family(name)
+    shim = tmp_path / "failing_memalign.so"
+    (tmp_path / "shim.c").write_text(_FAILING_MEMALIGN)
+    subprocess.run([native.compiler(), "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"],
+                   check=True)
+    out = _run(_NO_MEMORY, name, shim, env={"LD_PRELOAD": str(shim), "OMP_NUM_THREADS": "1"})
+    assert len(out) == (1 if native.FAMILIES[name].dtype != torch.float32 else 2), out
+    oom = "native decode attention ran out of memory (heads=2, kv_heads=1, head_dim=16)"
+    assert all(said == ["ran", oom, "ran", "ran", True] for said in out.values()), out
 
 
 # -- SwiGLU's width ---------------------------------------------------------------------------------------------

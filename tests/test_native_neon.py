@@ -115,9 +115,10 @@ def _no_core() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_driver(build: Build, lines: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def run_driver(build: Build, lines: list[str], check: bool = True,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run(build.argv, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **ENV}, preexec_fn=_no_core, check=False)
+                          env={**os.environ, **ENV, **(env or {})}, preexec_fn=_no_core, check=False)
     if check:
         assert done.returncode == 0, f"{build.name}: driver exited {done.returncode}: {done.stderr[-2000:]}"
     return done
@@ -224,13 +225,13 @@ class Calls:
         rows, h = gate_up.shape[0], gate_up.shape[1] // 2
         return self._add(f"swiglu {rows} {h} {self.file(gate_up)} @out", [("out", np.float32, (rows, h))])
 
-    def run(self, build: Build) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """Per call: (the kernel's return value, its outputs)."""
+    def run(self, build: Build, env: dict[str, str] | None = None) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Per call: (the kernel's return value, its outputs); `env` added to the driver's environment."""
         out_dir = self.folder / build.name
         out_dir.mkdir(exist_ok=True)
         lines = [" ".join(str(out_dir / f"{i}-{w[1:]}.bin") if w.startswith("@") else w for w in line.split())
                  for i, line in enumerate(self.lines)]
-        printed = run_driver(build, lines).stdout.splitlines()
+        printed = run_driver(build, lines, env=env).stdout.splitlines()
         assert len(printed) == len(lines) and all(p.startswith("rc ") for p in printed), (build.name, printed[:5])
         results = []
         for i, (said, outputs) in enumerate(zip(printed, self.outputs, strict=True)):
@@ -240,10 +241,11 @@ class Calls:
         return results
 
 
-def run_all(calls: Calls, builds: dict[str, Build]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+def run_all(calls: Calls, builds: dict[str, Build],
+            env: dict[str, str] | None = None) -> list[tuple[int, dict[str, torch.Tensor]]]:
     """Every build's results; they must be the same bits (neon reproduces avx2's arithmetic exactly, with or without
     the dot-product extension). Returns one build's."""
-    results = {name: calls.run(build) for name, build in builds.items()}
+    results = {name: calls.run(build, env) for name, build in builds.items()}
     first = results["neon+dotprod"]
     for name, res in results.items():
         for i, ((rc, arrays), (rc0, arrays0)) in enumerate(zip(res, first, strict=True)):
@@ -560,6 +562,37 @@ def test_decode_attention_refuses_what_it_does_not_take_and_leaves_the_caches(bu
         assert rc == 1, calls.lines[i][:40]
         written = [np.fromfile(p, np.float32) for p in calls.lines[i].split()[9:11]]
         assert np.array_equal(out["k"].numpy(), written[0]) and np.array_equal(out["v"].numpy(), written[1])
+
+
+def test_a_long_context_runs_on_openmp_workers_with_small_stacks(builds, tmp_path) -> None:
+    """m31r_attend_decode_f32 and m31r_attend_qkv_f32(_kv16) at MAX_KEYS positions on 3 threads with
+    OMP_STACKSIZE=128K: the scores were variable-length arrays on the thread's stack (256 KB a query), and a worker
+    died of SIGSEGV; now they live in per-thread heap scratch (kernels_scratch.h). Within 1e-5 of float64, and
+    every build's bits (run_all: the clang build runs on one thread, the main one). 128K: aarch64's smallest thread
+    stack (its PTHREAD_STACK_MIN, for 64 KB pages); libgomp ignores a smaller OMP_STACKSIZE there, and the x86 build
+    then runs with 128K too."""
+    from m31r.model import apply_rope
+
+    n, heads, kv = native.MAX_KEYS, 4, 1  # one row of 4 heads: heads for every thread, and small files
+    gen = torch.Generator().manual_seed(31)
+    calls = Calls(tmp_path)
+    q, knew, vnew = (torch.randn(1, h, 8, generator=gen) for h in (heads, kv, kv))
+    ks, vs = [torch.randn(kv, n, 8, generator=gen)], [torch.randn(kv, n, 8, generator=gen)]
+    calls.attend(q, knew, vnew, ks, vs, [n])
+    hd = 16  # RoPE's halves: whole chunks of 8
+    qkv = torch.randn(1, (heads + 2 * kv) * hd, generator=gen)
+    cos, sin = torch.randn(1, hd, generator=gen), torch.randn(1, hd, generator=gen)
+    k16, v16 = [torch.randn(kv, n, hd, generator=gen).half()], [torch.randn(kv, n, hd, generator=gen).half()]
+    calls.qkv(qkv, cos, sin, heads, k16, v16, [n])
+    calls.qkv(qkv, cos, sin, heads, [c.float() for c in k16], [c.float() for c in v16], [n])
+    (rc, res), (rc16, half), (rc32, full) = run_all(calls, builds, {"OMP_STACKSIZE": "128K"})
+    assert rc == rc16 == rc32 == 0
+    ref = _reference(q[0], res["k"].view(kv, n, 8), res["v"].view(kv, n, 8))
+    assert (res["out"][0].double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5
+    rq = apply_rope(qkv.view(1, heads + 2 * kv, 1, hd)[:, :heads], cos.view(1, 1, 1, hd), sin.view(1, 1, 1, hd))
+    for got in (half, full):  # the fp16 cache's new key and value rounded to fp16 on their way in: other bits
+        ref = _reference(rq[0, :, 0], got["k"].view(kv, n, hd).float(), got["v"].view(kv, n, hd).float())
+        assert (got["out"][0].view(heads, hd).double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5
 
 
 # -- fp32 weights and the per-token ops of fp32 engines ---------------------------------------------------------
