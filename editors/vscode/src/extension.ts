@@ -148,6 +148,8 @@ export class M31rController implements vscode.Disposable {
     };
     const settings = (): ServerSettings => readSnapshot().server;
     const enabled = (): boolean => this.snapshot.server.enable;
+    // Read per request from the snapshot that onConfigurationChanged keeps current: no restart needed.
+    const completionMenu = (): boolean => this.snapshot.client.completionMenu;
     let client!: LanguageClient;
 
     const clientOptions: LanguageClientOptions = {
@@ -173,8 +175,11 @@ export class M31rController implements vscode.Disposable {
         // Do not even ask the server while completions are switched off.
         provideInlineCompletionItems: (document, position, context, token, next) =>
           enabled() ? next(document, position, context, token) : undefined,
+        // The server's `textDocument/completion` item is a fallback for editors without inline completion: in VS Code
+        // it would pop the suggestion menu as one types, preselected above rust-analyzer's items, with the same text
+        // the ghost text already shows. Asked for only when `m31r.completionMenu` opts in.
         provideCompletionItem: (document, position, context, token, next) =>
-          enabled() ? next(document, position, context, token) : undefined,
+          enabled() && completionMenu() ? next(document, position, context, token) : undefined,
       },
     };
 

@@ -3,7 +3,7 @@
 // The language server (`m31r lsp`) reads exactly these camelCase keys, both from
 // `initializationOptions` (a flat object) and from
 // `workspace/didChangeConfiguration` (`settings.m31r`). Client-only keys
-// (`path`, `languages`, `trace`) are never sent to the server.
+// (`path`, `languages`, `completionMenu`, `trace`) are never sent to the server.
 
 export type DebounceMode = 'adaptive' | 'fixed';
 export type Multiline = 'auto' | 'always' | 'never';
@@ -62,6 +62,9 @@ export interface ClientSettings {
   path: string;
   /** VS Code language ids to attach to; `["*"]` means every language. */
   languages: string[];
+  /** Also ask the server for `textDocument/completion` items (the suggestion menu); off: inline ghost text only.
+   * Read by the completion middleware on each request, so a change applies without a restart. */
+  completionMenu: boolean;
 }
 
 /** Rust only by default: the model was trained on Rust, and elsewhere its suggestions are noise. package.json's
@@ -69,6 +72,7 @@ export interface ClientSettings {
 export const CLIENT_DEFAULTS: Readonly<ClientSettings> = Object.freeze({
   path: 'm31r',
   languages: ['rust'],
+  completionMenu: false,
 });
 
 /** The subset of `vscode.WorkspaceConfiguration` this module needs. */
@@ -94,9 +98,8 @@ function reader(source: ConfigSource): (key: string) => unknown {
   return (key) => (Object.prototype.hasOwnProperty.call(obj, key) ? obj[key] : undefined);
 }
 
-function readBool(get: (k: string) => unknown, key: keyof ServerSettings, warnings: string[]): boolean {
+function readBool(get: (k: string) => unknown, key: string, fallback: boolean, warnings: string[]): boolean {
   const raw = get(key);
-  const fallback = DEFAULTS[key] as boolean;
   if (raw === undefined || raw === null) return fallback;
   if (typeof raw === 'boolean') return raw;
   if (raw === 'true' || raw === 'false') return raw === 'true';
@@ -191,14 +194,14 @@ export function toServerSettings(source: ConfigSource, homeDir?: string): Valida
   const get = reader(source);
   const warnings: string[] = [];
   const value: ServerSettings = {
-    enable: readBool(get, 'enable', warnings),
+    enable: readBool(get, 'enable', DEFAULTS.enable, warnings),
     debounceMs: readInt(get, 'debounceMs', warnings),
     debounceMode: readEnum(get, 'debounceMode', DEBOUNCE_MODES, warnings),
     multiline: readEnum(get, 'multiline', MULTILINE_MODES, warnings),
     deadlineMs: readInt(get, 'deadlineMs', warnings),
     maxTokens: readInt(get, 'maxTokens', warnings),
     beams: readBeams(get, warnings),
-    projectContext: readBool(get, 'projectContext', warnings),
+    projectContext: readBool(get, 'projectContext', DEFAULTS.projectContext, warnings),
     minProbability: readProbability(get, warnings),
     socket: expandHome(readString(get, 'socket', DEFAULTS.socket, warnings), homeDir),
   };
@@ -228,7 +231,8 @@ export function toClientSettings(source: ConfigSource, homeDir?: string): Valida
   } else if (rawLanguages !== undefined && rawLanguages !== null) {
     warnings.push(`m31r.languages: expected an array of language ids, got ${JSON.stringify(rawLanguages)}`);
   }
-  return { value: { path, languages }, warnings };
+  const completionMenu = readBool(get, 'completionMenu', CLIENT_DEFAULTS.completionMenu, warnings);
+  return { value: { path, languages, completionMenu }, warnings };
 }
 
 /** `~/x` → `<home>/x` (only when a home directory is given). */

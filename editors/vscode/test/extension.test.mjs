@@ -162,6 +162,57 @@ test('toggle flips m31r.enable and short-circuits requests while disabled', asyn
   assert.equal(called, 1);
 });
 
+test('m31r.completionMenu: no suggestion-menu requests by default; opting in applies without a restart', async () => {
+  const { client } = await activate();
+  const mw = client.clientOptions.middleware;
+  let called = 0;
+  const next = () => {
+    called++;
+    return { isIncomplete: true, items: [{ label: 'm31r' }] };
+  };
+  // Off by default: the server is not asked, so nothing of M31R's lands in the suggestion menu.
+  assert.equal(mw.provideCompletionItem({}, {}, {}, {}, next), undefined);
+  assert.equal(called, 0);
+  // Ghost text is unaffected.
+  assert.deepEqual(mw.provideInlineCompletionItems({}, {}, {}, {}, () => ({ items: [] })), { items: [] });
+
+  await vscode.workspace.getConfiguration('m31r').update('completionMenu', true, vscode.ConfigurationTarget.Global);
+  await tick();
+  await controller.whenIdle();
+  assert.equal(clients.length, 1, 'completionMenu does not restart the server');
+  assert.deepEqual(mw.provideCompletionItem({}, {}, {}, {}, next), { isIncomplete: true, items: [{ label: 'm31r' }] });
+  assert.equal(called, 1);
+  // A client-only key: never sent to the server.
+  assert.equal('completionMenu' in client.clientOptions.initializationOptions(), false);
+  await mw.workspace.didChangeConfiguration(['m31r'], async () => undefined);
+  assert.equal('completionMenu' in client.sent.at(-1).params.settings.m31r, false);
+
+  // m31r.enable still wins.
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.equal(mw.provideCompletionItem({}, {}, {}, {}, next), undefined);
+  assert.equal(called, 1);
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.equal(mw.provideCompletionItem({}, {}, {}, {}, next).items.length, 1);
+  assert.equal(called, 2);
+
+  await vscode.workspace.getConfiguration('m31r').update('completionMenu', false, vscode.ConfigurationTarget.Global);
+  await tick();
+  assert.equal(mw.provideCompletionItem({}, {}, {}, {}, next), undefined);
+  assert.equal(called, 2);
+  assert.equal(clients.length, 1);
+});
+
+test('m31r.completionMenu set at activation', async () => {
+  const { client } = await activate({ 'm31r.completionMenu': true });
+  let called = 0;
+  const next = () => {
+    called++;
+    return [];
+  };
+  assert.deepEqual(client.clientOptions.middleware.provideCompletionItem({}, {}, {}, {}, next), []);
+  assert.equal(called, 1);
+});
+
 test('toggle writes to the workspace when the workspace sets m31r.enable', async () => {
   await activate();
   fake.workspace['m31r.enable'] = true;

@@ -25,6 +25,10 @@ test('every server setting is contributed with the same default', () => {
 test('client settings are contributed with the same defaults', () => {
   assert.equal(props['m31r.path'].default, s.CLIENT_DEFAULTS.path);
   assert.deepEqual(props['m31r.languages'].default, [...s.CLIENT_DEFAULTS.languages]);
+  assert.equal(props['m31r.completionMenu'].type, 'boolean');
+  assert.equal(props['m31r.completionMenu'].default, s.CLIENT_DEFAULTS.completionMenu);
+  assert.equal(props['m31r.completionMenu'].default, false, 'the suggestion menu item is opt-in');
+  assert.ok(props['m31r.completionMenu'].markdownDescription);
   assert.deepEqual(props['m31r.trace.server'].enum, ['off', 'messages', 'verbose']);
 });
 

@@ -64,7 +64,12 @@ test('minProbability: a probability, clamped to 0..1, junk reported and replaced
 });
 
 test('client-only keys are never sent to the server', () => {
-  const { value } = s.toServerSettings({ path: '/bin/m31r', languages: ['rust'], trace: { server: 'verbose' } });
+  const { value } = s.toServerSettings({
+    path: '/bin/m31r',
+    languages: ['rust'],
+    completionMenu: true,
+    trace: { server: 'verbose' },
+  });
   assert.deepEqual(Object.keys(value).sort(), Object.keys(DEFAULT_SERVER).sort());
 });
 
@@ -126,7 +131,7 @@ test('socket: trimmed, ~ expanded, non-strings rejected', () => {
 });
 
 test('client settings: path and languages', () => {
-  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['rust'] });
+  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['rust'], completionMenu: false });
   assert.deepEqual(s.toClientSettings({ path: '' }).value.path, 'm31r');
   assert.equal(s.toClientSettings({ path: '~/.local/bin/m31r' }, '/home/u/').value.path, '/home/u/.local/bin/m31r');
   assert.deepEqual(s.toClientSettings({ languages: ['rust', ' rust ', 'toml'] }).value.languages, ['rust', 'toml']);
@@ -140,6 +145,24 @@ test('client settings: path and languages', () => {
   const r = s.toClientSettings({ languages: ['rust', 5] });
   assert.deepEqual(r.value.languages, ['rust']);
   assert.equal(r.warnings.length, 1);
+});
+
+test('client settings: completionMenu is off by default, booleans as elsewhere', () => {
+  assert.equal(s.CLIENT_DEFAULTS.completionMenu, false);
+  assert.deepEqual(s.toClientSettings(undefined), {
+    value: { path: 'm31r', languages: ['rust'], completionMenu: false },
+    warnings: [],
+  });
+  assert.equal(s.toClientSettings({ completionMenu: null }).value.completionMenu, false);
+  assert.equal(s.toClientSettings({ completionMenu: true }).value.completionMenu, true);
+  assert.equal(s.toClientSettings({ completionMenu: 'true' }).value.completionMenu, true);
+  assert.equal(s.toClientSettings({ completionMenu: 'false' }).value.completionMenu, false);
+  const cfg = { get: (k) => ({ completionMenu: true })[k] };
+  assert.equal(s.toClientSettings(cfg).value.completionMenu, true, 'through get()');
+  const r = s.toClientSettings({ completionMenu: 'yes' });
+  assert.equal(r.value.completionMenu, false);
+  assert.equal(r.warnings.length, 1);
+  assert.match(r.warnings[0], /m31r\.completionMenu/);
 });
 
 test('server command line: lsp [--socket PATH]', () => {
@@ -164,12 +187,13 @@ test('document selector: "*" = every language on file and untitled', () => {
 });
 
 test('needsRestart only for path, socket and languages', () => {
-  const base = { client: { path: 'm31r', languages: ['rust'] }, server: { ...DEFAULT_SERVER } };
+  const base = { client: { path: 'm31r', languages: ['rust'], completionMenu: false }, server: { ...DEFAULT_SERVER } };
   const clone = () => structuredClone(base);
   assert.equal(s.needsRestart(base, clone()), false);
   let n = clone();
   n.server.maxTokens = 8;
   n.server.enable = false;
+  n.client.completionMenu = true;
   assert.equal(s.needsRestart(base, n), false);
   n = clone();
   n.client.path = '/opt/m31r';
@@ -187,6 +211,7 @@ test('workspace/configuration items are answered from the validated settings', (
   assert.deepEqual(s.configurationItem('m31r', settings), settings);
   assert.equal(s.configurationItem('m31r.maxTokens', settings), 9);
   assert.equal(s.configurationItem('m31r.path', settings), undefined);
+  assert.equal(s.configurationItem('m31r.completionMenu', settings), undefined, 'client-only');
   assert.equal(s.configurationItem('rust-analyzer', settings), undefined);
   assert.equal(s.configurationItem(undefined, settings), undefined);
 });
