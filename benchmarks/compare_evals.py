@@ -13,7 +13,12 @@ Last comes the release rule's verdict (README "Which tasks decide a release"): o
 its task counts, seed and token budgets), with the same settings and without --floor-stop, does the candidate beat the
 base on both single-line exact match and multi-line edit similarity? A tie is not a win.
 
-    python benchmarks/compare_evals.py BASE.json CANDIDATE.json [--json]
+The same comparison then runs again on the clean tasks alone, those whose file has no look-alike in training
+(--leaky: by default benchmarks/data/eval-leaky-files.json, the files eval_leakage.py found for the corpus 0.8.0 was
+trained on; `--leaky none` skips it), and the verdict needs the win there too: a model that saw copies of some held-out
+files can gain on their tasks by memory, and more training on the same copies gains there most.
+
+    python benchmarks/compare_evals.py BASE.json CANDIDATE.json [--leaky LEAKAGE.json] [--json]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 from pathlib import Path
 
 KINDS = ("single", "multi")
+LEAKY = Path(__file__).resolve().parent / "data" / "eval-leaky-files.json"
 _IDENTITY = ("kind", "path", "line", "target")
 
 
@@ -126,6 +132,26 @@ def release_verdict(r: dict) -> dict:
             f"similarity {word(multi)} ({multi:+.3f})"}
 
 
+def without(result: dict, leaky: set[str]) -> dict:
+    """The result less the tasks drawn from files with a look-alike in training (eval_leakage.py's leaky_files)."""
+    return {**result, "tasks": [t for t in result["tasks"] if t["path"] not in leaky]}
+
+
+def with_clean(r: dict, clean: dict, leaky_files: int) -> dict:
+    """`compare`'s result with the clean tasks' comparison beside it. The clean tasks are fewer than the deciding
+    draw's counts, so their verdict is the all-task rule applied to them; the release needs both."""
+    v = release_verdict(r)
+    if v["wins"]:
+        s, m = clean["single"], clean["multi"]
+        single = s["gained"] - s["lost"]
+        multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
+        if not (single > 0 and multi > 0):
+            v = {"wins": False, "why": f"{v['why']}; but on the clean tasks (no file look-alike in training) "
+                 f"single-line exact match moves {single:+d} tasks, multi-line edit similarity {multi:+.3f}: the win "
+                 "is not the model's alone"}
+    return {**r, "clean": {k: clean[k] for k in KINDS if k in clean} | {"leaky_files": leaky_files}, "release": v}
+
+
 def table(r: dict) -> str:
     lines = [f"base {r['base']}  candidate {r['candidate']}"]
     if "settings_differ" in r:
@@ -141,6 +167,16 @@ def table(r: dict) -> str:
             lines.append(f"| {kind} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
                          f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
                          f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    if "clean" in r:
+        for kind in KINDS:
+            if kind in r["clean"]:
+                k = r["clean"][kind]
+                lo, hi = k["edit_diff_95"]
+                lines.append(f"| {kind}, clean ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
+                             f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
+                             f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+        lines.append(f"(clean: the tasks of files without a look-alike in training; {r['clean']['leaky_files']} "
+                     "files have one)")
     v = r["release"]
     lines += ["", f"release rule: {'the candidate wins both' if v['wins'] else 'not a release'}: {v['why']}"]
     return "\n".join(lines)
@@ -151,12 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("base", type=Path)
     ap.add_argument("candidate", type=Path)
     ap.add_argument("--json", action="store_true", help="Print the comparison as JSON instead of a table.")
+    ap.add_argument("--leaky", type=Path, default=LEAKY,
+                    help="eval_leakage.py's report (its leaky_files): compare the clean tasks too, and decide on both; "
+                         "'none' compares all tasks only")
     args = ap.parse_args(argv)
     try:
         r = compare(json.loads(args.base.read_text()), json.loads(args.candidate.read_text()))
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.leaky is not None and str(args.leaky) != "none":
+        try:
+            leaky = {f["path"] for f in json.loads(args.leaky.read_text())["leaky_files"]}
+            clean = compare(*(without(json.loads(p.read_text()), leaky) for p in (args.base, args.candidate)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        r = with_clean(r, clean, len(leaky))
     print(json.dumps(r, indent=2) if args.json else table(r))
     return 0
 

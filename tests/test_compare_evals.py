@@ -149,3 +149,36 @@ def test_the_deciding_settings_are_eval_larges() -> None:
     assert default("--seed") == ce.DECIDING_SEED
     assert {"single": default("--single-tokens"), "multi": default("--multi-tokens")} == ce.DECIDING_TOKENS
     assert (ce.DECIDING_DRAW["single"], ce.DECIDING_DRAW["multi"]) == (300, 150)
+
+
+def test_a_win_must_hold_on_the_tasks_of_files_without_a_look_alike_in_training(tmp_path: Path) -> None:
+    """The candidate's one gained single-line task comes from a file with a copy in training: on all tasks it wins,
+    on the clean ones it ties, so it is not a release. Without that file's tasks counted as leaked, it is."""
+    base = _draw(143, [0.4] * 150)
+    cand = _draw(144, [0.4] * 149 + [0.6])
+    leaked = base["tasks"][143]["path"]
+    files = {}
+    for name, r in (("base", base), ("cand", cand)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(r))
+    report = tmp_path / "leakage.json"
+    report.write_text(json.dumps({"leaky_files": [{"path": leaked, "crate": "c", "matches": []}]}))
+
+    def run(*extra: str) -> dict:
+        out = subprocess.run([sys.executable, str(SCRIPT), str(files["base"]), str(files["cand"]), "--json", *extra],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    r = run("--leaky", str(report))
+    assert r["single"]["gained"] == 1 and r["clean"]["single"]["n"] == 299 and r["clean"]["single"]["gained"] == 0
+    assert r["clean"]["leaky_files"] == 1
+    assert not r["release"]["wins"] and "on the clean tasks" in r["release"]["why"]
+    assert run("--leaky", "none")["release"]["wins"]
+    assert run()["release"]["wins"]  # the default list names real validation files, none of these
+
+
+def test_the_default_leaky_list_names_validation_files() -> None:
+    leaky = json.loads(ce.LEAKY.read_text())
+    assert leaky["dataset_version"] and len(leaky["leaky_files"]) >= 1
+    for f in leaky["leaky_files"]:
+        assert f["path"].endswith(".rs") and f["crate"] and f["matches"]
