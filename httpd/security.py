@@ -15,15 +15,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m31r_http.schemas import ErrorDetail, ErrorResponse
+
+log = logging.getLogger("m31r_http")
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -199,3 +203,8 @@ class GuardMiddleware:
                 raise
             await refuse(408, "timeout", f"the request's body did not arrive within {self.body_timeout:g}s of its "
                                          "headers (m31r serve --body-timeout)")
+        except ClientDisconnect:  # the client left before its body was in: nobody to answer, nothing went wrong
+            if started:
+                raise
+            log.info("a client closed its connection before sending all of its request's body (%s %s)",
+                     scope.get("method"), scope["path"])

@@ -166,3 +166,21 @@ def test_answers_that_outlive_the_body_timeout_are_not_cut(tmp_path):
     finally:
         srv.stop()
         stalled.close()
+
+
+def test_a_client_leaving_mid_body_is_a_line_of_log_not_an_error(server):
+    """A client that closes its connection before its body is in has nobody to answer: one info line and the request
+    log's 499, not an ERROR with Starlette's ClientDisconnect traceback, and the server serves on."""
+    before = server.log.read_text()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while "before sending all of its request's body" not in server.log.read_text()[len(before):]:
+        assert time.monotonic() < deadline, server.log.read_text()[len(before):]
+        time.sleep(0.05)
+    completion_ok(server)
+    lines = [json.loads(x) for x in server.log.read_text()[len(before):].splitlines() if x.startswith("{")]
+    assert not [x for x in lines if x.get("level") == "error" or "Traceback" in json.dumps(x)], lines
+    assert any(x.get("msg") == "request" and x.get("status") == 499 for x in lines), lines
