@@ -10,6 +10,8 @@ code with changes, or inside larger files, and those copies stay. This reports w
            of the shingle sets >= --jaccard) and containers (a train file holding >= --containment of the val
            file's shingles). Shingles in more than --common-files train files (licence headers, `fn main() {`) are
            left out of both measures, and val files of fewer than --min-shingles other shingles are not judged.
+           This is the corpus builder's own file test (m31r.train.lookalike, the same defaults): corpora built
+           since it drop such train files, so on them this part should find nothing.
   tasks    the exact task lists of `make eval` and `make eval-large` (eval_fim.make_tasks with their counts, seed 0,
            the bundle's tokenizer and eval_fim.py's default budgets): are a task's target line(s), with the N
            lines above them (--context-lines, one probe per N), in a train file, line by line with indentation
@@ -24,7 +26,6 @@ code with changes, or inside larger files, and those copies stay. This reports w
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -41,44 +42,15 @@ for _p in (REPO, REPO / "benchmarks"):
 
 import eval_fim  # noqa: E402 - after the path setup
 
-from m31r.train.corpus import _SHINGLE_TOKEN_RE, SHINGLE  # noqa: E402
+from m31r.train import lookalike  # noqa: E402
+from m31r.train.corpus import SHINGLE  # noqa: E402
+from m31r.train.lookalike import FileTest, TrainHits, ValIndex, shingle_set  # noqa: E402
 
 # The Makefile's draws: (single-line, multi-line) tasks, with seed 0 and eval_fim.py's default token budgets.
 DRAWS = {"eval": (100, 50), "eval-large": (300, 150)}
 SEED = 0
 SINGLE_TOKENS, MULTI_TOKENS = 48, 128  # eval_fim.py's --single-tokens and --multi-tokens defaults
 _P, _Q = np.uint64(0x100000001B3), 0x9E3779B97F4A7C15  # odd multipliers of the hashes (which wrap mod 2**64)
-
-
-def _h64(s: str) -> int:
-    return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
-
-
-class _TokenHashes(dict):
-    """A token's 64-bit hash, computed once per distinct token."""
-
-    def __missing__(self, key: str) -> int:
-        v = self[key] = _h64(key)
-        return v
-
-
-_TOKENS = _TokenHashes()
-
-
-def windows(h: np.ndarray, n: int) -> np.ndarray:
-    """Rolling hash of every run of `n` consecutive entries of `h` (empty when there are fewer)."""
-    if len(h) < n or n < 1:
-        return np.empty(0, dtype=np.uint64)
-    acc = h[: len(h) - n + 1].copy()
-    for k in range(1, n):
-        acc = acc * _P + h[k : len(h) - n + 1 + k]
-    return acc
-
-
-def shingle_set(text: str) -> tuple[np.ndarray, str]:
-    """(sorted distinct token 5-shingle hashes, digest of the token sequence) of a file."""
-    ids = np.fromiter(map(_TOKENS.__getitem__, _SHINGLE_TOKEN_RE.findall(text)), dtype=np.uint64)
-    return np.unique(windows(ids, SHINGLE)), hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
 
 
 def stripped_lines(text: str) -> list[str]:
@@ -138,34 +110,6 @@ class ValFile:
     matches: list[FileMatch] = field(default_factory=list)
 
 
-class ValIndex:
-    """The val files' distinct shingles, sorted, and for each the run of val files (indices) holding it."""
-
-    def __init__(self, files: list[ValFile]) -> None:
-        keys = np.concatenate([f.shingles for f in files] + [np.empty(0, dtype=np.uint64)])
-        owner = np.concatenate([np.full(len(f.shingles), i, dtype=np.int64) for i, f in enumerate(files)]
-                               + [np.empty(0, dtype=np.int64)])
-        order = np.argsort(keys, kind="stable")
-        self.owner = owner[order]
-        self.keys, starts = np.unique(keys[order], return_index=True)
-        self.starts = np.append(starts, len(keys)).astype(np.int64)
-        self.key_of_owner = np.repeat(np.arange(len(self.keys)), np.diff(self.starts))
-        self.n = len(files)
-
-    def hits(self, sh: np.ndarray) -> np.ndarray:
-        """Indices (into `keys`) of the shingles of `sh` that some val file holds."""
-        if not len(self.keys) or not len(sh):
-            return np.empty(0, dtype=np.int32)
-        pos = np.minimum(np.searchsorted(self.keys, sh), len(self.keys) - 1)
-        return pos[self.keys[pos] == sh].astype(np.int32)
-
-    def overlap(self, hits: np.ndarray) -> np.ndarray:
-        """Per val file, how many of these (distinct) keys it holds."""
-        lo, size = self.starts[hits], self.starts[hits + 1] - self.starts[hits]
-        idx = np.repeat(lo - (np.cumsum(size) - size), size) + np.arange(size.sum())
-        return np.bincount(self.owner[idx], minlength=self.n)
-
-
 @dataclass
 class Probe:
     """A task's target line(s) and the lines above them, stripped, and the train files holding them."""
@@ -185,13 +129,12 @@ def task_probe(task: eval_fim.Task, text: str, context_lines: int) -> Probe:
 
 @dataclass
 class TrainScan:
-    """What one pass over train.jsonl keeps: per train file its path, crate, distinct shingle count and the
-    val shingles it holds (ValIndex.hits), and the (val file, train file) pairs of the same token sequence."""
+    """What one pass over train.jsonl keeps: per train file its path, crate and what the file test needs
+    (lookalike.TrainHits), and the (val file, train file) pairs of the same token sequence."""
 
     paths: list[str] = field(default_factory=list)
     crates: list[str | None] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    hits: list[np.ndarray] = field(default_factory=list)
+    train: TrainHits = field(default_factory=TrainHits)
     exact: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -212,8 +155,7 @@ def scan_train(train: Path, val: list[ValFile], index: ValIndex, probes: list[Pr
         sh, digest = shingle_set(text)
         scan.paths.append(path)
         scan.crates.append(crate)
-        scan.sizes.append(len(sh))
-        scan.hits.append(index.hits(sh))
+        scan.train.add(index, sh)
         scan.exact += [(i, t) for i in by_digest.get(digest, ())]
         if probes:
             lines = stripped_lines(text)
@@ -231,21 +173,15 @@ def scan_train(train: Path, val: list[ValFile], index: ValIndex, probes: list[Pr
 
 def match_files(val: list[ValFile], index: ValIndex, scan: TrainScan, *, jaccard: float, containment: float,
                 common_files: int, min_shingles: int) -> np.ndarray:
-    """Fill each judged val file's matches; returns the judged files' mask. Shingles held by more than
-    `common_files` train files count in neither file."""
-    df = np.bincount(np.concatenate(scan.hits + [np.empty(0, dtype=np.int32)]), minlength=len(index.keys))
-    rare = df <= common_files
-    vsize = np.bincount(index.owner[rare[index.key_of_owner]], minlength=len(val))
-    judged = vsize >= min_shingles
+    """Fill each judged val file's matches (the corpus's own file test, lookalike.FileTest); returns the judged
+    files' mask. Shingles held by more than `common_files` train files count in neither file."""
+    test = FileTest(index, scan.train, jaccard=jaccard, containment=containment, common_files=common_files,
+                    min_shingles=min_shingles)
+    judged = test.judged
     exact = {pair for pair in scan.exact if judged[pair[0]]}
-    for t, h in enumerate(scan.hits):
-        r = h[rare[h]]
-        inter = index.overlap(r)
-        union = vsize + (scan.sizes[t] - (len(h) - len(r))) - inter
-        with np.errstate(divide="ignore", invalid="ignore"):
-            jac, con = inter / union, inter / vsize
-        found = np.nonzero(judged & ((jac >= jaccard) | (con >= containment)))[0].tolist()
-        for i in sorted(set(found) | {i for i, tt in exact if tt == t}):
+    for t in range(len(scan.paths)):
+        found, jac, con = test.lookalikes(t)
+        for i in sorted(set(found.tolist()) | {i for i, tt in exact if tt == t}):
             val[i].matches.append(FileMatch(scan.paths[t], scan.crates[t], round(float(jac[i]), 4),
                                             round(float(con[i]), 4), (i, t) in exact))
     return judged
@@ -284,13 +220,15 @@ def split_figures(results: dict, leaked: list[bool]) -> dict:
     return out
 
 
-def measure(data: Path, draws: dict[str, list[eval_fim.Task]], *, context_lines: list[int], jaccard: float = 0.5,
-            containment: float = 0.8, common_files: int = 20, min_shingles: int = 50, common_crates: int = 3,
+def measure(data: Path, draws: dict[str, list[eval_fim.Task]], *, context_lines: list[int],
+            jaccard: float = lookalike.JACCARD, containment: float = lookalike.CONTAINMENT,
+            common_files: int = lookalike.COMMON_FILES, min_shingles: int = lookalike.MIN_SHINGLES,
+            common_crates: int = 3,
             results: Sequence[Path] = (), log: Callable[[str], None] | None = None) -> dict:
     """The report: leaky val files, the draws' leaked tasks (draw_tasks) and the results of each split by them."""
     texts = eval_fim.val_texts(data)
     val = [ValFile(p, c, *shingle_set(t)) for p, t, c in texts]
-    index = ValIndex(val)
+    index = ValIndex([f.shingles for f in val])
     text_of = {path: text for path, text, _ in texts}
     probes = {(name, n): [task_probe(t, text_of[t.path], n) for t in tasks]
               for name, tasks in draws.items() for n in context_lines}
@@ -392,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, nargs="*", default=None,
                    help="eval_fim.py results to split into leaked and clean tasks (default: bench-results/eval.json "
                         "and bench-results/eval-large.json where they exist)")
-    p.add_argument("--jaccard", type=float, default=0.5, help="near duplicate: shingle-set Jaccard at least this")
-    p.add_argument("--containment", type=float, default=0.8,
+    p.add_argument("--jaccard", type=float, default=lookalike.JACCARD,
+                   help="near duplicate: shingle-set Jaccard at least this")
+    p.add_argument("--containment", type=float, default=lookalike.CONTAINMENT,
                    help="container: a train file holding at least this share of a val file's shingles")
-    p.add_argument("--common-files", type=int, default=20,
+    p.add_argument("--common-files", type=int, default=lookalike.COMMON_FILES,
                    help="shingles in more train files than this are boilerplate, left out of the file measures")
-    p.add_argument("--min-shingles", type=int, default=50, help="val files with fewer shingles are not judged")
+    p.add_argument("--min-shingles", type=int, default=lookalike.MIN_SHINGLES,
+                   help="val files with fewer shingles are not judged")
     p.add_argument("--context-lines", type=int, nargs="+", default=[3, 10],
                    help="lines above a task's target in its probes")
     p.add_argument("--common-crates", type=int, default=3,

@@ -325,3 +325,39 @@ def test_dataset_version_covers_the_split(src_tree: Path, tmp_path: Path) -> Non
     assert apart["dataset_version"] != together["dataset_version"]
     assert build_corpus([src_tree], tmp_path / "o3", val_fraction=0.0, max_file_bytes=5000,
                         packages={})["dataset_version"] == together["dataset_version"]
+
+
+def test_training_look_alikes_of_held_out_files_are_dropped(tmp_path: Path) -> None:
+    """A renamed fork of a held-out crate (its file lightly edited, inside more code: no near duplicate at 0.85)
+    leaves training, counted under its own reason; an unrelated training file and the validation split stay."""
+    names = [f"crate-{i}" for i in range(200)]
+    fork, other = [n for n in names if not corpus.is_val(f"crate:{n}", 0.5)][:2]
+    held = next(n for n in names if corpus.is_val(f"crate:{n}", 0.5))
+    original = unique_fn("held") + "\n" + unique_fn("kept") + "\n"
+    edited = original.replace("held_3(", "forked_3(").replace("kept_5(", "forked_5(")
+    root = tmp_path / "registry"
+    for name, text in ((held, original), (fork, edited + unique_fn("extra")), (other, unique_fn("unrelated"))):
+        write(root, f"{name}-1.0.0/Cargo.toml", cargo(name, "MIT"))
+        write(root, f"{name}-1.0.0/src/lib.rs", text)
+    assert sum(a == b for a, b in zip(minhash(original), minhash(edited + unique_fn("extra")), strict=True)) \
+        / corpus.NUM_BINS < corpus.NEAR_DUP_THRESHOLD  # dedup alone keeps the fork
+
+    manifest = build_corpus([root], tmp_path / "out", val_fraction=0.5, packages={})
+
+    assert manifest["dropped"] == {corpus.LOOKALIKE: 1}
+    rows = {name: [json.loads(line) for line in (tmp_path / "out" / f"{name}.jsonl").open()]
+            for name in ("train", "val")}
+    assert [r["path"] for r in rows["train"]] == [f"registry/{other}-1.0.0/src/lib.rs"]
+    assert [r["path"] for r in rows["val"]] == [f"registry/{held}-1.0.0/src/lib.rs"]
+    assert manifest["files_kept"] == 2 and manifest["splits"]["train"]["files"] == 1
+    assert manifest["params"]["lookalike"]["jaccard"] == 0.5
+
+
+def test_look_alikes_are_the_same_in_worker_processes() -> None:
+    """The parallel scan (more than 256 train files) finds what the serial one does."""
+    from m31r.train.lookalike import lookalikes_of
+
+    val = [unique_fn("held") + "\n" + unique_fn("kept")]
+    train = [unique_fn(f"t{i}") for i in range(300)]
+    train[123] = val[0].replace("held_3(", "forked_3(") + unique_fn("extra")
+    assert lookalikes_of(val, train, workers=1) == lookalikes_of(val, train, workers=2) == [123]

@@ -11,6 +11,10 @@ removal keeps the newest code. A crate is kept only if its `license` offers a pe
 Roots given as `train_only_roots` (a later Debian suite) are walked after the others and add training
 files only: their files of held-out crates are dropped, not added to validation. So a larger corpus keeps
 the files, and decisions, of the smaller one it grew from, and the same held-out crates and eval tasks.
+
+Dedup across the split still leaves renamed forks and partial copies of held-out crates in training; after the
+split, training files that look like a held-out file (m31r.train.lookalike) are dropped too. Validation and the
+walk's decisions on every other file stay as they were.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ NUM_BINS = 64
 BANDS, ROWS = 16, 4
 SHINGLE = 5
 NEAR_DUP_THRESHOLD = 0.85
+LOOKALIKE = "lookalike_of_held_out"  # the drop reason of a training file resembling a held-out one
 _MASK64 = (1 << 64) - 1
 
 
@@ -421,6 +426,25 @@ def _write_jsonl(path: Path, docs: list[Doc]) -> dict[str, int]:
             "crates": len({d.crate for d in docs if d.crate})}
 
 
+def drop_lookalikes(docs: list[Doc], held_out: list[bool], workers: int | None = None) -> list[int]:
+    """Indices (into `docs`) of the training files that are look-alikes of a held-out file (m31r.train.lookalike):
+    renamed forks and partial copies that dedup across the split misses, from which the eval could be answered by
+    memory. Decided after the split, so the held-out files and every other file's fate stay as they were."""
+    from m31r.train.lookalike import lookalikes_of
+
+    train = [i for i, v in enumerate(held_out) if not v]
+    val = [d.text for d, v in zip(docs, held_out, strict=True) if v]
+    return [train[t] for t in lookalikes_of(val, [docs[i].text for i in train], workers)]
+
+
+def lookalike_params() -> dict[str, float]:
+    """The file test's thresholds, for the manifest."""
+    from m31r.train import lookalike
+
+    return {"jaccard": lookalike.JACCARD, "containment": lookalike.CONTAINMENT,
+            "common_files": lookalike.COMMON_FILES, "min_shingles": lookalike.MIN_SHINGLES}
+
+
 def split_key(path: str, crate: str | None) -> str:
     """What decides a file's side: its crate, or its path for files outside any crate."""
     return f"crate:{crate}" if crate else path
@@ -442,6 +466,10 @@ def build_corpus(
     later = [(label, Path(r)) for label, r in train_only_roots]
     docs = select_docs([Path(r) for r in src_roots], max_file_bytes, reasons, workers, later, val_fraction)
     held_out = [is_val(split_key(d.path, d.crate), val_fraction) for d in docs]
+    gone = set(drop_lookalikes(docs, held_out, workers))
+    if gone:
+        reasons[LOOKALIKE] += len(gone)
+        docs, held_out = ([x for i, x in enumerate(xs) if i not in gone] for xs in (docs, held_out))
     train = [d for d, v in zip(docs, held_out, strict=True) if not v]
     val = [d for d, v in zip(docs, held_out, strict=True) if v]
     packages = package_versions() if packages is None else packages
@@ -465,6 +493,7 @@ def build_corpus(
             "minhash_bins": NUM_BINS,
             "lsh_bands": BANDS,
             "shingle_tokens": SHINGLE,
+            "lookalike": lookalike_params(),
         },
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
