@@ -1292,7 +1292,9 @@ async def test_tcp_editors_leave_nothing_behind(tmp_path, daemon):
                                               _inline(URI2, 3, 21)))["result"]
             w.close()
             counts = await left(n)
-    assert len(set(counts)) == 1, counts  # the listener and the connection ending: nothing of the editors before
+    # The listener and the connection ending: nothing of the editors before piles up. (A task of the first session's
+    # may still be finishing when its line is logged, so the count may fall after it; it must never grow.)
+    assert max(counts[1:]) <= counts[0] and counts[-1] == min(counts), counts
     assert len(set(open_files[1:])) <= 1, open_files  # (the first session may open what the process keeps)
     text = log.read_text()
     assert "Traceback" not in text and " ERROR " not in text, text
