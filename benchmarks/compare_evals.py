@@ -105,6 +105,13 @@ DECIDING_SEED = 0
 DECIDING_TOKENS = {"single": 48, "multi": 128}
 
 
+def moves(r: dict) -> tuple[int, float]:
+    """How far the candidate moved the two deciding figures, as reported: exact matches in tasks, edit similarity to
+    three decimals, so a tie is a tie however the digits past the third fall."""
+    s, m = r["single"], r["multi"]
+    return s["gained"] - s["lost"], round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
+
+
 def release_verdict(r: dict) -> dict:
     """Whether `compare`'s result lets the candidate replace the base. The figures are compared as they are
     reported: exact matches in tasks, edit similarity to three decimals, so a tie is a tie however the digits past
@@ -123,9 +130,7 @@ def release_verdict(r: dict) -> dict:
         if s.get("seed") != DECIDING_SEED or s.get("max_new_tokens") != DECIDING_TOKENS:
             return {"wins": False, "why": f"not the deciding draw: the {name} ran with seed {s.get('seed')} and token "
                     f"budgets {s.get('max_new_tokens')}, make eval-large with {DECIDING_SEED} and {DECIDING_TOKENS}"}
-    s, m = r["single"], r["multi"]
-    single = s["gained"] - s["lost"]  # the difference in exact matches, in tasks
-    multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
+    single, multi = moves(r)
     wins = single > 0 and multi > 0
     word = lambda d: "wins" if d > 0 else "ties" if d == 0 else "loses"  # noqa: E731
     return {"wins": wins, "why": f"single-line exact match {word(single)} ({single:+d} tasks), multi-line edit "
@@ -142,9 +147,7 @@ def with_clean(r: dict, clean: dict, leaky_files: int) -> dict:
     draw's counts, so their verdict is the all-task rule applied to them; the release needs both."""
     v = release_verdict(r)
     if v["wins"]:
-        s, m = clean["single"], clean["multi"]
-        single = s["gained"] - s["lost"]
-        multi = round(m["edit_candidate"], 3) - round(m["edit_base"], 3)
+        single, multi = moves(clean)
         if not (single > 0 and multi > 0):
             v = {"wins": False, "why": f"{v['why']}; but on the clean tasks (no file look-alike in training) "
                  f"single-line exact match moves {single:+d} tasks, multi-line edit similarity {multi:+.3f}: the win "
@@ -160,21 +163,15 @@ def table(r: dict) -> str:
     lines += ["",
               "| tasks | exact base | exact cand. | gained / lost | sign-test p | edit base | edit cand. "
               "| edit diff [95%] |", "|---|---|---|---|---|---|---|---|"]
-    for kind in KINDS:
-        if kind in r:
-            k = r[kind]
-            lo, hi = k["edit_diff_95"]
-            lines.append(f"| {kind} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
-                         f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
-                         f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
-    if "clean" in r:
+    for part, label in ((r, ""), (r.get("clean", {}), ", clean")):
         for kind in KINDS:
-            if kind in r["clean"]:
-                k = r["clean"][kind]
+            if kind in part:
+                k = part[kind]
                 lo, hi = k["edit_diff_95"]
-                lines.append(f"| {kind}, clean ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
+                lines.append(f"| {kind}{label} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
                              f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
                              f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    if "clean" in r:
         lines.append(f"(clean: the tasks of files without a look-alike in training; {r['clean']['leaky_files']} "
                      "files have one)")
     v = r["release"]

@@ -121,6 +121,12 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def first_stop(text: str, stop: list[str]) -> int | None:
+    """Where the first of the stop sequences starts in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None
+
+
 def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> tuple[str, str] | None:
     """The typed-through answer to a request with these limits, and its finish reason: `rest` cut after
     `max_tokens` tokens (a partly typed token counts as one), then before the first stop sequence, as the model
@@ -134,8 +140,8 @@ def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float =
         cut = True
         if max_tokens < len(rest.ends):
             text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
-    if hits := [i for i in (text.find(s) for s in stop if s) if i >= 0]:
-        text, reason, cut = text[: min(hits)], "stop", True
+    if (at := first_stop(text, stop)) is not None:
+        text, reason, cut = text[:at], "stop", True
     if rest.finish_reason == "length":
         own_end = max_tokens <= rest.max_tokens
     elif rest.finish_reason == "stop":
@@ -154,8 +160,8 @@ def clip_alternatives(rest: Typed, answer: str, max_tokens: int, stop: list[str]
         return []
     out: list[str] = []
     for a in rest.alternatives:
-        if hits := [i for i in (a.find(s) for s in stop if s) if i >= 0]:
-            a = a[: min(hits)]
+        if (at := first_stop(a, stop)) is not None:
+            a = a[:at]
         if a and a != answer and a not in out:
             out.append(a)
     return out
