@@ -15,6 +15,11 @@ class BundleError(RuntimeError):
     """A bundle that must not be loaded; the message names the file and what is wrong."""
 
 
+# What to do about a bundle whose files are missing or damaged: nothing in it can be repaired in place.
+RESTORE = ("restore the bundle from where it came from (the bundled release/ comes with m31r: reinstall it), or "
+           "serve another (--bundle, or M31R_BUNDLE)")
+
+
 def fingerprint(path: Path) -> str:
     """What identifies a bundle's exact bytes (clients and cache entries key on it): a hash of its checksum file."""
     return hashlib.sha256((Path(path) / CHECKSUM_FILE).read_bytes()).hexdigest()[:16]
@@ -31,7 +36,8 @@ def sha256_file(path: Path) -> str:
 def read_checksums(path: Path) -> dict[str, str]:
     f = path / CHECKSUM_FILE
     if not f.is_file():
-        raise BundleError(f"{f}: missing; a bundle needs {CHECKSUM_FILE} beside {', '.join(CONTENT_FILES)}")
+        raise BundleError(f"{f}: missing; a bundle needs {CHECKSUM_FILE} beside {', '.join(CONTENT_FILES)}: "
+                          f"{RESTORE}")
     sums: dict[str, str] = {}
     for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
         parts = line.split()
@@ -45,10 +51,11 @@ def read_checksums(path: Path) -> dict[str, str]:
 
 def check_present(path: Path) -> None:
     if not path.is_dir():
-        raise BundleError(f"{path}: not a bundle directory")
+        raise BundleError(f"{path}: not a bundle directory (one holding {', '.join(CONTENT_FILES)} and "
+                          f"{CHECKSUM_FILE}): pass one with --bundle, or M31R_BUNDLE")
     for name in (*CONTENT_FILES, CHECKSUM_FILE):
         if not (path / name).is_file():
-            raise BundleError(f"{path / name}: missing from the bundle")
+            raise BundleError(f"{path / name}: missing from the bundle: {RESTORE}")
 
 
 def verify_checksums(path: Path) -> None:
@@ -58,7 +65,7 @@ def verify_checksums(path: Path) -> None:
         if got != expected:
             raise BundleError(
                 f"{path / name}: checksum mismatch (checksum.txt has {expected[:16]}…, the file hashes to "
-                f"{got[:16]}…): the file is corrupt or was modified"
+                f"{got[:16]}…): the file is corrupt or was modified: {RESTORE}"
             )
 
 

@@ -11,6 +11,7 @@ keep its heavy imports inside the function body.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import math
 import os
@@ -99,22 +100,58 @@ def closed_pipe_exit() -> NoReturn:
     sys.exit(CLOSED_PIPE_EXIT)
 
 
+# What writing the output fails with, a closed pipe aside: a full disk or quota, a file past its size limit, a
+# device error. Connecting to the daemon never does.
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def output_failed(e: OSError) -> NoReturn:
+    """stdout cannot take the output (`m31r generate > out.rs` on a full disk): one line and exit 1, not a traceback.
+    stdout is pointed at /dev/null first, so that the interpreter's last flush cannot fail again."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    fail(f"cannot write the output: {e.strerror or e}")
+
+
 class _Main(click.Group):
     """The top-level group: a closed stdout pipe ends any command quietly with CLOSED_PIPE_EXIT (click's own
-    handling would exit 1, like a failure)."""
+    handling would exit 1, like a failure); output that cannot be written is one line."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except BrokenPipeError:
             closed_pipe_exit()
+        except OSError as e:
+            if e.filename is None and e.errno in OUTPUT_ERRNOS:
+                output_failed(e)
+            raise
 
 
 def need_stdout() -> None:
     """Commands whose output is the point refuse to run with stdout closed (`>&-`: sys.stdout is None), before
-    they ask the daemon for anything."""
+    they ask the daemon for anything. They write UTF-8 whatever the locale: Rust source is UTF-8, and a locale's
+    narrower encoding (ISO-8859-1, ASCII) would end a completion with a traceback at its first other character."""
     if sys.stdout is None:
         fail("stdout is closed: there is nowhere to write the output (redirect it to a file or /dev/null instead)")
+    with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper: it takes str as it is
+        sys.stdout.reconfigure(encoding="utf-8")
+
+
+def read_stdin() -> str:
+    """The prompt on stdin, decoded as UTF-8 whatever the locale (as `fim --file` reads its file): the locale's
+    encoding would turn UTF-8 into other characters (ISO-8859-1) or pass bytes that are not UTF-8 on to the
+    daemon as lone surrogates."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        fail("stdin is closed: pass the prompt as an argument, or pipe it on stdin")
+    raw = getattr(sys.stdin, "buffer", None)
+    data = raw.read() if raw is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"stdin is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model completes "
+             "UTF-8 source")
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -400,7 +437,8 @@ def sampling_options(fn: F) -> F:
     return fn
 
 
-def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
+def _run_client(coro_fn: Callable[..., Any], *args: Any, socket_path: Path | None) -> Any:
+    """Run a client coroutine; every way of not reaching the daemon on `socket_path` is one line naming it."""
     import asyncio
 
     from m31r_protocol import DaemonError, DaemonUnavailable
@@ -411,11 +449,45 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any) -> Any:
         cause = e.__cause__  # why the shared connection (m31r_protocol.reconnect) could not be made
         if isinstance(cause, DaemonError):
             fail(f"{cause.code}: {cause.message}")
+        if isinstance(cause, OSError) and not isinstance(cause, DaemonUnavailable):
+            fail(_unreachable(cause, socket_path))
         fail(str(cause or e))
     except DaemonError as e:
         fail(f"{e.code}: {e.message}")
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+async def _connect(socket_path: Path | None) -> Any:
+    """A Client on `socket_path`, without autostart; an OSError of the connect is DaemonUnavailable, said plainly."""
+    from m31r_protocol import Client, DaemonUnavailable
+
+    try:
+        return await Client.connect(socket_path)
+    except DaemonUnavailable:
+        raise
+    except OSError as e:
+        raise DaemonUnavailable(_unreachable(e, socket_path)) from None
+
+
+def _unreachable(e: OSError, socket_path: Path | None) -> str:
+    """What an OSError on the way to the daemon means. A socket's connect names no file (`[Errno 13] Permission
+    denied`), so the socket is named here; an error that names a file (the autostart's log folder) names that."""
+    from m31r_protocol.client import daemon_log_path
+    from m31r_protocol.paths import default_socket_path
+
+    why = e.strerror or str(e)
+    if e.filename is not None:
+        where = Path(os.fsdecode(e.filename))
+        hint = (" (where the daemon's log goes: set XDG_STATE_HOME to a folder you can write to)"
+                if where in (daemon_log_path(), *daemon_log_path().parents[:2]) else "")
+        return f"cannot start the daemon: {where}: {why}{hint}"
+    sock = socket_path or default_socket_path()
+    if isinstance(e, PermissionError):
+        why += " (the socket, or a folder on its path, is not yours to use: another user's daemon?)"
+    elif isinstance(e, NotADirectoryError):
+        why += " (a folder on its path is a file)"
+    return f"cannot connect to the daemon on {sock}: {why}; choose another socket path (--socket, or M31R_SOCKET)"
 
 
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
@@ -510,12 +582,10 @@ def generate(prompt: str, truncate: bool, **opts: Any) -> None:
     """Continue PROMPT (or stdin with `-`), streaming text to stdout."""
     need_stdout()
     if prompt == "-":
-        if sys.stdin is None:  # started with stdin closed (`<&-`)
-            fail("stdin is closed: pass the prompt as an argument, or pipe it on stdin")
-        prompt = sys.stdin.read()
+        prompt = read_stdin()
     if not prompt:
         fail("empty prompt: pass text or pipe it on stdin")
-    _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts)
+    _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts, socket_path=opts["socket_path"])
 
 
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
@@ -568,16 +638,16 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         from m31r_lsp.context import ProjectContext
 
         context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)
-    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document, "context": context}, opts)
+    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document, "context": context}, opts,
+                socket_path=opts["socket_path"])
 
 
 async def _status(socket_path: Path | None) -> None:
     import msgspec
 
-    from m31r_protocol import Client
     from m31r_protocol.blocking import status_json
 
-    async with await Client.connect(socket_path) as client:
+    async with await _connect(socket_path) as client:
         click.echo(status_json(msgspec.to_builtins(await client.status())))
 
 
@@ -586,7 +656,7 @@ async def _status(socket_path: Path | None) -> None:
 def status(socket_path: Path | None) -> None:
     """Print the running daemon's state as JSON (model, device, queue, cache, memory)."""
     need_stdout()
-    _run_client(_status, socket_path)
+    _run_client(_status, socket_path, socket_path=socket_path)
 
 
 STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-flight work and close
@@ -595,9 +665,7 @@ STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-fli
 async def _stop(socket_path: Path | None) -> None:
     import asyncio
 
-    from m31r_protocol import Client
-
-    async with await Client.connect(socket_path) as client:
+    async with await _connect(socket_path) as client:
         await client.shutdown()
         try:
             await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)
@@ -610,7 +678,7 @@ async def _stop(socket_path: Path | None) -> None:
 @socket_option
 def stop(socket_path: Path | None) -> None:
     """Ask the running daemon to finish in-flight work and exit."""
-    _run_client(_stop, socket_path)
+    _run_client(_stop, socket_path, socket_path=socket_path)
     click.echo("daemon stopped", err=True)
 
 

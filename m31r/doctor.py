@@ -162,6 +162,9 @@ def check_socket(ctx: Context) -> Check:
     if why := socket_path_problem(ctx.socket):
         return Check("socket", "fail", why)
     if not os.path.lexists(folder):
+        if why := _cannot_create(folder):
+            return Check("socket", "fail", f"{where}: its folder cannot be created: {why}; choose a socket path in a "
+                                           "folder you can write to (--socket, or M31R_SOCKET)")
         return Check("socket", "ok", f"{where}: its folder does not exist yet; the daemon creates it 0700")
     try:
         check_folder(folder)  # the daemon's own test: ours alone, no group or other bits
@@ -171,6 +174,19 @@ def check_socket(ctx: Context) -> Check:
         return Check("socket", "fail", f"{where} exists and is not a socket: the daemon will not replace it")
     mode = stat.S_IMODE(os.stat(folder).st_mode)
     return Check("socket", "ok", f"{where}: folder owned by you, mode {mode:04o}")
+
+
+def _cannot_create(folder: Path) -> str | None:
+    """Why the daemon could not make `folder` (its nearest existing ancestor is a file, or not writable: a read-only
+    XDG_RUNTIME_DIR, another user's), or None."""
+    parent = folder
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable (a read-only file system, or another user's folder)"
+    return None
 
 
 def check_daemon(ctx: Context) -> Check:
@@ -189,6 +205,8 @@ def check_daemon(ctx: Context) -> Check:
     except (FileNotFoundError, ConnectionRefusedError):
         return Check("daemon", "warn", f"none answers on {ctx.socket}: `m31r generate`, `fim`, `lsp` and `serve` "
                                        "start one on first use")
+    except NotADirectoryError:
+        return Check("daemon", "fail", f"none can listen on {ctx.socket}: a folder on its path is a file")
     except PermissionError as e:
         return Check("daemon", "fail", f"{ctx.socket}: {e.strerror or e}: the socket is not yours to use")
     except TimeoutError:

@@ -39,6 +39,10 @@ def quick_status(socket: str | None) -> bool:
         from m31r.cli import closed_pipe_exit
 
         closed_pipe_exit()
+    except OSError as e:  # `m31r status > file` on a full disk
+        from m31r.cli import output_failed
+
+        output_failed(e)
     return True
 
 

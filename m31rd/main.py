@@ -60,7 +60,14 @@ class DaemonOptions:
 
 
 def run(opts: DaemonOptions) -> int:
-    setup_logging(opts.log_level, opts.log_file)
+    try:
+        setup_logging(opts.log_level, opts.log_file)
+    except OSError as e:  # --log-file in a folder that cannot be made or written: say so, before any socket exists
+        from m31rd.sockets import why_not
+
+        print(f"m31rd: cannot write the log file {opts.log_file}: {why_not(e, opts.log_file)}; choose another "
+              f"--log-file", file=sys.stderr)
+        return 1
     # Before any socket file exists: a client that sees the file and signals must never meet the default handler,
     # which kills the process and leaves the file behind.
     start_up = _StartUp()

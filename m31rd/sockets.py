@@ -82,9 +82,29 @@ def bind_unix(path: Path) -> socket.socket:
     """A listening socket at `path`, created 0600; a stale socket file is replaced, a live one is refused.
 
     A parent folder that does not exist yet is created 0700 (the default one, $XDG_RUNTIME_DIR/m31r, is). One that
-    exists must already be this user's alone (check_folder); its mode is never changed."""
+    exists must already be this user's alone (check_folder); its mode is never changed. A folder that cannot be
+    made or written (a read-only XDG_RUNTIME_DIR, another user's) is an OSError whose message names it and the way
+    out, not errno's few words."""
     if why := socket_path_problem(path):
         raise OSError(why)
+    try:
+        return _bind(path)
+    except OSError as e:  # SocketInUse and UnsafeSocketFolder, RuntimeErrors, say their own
+        raise OSError(f"cannot make the socket {path}: {why_not(e, path)}; choose a socket path in a folder you can "
+                      f"write to (--socket, or M31R_SOCKET)") from None
+
+
+def why_not(e: OSError, target: Path) -> str:
+    """Why `target` (a socket, a log file) or a folder on its way could not be made: the path it failed on where that
+    is another (a folder, the lock file), and for a file where a folder should be, that file."""
+    where = Path(os.fsdecode(e.filename)) if e.filename is not None else target
+    if isinstance(e, FileExistsError | NotADirectoryError):
+        blocker = next((p for p in (where, *where.parents) if os.path.lexists(p) and not p.is_dir()), where)
+        return f"{blocker} is not a folder"
+    return f"{e.strerror or e}" if where == target else f"{where}: {e.strerror or e}"
+
+
+def _bind(path: Path) -> socket.socket:
     try:
         path.parent.mkdir(parents=True, mode=0o700)
         os.chmod(path.parent, 0o700)  # mkdir's mode is masked by the umask

@@ -442,3 +442,25 @@ def test_cli_average_refuses_weights_that_are_not_finite(tiny_config, tmp_path: 
         assert result.exit_code == 1, (weights, result.output)
         assert "weights must be finite, non-negative numbers" in result.stderr and result.stderr.count("\n") == 1
         assert not out.exists()
+
+
+@pytest.mark.parametrize("fault", ["flipped byte", "missing file"])
+def test_a_damaged_bundle_says_what_to_do(bundle_dir: Path, fault: str) -> None:
+    """A flipped byte in model.safetensors or a missing tokenizer.json named the file and the fault but left the
+    user to guess the way out (restore the bundle, or serve another); the daemon's refusal says the same."""
+    if fault == "flipped byte":
+        _flip(bundle_dir / "model.safetensors", 1000)
+        want = f"{bundle_dir / 'model.safetensors'}: checksum mismatch"
+    else:
+        (bundle_dir / "tokenizer.json").unlink()
+        want = f"{bundle_dir / 'tokenizer.json'}: missing from the bundle"
+    how = "restore the bundle from where it came from (the bundled release/ comes with m31r: reinstall it)"
+    verify = subprocess.run([sys.executable, "-m", "m31r.cli", "bundle", "verify", str(bundle_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 1 and verify.stderr.count("\n") == 1, verify.stderr
+    assert want in verify.stderr and how in verify.stderr and "--bundle, or M31R_BUNDLE" in verify.stderr
+    sock = bundle_dir.parent / "run" / "d.sock"
+    daemon = subprocess.run([sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(bundle_dir), "--socket",
+                             str(sock), "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert daemon.returncode == 1 and want in daemon.stderr and how in daemon.stderr, daemon.stderr
+    assert not sock.exists()

@@ -186,3 +186,15 @@ def test_systemd_unquote() -> None:
     assert doctor.systemd_unquote("/plain") == "/plain"
     assert doctor.systemd_unquote("%h/bin/m31r") is None  # a specifier: only systemd knows its value
     assert doctor.systemd_unquote("$HOME/m31r") is None
+
+
+def test_a_socket_folder_that_cannot_be_made_fails(tiny_bundle, tmp_path: Path) -> None:
+    """The socket check said `ok: the daemon creates it 0700` for a folder no daemon could make (its nearest existing
+    ancestor a file, or not writable: a read-only XDG_RUNTIME_DIR)."""
+    (tmp_path / "afile").write_text("")
+    sock = tmp_path / "afile" / "m31r" / "d.sock"
+    code, checks = run_doctor_here(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path))
+    assert code == 1
+    assert checks["socket"]["level"] == "fail", checks["socket"]
+    assert f"its folder cannot be created: {tmp_path / 'afile'} is not a folder" in checks["socket"]["detail"]
+    assert checks["daemon"]["level"] == "fail" and "a folder on its path is a file" in checks["daemon"]["detail"]

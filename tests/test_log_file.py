@@ -43,3 +43,19 @@ def test_the_daemon_writes_its_log_to_the_file(tiny_bundle, tmp_path: Path) -> N
         assert stop_daemon(proc) == 0
     assert json.loads(f.read_text().splitlines()[-1])["msg"] == "stopped"
     assert proc.log_lines == []  # nothing on stderr
+
+
+def test_a_log_file_that_cannot_be_written_is_one_line(tiny_bundle, tmp_path: Path) -> None:
+    """A --log-file whose folder cannot be made (a file in its place; a read-only disk alike) was a traceback from
+    the logging module; now one line names the folder, before any socket exists."""
+    import subprocess
+    import sys
+
+    (tmp_path / "afile").write_text("")
+    log = tmp_path / "afile" / "logs" / "m31rd.log"
+    sock = tmp_path / "run" / "d.sock"
+    proc = subprocess.run([sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--socket",
+                           str(sock), "--log-file", str(log)], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (1, f"m31rd: cannot write the log file {log}: {tmp_path / 'afile'} is "
+                                                 f"not a folder; choose another --log-file\n")
+    assert not sock.parent.exists()

@@ -75,3 +75,15 @@ def test_doctor_fails_the_socket_check_with_the_reason(long_socket: Path) -> Non
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert checks["socket"]["level"] == "fail" and "bytes long" in checks["socket"]["detail"]
     assert checks["daemon"]["level"] == "fail" and "path is too long" in checks["daemon"]["detail"]
+
+
+def test_a_socket_folder_that_cannot_be_made_is_named_with_the_way_out(tmp_path: Path) -> None:
+    """A socket whose folder cannot be made (a file on its path here; a read-only or another user's
+    XDG_RUNTIME_DIR alike) ended the daemon with errno's words alone (`[Errno 20] Not a directory: '...'`)."""
+    (tmp_path / "afile").write_text("")
+    sock = tmp_path / "afile" / "m31r" / "d.sock"
+    proc = subprocess.run([*M31R, "daemon", "--socket", str(sock)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.endswith(f"m31rd: cannot make the socket {sock}: {tmp_path / 'afile'} is not a folder; "
+                                f"choose a socket path in a folder you can write to (--socket, or M31R_SOCKET)\n"), \
+        proc.stderr
