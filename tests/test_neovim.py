@@ -285,7 +285,10 @@ run_case = function(i)
       vim.defer_fn(function()
         local cur = vim.api.nvim_win_get_cursor(0)
         table.insert(out.cases, { before = before, after = text(), item = item, cursor = { cur[1] - 1, cur[2] },
-                                  mode = vim.api.nvim_get_mode().mode, fileformat = vim.bo[buf].fileformat })
+                                  mode = vim.api.nvim_get_mode().mode, fileformat = vim.bo[buf].fileformat,
+                                  completeopt = { global = vim.go.completeopt,
+                                                  buffer = vim.api.nvim_get_option_value("completeopt",
+                                                                                         { buf = buf }) } })
         run_case(i + 1)
       end, 200)
     end)
@@ -305,12 +308,9 @@ end)
 SEED_MULTILINE = 21  # the tiny test model's sampled suggestion on the loop's empty line has two lines with this seed
 
 
-def test_completion_fallback_inserts_the_whole_suggestion(daemon, tmp_path):
-    """Neovim 0.11's fallback (`vim.lsp.completion`, `<C-x><C-o>`) must insert the suggestion the server sent, whole:
-    Neovim makes a plain-text item's word of its text up to the first whitespace (an LSP item is usually a name),
-    which left out all but the first word of a line of code, and on an indented empty line (the suggestion's edit
-    starts at the line start, with the indentation) replaced the indentation with nothing. A multi-line suggestion's
-    other lines come once it is accepted with <C-y> (a menu item has one line)."""
+def run_keys(daemon: Path, tmp_path: Path, cases: list[dict]) -> list[dict]:
+    """KEYS_SCRIPT's cases in one headless Neovim with the plugin, on the loop's body of RUST (and of a CRLF copy of
+    it); each case's buffer before and after, the item, the cursor and mode after its keys, and 'completeopt'."""
     src = tmp_path / "proj" / "src"
     src.mkdir(parents=True)
     (tmp_path / "proj" / "Cargo.toml").write_text('[package]\nname = "t"\n')
@@ -320,18 +320,10 @@ def test_completion_fallback_inserts_the_whole_suggestion(daemon, tmp_path):
     crlf.write_bytes(RUST.replace("\n", "\r\n").encode())
     row = RUST.splitlines().index("    for word in text.split_whitespace() {") + 2  # the loop's body
     out = tmp_path / "out.json"
-    cases = [
-        # Neovim's default 'completeopt': the only item is inserted at once, nothing to accept
-        {"line": "        ", "completeopt": "menu,popup", "accept": "", "seed": 11},  # an indented empty line
-        {"line": "        let n = wo", "completeopt": "menu,popup", "accept": "", "seed": 11},  # after a word
-        # a menu even for one item, accepted with <C-y>; this seed's suggestion has several lines
-        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE},
-        # the same in a CRLF file: Neovim sends its text with "\r\n", and so does the server its suggestion
-        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE,
-         "file": str(crlf)},
-    ]
     for case in cases:
         case.update(row=row, sampling={"temperature": 1.0, "seed": case.pop("seed")})
+        if case.pop("crlf", False):
+            case["file"] = str(crlf)
     cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
            "settings": {"minProbability": 0, "debounceMode": "fixed", "debounceMs": 0, "multiline": "always"},
            "file": str(file), "out": str(out), "cases": cases}
@@ -346,22 +338,61 @@ def test_completion_fallback_inserts_the_whole_suggestion(daemon, tmp_path):
     assert res.get("err") is None, res
     assert res["omnifunc"] == "v:lua.vim.lsp.omnifunc"
     assert len(res["cases"]) == len(cases)
-    for n, case in enumerate(res["cases"]):
-        before, item = case["before"], case["item"]
-        edit = item["textEdit"]
-        start = offset_of(before, edit["range"]["start"]["line"], edit["range"]["start"]["character"], "utf-8")
-        end = offset_of(before, edit["range"]["end"]["line"], edit["range"]["end"]["character"], "utf-8")
-        new = edit["newText"]
-        print(n, repr(new))
-        if case["fileformat"] == "dos":  # Neovim's lines have no line breaks: the suggestion's lines, without "\r"
-            assert "\r\n" in new, case
-            new = new.replace("\r\n", "\n")
-        assert new.strip() and (" " in new.strip() or n == 0), case  # text after a space, or indentation
-        want = before[:start] + new + before[end:]
-        assert case["after"] == want, case
-        # the cursor after the suggestion, still in insert mode
-        line = want[: start + len(new)].count("\n")
-        col = len(want[: start + len(new)].rpartition("\n")[2].encode())
-        assert case["cursor"] == [line, col] and case["mode"].startswith("i"), case
-    assert "\n" in res["cases"][2]["item"]["textEdit"]["newText"]
-    assert [c["fileformat"] for c in res["cases"]] == ["unix", "unix", "unix", "dos"]
+    return res["cases"]
+
+
+def check_whole_suggestion(n: int, case: dict) -> str:
+    """The buffer after the case is the buffer before it with the item's edit applied, whole, and the cursor is after
+    the suggestion, in insert mode. Returns the suggestion (with "\n" line breaks)."""
+    before, item = case["before"], case["item"]
+    edit = item["textEdit"]
+    start = offset_of(before, edit["range"]["start"]["line"], edit["range"]["start"]["character"], "utf-8")
+    end = offset_of(before, edit["range"]["end"]["line"], edit["range"]["end"]["character"], "utf-8")
+    new = edit["newText"]
+    print(n, repr(new))
+    if case["fileformat"] == "dos":  # Neovim's lines have no line breaks: the suggestion's lines, without "\r"
+        assert "\r\n" in new, case
+        new = new.replace("\r\n", "\n")
+    assert new.strip() and (" " in new.strip() or n == 0), case  # text after a space, or indentation
+    want = before[:start] + new + before[end:]
+    assert case["after"] == want, case
+    line = want[: start + len(new)].count("\n")
+    col = len(want[: start + len(new)].rpartition("\n")[2].encode())
+    assert case["cursor"] == [line, col] and case["mode"].startswith("i"), case
+    return new
+
+
+def test_completion_fallback_inserts_the_whole_suggestion(daemon, tmp_path):
+    """Neovim 0.11's fallback (`vim.lsp.completion`, `<C-x><C-o>`) must insert the suggestion the server sent, whole:
+    Neovim makes a plain-text item's word of its text up to the first whitespace (an LSP item is usually a name),
+    which left out all but the first word of a line of code, and on an indented empty line (the suggestion's edit
+    starts at the line start, with the indentation) replaced the indentation with nothing. A multi-line suggestion's
+    other lines come once it is accepted with <C-y> (a menu item has one line)."""
+    cases = [
+        # Neovim's default 'completeopt': the only item is inserted at once (in a menu: the plugin adds "menuone")
+        {"line": "        ", "completeopt": "menu,popup", "accept": "", "seed": 11},  # an indented empty line
+        {"line": "        let n = wo", "completeopt": "menu,popup", "accept": "", "seed": 11},  # after a word
+        # nothing inserted before <C-y>; this seed's suggestion has several lines
+        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE},
+        # the same in a CRLF file: Neovim sends its text with "\r\n", and so does the server its suggestion
+        {"line": "        ", "completeopt": "menuone,noinsert", "accept": "<C-y>", "seed": SEED_MULTILINE,
+         "crlf": True},
+    ]
+    done = run_keys(daemon, tmp_path, cases)
+    for n, case in enumerate(done):
+        check_whole_suggestion(n, case)
+    assert "\n" in done[2]["item"]["textEdit"]["newText"]
+    assert [c["fileformat"] for c in done] == ["unix", "unix", "unix", "dos"]
+
+
+def test_fallback_with_default_completeopt_accepts_every_line(daemon, tmp_path):
+    """With Neovim's default 'completeopt' ("menu,popup", no "menuone") the only match was inserted with no menu:
+    a multi-line suggestion got its first line only, and <C-y> (no menu to accept from) then also typed the
+    character above the cursor. The plugin adds "menuone" to the buffer's own 'completeopt' (the global value stays
+    the user's, and a later `:set completeopt=…` keeps it there): a menu shows the suggestion, <C-y> inserts all of
+    it."""
+    cases = [{"line": "        ", "completeopt": "menu,popup", "accept": "<C-y>", "seed": SEED_MULTILINE},
+             {"line": "        ", "completeopt": "menu,popup", "accept": "<C-y>", "seed": SEED_MULTILINE, "crlf": True}]
+    for n, case in enumerate(run_keys(daemon, tmp_path, cases)):
+        assert "\n" in check_whole_suggestion(n, case), case
+        assert case["completeopt"] == {"global": "menu,popup", "buffer": "menu,popup,menuone"}, case

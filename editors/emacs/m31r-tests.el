@@ -51,15 +51,19 @@
 
 (ert-deftest m31r-mode-line-strings ()
   (let ((m31r-status nil) (m31r-enable t))
-    (should (equal (m31r-mode-line) ""))
+    (cl-letf (((symbol-function 'm31r--running-p) (lambda () t)))
+      (should (equal (m31r-mode-line) ""))
+      (m31r--set-status "ready" "tiny" 41.6)
+      (should (equal (m31r-mode-line) "M31R 42ms"))
+      (m31r--set-status "starting" nil nil)
+      (should (equal (m31r-mode-line) "M31R starting"))
+      (m31r--set-status "unavailable" nil nil)
+      (should (equal (m31r-mode-line) "M31R unavailable"))
+      (let ((m31r-enable nil))
+        (should (equal (m31r-mode-line) "M31R off"))))
+    ;; the last status of a server that has exited since
     (m31r--set-status "ready" "tiny" 41.6)
-    (should (equal (m31r-mode-line) "M31R 42ms"))
-    (m31r--set-status "starting" nil nil)
-    (should (equal (m31r-mode-line) "M31R starting"))
-    (m31r--set-status "unavailable" nil nil)
-    (should (equal (m31r-mode-line) "M31R unavailable"))
-    (let ((m31r-enable nil))
-      (should (equal (m31r-mode-line) "M31R off")))))
+    (should (equal (m31r-mode-line) ""))))
 
 (ert-deftest m31r-json-getter ()
   (let ((h (make-hash-table :test 'equal)))
@@ -156,7 +160,11 @@
               (should (equal (beams-is nil) nil)))
             (m31r-toggle -1)
             (m31r-toggle 1)
-            (eglot-shutdown server)))))))
+            (dotimes (_ 50) (unless m31r-status (accept-process-output nil 0.1)))
+            (should (string-prefix-p "M31R" (m31r-mode-line)))
+            (eglot-shutdown server)
+            ;; no server: the mode line no longer shows the exited one's status
+            (should (equal (m31r-mode-line) ""))))))))
 
 (provide 'm31r-tests)
 ;;; m31r-tests.el ends here

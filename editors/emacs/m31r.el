@@ -152,9 +152,11 @@ Empty (or nil) stays \"\": the default socket."
   (force-mode-line-update t))
 
 (defun m31r-mode-line ()
-  "Short status text, e.g. for `global-mode-string'."
+  "Short status text, e.g. for `global-mode-string'.
+Empty while no M31R server runs: `m31r-status' is the last status of a
+server that may have exited since."
   (cond ((not m31r-enable) "M31R off")
-        ((null m31r-status) "")
+        ((or (null m31r-status) (not (m31r--running-p))) "")
         (t (let ((state (plist-get m31r-status :state))
                  (latency (plist-get m31r-status :lastLatencyMs)))
              (pcase state
@@ -208,6 +210,14 @@ Defined here so that this file compiles without lsp-mode."
     (cl-remove-if-not
      (lambda (ws) (eq (lsp--client-server-id (lsp--workspace-client ws)) 'm31r))
      (lsp--session-workspaces (lsp-session)))))
+
+(defvar lsp--session)
+
+(defun m31r--running-p ()
+  "Non-nil while an M31R server runs under eglot or lsp-mode."
+  (or (m31r--eglot-servers)
+      ;; Only a session lsp-mode has loaded: `lsp-session' would read the session file.
+      (and (bound-and-true-p lsp--session) (m31r--lsp-workspaces))))
 
 (defun m31r-push-settings ()
   "Send the current settings to every running M31R server."

@@ -227,6 +227,20 @@ else
     elseif vim.lsp.completion then
       -- 0.11: vim.lsp.completion.enable() was called; omnifunc is the LSP one.
       assert(vim.bo.omnifunc == "v:lua.vim.lsp.omnifunc", "omnifunc: " .. vim.bo.omnifunc)
+      -- a menu even for one suggestion (<C-y> accepts all its lines): "menuone" in the buffer's own 'completeopt'
+      local function cot()
+        return { vim.go.completeopt, vim.api.nvim_get_option_value("completeopt", { buf = 0 }) }
+      end
+      local global = vim.go.completeopt
+      eq(cot(), { global, global .. ",menuone" }, "'completeopt' on attach")
+      vim.cmd("setglobal completeopt=menu,noinsert")
+      eq(cot(), { "menu,noinsert", "menu,noinsert,menuone" }, "after :setglobal")
+      vim.cmd("setlocal completeopt=longest")
+      eq(cot(), { "menu,noinsert", "longest,menuone" }, "after :setlocal")
+      vim.cmd("set completeopt=menuone,noselect")
+      eq(cot(), { "menuone,noselect", "menuone,noselect" }, "after :set, with menuone")
+      vim.o.completeopt = global
+      eq(cot(), { global, global .. ",menuone" }, "after :set, without menuone")
     end
   end)
 

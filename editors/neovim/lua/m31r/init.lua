@@ -49,6 +49,7 @@ M.defaults = {
   completion = {
     enabled = true,
     autotrigger = false, -- 0.11+: pop up on the server's trigger characters
+    menuone = true, -- 0.11+: add "menuone" to the buffer's own 'completeopt', so a single suggestion gets a menu
   },
   on_attach = nil, -- function(client, bufnr)
   capabilities = nil, -- extra client capabilities, deep-merged
@@ -291,6 +292,43 @@ local function complete_rest(bufnr)
   })
 end
 
+-- Buffers served by the vim.lsp.completion fallback, whose own 'completeopt' holds "menuone".
+local menuone_bufs = {}
+
+local function cot_flags(value)
+  return vim.split(value, ",", { plain = true, trimempty = true })
+end
+
+-- Without "menuone" the only match is inserted with no menu, so there is nothing to accept with <C-y>, and only a
+-- multi-line suggestion's first line lands. 'completeopt' is global-local from 0.11 on: the buffer's own value is the
+-- user's (their local value, else the global one) plus "menuone"; the global value is left alone. `:set cot=…` clears
+-- local values, so this runs again on every change of the option.
+local function ensure_menuone(bufnr)
+  if not vim.api.nvim_buf_is_valid(bufnr) then
+    menuone_bufs[bufnr] = nil
+    return
+  end
+  local own = vim.api.nvim_get_option_value("completeopt", { buf = bufnr })
+  local base = (own == "" or own == vim.b[bufnr].m31r_completeopt) and vim.go.completeopt or own
+  local flags = cot_flags(base)
+  if not vim.tbl_contains(flags, "menuone") then
+    table.insert(flags, "menuone")
+  end
+  local value = table.concat(flags, ",")
+  vim.b[bufnr].m31r_completeopt = value
+  if value ~= own then
+    vim.api.nvim_set_option_value("completeopt", value, { buf = bufnr })
+  end
+end
+
+local function setup_menuone(bufnr)
+  if not M.config.completion.menuone or not has_011 then
+    return -- 0.10: 'completeopt' is global only
+  end
+  menuone_bufs[bufnr] = true
+  ensure_menuone(bufnr)
+end
+
 local function on_attach(client, bufnr)
   local cfg = M.config
   local inline_ok = cfg.inline.enabled
@@ -308,6 +346,7 @@ local function on_attach(client, bufnr)
         { autotrigger = cfg.completion.autotrigger, convert = convert_item }
       )
       complete_rest(bufnr)
+      setup_menuone(bufnr)
     else
       -- 0.10: <C-x><C-o> through the LSP omnifunc.
       vim.bo[bufnr].omnifunc = "v:lua.vim.lsp.omnifunc"
@@ -510,6 +549,18 @@ function M.setup(opts)
     callback = function(args)
       if cfg.filetypes == nil and vim.bo[args.buf].filetype == "" then
         M.attach(args.buf)
+      end
+    end,
+  })
+
+  menuone_bufs = {} -- attached again below, with this setup's `completion.menuone`
+  vim.api.nvim_create_autocmd("OptionSet", {
+    group = group,
+    pattern = "completeopt",
+    desc = "M31R: keep \"menuone\" in 'completeopt' of the buffers with the completion fallback",
+    callback = function()
+      for buf in pairs(menuone_bufs) do
+        ensure_menuone(buf)
       end
     end,
   })
