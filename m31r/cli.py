@@ -458,36 +458,18 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any, socket_path: Path | Non
         sys.exit(130)
 
 
-async def _connect(socket_path: Path | None) -> Any:
-    """A Client on `socket_path`, without autostart; an OSError of the connect is DaemonUnavailable, said plainly."""
-    from m31r_protocol import Client, DaemonUnavailable
-
-    try:
-        return await Client.connect(socket_path)
-    except DaemonUnavailable:
-        raise
-    except OSError as e:
-        raise DaemonUnavailable(_unreachable(e, socket_path)) from None
-
-
 def _unreachable(e: OSError, socket_path: Path | None) -> str:
-    """What an OSError on the way to the daemon means. A socket's connect names no file (`[Errno 13] Permission
-    denied`), so the socket is named here; an error that names a file (the autostart's log folder) names that."""
-    from m31r_protocol.client import daemon_log_path
+    """What an OSError on the way to the daemon means: one naming a file is the autostart's (its log folder);
+    one of the socket's connect is worded as every client words it."""
+    from m31r_protocol.client import daemon_log_path, unreachable
     from m31r_protocol.paths import default_socket_path
 
-    why = e.strerror or str(e)
     if e.filename is not None:
         where = Path(os.fsdecode(e.filename))
         hint = (" (where the daemon's log goes: set XDG_STATE_HOME to a folder you can write to)"
                 if where in (daemon_log_path(), *daemon_log_path().parents[:2]) else "")
-        return f"cannot start the daemon: {where}: {why}{hint}"
-    sock = socket_path or default_socket_path()
-    if isinstance(e, PermissionError):
-        why += " (the socket, or a folder on its path, is not yours to use: another user's daemon?)"
-    elif isinstance(e, NotADirectoryError):
-        why += " (a folder on its path is a file)"
-    return f"cannot connect to the daemon on {sock}: {why}; choose another socket path (--socket, or M31R_SOCKET)"
+        return f"cannot start the daemon: {where}: {e.strerror or e}{hint}"
+    return unreachable(e, Path(socket_path or default_socket_path()))
 
 
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
@@ -645,9 +627,10 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
 async def _status(socket_path: Path | None) -> None:
     import msgspec
 
+    from m31r_protocol import Client
     from m31r_protocol.blocking import status_json
 
-    async with await _connect(socket_path) as client:
+    async with await Client.connect(socket_path) as client:
         click.echo(status_json(msgspec.to_builtins(await client.status())))
 
 
@@ -665,7 +648,9 @@ STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-fli
 async def _stop(socket_path: Path | None) -> None:
     import asyncio
 
-    async with await _connect(socket_path) as client:
+    from m31r_protocol import Client
+
+    async with await Client.connect(socket_path) as client:
         await client.shutdown()
         try:
             await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)

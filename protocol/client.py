@@ -79,6 +79,11 @@ class SocketPathTooLong(DaemonUnavailable):
     """The socket's path is longer than a Unix socket's path may be: no daemon can answer there, nor be started."""
 
 
+class SocketUnreachable(DaemonUnavailable):
+    """The socket cannot be reached for a reason a started daemon would not mend (a file where a folder should be,
+    another user's folder): said with the path, and never answered with an autostart."""
+
+
 class Stream:
     """One request's events: iterate for Token events; `done` is set when it ends normally."""
 
@@ -159,6 +164,8 @@ class Client:
                 body = await read_frame(reader)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
             raise DaemonUnavailable(f"no daemon answers on {path}: {e.__class__.__name__}") from None
+        except OSError as e:  # a connect's error names no file: name the socket, and what the error means here
+            raise SocketUnreachable(unreachable(e, path)) from None
         except asyncio.IncompleteReadError:
             raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake") from None
         if body is None:
@@ -315,6 +322,16 @@ class Client:
 DAEMON_COMMAND = ("-m", "m31r.cli", "daemon")
 
 
+def unreachable(e: OSError, path: Path) -> str:
+    """Why the socket at `path` cannot be connected to, with the way out."""
+    why = e.strerror or str(e)
+    if isinstance(e, PermissionError):
+        why += " (the socket, or a folder on its path, is not yours to use: another user's daemon?)"
+    elif isinstance(e, NotADirectoryError):
+        why += " (a folder on its path is a file)"
+    return f"cannot connect to the daemon on {path}: {why}; choose another socket path (--socket, or M31R_SOCKET)"
+
+
 def daemon_log_path() -> Path:
     return state_dir() / "m31rd.log"
 
@@ -326,6 +343,16 @@ def rotate_log(log: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         if log.stat().st_size > LOG_FILE_BYTES:
             os.replace(log, log.with_name(log.name + ".1"))
+
+
+def _log_since(log: Path, start: int) -> str:
+    """The log's text from byte `start` on ('' where the log is gone or shorter, as after another start rotated it)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 async def connect_or_start(
@@ -346,7 +373,7 @@ async def connect_or_start(
     path = Path(path or default_socket_path())
     try:
         return await Client.connect(path, client=client)
-    except SocketPathTooLong:
+    except (SocketPathTooLong, SocketUnreachable):
         raise  # a daemon started there could not listen either
     except DaemonUnavailable:
         if not autostart:
@@ -358,6 +385,7 @@ async def connect_or_start(
         progress(f"starting the m31r daemon… (socket {path}, log {log})")
     cmd = [*(daemon_command or [sys.executable, *DAEMON_COMMAND]), "--socket", str(path), *(daemon_args or [])]
     with open(log, "ab") as logf:
+        start = logf.tell()  # what this start writes follows: earlier daemons' lines are not its reasons
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     t0 = time.monotonic()
@@ -371,6 +399,6 @@ async def connect_or_start(
                 # Another client may have won the race to start it: its daemon is then the one to use.
                 with contextlib.suppress(DaemonUnavailable):
                     return await Client.connect(path, client=client)
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                tail = _log_since(log, start).strip().splitlines()[-3:] or ["(it wrote nothing to its log)"]
                 raise DaemonUnavailable(f"the daemon exited with code {proc.returncode}: {' / '.join(tail)}") from None
     raise DaemonUnavailable(f"the daemon did not become ready within {timeout:.0f}s (log: {log})")

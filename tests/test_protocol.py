@@ -625,3 +625,42 @@ async def test_an_autostart_rotates_a_grown_log(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(DaemonUnavailable):
         await connect_or_start(sock, daemon_command=fake, timeout=30)
     assert log.read_text() == "fake daemon up\n" * 2 and (log.parent / "m31rd.log.1").read_text() == old
+
+
+async def test_a_failed_autostart_quotes_only_its_own_log_lines(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log is shared by every autostarted daemon: a start that fails quotes what it wrote, never an earlier
+    daemon's last words (a checksum mismatch fixed since would read as this start's reason)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    from m31r_protocol.client import daemon_log_path
+
+    log = daemon_log_path()
+    log.parent.mkdir(parents=True)
+    log.write_text("an earlier daemon: model.safetensors: checksum mismatch\nserved 3 requests\nstopped\n")
+    sock = tmp_path / "s" / "d.sock"
+    fake = [sys.executable, "-c", "import sys; print('tokenizer.json is missing'); sys.exit(3)"]
+    with pytest.raises(DaemonUnavailable) as info:
+        await connect_or_start(sock, daemon_command=fake, timeout=30)
+    assert str(info.value) == "the daemon exited with code 3: tokenizer.json is missing"
+    silent = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    with pytest.raises(DaemonUnavailable) as info:
+        await connect_or_start(sock, daemon_command=silent, timeout=30)
+    assert str(info.value) == "the daemon exited with code 4: (it wrote nothing to its log)"
+
+
+async def test_a_socket_that_cannot_be_reached_is_named_and_not_autostarted(tmp_path: Path) -> None:
+    """A connect error no daemon would mend (here a file where the socket's folder should be) is SocketUnreachable
+    naming the socket and why, for every front end, and connect_or_start starts no daemon for it."""
+    from m31r_protocol.client import SocketUnreachable, unreachable
+
+    (tmp_path / "afile").write_text("")
+    sock = tmp_path / "afile" / "d.sock"
+    started = tmp_path / "started"
+    marker = [sys.executable, "-c", f"open({str(started)!r}, 'w').close()"]
+    with pytest.raises(SocketUnreachable) as info:
+        await connect_or_start(sock, daemon_command=marker, timeout=5)
+    assert str(info.value) == (f"cannot connect to the daemon on {sock}: Not a directory (a folder on its path is a "
+                               "file); choose another socket path (--socket, or M31R_SOCKET)")
+    assert not started.exists()
+    # Another user's folder (root cannot be refused one, so the wording is checked on the error itself):
+    assert "not yours to use" in unreachable(PermissionError(13, "Permission denied"), sock)
