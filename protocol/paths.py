@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -13,9 +14,15 @@ MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
 
 
 def runtime_dir() -> Path:
-    """$XDG_RUNTIME_DIR/m31r, else a per-user folder in the temp dir (macOS, minimal containers)."""
+    """$XDG_RUNTIME_DIR/m31r, else a per-user folder in the temp dir (macOS, minimal containers). A runtime dir that
+    is not this user's (`su` keeps the first user's) is not used: the daemon could not make its folder there, and
+    every client and daemon of one user, deciding alike, still agree on the path."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base):
+    try:
+        st = os.stat(base) if base else None
+    except OSError:
+        st = None
+    if base and st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
         return Path(base) / "m31r"
     import tempfile  # ~8 ms to import: only where there is no runtime dir (`m31r status` counts milliseconds)
 

@@ -664,3 +664,27 @@ async def test_a_socket_that_cannot_be_reached_is_named_and_not_autostarted(tmp_
     assert not started.exists()
     # Another user's folder (root cannot be refused one, so the wording is checked on the error itself):
     assert "not yours to use" in unreachable(PermissionError(13, "Permission denied"), sock)
+
+
+def test_a_runtime_dir_of_another_user_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `su`, XDG_RUNTIME_DIR still names the first user's folder, where this user can make nothing: the default
+    socket then goes where it goes without one, for daemon and clients alike (both call runtime_dir)."""
+    import tempfile
+
+    from m31r_protocol.paths import default_socket_path, runtime_dir
+
+    monkeypatch.delenv("M31R_SOCKET", raising=False)
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(ours))
+    assert runtime_dir() == ours / "m31r" and default_socket_path() == ours / "m31r" / "m31rd.sock"
+    if os.geteuid() == 0:  # root can give a folder away; anyone else finds one of root's
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+    else:
+        theirs = Path("/")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(theirs))
+    assert runtime_dir() == Path(tempfile.gettempdir()) / f"m31r-{os.getuid()}"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "missing"))
+    assert runtime_dir() == Path(tempfile.gettempdir()) / f"m31r-{os.getuid()}"
