@@ -7,7 +7,8 @@
 - An optional bearer token, read from a file only its owner can read (mode 0600 or stricter).
 - A request's body must arrive within --body-timeout of its headers (408 past it, the connection closed): uvicorn
   waits for a body as long as the client likes, so one that trickles its body, or stops mid-way, would otherwise
-  hold its connection and task for good. (Uvicorn has no timeout for headers either; that one is not covered.)
+  hold its connection and task for good. (Uvicorn has no timeout for headers either: connection.py adds one,
+  --header-timeout.)
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a large source file; the daemon's own frame
 DEFAULT_MAX_TOKENS_CAP = 512
 DEFAULT_REQUEST_TIMEOUT = 60.0  # from a request's body being in to its answer's end: the daemon's work (504 past it)
 DEFAULT_BODY_TIMEOUT = 30.0  # from a request's headers to its body being in (408 past it)
+DEFAULT_HEADER_TIMEOUT = 10.0  # from a connection's start, or its last answer's end, to a request's headers being in
 MAX_CONNECTIONS = 512  # uvicorn answers 503 beyond this many concurrent connections
 
 
@@ -72,14 +73,16 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (), token_file: str | Path | None = None, max_body: int = DEFAULT_MAX_BODY,
         max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT, log_level: str = "info") -> int:
+        body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM. ValueError (before binding) for a bad configuration."""
     from m31r_http.security import load_token
 
     loopback = check_bind(host, allow_remote)
     token = load_token(token_file) if token_file is not None else None
-    if max_body < 1 or max_tokens_cap < 1 or request_timeout <= 0 or body_timeout <= 0:
-        raise ValueError("--max-body, --max-tokens-cap, --request-timeout and --body-timeout must be positive")
+    if max_body < 1 or max_tokens_cap < 1 or min(request_timeout, body_timeout, header_timeout) <= 0:
+        raise ValueError("--max-body, --max-tokens-cap, --request-timeout, --body-timeout and --header-timeout must "
+                         "be positive")
     hosts = list(allowed_hosts)
     if not loopback:
         if host not in ("0.0.0.0", "::", ""):
@@ -91,6 +94,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
     import uvicorn
 
     from m31r_http.app import ServeSettings, create_app
+    from m31r_http.connection import with_header_timeout
 
     setup_logging(log_level)
     settings = ServeSettings(socket=socket, autostart=autostart, bundle=bundle, allowed_hosts=tuple(hosts),
@@ -102,7 +106,9 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
+    # http: uvicorn's h11 protocol with a deadline for request headers (uvicorn has none; connection.py)
     config = uvicorn.Config(create_app(settings), host=host, port=port, loop=loop, lifespan="on",
+                            http=with_header_timeout(header_timeout),
                             log_level=log_level, log_config=None, access_log=False, server_header=False,
                             limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
     socks = listen(host, port)

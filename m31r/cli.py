@@ -950,12 +950,17 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds a client has to send a request's body after its headers (408 past it, and the connection "
                    "is closed), so that a client trickling its body cannot hold a connection for good.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a client has to send a request's headers, from its connection's start or the previous "
+                   "answer's end (408 past it if the client had begun, and the connection is closed), so that a "
+                   "client trickling its headers cannot hold a connection for good.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @user_errors
 def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, allowed_hosts: tuple[str, ...],
           cors_origins: tuple[str, ...], token_file: Path | None, no_autostart: bool, bundle_dir: Path | None,
-          max_body: int, max_tokens_cap: int, request_timeout: float, body_timeout: float, log_level: str) -> None:
+          max_body: int, max_tokens_cap: int, request_timeout: float, body_timeout: float, header_timeout: float,
+          log_level: str) -> None:
     """Serve the model over HTTP on localhost: /generate, /completion, /fim, OpenAI's /v1/completions, Ollama's
     /api/generate."""
     from m31r_http.server import run
@@ -966,7 +971,7 @@ def serve(host: str, port: int, socket_path: Path | None, allow_remote: bool, al
     sys.exit(run(host, port, socket_path, autostart=not no_autostart, bundle=bundle, allow_remote=allow_remote,
                  allowed_hosts=allowed_hosts, cors_origins=cors_origins, token_file=token_file, max_body=max_body,
                  max_tokens_cap=max_tokens_cap, request_timeout=request_timeout, body_timeout=body_timeout,
-                 log_level=log_level))
+                 header_timeout=header_timeout, log_level=log_level))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Slow clients on `m31r serve`: a request body that trickles in, or stops mid-way, is answered 408 once
 --body-timeout has passed since its headers, the connection closed, while other clients are served; a large body
 that arrives promptly, and an answer that takes longer than the body timeout (streamed or not), are untouched.
+Likewise request headers that trickle in (on a new connection or a kept-alive one) are answered 408 once
+--header-timeout has passed, and a connection that sends nothing is closed.
 
 The real server in front of the shared real daemon, driven by raw sockets (what a slow client is) and httpx; the
 one test of a long answer uses the stalled daemon of test_http, since the tiny model answers in milliseconds.
@@ -22,11 +24,13 @@ from m31r_protocol import messages as pm
 pytestmark = pytest.mark.timeout(120)
 
 BODY_TIMEOUT = 0.5
+HEADER_TIMEOUT = 0.5
 
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("slow"), shared_daemon[1], "--body-timeout", str(BODY_TIMEOUT))
+    srv = Server(tmp_path_factory.mktemp("slow"), shared_daemon[1], "--body-timeout", str(BODY_TIMEOUT),
+                 "--header-timeout", str(HEADER_TIMEOUT))
     try:
         srv.wait_healthy()
         yield srv
@@ -148,11 +152,11 @@ def test_large_body_arriving_promptly_is_served(server):
 
 
 def test_answers_that_outlive_the_body_timeout_are_not_cut(tmp_path):
-    """Once the body is in, the body timeout no longer applies: an answer still open past it (a daemon that sends
-    one token and then nothing) ends at the request timeout, streamed (the token, then the timeout's error event)
-    or not (504), rather than being cut at the body timeout."""
+    """Once the body is in, the body timeout (and the header timeout) no longer applies: an answer still open past
+    it (a daemon that sends one token and then nothing) ends at the request timeout, streamed (the token, then the
+    timeout's error event) or not (504), rather than being cut at the body timeout."""
     stalled = StalledDaemon(tmp_path / "stalled.sock", answer=lambda req: pm.Token(id=req.id, text="x", token=120))
-    srv = Server(tmp_path, stalled.path, "--request-timeout", "1.5", "--body-timeout", "0.3")
+    srv = Server(tmp_path, stalled.path, "--request-timeout", "1.5", "--body-timeout", "0.3", "--header-timeout", "0.3")
     try:
         t0 = time.monotonic()
         r = httpx.post(f"{srv.url}/generate", json={"prompt": "fn", "stream": True}, timeout=30)
@@ -184,3 +188,56 @@ def test_a_client_leaving_mid_body_is_a_line_of_log_not_an_error(server):
     lines = [json.loads(x) for x in server.log.read_text()[len(before):].splitlines() if x.startswith("{")]
     assert not [x for x in lines if x.get("level") == "error" or "Traceback" in json.dumps(x)], lines
     assert any(x.get("msg") == "request" and x.get("status") == 499 for x in lines), lines
+
+
+@pytest.mark.parametrize("kept_alive", [False, True])
+def test_slow_headers_get_408_and_others_are_served(server, kept_alive):
+    """A header block trickled a byte every 0.1 s (each wait well within the timeout) and never finished, on a new
+    connection or after a first request answered on it: 408 at the header timeout, the connection closed, while
+    another connection is served meanwhile and afterwards."""
+    conn = socket.create_connection(("127.0.0.1", server.port))
+    conn.settimeout(10)
+    if kept_alive:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        status, headers, _ = read_response(conn)
+        assert status == 200 and headers.get("connection") != "close"
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def drip() -> None:
+        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 1000:
+            if stop.wait(0.1):
+                return
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:  # the server closed the connection
+                return
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    try:
+        completion_ok(server)  # served while the slow headers are pending
+        status, headers, body = read_response(conn)
+        elapsed = time.monotonic() - t0
+        assert status == 408, body
+        assert HEADER_TIMEOUT * 0.9 < elapsed < HEADER_TIMEOUT + 5
+        assert headers["connection"] == "close" and headers["content-type"] == "application/json"
+        error = json.loads(body)["error"]
+        assert error["code"] == "timeout" and error["type"] == "invalid_request_error"
+        assert f"within {HEADER_TIMEOUT:g}s" in error["message"] and "--header-timeout" in error["message"]
+        assert closed(conn)
+    finally:
+        stop.set()
+        conn.close()
+    completion_ok(server)
+    assert "request headers did not arrive within" in server.log.read_text()
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_an_answer(server):
+    """A connection that never starts a request is closed at the header timeout, with no answer: nobody asked."""
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        t0 = time.monotonic()
+        conn.settimeout(HEADER_TIMEOUT + 5)
+        assert conn.recv(65536) == b""  # EOF, no 408
+        assert HEADER_TIMEOUT * 0.9 < time.monotonic() - t0 < HEADER_TIMEOUT + 5
+    completion_ok(server)
