@@ -580,8 +580,11 @@ class Daemon:
             known = isinstance(e, ValueError | OSError | BundleError)
             self.load_error = str(e) if known else f"{type(e).__name__}: {e}"
             log.error("cannot load the model: %s", self.load_error)
+            # `shutting_down`, not `internal` (a bug, after which the daemon keeps serving): the daemon stops now,
+            # and a bundle that cannot load is not the daemon's bug (the message says what to do about it).
             for conn, req, _ in waiting:
-                conn.send(m.Error(id=req.id, code="internal", message=f"cannot load the model: {self.load_error}"))
+                conn.send(m.Error(id=req.id, code="shutting_down",
+                                  message=f"cannot load the model: {self.load_error}"))
             return self.request_stop("cannot load the model")
         self.loaded = True
         for conn, req, received in waiting:

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import msgspec
 
@@ -345,14 +345,12 @@ def rotate_log(log: Path) -> None:
             os.replace(log, log.with_name(log.name + ".1"))
 
 
-def _log_since(log: Path, start: int) -> str:
-    """The log's text from byte `start` on ('' where the log is gone or shorter, as after another start rotated it)."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(start)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+def _why_it_exited(own: BinaryIO) -> str:
+    """What a daemon that exited at start-up wrote to the log from `own`'s position on: its `m31rd: ` line (the
+    reason, said once: the JSON log line before it says the same), else its last 3 lines (a traceback's end)."""
+    lines = own.read().decode(errors="replace").strip().splitlines()
+    said = [line.removeprefix("m31rd: ") for line in lines if line.startswith("m31rd: ")]
+    return said[-1] if said else " / ".join(lines[-3:]) or "(it wrote nothing to its log)"
 
 
 async def connect_or_start(
@@ -384,10 +382,18 @@ async def connect_or_start(
     if progress:
         progress(f"starting the m31r daemon… (socket {path}, log {log})")
     cmd = [*(daemon_command or [sys.executable, *DAEMON_COMMAND]), "--socket", str(path), *(daemon_args or [])]
-    with open(log, "ab") as logf:
-        start = logf.tell()  # what this start writes follows: earlier daemons' lines are not its reasons
+    # `own` reads what this start writes, from the log's end now on: earlier daemons' lines are not its reasons, and
+    # it reads the same file should another start move the log to LOG.1 meanwhile.
+    with open(log, "ab") as logf, open(log, "rb") as own:
+        own.seek(logf.tell())
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return await _await_start(proc, own, path, client, timeout, log)
+
+
+async def _await_start(proc: subprocess.Popen, own: BinaryIO, path: Path, client: str, timeout: float,
+                       log: Path) -> Client:
+    """The started daemon's client once it answers; if it exits first, DaemonUnavailable with what it wrote."""
     t0 = time.monotonic()
     while (left := timeout - (time.monotonic() - t0)) > 0:
         await asyncio.sleep(0.1)
@@ -399,6 +405,6 @@ async def connect_or_start(
                 # Another client may have won the race to start it: its daemon is then the one to use.
                 with contextlib.suppress(DaemonUnavailable):
                     return await Client.connect(path, client=client)
-                tail = _log_since(log, start).strip().splitlines()[-3:] or ["(it wrote nothing to its log)"]
-                raise DaemonUnavailable(f"the daemon exited with code {proc.returncode}: {' / '.join(tail)}") from None
+                why = _why_it_exited(own)
+                raise DaemonUnavailable(f"the daemon exited with code {proc.returncode}: {why}") from None
     raise DaemonUnavailable(f"the daemon did not become ready within {timeout:.0f}s (log: {log})")

@@ -25,7 +25,7 @@ ErrorCode = Literal[
     "busy",  # the request queue is full; retry later
     "context_overflow",  # prompt + max_tokens exceed the model's context and truncation was not asked for
     "cancelled",  # Cancel, client disconnect, or superseded by a newer Fim for the same document
-    "shutting_down",  # the daemon is stopping and takes no new work
+    "shutting_down",  # the daemon is stopping and takes no new work (or its model failed to load: the message says)
     "internal",  # a bug: the daemon logs it and keeps serving
 ]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
