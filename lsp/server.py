@@ -333,7 +333,9 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
         raw = params.settings
         if settings_mod.section(raw) is None and get_capability(ls.client_capabilities,
                                                                  "workspace.configuration", False):
-            # A "something changed" notification without values (the pull model): ask for our section.
+            # A "something changed" notification without values (the pull model): ask for our section, after saying
+            # what was wrong with a section that was there.
+            ls.log_problems(settings_mod.misshapen(raw))
             try:
                 async with asyncio.timeout(5):
                     values = await ls.workspace_configuration_async(

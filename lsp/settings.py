@@ -2,7 +2,8 @@
 
 Both may carry the keys directly or under an "m31r" section (`{"m31r": {...}}`); didChangeConfiguration's
 `settings` usually holds the whole configuration tree, of which only "m31r" is read. A bad value is
-reported and the previous value kept; unknown keys are reported and ignored. An empty or null `socket` or `bundle`
+reported and the previous value kept (Infinity and NaN too, which Python's JSON reader accepts); unknown keys are
+reported and ignored, and so is an "m31r" section that is not an object. An empty or null `socket` or `bundle`
 means the server's default (`m31r lsp --socket` / `--bundle`, else the built-in one), and a leading `~` in either is
 the home folder.
 """
@@ -10,6 +11,7 @@ the home folder.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +58,8 @@ def _bool(v: Any) -> bool:
 
 def _int_range(lo: int, hi: int):
     def check(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+        # (JSON as Python reads it may hold Infinity and NaN, which int() refuses with another error)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v != int(v):
             raise ValueError("expected an integer")
         if not lo <= int(v) <= hi:
             raise ValueError(f"expected {lo}..{hi}")
@@ -130,6 +133,16 @@ FIELDS: dict[str, tuple[str, Any]] = {
 }
 
 
+def misshapen(raw: Any) -> list[str]:
+    """A message for a payload whose "m31r" section is there but not an object of settings (`{"m31r": 75}`), which
+    `section` passes over as it does a payload without ours; [] for any other payload."""
+    inner = raw.get("m31r") if isinstance(raw, dict) else None
+    if inner is None or isinstance(inner, dict):
+        return []
+    return [f"m31r: expected an object of settings such as {{\"debounceMs\": 75}} (got {inner!r}); "
+            "keeping the current settings"]
+
+
 def section(raw: Any) -> dict | None:
     """The m31r settings in an initializationOptions / didChangeConfiguration payload, or None if absent."""
     if raw is None:
@@ -153,7 +166,7 @@ def apply(current: EditorSettings, raw: Any,
     defaults = defaults or EditorSettings()
     data = section(raw)
     if data is None:
-        return current, []
+        return current, misshapen(raw)
     changes: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in data.items():
