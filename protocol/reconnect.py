@@ -5,6 +5,10 @@ One connection serves every request (the protocol multiplexes them by id). It is
 remade after the daemon goes away. A failed attempt backs off before the next: 0.25 s, doubling, up to 30 s with
 autostart (a failing autostart loads a model each time) and 2 s without (a failed connect costs nothing).
 
+A connection that ends within BRIEF_S of being made, twice in a row, counts as a failed attempt too: a daemon whose
+model cannot load (a damaged bundle) answers the handshake and then exits, and without this every next request would
+start another one, importing torch and hashing the weights again.
+
 `get(wait)` never blocks a request for long: it gives the client, or raises Unavailable (with a retry-after hint)
 once `wait` seconds pass while a connection or a daemon start is still under way, or at once while the back-off runs.
 """
@@ -26,6 +30,7 @@ from m31r_protocol.client import Client, DaemonError, DaemonUnavailable, connect
 from m31r_protocol.messages import StatusReply, Welcome
 
 STARTING, READY, UNAVAILABLE = "starting", "ready", "unavailable"
+BRIEF_S = 5.0  # a connection that ends sooner than this after it was made did not really serve
 # A library's logger: silent unless the program configures it (the front ends pass their own).
 logging.getLogger("m31r_protocol.link").addHandler(logging.NullHandler())
 
@@ -70,6 +75,8 @@ class DaemonLink:
         self._client: Client | None = None
         self._connecting: asyncio.Task[Client | None] | None = None
         self._failures = 0
+        self._brief = 0  # connections in a row that ended within BRIEF_S
+        self._connected_at = 0.0
         self._retry_at = 0.0
         self._error = "not connected yet"
         self._failure: BaseException | None = None  # the last attempt's error
@@ -127,7 +134,7 @@ class DaemonLink:
                 timeout=cfg.start_timeout, progress=self.progress)
         except (DaemonUnavailable, DaemonError, OSError) as e:
             self._failures += 1
-            self._retry_at = time.monotonic() + min(cfg.backoff_cap, 0.25 * 2 ** min(self._failures - 1, 8))
+            self._retry_at = time.monotonic() + self._backoff()
             self._error, self._failure = str(e), e
             self.log.warning("daemon unavailable: %s", e)
             self._set_state(UNAVAILABLE, str(e))
@@ -135,7 +142,8 @@ class DaemonLink:
         if self.config is not cfg:  # reconfigured meanwhile: this connection is for the old settings
             await self._close(client)
             return None
-        self._failures, self._retry_at, self._failure = 0, 0.0, None
+        self._retry_at, self._failure = 0.0, None  # _failures is cleared by a connection that lasts (_drop)
+        self._connected_at = time.monotonic()
         self._client, self.welcome = client, client.welcome
         self.connects += 1
         self.log.info("connected to the daemon", extra={"fields": {"model": client.welcome.model,
@@ -147,6 +155,10 @@ class DaemonLink:
         self._set_state(READY)
         return client
 
+    def _backoff(self) -> float:
+        """Seconds before the next attempt after the `_failures`-th failure in a row."""
+        return min(self.config.backoff_cap, 0.25 * 2 ** min(self._failures - 1, 8))
+
     async def _watch(self, client: Client) -> None:
         await client.closed.wait()
         if self._client is client:
@@ -156,6 +168,13 @@ class DaemonLink:
         if self._client is client:
             self._client = None
             self._error = reason
+            if time.monotonic() - self._connected_at < BRIEF_S:
+                self._brief += 1
+            else:
+                self._brief = self._failures = 0
+            if self._brief >= 2:  # a daemon that welcomes and goes, again: wait as after a failed attempt
+                self._failures += 1
+                self._retry_at = time.monotonic() + self._backoff()
             self.log.warning("%s", reason)
             self._set_state(UNAVAILABLE, reason)
         task = asyncio.ensure_future(self._close(client))

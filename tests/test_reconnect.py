@@ -4,6 +4,7 @@ against a fake daemon on a real socket (test_lsp.py and test_http.py check it ag
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,39 @@ async def test_a_closed_connection_is_noticed(sock: Path) -> None:
         await asyncio.wait_for(client.closed.wait(), 5)
         await asyncio.sleep(0)
         assert link.state == UNAVAILABLE and "closed the connection" in link.last_error
+        await link.close()
+
+
+async def test_a_daemon_that_welcomes_and_goes_again_and_again_is_backed_off(sock: Path) -> None:
+    """A daemon whose model cannot load answers the handshake, then exits: the second such brief connection in a row
+    waits out a back-off as a failed attempt does, growing, instead of starting a daemon (loading torch, hashing the
+    weights) for every request; one brief loss alone is not backed off (a daemon restarted by hand)."""
+    async def welcome_then_hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from test_protocol import WELCOME, send
+
+        await send(writer, WELCOME)
+
+    async with FakeDaemon(sock, welcome_then_hang_up) as daemon:
+        link = DaemonLink(link_config(sock, autostart=False), client_name="test")
+
+        async def connect_and_lose() -> None:
+            client = await link.get(5)
+            await asyncio.wait_for(client.closed.wait(), 5)
+            await asyncio.sleep(0)
+            assert not link.connected
+
+        await connect_and_lose()
+        await connect_and_lose()  # the first brief loss is not backed off
+        assert len(daemon.hellos) == 2
+        with pytest.raises(Unavailable, match="closed the connection"):  # the second in a row is
+            await link.get(5)
+        first_wait = link._retry_at - time.monotonic()
+        assert 0 < first_wait <= 0.25 and len(daemon.hellos) == 2
+        await asyncio.sleep(first_wait + 0.05)
+        await connect_and_lose()
+        with pytest.raises(Unavailable):
+            await link.get(5)
+        assert 0.25 < link._retry_at - time.monotonic() <= 0.5 and len(daemon.hellos) == 3  # and it grows
         await link.close()
 
 
