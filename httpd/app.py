@@ -824,8 +824,11 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
                    token=settings.token, max_body=settings.max_body, body_timeout=settings.body_timeout),
     ]
     if settings.cors_origins:
+        # An allowed origin is trusted: any request header (client libraries add their own, such as the OpenAI JS
+        # SDK's x-stainless-*, and a preflight naming one not listed would fail), and Chrome's Private Network Access
+        # preflight (a public page asking for localhost) is granted, since naming the origin is the user's consent.
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                                     allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+                                     allow_methods=["GET", "POST"], allow_headers=["*"], allow_private_network=True,
                                      expose_headers=["retry-after", "x-m31r-ignored-options"], max_age=600))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request,

@@ -9,6 +9,8 @@ never gets an answer that quietly ignores what it asked for.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -365,11 +367,52 @@ def _integral(obj: Any) -> Any:
     return obj
 
 
+def _beyond_float(obj: Any, path: str = "") -> str | None:
+    """The path ("options.temperature", "context[0].x") of the first number in `obj` no float holds (Python's json
+    reads one as ±inf), or None."""
+    if isinstance(obj, float) and math.isinf(obj):
+        return path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if (found := _beyond_float(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")) is not None:
+            return found
+    return None
+
+
+def _out_of_range(body: bytes) -> InvalidRequest:
+    """A number past a 64-bit float's range, named by its field: msgspec, reading JSON with no type, says only
+    `$[...]`, which is no field."""
+    try:
+        path = _beyond_float(json.loads(body)) or ""
+        param = path[1:] if path.startswith(".") else None  # (a field's: a body that is no object has none)
+    except (ValueError, RecursionError):
+        param = None
+    return InvalidRequest(f"{param + ': ' if param else ''}the number is out of range (a JSON number here must fit a "
+                          "64-bit float, up to about 1.8e308)", param)
+
+
+TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) recurse once per level: no request
+# field nests more than three deep
+
+
+def _parse(body: bytes) -> Any:
+    """`body`'s JSON, untyped, or InvalidRequest."""
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)
+        raise _out_of_range(body) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
+    except RecursionError:
+        raise InvalidRequest(TOO_DEEP, None, "too_deep") from None
+
+
 def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None) -> Any:
     """`body` as a `type_`, or InvalidRequest whose message and `param` name the offending field (`refusals`:
     why a field is refused, put before the validation error)."""
+    raw = _parse(body)
     try:
-        return msgspec.convert(_integral(msgspec.json.decode(body)), type_)
+        return msgspec.convert(_integral(raw), type_)
     except msgspec.ValidationError as e:
         text = str(e)
         m = _AT.search(text)
@@ -380,11 +423,8 @@ def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None
         if refusals and top in refusals:
             text = f"{refusals[top]} ({text})"
         raise InvalidRequest(text, param) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
     except RecursionError:
-        # msgspec (and _integral) recurse once per level: no request field nests more than three deep.
-        raise InvalidRequest("the body's JSON is nested too deeply", None, "too_deep") from None
+        raise InvalidRequest(TOO_DEEP, None, "too_deep") from None
 
 
 # -- OpenAPI ------------------------------------------------------------------------------------------------

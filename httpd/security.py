@@ -95,17 +95,24 @@ def error_body(status: int, code: str, message: str) -> bytes:
     return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind)))
 
 
+def error_body_for(path: str, status: int, code: str, message: str) -> bytes:
+    """An error in the shape the path's clients read (as app._error_for chooses it): Ollama's under /api/, else
+    OpenAI's."""
+    return (msgspec.json.encode({"error": message}) if path.startswith(OLLAMA_PREFIX)
+            else error_body(status, code, message))
+
+
 async def send_error(send: Send, path: str, status: int, code: str, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """An error before routing, in the shape the path's clients read (as app._error_for chooses it)."""
-    body = (msgspec.json.encode({"error": message}) if path.startswith(OLLAMA_PREFIX)
-            else error_body(status, code, message))
+    """An error before routing, in the shape the path's clients read."""
+    body = error_body_for(path, status, code, message)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
 CLOSE = (b"connection", b"close")
+CLOSED_BY_SERVER = "m31r.closed_by_server"  # scope key: why the server closed a connection whose body was pending
 
 
 class BodyTimeout(Exception):
@@ -207,5 +214,7 @@ class GuardMiddleware:
         except ClientDisconnect:  # the client left before its body was in: nobody to answer, nothing went wrong
             if started:
                 raise
+            if CLOSED_BY_SERVER in scope:  # (connection.py closed it for room, with a 408, and said so)
+                return
             log.info("a client closed its connection before sending all of its request's body (%s %s)",
                      scope.get("method"), scope["path"])

@@ -594,6 +594,22 @@ def test_400_bad_json(http):
         assert r.status_code == 400 and r.json()["error"]["code"] in ("bad_json", "invalid")
 
 
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/generate", b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -1E999}', "temperature"),
+    ("/fim", b'{"prefix": "x", "context": [{"text": "a"}, {"text": 1e309}]}', "context[1].text"),
+    ("/completion", b'[2e308]', None),
+])
+def test_a_number_past_a_float_names_its_field(http, path, raw, param):
+    """A number no 64-bit float holds is a 400 naming its field; msgspec (reading untyped JSON) says `$[...]`, which
+    was passed on as the message and as `param: "[...]"`."""
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid" and err["param"] == param and "[...]" not in err["message"]
+    assert "out of range" in err["message"] and err["message"].startswith(f"{param}: " if param else "the number")
+
+
 @pytest.mark.parametrize("path", ["/generate", "/fim", "/completion", "/v1/completions"])
 def test_deeply_nested_json_is_a_400(http, path):
     """JSON nested thousands deep used to be a RecursionError: a bare text 500."""
@@ -809,6 +825,23 @@ def test_token_and_cors_allow_list(daemon, tmp_path):
             "origin": origin, "access-control-request-method": "POST",
             "access-control-request-headers": "authorization, content-type"})
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+        # A browser app on the OpenAI JS SDK names its own headers; Chrome asks a public page's access to localhost
+        # (Private Network Access). Both preflights pass for an allowed origin, and the evil one's still fail.
+        sdk = "content-type, authorization, x-stainless-os, x-stainless-lang, x-stainless-retry-count"
+        for extra in ({"access-control-request-headers": sdk}, {"access-control-request-private-network": "true"}):
+            pre = httpx.options(f"{srv.url}/v1/completions", headers={
+                "origin": origin, "access-control-request-method": "POST", **extra})
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin, pre.text
+            pre = httpx.options(f"{srv.url}/v1/completions", headers={
+                "origin": "http://evil.example", "access-control-request-method": "POST", **extra})
+            assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+        pre = httpx.options(f"{srv.url}/v1/completions", headers={
+            "origin": origin, "access-control-request-method": "POST", "access-control-request-headers": sdk})
+        assert {h.strip() for h in sdk.split(",")} <= {
+            h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+        assert httpx.options(f"{srv.url}/v1/completions", headers={
+            "origin": origin, "access-control-request-method": "POST",
+            "access-control-request-private-network": "true"}).headers["access-control-allow-private-network"] == "true"
         r = httpx.post(f"{srv.url}/generate", json={"prompt": "fn", "max_tokens": 2},
                        headers={"origin": origin, **auth})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from test_http import Server, StalledDaemon, sse_events
 
+from m31r_http.server import MAX_CONNECTIONS
 from m31r_protocol import messages as pm
 
 pytestmark = pytest.mark.timeout(120)
@@ -230,7 +231,7 @@ def test_slow_headers_get_408_and_others_are_served(server, kept_alive):
         stop.set()
         conn.close()
     completion_ok(server)
-    assert "request headers did not arrive within" in server.log.read_text()
+    assert "headers did not arrive within" in server.log.read_text()
 
 
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer(server):
@@ -241,3 +242,52 @@ def test_a_connection_that_sends_nothing_is_closed_without_an_answer(server):
         assert conn.recv(65536) == b""  # EOF, no 408
         assert HEADER_TIMEOUT * 0.9 < time.monotonic() - t0 < HEADER_TIMEOUT + 5
     completion_ok(server)
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_waiting_connections_make_room_at_the_connection_limit(shared_daemon, tmp_path, phase):
+    """MAX_CONNECTIONS + 8 connections that each send part of a header block (or whole headers and part of a body)
+    and wait, well within the timeouts, do not have other clients answered uvicorn's 503: each connection opened at
+    the limit closes the one that has waited longest for its client (an idle kept-alive one just goes, a begun one
+    gets a 408 in its path's error shape), and the newest waiters, and connections being answered, are left alone."""
+    srv = Server(tmp_path, shared_daemon[1], "--header-timeout", "60", "--body-timeout", "60")
+    start = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a" if phase == "headers" else
+             b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 100\r\n\r\n{\"model\": \"m31r\", ")
+    conns: list[socket.socket] = []
+    try:
+        srv.wait_healthy()
+        idle = socket.create_connection(("127.0.0.1", srv.port))
+        idle.settimeout(10)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_response(idle)[0] == 200  # then kept alive, waiting for a next request
+        for _ in range(MAX_CONNECTIONS + 8):
+            conn = socket.create_connection(("127.0.0.1", srv.port))
+            conn.sendall(start)
+            conns.append(conn)
+        with httpx.Client(timeout=30) as client:  # a fresh connection per request, as the waiters fill the server
+            for _ in range(3):
+                r = client.get(f"{srv.url}/health", headers={"connection": "close"})
+                assert r.status_code == 200, r.text
+                r = client.post(f"{srv.url}/v1/completions", json={"prompt": "fn", "max_tokens": 2},
+                                headers={"connection": "close"})
+                assert r.status_code == 200, r.text
+        assert closed(idle) and idle.recv(10) == b""
+        conns[0].settimeout(10)
+        status, headers, body = read_response(conns[0])
+        assert status == 408 and headers["connection"] == "close", body
+        error = json.loads(body)["error"]
+        message = error["message"] if phase == "headers" else error  # OpenAI's shape; Ollama's under /api/
+        assert f"request's {phase} {'were' if phase == 'headers' else 'was'} not all in" in message
+        assert "connection limit" in message
+        assert closed(conns[0])
+        conns[-1].setblocking(False)
+        with pytest.raises(BlockingIOError):  # the newest waiter: still open, nothing sent to it
+            conns[-1].recv(10)
+        log = srv.log.read_text()
+        assert log.count("connections are open (near the limit)") == 1, log[-3000:]  # one warning, not one per close
+        assert "a client closed its connection" not in log  # the server closed those, and said so
+    finally:
+        for conn in conns:
+            conn.close()
+        srv.stop()

@@ -265,6 +265,13 @@ def test_bad_json_unknown_paths_deep_nesting(http):
     assert http.get("/api/generate").status_code == 405
 
 
+def test_a_number_past_a_float_names_its_option(http):
+    """Not msgspec's `$[...][...]`, which names nothing."""
+    r = http.post("/api/generate", content=b'{"model": "m31r", "prompt": "fn", "options": {"temperature": 1e999}}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"].startswith("options.temperature: the number is out of range")
+
+
 def test_no_daemon_is_a_503(tmp_path):
     srv = Server(tmp_path, tmp_path / "none.sock")  # --no-autostart, and nothing listens there
     try:
