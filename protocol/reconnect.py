@@ -5,9 +5,9 @@ One connection serves every request (the protocol multiplexes them by id). It is
 remade after the daemon goes away. A failed attempt backs off before the next: 0.25 s, doubling, up to 30 s with
 autostart (a failing autostart loads a model each time) and 2 s without (a failed connect costs nothing).
 
-A connection that ends within BRIEF_S of being made, twice in a row, counts as a failed attempt too: a daemon whose
-model cannot load (a damaged bundle) answers the handshake and then exits, and without this every next request would
-start another one, importing torch and hashing the weights again.
+A connection the daemon closes within BRIEF_S of being made, twice in a row, counts as a failed attempt too: a
+daemon whose model cannot load (a damaged bundle) answers the handshake and then exits, and without this every next
+request would start another one, importing torch and hashing the weights again.
 
 `get(wait)` never blocks a request for long: it gives the client, or raises Unavailable (with a retry-after hint)
 once `wait` seconds pass while a connection or a daemon start is still under way, or at once while the back-off runs.
@@ -108,7 +108,7 @@ class DaemonLink:
             assert self._client is not None
             return self._client
         if self._client is not None:
-            self._drop(self._client, "the daemon closed the connection")
+            self._drop(self._client, "the daemon closed the connection", by_daemon=True)
         if self._connecting is None or self._connecting.done():
             remaining = self._retry_at - time.monotonic()
             if remaining > 0:
@@ -162,19 +162,20 @@ class DaemonLink:
     async def _watch(self, client: Client) -> None:
         await client.closed.wait()
         if self._client is client:
-            self._drop(client, "the daemon closed the connection")
+            self._drop(client, "the daemon closed the connection", by_daemon=True)
 
-    def _drop(self, client: Client, reason: str) -> None:
+    def _drop(self, client: Client, reason: str, by_daemon: bool = False) -> None:
+        """Forget `client`; `by_daemon`: the daemon closed it (a brief connection then counts, see the module doc)."""
         if self._client is client:
             self._client = None
             self._error = reason
-            if time.monotonic() - self._connected_at < BRIEF_S:
+            if by_daemon and time.monotonic() - self._connected_at < BRIEF_S:
                 self._brief += 1
-            else:
+                if self._brief >= 2:  # a daemon that welcomes and goes, again: wait as after a failed attempt
+                    self._failures += 1
+                    self._retry_at = time.monotonic() + self._backoff()
+            elif by_daemon:
                 self._brief = self._failures = 0
-            if self._brief >= 2:  # a daemon that welcomes and goes, again: wait as after a failed attempt
-                self._failures += 1
-                self._retry_at = time.monotonic() + self._backoff()
             self.log.warning("%s", reason)
             self._set_state(UNAVAILABLE, reason)
         task = asyncio.ensure_future(self._close(client))
