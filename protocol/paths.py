@@ -18,15 +18,19 @@ def runtime_dir() -> Path:
     is not this user's (`su` keeps the first user's) is not used: the daemon could not make its folder there, and
     every client and daemon of one user, deciding alike, still agree on the path."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    try:
-        st = os.stat(base) if base else None
-    except OSError:
-        st = None
-    if base and st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+    if base and _own_folder(base):
         return Path(base) / "m31r"
     import tempfile  # ~8 ms to import: only where there is no runtime dir (`m31r status` counts milliseconds)
 
     return Path(tempfile.gettempdir()) / f"m31r-{os.getuid()}"
+
+
+def _own_folder(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def default_socket_path() -> Path:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_service import GATED_TORCH  # the daemon with `import torch` held until a file exists
 
 from m31r_protocol import DaemonError, DaemonUnavailable
 from m31r_protocol.client import Client, connect_or_start, daemon_log_path
@@ -52,34 +53,6 @@ async def test_a_failed_autostart_reads_its_reason_after_the_log_is_moved(tmp_pa
     with pytest.raises(DaemonUnavailable) as info:
         await connect_or_start(tmp_path / "run" / "d.sock", daemon_command=[sys.executable, "-c", moves], timeout=30)
     assert str(info.value) == "the daemon exited with code 1: cannot listen: the reason"
-
-
-# The daemon with torch's import held until a file exists: requests sent meanwhile wait for the model, whatever the
-# speed of the machine.
-GATED_TORCH = """
-import importlib.machinery, sys, time
-from pathlib import Path
-gate = Path(sys.argv.pop(1))
-class HoldTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        real = spec.loader
-        class Held:
-            def create_module(self, spec):
-                return real.create_module(spec)
-            def exec_module(self, module):
-                while not gate.exists():
-                    time.sleep(0.01)
-                real.exec_module(module)
-        spec.loader = Held()
-        return spec
-sys.meta_path.insert(0, HoldTorch())
-from m31r.cli import main
-sys.argv[0] = "m31r"
-main()
-"""
 
 
 async def _connect_when_listening(sock: Path, proc: subprocess.Popen, timeout: float = 30.0) -> Client:

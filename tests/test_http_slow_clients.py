@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -54,6 +55,17 @@ def read_response(conn: socket.socket) -> tuple[int, dict[str, str], bytes]:
         assert chunk, "connection closed mid-body"
         body += chunk
     return int(status_line.split()[1]), headers, body
+
+
+def read_408(conn: socket.socket, t0: float, limit: float) -> Any:
+    """The 408 a deadline of `limit` seconds from `t0` answers on `conn`, on time, closing the connection, as JSON:
+    its "error" (OpenAI's object, or Ollama's string)."""
+    status, headers, body = read_response(conn)
+    elapsed = time.monotonic() - t0
+    assert status == 408, body
+    assert limit * 0.9 < elapsed < limit + 5
+    assert headers["connection"] == "close" and headers["content-type"] == "application/json"
+    return json.loads(body)["error"]
 
 
 def closed(conn: socket.socket, timeout: float = 5.0) -> bool:
@@ -105,12 +117,7 @@ def test_slow_body_gets_408_and_others_are_served(server, path, trickle):
     try:
         completion_ok(server)  # served while the slow body is pending
         conn.settimeout(10)
-        status, headers, body = read_response(conn)
-        elapsed = time.monotonic() - t0
-        assert status == 408, body
-        assert BODY_TIMEOUT * 0.9 < elapsed < BODY_TIMEOUT + 5
-        assert headers["connection"] == "close" and headers["content-type"] == "application/json"
-        message = json.loads(body)["error"]
+        message = read_408(conn, t0, BODY_TIMEOUT)
         if path.startswith("/api/"):  # Ollama's shape
             assert isinstance(message, str)
         else:  # OpenAI's
@@ -218,12 +225,7 @@ def test_slow_headers_get_408_and_others_are_served(server, kept_alive):
     dripper.start()
     try:
         completion_ok(server)  # served while the slow headers are pending
-        status, headers, body = read_response(conn)
-        elapsed = time.monotonic() - t0
-        assert status == 408, body
-        assert HEADER_TIMEOUT * 0.9 < elapsed < HEADER_TIMEOUT + 5
-        assert headers["connection"] == "close" and headers["content-type"] == "application/json"
-        error = json.loads(body)["error"]
+        error = read_408(conn, t0, HEADER_TIMEOUT)
         assert error["code"] == "timeout" and error["type"] == "invalid_request_error"
         assert f"within {HEADER_TIMEOUT:g}s" in error["message"] and "--header-timeout" in error["message"]
         assert closed(conn)
