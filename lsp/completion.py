@@ -30,6 +30,18 @@ from m31r_protocol.reconnect import Unavailable
 
 log = logging.getLogger("m31r_lsp.completion")
 
+# What of a document a Fim carries. The daemon refuses a prompt over its --max-prompt-chars (2 Mi characters by
+# default): a larger document got no completion at all, and a smaller one cost a copy of the whole text per keystroke,
+# where the daemon keeps a context's worth of tokens around the cursor. No token spans more characters than it has
+# bytes, at most CHARS_PER_TOKEN (the bundled tokenizer's longest token: 64 bytes), so that many characters per token
+# of context on either side hold everything the daemon would keep; MAX_SIDE_CHARS bounds it for models of long
+# contexts, three sides' worth (lines above, the cursor's line, the text after it) staying well under 2 Mi.
+CHARS_PER_TOKEN = 64
+MAX_SIDE_CHARS = 1 << 18
+LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of it
+# Where str.splitlines (the daemon's line split) breaks lines; "\r\n" is one break.
+_SPLITLINES_BREAKS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
 
 @dataclass(frozen=True)
 class Result:
@@ -192,7 +204,10 @@ class Completer:
             self.stats["unavailable"] += 1
             return None
         kwargs = plan.fim_kwargs()
-        kwargs["prefix"], kwargs["suffix"] = scrub(plan.prefix), scrub(plan.suffix)
+        prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context)
+        if (prefix, suffix) != (plan.prefix, plan.suffix):
+            self.stats["text_cut"] += 1
+        kwargs["prefix"], kwargs["suffix"] = scrub(prefix), scrub(suffix)
         kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context // 2)
         # The daemon stops once the floor below has decided what is shown (Fim.min_probability): the same suggestion,
         # without the tokens it would cut.
@@ -291,7 +306,8 @@ class Completer:
         context = await self._context(uri, plan.prefix, s)  # the same head as the request it warms for
         stream = None
         try:
-            stream = await client.fim(scrub(plan.prefix), scrub(plan.suffix), document=scrub(uri), max_tokens=1,
+            prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context)
+            stream = await client.fim(scrub(prefix), scrub(suffix), document=scrub(uri), max_tokens=1,
                                       stop=plan.stop, context=context)
             self.stats["warm_requests"] += 1
             await stream.collect()
@@ -330,3 +346,47 @@ async def _cancel_stream(stream) -> None:
         async with asyncio.timeout(10):
             async for _ in stream:
                 pass
+
+
+def sent_text(prefix: str, suffix: str, max_context: int) -> tuple[str, str]:
+    """The prefix and suffix a Fim carries: each side cut to what the daemon could keep of it, the lines above the
+    cursor at a line whose index in the document is a multiple of LINE_STEP, as the daemon's own cut is. The prompt
+    is then the one the whole text gives (the daemon keeps fewer characters than were sent), in a document of any
+    size."""
+    limit = min(CHARS_PER_TOKEN * max(1, max_context), MAX_SIDE_CHARS)
+    if len(prefix) > limit:
+        cut = prefix.rfind("\n") + 1  # the daemon's split: the lines above, and the cursor's line up to the cursor
+        prefix = _lines_above(prefix[:cut], limit) + _line_end(prefix[cut:], limit)
+    return prefix, suffix[:limit]
+
+
+def _line_end(line: str, limit: int) -> str:
+    """The end of the cursor's line (up to the cursor) in at most `limit` characters, cut at a multiple of half of it
+    from the line's start: typing moves the cut once in limit/2 keystrokes, so the daemon still sees each new prefix
+    extend the last one (its typed-through answers) on a line longer than the limit."""
+    step = max(1, limit // 2)
+    over = len(line) - limit
+    return line if over <= 0 else line[-(-over // step) * step :]
+
+
+def _breaks(s: str) -> int:
+    """How many lines str.splitlines ends in `s` (fast on megabytes: no list of lines)."""
+    return sum(s.count(c) for c in _SPLITLINES_BREAKS) - s.count("\r\n")
+
+
+def _lines_above(above: str, limit: int) -> str:
+    """The last whole lines of `above` (text ending with a line break) that fit `limit` characters, from a line whose
+    index in `above` is a multiple of LINE_STEP: the daemon counts its blocks of lines from the first line it is sent,
+    so dropping whole blocks keeps them."""
+    at = len(above) - limit
+    if at <= 0:
+        return above
+    if above[at - 1] == "\r" and above[at] == "\n":  # not between the two characters of one line break
+        at += 1
+    head, tail = above[:at], above[at:]
+    index = _breaks(head)  # the line holding tail's first character
+    lines = tail.splitlines(keepends=True)
+    if not head.endswith(_SPLITLINES_BREAKS):  # tail starts inside that line: its first whole line is the next one
+        lines, index = lines[1:], index + 1
+    skip = -index % LINE_STEP  # lines to the next multiple of LINE_STEP
+    return "".join(lines[skip:])

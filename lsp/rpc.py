@@ -7,7 +7,11 @@
   that a coroutine or generator handled, in `_request_futures`, and never removes it.
 - A request notes, as it arrives, the version of the document it names: its position is for that version, and
   `moved_on` tells its handler whether the text it reads is another.
-- `exit` over TCP ends that editor's session, not the process (`on_exit`): the server stays for the next editor.
+- `exit` over TCP ends that editor's session, not the process (`on_exit`): the server stays for the next editor. On
+  stdio the process's status is 0 only after `shutdown`, as LSP says (pygls' start_io swallowed its status: always 0).
+- A request after `shutdown` is answered InvalidRequest, and one before `initialize` ServerNotInitialized, as LSP
+  says; notifications then are dropped. pygls left a request after `shutdown` unanswered (a client waiting on it
+  hung until it gave up) and answered one before `initialize` with an internal error and a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from lsprotocol import types
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidRequest, JsonRpcServerNotInitialized
 from pygls.protocol import LanguageServerProtocol, lsp_method
 
 from m31r_lsp import documents
@@ -37,10 +42,14 @@ def moved_on(uri: str, version: int | None) -> bool:
 class M31rProtocol(LanguageServerProtocol):
     # Set for a TCP session: what `exit` does instead of ending the process (which serves the next editor too).
     on_exit: Callable[[], None] | None = None
+    # The status the process exits with once `exit` came (None before): 0 after `shutdown`, else 1.
+    exit_status: int | None = None
+    _initialize_seen = False
 
     @lsp_method(types.EXIT)
     def lsp_exit(self, *args: Any) -> Generator[Any, Any, None]:
         """pygls' handler (sys.exit) on stdio; over TCP, `on_exit`: the editor leaves, the server stays."""
+        self.exit_status = 0 if self._shutdown else 1
         if self.on_exit is None:
             yield from super().lsp_exit(*args)
             return
@@ -49,10 +58,27 @@ class M31rProtocol(LanguageServerProtocol):
         self.on_exit()
 
     def handle_message(self, msg: Any) -> None:
-        """Drop the finished futures first (pygls would keep a notification's for ever), then handle `msg`."""
+        """Drop the finished futures first (pygls would keep a notification's for ever), then handle `msg`, unless the
+        session's state rules it out (`_refusal`)."""
         for msg_id in [k for k, f in self._request_futures.items() if f.done()]:
             del self._request_futures[msg_id]  # finished: a request's answer is sent by a callback holding its future
+        method = getattr(msg, "method", None)
+        if isinstance(method, str) and (refusal := self._refusal(method)) is not None:
+            if getattr(msg, "id", None) is not None:  # a request: answered with the error; a notification: dropped
+                self._send_response(msg.id, None, refusal.to_response_error())
+            return
+        self._initialize_seen |= method == types.INITIALIZE
         super().handle_message(msg)
+
+    def _refusal(self, method: str) -> JsonRpcException | None:
+        """The error for a message that the session's state rules out (LSP's lifecycle), None for one it takes."""
+        if method == types.EXIT:
+            return None
+        if self._shutdown:
+            return JsonRpcInvalidRequest(f"{method}: the server has been shut down; only exit may follow")
+        if not self._initialize_seen and method != types.INITIALIZE:
+            return JsonRpcServerNotInitialized(f"{method}: the server is not initialized; send initialize first")
+        return None
 
     def _handle_request(self, msg_id: Any, method_name: str, params: Any) -> None:
         """Note the named document's version now, in message order: the handler runs later."""

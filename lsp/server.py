@@ -456,8 +456,11 @@ def run(socket: str | None = None, tcp: str | None = None, autostart: bool = Tru
                               bundle=settings_mod.expand_path(bundle))
     if address:
         TcpServer(*address, lambda: create_server(defaults)).run()
-    else:
-        create_server(defaults).start_io()
+        return
+    server = create_server(defaults)
+    server.start_io()
+    if server.protocol.exit_status:  # `exit` without `shutdown` first: 1, as LSP says (pygls returns either way)
+        sys.exit(server.protocol.exit_status)
 
 
 def _main() -> None:  # `python -m m31r_lsp [--tcp HOST:PORT] [--socket PATH] [--no-autostart]`
