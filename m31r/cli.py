@@ -307,7 +307,7 @@ class UserPath(click.Path):
 
 
 socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
-                             help="Daemon socket (default: $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
+                             help="Daemon socket (default: $M31R_SOCKET, else $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
 
 
 @main.command()
@@ -582,7 +582,7 @@ def editor_lines(text: str) -> list[str]:
 
 @main.command()
 @click.option("--prefix", default=None, help="Text before the cursor.")
-@click.option("--suffix", default="", help="Text after the cursor.")
+@click.option("--suffix", default=None, help="Text after the cursor (default: none).")
 @click.option("--file", "file_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Complete inside this file at --line/--column instead.")
 @click.option("--line", type=int, default=None, help="1-based cursor line in --file.")
@@ -590,13 +590,13 @@ def editor_lines(text: str) -> list[str]:
 @click.option("--context", "with_context", is_flag=True, help="Lead the prompt with snippets of the --file's crate's "
               "other files, as the language server does with projectContext on.")
 @sampling_options
-def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | None, column: int | None,
+def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: int | None, column: int | None,
         with_context: bool, **opts: Any) -> None:
     """Fill in the middle: complete at a cursor, given the text before and after it."""
     need_stdout()
     document = ""
     if file_path is not None:
-        if prefix is not None or line is None or column is None:
+        if prefix is not None or suffix is not None or line is None or column is None:
             fail("use either --prefix/--suffix or --file with --line and --column")
         try:
             text = file_path.read_text(encoding="utf-8")
@@ -613,6 +613,8 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
     elif prefix is None:
         fail("give --prefix (and optionally --suffix), or --file with --line and --column")
+    elif line is not None or column is not None:  # without --file they would be ignored: the cursor is elsewhere
+        fail("--line and --column place the cursor in --file: give --file, or --prefix/--suffix without them")
     elif with_context:
         fail("--context takes the snippets from the files beside --file: give --file with --line and --column")
     context = []
@@ -620,8 +622,8 @@ def fim(prefix: str | None, suffix: str, file_path: Path | None, line: int | Non
         from m31r_lsp.context import ProjectContext
 
         context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)
-    _run_client(_stream, "fim", {"prefix": prefix, "suffix": suffix, "document": document, "context": context}, opts,
-                socket_path=opts["socket_path"])
+    payload = {"prefix": prefix, "suffix": suffix or "", "document": document, "context": context}
+    _run_client(_stream, "fim", payload, opts, socket_path=opts["socket_path"])
 
 
 async def _status(socket_path: Path | None) -> None:
@@ -645,26 +647,46 @@ def status(socket_path: Path | None) -> None:
 STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-flight work and close
 
 
-async def _stop(socket_path: Path | None) -> None:
+async def _stop(socket_path: Path | None) -> bool:
+    """Whether a daemon was running (and has stopped). None listening (no socket file, or a stale one nobody
+    accepts on) is what stop wants, as `systemctl stop` of a stopped unit: not a failure. Anything else that keeps
+    the daemon from being reached (another user's socket, a file on the path, no Welcome) still is one."""
     import asyncio
+    import stat
 
-    from m31r_protocol import Client
+    from m31r_protocol import Client, DaemonUnavailable
+    from m31r_protocol.paths import default_socket_path
 
-    async with await Client.connect(socket_path) as client:
+    try:
+        client = await Client.connect(socket_path)
+    except DaemonUnavailable as e:
+        if isinstance(e.__context__, FileNotFoundError | ConnectionRefusedError):
+            path = Path(socket_path or default_socket_path())
+            if path.exists() and not stat.S_ISSOCK(path.stat().st_mode):  # refused: no daemon could ever listen there
+                fail(f"{path} is not a socket: no daemon can listen there; choose another socket path (--socket, or "
+                     "M31R_SOCKET)")
+            return False
+        raise
+    async with client:
         await client.shutdown()
         try:
             await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)
         except TimeoutError:
             fail(f"the daemon accepted the shutdown but was still running {STOP_WAIT_S:g} s later (it finishes "
                  f"in-flight requests first); `m31r status` shows whether it is still there")
+    return True
 
 
 @main.command()
 @socket_option
 def stop(socket_path: Path | None) -> None:
-    """Ask the running daemon to finish in-flight work and exit."""
-    _run_client(_stop, socket_path, socket_path=socket_path)
-    click.echo("daemon stopped", err=True)
+    """Ask the running daemon to finish in-flight work and exit; with none running, say so and exit 0."""
+    if _run_client(_stop, socket_path, socket_path=socket_path):
+        click.echo("daemon stopped", err=True)
+    else:
+        from m31r_protocol.paths import default_socket_path
+
+        click.echo(f"no daemon was running on {socket_path or default_socket_path()}", err=True)
 
 
 @main.command()
@@ -896,15 +918,19 @@ service_kind_option = click.option("--kind", type=click.Choice(["systemd", "laun
 @service_kind_option
 @click.option("--bundle", "bundle_dir", type=UserPath(file_okay=False, path_type=Path), default=None,
               help="Model bundle the service serves (default: $M31R_BUNDLE or the bundled release/).")
+@click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
+              help="Socket the service listens on (default: the one clients here use: $M31R_SOCKET, else "
+              "$XDG_RUNTIME_DIR/m31r/m31rd.sock).")
 @click.option("--dry-run", is_flag=True, help="Print the files and where they would go; write nothing.")
 @click.option("--force", is_flag=True, help="Replace unit files that differ from what install writes (edited by "
               "hand, links, an older install's); each old one is kept as FILE.bak.")
 @user_errors
-def service_install(kind: str | None, bundle_dir: Path | None, dry_run: bool, force: bool) -> None:
+def service_install(kind: str | None, bundle_dir: Path | None, socket_path: Path | None, dry_run: bool,
+                    force: bool) -> None:
     """Write the unit files with this environment's paths, and print the command that enables them."""
     from m31rd.service import install
 
-    install(kind, bundle_dir, dry_run, force=force, echo=click.echo)
+    install(kind, bundle_dir, dry_run, force=force, socket=socket_path, echo=click.echo)
 
 
 @service.command("uninstall")

@@ -241,7 +241,22 @@ def check_service(ctx: Context) -> Check:
     if len(present) < len(paths):
         missing = ", ".join(str(p) for p in paths if p not in present)
         return Check("service", "fail", f"half installed: {missing} is missing; run `m31r service install` again")
-    return _systemd_state(paths) if kind == "systemd" else _launchd_state(paths[0])
+    state = _systemd_state(paths) if kind == "systemd" else _launchd_state(paths[0])
+    return _with_its_socket(state, service.installed_socket(kind), ctx)
+
+
+def _with_its_socket(state: Check, served: Path | None, ctx: Context) -> Check:
+    """The service check, saying which socket the service listens on: one other than the clients' here (a service
+    installed before M31R_SOCKET was set, or from another shell) is never reached, and their first request starts a
+    second daemon beside it."""
+    if served is None:
+        return Check(state.name, state.level, f"{state.detail}; which socket it listens on cannot be read")
+    if os.path.abspath(served) == os.path.abspath(ctx.socket):
+        return Check(state.name, state.level, f"{state.detail}; it listens on {served}")
+    return Check(state.name, "fail" if state.level == "fail" else "warn",
+                 f"{state.detail}; it listens on {served}, but clients here use {ctx.socket} ({ctx.socket_source}): "
+                 f"they never reach it and start a daemon of their own; set M31R_SOCKET={shlex.quote(str(served))}, "
+                 "or move the service with `m31r service install --force` here (then restart it)")
 
 
 def systemd_unquote(word: str) -> str | None:

@@ -31,6 +31,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def generator_seed(seed: int) -> int:
+    """The 32 bits torch's CPU generator keeps of `seed` (its Mersenne Twister takes the low half: seeds 0, 2**32 and
+    2**63 drew the same numbers), made of all 64: the high half, mixed by a multiplicative hash so that simple seeds
+    like 2**32 + 1 do not land on 1, is folded into the low. Seeds below 2**32 are unchanged, and so are their draws."""
+    s = seed % 2**64
+    return (s ^ ((s >> 32) * 0x9E3779B1)) & 0xFFFFFFFF
+
+
 class Sampler:
     """Per-request state: its own generator, so concurrent requests never share randomness."""
 
@@ -39,7 +47,7 @@ class Sampler:
         self.generator: torch.Generator | None = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            self.generator = torch.Generator(device=device).manual_seed(seed)
+            self.generator = torch.Generator(device=device).manual_seed(generator_seed(seed))
 
     def __call__(self, logits: Tensor, history: Tensor | None = None) -> int:
         """Pick a token from fp32 `logits` [vocab]; `history` holds the ids seen so far for the penalty."""

@@ -5,7 +5,9 @@ and m31rd.service (Type=notify), written to $XDG_CONFIG_HOME/systemd/user (defau
 macOS: a launchd agent, ~/Library/LaunchAgents/dev.m31r.m31rd.plist, started at login.
 
 The templates ship in m31rd/units/, their only copy (package data, so an installed m31rd has them); installing fills
-in the absolute path of the m31r command of this environment, the bundle and (launchd) the socket and log.
+in the absolute path of the m31r command of this environment, the bundle, the socket and (launchd) the log. The socket
+is the one this shell's clients use (`--socket`, else $M31R_SOCKET, else the default): a service on any other path
+would be missed by every client, and the first request would autostart a second daemon beside it.
 This module imports only the standard library: the CLI must not pay for torch.
 """
 
@@ -71,6 +73,70 @@ def unit_paths(kind: Kind) -> list[Path]:
     return [unit_dir(kind) / name for name in names]
 
 
+DEFAULT_LISTEN = "%t/m31r/m31rd.sock"  # m31rd.socket's ListenStream=: the default socket, in the manager's runtime dir
+
+
+def client_socket(socket: str | Path | None = None) -> Path:
+    """The socket this shell's clients use: `socket` (`--socket`), else $M31R_SOCKET, else the default, made absolute
+    but not resolved (clients connect through a link on the path too). A relative $M31R_SOCKET is refused: each
+    client would look for it in its own working folder, so no service could be where they all look."""
+    from m31r_protocol.paths import default_socket_path, socket_path_problem
+
+    if socket is None:
+        socket = default_socket_path()
+        if not socket.is_absolute():
+            raise ValueError(f"M31R_SOCKET={socket} is a relative path: clients look for it relative to their working "
+                             "folder, so a service cannot listen where they all look; set an absolute path")
+    path = Path(os.path.abspath(Path(socket).expanduser()))
+    if why := socket_path_problem(path):
+        raise ValueError(why)
+    return path
+
+
+def systemd_runtime_dir() -> Path:
+    """What %t means in a user unit: the user manager's runtime dir, $XDG_RUNTIME_DIR of a login session (an assumption
+    where this shell has none: /run/user/UID, what pam_systemd makes)."""
+    base = os.environ.get("XDG_RUNTIME_DIR", "")
+    return Path(base) if os.path.isabs(base) else Path(f"/run/user/{os.getuid()}")
+
+
+def systemd_listen(socket: Path) -> str:
+    """m31rd.socket's ListenStream= value for `socket`: the template's %t path where that is it (units stay the same
+    for everyone on the default), else the path with % escaped (systemd's specifiers). The value is the rest of the
+    line, spaces and quotes included, but systemd strips it at both ends and cannot take a newline."""
+    if socket == systemd_runtime_dir() / "m31r" / "m31rd.sock":
+        return DEFAULT_LISTEN
+    text = str(socket)
+    if text != text.strip() or "\n" in text or "\r" in text:
+        raise ValueError(f"{text!r}: a socket path with a newline or ending in a space cannot be put in a systemd unit")
+    return text.replace("%", "%%")
+
+
+def installed_socket(kind: Kind) -> Path | None:
+    """The socket the installed service listens on (ListenStream= of m31rd.socket, or the plist's --socket), None
+    where it is not installed or cannot be read: for `m31r doctor`, which compares it with the clients' socket."""
+    if kind == "systemd":
+        try:
+            lines = (unit_dir(kind) / "m31rd.socket").read_text(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            if line.strip().startswith("ListenStream="):
+                value = line.split("=", 1)[1].strip()
+                if value.startswith("%t/"):
+                    value = f"{systemd_runtime_dir()}{value[2:]}"
+                if not value.startswith("/") or "%" in value.replace("%%", ""):  # another specifier: systemd's
+                    return None
+                return Path(value.replace("%%", "%"))
+        return None
+    try:
+        with (unit_dir(kind) / LAUNCHD_PLIST).open("rb") as f:
+            args = plistlib.load(f).get("ProgramArguments", [])
+        return Path(args[args.index("--socket") + 1])
+    except (OSError, ValueError, IndexError, AttributeError, plistlib.InvalidFileException):
+        return None
+
+
 def launchd_log_path() -> Path:
     return Path.home() / "Library" / "Logs" / "m31r" / "m31rd.log"
 
@@ -105,11 +171,12 @@ def template(name: str) -> str:
     return (UNITS_DIR / name).read_text()
 
 
-def render_systemd(command: Sequence[str], bundle: Path) -> dict[str, str]:
-    """{file name: content} of the two user units."""
+def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_LISTEN) -> dict[str, str]:
+    """{file name: content} of the two user units; `listen` is m31rd.socket's ListenStream= (systemd_listen)."""
     exec_start = " ".join(systemd_quote(a) for a in command)
     service = template("m31rd.service").replace("@M31R@", exec_start).replace("@BUNDLE@", systemd_quote(str(bundle)))
-    return {"m31rd.socket": template("m31rd.socket"), "m31rd.service": service}
+    socket = template("m31rd.socket").replace(f"\nListenStream={DEFAULT_LISTEN}\n", f"\nListenStream={listen}\n")
+    return {"m31rd.socket": socket, "m31rd.service": service}
 
 
 def render_launchd(command: Sequence[str], bundle: Path, socket: Path, log: Path) -> bytes:
@@ -171,9 +238,9 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
             socket: str | Path | None = None, echo: Echo = print) -> list[Path]:
     """Write the unit files for `kind` (default: this platform's) and print the command that enables them.
 
-    `socket` (launchd only) defaults to the path clients use, `m31r_protocol.paths.default_socket_path()`;
-    systemd units always listen on %t/m31r/m31rd.sock, which is that same default. Returns the paths
-    written (with dry_run: the paths that would be written; nothing is written and the content is printed).
+    The service listens on `socket`, by default the path this shell's clients use (client_socket: $M31R_SOCKET, else
+    the default, which systemd units spell %t/m31r/m31rd.sock). Returns the paths written (with dry_run: the paths
+    that would be written; nothing is written and the content is printed).
 
     A unit file that differs from what would be written (edited by hand, a link to another file, an older install
     with other paths) is never replaced silently: install refuses, naming it, and writes nothing; with `force` it is
@@ -182,15 +249,14 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
     k = _kind(kind)
     bundle_path = resolve_bundle(bundle)
     command = m31r_command()
+    sock = client_socket(socket)
     files: dict[Path, bytes]
     if k == "systemd":
-        files = {unit_dir(k) / n: text.encode() for n, text in render_systemd(command, bundle_path).items()}
+        units = render_systemd(command, bundle_path, systemd_listen(sock))
+        files = {unit_dir(k) / n: text.encode() for n, text in units.items()}
     else:
-        from m31r_protocol.paths import default_socket_path
-
-        sock = Path(socket).expanduser().absolute() if socket else default_socket_path().absolute()
-        log = launchd_log_path()
-        files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, log)}
+        files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, launchd_log_path())}
+    source = "--socket" if socket else "$M31R_SOCKET" if os.environ.get("M31R_SOCKET") else "the default"
     differing = [path for path, data in files.items() if _differs(path, data)]
     if dry_run:
         for path, data in files.items():
@@ -198,7 +264,7 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
         for path in differing:
             fate = f"moves it to {_backup_name(path)}" if force else "refuses to replace it without --force"
             echo(f"({path} differs from this: install {fate})")
-        echo("(dry run: nothing written)")
+        echo(f"(dry run: nothing written; the service would listen on {sock}, from {source})")
         return list(files)
     if differing and not force:
         one = len(differing) == 1
@@ -217,8 +283,12 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
         if backup is not None:
             echo(f"kept the previous {path} as {backup}")
         echo(f"wrote {path}")
+    echo(f"the service listens on {sock} (from {source})")
     if k == "systemd":
         echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")
+        if any(p.name == "m31rd.socket" for p in differing):  # enable --now leaves an active socket where it was
+            echo("(m31rd.socket changed: `systemctl --user restart m31rd.socket` moves one already listening, and "
+                 "stops its daemon)")
         echo("(the daemon starts on the first connection; logs: journalctl --user -u m31rd)")
     else:
         launchd_log_path().parent.mkdir(parents=True, exist_ok=True)

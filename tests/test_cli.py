@@ -209,7 +209,7 @@ def test_a_tilde_in_socket_is_the_home_folder(daemon, tmp_path, form):
 
 
 @pytest.mark.parametrize("args", [["generate", "fn", "--no-autostart"], ["fim", "--prefix", "x", "--no-autostart"],
-                                  ["status"], ["stop"]], ids=lambda a: a[0])
+                                  ["status"]], ids=lambda a: a[0])
 def test_no_daemon_is_one_line_error(tmp_path, args):
     sock = tmp_path / "nobody-home.sock"
     r = cli(*args, "--socket", str(sock), timeout=60)
@@ -267,11 +267,38 @@ def test_stop(tiny_bundle, tmp_path):
     proc = start_daemon(tiny_bundle.path, sock)  # its own: the shared daemon keeps running for other modules
     try:
         r = cli("stop", "--socket", str(sock))
-        assert r.returncode == 0, r.stderr
+        assert (r.returncode, r.stderr) == (0, "daemon stopped\n")
         assert proc.wait(20) == 0
         assert not sock.exists()
+        # Stopping again is not an error, as `systemctl stop` of a stopped unit is not: one line says so.
+        r = cli("stop", "--socket", str(sock))
+        assert (r.returncode, r.stdout, r.stderr) == (0, "", f"no daemon was running on {sock}\n")
     finally:
         stop_daemon(proc)
+
+
+def test_stop_with_no_daemon_says_so_and_exits_0(tmp_path):
+    """`m31r stop` with nothing to stop exited 1 with `error: no daemon answers on ...: FileNotFoundError`, which
+    broke `m31r stop && ...` and scripts that stop before they start. No socket file, no socket folder, or a stale
+    socket file nobody listens on: exit 0 and one line naming the path (M31R_SOCKET's when there is no --socket).
+    A path that keeps any daemon from being reached is still an error."""
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    stale = run / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))  # a socket file left by a daemon that was killed: nothing accepts on it
+    s.close()
+    for sock in (run / "none.sock", tmp_path / "no-folder" / "d.sock", stale):
+        for args, env in ((["--socket", str(sock)], {}), ([], {"M31R_SOCKET": str(sock)})):
+            r = cli("stop", *args, env=env, timeout=60)
+            assert (r.returncode, r.stdout, r.stderr) == (0, "", f"no daemon was running on {sock}\n"), (args, env)
+    assert stale.exists() and not (tmp_path / "no-folder").exists()  # nothing made or removed
+    (run / "afile").write_text("")
+    r = cli("stop", "--socket", str(run / "afile"), timeout=60)  # a plain file: no daemon could ever listen there
+    assert (r.returncode, r.stderr) == (1, f"error: {run / 'afile'} is not a socket: no daemon can listen there; "
+                                           "choose another socket path (--socket, or M31R_SOCKET)\n")
 
 
 # -- closed pipes and streams, out-of-range options: one line or none, never a traceback -----------------------------
@@ -368,6 +395,23 @@ def test_fim_counts_lines_as_editors_do(daemon, tmp_path):
     assert (r.returncode, r.stderr) == (1, f"error: --line 4 is outside {f} (2 lines)\n")
     r = cli("fim", "--file", str(f), "--line", "1", "--column", "10", "--socket", str(sock))
     assert (r.returncode, r.stderr) == (1, "error: --column 10 is outside line 1 (8 characters)\n")
+
+
+def test_fim_refuses_cursor_options_it_would_ignore(tmp_path):
+    """`fim --prefix P --line 3` completed at the end of P, ignoring --line (and --column): the user asked for another
+    cursor. `--file F --line L --column C --suffix S` ignored S the same way (the suffix is the file's). Both are
+    refused before any daemon is asked."""
+    f = tmp_path / "a.rs"
+    f.write_text("fn main() {\n}\n")
+    sock = tmp_path / "run" / "d.sock"
+    for args in (["--prefix", "fn ", "--line", "3"], ["--prefix", "fn ", "--suffix", "}", "--column", "2"]):
+        r = cli("fim", *args, "--no-autostart", "--socket", str(sock), timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", "error: --line and --column place the cursor in --file: "
+                                                             "give --file, or --prefix/--suffix without them\n"), args
+    r = cli("fim", "--file", str(f), "--line", "1", "--column", "4", "--suffix", "x", "--no-autostart", "--socket",
+            str(sock), timeout=60)
+    assert (r.returncode, r.stderr) == (1, "error: use either --prefix/--suffix or --file with --line and --column\n")
+    assert not sock.parent.exists()
 
 
 def test_stop_that_outlasts_its_wait_says_so(tiny_bundle, tmp_path, monkeypatch):

@@ -146,6 +146,48 @@ def test_editor_configs_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert doctor.check_neovim(ctx).level == "ok"
 
 
+def fake_systemd_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A HOME, config and runtime dir of the test's own, and a systemctl that says enabled and active: the user's
+    systemd is never asked."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("M31R_SOCKET", raising=False)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *is-enabled*) echo enabled;; *) echo active;; esac\n")
+    (fake / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd units")
+def test_service_on_another_socket_than_the_clients_is_a_warning_naming_both(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor said `ok` for a service the clients here never reach (installed before M31R_SOCKET was set, or from a
+    shell with another): their first request starts a second daemon beside it. It names the service's socket, and
+    where that is not the clients' one, warns with both and the way out."""
+    from m31rd import service
+
+    fake_systemd_user(tmp_path, monkeypatch)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "metadata.json").write_text("{}\n")
+    mine = tmp_path / "mine" / "m31rd.sock"
+    monkeypatch.setenv("M31R_SOCKET", str(mine))
+    service.install("systemd", bundle, echo=lambda _: None)
+    check = doctor.check_service(doctor.Context.create(None, bundle))  # this shell's clients: $M31R_SOCKET
+    assert check.level == "ok" and check.detail.endswith(f"; it listens on {mine}"), check.detail
+    monkeypatch.delenv("M31R_SOCKET")  # a shell without it: its clients use the default socket
+    default = tmp_path / "run" / "m31r" / "m31rd.sock"
+    check = doctor.check_service(doctor.Context.create(None, bundle))
+    assert check.level == "warn", check.detail
+    assert f"it listens on {mine}, but clients here use {default} (default)" in check.detail
+    assert f"set M31R_SOCKET={mine}, or move the service with `m31r service install --force`" in check.detail
+    # --socket names the clients' socket as it does for every other check.
+    assert doctor.check_service(doctor.Context.create(mine, bundle)).level == "ok"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd units")
 def test_service_whose_command_path_has_percent_and_dollar_is_ok(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,13 +195,7 @@ def test_service_whose_command_path_has_percent_and_dollar_is_ok(tmp_path: Path,
     path back as it stood and reported a working service's command as gone."""
     from m31rd import service
 
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    fake = tmp_path / "bin"  # the user's systemd is never asked: a systemctl that says enabled and active
-    fake.mkdir()
-    (fake / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *is-enabled*) echo enabled;; *) echo active;; esac\n")
-    (fake / "systemctl").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    fake_systemd_user(tmp_path, monkeypatch)
     venv = tmp_path / "100% $HOME venv" / "bin"
     venv.mkdir(parents=True)
     exe = venv / "m31r"
@@ -173,7 +209,7 @@ def test_service_whose_command_path_has_percent_and_dollar_is_ok(tmp_path: Path,
         (units / name).write_text(text)
     escaped = str(exe).replace("%", "%%").replace("$", "$$")
     assert f'ExecStart="{escaped}" daemon' in (units / "m31rd.service").read_text()
-    ctx = doctor.Context.create(tmp_path / "d.sock", bundle)
+    ctx = doctor.Context.create(tmp_path / "run" / "m31r" / "m31rd.sock", bundle)  # the one the units listen on
     check = doctor.check_service(ctx)
     assert check.level == "ok", check.detail
     exe.unlink()  # and a command that really is gone is still reported, under its real name

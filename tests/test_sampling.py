@@ -117,6 +117,20 @@ def test_repetition_penalty_changes_the_choice() -> None:
     assert penalised(only_neg, torch.tensor([0])) == 1  # -1.5 < -1.2
 
 
+def draws(seed: int, n: int = 32) -> list[int]:
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+    return [sampler(torch.zeros(1000)) for _ in range(n)]
+
+
+def test_every_bit_of_a_seed_counts() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: 0, 2**32 and 2**63 drew the same tokens, and -1 those of
+    2**64 - 1. Seeds below 2**32 draw what they always drew, so answers to them stay the same across versions."""
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, 2**62 - 1, 12345]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    g = torch.Generator().manual_seed(12345)
+    assert draws(12345) == [int(torch.multinomial(torch.full((1000,), 1e-3), 1, generator=g)) for _ in range(32)]
+
+
 def test_unseeded_sampling_still_works() -> None:
     sampler = Sampler(SamplingParams(temperature=1.0))
     assert 0 <= sampler(torch.zeros(10)) < 10

@@ -148,6 +148,72 @@ def test_install_launchd(home: Path, fake_bundle: Path):
         subprocess.run(["plutil", "-lint", str(plist_path)], check=True, capture_output=True)
 
 
+def _listen_stream(unit: Path) -> str:
+    [line] = [x for x in unit.read_text().splitlines() if x.startswith("ListenStream=")]
+    return line.removeprefix("ListenStream=")
+
+
+@pytest.mark.parametrize("kind", ["systemd", "launchd"])
+def test_install_listens_where_the_clients_look(home: Path, fake_bundle: Path, monkeypatch: pytest.MonkeyPatch,
+                                                kind: str):
+    """The service listens on the socket this shell's clients use: $M31R_SOCKET, or install's --socket. The systemd
+    socket unit always listened on %t/m31r/m31rd.sock: with M31R_SOCKET set in the profile, every client looked
+    elsewhere, found no daemon and autostarted a second one beside the service."""
+    sock = home / "my socks" / "100% d.sock"  # a space and a systemd specifier's %
+    monkeypatch.setenv("M31R_SOCKET", str(sock))
+    out: list[str] = []
+    paths = service.install(kind, fake_bundle, echo=out.append)
+    if kind == "systemd":
+        assert _listen_stream(paths[0]) == str(sock).replace("%", "%%")
+        if shutil.which("systemd-analyze"):  # the path parses as a socket address (tested fully above)
+            r = subprocess.run(["systemd-analyze", "verify", "--user", *map(str, paths)], capture_output=True,
+                               text=True, timeout=60, cwd=paths[0].parent)
+            assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    else:
+        with paths[0].open("rb") as f:
+            args = plistlib.load(f)["ProgramArguments"]
+        assert args[args.index("--socket") + 1] == str(sock)
+    assert service.installed_socket(kind) == sock  # what doctor reads back
+    assert f"the service listens on {sock} (from $M31R_SOCKET)" in out
+    # --socket wins over M31R_SOCKET, its `~` expanded as the clients' --socket has it.
+    other = home / "other.sock"
+    out = []
+    service.install(kind, fake_bundle, socket="~/other.sock", force=True, echo=out.append)
+    assert service.installed_socket(kind) == other
+    # `enable --now` leaves a socket unit that is already listening where it was: the way to move it is said.
+    assert any("systemctl --user restart m31rd.socket" in line for line in out) == (kind == "systemd"), out
+    # Without either, the default; systemd spells it %t/m31r/m31rd.sock, so the unit is the template as it was.
+    monkeypatch.delenv("M31R_SOCKET")
+    service.install(kind, fake_bundle, force=True, echo=lambda _: None)
+    assert service.installed_socket(kind) == home / "run" / "m31r" / "m31rd.sock"
+    if kind == "systemd":
+        assert paths[0].read_text() == (UNITS / "m31rd.socket").read_text()
+
+
+def test_install_refuses_a_socket_no_client_could_share(home: Path, fake_bundle: Path,
+                                                        monkeypatch: pytest.MonkeyPatch):
+    """A relative M31R_SOCKET names a different socket in each client's working folder; a path too long for a Unix
+    socket can never be listened on. Both are refused before anything is written."""
+    monkeypatch.setenv("M31R_SOCKET", "m31rd.sock")
+    with pytest.raises(ValueError, match="M31R_SOCKET=m31rd.sock is a relative path"):
+        service.install("systemd", fake_bundle, echo=lambda _: None)
+    monkeypatch.delenv("M31R_SOCKET")
+    with pytest.raises(ValueError, match="a Unix socket's path holds at most"):
+        service.install("launchd", fake_bundle, socket=home / ("x" * 120) / "d.sock", echo=lambda _: None)
+    assert not (home / "config" / "systemd").exists() and not (home / "Library").exists()
+
+
+def test_cli_service_install_socket(home: Path, fake_bundle: Path):
+    from m31r.cli import main
+
+    sock = home / "s" / "d.sock"
+    r = CliRunner().invoke(main, ["service", "install", "--kind", "systemd", "--bundle", str(fake_bundle),
+                                  "--socket", str(sock)])
+    assert r.exit_code == 0, r.output
+    assert f"the service listens on {sock} (from --socket)" in r.stdout
+    assert _listen_stream(home / "config" / "systemd" / "user" / "m31rd.socket") == str(sock)
+
+
 def test_uninstall(home: Path, fake_bundle: Path):
     paths = service.install("systemd", fake_bundle, echo=lambda _: None)
     wants = home / "config" / "systemd" / "user" / "sockets.target.wants"
