@@ -43,7 +43,7 @@ from m31r_protocol.version import VERSION
 
 log = logging.getLogger("m31r_http")
 
-ENDPOINTS = ("/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
+ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
              "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
@@ -112,6 +112,7 @@ class Fields:
     prompt: str = "prompt"
     max_tokens: str = "max_tokens"
     truncate: str | None = "truncate"
+    max_tokens_default: str | None = None  # how max_tokens was chosen when the request left it out (None: it was sent)
 
 
 def overflow_error(e: DaemonError, fields: Fields) -> tuple[str, str | None]:
@@ -121,7 +122,8 @@ def overflow_error(e: DaemonError, fields: Fields) -> tuple[str, str | None]:
     if e.overflow is None:
         return e.message, None
     n, k, ctx = e.overflow.prompt_tokens, e.overflow.max_tokens, e.overflow.max_context
-    what = f"prompt ({n} tokens) + {fields.max_tokens} ({k}) = {n + k} exceeds the model's context of {ctx} tokens"
+    given = f"{k}, {fields.max_tokens_default}" if fields.max_tokens_default else f"{k}"
+    what = f"prompt ({n} tokens) + {fields.max_tokens} ({given}) = {n + k} exceeds the model's context of {ctx} tokens"
     cut = f", or send {fields.truncate}: true to keep the prompt's end" if fields.truncate and k < ctx else ""
     if n >= ctx:
         return f"{what}: the prompt alone fills it; shorten the prompt{cut}", fields.prompt
@@ -151,10 +153,24 @@ def _error_for(request: Request, status: int, code: str, message: str, param: st
     return error_response(status, code, message, param=param, headers=headers)
 
 
+# Endpoints clients of other servers look for, and what this one offers instead (a 404's message says it).
+NOT_SERVED = {
+    "/v1/chat/completions": "chat is not served: this code model has no chat template; use POST /v1/completions "
+                            "(`suffix` for fill-in-the-middle)",
+    "/api/chat": "chat is not served: this code model has no chat template; use POST /api/generate (`suffix` for "
+                 "fill-in-the-middle)",
+}
+
+
 async def http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-    return _error_for(request, exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":  # Starlette's: no route (an endpoint's own 404 has words)
+        path = request.url.path
+        message = f"{path}: {NOT_SERVED[path]}" if path in NOT_SERVED else (
+            f"{request.method} {path} is not an endpoint of this server (GET /openapi.json lists them)")
+    return _error_for(request, exc.status_code, code, message, headers=dict(exc.headers or {}))
 
 
 async def invalid_request(request: Request, exc: Exception) -> Response:
@@ -768,6 +784,21 @@ class Service:
         body = s.OpenAIModelList([s.OpenAIModel(id=model, created=0, aliases=aliases)])
         return Response(msgspec.json.encode(body), media_type="application/json")
 
+    async def model(self, request: Request) -> Response:
+        """One model, as OpenAI's `GET /v1/models/{model}` (the OpenAI client's models.retrieve): the served model
+        under any name a request may use for it, else a 404."""
+        name = request.path_params["model"]
+        try:
+            client = await self.upstream.get(2.0)
+        except Unavailable as e:
+            return error_response(503, "unavailable", str(e), retry_after=e.retry_after)
+        model, *aliases = names = model_names(client.welcome.model)
+        if name not in names:
+            return error_response(404, "model_not_found", f"model: {name!r} is not served here; use one of "
+                                  f"{', '.join(map(repr, names))} (GET /v1/models)", param="model")
+        return Response(msgspec.json.encode(s.OpenAIModel(id=model, created=0, aliases=aliases)),
+                        media_type="application/json")
+
     async def health(self, request: Request) -> Response:
         st = await self.upstream.status(wait=1.0, timeout=2.0)
         w = self.upstream.welcome
@@ -813,6 +844,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         Route("/fim", svc.fim, methods=["POST"], max_body_size=limit),
         Route("/v1/completions", svc.openai_completions, methods=["POST"], max_body_size=limit),
         Route("/v1/models", svc.models, methods=["GET"], max_body_size=limit),
+        Route("/v1/models/{model}", svc.model, methods=["GET"], max_body_size=limit),
         Route("/health", svc.health, methods=["GET"], max_body_size=limit),
         Route("/metrics", svc.metrics_endpoint, methods=["GET"], max_body_size=limit),
         Route("/openapi.json", svc.openapi_endpoint, methods=["GET"], max_body_size=limit),

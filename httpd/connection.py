@@ -15,6 +15,12 @@ client (for a request's headers: idle keep-alive ones and tricklers; or for the 
 the one that has waited longest is closed, with a 408 if it had begun a request. Connections whose requests are
 being answered are never closed for room.
 
+Uvicorn's own answers are plain text, where every other error of the API is JSON in the path's error shape (README
+"HTTP adapter"), which is what clients parse: its 503 at the connection limit and its 400 for a request that is not
+valid HTTP. Here they are JSON in that shape: the 503 with Retry-After, the 400 saying what h11 found wrong (a 431
+where the header block is too large). These, and the 408 above, use the request line's path for the shape (Ollama's
+under /api/) once it has arrived, OpenAI's before.
+
 The class is also used where httptools is installed (uvicorn would pick its httptools protocol), so the deadline
 holds whatever uvicorn's extras are.
 """
@@ -24,9 +30,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
+import sys
 import time
+import urllib.parse
+from typing import Any
 
 import h11
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from m31r_http.security import CLOSED_BY_SERVER, error_body_for
@@ -38,6 +49,22 @@ log = logging.getLogger("m31r_http")
 # reach it).
 ROOM_MARGIN = 16
 _turns = itertools.count()  # the order in which connections began waiting (uvloop's clock has 1 ms steps)
+HEAD_KEPT = 4096  # bytes of a request's start kept to read its path from (for the shape of an error before its headers)
+H11_HEADER_LIMIT = 16 * 1024  # h11's default limit of a header block, which uvicorn keeps unless configured
+LIMIT_RETRY_AFTER = 1  # seconds, in the 503 at the connection limit: the server's own requests end within a timeout
+
+
+def request_path(head: bytes) -> str:
+    """The path of the request line at the start of `head`, once it has arrived whole (as uvicorn decodes it into the
+    scope); "" before, or when it is not a request line."""
+    line, newline, _ = head.partition(b"\n")
+    parts = line.rstrip(b"\r").split(b" ")
+    if not newline or len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return ""
+    target = parts[1].decode("latin-1").partition("?")[0]
+    if not target.startswith("/"):  # absolute-form, as a proxy sends it: http://host/path
+        target = urllib.parse.urlsplit(target).path
+    return urllib.parse.unquote(target)
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -49,6 +76,14 @@ class HeaderTimeoutProtocol(H11Protocol):
     header_timer: asyncio.TimerHandle | None = None
     waiting_since = 0.0  # when the client's turn began (the header deadline's start), time.monotonic()
     turn = 0  # the order of waiting_since
+    head = b""  # the start of the request whose headers are awaited (up to HEAD_KEPT bytes): its path, once in
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Uvicorn's own check of the limit answers plain text: this protocol checks it instead (at_limit), so
+        # uvicorn's is off, and every request goes through limit_guard.
+        self.connection_limit, self.limit_concurrency = self.limit_concurrency, None
+        self.served_app, self.app = self.app, self.limit_guard
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,13 +94,70 @@ class HeaderTimeoutProtocol(H11Protocol):
         self.stop_header_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self.awaiting_headers() and len(self.head) < HEAD_KEPT and b"\n" not in self.head:
+            self.head += data[:HEAD_KEPT - len(self.head)]  # (h11 consumes what it parses, a bad line too)
+        super().data_received(data)
+
     def handle_events(self) -> None:
+        self.keep_head()
         super().handle_events()
+        if not self.awaiting_headers():
+            self.head = b""  # the request's headers are in: the scope has its path
+        self.keep_head()
         self.watch_headers()  # a request's headers came in (stop), or a new cycle began after a body (start)
+
+    def keep_head(self) -> None:
+        """At a new cycle's start, the next request's start that is in already (pipelined after the last one)."""
+        if not self.head and self.awaiting_headers():
+            self.head = self.conn.trailing_data[0][:HEAD_KEPT]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self.watch_headers()  # keep-alive: the next request's headers are now awaited (unless pipelined, in)
+
+    # -- uvicorn's own answers, in the API's error shape ---------------------------------------------------------
+
+    def at_limit(self) -> bool:
+        """Uvicorn's test for its 503 (connections, or requests being answered, at limit_concurrency), made while
+        this request's own task is already counted."""
+        limit = self.connection_limit
+        if limit is None:
+            return False
+        others = len(self.tasks) - (asyncio.current_task() in self.tasks)
+        return len(self.connections) >= limit or others >= limit
+
+    async def limit_guard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app, unless the server is at its connection limit: then a 503 with Retry-After in the path's error
+        shape, closing the connection (uvicorn's was plain text)."""
+        if scope["type"] != "http" or not self.at_limit():
+            return await self.served_app(scope, receive, send)
+        log_every("limit", logging.WARNING, "%d connections or requests at once, the server's limit: answering 503 "
+                  "to new requests", self.connection_limit)
+        body = error_body_for(scope["path"], 503, "busy", (
+            f"the server is at its limit of {self.connection_limit} connections or requests at once; retry shortly"))
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(LIMIT_RETRY_AFTER).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def send_400_response(self, msg: str) -> None:
+        """Uvicorn's answer to a request h11 cannot parse (called while its RemoteProtocolError is being handled):
+        h11's reason, and its status (431 for a header block too large), in the error shape of the request line's
+        path, if that much arrived."""
+        exc = sys.exception()
+        status = 400
+        why = "the request is not valid HTTP/1.1"
+        if isinstance(exc, h11.RemoteProtocolError):
+            if exc.error_status_hint == 431:
+                status = 431
+                size = self.config.h11_max_incomplete_event_size or H11_HEADER_LIMIT
+                why = f"the request's header block is larger than this server accepts ({size} bytes)"
+            else:
+                why += ": " + re.sub(r"bytearray\(b('.*')\)", r"\1", str(exc))[:200]  # h11's: bytearray(b'...')
+        self.transport.write(self.error_response(status, "invalid_http" if status == 400 else "too_large", why,
+                                                 request_path(self.head)))
+        self.transport.close()
 
     def awaiting_headers(self) -> bool:
         """Between requests: no request of this cycle seen yet, and no answer under way."""
@@ -88,7 +180,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         """At uvicorn's connection limit, close the other connection that has waited longest for its client (a
         request's headers or body), so that this one's request is served rather than answered 503 (none is closed
         if all are being answered)."""
-        limit = self.limit_concurrency
+        limit = self.connection_limit
         if limit is None or len(self.connections) < limit - ROOM_MARGIN:
             return
         waiting = [c for c in self.connections
@@ -129,7 +221,8 @@ class HeaderTimeoutProtocol(H11Protocol):
             if body or self.conn.trailing_data[0]:
                 if body:  # the app sees a disconnect: this says it was the server's doing (GuardMiddleware)
                     self.scope[CLOSED_BY_SERVER] = why
-                self.transport.write(self.timeout_response(why, self.scope["path"] if body else ""))
+                self.transport.write(self.error_response(408, "timeout", why,
+                                                         self.scope["path"] if body else request_path(self.head)))
                 client = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown client"
                 log.log(level, "closed a connection: %s (%s)", why, client)
             self.conn.send(h11.ConnectionClosed())
@@ -137,29 +230,34 @@ class HeaderTimeoutProtocol(H11Protocol):
             pass
         self.transport.close()
 
-    def timeout_response(self, why: str, path: str) -> bytes:
-        """The 408 closing the connection, in the error shape of the request's path (OpenAI's where it is not known
-        yet, as for a header block cut short)."""
-        body = error_body_for(path, 408, "timeout", why)
+    def error_response(self, status: int, code: str, why: str, path: str) -> bytes:
+        """An error closing the connection (a 408, or a request h11 cannot parse), in the error shape of the request's
+        path (OpenAI's where it is not known: no request line yet)."""
+        body = error_body_for(path, status, code, why)
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]
         return b"".join(self.conn.send(event) or b"" for event in (
-            h11.Response(status_code=408, headers=head, reason=STATUS_PHRASES[408]), h11.Data(data=body),
+            h11.Response(status_code=status, headers=head, reason=STATUS_PHRASES[status]), h11.Data(data=body),
             h11.EndOfMessage()))
 
 
-ROOM_LOG_EVERY = 10.0  # seconds: a flood of connections makes room once per connection; one warning suffices
-_room_logged = -ROOM_LOG_EVERY
+LOG_EVERY = 10.0  # seconds: a flood of connections makes room (or is refused) once per connection; one line suffices
+_logged: dict[str, float] = {}
+
+
+def log_every(key: str, level: int, message: str, *args: object) -> None:
+    """Log `message` at most every LOG_EVERY seconds for `key`."""
+    now = time.monotonic()
+    if now - _logged.get(key, -LOG_EVERY) >= LOG_EVERY:
+        _logged[key] = now
+        log.log(level, message, *args)
 
 
 def log_room_made(limit: int) -> None:
-    """Warn, at most every ROOM_LOG_EVERY seconds, that connections are being closed for room."""
-    global _room_logged
-    now = time.monotonic()
-    if now - _room_logged >= ROOM_LOG_EVERY:
-        _room_logged = now
-        log.warning("%d connections are open (near the limit): closing those that have waited longest for a request's "
-                    "headers or body, to serve new ones (slow or idle clients, or a flood of connections)", limit)
+    """Warn, at most every LOG_EVERY seconds, that connections are being closed for room."""
+    log_every("room", logging.WARNING, "%d connections are open (near the limit): closing those that have waited "
+              "longest for a request's headers or body, to serve new ones (slow or idle clients, or a flood of "
+              "connections)", limit)
 
 
 def with_header_timeout(timeout: float) -> type[HeaderTimeoutProtocol]:

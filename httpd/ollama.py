@@ -1,5 +1,6 @@
-"""Ollama's API on `m31r serve`: `POST /api/generate`, `POST /api/show`, `GET /api/tags`, `GET /api/version`, so
-that editor plugins written for a local Ollama (Continue's autocomplete, llama-coder, Twinny) work unchanged.
+"""Ollama's API on `m31r serve`: `POST /api/generate`, `POST /api/show`, `GET /api/tags`, `GET /api/version`, and
+`GET /` (or HEAD) answering "Ollama is running", so that editor plugins written for a local Ollama (Continue's
+autocomplete, llama-coder, Twinny) and tools that check for one work unchanged.
 
 Where it follows Ollama and where it does not:
 - `suffix` (even empty) makes a request fill-in-the-middle. A prompt that is exactly another model family's FIM
@@ -33,7 +34,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
@@ -45,6 +46,7 @@ from m31r_protocol.messages import StatusReply, Token
 from m31r_protocol.reconnect import Unavailable
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API this follows: clients gate features on it
+RUNNING = "Ollama is running"  # Ollama's answer at `/`: clients that detect an Ollama server compare it word for word
 HONOURED = frozenset({"num_predict", "temperature", "top_k", "top_p", "seed", "stop"})
 # What /api/show reports as the prompt template. Continue looks for `.Suffix` in it to decide that a model
 # does fill-in-the-middle; this is the layout the daemon builds (README "Fill-in-the-middle layout").
@@ -324,7 +326,10 @@ class Ollama:
                 return c.fim(prefix, suffix, **kw)
             return c.generate(prefix, truncate=r.truncate, **kw)
 
-        return Generation(svc, "/api/generate", start, renderer, r.stream, Fields(max_tokens="options.num_predict"))
+        default = None if n is not None and n >= 0 else (
+            "the default, as none was given: the smaller of this server's cap and half the context")
+        return Generation(svc, "/api/generate", start, renderer, r.stream,
+                          Fields(max_tokens="options.num_predict", max_tokens_default=default))
 
     async def show(self, request: Request) -> Response:
         r: ShowRequest = await self.svc.read(request, ShowRequest)
@@ -351,6 +356,11 @@ class Ollama:
                    "digest": st.fingerprint, "details": _details(st)} for name in names]
         return Response(msgspec.json.encode({"models": models}), media_type="application/json")
 
+    async def running(self, request: Request) -> Response:
+        """Ollama's answer at `/` (GET and HEAD), word for word: the ollama CLI's heartbeat (`HEAD /`) wants a 200,
+        and front ends that detect a local Ollama compare the text."""
+        return PlainTextResponse(RUNNING)
+
     async def version(self, request: Request) -> Response:
         return Response(msgspec.json.encode({"version": OLLAMA_VERSION}), media_type="application/json")
 
@@ -374,6 +384,7 @@ EXCEPTION_HANDLERS = {_Unavailable: _unavailable}
 def routes(svc: Service, max_body: int) -> list[Route]:
     o = Ollama(svc)
     return [
+        Route("/", o.running, methods=["GET"], max_body_size=max_body),  # (GET routes answer HEAD too)
         Route("/api/generate", o.generate, methods=["POST"], max_body_size=max_body),
         Route("/api/show", o.show, methods=["POST"], max_body_size=max_body),
         Route("/api/tags", o.tags, methods=["GET"], max_body_size=max_body),

@@ -529,6 +529,15 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                                "responses": {
             "200": {"description": "The model", "content": _json("OpenAIModelList")},
             **_error_responses((*common, "503"))}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "OpenAI-compatible: the model under any of the names a request may use for it",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string", "minLength": 1}}],
+            "responses": {
+                "200": {"description": "The model", "content": _json("OpenAIModel")},
+                "404": {"description": "No model of that name is served here (code `model_not_found`)",
+                        "content": _json("ErrorResponse")},
+                **_error_responses((*common, "503"))}}},
         "/health": {"get": {"summary": "Ready (with model info) when the daemon answers", "responses": {
             "200": {"description": "The daemon answers", "content": _json("HealthResponse")},
             **_error_responses(common),

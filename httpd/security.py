@@ -185,6 +185,9 @@ class GuardMiddleware:
             await send_error(answer, scope["path"], status, code, message, [*extra, *cors])
 
         host = headers.get("host", b"").decode("latin-1")
+        if not host.strip():  # (an HTTP/1.0 client may send none; no --allowed-host would admit it)
+            return await refuse(403, "forbidden_host", "the request has no Host header, which this server requires "
+                                                       "(its defence against DNS rebinding): send Host: 127.0.0.1")
         if not self.hosts.allows(host):
             return await refuse(403, "forbidden_host", (
                 f"Host {host!r} is not a loopback name; start the server with --allowed-host to accept it"))

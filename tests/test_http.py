@@ -1103,7 +1103,8 @@ def test_daemon_errors_are_worded_from_their_detail(scripted):
     assert body["error"]["message"] == (
         "prompt (300 tokens) + max_tokens (400) = 700 exceeds the model's context of 512 tokens: lower max_tokens to "
         "at most 212, or shorten the prompt")  # /v1/completions has no `truncate`
-    status, body = post("/api/generate", "overflow-max-tokens", model="m31r", stream=False)
+    status, body = post("/api/generate", "overflow-max-tokens", model="m31r", stream=False,
+                        options={"num_predict": 400})
     assert status == 400 and body["error"].startswith(  # Ollama's names
         "prompt (300 tokens) + options.num_predict (400) = 700 exceeds the model's context of 512 tokens: lower "
         "options.num_predict to at most 212"), body

@@ -236,6 +236,24 @@ def test_slow_headers_get_408_and_others_are_served(server, kept_alive):
     assert "headers did not arrive within" in server.log.read_text()
 
 
+@pytest.mark.parametrize(("start", "ollama"), [
+    (b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a", True),  # the request line is in: its path's shape
+    (b"POST /api/generate HTTP/1.1", False),  # not all of the request line: OpenAI's
+])
+def test_slow_headers_408_is_in_the_shape_of_the_request_lines_path(server, start, ollama):
+    """A header block cut short after its request line gets its 408 in that path's error shape (Ollama's under /api/:
+    an Ollama client reads `error` as a string); before the request line is in, the path is not known: OpenAI's."""
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(start)
+        error = read_408(conn, time.monotonic(), HEADER_TIMEOUT)
+        if ollama:
+            assert isinstance(error, str) and "--header-timeout" in error, error
+        else:
+            assert error["code"] == "timeout" and "--header-timeout" in error["message"], error
+        assert closed(conn)
+
+
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer(server):
     """A connection that never starts a request is closed at the header timeout, with no answer: nobody asked."""
     with socket.create_connection(("127.0.0.1", server.port)) as conn:

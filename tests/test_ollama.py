@@ -302,6 +302,24 @@ def wide(shared_daemon, tmp_path_factory):
         srv.stop()
 
 
+def test_an_overflow_with_the_default_num_predict_says_it_was_the_default(wide):
+    """With `truncate: false` a prompt that leaves less room than the default num_predict (half the context) is the
+    daemon's context_overflow: its message names the prompt's length, the limit and the default as such (the client
+    sent no num_predict, so "options.num_predict (256)" alone puzzled), and how much num_predict fits."""
+    prompt = "fn a() {}\n" * 30  # 300 bytes: about as many tokens (byte-level), so 256 more do not fit in 512
+    for stream in (False, True):
+        r = httpx.post(f"{wide.url}/api/generate", json={"model": "m31r", "prompt": prompt, "truncate": False,
+                                                         "stream": stream}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and isinstance(err, str), r.text
+        assert ("+ options.num_predict (256, the default, as none was given: the smaller of this server's cap and "
+                "half the context) = ") in err and "exceeds the model's context of 512 tokens" in err, err
+        most = int(err.split("lower options.num_predict to at most ")[1].split(",")[0])
+        ok = httpx.post(f"{wide.url}/api/generate", timeout=30, json={
+            "model": "m31r", "prompt": prompt, "truncate": False, "stream": False, "options": {"num_predict": most}})
+        assert ok.status_code == 200, ok.text  # the way out it names works
+
+
 @pytest.mark.parametrize(("prompt", "suffix", "num_predict", "max_tokens"), [
     ("fn", None, 512, 510),  # a short prompt is kept whole: the rest of the context is generated
     ("fn", None, 1000, 510),
