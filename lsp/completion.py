@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
-from m31r_lsp.documents import scrub
+from m31r_lsp.documents import SPLITLINES_BREAKS, Lines, scrub, split_breaks
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
+from m31r_protocol.context import QUERY_LINES, QUERY_STEP
 from m31r_protocol.messages import Snippet
 from m31r_protocol.reconnect import Unavailable
 
@@ -39,8 +40,7 @@ log = logging.getLogger("m31r_lsp.completion")
 CHARS_PER_TOKEN = 64
 MAX_SIDE_CHARS = 1 << 18
 LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of it
-# Where str.splitlines (the daemon's line split) breaks lines; "\r\n" is one break.
-_SPLITLINES_BREAKS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+assert LINE_STEP % QUERY_STEP == 0  # (query_prefix: a cut at a multiple of LINE_STEP keeps the context's blocks)
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,13 @@ class DocState:
 class Completer:
     def __init__(self, link: EditorLink, settings: Callable[[], EditorSettings],
                  document: Callable[[str], tuple[str, int | None] | None],
-                 tell: Callable[[str], None] | None = None, project: ProjectContext | None = None):
+                 tell: Callable[[str], None] | None = None, project: ProjectContext | None = None,
+                 lines: Callable[[str, str], Lines] | None = None):
         """`document(uri)` gives the live (text, version) of an open document, or None; `tell(message)` shows the
-        user a message (window/showMessage); `project` finds code of the crate's other files for the prompt."""
+        user a message (window/showMessage); `project` finds code of the crate's other files for the prompt;
+        `lines(uri, text)` the line index of a document's text (the server's keeps the document's line starts)."""
         self.link = link
+        self.lines = lines or (lambda uri, text: Lines(text))
         self.project = project
         self.settings = settings
         self.document = document
@@ -204,7 +207,8 @@ class Completer:
             self.stats["unavailable"] += 1
             return None
         kwargs = plan.fim_kwargs()
-        prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context)
+        prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context,
+                                   self.lines(uri, text).breaks_before)
         if (prefix, suffix) != (plan.prefix, plan.suffix):
             self.stats["text_cut"] += 1
         kwargs["prefix"], kwargs["suffix"] = scrub(prefix), scrub(suffix)
@@ -212,7 +216,7 @@ class Completer:
         # The daemon stops once the floor below has decided what is shown (Fim.min_probability): the same suggestion,
         # without the tokens it would cut.
         kwargs["min_probability"] = s.min_probability or None
-        context = await self._context(uri, plan.prefix, s)
+        context = await self._context(uri, query_prefix(plan.prefix, prefix), s)
         self.last_fim = {**kwargs, "document": uri, "context": [c.path for c in context]}
         t0 = time.perf_counter()
         stream = None
@@ -303,10 +307,10 @@ class Completer:
             client = await self.link.get(wait=0)
         except Unavailable:
             return
-        context = await self._context(uri, plan.prefix, s)  # the same head as the request it warms for
+        prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context)
+        context = await self._context(uri, query_prefix(plan.prefix, prefix), s)  # the same head as the request's
         stream = None
         try:
-            prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context)
             stream = await client.fim(scrub(prefix), scrub(suffix), document=scrub(uri), max_tokens=1,
                                       stop=plan.stop, context=context)
             self.stats["warm_requests"] += 1
@@ -348,16 +352,38 @@ async def _cancel_stream(stream) -> None:
                 pass
 
 
-def sent_text(prefix: str, suffix: str, max_context: int) -> tuple[str, str]:
+def line_cut(prefix: str) -> int:
+    """Where the cursor's line starts in `prefix`: after its last "\\n" or "\\r" (a CR-only file's lines end in "\\r";
+    "\\r\\n" ends in "\\n"), as the daemon splits it (m31r.fim.split_prefix, on text whose line ends it reads as LF).
+    Searched back from the end only: a "\\r" is looked for after the last "\\n", not through the whole prefix."""
+    nl = prefix.rfind("\n")
+    return max(nl, prefix.rfind("\r", nl + 1)) + 1
+
+
+def sent_text(prefix: str, suffix: str, max_context: int,
+              breaks_before: Callable[[int], int] | None = None) -> tuple[str, str]:
     """The prefix and suffix a Fim carries: each side cut to what the daemon could keep of it, the lines above the
     cursor at a line whose index in the document is a multiple of LINE_STEP, as the daemon's own cut is. The prompt
     is then the one the whole text gives (the daemon keeps fewer characters than were sent), in a document of any
-    size."""
+    size. `breaks_before(i)`: split_breaks(prefix, 0, i), from a line index that need not count from the start."""
     limit = min(CHARS_PER_TOKEN * max(1, max_context), MAX_SIDE_CHARS)
     if len(prefix) > limit:
-        cut = prefix.rfind("\n") + 1  # the daemon's split: the lines above, and the cursor's line up to the cursor
-        prefix = _lines_above(prefix[:cut], limit) + _line_end(prefix[cut:], limit)
+        cut = line_cut(prefix)  # the daemon's split: the lines above, and the cursor's line up to the cursor
+        prefix = _lines_above(prefix, cut, limit, breaks_before) + _line_end(prefix[cut:], limit)
     return prefix, suffix[:limit]
+
+
+def query_prefix(prefix: str, sent: str) -> str:
+    """The text that project context is chosen by (m31r_protocol.context.query_words reads the whole lines up to the
+    last "\\n", in blocks of QUERY_STEP), with "\\n" line ends: the text sent when it holds enough whole lines for the
+    same choice (it starts at a line whose index is a multiple of LINE_STEP, so the blocks fall alike), else the whole
+    prefix. Reading a long document's whole prefix cost a list of all of its lines per keystroke; and a CR-only
+    document, without a "\\n", had no lines to go by."""
+    if len(sent) < len(prefix):  # cut
+        lines = split_breaks(sent, 0, line_cut(sent))
+        if lines // QUERY_STEP * QUERY_STEP >= QUERY_LINES:
+            prefix = sent
+    return prefix.replace("\r\n", "\n").replace("\r", "\n") if "\r" in prefix else prefix
 
 
 def _line_end(line: str, limit: int) -> str:
@@ -369,24 +395,19 @@ def _line_end(line: str, limit: int) -> str:
     return line if over <= 0 else line[-(-over // step) * step :]
 
 
-def _breaks(s: str) -> int:
-    """How many lines str.splitlines ends in `s` (fast on megabytes: no list of lines)."""
-    return sum(s.count(c) for c in _SPLITLINES_BREAKS) - s.count("\r\n")
-
-
-def _lines_above(above: str, limit: int) -> str:
-    """The last whole lines of `above` (text ending with a line break) that fit `limit` characters, from a line whose
-    index in `above` is a multiple of LINE_STEP: the daemon counts its blocks of lines from the first line it is sent,
-    so dropping whole blocks keeps them."""
-    at = len(above) - limit
+def _lines_above(prefix: str, cut: int, limit: int, breaks_before: Callable[[int], int] | None = None) -> str:
+    """The last whole lines of prefix[:cut] (text ending with a line break) that fit `limit` characters, from a line
+    whose index in it is a multiple of LINE_STEP: the daemon counts its blocks of lines from the first line it is
+    sent, so dropping whole blocks keeps them."""
+    at = cut - limit
     if at <= 0:
-        return above
-    if above[at - 1] == "\r" and above[at] == "\n":  # not between the two characters of one line break
+        return prefix[:cut]
+    if prefix[at - 1] == "\r" and prefix[at] == "\n":  # not between the two characters of one line break
         at += 1
-    head, tail = above[:at], above[at:]
-    index = _breaks(head)  # the line holding tail's first character
+    tail = prefix[at:cut]
+    index = breaks_before(at) if breaks_before is not None else split_breaks(prefix, 0, at)  # the line at tail[0]
     lines = tail.splitlines(keepends=True)
-    if not head.endswith(_SPLITLINES_BREAKS):  # tail starts inside that line: its first whole line is the next one
+    if prefix[at - 1] not in SPLITLINES_BREAKS:  # tail starts inside that line: its first whole line is the next one
         lines, index = lines[1:], index + 1
     skip = -index % LINE_STEP  # lines to the next multiple of LINE_STEP
     return "".join(lines[skip:])

@@ -1,7 +1,9 @@
 """Code from the rest of the crate for a completion's prompt (`Fim.context`).
 
-The files: the other open Rust documents, then the crate's `.rs` files on disk (the crate is the nearest folder
-above the document holding a Cargo.toml, else the document's folder), nearest first. Each file's windows are
+The files: the other open documents of the completed document's language, then the crate's files of that language on
+disk (the crate is the nearest folder above the document holding a Cargo.toml, else the document's folder), nearest
+first. A language is a file suffix (`.rs` for Rust; a document without one, an unsaved buffer, has its languageId's):
+Rust code is never quoted into a TOML, Markdown or Python prompt, nor theirs into a Rust one. Each file's windows are
 kept until it changes, so a request costs a stat per file and the ranking (m31r_protocol.context), a few
 milliseconds; it runs on a worker thread all the same (`find`), because disks can be slow.
 """
@@ -24,11 +26,18 @@ MAX_FILE_BYTES = 256 * 1024  # larger files are generated tables more often than
 MAX_LISTED = 2000  # files a crate's listing takes before it stops walking
 LISTING_TTL_S = 10.0  # a crate's file list is walked again after this long
 SKIP_DIRS = {"target", ".git", "node_modules"}
+LANGUAGE_SUFFIXES = {"rust": ".rs"}  # the suffix of a languageId's files, for a document whose URI has none
 
 
 def uri_path(uri: str) -> Path | None:
     u = urlparse(uri)
     return Path(unquote(u.path)) if u.scheme == "file" else None
+
+
+def language_suffix(uri: str, language_id: str | None = None) -> str | None:
+    """The suffix of the files in document `uri`'s language: its own (`.rs`), else its languageId's (an unsaved
+    `untitled:` buffer in Rust: `.rs`); None when neither tells."""
+    return (uri_path(uri) or Path(uri)).suffix or LANGUAGE_SUFFIXES.get((language_id or "").lower())
 
 
 def crate_root(path: Path) -> Path:
@@ -40,38 +49,44 @@ def crate_root(path: Path) -> Path:
 
 
 class ProjectContext:
-    def __init__(self, open_documents: Callable[[], Iterable[tuple[str, str]]]) -> None:
-        """`open_documents()` gives (uri, text) of the open documents."""
+    def __init__(self, open_documents: Callable[[], Iterable[tuple[str, ...]]]) -> None:
+        """`open_documents()` gives (uri, text) or (uri, text, languageId) of the open documents."""
         self.open_documents = open_documents
         self._lock = threading.Lock()
         self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
-        self._listings: dict[Path, tuple[float, list[Path]]] = {}
+        self._listings: dict[tuple[Path, str], tuple[float, list[Path]]] = {}  # (crate, suffix) -> (when, files)
 
     async def find(self, uri: str, prefix: str) -> list[Snippet]:
         """`snippets` on a worker thread, with the open documents as they are now (read here, on the event loop
         that changes them)."""
         return await asyncio.to_thread(self.snippets, uri, prefix, list(self.open_documents()))
 
-    def snippets(self, uri: str, prefix: str, opened: Iterable[tuple[str, str]] | None = None) -> list[Snippet]:
+    def snippets(self, uri: str, prefix: str, opened: Iterable[tuple[str, ...]] | None = None) -> list[Snippet]:
         """Snippets for a cursor at the end of `prefix` in document `uri`, best first; [] for a document with no
-        other Rust file near it, or nothing above the cursor to go by. `opened`: the open documents (default: as
-        `open_documents()` gives them)."""
+        other file of its language near it, or nothing above the cursor to go by. `opened`: the open documents
+        (default: as `open_documents()` gives them), (uri, text) or (uri, text, languageId)."""
         query = query_words(prefix)
         if not query:
             return []
+        given = self.open_documents() if opened is None else opened
+        docs = [(d[0], d[1], d[2] if len(d) > 2 else None) for d in given]
+        suffix = language_suffix(uri, next((lang for other, _, lang in docs if other == uri), None))
+        if suffix is None:
+            return []
         with self._lock:
-            return rank(query, self._files(uri, self.open_documents() if opened is None else opened))
+            return rank(query, self._files(uri, suffix, docs))
 
-    def _files(self, uri: str, opened: Iterable[tuple[str, str]]) -> list[tuple[str, list[Window]]]:
+    def _files(self, uri: str, suffix: str,
+               opened: Iterable[tuple[str, str, str | None]]) -> list[tuple[str, list[Window]]]:
         if len(self._windows) > 4 * MAX_FILES:  # bounded: past that, all are dropped and rebuilt as needed
             self._windows.clear()
         here = uri_path(uri)
         root = crate_root(here) if here is not None else None
         out: list[tuple[str, list[Window]]] = []
         seen: set[Path] = set() if here is None else {here}
-        for other, text in opened:
+        for other, text, lang in opened:
             path = uri_path(other)
-            if other == uri or path in seen or (path or Path(other)).suffix != ".rs":
+            if other == uri or path in seen or language_suffix(other, lang) != suffix:
                 continue
             if path is not None:
                 seen.add(path)
@@ -83,7 +98,7 @@ class ProjectContext:
                 return out
         if root is None or here is None:
             return out
-        for path in self._nearest(root, here):
+        for path in self._nearest(root, here, suffix):
             if path in seen:
                 continue
             try:
@@ -100,18 +115,18 @@ class ProjectContext:
                 break
         return out
 
-    def _nearest(self, root: Path, here: Path) -> list[Path]:
-        """The crate's .rs files, those sharing the most folders with `here` first."""
+    def _nearest(self, root: Path, here: Path, suffix: str) -> list[Path]:
+        """The crate's files ending in `suffix`, those sharing the most folders with `here` first."""
         now = time.monotonic()
-        got = self._listings.get(root)
+        got = self._listings.get((root, suffix))
         if got is None or now - got[0] > LISTING_TTL_S:
             found: list[Path] = []
             for folder, dirs, files in os.walk(root):
                 dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
-                found += (Path(folder) / f for f in sorted(files) if f.endswith(".rs"))
+                found += (Path(folder) / f for f in sorted(files) if f.endswith(suffix) and f != suffix)
                 if len(found) >= MAX_LISTED:
                     break
-            got = self._listings[root] = (now, found)
+            got = self._listings[(root, suffix)] = (now, found)
         parts = here.parent.parts
         return sorted(got[1], key=lambda p: -_common(p.parent.parts, parts))
 

@@ -3,6 +3,8 @@
 - Incremental changes are applied on the text with documents.py's line rules. pygls splits lines with
   str.splitlines, which also breaks at form feeds, \\v, \\x1c-\\x1e, U+0085, U+2028 and U+2029, so an edit below
   one of them landed on the wrong line; and it placed an edit past the end of a last line one character early.
+  Each document's `documents.Lines` (line starts it knows) is kept with it and carried through the edits (`lines`),
+  so that a keystroke's conversions in a long document start near the cursor, not at the start of the text.
 - Finished handler futures are dropped: pygls keeps the future of every notification (every keystroke's didChange)
   that a coroutine or generator handled, in `_request_futures`, and never removes it.
 - A request notes, as it arrives, the version of the document it names: its position is for that version, and
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 from urllib.parse import unquote
@@ -24,6 +27,7 @@ from urllib.parse import unquote
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidRequest, JsonRpcServerNotInitialized
 from pygls.protocol import LanguageServerProtocol, lsp_method
+from pygls.workspace import TextDocument
 
 from m31r_lsp import documents
 
@@ -45,6 +49,18 @@ class M31rProtocol(LanguageServerProtocol):
     # The status the process exits with once `exit` came (None before): 0 after `shutdown`, else 1.
     exit_status: int | None = None
     _initialize_seen = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each open document's line index; pygls makes a new TextDocument per version, and a closed one's goes with it.
+        self._lines: weakref.WeakKeyDictionary[TextDocument, documents.Lines] = weakref.WeakKeyDictionary()
+
+    def lines(self, doc: TextDocument) -> documents.Lines:
+        """The line index of `doc`'s text (made if it has none yet: a didOpen, a full-text change)."""
+        got = self._lines.get(doc)
+        if got is None or got.text is not doc.source:
+            got = self._lines[doc] = documents.Lines(doc.source)
+        return got
 
     @lsp_method(types.EXIT)
     def lsp_exit(self, *args: Any) -> Generator[Any, Any, None]:
@@ -98,15 +114,17 @@ class M31rProtocol(LanguageServerProtocol):
         """pygls' handler, with the changes applied by documents.edit (the editor's line rules)."""
         doc = self.workspace.text_documents.get(unquote(params.text_document.uri))
         if doc is not None:
-            text, enc = doc.source, self.workspace.position_encoding  # a PositionEncodingKind (a str) or None
+            lines, enc = self.lines(doc), self.workspace.position_encoding  # a PositionEncodingKind (a str) or None
             for change in params.content_changes:
                 if isinstance(change, types.TextDocumentContentChangePartial):
                     r = change.range
-                    text = documents.edit(text, (r.start.line, r.start.character), (r.end.line, r.end.character),
-                                          change.text, enc)
+                    lines = lines.edit((r.start.line, r.start.character), (r.end.line, r.end.character), change.text,
+                                       enc)
                 else:
-                    text = change.text
+                    lines = documents.Lines(change.text)
             self.workspace.put_text_document(types.TextDocumentItem(
-                uri=doc.uri, language_id=doc.language_id or "", version=params.text_document.version, text=text))
+                uri=doc.uri, language_id=doc.language_id or "", version=params.text_document.version, text=lines.text))
+            if (new := self.workspace.text_documents.get(unquote(params.text_document.uri))) is not None:
+                self._lines[new] = lines
         if (user_handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
             yield user_handler, (params,), None

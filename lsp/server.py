@@ -33,7 +33,7 @@ from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
 from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
-from m31r_lsp.documents import first_line, offset_at, position_at
+from m31r_lsp.documents import Lines, first_line
 from m31r_lsp.rpc import M31rProtocol, moved_on
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import reconnect
@@ -61,8 +61,9 @@ class M31rLanguageServer(LanguageServer):
         self.config = self.defaults
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
-                                   project=ProjectContext(self.open_documents))
+                                   project=ProjectContext(self.open_documents), lines=self.lines)
         self.initialized = False  # nothing but log/show messages may reach the client before `initialized`
+        self._shown_problems: set[str] = set()  # settings problems shown to the user (log_problems)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -70,11 +71,17 @@ class M31rLanguageServer(LanguageServer):
         doc = self.workspace.text_documents.get(unquote(uri))
         return None if doc is None else (doc.source, doc.version)
 
-    def open_documents(self) -> list[tuple[str, str]]:
-        """(uri, text) of the open documents."""
+    def lines(self, uri: str, text: str) -> Lines:
+        """The line index of `text`: the document's own (its line starts known, kept through edits) while `text` is
+        its current text, else a new one (an older snapshot: conversions scan from its start)."""
+        doc = self.workspace.text_documents.get(unquote(uri))
+        return self.protocol.lines(doc) if doc is not None and doc.source is text else Lines(text)
+
+    def open_documents(self) -> list[tuple[str, str, str]]:
+        """(uri, text, languageId) of the open documents."""
         # doc.uri as the editor sent it: pygls keys the documents by the URI unquoted once, and a second unquote (the
         # project context's uri_path) made `a%2520b.rs` (a file named a%20b.rs) `a b.rs`.
-        return [(doc.uri, doc.source) for doc in self.workspace.text_documents.values()]
+        return [(doc.uri, doc.source, doc.language_id or "") for doc in self.workspace.text_documents.values()]
 
     @property
     def encoding(self) -> str:
@@ -88,9 +95,15 @@ class M31rLanguageServer(LanguageServer):
         self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
 
     def log_problems(self, problems: list[str]) -> None:
+        """Log each settings problem, and show it (window/showMessage) the first time this session has it: Neovim and
+        Helix users rarely read the log, and a bad value sent again with every configuration change is not news."""
         for p in problems:
             log.warning("%s", p)
             self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning, message=p))
+            key = p.partition("; keeping ")[0]  # the key and the bad value, not the value kept (that may change)
+            if key not in self._shown_problems:
+                self._shown_problems.add(key)
+                self.tell(p)
 
     async def apply_settings(self, raw: object) -> None:
         new, problems = settings_mod.apply(self.config, raw, self.defaults)
@@ -103,9 +116,9 @@ class M31rLanguageServer(LanguageServer):
         elif new.enable and not old.enable and self.initialized:
             self.link.warm_up()
 
-    def to_range(self, result: Result, start: int, end: int) -> types.Range:
-        (l0, c0), (l1, c1) = (position_at(result.text, start, self.encoding),
-                              position_at(result.text, end, self.encoding))
+    def to_range(self, uri: str, result: Result, start: int, end: int) -> types.Range:
+        lines = self.lines(uri, result.text)
+        (l0, c0), (l1, c1) = lines.position_at(start, self.encoding), lines.position_at(end, self.encoding)
         return types.Range(types.Position(l0, c0), types.Position(l1, c1))
 
     async def suggest(self, uri: str, position: types.Position, *, invoked: bool,
@@ -120,13 +133,16 @@ class M31rLanguageServer(LanguageServer):
             """The text with the menu's selected item accepted, and the cursor after it."""
             assert selected is not None
             r = selected.range
-            a = offset_at(text, r.start.line, r.start.character, enc)
-            b = max(a, offset_at(text, r.end.line, r.end.character, enc))
+            lines = self.lines(uri, text)
+            a = lines.offset_at(r.start.line, r.start.character, enc)
+            b = max(a, lines.offset_at(r.end.line, r.end.character, enc))
             return text[:a] + selected.text + text[b:], a + len(selected.text), selected.text
 
-        return await self.completer.complete(
-            uri, lambda text: offset_at(text, position.line, position.character, enc), invoked=invoked,
-            selected=accepted if selected is not None else None)
+        def offset_of(text: str) -> int:
+            return self.lines(uri, text).offset_at(position.line, position.character, enc)
+
+        return await self.completer.complete(uri, offset_of, invoked=invoked,
+                                             selected=accepted if selected is not None else None)
 
     async def close(self) -> None:
         """End this server's session (its TCP editor left): cancel the handlers still running and the completion
@@ -377,7 +393,8 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
                 for s in suggestions if a <= s.start <= s.end == result.offset])
         # The suggestion, then the daemon's runners-up (a beam search's), for the editor to cycle through.
         return types.InlineCompletionList(items=[
-            types.InlineCompletionItem(insert_text=lf(s.text), range=ls.to_range(result, s.start, s.end))
+            types.InlineCompletionItem(insert_text=lf(s.text),
+                                       range=ls.to_range(params.text_document.uri, result, s.start, s.end))
             for s in suggestions])
 
     @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=COMPLETION_TRIGGERS))
@@ -425,7 +442,7 @@ def completion_item(ls: M31rLanguageServer, result: Result, params: types.Comple
         sort_text="0",
         filter_text=new_text,
         insert_text_format=types.InsertTextFormat.PlainText,
-        text_edit=types.TextEdit(range=ls.to_range(result, start, s.end), new_text=new_text),
+        text_edit=types.TextEdit(range=ls.to_range(params.text_document.uri, result, start, s.end), new_text=new_text),
     )
 
 

@@ -65,8 +65,14 @@ class FimPrompt:
 
 
 def split_prefix(prefix: str) -> tuple[str, str]:
-    """(P_above, P_line): the complete lines above the cursor, and the cursor line's text before it."""
-    cut = prefix.rfind("\n") + 1
+    """(P_above, P_line): the complete lines above the cursor, and the cursor line's text before it.
+
+    Lines end at "\\n", "\\r\\n" and a lone "\\r" (old Mac files), as cut_above's str.splitlines counts them: split at
+    "\\n" alone, a CR-only prefix was all one cursor line, kept to P_line's few tokens. Text without a lone "\\r" splits
+    as before (training's corpus is LF); form feeds and the like, which splitlines breaks at too, stay in their line
+    as they always did. The "\\r" is looked for after the last "\\n" only, not through a long prefix."""
+    nl = prefix.rfind("\n")
+    cut = max(nl, prefix.rfind("\r", nl + 1)) + 1
     return prefix[:cut], prefix[cut:]
 
 

@@ -44,7 +44,10 @@ async def test_settings_of_the_wrong_shape_are_reported_and_the_rest_applied(lsp
     assert st["settings"]["debounce_ms"] == 0 and st["settings"]["max_lines"] == 12  # the bad ones kept
     assert "m31r.debounceMs: expected an integer (got inf); keeping 0" in logged
     assert "m31r.maxLines: expected an integer (got nan); keeping 12" in logged
-    assert not s.client.messages  # no "Error in server" shown
+    # no "Error in server" shown: the two problems, as warnings (settings problems are shown as well as logged)
+    assert [(m.type, m.message) for m in s.client.messages] == [
+        (t.MessageType.Warning, "m31r.debounceMs: expected an integer (got inf); keeping 0"),
+        (t.MessageType.Warning, "m31r.maxLines: expected an integer (got nan); keeping 12")]
     # A section of the wrong type, pushed (the client then also answers workspace/configuration: nothing here).
     n = len(s.client.log_messages)
     s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings={"m31r": "fast"}))

@@ -85,3 +85,28 @@ async def test_a_cut_document_gets_the_prompt_the_whole_text_gives(lsp, daemon):
                                  deadline_ms=30000, sampling=Sampling(temperature=1.0))
             raw, done = await stream.collect()
         assert (raw, list(done.logprob_by_line)) == (st["lastRaw"], st["lastLogprobByLine"]), k
+
+
+async def test_a_cut_cr_only_document_gets_the_prompt_the_whole_text_gives(lsp, daemon):
+    """Lines that end in a lone "\\r" (old Mac files): the server split the prefix at its last "\\n" only, so in a
+    CR-only document the whole prefix was the cursor's line, cut at a character count rather than at a line of the
+    daemon's 16-line step, and the daemon (which reads "\\r" as a line end) was prompted with other lines than the
+    whole text gives. Cut at the last line end of any kind, the answer is the whole text's, to the figure."""
+    s = await lsp({**NOISE, "deadlineMs": 30000, "multiline": "never"})
+    text = big_document(120_000).replace("\r\n", "\r")
+    assert "\n" not in text
+    for k, where in enumerate((0.5, 0.9)):
+        offset = text.index("{\r", int(len(text) * where)) + len("{\r    let v")
+        uri = f"file:///work/src/mac{k}.rs"
+        s.open(text, uri=uri)
+        await s.inline(offset, uri=uri)
+        st = await s.stats()
+        fim = st["lastFim"]
+        assert st["text_cut"] == k + 1 and text[:offset].endswith(fim["prefix"])
+        start = offset - len(fim["prefix"])
+        assert text[start - 1] == "\r" and text[:start].count("\r") % 16 == 0  # whole lines, at the daemon's step
+        async with await Client.connect(daemon, client="whole") as c:
+            stream = await c.fim(text[:offset], text[offset:], max_tokens=fim["max_tokens"], stop=fim["stop"], seed=7,
+                                 deadline_ms=30000, sampling=Sampling(temperature=1.0))
+            raw, done = await stream.collect()
+        assert (raw, list(done.logprob_by_line)) == (st["lastRaw"], st["lastLogprobByLine"]), k
