@@ -47,7 +47,9 @@ def query_words(prefix: str) -> frozenset[str]:
     line itself in a file's first block). Anchored to blocks, the snippets change on one Enter in ten rather than
     one in three (a change re-runs the whole prompt: its head moved), at the price of not seeing the lines of the
     cursor's own block."""
-    lines = prefix[: prefix.rfind("\n") + 1].splitlines(keepends=True)
+    nl = prefix.rfind("\n")
+    cut = max(nl, prefix.rfind("\r", nl + 1)) + 1  # a lone CR ends a line too (old Mac files), as in m31r.fim
+    lines = prefix[:cut].splitlines(keepends=True)
     block = len(lines) // QUERY_STEP * QUERY_STEP  # the cursor's line is lines[len(lines)]
     query = lines[block - QUERY_LINES if block >= QUERY_LINES else 0 : block or len(lines)]
     return frozenset(WORD.findall("".join(query)))

@@ -49,6 +49,10 @@ def test_query_is_whole_lines_above_the_cursor_block() -> None:
     # In the file's first block, the lines above the cursor.
     assert words(3) == {"let", "q_0", "q_1", "q_2"} and words(0) == set()
     assert query_words("fn main") == frozenset()
+    # Lines that end in a lone CR (old Mac files) are lines too: the same words as the LF text.
+    for n in (3, 3 * QUERY_STEP + 1):
+        text = numbered(n, "q") + "    let typed_now = "
+        assert query_words(text.replace("\n", "\r")) == query_words(text) != frozenset()
 
 
 def test_rank_orders_by_similarity_and_never_overlaps_within_a_file() -> None:
