@@ -8,6 +8,7 @@ Importing this package (or any module in it) never imports torch: the daemon own
     metrics.py   Prometheus metrics
     app.py       the Starlette application (endpoints, streaming, cancellation)
     ollama.py    Ollama's API (/api/generate, /api/show, /api/tags, /api/version) for plugins written for Ollama
+    llamacpp.py  llama.cpp server's /infill, for its editor plugins (llama.vim, llama.vscode)
     fim_templates.py  other model families' FIM prompt layouts, split back into prefix and suffix
     server.py    `run(...)`: uvicorn on uvloop
 """

@@ -35,7 +35,14 @@ from starlette.types import Receive, Scope, Send
 
 from m31r_http import schemas as s
 from m31r_http.metrics import Metrics, MetricsMiddleware
-from m31r_http.security import OLLAMA_PREFIX, GuardMiddleware, HostPolicy, error_body
+from m31r_http.security import (
+    LLAMACPP_PATHS,
+    OLLAMA_PREFIX,
+    GuardMiddleware,
+    HostPolicy,
+    error_body,
+    llamacpp_error_body,
+)
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
@@ -44,7 +51,7 @@ from m31r_protocol.version import VERSION
 log = logging.getLogger("m31r_http")
 
 ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version")
+             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
@@ -145,11 +152,16 @@ def model_names(model: str) -> list[str]:
 
 def _error_for(request: Request, status: int, code: str, message: str, param: str | None = None,
                headers: dict[str, str] | None = None) -> Response:
-    """An error in the shape the path's clients read: Ollama's under /api/, else OpenAI's."""
+    """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's on its endpoints, else
+    OpenAI's."""
     if request.url.path.startswith(OLLAMA_PREFIX):
         from m31r_http.ollama import error_response as ollama_error
 
         return ollama_error(status, message, headers=headers)
+    if request.url.path in LLAMACPP_PATHS:  # (no `param` in that shape: the message names the field)
+        said = f"{param}: {message}" if param and not message.startswith(param) else message
+        return Response(llamacpp_error_body(status, code, said), status, headers=headers,
+                        media_type="application/json")
     return error_response(status, code, message, param=param, headers=headers)
 
 
@@ -826,7 +838,7 @@ class Service:
 
 
 def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
-    from m31r_http import ollama
+    from m31r_http import llamacpp, ollama
 
     settings = settings or ServeSettings()
     svc = Service(settings, upstream)
@@ -849,7 +861,8 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         Route("/metrics", svc.metrics_endpoint, methods=["GET"], max_body_size=limit),
         Route("/openapi.json", svc.openapi_endpoint, methods=["GET"], max_body_size=limit),
         *ollama.routes(svc, limit),
-    ]  # (the Ollama module builds on this one's Generation: imported here, not at the top)
+        *llamacpp.routes(svc, limit),
+    ]  # (the Ollama and llama.cpp modules build on this one's Generation: imported here, not at the top)
     middleware = [
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,

@@ -19,7 +19,7 @@ Uvicorn's own answers are plain text, where every other error of the API is JSON
 "HTTP adapter"), which is what clients parse: its 503 at the connection limit and its 400 for a request that is not
 valid HTTP. Here they are JSON in that shape: the 503 with Retry-After, the 400 saying what h11 found wrong (a 431
 where the header block is too large). These, and the 408 above, use the request line's path for the shape (Ollama's
-under /api/) once it has arrived, OpenAI's before.
+under /api/, llama.cpp's at /infill) once it has arrived, OpenAI's before.
 
 The class is also used where httptools is installed (uvicorn would pick its httptools protocol), so the deadline
 holds whatever uvicorn's extras are.

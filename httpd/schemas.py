@@ -341,6 +341,134 @@ class OpenAIModelList(Struct):
     object: Literal["list"] = "list"
 
 
+# -- llama.cpp's /infill (llamacpp.py) -------------------------------------------------------------------------
+
+
+class InfillExtra(Struct, kw_only=True):
+    """A chunk of another file, as llama.cpp's editor plugins send it (other keys, such as llama.vim's `time`, are
+    ignored)."""
+
+    text: Annotated[str, Meta(description="The code.")]
+    filename: Annotated[str, Meta(max_length=4096, description="Its file; the model sees it in a comment line.")] = ""
+
+
+class InfillRequest(Struct, kw_only=True):
+    """llama.cpp server's `POST /infill`, as llama.vim and llama.vscode send it: the text before the cursor is
+    `input_prefix` + `prompt` (the cursor line's text before the cursor), after it `input_suffix`. The fields listed
+    are honoured; llama.cpp's other options are accepted and ignored (named in X-M31R-Ignored-Options), as llama.cpp
+    ignores options it does not know. Greedy unless `temperature` is above 0 (llama.cpp samples by default)."""
+
+    input_prefix: Annotated[str, Meta(description="The lines above the cursor line.")] = ""
+    input_suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
+    input_extra: Annotated[list[InfillExtra], Meta(description=(
+        "Chunks of other files, oldest first (llama.cpp lays the last nearest the code): the last "
+        f"{MAX_SNIPPETS} are the request's project context, the newest nearest the prompt."))] = []
+    prompt: Annotated[str, Meta(description="The cursor line's text before the cursor.")] = ""
+    n_predict: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
+        "Most tokens to generate; negative (llama.cpp's -1): no limit of the request's own. Capped, as llama.cpp's "
+        "server caps it, at the server's --max-tokens-cap and half the model's context; 0 only prefills (the "
+        "plugins' requests that warm the cache with `input_extra`)."))] | None = None
+    max_tokens: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
+        "`n_predict`'s other name (used when n_predict is absent)."))] | None = None
+    temperature: Annotated[float, Meta(le=2, description="0 or less: greedy, the default.")] = 0.0
+    top_k: Annotated[int, Meta(ge=-(2**31), le=INT32, description="0 or less: off.")] = 0
+    top_p: Annotated[float, Meta(ge=0, le=1, description="1: off.")] = 1.0
+    repeat_penalty: Annotated[float, Meta(gt=0, le=10, description="1: off, the default.")] = 1.0
+    seed: Annotated[int, Meta(ge=-(2**63), le=INT63, description=(
+        "Negative: a random seed (llama.cpp's -1)."))] | None = None
+    stop: Stop = []
+    stream: Annotated[bool, Meta(description=(
+        "Server-Sent Events: `data: {...}` lines, one a chunk of text, the last the whole response's fields."))] = False
+    n_indent: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
+        "End the completion before a line (after its first) indented by fewer spaces or tabs than this, as "
+        "llama.cpp does; 0 or less: off."))] = 0
+    t_max_predict_ms: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
+        "End the completion at the first line end written this long after its first token, as llama.cpp does; 0 "
+        "or less: off."))] = 0
+    response_fields: Annotated[list[str], Meta(description=(
+        "Answer only these fields; `a/b` is field b of a, named `a/b` at the top level (llama.cpp's rule)."))] = []
+    model: Annotated[str, Meta(description="Accepted and not used: there is one model.")] | None = None
+
+
+class InfillTimings(Struct):
+    """llama.cpp's timings, in milliseconds: `prompt_*` the prefill of the tokens the prefix cache lacked (with the
+    wait for the daemon, where an n_indent or t_max_predict_ms cut ended the request before the daemon reported),
+    `predicted_*` the generation."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class InfillSettings(Struct):
+    """The settings the completion ran with (llama.vscode shows n_ctx)."""
+
+    n_ctx: int
+    n_predict: int
+    model: str
+    temperature: float
+    top_k: int
+    top_p: float
+    repeat_penalty: float
+    seed: int
+    stop: list[str]
+    stream: bool
+    n_indent: int
+    t_max_predict_ms: int
+
+
+class InfillResponse(Struct, kw_only=True):
+    """llama.cpp's answer to /infill (and a stream's last event, `content` empty there), its fields in its order.
+    `tokens_evaluated`, `tokens_cached` and the prompt's timings are 0 where an n_indent or t_max_predict_ms cut ended
+    the daemon's request before it reported them."""
+
+    index: int = 0
+    content: str
+    tokens: list[int] = []
+    id_slot: int = 0
+    stop: bool = True
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    generation_settings: InfillSettings
+    has_new_line: bool
+    truncated: bool = False  # the daemon fits every FIM prompt to the context, as llama.cpp fits /infill's
+    stop_type: Literal["eos", "limit", "word"]
+    stopping_word: str = ""
+    tokens_cached: int
+    timings: InfillTimings
+
+
+class InfillChunk(Struct, kw_only=True):
+    """A stream's event: a piece of the completion."""
+
+    index: int = 0
+    content: str
+    tokens: list[int]
+    stop: bool = False
+    id_slot: int = 0
+    tokens_predicted: int
+
+
+class LlamaCppErrorDetail(Struct):
+    code: int  # the HTTP status
+    message: str
+    type: str  # invalid_request_error, authentication_error, permission_error, not_found_error, unavailable_error,
+    # exceed_context_size_error, server_error
+
+
+class LlamaCppError(Struct):
+    """llama.cpp server's error shape (under /infill)."""
+
+    error: LlamaCppErrorDetail
+
+
 # -- decoding -------------------------------------------------------------------------------------------------
 
 
@@ -429,9 +557,9 @@ def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None
 
 # -- OpenAPI ------------------------------------------------------------------------------------------------
 
-REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest)
+REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest, InfillRequest)
 RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
-             OpenAICompletion, OpenAIModelList)
+             OpenAICompletion, OpenAIModelList, InfillResponse, InfillChunk, LlamaCppError)
 # Their max_tokens maximum is the server's cap.
 CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest", "OpenAICompletionRequest")
 
@@ -513,6 +641,7 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                         "content": {**_json(resp), "text/event-stream": {"schema": events}}},
                 **_error_responses(gen_errors)}}}
 
+    picked = {"type": "object", "description": "The fields `response_fields` named (`a/b`: field b of a)."}
     native_stream = ("Server-Sent Events: `event: chunk` with a StreamChunk per text chunk, then `event: done` "
                      "with the full response (usage included), or `event: error` with an ErrorResponse.")
     paths = {
@@ -538,6 +667,21 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                 "404": {"description": "No model of that name is served here (code `model_not_found`)",
                         "content": _json("ErrorResponse")},
                 **_error_responses((*common, "503"))}}},
+        "/infill": {"post": {
+            "summary": "llama.cpp server's fill-in-the-middle, for its editor plugins (llama.vim, llama.vscode)",
+            "requestBody": {"required": True, "content": _json("InfillRequest")},
+            "responses": {
+                "200": {"description": "The result (with `response_fields`, an object of those fields only); with "
+                                       "`stream: true`, `data: {...}` lines of InfillChunk, then the InfillResponse "
+                                       "(`content` empty), or an LlamaCppError.",
+                        "content": {"application/json": {"schema": {"anyOf": [_ref("InfillResponse"), picked]}},
+                                    "text/event-stream": {"schema": {
+                            "type": "object", "required": ["data"], "properties": {"data": {
+                                "type": "string", "contentMediaType": "application/json", "contentSchema": {
+                                    "anyOf": [_ref("InfillChunk"), _ref("InfillResponse"), _ref("LlamaCppError"),
+                                              picked]}}}}}}},
+                **{code: {**r, "content": _json("LlamaCppError")}
+                   for code, r in _error_responses(("400", "401", "403", "413", "503", "504")).items()}}}},
         "/health": {"get": {"summary": "Ready (with model info) when the daemon answers", "responses": {
             "200": {"description": "The daemon answers", "content": _json("HealthResponse")},
             **_error_responses(common),

@@ -26,7 +26,7 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from m31r_http.schemas import ErrorDetail, ErrorResponse
+from m31r_http.schemas import ErrorDetail, ErrorResponse, LlamaCppError, LlamaCppErrorDetail
 
 log = logging.getLogger("m31r_http")
 
@@ -88,6 +88,10 @@ def load_token(path: str | Path) -> str:
 
 
 OLLAMA_PREFIX = "/api/"  # Ollama's API (ollama.py): its clients read errors as {"error": "message"}
+# llama.cpp server's endpoints (llamacpp.py): its plugins read {"error": {"code": <status>, "message", "type"}}
+LLAMACPP_PATHS = frozenset({"/infill"})
+LLAMACPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                  404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
 
 
 def error_body(status: int, code: str, message: str) -> bytes:
@@ -95,11 +99,22 @@ def error_body(status: int, code: str, message: str) -> bytes:
     return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind)))
 
 
+def llamacpp_error_body(status: int, code: str, message: str) -> bytes:
+    """An error as llama.cpp's server writes one: `code` is the HTTP status, `type` its kind (llama.cpp's names;
+    a context overflow is its exceed_context_size_error)."""
+    kind = "exceed_context_size_error" if code == "context_overflow" else LLAMACPP_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return msgspec.json.encode(LlamaCppError(LlamaCppErrorDetail(code=status, message=message, type=kind)))
+
+
 def error_body_for(path: str, status: int, code: str, message: str) -> bytes:
-    """An error in the shape the path's clients read (as app._error_for chooses it): Ollama's under /api/, else
-    OpenAI's."""
-    return (msgspec.json.encode({"error": message}) if path.startswith(OLLAMA_PREFIX)
-            else error_body(status, code, message))
+    """An error in the shape the path's clients read (as app._error_for chooses it): Ollama's under /api/,
+    llama.cpp's on its endpoints, else OpenAI's."""
+    if path.startswith(OLLAMA_PREFIX):
+        return msgspec.json.encode({"error": message})
+    if path in LLAMACPP_PATHS:
+        return llamacpp_error_body(status, code, message)
+    return error_body(status, code, message)
 
 
 async def send_error(send: Send, path: str, status: int, code: str, message: str,
