@@ -945,7 +945,10 @@ def test_security_helpers(tmp_path):
 
 class StalledDaemon:
     """Speaks the handshake; records Generate/Cancel and never generates: a request gets no answer, or the frame
-    `answer` makes of it (a daemon's Error, scripted)."""
+    `answer` makes of it (a daemon's Error, scripted). Subclasses script more through `on_request`/`on_cancel`."""
+
+    model = "stalled"
+    capabilities: tuple[str, ...] = ()
 
     def __init__(self, path: Path, answer: Callable[[pm.Generate | pm.Fim], pm.Error | None] | None = None):
         self.path, self.received, self.answer = path, [], answer
@@ -963,23 +966,32 @@ class StalledDaemon:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        enc, dec = pm.encoder(), pm.client_decoder()
+        enc, dec, lock = pm.encoder(), pm.client_decoder(), threading.Lock()
 
         def send(msg) -> None:
             body = enc.encode(msg)
-            conn.sendall(struct.pack(">I", len(body)) + body)
+            with lock:  # (a subclass may answer from threads of its own)
+                conn.sendall(struct.pack(">I", len(body)) + body)
 
         f = conn.makefile("rb")
         while len(head := f.read(4)) == 4:
             msg = dec.decode(f.read(struct.unpack(">I", head)[0]))
             self.received.append(msg)
             if isinstance(msg, pm.Hello):
-                send(pm.Welcome(protocol=pm.PROTOCOL_VERSION, model="stalled", fingerprint="0", max_context=512,
-                                capabilities=[], daemon_version="test"))
+                send(pm.Welcome(protocol=pm.PROTOCOL_VERSION, model=self.model, fingerprint="0", max_context=512,
+                                capabilities=list(self.capabilities), daemon_version="test"))
             elif isinstance(msg, pm.Cancel):
+                self.on_cancel(msg)
                 send(pm.Error(id=msg.id, code="cancelled", message="cancelled by the client"))
-            elif isinstance(msg, pm.Generate | pm.Fim) and self.answer and (reply := self.answer(msg)) is not None:
-                send(reply)
+            elif isinstance(msg, pm.Generate | pm.Fim):
+                self.on_request(msg, send)
+
+    def on_request(self, msg: pm.Generate | pm.Fim, send: Callable[[object], None]) -> None:
+        if self.answer and (reply := self.answer(msg)) is not None:
+            send(reply)
+
+    def on_cancel(self, msg: pm.Cancel) -> None:
+        pass
 
     def close(self) -> None:
         self.sock.close()

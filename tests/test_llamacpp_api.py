@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from test_http import Server
+from test_http import Server, StalledDaemon
 
 from m31r_protocol import messages as pm
 
@@ -235,59 +234,33 @@ def test_no_daemon_is_a_503(tmp_path):
 # -- llama.cpp's stop rules, on scripted tokens ---------------------------------------------------------------
 
 
-class WritingDaemon:
+class WritingDaemon(StalledDaemon):
     """Speaks the daemon's protocol and answers every Fim with `pieces` as Token frames, `delay` seconds apart, then
     Done; a Cancel stops it (the Cancel is recorded)."""
 
+    model = "scripted"
+    capabilities = ("context",)
+
     def __init__(self, path: Path, pieces: list[str], delay: float = 0.0):
-        self.path, self.pieces, self.delay = path, pieces, delay
-        self.received: list = []
+        self.pieces, self.delay = pieces, delay
         self.cancelled: set[int] = set()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(path)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
+    def on_cancel(self, msg: pm.Cancel) -> None:
+        self.cancelled.add(msg.id)
+
+    def on_request(self, msg: pm.Generate | pm.Fim, send: Callable[[object], None]) -> None:
+        if isinstance(msg, pm.Fim):
+            threading.Thread(target=self._write, args=(msg, send), daemon=True).start()
+
+    def _write(self, req: pm.Fim, send: Callable[[object], None]) -> None:
+        for i, piece in enumerate(self.pieces):
+            time.sleep(self.delay)
+            if req.id in self.cancelled:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        enc, dec, lock = pm.encoder(), pm.client_decoder(), threading.Lock()
-
-        def send(msg) -> None:
-            body = enc.encode(msg)
-            with lock:
-                conn.sendall(struct.pack(">I", len(body)) + body)
-
-        def write(req: pm.Fim) -> None:
-            for i, piece in enumerate(self.pieces):
-                time.sleep(self.delay)
-                if req.id in self.cancelled:
-                    return
-                send(pm.Token(id=req.id, text=piece, token=i))
-            send(pm.Done(id=req.id, finish_reason="stop", usage=pm.Usage(prompt_tokens=9, completion_tokens=len(
-                self.pieces)), timings=pm.Timings(prefill_ms=1.0, total_ms=2.0)))
-
-        f = conn.makefile("rb")
-        while len(head := f.read(4)) == 4:
-            msg = dec.decode(f.read(struct.unpack(">I", head)[0]))
-            self.received.append(msg)
-            if isinstance(msg, pm.Hello):
-                send(pm.Welcome(protocol=pm.PROTOCOL_VERSION, model="scripted", fingerprint="0", max_context=512,
-                                capabilities=["context"], daemon_version="test"))
-            elif isinstance(msg, pm.Cancel):
-                self.cancelled.add(msg.id)
-                send(pm.Error(id=msg.id, code="cancelled", message="cancelled by the client"))
-            elif isinstance(msg, pm.Fim):
-                threading.Thread(target=write, args=(msg,), daemon=True).start()
-
-    def close(self) -> None:
-        self.sock.close()
+            send(pm.Token(id=req.id, text=piece, token=i))
+        send(pm.Done(id=req.id, finish_reason="stop", usage=pm.Usage(prompt_tokens=9, completion_tokens=len(
+            self.pieces)), timings=pm.Timings(prefill_ms=1.0, total_ms=2.0)))
 
 
 BLOCK = ["x = 1;", "\n", "        ", "y = 2;\n", "    ", "}", "\n", "z();\n"]  # a block, then its closing line
