@@ -51,7 +51,8 @@ from m31r_protocol.version import VERSION
 log = logging.getLogger("m31r_http")
 
 ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill")
+             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill", "/v1/health",
+             "/v1beta/server_setting", "/v1/events")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
@@ -838,7 +839,7 @@ class Service:
 
 
 def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
-    from m31r_http import llamacpp, ollama
+    from m31r_http import llamacpp, ollama, tabby
 
     settings = settings or ServeSettings()
     svc = Service(settings, upstream)
@@ -854,7 +855,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         Route("/generate", svc.generate, methods=["POST"], max_body_size=limit),
         Route("/completion", svc.completion, methods=["POST"], max_body_size=limit),
         Route("/fim", svc.fim, methods=["POST"], max_body_size=limit),
-        Route("/v1/completions", svc.openai_completions, methods=["POST"], max_body_size=limit),
+        Route("/v1/completions", tabby.completions_endpoint(svc), methods=["POST"], max_body_size=limit),  # (+Tabby's)
         Route("/v1/models", svc.models, methods=["GET"], max_body_size=limit),
         Route("/v1/models/{model}", svc.model, methods=["GET"], max_body_size=limit),
         Route("/health", svc.health, methods=["GET"], max_body_size=limit),
@@ -862,7 +863,8 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         Route("/openapi.json", svc.openapi_endpoint, methods=["GET"], max_body_size=limit),
         *ollama.routes(svc, limit),
         *llamacpp.routes(svc, limit),
-    ]  # (the Ollama and llama.cpp modules build on this one's Generation: imported here, not at the top)
+        *tabby.routes(svc, limit),
+    ]  # (the Ollama, llama.cpp and Tabby modules build on this one's Generation: imported here, not at the top)
     middleware = [
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,

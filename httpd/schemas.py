@@ -469,6 +469,135 @@ class LlamaCppError(Struct):
     error: LlamaCppErrorDetail
 
 
+# -- Tabby's API (tabby.py) ------------------------------------------------------------------------------------
+
+FilePath = Annotated[str, Meta(max_length=4096, description=(
+    "Its file: relative to the workspace or repository, or a file URI; the model sees it in a comment line."))]
+
+
+class TabbyDeclaration(Struct, kw_only=True):
+    """A declaration of a symbol used near the cursor, as the editor's language server found it."""
+
+    filepath: FilePath
+    body: Annotated[str, Meta(description="The code.")]
+
+
+class TabbySnippet(Struct, kw_only=True):
+    """Code from a recently changed or opened file, best first."""
+
+    filepath: FilePath
+    body: Annotated[str, Meta(description="The code.")]
+    score: Annotated[float, Meta(description="Tabby's relevance score; the list's order is what counts here.")] = 0.0
+
+
+class TabbySegments(Struct, kw_only=True):
+    """The text around the cursor and the editor's context (other keys, such as `edit_history`, are ignored)."""
+
+    prefix: Annotated[str, Meta(description="The text before the cursor.")]
+    suffix: Annotated[str, Meta(description="The text after the cursor.")] | None = None
+    filepath: Annotated[str, Meta(description="The file being edited: accepted and not used.")] | None = None
+    git_url: Annotated[str, Meta(description=(
+        "The repository's remote: accepted and not used (this server searches no repository)."))] | None = None
+    declarations: Annotated[list[TabbyDeclaration], Meta(description=(
+        "Highest priority context: the first of these, then of the changed files' snippets, then of the opened "
+        f"files', {MAX_SNIPPETS} in all, lead the prompt, the first nearest it."))] | None = None
+    relevant_snippets_from_changed_files: list[TabbySnippet] | None = None
+    relevant_snippets_from_recently_opened_files: list[TabbySnippet] | None = None
+    clipboard: Annotated[str, Meta(description="Accepted and not used (as Tabby, which only logs it).")] | None = None
+
+
+class TabbyCompletionRequest(Struct, kw_only=True):
+    """Tabby's `POST /v1/completions`, as tabby-agent (Tabby's VS Code, IntelliJ and Vim plugins) sends it: told from
+    an OpenAI request by `segments` (and no `prompt`). Unknown fields are ignored, as Tabby ignores them; those not
+    honoured are named in X-M31R-Ignored-Options. Greedy unless `temperature` is above 0 (Tabby's default is 0.1);
+    at most 64 tokens (Tabby's default), capped at --max-tokens-cap and half the model's context."""
+
+    segments: TabbySegments
+    language: Annotated[str, Meta(description=(
+        "The editor's language id: `rust` ends the completion at Tabby's stop words for Rust (a blank line, a line "
+        "comment or a top-level item at the line start); any other at a blank line only."))] | None = None
+    temperature: Temperature | None = None
+    seed: Seed | None = None
+    mode: Annotated[Literal["standard"], Meta(description=(
+        "Only `standard`: next edit suggestions need a model trained for them."))] = "standard"
+    user: Annotated[str, Meta(description="An end-user id: accepted and not used.")] | None = None
+    debug_options: Annotated[dict[str, Any], Meta(max_length=0, description=(
+        "Not supported (the daemon builds the prompt): only {} or null."))] | None = None
+
+
+TABBY_REFUSALS = {
+    "mode": "next edit suggestions are not supported: mode must be \"standard\" or left out",
+    "debug_options": "debug_options (raw_prompt, return_prompt, ...) are not supported: the daemon builds the prompt",
+}
+
+
+class TabbyChoice(Struct):
+    index: int
+    text: str
+
+
+class TabbyCompletionResponse(Struct):
+    """Tabby's answer: one choice, the text to insert at the cursor (tabby-agent reads `id` and the first choice)."""
+
+    id: str
+    choices: list[TabbyChoice]
+    mode: Literal["standard"] = "standard"
+
+
+class TabbyEvent(Struct, kw_only=True):
+    """A completion's view, select or dismiss event, which tabby-agent posts: answered 200 and dropped, never kept."""
+
+    type: Literal["view", "select", "dismiss"]
+    completion_id: str
+    choice_index: Annotated[int, Meta(ge=0, le=2**32 - 1)]
+    view_id: str | None = None
+    elapsed: Annotated[int, Meta(ge=0, le=2**32 - 1)] | None = None
+
+
+class TabbyVersion(Struct):
+    """`git_describe` is "v<Tabby release whose API this follows>-m31r-<m31r's version>": tabby-agent gates features
+    on the Tabby release. This server has no build date or commit to report: those are empty."""
+
+    build_date: str
+    build_timestamp: str
+    git_sha: str
+    git_describe: str
+
+
+class TabbyLocalModel(Struct):
+    model_id: str
+    device: str
+
+
+class TabbyModelHealth(Struct):
+    local: TabbyLocalModel
+
+
+class TabbyModels(Struct):
+    completion: TabbyModelHealth
+
+
+class TabbyHealth(Struct):
+    """Tabby's health state, with what is true here: the daemon's model and device (`cpu`, `cuda`, `metal`), no chat
+    model (so tabby-agent offers no chat), no webserver, and this machine's CPU (the daemon runs on it)."""
+
+    model: str
+    device: str
+    cuda_devices: list[str]
+    models: TabbyModels
+    arch: str
+    cpu_info: str
+    cpu_count: int
+    version: TabbyVersion
+    webserver: bool | None = None
+
+
+class TabbyServerSetting(Struct):
+    """Asks Tabby's clients not to send their own usage telemetry (tabby-agent otherwise reports to TabbyML)."""
+
+    disable_client_side_telemetry: bool
+
+
 # -- decoding -------------------------------------------------------------------------------------------------
 
 
@@ -557,9 +686,11 @@ def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None
 
 # -- OpenAPI ------------------------------------------------------------------------------------------------
 
-REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest, InfillRequest)
+REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest, InfillRequest,
+            TabbyCompletionRequest, TabbyEvent)
 RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
-             OpenAICompletion, OpenAIModelList, InfillResponse, InfillChunk, LlamaCppError)
+             OpenAICompletion, OpenAIModelList, InfillResponse, InfillChunk, LlamaCppError, TabbyCompletionResponse,
+             TabbyHealth, TabbyServerSetting)
 # Their max_tokens maximum is the server's cap.
 CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest", "OpenAICompletionRequest")
 
@@ -641,6 +772,17 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                         "content": {**_json(resp), "text/event-stream": {"schema": events}}},
                 **_error_responses(gen_errors)}}}
 
+    # A Tabby request is told from an OpenAI one by `segments` without `prompt` (OpenAI's refuses unknown fields).
+    components["TabbyCompletionRequest"]["not"] = {"required": ["prompt"]}
+
+    def tabby_completions(op: dict) -> dict:
+        """/v1/completions taking Tabby's request too, answered with Tabby's response."""
+        body, ok = op["post"]["requestBody"]["content"], op["post"]["responses"]["200"]["content"]
+        body["application/json"]["schema"] = {"anyOf": [_ref("OpenAICompletionRequest"),
+                                                        _ref("TabbyCompletionRequest")]}
+        ok["application/json"]["schema"] = {"anyOf": [_ref("OpenAICompletion"), _ref("TabbyCompletionResponse")]}
+        return op
+
     picked = {"type": "object", "description": "The fields `response_fields` named (`a/b`: field b of a)."}
     native_stream = ("Server-Sent Events: `event: chunk` with a StreamChunk per text chunk, then `event: done` "
                      "with the full response (usage included), or `event: error` with an ErrorResponse.")
@@ -651,9 +793,26 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                             "CompletionResponse", native_stream, native_events("CompletionResponse")),
         "/fim": post("Raw fill-in-the-middle", "FimRequest", "GenerateResponse", native_stream,
                      native_events("GenerateResponse")),
-        "/v1/completions": post("OpenAI-compatible completions (`suffix`: fill-in-the-middle)",
-                                "OpenAICompletionRequest", "OpenAICompletion",
-                                "`data: {...}` lines of OpenAICompletion chunks, then `data: [DONE]`.", openai_events),
+        "/v1/completions": tabby_completions(post(
+            "OpenAI-compatible completions (`suffix`: fill-in-the-middle); with `segments`, Tabby's (tabby-agent)",
+            "OpenAICompletionRequest", "OpenAICompletion",
+            "`data: {...}` lines of OpenAICompletion chunks, then `data: [DONE]` (Tabby's requests never stream).",
+            openai_events)),
+        "/v1/health": {method: {
+            "summary": "Tabby's health check (tabby-agent's GET, older clients' POST): the model, device and CPU",
+            "responses": {
+                "200": {"description": "The daemon answers", "content": _json("TabbyHealth")},
+                **_error_responses((*common, "503"))}} for method in ("get", "post")},
+        "/v1beta/server_setting": {"get": {
+            "summary": "Tabby's server settings: clients are asked to send no usage telemetry of their own",
+            "responses": {"200": {"description": "The settings", "content": _json("TabbyServerSetting")},
+                          **_error_responses(common)}}},
+        "/v1/events": {"post": {
+            "summary": "Tabby's completion events (view, select, dismiss): accepted and dropped, never kept or sent",
+            "parameters": [{"name": "select_kind", "in": "query", "required": False, "schema": {"type": "string"}}],
+            "requestBody": {"required": True, "content": _json("TabbyEvent")},
+            "responses": {"200": {"description": "Accepted (an empty body)"},
+                          **_error_responses(("400", "401", "403", "413"))}}},
         "/v1/models": {"get": {"summary": "OpenAI-compatible model list: the daemon's model and its aliases",
                                "responses": {
             "200": {"description": "The model", "content": _json("OpenAIModelList")},
