@@ -34,12 +34,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from m31r_http import schemas as s
+from m31r_http.fim_templates import split_fim
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import (
+    CODESTRAL_PATHS,
     LLAMACPP_PATHS,
     OLLAMA_PREFIX,
     GuardMiddleware,
     HostPolicy,
+    codestral_error_body,
     error_body,
     llamacpp_error_body,
 )
@@ -52,7 +55,7 @@ log = logging.getLogger("m31r_http")
 
 ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
              "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill", "/v1/health",
-             "/v1beta/server_setting", "/v1/events")
+             "/v1beta/server_setting", "/v1/events", "/v1/fim/completions")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
@@ -153,8 +156,8 @@ def model_names(model: str) -> list[str]:
 
 def _error_for(request: Request, status: int, code: str, message: str, param: str | None = None,
                headers: dict[str, str] | None = None) -> Response:
-    """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's on its endpoints, else
-    OpenAI's."""
+    """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's and Mistral's on their
+    endpoints, else OpenAI's."""
     if request.url.path.startswith(OLLAMA_PREFIX):
         from m31r_http.ollama import error_response as ollama_error
 
@@ -162,6 +165,9 @@ def _error_for(request: Request, status: int, code: str, message: str, param: st
     if request.url.path in LLAMACPP_PATHS:  # (no `param` in that shape: the message names the field)
         said = f"{param}: {message}" if param and not message.startswith(param) else message
         return Response(llamacpp_error_body(status, code, said), status, headers=headers,
+                        media_type="application/json")
+    if request.url.path in CODESTRAL_PATHS:
+        return Response(codestral_error_body(status, code, message, param), status, headers=headers,
                         media_type="application/json")
     return error_response(status, code, message, param=param, headers=headers)
 
@@ -777,14 +783,19 @@ class Service:
                                    "server does not compute: send one or the other", "logprobs")
         renderer = OpenAIRenderer(include_usage=bool(r.stream_options and r.stream_options.include_usage),
                                   echo=prompt if r.echo else "", logprobs=r.logprobs)
-        suffix = r.suffix
-        if suffix is None and not prompt:
+        text, suffix = prompt, r.suffix
+        if suffix is None and (layout := split_fim(prompt)) is not None:
+            # Another model's FIM layout in one prompt, as plugins send where the server takes no `suffix`
+            # (Continue's openai provider, llm-ls, minuet's llama.cpp recipe): to this model the markers are plain
+            # text, so it is served as the fill-in-the-middle it was built from (`echo` still gives the prompt).
+            _, text, suffix = layout
+        if suffix is None and not text:
             suffix = ""  # nothing to continue: write the start of a file instead
 
         def start(c: Client) -> Awaitable[Stream]:
             self.check_model(c, r.model)
             kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
-            return c.fim(prompt, suffix, **kw) if suffix is not None else c.generate(prompt, **kw)
+            return c.fim(text, suffix, **kw) if suffix is not None else c.generate(text, **kw)
 
         return Generation(self, "/v1/completions", start, renderer, bool(r.stream), Fields(truncate=None))
 
@@ -839,7 +850,7 @@ class Service:
 
 
 def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
-    from m31r_http import llamacpp, ollama, tabby
+    from m31r_http import codestral, llamacpp, ollama, tabby
 
     settings = settings or ServeSettings()
     svc = Service(settings, upstream)
@@ -864,7 +875,8 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         *ollama.routes(svc, limit),
         *llamacpp.routes(svc, limit),
         *tabby.routes(svc, limit),
-    ]  # (the Ollama, llama.cpp and Tabby modules build on this one's Generation: imported here, not at the top)
+        *codestral.routes(svc, limit),
+    ]  # (the modules of other servers' APIs build on this one's Generation: imported here, not at the top)
     middleware = [
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,

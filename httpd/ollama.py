@@ -4,14 +4,16 @@ autocomplete, llama-coder, Twinny) and tools that check for one work unchanged.
 
 Where it follows Ollama and where it does not:
 - `suffix` (even empty) makes a request fill-in-the-middle. A prompt that is exactly another model family's FIM
-  layout (what llama-coder and Twinny send) is split back into prefix and suffix (`fim_templates.py`). No prompt
-  template is ever applied, so `raw` changes nothing.
+  layout (what llama-coder and Twinny send) is split back into prefix and suffix (`fim_templates.py`; fim_layout
+  drops the space llama-coder and Twinny put after CodeLlama's <SUF>). No prompt template is ever applied, so `raw`
+  changes nothing.
 - Options honoured: num_predict, temperature, top_k, top_p, seed, stop. Every other option is ignored, as Ollama
   ignores options it does not know (plugins send num_ctx, num_thread, repeat_penalty by habit); the response's
   `X-M31R-Ignored-Options` header names them (percent-encoded where a name holds what a header cannot carry).
 - Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
   num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
-  cap is refused. A prompt too long for the context loses its start, as Ollama's does (`truncate: false` refuses).
+  cap is capped to it, as Ollama refuses none (Continue sends 4096); `truncate: false` refuses it. A prompt too long
+  for the context loses its start, as Ollama's does (`truncate: false` refuses).
   A num_predict too large for the context with the prompt is capped to what fits, keeping the prompt (at least half
   the context of it), where Ollama would shift its context and go on; `truncate: false` refuses it (fit_num_predict).
 - `logprobs: true` gives each chunk (and a whole answer) Ollama's `logprobs` list: each token's text, natural-log
@@ -154,6 +156,24 @@ def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
         raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 0 or more, or -1 for "
                                "no limit", "options.num_predict")
     return opts, sorted(k for k in raw if k not in HONOURED)
+
+
+def fim_layout(prompt: str) -> tuple[str, str] | None:
+    """(prefix, suffix) when `prompt` is another model's FIM layout (split_fim), else None.
+
+    CodeLlama's own layout is `<PRE> {prefix} <SUF>{suffix} <MID>` (Ollama's template, Continue's, cmp-ai's), but
+    llama-coder and Twinny write `<SUF> {suffix}`: a space the code does not have, on every request. Where a line end
+    (or the prompt's end) follows it, the cursor is at a line's end, where editors complete most, and the space is
+    dropped: with CodeLlama's own layout it would be trailing whitespace of the cursor's line. Before other text it
+    is ambiguous (the code may have a space there) and is kept. Twinny's Codestral layout starts with the line ends
+    that follow its (optional) file context, `\n\n[SUFFIX]`: with no file context they are the layout's too."""
+    layout = split_fim(prompt[2:] if prompt.startswith("\n\n[SUFFIX]") else prompt)
+    if layout is None:
+        return None
+    name, prefix, suffix = layout
+    if name == "codellama" and suffix.startswith(" ") and suffix[1:2] in ("", "\n", "\r"):
+        suffix = suffix[1:]
+    return prefix, suffix
 
 
 def fit_num_predict(n: int, max_context: int, prompt: str | None, truncate: bool) -> int:
@@ -299,14 +319,20 @@ class Ollama:
         cap = svc.settings.max_tokens_cap
         n = opts.num_predict
         if n is not None and n > cap:
-            raise s.InvalidRequest(f"options.num_predict: {n} exceeds this server's cap of {cap} "
-                                   "(m31r serve --max-tokens-cap)", "options.num_predict")
+            # Ollama refuses no num_predict, and plugins send large ones by default (Continue 4096, Twinny 512,
+            # llama-coder 256): capped, as fit_num_predict caps one too long for the context; refused only where the
+            # client asked for refusals over truncation.
+            if not r.truncate:
+                raise s.InvalidRequest(f"options.num_predict: {n} exceeds this server's cap of {cap} "
+                                       "(m31r serve --max-tokens-cap): lower it, or leave truncate on (the default) to "
+                                       "have it capped", "options.num_predict")
+            n = cap
         sampling = svc.sampling(opts.temperature or 0.0, opts.top_k or 0, 1.0 if opts.top_p is None else opts.top_p)
         seed = opts.seed if opts.seed is not None and opts.seed >= 0 else None
         stop = [opts.stop] if isinstance(opts.stop, str) else list(opts.stop or [])
         prefix, suffix = r.prompt, r.suffix
-        if suffix is None and (layout := split_fim(r.prompt)) is not None:
-            _, prefix, suffix = layout
+        if suffix is None and (layout := fim_layout(r.prompt)) is not None:
+            prefix, suffix = layout
         renderer = OllamaRenderer(r.model, ignored, r.logprobs)
         if suffix is None and not prefix:  # Ollama loads the model and says so
             check_model(await self._client(), r.model)

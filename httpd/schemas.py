@@ -841,6 +841,23 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                                               picked]}}}}}}},
                 **{code: {**r, "content": _json("LlamaCppError")}
                    for code, r in _error_responses(("400", "401", "403", "413", "503", "504")).items()}}}},
+        "/v1/fim/completions": {"post": {
+            "summary": "Mistral's Codestral fill-in-the-middle API, for Zed's edit predictions, Continue, minuet",
+            "requestBody": {"required": True, "content": _json("CodestralRequest")},
+            "responses": {
+                "200": {"description": "The result; with `stream: true`, `data: {...}` lines of CodestralChunk "
+                                       "(the first with the role, the last with finish_reason and usage), then "
+                                       "`data: [DONE]`, or a CodestralError.",
+                        "content": {**_json("CodestralResponse"), "text/event-stream": {"schema": {
+                            "type": "object", "required": ["data"], "properties": {"data": {
+                                "type": "string", "if": {"const": "[DONE]"}, "else": {
+                                    "contentMediaType": "application/json", "contentSchema": {
+                                        "anyOf": [_ref("CodestralChunk"), _ref("CodestralError")]}}}}}}}},
+                **{code: {**r, "content": _json("CodestralError")}
+                   for code, r in _error_responses(("401", "403", "409", "413", "503", "504")).items()},
+                "400": {"description": "The body is not valid JSON or does not fit the schema (`param` names the "
+                                       "field), or the daemon refused the request.",
+                        "content": _json("CodestralError")}}}},
         "/health": {"get": {"summary": "Ready (with model info) when the daemon answers", "responses": {
             "200": {"description": "The daemon answers", "content": _json("HealthResponse")},
             **_error_responses(common),
@@ -892,3 +909,108 @@ def with_models(doc: dict, names: list[str]) -> dict:
         if schema.get("type") == "string":
             schema["enum"] = list(names)
     return doc
+
+
+# -- Mistral's Codestral FIM API (codestral.py) -------------------------------------------------------------------
+
+
+class CodestralRequest(Struct, kw_only=True):
+    """Mistral's `POST /v1/fim/completions`, as Zed's edit predictions, Continue and minuet-ai.nvim send it: the text
+    before the cursor is `prompt`, after it `suffix`. Unknown fields are ignored (Mistral refuses them), and those
+    not honoured are named in X-M31R-Ignored-Options. Greedy unless `temperature` is above 0 (Mistral's default
+    depends on the model; Zed sends 0.2, so its predictions are sampled)."""
+
+    prompt: Annotated[str, Meta(description="The text before the cursor.")]
+    suffix: Annotated[str, Meta(description=(
+        "The text after the cursor; left out or null: empty (still fill-in-the-middle, as Zed means it when "
+        "its excerpt ends at the cursor)."))] | None = None
+    model: Annotated[str, Meta(description=(
+        "Accepted and not checked: there is one model (the clients send `codestral-latest` by default); the "
+        "answer names the one served."))] | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=INT32, description=(
+        "Most tokens to generate; capped (not refused) at the server's --max-tokens-cap and half the model's "
+        "context, which is also the default."))] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32, description=(
+        "Accepted and not honoured (the daemon has no such rule); named in X-M31R-Ignored-Options."))] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2, description=(
+        f"0 or left out: greedy (deterministic). Values below {GREEDY_BELOW} are treated as 0."))] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1, description=(
+        "Nucleus sampling mass, with a temperature; 1 or left out: off."))] | None = None
+    stream: Annotated[bool, Meta(description=(
+        "Server-Sent Events: `data: {...}` chat-completion chunks (`choices[0].delta.content`), then "
+        "`data: [DONE]`."))] | None = None
+    stop: str | Stop | None = None
+    random_seed: Seed | None = None
+
+
+class CodestralMessage(Struct):
+    """The completion, as the assistant's message (Mistral answers FIM as a chat completion)."""
+
+    role: Literal["assistant"]
+    content: Annotated[str, Meta(description="The text to insert at the cursor.")]
+    tool_calls: None = None
+
+
+class CodestralUsage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+CodestralFinishReason = Literal["stop", "length"]
+
+
+class CodestralChoice(Struct):
+    index: int
+    message: CodestralMessage
+    finish_reason: CodestralFinishReason
+
+
+class CodestralResponse(Struct, kw_only=True):
+    """Mistral's answer to a FIM request: a chat completion with one choice (Zed reads every field of it)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    model: str
+    usage: CodestralUsage
+    created: int
+    choices: list[CodestralChoice]
+
+
+class CodestralDelta(Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of the completion; the stream's first chunk also carries the role (with no text). `content`
+    is always there: Continue appends it as it is, and would write "undefined" for one left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class CodestralStreamChoice(Struct):
+    index: int
+    delta: CodestralDelta
+    finish_reason: CodestralFinishReason | None
+
+
+class CodestralChunk(Struct, kw_only=True, omit_defaults=True):
+    """A stream's event: the last has `finish_reason` and `usage`, and is followed by `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[CodestralStreamChoice]
+    usage: CodestralUsage | None = None
+
+
+class CodestralError(Struct):
+    """Mistral's error shape (on /v1/fim/completions, the guard's refusals included)."""
+
+    object: Literal["error"]
+    message: str
+    type: str  # invalid_request_error, server_error
+    param: str | None  # the field at fault, when one is
+    code: str | None  # this server's code: invalid, bad_json, busy, unavailable, timeout, ...
+
+
+REQUESTS += (CodestralRequest,)
+RESPONSES += (CodestralResponse, CodestralChunk, CodestralError)

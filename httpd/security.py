@@ -26,7 +26,7 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from m31r_http.schemas import ErrorDetail, ErrorResponse, LlamaCppError, LlamaCppErrorDetail
+from m31r_http.schemas import CodestralError, ErrorDetail, ErrorResponse, LlamaCppError, LlamaCppErrorDetail
 
 log = logging.getLogger("m31r_http")
 
@@ -90,6 +90,8 @@ def load_token(path: str | Path) -> str:
 OLLAMA_PREFIX = "/api/"  # Ollama's API (ollama.py): its clients read errors as {"error": "message"}
 # llama.cpp server's endpoints (llamacpp.py): its plugins read {"error": {"code": <status>, "message", "type"}}
 LLAMACPP_PATHS = frozenset({"/infill"})
+# Mistral's Codestral API (codestral.py): {"object": "error", "message", "type", "param", "code"}
+CODESTRAL_PATHS = frozenset({"/v1/fim/completions"})
 LLAMACPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                   404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
 
@@ -107,13 +109,21 @@ def llamacpp_error_body(status: int, code: str, message: str) -> bytes:
     return msgspec.json.encode(LlamaCppError(LlamaCppErrorDetail(code=status, message=message, type=kind)))
 
 
+def codestral_error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """An error as Mistral's API writes one (`code` is this server's, where Mistral's is a number or null)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return msgspec.json.encode(CodestralError(object="error", message=message, type=kind, param=param, code=code))
+
+
 def error_body_for(path: str, status: int, code: str, message: str) -> bytes:
     """An error in the shape the path's clients read (as app._error_for chooses it): Ollama's under /api/,
-    llama.cpp's on its endpoints, else OpenAI's."""
+    llama.cpp's and Mistral's on theirs, else OpenAI's."""
     if path.startswith(OLLAMA_PREFIX):
         return msgspec.json.encode({"error": message})
     if path in LLAMACPP_PATHS:
         return llamacpp_error_body(status, code, message)
+    if path in CODESTRAL_PATHS:
+        return codestral_error_body(status, code, message)
     return error_body(status, code, message)
 
 
