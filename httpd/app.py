@@ -787,7 +787,8 @@ class Service:
         if suffix is None and (layout := split_fim(prompt)) is not None:
             # Another model's FIM layout in one prompt, as plugins send where the server takes no `suffix`
             # (Continue's openai provider, llm-ls, minuet's llama.cpp recipe): to this model the markers are plain
-            # text, so it is served as the fill-in-the-middle it was built from (`echo` still gives the prompt).
+            # text, so it is served as the fill-in-the-middle it was built from (`echo` still gives the prompt). Zed's
+            # open_ai_compatible_api provider sends every one of its formats this way, GLM-4's among them.
             _, text, suffix = layout
         if suffix is None and not text:
             suffix = ""  # nothing to continue: write the start of a file instead

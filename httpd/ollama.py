@@ -4,9 +4,9 @@ autocomplete, llama-coder, Twinny) and tools that check for one work unchanged.
 
 Where it follows Ollama and where it does not:
 - `suffix` (even empty) makes a request fill-in-the-middle. A prompt that is exactly another model family's FIM
-  layout (what llama-coder and Twinny send) is split back into prefix and suffix (`fim_templates.py`; fim_layout
-  drops the space llama-coder and Twinny put after CodeLlama's <SUF>). No prompt template is ever applied, so `raw`
-  changes nothing.
+  layout (what llama-coder, Twinny and Zed send) is split back into prefix and suffix (`fim_templates.py`;
+  fim_layout drops the space llama-coder and Twinny put after CodeLlama's <SUF>). No prompt template is ever
+  applied, so `raw` changes nothing.
 - Options honoured: num_predict, temperature, top_k, top_p, seed, stop. Every other option is ignored, as Ollama
   ignores options it does not know (plugins send num_ctx, num_thread, repeat_penalty by habit); the response's
   `X-M31R-Ignored-Options` header names them (percent-encoded where a name holds what a header cannot carry).
@@ -167,7 +167,8 @@ def fim_layout(prompt: str) -> tuple[str, str] | None:
     dropped: with CodeLlama's own layout it would be trailing whitespace of the cursor's line. Before other text it
     is ambiguous (the code may have a space there) and is kept. Twinny's Codestral layout starts with the line ends
     that follow its (optional) file context, `\n\n[SUFFIX]`: with no file context they are the layout's too."""
-    layout = split_fim(prompt[2:] if prompt.startswith("\n\n[SUFFIX]") else prompt)
+    prompt = prompt[2:] if prompt.startswith("\n\n[SUFFIX]") else prompt
+    layout = split_fim(prompt)
     if layout is None:
         return None
     name, prefix, suffix = layout

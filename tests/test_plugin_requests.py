@@ -405,3 +405,119 @@ def test_the_fim_an_openai_prompt_layout_becomes(recording, prompt, echo):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == (prompt if echo else "") + "x", r.text
     sent = [m for m in daemon.received if isinstance(m, pm.Fim | pm.Generate)][-1]
     assert isinstance(sent, pm.Fim) and (sent.prefix, sent.suffix) == (PREFIX, SUFFIX)
+
+
+# -- Zed's `ollama` and `open_ai_compatible_api` edit-prediction providers ---------------------------------------
+#
+# zed-industries/zed crates/edit_prediction/src/fim.rs (request_prediction, infer_prompt_format, format_fim_prompt,
+# fim_stop_tokens, clean_fim_completion), ollama.rs (make_request, OllamaGenerateResponse), open_ai_compatible.rs
+# (send_custom_server_request), crates/cloud_llm_client (RawCompletionRequest, RawCompletionResponse), and
+# crates/zed/src/zed/edit_prediction_registry.rs: with `prompt_format: "infer"` (the default), a model name no
+# family is inferred from (`m31r`) gives no provider at all, so the format must be set. The prefix and suffix are the
+# file's text around the cursor in a window of about 512 tokens: the whole of this small file.
+
+# Each `prompt_format` Zed writes a FIM prompt in: its template and its stop words (fim_stop_tokens; Zed releases
+# before these per-format lists sent all 14 of clean_fim_completion's words, which the servers take as well).
+ZED_FORMATS: dict[str, tuple[Callable[[str, str], str], list[str]]] = {
+    "code_llama": (lambda p, s: f"<PRE> {p} <SUF>{s} <MID>", ["<PRE>", "<SUF>", "<MID>"]),
+    "star_coder": (lambda p, s: f"<fim_prefix>{p}<fim_suffix>{s}<fim_middle>",
+                   ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>"]),
+    "deepseek_coder": (lambda p, s: f"<｜fim▁begin｜>{p}<｜fim▁hole｜>{s}<｜fim▁end｜>",
+                       ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"]),
+    "qwen": (lambda p, s: f"<|fim_prefix|>{p}<|fim_suffix|>{s}<|fim_middle|>",
+             ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]),
+    "code_gemma": (lambda p, s: f"<|fim_prefix|>{p}<|fim_suffix|>{s}<|fim_middle|>",
+                   ["<|file_separator|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]),
+    "codestral": (lambda p, s: f"[SUFFIX]{s}[PREFIX]{p}", ["[PREFIX]", "[SUFFIX]"]),
+    "glm": (lambda p, s: f"<|code_prefix|>{p}<|code_suffix|>{s}<|code_middle|>",
+            ["<|endoftext|>", "<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"]),
+}
+ZED_END_TOKENS = ["<|endoftext|>", "<|file_separator|>", "<|fim_pad|>", "<|fim_prefix|>", "<|fim_middle|>",
+                  "<|fim_suffix|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<PRE>", "<SUF>", "<MID>",
+                  "[PREFIX]", "[SUFFIX]"]
+
+
+def zed_clean(text: str) -> str:
+    """clean_fim_completion: the text cut at each of its end tokens found, in its order."""
+    for token in ZED_END_TOKENS:
+        if (pos := text.find(token)) >= 0:
+            text = text[:pos]
+    return text
+
+
+def zed_ollama(raw: str) -> str:
+    """ollama.rs make_request: one JSON object (stream false), deserialised into OllamaGenerateResponse, which needs
+    `created_at` (the prediction's id) and `response` as strings."""
+    j = json.loads(raw)
+    assert isinstance(j["created_at"], str) and isinstance(j["response"], str), j
+    return j["response"]
+
+
+def zed_openai(raw: str) -> str:
+    """send_custom_server_request: the body deserialised into RawCompletionResponse (id, object, created as u64,
+    model, choices[{text, finish_reason: string or null}], usage{prompt_tokens, completion_tokens, total_tokens} as
+    u32: one missing or mistyped fails the prediction); the first choice's text, or "" with none."""
+    j = json.loads(raw)
+    assert all(isinstance(j[k], str) for k in ("id", "object", "model")), j
+    assert isinstance(j["created"], int) and j["created"] >= 0, j
+    assert all(isinstance(j["usage"][k], int) for k in ("prompt_tokens", "completion_tokens", "total_tokens")), j
+    for c in j["choices"]:
+        assert isinstance(c["text"], str) and (c.get("finish_reason") is None or isinstance(c["finish_reason"], str))
+    return j["choices"][0]["text"] if j["choices"] else ""
+
+
+@pytest.mark.parametrize("fmt", list(ZED_FORMATS))
+def test_zed_ollama(http, fmt):
+    """Zed with `provider: "ollama"`: POST {api_url}/api/generate, only Content-Type, `{model, prompt, raw: true,
+    stream: false, options: {num_predict: max_output_tokens, temperature: 0.2, stop}}` (temperature 0 here, to
+    compare). Its default max_output_tokens, 256, is over the cap: capped."""
+    template, stops = ZED_FORMATS[fmt]
+    body = {"model": "m31r", "prompt": template(PREFIX, SUFFIX), "raw": True, "stream": False,
+            "options": {"num_predict": 256, "temperature": 0, "stop": stops}}
+    r = post(http, "/api/generate", body, {"Content-Type": "application/json"})
+    assert zed_clean(zed_ollama(r.text)) == zed_clean(fim(http, PREFIX, SUFFIX, CAP, stops))
+
+
+@pytest.mark.parametrize("fmt", list(ZED_FORMATS))
+def test_zed_open_ai_compatible_api(http, fmt):
+    """Zed with `provider: "open_ai_compatible_api"`: POST to api_url as it is (the full URL, here
+    http://127.0.0.1:PORT/v1/completions), Content-Type and a bearer token only where a key is set, `{model, prompt,
+    max_tokens: max_output_tokens, stop}`: no temperature (greedy here), no suffix, no stream."""
+    template, stops = ZED_FORMATS[fmt]
+    body = {"model": "m31r", "prompt": template(PREFIX, SUFFIX), "max_tokens": CAP, "stop": stops}
+    r = post(http, "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer key"})
+    assert zed_clean(zed_openai(r.text)) == zed_clean(fim(http, PREFIX, SUFFIX, CAP, stops))
+
+
+def test_zed_defaults_are_accepted(http):
+    """Zed's own defaults, answered and parsed as Zed parses them: Ollama's temperature 0.2 (sampled, so not
+    compared) with older releases' 14 stop words, and /v1/completions with those 14 too."""
+    prompt = ZED_FORMATS["code_llama"][0](PREFIX, SUFFIX)
+    body = {"model": "m31r", "prompt": prompt, "raw": True, "stream": False,
+            "options": {"num_predict": 256, "temperature": 0.2, "stop": ZED_END_TOKENS}}
+    zed_ollama(post(http, "/api/generate", body, {"Content-Type": "application/json"}).text)
+    body = {"model": "m31r", "prompt": prompt, "max_tokens": CAP, "stop": ZED_END_TOKENS}
+    assert zed_openai(post(http, "/v1/completions", body, {"Content-Type": "application/json"}).text) == zed_clean(
+        fim(http, PREFIX, SUFFIX, CAP, ZED_END_TOKENS))
+
+
+@pytest.mark.parametrize("fmt", list(ZED_FORMATS))
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
+@pytest.mark.parametrize(("prefix", "suffix"), [(PREFIX, SUFFIX), (PREFIX + " ", ""), ("", "fn main() {}\n")],
+                         ids=["mid-file", "file-end", "file-start"])
+def test_the_fim_each_zed_format_becomes(recording, fmt, path, prefix, suffix):
+    """Each of Zed's formats, on each endpoint, reaches the daemon as the prefix and suffix Zed built it from: at a
+    file's end (an empty suffix, a space before the cursor) and start too."""
+    srv, daemon = recording
+    template, stops = ZED_FORMATS[fmt]
+    if path == "/api/generate":
+        body = {"model": "m31r", "prompt": template(prefix, suffix), "raw": True, "stream": False,
+                "options": {"num_predict": 256, "temperature": 0.2, "stop": stops}}
+    else:
+        body = {"model": "m31r", "prompt": template(prefix, suffix), "max_tokens": CAP, "stop": stops}
+    r = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert zed_clean(zed_ollama(r.text) if path == "/api/generate" else zed_openai(r.text)) == "x"
+    sent = [m for m in daemon.received if isinstance(m, pm.Fim | pm.Generate)][-1]
+    assert isinstance(sent, pm.Fim) and (sent.prefix, sent.suffix) == (prefix, suffix)
+    assert sent.stop == stops
