@@ -17,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -36,16 +37,7 @@ from starlette.types import Receive, Scope, Send
 from m31r_http import schemas as s
 from m31r_http.fim_templates import split_fim
 from m31r_http.metrics import Metrics, MetricsMiddleware
-from m31r_http.security import (
-    CODESTRAL_PATHS,
-    LLAMACPP_PATHS,
-    OLLAMA_PREFIX,
-    GuardMiddleware,
-    HostPolicy,
-    codestral_error_body,
-    error_body,
-    llamacpp_error_body,
-)
+from m31r_http.security import GuardMiddleware, HostPolicy, error_body, error_body_for
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
@@ -85,8 +77,7 @@ class ServeSettings:
 
 def error_response(status: int, code: str, message: str, *, param: str | None = None,
                    retry_after: int | None = None, headers: dict[str, str] | None = None) -> Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = msgspec.json.encode(s.ErrorResponse(s.ErrorDetail(code=code, message=message, type=kind, param=param)))
+    body = error_body(status, code, message, param)
     h = dict(headers or {})
     if retry_after is not None:
         h["Retry-After"] = str(retry_after)
@@ -154,22 +145,19 @@ def model_names(model: str) -> list[str]:
     return list(dict.fromkeys((model, model.split("@", 1)[0], *ALIASES)))
 
 
+def error_at(path: str, status: int, code: str, message: str, param: str | None = None,
+             retry_after: int | None = None, headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape the clients of `path` read (security.error_body_for)."""
+    h = dict(headers or {})
+    if retry_after is not None:
+        h["Retry-After"] = str(retry_after)
+    return Response(error_body_for(path, status, code, message, param), status, headers=h,
+                    media_type="application/json")
+
+
 def _error_for(request: Request, status: int, code: str, message: str, param: str | None = None,
                headers: dict[str, str] | None = None) -> Response:
-    """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's and Mistral's on their
-    endpoints, else OpenAI's."""
-    if request.url.path.startswith(OLLAMA_PREFIX):
-        from m31r_http.ollama import error_response as ollama_error
-
-        return ollama_error(status, message, headers=headers)
-    if request.url.path in LLAMACPP_PATHS:  # (no `param` in that shape: the message names the field)
-        said = f"{param}: {message}" if param and not message.startswith(param) else message
-        return Response(llamacpp_error_body(status, code, said), status, headers=headers,
-                        media_type="application/json")
-    if request.url.path in CODESTRAL_PATHS:
-        return Response(codestral_error_body(status, code, message, param), status, headers=headers,
-                        media_type="application/json")
-    return error_response(status, code, message, param=param, headers=headers)
+    return error_at(request.url.path, status, code, message, param, headers=headers)
 
 
 # Endpoints clients of other servers look for, and what this one offers instead (a 404's message says it).
@@ -205,6 +193,21 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 # -- one daemon request behind one HTTP request ---------------------------------------------------------------
 
 
+# What an option's name may hold as it is in the X-M31R-Ignored-Options header: visible ASCII but the list's comma and
+# the escape's percent sign. Anything else (a line break would end the header and lose the whole response) is
+# percent-encoded, UTF-8 bytes.
+HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in ",%")
+
+
+def ignored_header(ignored: list[str]) -> tuple[tuple[bytes, bytes], ...]:
+    """The X-M31R-Ignored-Options header naming the request fields a foreign API's endpoint did not act on (none
+    when it acted on all): those servers ignore what they do not know, so a client is told here instead."""
+    if not ignored:
+        return ()
+    names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
+    return ((b"x-m31r-ignored-options", names.encode()),)
+
+
 class Renderer:
     """How one endpoint turns the daemon's answer into bytes. `live`: forward text chunks as they come."""
 
@@ -215,11 +218,6 @@ class Renderer:
 
     def connected(self, client: Client) -> None:
         """The daemon connection the answer comes from is known (its Welcome names the model)."""
-
-    def error(self, status: int, code: str, message: str, param: str | None = None,
-              retry_after: int | None = None) -> Response:
-        """The answer when the request fails before anything was sent."""
-        return error_response(status, code, message, param=param, retry_after=retry_after)
 
     def prelude(self) -> bytes:
         """Sent right after the stream's headers."""
@@ -333,6 +331,18 @@ def openai_logprobs(frames: list[Token], offset: int) -> s.OpenAILogprobs:
     return out
 
 
+def usage_of(g: Generation) -> s.OpenAIUsage:
+    """A finished generation's token counts, as OpenAI's API (and Mistral's, which copies it) reports them."""
+    assert g.done is not None
+    u = g.done.usage
+    return s.OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
+
+
+def finish_reason(g: Generation) -> s.OpenAIFinishReason:
+    assert g.done is not None
+    return "length" if g.done.finish_reason == "length" else "stop"
+
+
 class OpenAIRenderer(Renderer):
     def __init__(self, include_usage: bool = False, echo: str = "", logprobs: int | None = None):
         self.id = "cmpl-" + secrets.token_hex(12)
@@ -353,17 +363,6 @@ class OpenAIRenderer(Renderer):
         return msgspec.json.encode(s.OpenAICompletion(id=self.id, created=self.created, model=self.model,
                                                       choices=choices, usage=usage))
 
-    @staticmethod
-    def _usage(g: Generation) -> s.OpenAIUsage:
-        assert g.done is not None
-        u = g.done.usage
-        return s.OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
-
-    @staticmethod
-    def _finish(g: Generation) -> s.OpenAIFinishReason:
-        assert g.done is not None
-        return "length" if g.done.finish_reason == "length" else "stop"
-
     def chunk(self, text: str, frame: Token | None = None) -> bytes:
         lp = None
         if self.logprobs is not None and frame is not None:
@@ -372,15 +371,15 @@ class OpenAIRenderer(Renderer):
         return b"data: " + self._completion([s.OpenAIChoice(text, logprobs=lp)]) + b"\n\n"
 
     def final(self, g: Generation) -> bytes:
-        out = b"data: " + self._completion([s.OpenAIChoice("", finish_reason=self._finish(g))]) + b"\n\n"
+        out = b"data: " + self._completion([s.OpenAIChoice("", finish_reason=finish_reason(g))]) + b"\n\n"
         if self.include_usage:
-            out += b"data: " + self._completion([], self._usage(g)) + b"\n\n"
+            out += b"data: " + self._completion([], usage_of(g)) + b"\n\n"
         return out + b"data: [DONE]\n\n"
 
     def body(self, g: Generation) -> bytes:
         lp = None if self.logprobs is None else openai_logprobs(g.frames, len(self.echo))
-        return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=self._finish(g), logprobs=lp)],
-                                self._usage(g))
+        return self._completion([s.OpenAIChoice(self.echo + g.text, finish_reason=finish_reason(g), logprobs=lp)],
+                                usage_of(g))
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"data: " + error_body(status, code, message) + b"\n\n"
@@ -619,7 +618,7 @@ class Generation:
 
     async def _fail(self, send: Send, f: Failed) -> None:
         if not self.started:
-            resp = self.renderer.error(f.status, f.code, f.message, param=f.param, retry_after=f.retry_after)
+            resp = error_at(self.endpoint, f.status, f.code, f.message, f.param, f.retry_after)
             await self._respond(send, resp.status_code, resp.raw_headers)
             await send({"type": "http.response.body", "body": resp.body})
             return

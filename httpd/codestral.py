@@ -41,30 +41,20 @@ from __future__ import annotations
 
 import secrets
 import time
-import urllib.parse
 from collections.abc import Awaitable
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service
-from m31r_http.ollama import HEADER_SAFE
+from m31r_http.app import Fields, Generation, Renderer, Service, finish_reason, ignored_header, usage_of
 from m31r_http.security import codestral_error_body
 from m31r_protocol import Client, Stream
 from m31r_protocol.messages import Token
 
 PATH = "/v1/fim/completions"
 HONOURED = frozenset(s.CodestralRequest.__struct_fields__) - {"min_tokens"}
-
-
-def error_response(status: int, code: str, message: str, param: str | None = None,
-                   retry_after: int | None = None) -> Response:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return Response(codestral_error_body(status, code, message, param), status, headers=headers,
-                    media_type="application/json")
 
 
 class CodestralRenderer(Renderer):
@@ -74,25 +64,13 @@ class CodestralRenderer(Renderer):
         self.id = secrets.token_hex(16)  # (Mistral's ids are 32 hex digits)
         self.created = int(time.time())
         self.model = ""
-        names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
-        self.headers = ((b"x-m31r-ignored-options", names.encode()),) if ignored else ()
+        self.headers = ignored_header(ignored)
 
     def connected(self, client: Client) -> None:
         self.model = client.welcome.model
 
-    @staticmethod
-    def _usage(g: Generation) -> s.CodestralUsage:
-        assert g.done is not None
-        u = g.done.usage
-        return s.CodestralUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
-
-    @staticmethod
-    def _finish(g: Generation) -> s.CodestralFinishReason:
-        assert g.done is not None
-        return "length" if g.done.finish_reason == "length" else "stop"
-
-    def _event(self, delta: s.CodestralDelta, finish: s.CodestralFinishReason | None = None,
-               usage: s.CodestralUsage | None = None) -> bytes:
+    def _event(self, delta: s.CodestralDelta, finish: s.OpenAIFinishReason | None = None,
+               usage: s.OpenAIUsage | None = None) -> bytes:
         chunk = s.CodestralChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
                                  choices=[s.CodestralStreamChoice(0, delta, finish)], usage=usage)
         return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
@@ -104,28 +82,21 @@ class CodestralRenderer(Renderer):
         return self._event(s.CodestralDelta(content=text))
 
     def final(self, g: Generation) -> bytes:
-        return self._event(s.CodestralDelta(content=""), self._finish(g), self._usage(g)) + b"data: [DONE]\n\n"
+        return self._event(s.CodestralDelta(content=""), finish_reason(g), usage_of(g)) + b"data: [DONE]\n\n"
 
     def body(self, g: Generation) -> bytes:
-        choice = s.CodestralChoice(0, s.CodestralMessage("assistant", g.text), self._finish(g))
+        choice = s.CodestralChoice(0, s.CodestralMessage("assistant", g.text), finish_reason(g))
         return msgspec.json.encode(s.CodestralResponse(id=self.id, object="chat.completion", model=self.model,
-                                                       usage=self._usage(g), created=self.created, choices=[choice]))
-
-    def error(self, status: int, code: str, message: str, param: str | None = None,
-              retry_after: int | None = None) -> Response:
-        return error_response(status, code, message, param, retry_after)
+                                                       usage=usage_of(g), created=self.created, choices=[choice]))
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"data: " + codestral_error_body(status, code, message) + b"\n\n"
 
 
-async def fim_completions(svc: Service, request: Request) -> Response | Generation:
+async def fim_completions(svc: Service, request: Request) -> Generation:
     """POST /v1/fim/completions: the request as the daemon's Fim (module docstring), answered as Mistral answers."""
     body = await request.body()
-    try:
-        r: s.CodestralRequest = s.decode(body, s.CodestralRequest)
-    except s.InvalidRequest as e:  # (in Mistral's shape: the app's handler would answer OpenAI's)
-        return error_response(e.status, e.code, e.message, e.param)
+    r: s.CodestralRequest = s.decode(body, s.CodestralRequest)  # (refused in Mistral's shape: app.invalid_request)
     raw = msgspec.json.decode(body)  # (an object: decode checked it)
     renderer = CodestralRenderer(sorted(k for k, v in raw.items() if k not in HONOURED and v is not None))
     sampling = svc.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
@@ -141,7 +112,7 @@ async def fim_completions(svc: Service, request: Request) -> Response | Generati
 
 
 def routes(svc: Service, max_body: int) -> list[Route]:
-    async def endpoint(request: Request) -> Response | Generation:
+    async def endpoint(request: Request) -> Generation:
         return await fim_completions(svc, request)
 
     return [Route(PATH, endpoint, methods=["POST"], max_body_size=max_body)]

@@ -33,7 +33,6 @@ How it maps onto the daemon's Fim (as ollama.py does for Ollama's API):
 from __future__ import annotations
 
 import time
-import urllib.parse
 from collections.abc import Awaitable
 from typing import Any
 
@@ -43,8 +42,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service
-from m31r_http.ollama import HEADER_SAFE
+from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header
 from m31r_http.security import llamacpp_error_body
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_SNIPPETS
@@ -172,8 +170,7 @@ class InfillRenderer(Renderer):
     def __init__(self, settings: s.InfillSettings, fields: list[str], ignored: list[str]):
         self.settings, self.fields = settings, fields
         self.predicted = 0
-        names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
-        self.headers = ((b"x-m31r-ignored-options", names.encode()),) if ignored else ()
+        self.headers = ignored_header(ignored)
 
     def connected(self, client: Client) -> None:
         self.settings.model = client.welcome.model
@@ -210,13 +207,6 @@ class InfillRenderer(Renderer):
 
     def body(self, g: Generation) -> bytes:
         return self._final(g, g.text)
-
-    def error(self, status: int, code: str, message: str, param: str | None = None,
-              retry_after: int | None = None) -> Response:
-        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-        said = f"{param}: {message}" if param and not message.startswith(param) else message
-        return Response(llamacpp_error_body(status, code, said), status, headers=headers,
-                        media_type="application/json")
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"data: " + llamacpp_error_body(status, code, message) + b"\n\n"

@@ -27,7 +27,6 @@ Where it follows Ollama and where it does not:
 from __future__ import annotations
 
 import time
-import urllib.parse
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +39,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service, model_names, token_figures
+from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header, model_names, token_figures
 from m31r_http.fim_templates import split_fim
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_LOGPROBS
@@ -55,10 +54,6 @@ HONOURED = frozenset({"num_predict", "temperature", "top_k", "top_p", "seed", "s
 TEMPLATE = ("{{- if .Suffix }}<|fim_suffix|>{{ .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_middle|>"
             "{{- else }}{{ .Prompt }}{{- end }}")
 NDJSON = b"application/x-ndjson"
-# What an option's name may hold as it is in the X-M31R-Ignored-Options header: visible ASCII but the list's comma and
-# the escape's percent sign. Anything else (a line break would end the header and lose the whole response) is
-# percent-encoded, UTF-8 bytes.
-HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in ",%")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -225,8 +220,7 @@ class OllamaRenderer(Renderer):
 
     def __init__(self, model: str, ignored: list[str], logprobs: bool = False):
         self.model = model  # echoed as the request named it, as Ollama does
-        names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
-        self.headers = ((b"x-m31r-ignored-options", names.encode()),) if ignored else ()
+        self.headers = ignored_header(ignored)
         self.every_token = self.logprobs = logprobs
 
     def _line(self, obj: dict) -> bytes:
@@ -261,10 +255,6 @@ class OllamaRenderer(Renderer):
     def load(self) -> dict:
         """Ollama's answer to an empty prompt: the model is loaded (here: the daemon answers)."""
         return {"model": self.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-
-    def error(self, status: int, code: str, message: str, param: str | None = None,
-              retry_after: int | None = None) -> Response:
-        return error_response(status, message, {"Retry-After": str(retry_after)} if retry_after is not None else None)
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return self._line({"error": message})

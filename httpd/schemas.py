@@ -951,19 +951,10 @@ class CodestralMessage(Struct):
     tool_calls: None = None
 
 
-class CodestralUsage(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-CodestralFinishReason = Literal["stop", "length"]
-
-
 class CodestralChoice(Struct):
     index: int
     message: CodestralMessage
-    finish_reason: CodestralFinishReason
+    finish_reason: OpenAIFinishReason
 
 
 class CodestralResponse(Struct, kw_only=True):
@@ -972,7 +963,7 @@ class CodestralResponse(Struct, kw_only=True):
     id: str
     object: Literal["chat.completion"]
     model: str
-    usage: CodestralUsage
+    usage: OpenAIUsage
     created: int
     choices: list[CodestralChoice]
 
@@ -988,7 +979,7 @@ class CodestralDelta(Struct, kw_only=True, omit_defaults=True):
 class CodestralStreamChoice(Struct):
     index: int
     delta: CodestralDelta
-    finish_reason: CodestralFinishReason | None
+    finish_reason: OpenAIFinishReason | None
 
 
 class CodestralChunk(Struct, kw_only=True, omit_defaults=True):
@@ -999,7 +990,7 @@ class CodestralChunk(Struct, kw_only=True, omit_defaults=True):
     created: int
     model: str
     choices: list[CodestralStreamChoice]
-    usage: CodestralUsage | None = None
+    usage: OpenAIUsage | None = None
 
 
 class CodestralError(Struct):

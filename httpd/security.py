@@ -96,9 +96,10 @@ LLAMACPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403
                   404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
 
 
-def error_body(status: int, code: str, message: str) -> bytes:
+def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """An error as OpenAI's API writes one (`param`: the field at fault, when one is)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind)))
+    return msgspec.json.encode(ErrorResponse(ErrorDetail(code=code, message=message, type=kind, param=param)))
 
 
 def llamacpp_error_body(status: int, code: str, message: str) -> bytes:
@@ -115,16 +116,17 @@ def codestral_error_body(status: int, code: str, message: str, param: str | None
     return msgspec.json.encode(CodestralError(object="error", message=message, type=kind, param=param, code=code))
 
 
-def error_body_for(path: str, status: int, code: str, message: str) -> bytes:
-    """An error in the shape the path's clients read (as app._error_for chooses it): Ollama's under /api/,
-    llama.cpp's and Mistral's on theirs, else OpenAI's."""
+def error_body_for(path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's and Mistral's on theirs, else
+    OpenAI's. Shapes without a `param` name the field in the message."""
+    said = f"{param}: {message}" if param and not message.startswith(param) else message
     if path.startswith(OLLAMA_PREFIX):
         return msgspec.json.encode({"error": message})
     if path in LLAMACPP_PATHS:
-        return llamacpp_error_body(status, code, message)
+        return llamacpp_error_body(status, code, said)
     if path in CODESTRAL_PATHS:
-        return codestral_error_body(status, code, message)
-    return error_body(status, code, message)
+        return codestral_error_body(status, code, message, param)
+    return error_body(status, code, message, param)
 
 
 async def send_error(send: Send, path: str, status: int, code: str, message: str,

@@ -39,7 +39,6 @@ import functools
 import os
 import platform
 import re
-import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -50,8 +49,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service, error_response
-from m31r_http.ollama import HEADER_SAFE
+from m31r_http.app import Fields, Generation, Renderer, Service, error_response, ignored_header
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_SNIPPETS
 from m31r_protocol.messages import Snippet
@@ -71,15 +69,16 @@ ARCHES = {"amd64": "x86_64", "arm64": "aarch64"}  # Python's machine names where
 _LONE_LF = re.compile(r"(?<!\r)\n")
 
 
-def is_tabby(body: bytes) -> bool:
-    """Whether a /v1/completions body is Tabby's: an object with `segments` and no `prompt` (OpenAI's needs one)."""
+def tabby_fields(body: bytes) -> dict | None:
+    """A /v1/completions body's fields when it is Tabby's (an object with `segments` and no `prompt`, which OpenAI's
+    needs), else None."""
     if b"segments" not in body:  # an OpenAI request is not parsed twice (a key escaped as `\u0073egments`, which no
-        return False  # client writes, is not seen)
+        return None  # client writes, is not seen)
     try:
         raw = s._parse(body)
     except s.InvalidRequest:
-        return False  # (the OpenAI endpoint says what is wrong with it)
-    return isinstance(raw, dict) and "segments" in raw and "prompt" not in raw
+        return None  # (the OpenAI endpoint says what is wrong with it)
+    return raw if isinstance(raw, dict) and "segments" in raw and "prompt" not in raw else None
 
 
 def ignored_fields(raw: dict) -> list[str]:
@@ -110,15 +109,14 @@ class TabbyRenderer(Renderer):
     def __init__(self, crlf: bool, ignored: list[str]):
         self.id = f"cmpl-{uuid.uuid4()}"  # (Tabby's form; tabby-agent echoes it in its events)
         self.crlf = crlf
-        names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
-        self.headers = ((b"x-m31r-ignored-options", names.encode()),) if ignored else ()
+        self.headers = ignored_header(ignored)
 
     def body(self, g: Generation) -> bytes:
         text = _LONE_LF.sub("\r\n", g.text) if self.crlf else g.text
         return msgspec.json.encode(s.TabbyCompletionResponse(id=self.id, choices=[s.TabbyChoice(0, text)]))
 
 
-async def completion(svc: Service, body: bytes) -> Generation:
+async def completion(svc: Service, body: bytes, raw: dict) -> Generation:
     """POST /v1/completions with Tabby's request: the daemon's Fim (module docstring), answered as Tabby answers."""
     r: s.TabbyCompletionRequest = s.decode(body, s.TabbyCompletionRequest, s.TABBY_REFUSALS)
     seg = r.segments
@@ -128,7 +126,7 @@ async def completion(svc: Service, body: bytes) -> Generation:
     snippets = context(seg, crlf)
     stop = RUST_STOPS if (r.language or "").lower() == "rust" else [BLANK_LINE]
     sampling = svc.sampling(r.temperature or 0.0)
-    renderer = TabbyRenderer(crlf, ignored_fields(msgspec.json.decode(body)))
+    renderer = TabbyRenderer(crlf, ignored_fields(raw))
 
     def start(c: Client) -> Awaitable[Stream]:
         max_tokens = min(MAX_TOKENS, svc.settings.max_tokens_cap, c.welcome.max_context // 2)
@@ -186,8 +184,8 @@ def completions_endpoint(svc: Service) -> Callable[[Request], Awaitable[Generati
 
     async def endpoint(request: Request) -> Generation:
         body = await request.body()  # (kept by the request: the OpenAI endpoint reads it again)
-        if is_tabby(body):
-            return await completion(svc, body)
+        if (raw := tabby_fields(body)) is not None:
+            return await completion(svc, body, raw)
         return await svc.openai_completions(request)
 
     return endpoint

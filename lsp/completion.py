@@ -25,7 +25,7 @@ from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.documents import SPLITLINES_BREAKS, Lines, scrub, split_breaks
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
-from m31r_protocol.context import QUERY_LINES, QUERY_STEP
+from m31r_protocol.context import QUERY_LINES, QUERY_STEP, line_start
 from m31r_protocol.messages import Snippet
 from m31r_protocol.reconnect import Unavailable
 
@@ -352,14 +352,6 @@ async def _cancel_stream(stream) -> None:
                 pass
 
 
-def line_cut(prefix: str) -> int:
-    """Where the cursor's line starts in `prefix`: after its last "\\n" or "\\r" (a CR-only file's lines end in "\\r";
-    "\\r\\n" ends in "\\n"), as the daemon splits it (m31r.fim.split_prefix, on text whose line ends it reads as LF).
-    Searched back from the end only: a "\\r" is looked for after the last "\\n", not through the whole prefix."""
-    nl = prefix.rfind("\n")
-    return max(nl, prefix.rfind("\r", nl + 1)) + 1
-
-
 def sent_text(prefix: str, suffix: str, max_context: int,
               breaks_before: Callable[[int], int] | None = None) -> tuple[str, str]:
     """The prefix and suffix a Fim carries: each side cut to what the daemon could keep of it, the lines above the
@@ -368,22 +360,21 @@ def sent_text(prefix: str, suffix: str, max_context: int,
     size. `breaks_before(i)`: split_breaks(prefix, 0, i), from a line index that need not count from the start."""
     limit = min(CHARS_PER_TOKEN * max(1, max_context), MAX_SIDE_CHARS)
     if len(prefix) > limit:
-        cut = line_cut(prefix)  # the daemon's split: the lines above, and the cursor's line up to the cursor
+        cut = line_start(prefix)  # the daemon's split: the lines above, and the cursor's line up to the cursor
         prefix = _lines_above(prefix, cut, limit, breaks_before) + _line_end(prefix[cut:], limit)
     return prefix, suffix[:limit]
 
 
 def query_prefix(prefix: str, sent: str) -> str:
-    """The text that project context is chosen by (m31r_protocol.context.query_words reads the whole lines up to the
-    last "\\n", in blocks of QUERY_STEP), with "\\n" line ends: the text sent when it holds enough whole lines for the
-    same choice (it starts at a line whose index is a multiple of LINE_STEP, so the blocks fall alike), else the whole
-    prefix. Reading a long document's whole prefix cost a list of all of its lines per keystroke; and a CR-only
-    document, without a "\\n", had no lines to go by."""
+    """The text that project context is chosen by (m31r_protocol.context.query_words reads the whole lines above the
+    cursor's, in blocks of QUERY_STEP): the text sent when it holds enough whole lines for the same choice (it starts
+    at a line whose index is a multiple of LINE_STEP, so the blocks fall alike), else the whole prefix. Reading a long
+    document's whole prefix cost a list of all of its lines per keystroke."""
     if len(sent) < len(prefix):  # cut
-        lines = split_breaks(sent, 0, line_cut(sent))
+        lines = split_breaks(sent, 0, line_start(sent))
         if lines // QUERY_STEP * QUERY_STEP >= QUERY_LINES:
-            prefix = sent
-    return prefix.replace("\r\n", "\n").replace("\r", "\n") if "\r" in prefix else prefix
+            return sent
+    return prefix
 
 
 def _line_end(line: str, limit: int) -> str:

@@ -42,14 +42,20 @@ def windows(text: str) -> list[Window]:
     return out
 
 
+def line_start(prefix: str) -> int:
+    """Where the cursor's line starts in `prefix`: after its last "\\n" or lone "\\r" (old Mac files' line end), as
+    the daemon splits a prompt (m31r.fim.split_prefix). A "\\r" is looked for after the last "\\n" only, not through
+    a long prefix."""
+    nl = prefix.rfind("\n")
+    return max(nl, prefix.rfind("\r", nl + 1)) + 1
+
+
 def query_words(prefix: str) -> frozenset[str]:
     """Identifiers of the QUERY_LINES whole lines above the cursor line's block of QUERY_STEP lines (above the cursor
     line itself in a file's first block). Anchored to blocks, the snippets change on one Enter in ten rather than
     one in three (a change re-runs the whole prompt: its head moved), at the price of not seeing the lines of the
     cursor's own block."""
-    nl = prefix.rfind("\n")
-    cut = max(nl, prefix.rfind("\r", nl + 1)) + 1  # a lone CR ends a line too (old Mac files), as in m31r.fim
-    lines = prefix[:cut].splitlines(keepends=True)
+    lines = prefix[: line_start(prefix)].splitlines(keepends=True)
     block = len(lines) // QUERY_STEP * QUERY_STEP  # the cursor's line is lines[len(lines)]
     query = lines[block - QUERY_LINES if block >= QUERY_LINES else 0 : block or len(lines)]
     return frozenset(WORD.findall("".join(query)))

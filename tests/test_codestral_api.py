@@ -16,7 +16,7 @@ import re
 
 import httpx
 import pytest
-from test_http import Server
+from test_http import Server, healthy_server, token_server
 from test_llamacpp_api import WritingDaemon
 
 from m31r_protocol import messages as pm
@@ -64,12 +64,7 @@ def events(r: httpx.Response) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("codestral"), shared_daemon[1], "--max-tokens-cap", str(CAP))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "codestral", shared_daemon[1], "--max-tokens-cap", str(CAP))
 
 
 @pytest.fixture
@@ -162,12 +157,7 @@ def test_metrics_and_openapi(http):
 def test_token_and_host(shared_daemon, tmp_path):
     """The editors' API key, sent as a bearer token, is the server's --token-file token (any key passes a server
     without one); the Host check holds. These refusals come before routing, in Mistral's shape all the same."""
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    token.chmod(0o600)
-    srv = Server(tmp_path, shared_daemon[1], "--token-file", str(token))
-    try:
-        srv.wait_healthy(authorization="Bearer s3cret")
+    with token_server(tmp_path, shared_daemon[1]) as srv:
         url = f"{srv.url}/v1/fim/completions"
         r = httpx.post(url, json=zed_request(max_tokens=1), headers=ZED_HEADERS, timeout=30)
         assert r.status_code == 401 and r.json() == {"object": "error", "message": "a bearer token is required",
@@ -178,8 +168,6 @@ def test_token_and_host(shared_daemon, tmp_path):
         r = httpx.post(url, json=zed_request(max_tokens=1),
                        headers={"authorization": "Bearer s3cret", "host": "evil.example"}, timeout=30)
         assert r.status_code == 403 and r.json()["object"] == "error" and r.json()["code"] == "forbidden_host"
-    finally:
-        srv.stop()
 
 
 def test_no_daemon_is_a_503(tmp_path):

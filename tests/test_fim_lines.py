@@ -13,7 +13,7 @@ import pytest
 from m31r.config import load_config
 from m31r.fim import FimBudget, build_fim_prompt, split_prefix
 from m31r.tokenizer import Tokenizer
-from m31r_lsp.completion import line_cut
+from m31r_protocol.context import line_start
 
 REPO = Path(__file__).resolve().parent.parent
 # Line ends of each kind, and the characters only str.splitlines takes for one (which stay in their line).
@@ -50,13 +50,14 @@ def test_text_without_a_lone_cr_splits_as_before(seed) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_language_server_cuts_where_the_prompt_splits(seed) -> None:
-    """The server's cut of a long prefix (lsp/completion.py) starts the cursor's line where split_prefix does, lone
-    "\\r"s included, and the lines above end in a line break that cut_above's splitlines counts as one."""
+    """The cut of a long prefix (m31r_protocol.context.line_start, the language server's) starts the cursor's line
+    where split_prefix does, lone "\\r"s included, and the lines above end in a line break that cut_above's
+    splitlines counts as one."""
     rng = random.Random(seed)
     for _ in range(300):
         text = "".join(rng.choice([*PIECES, "\r", "\r\r", "\n\r"]) for _ in range(rng.randint(0, 40)))
         above, line = split_prefix(text)
-        assert line_cut(text) == len(above)
+        assert line_start(text) == len(above)
         assert not any(c in line for c in "\r\n")
         assert not above or (above.endswith(("\r", "\n")) and "".join(above.splitlines(keepends=True)) == above)
 

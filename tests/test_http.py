@@ -9,6 +9,7 @@ A random-weight model writes noise: greedy decoding loops on one token. Tests co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -104,6 +105,34 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def healthy_server(tmp_path_factory, name: str, sock: Path, *args: str) -> Iterator[Server]:
+    """A module's `m31r serve` on `sock`, healthy before its tests run and stopped after them: a fixture's body
+    (`yield from`)."""
+    srv = Server(tmp_path_factory.mktemp(name), sock, *args)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+TOKEN = "s3cret"  # token_server's
+
+
+@contextlib.contextmanager
+def token_server(tmp: Path, sock: Path) -> Iterator[Server]:
+    """`m31r serve --token-file` holding TOKEN (private, as the server requires), healthy, stopped after."""
+    token = tmp / "token"
+    token.write_text(f"{TOKEN}\n")
+    token.chmod(0o600)
+    srv = Server(tmp, sock, "--token-file", str(token))
+    try:
+        srv.wait_healthy(authorization=f"Bearer {TOKEN}")
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

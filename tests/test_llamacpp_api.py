@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_http import Server, StalledDaemon
+from test_http import Server, StalledDaemon, healthy_server, token_server
 
 from m31r_protocol import messages as pm
 
@@ -78,12 +78,7 @@ def context(extra: list[dict], path_prefix: str = "") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("llamacpp"), shared_daemon[1], "--max-tokens-cap", str(CAP))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "llamacpp", shared_daemon[1], "--max-tokens-cap", str(CAP))
 
 
 @pytest.fixture
@@ -200,12 +195,7 @@ def test_health_metrics_openapi(http):
 def test_guard_errors_have_llamacpps_shape(shared_daemon, tmp_path):
     """The token (the plugins' api_key, sent as a bearer token) and the Host check hold on /infill, refusing in
     llama.cpp's shape."""
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    token.chmod(0o600)
-    srv = Server(tmp_path, shared_daemon[1], "--token-file", str(token))
-    try:
-        srv.wait_healthy(authorization="Bearer s3cret")
+    with token_server(tmp_path, shared_daemon[1]) as srv:
         r = httpx.post(f"{srv.url}/infill", json={"input_prefix": "fn", "n_predict": 1})
         assert r.status_code == 401 and r.json() == {"error": {
             "code": 401, "message": "a bearer token is required", "type": "authentication_error"}}
@@ -215,8 +205,6 @@ def test_guard_errors_have_llamacpps_shape(shared_daemon, tmp_path):
         r = httpx.post(f"{srv.url}/infill", json={"input_prefix": "fn", "n_predict": 1},
                        headers={"authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 1
-    finally:
-        srv.stop()
 
 
 def test_no_daemon_is_a_503(tmp_path):

@@ -14,7 +14,7 @@ from datetime import datetime
 import httpx
 import ollama
 import pytest
-from test_http import Server
+from test_http import Server, healthy_server
 
 from m31r_protocol import Client
 
@@ -26,12 +26,7 @@ PREFIX, SUFFIX = "fn add(a: u32, b: u32) -> u32 {\n    ", "\n}\n"
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("ollama"), shared_daemon[1], "--max-tokens-cap", str(CAP))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "ollama", shared_daemon[1], "--max-tokens-cap", str(CAP))
 
 
 @pytest.fixture(scope="module")

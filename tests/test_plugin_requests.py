@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from test_http import Server, StalledDaemon
+from test_http import Server, StalledDaemon, healthy_server
 
 from m31r_http.tabby import RUST_STOPS
 from m31r_protocol import messages as pm
@@ -55,12 +55,7 @@ MINUET_PREFIX = "// language: rust\n// indentation: use 4 spaces for a tab\n" + 
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("plugins"), shared_daemon[1], "--max-tokens-cap", str(CAP))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "plugins", shared_daemon[1], "--max-tokens-cap", str(CAP))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import re
 
 import httpx
 import pytest
-from test_http import Server
+from test_http import Server, healthy_server, token_server
 from test_llamacpp_api import WritingDaemon
 
 from m31r_protocol import messages as pm
@@ -78,12 +78,7 @@ def semver_coerce(version: str) -> tuple[int, int, int] | None:
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("tabby"), shared_daemon[1], "--max-tokens-cap", str(CAP))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "tabby", shared_daemon[1], "--max-tokens-cap", str(CAP))
 
 
 @pytest.fixture
@@ -200,12 +195,7 @@ def test_metrics_and_openapi(http):
 def test_token_and_host(shared_daemon, tmp_path):
     """tabby-agent sends `Authorization: Bearer <its [server] token>` when one is set: without it every endpoint is a
     401 (the agent's "unauthorized" state); the Host check holds as on every endpoint."""
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    token.chmod(0o600)
-    srv = Server(tmp_path, shared_daemon[1], "--token-file", str(token))
-    try:
-        srv.wait_healthy(authorization="Bearer s3cret")
+    with token_server(tmp_path, shared_daemon[1]) as srv:
         auth = {**AGENT_HEADERS, "authorization": "Bearer s3cret"}
         for method, path, body in (("GET", "/v1/health", None), ("GET", "/v1beta/server_setting", None),
                                    ("POST", "/v1/completions", agent_request()),
@@ -216,8 +206,6 @@ def test_token_and_host(shared_daemon, tmp_path):
             assert r.status_code == 200, (path, r.text)
         r = httpx.get(f"{srv.url}/v1/health", headers={**auth, "host": "evil.example"})
         assert r.status_code == 403
-    finally:
-        srv.stop()
 
 
 def test_no_daemon_is_a_503(tmp_path):
