@@ -102,7 +102,7 @@ export: install
 eval: install
 	$(BIN)/python benchmarks/eval_fim.py --bundle $(BUNDLE) --data $(DATA) --out bench-results/eval.json
 
-# The tasks that decide a release since the thirtieth session (README "Which tasks decide a release"): 300 single-line
+# The tasks that decide a release since the thirtieth session (docs/training.md "Which tasks decide a release"): 300 single-line
 # and 150 multi-line tasks of the same seed, three times `make eval`'s; about 2 minutes on 2 cores.
 # EVAL_OUT names the JSON, so that two bundles' results can stand side by side for compare_evals.py.
 EVAL_OUT ?= bench-results/eval-large.json
@@ -110,7 +110,7 @@ eval-large: install
 	$(BIN)/python benchmarks/eval_fim.py --bundle $(BUNDLE) --data $(DATA) --n-single 300 --n-multi 150 --ppl-windows 4 \
 		--out $(EVAL_OUT)
 
-# Textbook functions completed by the model, compiled and tested with rustc (README "Does the code run?").
+# Textbook functions completed by the model, compiled and tested with rustc (docs/training.md "Does the code run?").
 eval-exec: install
 	$(BIN)/python benchmarks/eval_exec.py --bundle $(BUNDLE) --out bench-results/exec.json
 

@@ -1,5 +1,5 @@
-"""What a cursor jump costs: the whole FIM prompt prefilled with nothing cached (README "How much of the file above
-the cursor").
+"""What a cursor jump costs: the whole FIM prompt prefilled with nothing cached (docs/serving.md "How much of the
+file above the cursor").
 
 Typing only appends to a prompt (suffix first), so the daemon prefills a keystroke's few new tokens; a cursor that
 moves to another line changes the suffix, the prompt's first part, and the next request prefills everything again.

@@ -9,9 +9,9 @@ on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, 
   edit sim.     both means, the mean paired difference and its 95% interval from a seeded paired bootstrap.
 
 Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
-Last comes the release rule's verdict (README "Which tasks decide a release"): on the larger draw (`make eval-large`:
-its task counts, seed and token budgets), with the same settings and without --floor-stop, does the candidate beat the
-base on both single-line exact match and multi-line edit similarity? A tie is not a win.
+Last comes the release rule's verdict (docs/training.md "Which tasks decide a release"): on the larger draw
+(`make eval-large`: its task counts, seed and token budgets), with the same settings and without --floor-stop, does the
+candidate beat the base on both single-line exact match and multi-line edit similarity? A tie is not a win.
 
 The same comparison then runs again on the clean tasks alone, those whose file has no look-alike in training
 (--leaky: by default benchmarks/data/eval-leaky-files.json, the files eval_leakage.py found for the corpus 0.8.0 was

@@ -491,7 +491,7 @@ class Engine:
 
         Drafts run for a lone decode only: where several streams share the round, their drafts are dropped (each
         Decode's `drafts` emptied, its logits then a single row). A lone stream's drafts cost little, since its
-        rows share the weight reads, and pay where accepted (README "Prompt-lookup decoding": a typing session's
+        rows share the weight reads, and pay where accepted (docs/speed.md "Prompt-lookup decoding": a typing session's
         answers 13-26% sooner); beside other streams they widen every pass, which cost 8 concurrent streams 10-12%
         of their throughput. The output is the same either way."""
         if len(decodes) > 1:

@@ -12,7 +12,7 @@
  * on its projection, wo, the residual add and RMSNorm, w13, SwiGLU, w2, the residual add and the next RMSNorm), the
  * same kernels called in the same order on the same operands, so the bits are the per-call path's (tested). What it
  * saves is the Python between the calls: about 25 calls per layer into torch and ctypes, 5-9 ms of a medium decode
- * step on 2 cores (README "One call per layer"). */
+ * step on 2 cores (docs/speed.md "One call per layer"). */
 
 /* -- the drivers: the same loops over each family's own tiles and attend_head ------------------------------ */
 

@@ -503,7 +503,7 @@ class Transformer(nn.Module):
         of the chunk's cache would (the decode kernel reads the fp16 cache as it is, each row over positions [0, its
         own]), and the per-token ops are _layers_native's. Torch's chunk attention widened the whole cached context
         to fp32 for every chunk and layer and ran SDPA with a mask: a keystroke's answer took 1.1-1.2x as long
-        (README "Prefill chunks in the decode kernel")."""
+        (docs/serving.md "Prefill chunks in the decode kernel")."""
         t = x.shape[0]
         table = DecodeTable(self.native, [cache] * t, list(range(start, start + t)))
         cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]

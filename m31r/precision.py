@@ -1,7 +1,7 @@
 """What `--dtype auto` and `--quant auto` resolve to on this machine, and why (the warm-up log says it).
 
 The aim (issue 18): the fastest mode whose greedy output agrees with fp32's in at least 98% of FIM tasks
-(benchmarks/eval_precision.py). On release 0.5.0 no quantized mode reaches it (README "Accuracy"); the defaults
+(benchmarks/eval_precision.py). On release 0.5.0 no quantized mode reaches it (docs/speed.md "Accuracy"); the defaults
 take the closest of the fast ones.
 
 auto dtype: the activation dtype of the kernel family M31R_KERNELS forces, where it names one this CPU runs (so

@@ -61,13 +61,13 @@ INT8_GEMM_ROWS = 64
 INT4_GEMM_ROWS = 64
 # fp32 layers on the AVX2 (NEON) family's fp32 matmul (fp32 engines) run it below this many rows: every row of a decode
 # step or of a pass that short chunks share (engine.FUSE_ROWS) then goes through one kernel, whose bits do not depend
-# on the row count. From 64 rows (prefill chunks of 64 and more) oneDNN's GEMM is faster (README "fp32 decode").
+# on the row count. From 64 rows (prefill chunks of 64 and more) oneDNN's GEMM is faster (docs/speed.md "fp32 decode").
 F32_GEMM_ROWS = 64
 # bf16 layers on the AVX-512 family's bf16 matmul (bf16 engines) run it below this many rows: the decode passes of the
 # daemon's default width (8). It reads a lone row's weights at the memory's pace (medium shape, Xeon with AMX: 29 ms
 # for a decode step's matmuls against oneDNN's 38) but has no AMX tiles: from ~8 rows oneDNN is as fast, at 16 twice
-# as fast (README "bf16 matmul"). A wider pass (chunks beside decode rows) then runs oneDNN, which the engine's probe
-# sees: it keeps such chunks in passes of their own.
+# as fast (docs/speed.md "bf16 matmul"). A wider pass (chunks beside decode rows) then runs oneDNN, which the engine's
+# probe sees: it keeps such chunks in passes of their own.
 BF16_GEMM_ROWS = 9
 _int8_mm = torch.ops.aten._weight_int8pack_mm
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -252,7 +252,7 @@ class Int8Linear(nn.Module):
     def _forward_f32(self, x: Tensor, x2: Tensor) -> Tensor:
         """fp32 activations with the AVX2 family: its q16 kernel below INT8_GEMM_ROWS, else a GEMM on the widened codes:
         fp32 (oneDNN's), or with gemm_bf16 bf16 inputs and a bf16 product (fp32 sums; cold prompts in 0.78x the time on
-        AVX512-BF16, the same greedy agreement with fp32: README "bf16 GEMMs for int8 prefill")."""
+        AVX512-BF16, the same greedy agreement with fp32: docs/serving.md "bf16 GEMMs for int8 prefill")."""
         if x2.shape[0] < INT8_GEMM_ROWS:
             y = self.native.int8_mm(x2.contiguous(), self.codes, self.scales)
         elif self.gemm_bf16:

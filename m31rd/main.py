@@ -17,8 +17,9 @@ from pathlib import Path
 from m31r_protocol.logs import log_json
 
 log = logging.getLogger("m31rd")
-# Prompt-lookup drafts per decode step by default (README "Prompt-lookup decoding"): a lone stream's typing answers
-# come sooner and its p95 holds; a decode beside other streams runs without drafts (Engine.run), so throughput holds.
+# Prompt-lookup drafts per decode step by default (docs/speed.md "Prompt-lookup decoding"): a lone stream's typing
+# answers come sooner and its p95 holds; a decode beside other streams runs without drafts (Engine.run), so throughput
+# holds.
 LOOKAHEAD = 3
 # The beam width of greedy line completions that do not choose (m31r.beams; README "Beam search for line completions").
 BEAMS = 3
@@ -84,7 +85,8 @@ def run(opts: DaemonOptions) -> int:
 def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     """Listen at once and serve while the model loads: importing torch and building the engine (~1–2 s) happen on
     the torch thread while the event loop already answers Hello and Status (`warming`), so a launch is seen to be up
-    in a fraction of that (README "Medium shape": launch → status). Requests wait for the model, then run warm."""
+    in a fraction of that (docs/speed.md "Medium shape": launch → status). Requests wait for the model, then run
+    warm."""
     from m31r.checksums import BundleError, check_present, verify_in_background
     from m31rd.server import BundleIdentity, Daemon
     from m31rd.sockets import SocketInUse, UnsafeSocketFolder, activated_socket, bind_unix, sd_notify

@@ -1,6 +1,7 @@
-"""The README tells the truth about the CLI: every option of every `m31r` command is named in it, every flag it writes
-for `m31r` exists, every environment variable it names is read and every one the code reads is named, and every
-repository path it names exists. Torch-free: it walks click's command tree, reading nothing but text."""
+"""The README tells the truth about the CLI: every option of every `m31r` command is named in it, every flag it (or a
+document under docs/) writes for `m31r` exists, every environment variable they name is read and every one the code
+reads is named, and every repository path and link they name exists. Torch-free: it walks click's command tree, reading
+nothing but text."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from m31r.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# The README and the documents it links to for the details (design, training, speed): what they write must hold too.
+DOCS = {p: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 # Programs other than m31r whose command lines the README quotes: flags in a code span (or a line of a code block)
@@ -106,7 +109,7 @@ def test_every_command_is_in_the_commands_table() -> None:
 def test_every_flag_the_readme_writes_for_m31r_exists() -> None:
     known = long_options()
     names = {part for path, _ in commands() for part in path}
-    spans, prose = code_spans(README)
+    spans, prose = code_spans("\n".join(DOCS.values()))
     unknown: set[str] = set()
     strangers: set[str] = set()
     for span in spans:
@@ -143,9 +146,10 @@ def test_environment_variables_match_the_code() -> None:
     env_section = README.split("\n### Environment\n", 1)[1].split("\n## ", 1)[0]
     unnamed = {v for v in read if not re.search(rf"`{v}`", env_section)}
     assert not unnamed, f"read by the code, missing from the README's Environment table: {sorted(unnamed)}"
-    named = set(re.findall(r"\$([A-Z][A-Z0-9_]+)", README)) | set(re.findall(r"`([A-Z][A-Z0-9_]*_[A-Z0-9_]+|CC)`",
+    every = "\n".join(DOCS.values())
+    named = set(re.findall(r"\$([A-Z][A-Z0-9_]+)", every)) | set(re.findall(r"`([A-Z][A-Z0-9_]*_[A-Z0-9_]+|CC)`",
                                                                             env_section))
-    named |= set(re.findall(r"\b(M31R_[A-Z0-9_]+)", README))
+    named |= set(re.findall(r"\b(M31R_[A-Z0-9_]+)", every))
     stray = named - read - set(OTHER_ENV)
     assert not stray, f"named in the README, read by nothing: {sorted(stray)}"
 
@@ -154,12 +158,15 @@ def test_repository_paths_exist() -> None:
     # Folders the code writes into (benchmark results) are named for where output lands: they need not exist.
     written = {"bench-results"}
     top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")} - written
-    spans, _ = code_spans(README)
-    links = re.findall(r"\]\(([^)#]+)\)", README)
     missing = []
-    for token in [w for s in spans for w in re.split(r"[\s,()]+", s)] + links:
-        token = token.strip(".:;")
-        looks_like_ours = "/" in token and token.split("/")[0] in top and not re.search(r"[<>*{}|$]", token)
-        if looks_like_ours and not (ROOT / token).exists():
-            missing.append(token)
-    assert not missing, f"paths the README names that do not exist: {missing}"
+    for doc, text in DOCS.items():
+        spans, _ = code_spans(text)
+        for token in [w for s in spans for w in re.split(r"[\s,()]+", s)]:
+            token = token.strip(".:;")
+            looks_like_ours = "/" in token and token.split("/")[0] in top and not re.search(r"[<>*{}|$]", token)
+            if looks_like_ours and not (ROOT / token).exists():
+                missing.append(f"{doc.name}: {token}")
+        # Links resolve from the document's own folder, as a Markdown viewer resolves them.
+        missing += [f"{doc.name}: link {link}" for link in re.findall(r"\]\(([^)#:]+)\)", text)
+                    if not (doc.parent / link).exists()]
+    assert not missing, f"paths the README or docs/ name that do not exist: {missing}"
