@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 from m31r_http import schemas as s
 from m31r_http.fim_templates import split_fim
 from m31r_http.metrics import Metrics, MetricsMiddleware
-from m31r_http.security import GuardMiddleware, HostPolicy, error_body, error_body_for
+from m31r_http.security import EXPOSED_HEADERS, GuardMiddleware, HostPolicy, error_body, error_body_for
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
@@ -45,9 +45,10 @@ from m31r_protocol.version import VERSION
 
 log = logging.getLogger("m31r_http")
 
-ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill", "/v1/health",
-             "/v1beta/server_setting", "/v1/events", "/v1/fim/completions")
+# (metrics labels: a route template counts every path it matches)
+ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/v1/models/{model}",
+             "/health", "/metrics", "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version",
+             "/infill", "/v1/health", "/v1beta/server_setting", "/v1/events", "/v1/fim/completions")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten
@@ -888,7 +889,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         # preflight (a public page asking for localhost) is granted, since naming the origin is the user's consent.
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["*"], allow_private_network=True,
-                                     expose_headers=["retry-after", "x-m31r-ignored-options"], max_age=600))
+                                     expose_headers=list(EXPOSED_HEADERS), max_age=600))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request,
                                         **ollama.EXCEPTION_HANDLERS, Exception: internal_error})

@@ -34,13 +34,14 @@ import re
 import sys
 import time
 import urllib.parse
+from collections.abc import Iterable
 from typing import Any
 
 import h11
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from m31r_http.security import CLOSED_BY_SERVER, error_body_for
+from m31r_http.security import CLOSED_BY_SERVER, error_body_for, refusal_cors
 
 log = logging.getLogger("m31r_http")
 
@@ -73,6 +74,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     class, and builds one per connection)."""
 
     header_timeout: float = 10.0
+    cors_origins: frozenset[str] = frozenset()  # --cors-origin: pages from these may read the limit's 503
     header_timer: asyncio.TimerHandle | None = None
     waiting_since = 0.0  # when the client's turn began (the header deadline's start), time.monotonic()
     turn = 0  # the order of waiting_since
@@ -136,9 +138,11 @@ class HeaderTimeoutProtocol(H11Protocol):
                   "to new requests", self.connection_limit)
         body = error_body_for(scope["path"], 503, "busy", (
             f"the server is at its limit of {self.connection_limit} connections or requests at once; retry shortly"))
+        origin = next((v for k, v in scope["headers"] if k == b"origin"), None)
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(LIMIT_RETRY_AFTER).encode()), (b"connection", b"close")]})
+            (b"retry-after", str(LIMIT_RETRY_AFTER).encode()), (b"connection", b"close"),
+            *refusal_cors(self.cors_origins, origin)]})
         await send({"type": "http.response.body", "body": body})
 
     def send_400_response(self, msg: str) -> None:
@@ -260,6 +264,8 @@ def log_room_made(limit: int) -> None:
               "connections)", limit)
 
 
-def with_header_timeout(timeout: float) -> type[HeaderTimeoutProtocol]:
-    """HeaderTimeoutProtocol with `timeout` seconds for a request's headers."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": timeout})
+def with_header_timeout(timeout: float, cors_origins: Iterable[str] = ()) -> type[HeaderTimeoutProtocol]:
+    """HeaderTimeoutProtocol with `timeout` seconds for a request's headers, its limit's 503 readable by pages from
+    `cors_origins` (--cors-origin, as GuardMiddleware's refusals are)."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {
+        "header_timeout": timeout, "cors_origins": frozenset(o.rstrip("/") for o in cors_origins)})

@@ -13,6 +13,10 @@ options of llama.cpp's server that mean nothing here (`id_slot`, `cache_prompt`,
 How it maps onto the daemon's Fim (as ollama.py does for Ollama's API):
 - prefix = input_prefix + prompt, suffix = input_suffix; `input_extra`'s last MAX_SNIPPETS chunks are the Fim's
   `context`, the newest first (the daemon lays its first snippet nearest the code, as llama.cpp lays its last).
+- No `document`: neither plugin names the file being edited (`input_extra`'s filenames are those of chunks, the
+  current file's among them, and `id_slot` is always 0), so a newer request supersedes no older one and typing
+  through a suggestion is not answered from it, as they are for /fim's `path` and Tabby's `filepath`. (llama.vim
+  stops its older request itself, closing its connection, which cancels it here.)
 - Greedy unless `temperature` is above 0: the plugins send top_k/top_p for llama.cpp's sampler chain, which samples;
   here those apply only with a temperature.
 - n_predict is capped, as llama.cpp's server caps it, at --max-tokens-cap and the daemon's FIM limit (half the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 from prometheus_client import (
@@ -30,9 +31,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": no response was sent
 
 
+def template_pattern(template: str) -> re.Pattern[str]:
+    """A route template's paths: each `{name}` one non-empty path segment, as Starlette's routes match them."""
+    parts = re.split(r"\{[^}/]+\}", template)
+    return re.compile("[^/]+".join(map(re.escape, parts)))
+
+
 class Metrics:
     def __init__(self, endpoints: tuple[str, ...]):
-        self.endpoints = frozenset(endpoints)
+        """`endpoints`: the paths counted under their own label, route templates (`/v1/models/{model}`) included;
+        a path matching a template is counted under the template, so that the labels stay few whatever is asked."""
+        self.endpoints = frozenset(e for e in endpoints if "{" not in e)
+        self.templates = [(template_pattern(e), e) for e in endpoints if "{" in e]
         disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
         r = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=r)  # this server's own CPU and memory (process_*)
@@ -67,7 +77,10 @@ class Metrics:
         self.reconnects = Counter("m31r_daemon_connects", "Connections made to the daemon.", registry=r)
 
     def endpoint(self, path: str) -> str:
-        return path if path in self.endpoints else "other"
+        """The path's label: itself for an endpoint, its route's template, or `other` (404s, whatever they ask)."""
+        if path in self.endpoints:
+            return path
+        return next((template for pattern, template in self.templates if pattern.fullmatch(path)), "other")
 
     def observe_daemon(self, status: StatusReply | None) -> None:
         if status is None:

@@ -495,9 +495,13 @@ class TabbySegments(Struct, kw_only=True):
 
     prefix: Annotated[str, Meta(description="The text before the cursor.")]
     suffix: Annotated[str, Meta(description="The text after the cursor.")] | None = None
-    filepath: Annotated[str, Meta(description="The file being edited: accepted and not used.")] | None = None
+    filepath: Annotated[str, Meta(description=(
+        "The file being edited, relative to its repository's root: its requests are one document to the daemon, "
+        "where a newer request supersedes an older one still running (409) and typing through a suggestion is "
+        "answered from it."))] | None = None
     git_url: Annotated[str, Meta(description=(
-        "The repository's remote: accepted and not used (this server searches no repository)."))] | None = None
+        "The repository's remote: with `filepath`, tells two repositories' files of the same path apart; not used "
+        "without it (this server searches no repository)."))] | None = None
     declarations: Annotated[list[TabbyDeclaration], Meta(description=(
         "Highest priority context: the first of these, then of the changed files' snippets, then of the opened "
         f"files', {MAX_SNIPPETS} in all, lead the prompt, the first nearest it."))] | None = None
@@ -708,7 +712,7 @@ _ERRORS = {
            "field); or the prompt and max_tokens do not fit the model's context (code `context_overflow`).",
     "401": "A bearer token is configured and the request did not carry it.",
     "403": "The Host header is not a loopback name (DNS-rebinding defence), or the Origin is not allowed.",
-    "409": "Cancelled by the daemon: superseded by a newer request for the same `path`.",
+    "409": "Cancelled by the daemon: superseded by a newer request for the same `path` (Tabby's: `filepath`).",
     "413": "The request body exceeds the server's limit.",
     "503": "The daemon is busy (its queue is full), starting, or unavailable, or this server's line of requests "
            "waiting for the daemon is full: retry after Retry-After seconds.",

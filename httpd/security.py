@@ -139,6 +139,24 @@ async def send_error(send: Send, path: str, status: int, code: str, message: str
 
 
 CLOSE = (b"connection", b"close")
+EXPOSED_HEADERS = ("retry-after", "x-m31r-ignored-options")  # the answers' headers an allowed page may read
+
+
+def allowed_origin(origins: frozenset[str], origin: bytes | None) -> bool:
+    """An Origin header on the --cors-origin list (origins as given, without a trailing slash; "*": any)."""
+    return origin is not None and (origin.decode("latin-1").rstrip("/") in origins or "*" in origins)
+
+
+def refusal_cors(origins: frozenset[str], origin: bytes | None) -> list[tuple[bytes, bytes]]:
+    """CORS headers for an answer the CORS middleware never sees (the server's refusals, the connection limit's 503),
+    so that a page from an allowed origin can read it and its Retry-After; none for any other request."""
+    if not allowed_origin(origins, origin):
+        return []
+    assert origin is not None
+    return [(b"access-control-allow-origin", b"*" if "*" in origins else origin), (b"vary", b"Origin"),
+            (b"access-control-expose-headers", ", ".join(EXPOSED_HEADERS).encode())]
+
+
 CLOSED_BY_SERVER = "m31r.closed_by_server"  # scope key: why the server closed a connection whose body was pending
 
 
@@ -193,10 +211,8 @@ class GuardMiddleware:
         headers = {k.decode("latin-1"): v for k, v in scope["headers"]}
         origin = headers.get("origin")
         o = origin.decode("latin-1").rstrip("/") if origin is not None else None
-        allowed = o is not None and (o in self.origins or "*" in self.origins)
         # An allowed page must be able to read these refusals too: the CORS middleware inside never sees them.
-        cors = [(b"access-control-allow-origin", b"*" if "*" in self.origins else origin or b""),
-                (b"vary", b"Origin")] if allowed else []
+        cors = refusal_cors(self.origins, origin)
         body = BodyWatch(receive, headers, self.body_timeout)
         started = False
 
@@ -218,7 +234,7 @@ class GuardMiddleware:
         if not self.hosts.allows(host):
             return await refuse(403, "forbidden_host", (
                 f"Host {host!r} is not a loopback name; start the server with --allowed-host to accept it"))
-        if o is not None and not allowed:
+        if o is not None and not cors:
             return await refuse(403, "forbidden_origin", (
                 f"Origin {o!r} is not allowed; start the server with --cors-origin to allow it"))
         preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers

@@ -108,7 +108,7 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         loop = "asyncio"
     # http: uvicorn's h11 protocol with a deadline for request headers (uvicorn has none; connection.py)
     config = uvicorn.Config(create_app(settings), host=host, port=port, loop=loop, lifespan="on",
-                            http=with_header_timeout(header_timeout),
+                            http=with_header_timeout(header_timeout, settings.cors_origins),
                             log_level=log_level, log_config=None, access_log=False, server_header=False,
                             limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
     socks = listen(host, port)

@@ -27,15 +27,27 @@ How a completion maps onto the daemon's Fim (as ollama.py and llamacpp.py do for
 - Stop words: Tabby's for Rust with `language: rust` (a blank line, a line comment or a top-level keyword at a line's
   start), matched in the completion (Tabby also matches them across the prompt's end); for any other language only
   the blank line (this is a Rust model: other languages' keyword lists are not carried).
-- `filepath`, `git_url` (Tabby's repository search, which this server has not) and `clipboard` are not used; unknown
-  fields are ignored, as Tabby ignores them; both are named in X-M31R-Ignored-Options. `mode:
-  "next_edit_suggestion"` and `debug_options` are refused (400).
-- Errors in the shape of /v1/completions' OpenAI errors (Tabby's have no body; tabby-agent reads the status).
+- `filepath` (relative to the repository's root, or the workspace's) names the Fim's `document`, with `git_url` (the
+  repository's remote, where there is one) so that two repositories' files of the same path are two documents: as
+  for /fim's `path`, the daemon answers a newer request for the file in place of an older one still running (409
+  `cancelled` for that one) and answers the user typing through a suggestion from it. The key has its own namespace
+  (`tabby:`), so Tabby's requests never supersede the language server's or /fim's for the same file. Without
+  `filepath` there is no document, and `git_url` (otherwise Tabby's repository search, which this server has not)
+  is not used.
+- `clipboard` is not used; unknown fields are ignored, as Tabby ignores them; both (and an unused `git_url`) are
+  named in X-M31R-Ignored-Options. `mode: "next_edit_suggestion"` and `debug_options` are refused (400).
+- Errors in the shape of /v1/completions' OpenAI errors (Tabby's have no body; tabby-agent reads the status). A busy
+  daemon is a 503 with Retry-After, not Tabby's rate-limit 429: tabby-agent (`utils/error.ts`, `fetchCompletion`,
+  `codeCompletion/index.ts` and `status.ts`) logs either as a failed request and checks /v1/health at once (200
+  while the daemon is up: it stays ready), and a 429 also sets its "rateLimitExceeded" status, a warning ("Too Many
+  Requests") in the editor's status bar until a completion next succeeds; a momentary busy daemon is better left
+  unshown. (408 and 499 it counts as timeouts; 401 and 403 as unauthorized.)
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import re
@@ -61,9 +73,10 @@ BLANK_LINE = "\n\n"  # Tabby's stop words for every language begin with it
 # Tabby's stop words for Rust (crates/tabby-common/assets/languages.toml): its line comment and top-level keywords.
 RUST_STOPS = [BLANK_LINE, "\n//", *(f"\n{k}" for k in ("fn", "trait", "impl", "enum", "pub", "extern", "static",
                                                         "unsafe", "use"))]
+MAX_KEY = 4096  # the longest document key kept as it is (/fim's `path` may be this long)
 HONOURED = frozenset({"segments", "language", "temperature", "seed", "mode", "debug_options"})
-SEGMENTS_HONOURED = frozenset({"prefix", "suffix", "declarations", "relevant_snippets_from_changed_files",
-                               "relevant_snippets_from_recently_opened_files"})
+SEGMENTS_HONOURED = frozenset({"prefix", "suffix", "filepath", "declarations", "relevant_snippets_from_changed_files",
+                               "relevant_snippets_from_recently_opened_files"})  # (and git_url with a filepath)
 DEVICES = {"mps": "metal"}  # torch's device names where Tabby's differ
 ARCHES = {"amd64": "x86_64", "arm64": "aarch64"}  # Python's machine names where Rust's (Tabby's `arch`) differ
 _LONE_LF = re.compile(r"(?<!\r)\n")
@@ -82,12 +95,25 @@ def tabby_fields(body: bytes) -> dict | None:
 
 
 def ignored_fields(raw: dict) -> list[str]:
-    """The request's fields that change nothing here: unknown ones, and segments' not used (`segments.git_url`)."""
+    """The request's fields that change nothing here: unknown ones, and segments' not used (`segments.clipboard`;
+    `segments.git_url` without a filepath, where it names no document)."""
     out = [k for k in raw if k not in HONOURED]
     seg = raw.get("segments")
     if isinstance(seg, dict):
-        out += [f"segments.{k}" for k in seg if k not in SEGMENTS_HONOURED and seg[k] is not None]
+        used = SEGMENTS_HONOURED | ({"git_url"} if seg.get("filepath") else set())
+        out += [f"segments.{k}" for k in seg if k not in used and seg[k] is not None]
     return sorted(out)
+
+
+def document(seg: s.TabbySegments) -> str:
+    """The daemon's document key for the file being edited, "" where the request names none. Tabby's own namespace,
+    so the language server's or /fim's requests for the file are not superseded by Tabby's; the repository's remote
+    with the path, which is relative to the repository's root (JSON: no two pairs give one key). A key longer than
+    /fim's longest `path` is hashed: the daemon keeps hundreds of keys, and neither field is bounded."""
+    if not seg.filepath:
+        return ""
+    key = msgspec.json.encode([seg.git_url or "", seg.filepath])
+    return f"tabby:{key.decode()}" if len(key) <= MAX_KEY else f"tabby:sha256:{hashlib.sha256(key).hexdigest()}"
 
 
 def context(seg: s.TabbySegments, crlf: bool) -> list[Snippet]:
@@ -127,10 +153,11 @@ async def completion(svc: Service, body: bytes, raw: dict) -> Generation:
     stop = RUST_STOPS if (r.language or "").lower() == "rust" else [BLANK_LINE]
     sampling = svc.sampling(r.temperature or 0.0)
     renderer = TabbyRenderer(crlf, ignored_fields(raw))
+    doc = document(seg)
 
     def start(c: Client) -> Awaitable[Stream]:
         max_tokens = min(MAX_TOKENS, svc.settings.max_tokens_cap, c.welcome.max_context // 2)
-        return c.fim(prefix, suffix, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed,
+        return c.fim(prefix, suffix, document=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed,
                      context=snippets)
 
     return Generation(svc, "/v1/completions", start, renderer, False, Fields("segments.prefix", truncate=None))

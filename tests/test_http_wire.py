@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_http import Server, StalledDaemon
+from test_http import Server, StalledDaemon, scrape
 
 from m31r_http.server import MAX_CONNECTIONS
 
@@ -107,7 +107,10 @@ def test_a_request_without_host_is_told_to_send_one(server):
 
 def test_models_retrieve(server, tiny_bundle):
     """The OpenAI client's models.retrieve (`GET /v1/models/{model}`) finds the model under each of its names, with
-    its id, and a name not served is a 404 `model_not_found` naming `model`; it was a bare 404 for every name."""
+    its id, and a name not served is a 404 `model_not_found` naming `model`; it was a bare 404 for every name. Its
+    metrics are counted under the route, whatever the name asked for (not `other`, nor one series per name)."""
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        before = scrape(http)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     name = tiny_bundle.model_id
     for asked in (name, name.split("@")[0], "m31r"):
@@ -118,6 +121,17 @@ def test_models_retrieve(server, tiny_bundle):
         client.models.retrieve("gpt-4o")
     err = e.value.body
     assert err["code"] == "model_not_found" and err["param"] == "model" and "'gpt-4o' is not served" in err["message"]
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        after = scrape(http)
+
+    def moved(endpoint: str, status: str) -> float:
+        key = ("m31r_http_requests_total", (("endpoint", endpoint), ("status", status)))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("/v1/models/{model}", "200") == 4 and moved("/v1/models/{model}", "404") == 1, after
+    assert moved("other", "200") == moved("other", "404") == 0
+    endpoints = {v for _, labels in after for k, v in labels if k == "endpoint"}
+    assert {e for e in endpoints if e.startswith("/v1/models/")} == {"/v1/models/{model}"}, endpoints
 
 
 @pytest.mark.parametrize(("method", "path", "words"), [
@@ -138,10 +152,12 @@ def test_a_404_says_what_is_served(server, method, path, words):
 def test_the_connection_limit_is_a_json_503(tmp_path):
     """Past uvicorn's limit (MAX_CONNECTIONS connections, or requests being answered) a request is answered 503 in
     its path's error shape, with Retry-After, closing the connection (uvicorn's was plain text, without
-    Retry-After). The requests that fill the server here are /health checks whose clients left at once: the stalled
+    Retry-After); a page from an allowed origin (--cors-origin) can read it and its Retry-After, as the server's
+    other refusals. The requests that fill the server here are /health checks whose clients left at once: the stalled
     daemon never answers Status, so each is answered (to nobody) only at the server's 2 s Status timeout."""
     stalled = StalledDaemon(tmp_path / "stalled.sock")
-    srv = Server(tmp_path, stalled.path)
+    origin = "http://localhost:5173"
+    srv = Server(tmp_path, stalled.path, "--cors-origin", origin)
     try:
         assert httpx.get(f"{srv.url}/api/version", timeout=10).status_code == 200
         for _ in range(MAX_CONNECTIONS + 64):  # (a margin: the first checks may end before the last are read)
@@ -156,6 +172,16 @@ def test_the_connection_limit_is_a_json_503(tmp_path):
             if not ollama:
                 assert error["code"] == "busy" and error["type"] == "server_error", error
             assert f"at its limit of {MAX_CONNECTIONS} connections or requests at once" in message, message
+            assert "access-control-allow-origin" not in headers  # (no Origin: not a page's request)
+        for sent, allowed in ((origin, True), ("http://evil.example", False)):
+            [(status, headers, _)] = exchange(srv, b"POST /v1/completions HTTP/1.1\r\n" + HOST + (
+                f"Origin: {sent}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}").encode())
+            assert status == 503 and headers["retry-after"] == "1"
+            if allowed:
+                assert headers["access-control-allow-origin"] == origin and "origin" in headers["vary"].lower()
+                assert "retry-after" in {h.strip().lower() for h in headers["access-control-expose-headers"].split(",")}
+            else:
+                assert "access-control-allow-origin" not in headers
         deadline = time.monotonic() + 30
         while httpx.get(f"{srv.url}/api/version", timeout=10).status_code != 200:  # once the checks end
             assert time.monotonic() < deadline

@@ -10,13 +10,17 @@ protocol-speaking stand-in that records it (test_llamacpp_api's WritingDaemon), 
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import re
 
 import httpx
 import pytest
-from test_http import Server, healthy_server, token_server
+from test_http import Server, healthy_server, token_server, wait_for
 from test_llamacpp_api import WritingDaemon
 
+from m31r_protocol import Client
 from m31r_protocol import messages as pm
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,6 +32,7 @@ RUST_STOPS = ["\n\n", "\n//", "\nfn", "\ntrait", "\nimpl", "\nenum", "\npub", "\
               "\nuse"]
 # tabby-agent's user agent: `${envInfo} ${tabbyAgentInfo} ${ideInfo} ${tabbyPluginInfo}`
 AGENT_HEADERS = {"user-agent": "Node.js/v20.18.0 tabby-agent/1.9.0-dev vscode/1.95.3 TabbyML.vscode-tabby/1.9.4"}
+REPO = "https://github.com/example/demo.git"
 
 
 def declarations(n: int) -> list[dict]:
@@ -44,20 +49,23 @@ def opened(n: int) -> list[dict]:
 
 
 def agent_request(prefix: str = PREFIX, suffix: str = SUFFIX, temperature: float | None = None,
-                  n: tuple[int, int, int] = (2, 2, 2)) -> dict:
+                  n: tuple[int, int, int] = (2, 2, 2), filepath: str = "src/main.rs", git_url: str | None = REPO,
+                  language: str = "rust") -> dict:
     """tabby-agent's fetchCompletion body: `{language, segments: buildRequest(...), temperature}` where buildRequest
-    gives prefix, suffix, filepath (relative to the git root), git_url (the origin remote) and the three snippet
-    lists (left out when empty); temperature is undefined, so left out, but for its "more choices" requests (0.8)."""
+    gives prefix, suffix, filepath (relative to the git root), git_url (the origin remote; left out outside a git
+    repository) and the three snippet lists (left out when empty); temperature is undefined, so left out, but for
+    its "more choices" requests (0.8)."""
     d, c, o = n
-    segments = {"prefix": prefix, "suffix": suffix, "filepath": "src/main.rs",
-                "git_url": "https://github.com/example/demo.git"}
+    segments = {"prefix": prefix, "suffix": suffix, "filepath": filepath}
+    if git_url is not None:
+        segments["git_url"] = git_url
     if d:
         segments["declarations"] = declarations(d)
     if c:
         segments["relevant_snippets_from_changed_files"] = changed(c)
     if o:
         segments["relevant_snippets_from_recently_opened_files"] = opened(o)
-    body = {"language": "rust", "segments": segments}
+    body = {"language": language, "segments": segments}
     if temperature is not None:
         body["temperature"] = temperature
     return body
@@ -119,7 +127,7 @@ def test_agent_completion(http):
     whole = http.post("/fim", json={"prefix": PREFIX, "suffix": SUFFIX, "context": snippet_context((2, 2, 2)),
                                     "stop": RUST_STOPS, "max_tokens": 64})
     assert whole.status_code == 200 and choice["text"] == whole.json()["text"]
-    assert r.headers["x-m31r-ignored-options"] == "segments.filepath, segments.git_url"
+    assert "x-m31r-ignored-options" not in r.headers  # (filepath and git_url name the document: see below)
     # its "more choices" requests sample (temperature 0.8, no seed): answered, each its own id
     again = http.post("/v1/completions", json=agent_request(temperature=0.8))
     assert again.status_code == 200 and len(again.json()["choices"]) == 1 and again.json()["id"] != a["id"]
@@ -142,6 +150,78 @@ def test_openai_requests_unchanged(http):
     r = http.post("/v1/completions", json={**agent_request(), "prompt": PREFIX})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] in ("language", "segments") and "unknown field" in err["message"]
+
+
+def test_newest_request_for_a_file_wins(server, shared_daemon):
+    """tabby-agent names the file it completes in (`filepath`, relative to the repository whose remote is `git_url`):
+    the daemon holds its requests for one file as one document, so a newer request supersedes an older one still
+    running (a 409 `cancelled` saying so, as for /fim's `path`), while another file's, or the same path in another
+    repository, runs on. (tabby-agent also closes its older request itself; a second editor on the file may not.)"""
+    sock = shared_daemon[1]
+
+    async def attempt(i: int) -> bool:
+        """True once the first request was superseded; False where it ended before the second came (retried)."""
+        prefix = f"fn attempt_{i}() {{\n" + "    let value = compute(1, 2, 3);\n" * 8 + "    let x = "
+        path = f"src/newest_{i}.rs"
+
+        def post(text: str, filepath: str = path, git_url: str = REPO) -> asyncio.Future[httpx.Response]:
+            body = agent_request(prefix=text, suffix=";\n}\n", n=(0, 0, 0), filepath=filepath, git_url=git_url,
+                                 language="python")  # (python: only the blank line stops it)
+            return asyncio.ensure_future(c.post("/v1/completions", json=body))
+
+        async def held(n: int, first: asyncio.Future) -> bool:
+            """Wait until the daemon holds n requests; False if the first ended before."""
+            while not first.done():
+                st = await dc.status()
+                if st.active + st.queue >= n:
+                    return True
+                await asyncio.sleep(0.002)
+            return False
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=AGENT_HEADERS) as c, \
+                await Client.connect(sock) as dc:
+            first = post(prefix)
+            others = []
+            if await held(1, first):
+                others = [post(prefix, filepath=f"src/other_{i}.rs"), post(prefix, git_url=REPO + ".fork")]
+                if await held(3, first):
+                    others.append(post(prefix + "2"))
+            done = await asyncio.gather(first, *others)
+        for r in done[1:]:  # another file's, the same path in another repository's, and the newest: answered
+            assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        if len(others) < 3 or done[0].status_code == 200:
+            return False  # the first ended before the newest came
+        err = done[0].json()["error"]
+        assert done[0].status_code == 409 and err["code"] == "cancelled" and "superseded" in err["message"], err
+        return True
+
+    for i in range(10):  # on a starved machine the first request may end before the newest arrives
+        if asyncio.run(attempt(i)):
+            break
+    else:
+        pytest.fail("the older request for the file was never superseded")
+
+
+def test_typing_through_a_suggestion_is_answered_from_it(http, shared_daemon):
+    """A request for the same file whose prefix has gained the start of the last suggestion (the user typed it) is
+    answered with the rest of that suggestion by the daemon, without the model (typed-through)."""
+    def typed_through() -> int:
+        return sum(json.loads(line).get("source") == "typed_through" for line in list(shared_daemon[0].log_lines)
+                   if line.startswith("{"))
+
+    for i in range(5):  # a prefix whose suggestion has text left once its first character is typed
+        prefix = f"{PREFIX}{i}"
+        r = http.post("/v1/completions", json=agent_request(prefix=prefix, filepath="src/typed.rs"))
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        if len(text) >= 2:
+            break
+    else:
+        pytest.fail("no suggestion long enough to type through")
+    before = typed_through()
+    r = http.post("/v1/completions", json=agent_request(prefix=prefix + text[0], filepath="src/typed.rs"))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text[1:], r.text
+    assert wait_for(lambda: typed_through() == before + 1, timeout=5), "not answered from the last suggestion"
 
 
 def test_events_accepted_and_dropped(http):
@@ -248,6 +328,29 @@ def test_what_reaches_the_daemon(recording):
     assert [c.path for c in fim.context] == [*(f"src/d{i}.rs" for i in range(5)), "src/c0.rs", "src/c1.rs",
                                              "src/c2.rs"]
     assert fim.sampling.temperature == 0
+    assert fim.document == 'tabby:["https://github.com/example/demo.git","src/main.rs"]'  # the file, in its repository
+    assert "x-m31r-ignored-options" not in r.headers
+
+
+def test_document_key(recording):
+    """The daemon's document is Tabby's own (a /fim or language-server request for the same file is not superseded by
+    it), the file's path and its repository's remote; outside a git repository (no git_url) the path alone; and
+    without a filepath there is none, git_url then changing nothing (X-M31R-Ignored-Options names it). A key longer
+    than /fim's longest path is hashed."""
+    srv, daemon = recording
+    long = "src/" + "a" * 5000 + ".rs"
+    hashed = "tabby:sha256:" + hashlib.sha256(json.dumps([REPO, long], separators=(",", ":")).encode()).hexdigest()
+    for segments, document, ignored in (({"git_url": None}, 'tabby:["","src/main.rs"]', None),
+                                        ({"filepath": None}, "", "segments.git_url"),
+                                        ({"filepath": ""}, "", "segments.git_url"),
+                                        ({"filepath": long}, hashed, None)):  # (a key past 4096 characters)
+        body = agent_request(n=(0, 0, 0))
+        body["segments"].update(segments)
+        body["segments"] = {k: v for k, v in body["segments"].items() if v is not None}
+        daemon.received.clear()
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers.get("x-m31r-ignored-options") == ignored, r.text
+        assert sent_fim(daemon).document == document
 
 
 def test_crlf(recording):
