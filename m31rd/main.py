@@ -4,6 +4,7 @@ request."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -30,9 +31,16 @@ def setup_logging(level: str, file: Path | None = None) -> None:
 
 
 def default_bundle() -> Path:
-    """$M31R_BUNDLE, else the release/ bundle that ships beside the package."""
+    """$M31R_BUNDLE, else the release/ bundle that ships with m31r: the data package `m31r_release`, which is the
+    checkout's release/ folder under an editable install and a copy in site-packages under a wheel's (there is no
+    release/ beside an installed package)."""
     env = os.environ.get("M31R_BUNDLE")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "release"
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("m31r_release")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / "release"  # a source tree on sys.path, not installed
 
 
 @dataclass

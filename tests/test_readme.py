@@ -27,6 +27,7 @@ OTHER_PROGRAMS = {
     "journalctl": "`journalctl --user -u m31rd` shows the service's log",
     "python": "`python benchmarks/*.py --bundle ... --n-single ...`: the benchmark scripts' own flags",
     "npm": "`npm ci --no-audit --no-fund` builds the VS Code extension",
+    "pip": "`pip install torch==2.13.0 --index-url ...` installs torch's CPU build before m31r",
     "make": "make targets take no flags of ours",
     "llama-bench": "`llama-bench ... --repack 0`: llama.cpp's benchmark, which the llama.cpp comparison runs",
     "rustc": "`rustc --test` builds the execution evaluation's programs (benchmarks/eval_exec.py)",
