@@ -146,7 +146,10 @@ def read_stdin() -> str:
     if sys.stdin is None:  # started with stdin closed (`<&-`)
         fail("stdin is closed: pass the prompt as an argument, or pipe it on stdin")
     raw = getattr(sys.stdin, "buffer", None)
-    data = raw.read() if raw is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        data = raw.read() if raw is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    except OSError as e:  # not left to _Main, which would call an EIO here output that cannot be written
+        fail(f"cannot read stdin: {e.strerror or e}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -295,12 +298,22 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
+def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """FloatRange lets nan through too: a timeout of nan fails every request that starts its clock (asyncio cannot
+    schedule it), while inf is a working "no limit" and stays allowed."""
+    if value is not None and math.isnan(value):
+        raise click.BadParameter(f"{value} is not a number", ctx, param)
+    return value
+
+
 class UserPath(click.Path):
     """click.Path with a leading `~` expanded to the home folder. A shell expands it only in an unquoted word's start
     (not in `--socket=~/x.sock`), and an editor that runs `m31r lsp --socket ~/x.sock` without a shell not at all:
     taken literally, `~` would be a folder of that name in the working directory."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":  # Path("") is the working directory: not what `--socket "$UNSET_VAR"` meant
+            self.fail("an empty path names nothing: leave the option out for the default", param, ctx)
         if isinstance(value, str):
             value = os.path.expanduser(value)
         return super().convert(value, param, ctx)
@@ -338,6 +351,7 @@ socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=
               help="Largest Generate prompt (or Fim prefix + suffix) in characters; longer ones are refused before "
                    "they are tokenised.")
 @click.option("--read-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              callback=_a_number,
               help="Seconds a frame may take to arrive once its first byte has (0: no limit); a connection that "
                    "stalls mid-frame gets an error and is closed. Idle connections are never timed out.")
 @click.option("--max-active", type=click.IntRange(min=1), default=8, show_default=True,
@@ -426,8 +440,10 @@ def sampling_options(fn: F) -> F:
                      help="With --json: each token's log-probability and this many of the likeliest tokens at its "
                           "step (\"token_logprobs\": [{text, token, logprob, top: [[token, text, logprob], ...]}])."),
         click.option("--json", "as_json", is_flag=True,
-                     help="Print one JSON object {text, tokens, finish_reason, usage, timings, alternatives, logprob, "
-                          "line_logprob, logprob_by_line} at the end (alternatives: a beam search's runners-up; "
+                     help="Print one JSON object {text, tokens, finish_reason, usage, timings, source, alternatives, "
+                          "logprob, line_logprob, logprob_by_line} at the end (source: \"model\", or "
+                          "\"typed_through\" for a fim answered from the previous suggestion for the same --file; "
+                          "alternatives: a beam search's runners-up; "
                           "logprob, line_logprob, logprob_by_line: how likely the model found the completion, its "
                           "first line and each line, natural logs)."),
         socket_option,
@@ -510,8 +526,10 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
             if not opts["as_json"]:
                 sys.stdout.write(tok.text)
                 sys.stdout.flush()
-    except BaseException:
+    except BaseException as e:
         await stream.cancel()
+        if isinstance(e, Exception) and not opts["as_json"]:  # an error line follows: not on the half-written one
+            _end_open_line("".join(text), both=True)
         raise
     done = stream.done
     assert done is not None
@@ -530,29 +548,34 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                     "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}
                                   if opts["logprobs"] is not None else {})}))
     else:
-        open_line = bool(text) and not "".join(text).endswith("\n")
-        if open_line and sys.stdout.isatty():
-            sys.stdout.write("\n")
-            open_line = False
-        _say_if_unsure(done.line_logprob, open_line)
+        from m31r_protocol.policy import MIN_PROBABILITY, confident
+
+        unsure = not confident(done.line_logprob, MIN_PROBABILITY)
+        _end_open_line("".join(text), both=unsure)
+        if unsure:
+            _say_unsure(done.line_logprob)
 
 
-def _say_if_unsure(line_logprob: float | None, open_line: bool) -> None:
-    """On stderr (stdout keeps the completion alone): the editors would have hidden this suggestion. `open_line`:
-    stdout's last line is unfinished, so a note into the same file (`2>&1`) starts a line of its own."""
-    import math
-    import os
-
-    from m31r_protocol.policy import MIN_PROBABILITY, confident
-
-    if not confident(line_logprob, MIN_PROBABILITY):
+def _end_open_line(written: str, both: bool) -> None:
+    """Finish stdout's unfinished last line (`written` is all it got) where it shows: on a terminal, and with `both`
+    (a line for stderr follows) also where stderr goes to the same file (`2>&1`), so that line starts on its own.
+    A file or pipe of its own keeps the completion exactly as the model wrote it."""
+    if not written or written.endswith("\n"):
+        return
+    with contextlib.suppress(OSError, ValueError):  # closed, or no real file behind it: nothing to finish
         sys.stdout.flush()
-        try:
-            shared = open_line and os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
-        except (OSError, ValueError):  # no real file behind one of them
-            shared = False
-        click.echo(f"{chr(10) if shared else ''}(unsure: the model gives its first line a probability of "
-                   f"{math.exp(line_logprob):.3f}; the editors hide suggestions under {MIN_PROBABILITY})", err=True)
+        shared = both and os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+        if sys.stdout.isatty() or shared:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+def _say_unsure(line_logprob: float) -> None:
+    """On stderr (stdout keeps the completion alone): the editors would have hidden this suggestion."""
+    from m31r_protocol.policy import MIN_PROBABILITY
+
+    click.echo(f"(unsure: the model gives its first line a probability of {math.exp(line_logprob):.3f}; the editors "
+               f"hide suggestions under {MIN_PROBABILITY})", err=True)
 
 
 @main.command()
@@ -603,6 +626,8 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         except UnicodeDecodeError as e:
             fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model "
                  "completes UTF-8 source")
+        except OSError as e:  # a read that fails names no file: _Main would call it output that cannot be written
+            fail(f"cannot read {file_path}: {e.strerror or e}")
         lines = editor_lines(text)
         if not 1 <= line <= len(lines) + 1:
             fail(f"--line {line} is outside {file_path} ({len(lines)} lines)")
@@ -971,12 +996,15 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
               help="Largest max_tokens a request may ask for.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              callback=_a_number,
               help="Seconds a request may take once its body is in, the daemon's work included (504 past it; the "
                    "daemon request is cancelled).")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              callback=_a_number,
               help="Seconds a client has to send a request's body after its headers (408 past it, and the connection "
                    "is closed), so that a client trickling its body cannot hold a connection for good.")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              callback=_a_number,
               help="Seconds a client has to send a request's headers, from its connection's start or the previous "
                    "answer's end (408 past it if the client had begun, and the connection is closed), so that a "
                    "client trickling its headers cannot hold a connection for good.")

@@ -203,6 +203,9 @@ def check_daemon(ctx: Context) -> Check:
     except ForeignPeer as e:
         return Check("daemon", "fail", str(e))
     except (FileNotFoundError, ConnectionRefusedError):
+        if check_socket(ctx).level == "fail":  # an unsafe folder, a file or folder on the path: no daemon starts
+            return Check("daemon", "warn", f"none answers on {ctx.socket}, and none can start there until the socket "
+                                           "check passes")
         return Check("daemon", "warn", f"none answers on {ctx.socket}: `m31r generate`, `fim`, `lsp` and `serve` "
                                        "start one on first use")
     except NotADirectoryError:

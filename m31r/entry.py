@@ -16,10 +16,12 @@ def _status_socket(args: list[str]) -> str | None | bool:
     if not rest:
         return None
     if len(rest) == 2 and rest[0] == "--socket":
-        return rest[1]
-    if len(rest) == 1 and rest[0].startswith("--socket="):
-        return rest[0].removeprefix("--socket=")
-    return False
+        socket = rest[1]
+    elif len(rest) == 1 and rest[0].startswith("--socket="):
+        socket = rest[0].removeprefix("--socket=")
+    else:
+        return False
+    return socket or False  # empty: the click CLI refuses it (taken here, it would have meant the default socket)
 
 
 def quick_status(socket: str | None) -> bool:

@@ -10,7 +10,7 @@ import socket
 import stat
 from pathlib import Path
 
-from m31r_protocol.paths import socket_path_problem
+from m31r_protocol.paths import default_socket_path, socket_path_problem
 
 SD_LISTEN_FDS_START = 3
 
@@ -37,9 +37,17 @@ def _claim(path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise SocketInUse(f"another m31rd is already starting or serving on {path} (stop it with `m31r stop`)"
+        raise SocketInUse(f"another m31rd is already starting or serving on {path} (stop it with {_stop(path)})"
                           ) from None
     _HELD.append(fd)
+
+
+def _stop(path: Path) -> str:
+    """The command that stops the daemon on `path`: a bare `m31r stop` reaches only the clients' default socket."""
+    import shlex
+
+    same = os.path.abspath(path) == os.path.abspath(default_socket_path())
+    return "`m31r stop`" if same else f"`m31r stop --socket {shlex.quote(str(path))}`"
 
 
 def _is_live(path: Path) -> bool:
@@ -74,8 +82,21 @@ def check_folder(folder: Path) -> None:
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise UnsafeSocketFolder(
             f"socket folder {folder} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 (yours alone), or other "
-            f"users could put their own socket in its place. Run `chmod 700 {folder}` if only you use it, or choose "
-            f"another socket path (--socket)")
+            f"users could put their own socket in its place. Choose a socket path in a folder of your own, such as "
+            f"{folder / 'm31r' / 'm31rd.sock'} (--socket, or M31R_SOCKET; the daemon makes a missing folder 0700)"
+            f"{_chmod_advice(folder, st)}")
+
+
+def _chmod_advice(folder: Path, st: os.stat_result) -> str:
+    """`chmod 700` as a second way out, only for a folder that is likely the user's alone: one inside the home folder
+    and not a shared scratch folder. Offered for /tmp (or for /, the folder of `--socket /tmp`), it would lock every
+    other user, and the system's own services, out of it."""
+    shared = stat.S_IMODE(st.st_mode) & (stat.S_ISVTX | stat.S_IWOTH)
+    try:
+        at_home = Path(os.path.abspath(folder)).is_relative_to(Path.home()) and Path.home() != Path("/")
+    except RuntimeError:  # no home folder to be found
+        at_home = False
+    return f", or run `chmod 700 {folder}` if only you use it" if at_home and not shared else ""
 
 
 def bind_unix(path: Path) -> socket.socket:
@@ -116,7 +137,7 @@ def _bind(path: Path) -> socket.socket:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
         if _is_live(path):
-            raise SocketInUse(f"another m31rd is already serving on {path} (stop it with `m31r stop`)")
+            raise SocketInUse(f"another m31rd is already serving on {path} (stop it with {_stop(path)})")
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # the socket is created 0600: no window where others could connect

@@ -208,6 +208,19 @@ def test_a_tilde_in_socket_is_the_home_folder(daemon, tmp_path, form):
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("args", [["-m", "m31r.entry", "status"], ["-m", "m31r.cli", "status"],
+                                  ["-m", "m31r.cli", "stop"], ["-m", "m31r.cli", "generate", "fn", "--no-autostart"]],
+                         ids=["status-fast-path", "status-click", "stop", "generate"])
+def test_an_empty_socket_path_is_a_usage_error(daemon, args):
+    """`--socket ''` was the default socket on `status`'s fast path (which answered with that daemon's status) and the
+    working directory through click (`. is not a socket`, `no daemon answers on .`): refused alike instead."""
+    _, sock = daemon
+    r = subprocess.run([sys.executable, *args, "--socket", ""], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "M31R_SOCKET": str(sock)})
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert "Invalid value for '--socket': an empty path names nothing" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args", [["generate", "fn", "--no-autostart"], ["fim", "--prefix", "x", "--no-autostart"],
                                   ["status"]], ids=lambda a: a[0])
 def test_no_daemon_is_one_line_error(tmp_path, args):
@@ -275,6 +288,27 @@ def test_stop(tiny_bundle, tmp_path):
         assert (r.returncode, r.stdout, r.stderr) == (0, "", f"no daemon was running on {sock}\n")
     finally:
         stop_daemon(proc)
+
+
+def test_an_error_after_part_of_a_completion_starts_a_line_of_its_own(tiny_bundle, tmp_path):
+    """The daemon killed mid-stream: the error came right after the half-written line (`    let x = 1error: the
+    daemon closed the connection`) where stdout and stderr go to one place (a terminal, `2>&1`), as the `unsure` note
+    already did not."""
+    sock = tmp_path / "m31rd.sock"
+    proc = start_daemon(tiny_bundle.path, sock)  # its own: this one is killed
+    try:
+        client = subprocess.Popen([*M31R, "generate", "fn main", "--max-tokens", "400", "--temperature", "1.5",
+                                   "--seed", "1", "--no-autostart", "--socket", str(sock)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        first = client.stdout.read(1)  # type: ignore[union-attr]
+        proc.kill()
+        out = first + client.stdout.read()  # type: ignore[union-attr]
+        assert client.wait(60) == 1, out
+    finally:
+        stop_daemon(proc)
+    text, sep, err = out.decode().partition("error: ")
+    assert sep and err.count("\n") == 1 and "Traceback" not in err, out
+    assert text.endswith("\n"), out
 
 
 def test_stop_with_no_daemon_says_so_and_exits_0(tmp_path):
@@ -365,12 +399,25 @@ def test_integers_past_64_bits_are_refused_before_sending(daemon):
     ("--threads", "-1", "-1 is not in the range x>=1"), ("--decode-width", "0", "0 is not in the range x>=1"),
     ("--chunk-size", "0", "0 is not in the range x>=1"), ("--cache-mb", "-5", "-5.0 is not in the range x>=0"),
     ("--cache-mb", "nan", "nan is not a finite number"), ("--cache-mb", "inf", "inf is not a finite number"),
+    ("--read-timeout", "nan", "nan is not a number"),
 ])
 def test_daemon_options_that_size_nothing_are_usage_errors(tmp_path, flag, value, expected):
     """Refused by click before the daemon starts: no bundle needed (this one does not exist), and no socket made."""
     sock = tmp_path / "run" / "d.sock"
     r = cli("daemon", "--bundle", str(tmp_path / "no-bundle"), "--socket", str(sock), flag, value, timeout=60)
     assert r.returncode == 2 and f"Invalid value for '{flag}': {expected}" in r.stderr, r.stderr
+    assert not sock.parent.exists()
+
+
+@pytest.mark.parametrize("flag", ["--request-timeout", "--body-timeout", "--header-timeout"])
+def test_serve_timeouts_that_are_not_numbers_are_usage_errors(tmp_path, flag):
+    """FloatRange lets nan through (every comparison with it is false): `serve --request-timeout nan` started, then
+    answered every request 504 ("the server's nans timeout"), --body-timeout nan 500, --header-timeout nan nothing.
+    Refused by click before anything binds or a daemon is looked for."""
+    sock = tmp_path / "run" / "d.sock"
+    r = cli("serve", "--port", "0", "--no-autostart", "--socket", str(sock), flag, "nan", timeout=30)
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert f"Invalid value for '{flag}': nan is not a number" in r.stderr, r.stderr
     assert not sock.parent.exists()
 
 

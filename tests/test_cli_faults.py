@@ -93,3 +93,18 @@ def test_stdin_that_is_not_utf8_is_refused_before_any_daemon(tmp_path: Path) -> 
     assert one_error_line(r) == ("error: stdin is not UTF-8 text (byte 0xff at offset 12); the model completes UTF-8 "
                                  "source\n")
     assert not sock.parent.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
+def test_input_that_cannot_be_read_is_not_called_output(tmp_path: Path) -> None:
+    """A read that fails (EIO: a failing disk, a hung-up terminal; /proc/self/mem at offset 0 fails so every time) was
+    reported as `error: cannot write the output: Input/output error`: the handler for a stdout that cannot be written
+    caught it. It names what could not be read, and no daemon is asked."""
+    sock = tmp_path / "run" / "d.sock"
+    r = cli("fim", "--file", "/proc/self/mem", "--line", "1", "--column", "1", "--no-autostart", "--socket", str(sock))
+    assert one_error_line(r) == "error: cannot read /proc/self/mem: Input/output error\n"
+    with open("/proc/self/mem", "rb") as mem:  # this process's memory, read by the child at offset 0
+        r = subprocess.run([*M31R, "generate", "-", "--no-autostart", "--socket", str(sock)], stdin=mem,
+                           capture_output=True, timeout=120)
+    assert one_error_line(r) == "error: cannot read stdin: Input/output error\n"
+    assert r.stdout == b"" and not sock.parent.exists()

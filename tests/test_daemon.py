@@ -1183,6 +1183,20 @@ def test_a_socket_folder_others_can_use_is_refused_and_keeps_its_mode(tiny_bundl
     assert r.returncode != 0 and f"mode {mode:04o}" in r.stderr and "must be 0700" in r.stderr, r.stderr
     assert stat.S_IMODE(shared.stat().st_mode) == mode
     assert not (shared / "m.sock").exists()
+    # The way out it offers is safe wherever the folder is: a folder of one's own inside it. `chmod 700 /tmp` (or
+    # `chmod 700 /`, for `--socket /tmp`), which it used to offer, would lock every other user out of /tmp.
+    assert f"such as {shared / 'm31r' / 'm31rd.sock'}" in r.stderr and "chmod" not in r.stderr, r.stderr
+
+
+def test_a_socket_folder_at_home_that_others_can_read_gets_the_chmod_advice(tiny_bundle, tmp_path):
+    """Inside the home folder, a folder others can look into is most likely the user's own: there `chmod 700` is
+    offered as well."""
+    home = tmp_path / "home"
+    (home / "socks").mkdir(parents=True, mode=0o755)
+    os.chmod(home / "socks", 0o755)
+    r = refused_daemon(tiny_bundle.path, "--socket", str(home / "socks" / "m.sock"), env={**ENV, "HOME": str(home)})
+    assert r.returncode != 0 and f"run `chmod 700 {home / 'socks'}` if only you use it" in r.stderr, r.stderr
+    assert stat.S_IMODE((home / "socks").stat().st_mode) == 0o755
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
@@ -1288,6 +1302,8 @@ def test_second_daemon_on_a_live_socket_refuses_to_start(life, tiny_bundle):
     r = subprocess.run([*DAEMON, "--bundle", str(tiny_bundle.path), "--socket", str(life.socket), "--threads", "1"],
                        capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode != 0 and "already" in r.stderr, r.stderr
+    # The way out names the socket: a bare `m31r stop` stops the daemon on the default socket, not this one.
+    assert f"(stop it with `m31r stop --socket {life.socket}`)" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30  # it fails before loading the model
     assert life.socket.exists()
     asyncio.run(still_serves(life.socket))

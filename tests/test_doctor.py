@@ -96,6 +96,22 @@ def test_socket_folder_open_to_others_fails(tiny_bundle, tmp_path: Path) -> None
     assert code == 1
     assert checks["socket"]["level"] == "fail"
     assert "0777" in checks["socket"]["detail"] and "0700" in checks["socket"]["detail"]
+    # No daemon answers there, and none will start there either: the daemon check said clients "start one on first
+    # use", which they cannot (the daemon refuses the folder).
+    assert checks["daemon"]["detail"] == (f"none answers on {shared / 'd.sock'}, and none can start there until "
+                                          "the socket check passes")
+
+
+def test_a_folder_as_the_socket_fails_the_daemon_check_too(tiny_bundle, tmp_path: Path) -> None:
+    """`--socket DIR`: connecting to a folder is refused (ECONNREFUSED), which the daemon check took for "no daemon
+    yet, clients start one on first use"; no daemon can listen on a folder."""
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True, mode=0o700)
+    run.chmod(0o700)
+    code, checks = run_doctor_here(tmp_path, "--socket", str(run / "sub"), "--bundle", str(tiny_bundle.path))
+    assert code == 1 and checks["socket"]["level"] == "fail"
+    assert checks["daemon"] == {"name": "daemon", "level": "warn", "detail": f"none answers on {run / 'sub'}, and "
+                                "none can start there until the socket check passes"}
 
 
 def test_no_daemon_is_a_warning_not_a_failure(tiny_bundle, tmp_path: Path) -> None:

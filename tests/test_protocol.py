@@ -450,6 +450,18 @@ async def test_m31r_status_fast_path_skips_click_and_asyncio(sock: Path) -> None
                                              str(sock.parent / "nobody.sock"), env=ENV, stderr=asyncio.subprocess.PIPE)
     _, err = await r.communicate()
     assert r.returncode != 0 and "no daemon answers" in err.decode()
+    assert "no socket there (no daemon is running)" in err.decode() and "Error" not in err.decode()
+
+
+async def test_a_stale_socket_file_is_named_as_such(tmp_path: Path) -> None:
+    """A socket file nobody listens on (a daemon that was killed) is told apart from a missing one, in words."""
+    folder = tmp_path / "s"
+    folder.mkdir(mode=0o700)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(folder / "m31rd.sock"))
+    stale.close()
+    with pytest.raises(DaemonUnavailable, match=r"nothing listens on it \(a daemon that ended left its socket file\)"):
+        await Client.connect(folder / "m31rd.sock")
 
 
 class Squatter:
