@@ -292,7 +292,8 @@ def _summary(b: Any) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """FloatRange lets nan through (every comparison with it is false) and inf sizes nothing."""
+    """FloatRange lets nan through (every comparison with it is false), and inf is no size, share or sampling
+    setting a command can use."""
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number", ctx, param)
     return value
@@ -300,10 +301,34 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 
 def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     """FloatRange lets nan through too: a timeout of nan fails every request that starts its clock (asyncio cannot
-    schedule it), while inf is a working "no limit" and stays allowed."""
+    schedule it), a time budget of nan is never spent; inf is a working "no limit" and stays allowed."""
     if value is not None and math.isnan(value):
         raise click.BadParameter(f"{value} is not a number", ctx, param)
     return value
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot use on this machine, in one line naming the ones it can, before anything loads:
+    torch refuses only at its first tensor there (the daemon's model load, the trainer's model), as `AssertionError:
+    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has. Imports torch."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = ["cuda" + (f" (cuda:0 to cuda:{count - 1})" if count > 1 else "")] if count else []
+    has = f"this machine has: {', '.join(['cpu', *cuda, *(['mps'] if torch.backends.mps.is_available() else [])])}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        fail(f"--device {device}: not a device name ({has})")
+    if dev.type == "cuda" and not count:
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
+        fail(f"--device {device}: no CUDA device ({why}); {has}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= count:
+        fail(f"--device {device}: no CUDA device {dev.index}; {has}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        fail(f"--device {device}: no MPS device (Apple GPUs only); {has}")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        fail(f"--device {device}: m31r runs on cpu, cuda or mps, not {dev.type}; {has}")
 
 
 class UserPath(click.Path):
@@ -387,6 +412,8 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
+    if device != "cpu":  # only then: the daemon listens before torch is imported, which a check here would delay
+        check_device(device)
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, kv_dtype=kv_dtype, prefill_gemm=prefill_gemm, threads=threads,
                          cache_mb=cache_mb,
@@ -423,9 +450,11 @@ class WireInt(click.ParamType):
 def sampling_options(fn: F) -> F:
     for opt in reversed([
         click.option("--max-tokens", type=WireInt(), default=64, show_default=True),
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, callback=_finite,
+                     help="0 = greedy."),
         click.option("--top-k", type=WireInt(), default=0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                     callback=_finite),
         click.option("--seed", type=WireInt(), default=None,
                      help="Makes sampling reproducible (a 64-bit integer: -2**63 to 2**64 - 1)."),
         click.option("--stop", multiple=True, help="Stop sequence (repeatable); not included in the output."),
@@ -488,11 +517,16 @@ def _unreachable(e: OSError, socket_path: Path | None) -> str:
     return unreachable(e, Path(socket_path or default_socket_path()))
 
 
+def refuse_unusable(opts: dict) -> None:
+    """Option combinations `generate` and `fim` cannot serve, refused first: before stdin is read (which may never
+    end, a pipe left open), a file read or a daemon started."""
+    if opts["logprobs"] is not None and not opts["as_json"]:
+        fail("--logprobs gives figures in the --json output: add --json")
+
+
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
     from m31r_protocol.reconnect import DaemonLink, link_config
 
-    if opts["logprobs"] is not None and not opts["as_json"]:
-        fail("--logprobs gives figures in the --json output: add --json")
     config = link_config(opts["socket_path"], autostart=not opts["no_autostart"])
     link = DaemonLink(config, client_name="m31r", progress=lambda msg: click.echo(msg, err=True))
     client = await link.get(wait=config.start_timeout + 10)  # an autostart's own limit decides
@@ -586,7 +620,10 @@ def _say_unsure(line_logprob: float) -> None:
 def generate(prompt: str, truncate: bool, **opts: Any) -> None:
     """Continue PROMPT (or stdin with `-`), streaming text to stdout."""
     need_stdout()
+    refuse_unusable(opts)
     if prompt == "-":
+        if sys.stdin is not None and sys.stdin.isatty():  # else it would wait without a word, and look hung
+            click.echo("reading the prompt from stdin; end it with Ctrl-D", err=True)
         prompt = read_stdin()
     if not prompt:
         fail("empty prompt: pass text or pipe it on stdin")
@@ -617,6 +654,7 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         with_context: bool, **opts: Any) -> None:
     """Fill in the middle: complete at a cursor, given the text before and after it."""
     need_stdout()
+    refuse_unusable(opts)
     document = ""
     if file_path is not None:
         if prefix is not None or suffix is not None or line is None or column is None:
@@ -773,7 +811,8 @@ def train_fetch(cache: Path, later: bool) -> None:
               help="A cache made by `m31r train fetch`: its sources and package versions.")
 @click.option("--source", "sources", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where installed).")
-@click.option("--val-fraction", type=float, default=0.03, show_default=True,
+@click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.03, show_default=True,
+              callback=_finite,
               help="Share of crates held out for validation and the eval.")
 @click.option("--later/--no-later", default=True, show_default=True,
               help="Add the later suite's files (fetched into the --debian cache) to training; held-out crates stay.")
@@ -842,7 +881,7 @@ def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> 
 @click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The new data folder (corpus/, tokenizer.json), to pass to `m31r train model --data`.")
-@click.option("--plain-share", type=float, default=1.0, show_default=True,
+@click.option("--plain-share", type=click.FloatRange(min=0), default=1.0, show_default=True, callback=_finite,
               help="Whole train files to add, in characters, per character of textbook pieces.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @user_errors
@@ -857,8 +896,6 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
             fail(f"{need} is missing: build DATA_DIR with `m31r train corpus` and `m31r train tokenizer` first")
     if out_dir.resolve() == data_dir.resolve():
         fail("--out must be a folder other than DATA_DIR")
-    if plain_share < 0:
-        fail(f"--plain-share must be 0 or more, not {plain_share}")
     tb = build_textbook(data_dir, out_dir, plain_share=plain_share, seed=seed)["textbook"]
     click.echo(f"{tb['examples']:,} doc examples and {tb['functions']:,} documented functions "
                f"({tb['piece_chars'] / 1e6:.1f} MB), {tb['plain_files']:,} whole files "
@@ -870,7 +907,8 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
 @click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
 @click.option("--run", "run_dir", type=click.Path(path_type=Path), required=True,
               help="Checkpoints and logs; an existing run is resumed.")
-@click.option("--max-minutes", type=float, default=None, help="Stop (with a checkpoint) after this long.")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None, callback=_a_number,
+              help="Stop (with a checkpoint) after this long.")
 @click.option("--max-steps", type=int, default=None, help="Stop (with a checkpoint) at this step; the learning-rate "
               "and context schedules still follow the config's max_steps, so a later run resumes seamlessly.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
@@ -880,6 +918,8 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
 def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None, max_steps: int | None,
                 device: str, init_from: Path | None) -> None:
     """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml)."""
+    if device != "cpu":
+        check_device(device)
     from m31r.train.trainer import train as run_training
 
     state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,

@@ -192,12 +192,15 @@ def _cannot_create(folder: Path) -> str | None:
 def check_daemon(ctx: Context) -> Check:
     from m31r_protocol import blocking
     from m31r_protocol.capabilities import missing, restart_hint
-    from m31r_protocol.paths import socket_path_problem
+    from m31r_protocol.paths import MAX_SOCKET_PATH_BYTES, socket_path_problem
     from m31r_protocol.peer import ForeignPeer
 
-    if socket_path_problem(ctx.socket):
+    if len(os.fsencode(ctx.socket)) > MAX_SOCKET_PATH_BYTES:
         return Check("daemon", "fail", f"none can listen on {ctx.socket}: the path is too long (the socket check says "
                                        "how long it may be)")
+    if socket_path_problem(ctx.socket):  # a folder: the socket check fails it, and says what to name instead
+        return Check("daemon", "warn", f"none answers on {ctx.socket}, and none can start there until the socket "
+                                       "check passes")
     try:
         welcome, s = blocking.welcome_and_status(ctx.socket, timeout=2.0)
     except ForeignPeer as e:
@@ -218,8 +221,9 @@ def check_daemon(ctx: Context) -> Check:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         return Check("daemon", "fail", f"something answers on {ctx.socket}, but not as this m31r's daemon does: {e}")
     quant = f", {s['quant']} weights" if s.get("quant") else ""
+    n = s.get("requests")
     serves = (f"pid {s.get('pid')} serves {s.get('model')} ({s.get('device')}, {s.get('dtype')}{quant}) from "
-              f"{s.get('bundle')}; up {s.get('uptime_s', 0):.0f} s, {s.get('requests')} requests")
+              f"{s.get('bundle')}; up {s.get('uptime_s', 0):.0f} s, {n} request{'' if n == 1 else 's'}")
     caps = welcome.get("capabilities")
     if isinstance(caps, list) and (lacks := missing([str(c) for c in caps])):
         return Check("daemon", "warn", f"{serves}; {restart_hint(lacks)}")

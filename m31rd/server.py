@@ -117,6 +117,11 @@ def overflow_error(rid: int, e: ContextOverflowError) -> m.Error:
                    overflow=m.OverflowDetail(e.prompt_tokens, e.max_tokens, e.max_context))
 
 
+def requests(n: int) -> str:
+    """`n` requests, worded for its number: a limit of 1 said "1 requests in flight"."""
+    return f"{n} request{'' if n == 1 else 's'}"
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -491,11 +496,11 @@ class Daemon:
             mine = sum(1 for c, _, _ in self.waiting if c is conn)
             if mine >= self.max_per_connection:
                 return busy("connection", self.max_per_connection,
-                            f"{mine} requests wait for the model to load on this connection (limit "
+                            f"{requests(mine)} wait for the model to load on this connection (limit "
                             f"{self.max_per_connection} per connection, --max-per-connection)")
             if len(self.waiting) >= self.max_queue:
                 return busy("loading", self.max_queue,
-                            f"{len(self.waiting)} requests wait for the model to load (limit {self.max_queue})")
+                            f"{requests(len(self.waiting))} wait for the model to load (limit {self.max_queue})")
             self.waiting.append((conn, req, time.perf_counter()))
             return
         from m31r.sampling import SamplingParams
@@ -541,11 +546,11 @@ class Daemon:
         mine = sum(1 for j in conn.jobs.values() if not j.cancelled and j is not superseded)
         if mine >= self.max_per_connection:  # one connection must not take the whole queue from the others
             return busy("connection", self.max_per_connection,
-                        f"{mine} requests in flight on this connection (limit {self.max_per_connection} per "
+                        f"{requests(mine)} in flight on this connection (limit {self.max_per_connection} per "
                         "connection, --max-per-connection)")
         live = sum(1 for j in self.in_flight if not j.cancelled and j is not superseded)
         if live >= self.max_queue:
-            return busy("daemon", self.max_queue, f"{live} requests in flight (limit {self.max_queue})")
+            return busy("daemon", self.max_queue, f"{requests(live)} in flight (limit {self.max_queue})")
         self.requests += 1
         req = as_trained(req)
         job = InFlight(conn, req, sampling, received=received or time.perf_counter())

@@ -1,6 +1,6 @@
 """`m31r service install|uninstall`: run the daemon as a per-user service.
 
-Linux: two systemd user units, m31rd.socket (socket activation on %t/m31r/m31rd.sock, 0600 in a 0700 folder)
+Linux: two systemd user units, m31rd.socket (socket activation, by default on %t/m31r/m31rd.sock; 0600 in a 0700 folder)
 and m31rd.service (Type=notify), written to $XDG_CONFIG_HOME/systemd/user (default ~/.config/systemd/user).
 macOS: a launchd agent, ~/Library/LaunchAgents/dev.m31r.m31rd.plist, started at login.
 
@@ -171,11 +171,27 @@ def template(name: str) -> str:
     return (UNITS_DIR / name).read_text()
 
 
+# m31rd.socket's comment on its ListenStream=, true of the default only.
+DEFAULT_LISTEN_COMMENT = "# %t is $XDG_RUNTIME_DIR (/run/user/UID): the path every m31r client uses by default.\n"
+
+
 def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_LISTEN) -> dict[str, str]:
-    """{file name: content} of the two user units; `listen` is m31rd.socket's ListenStream= (systemd_listen)."""
+    """{file name: content} of the two user units; `listen` is m31rd.socket's ListenStream= (systemd_listen). On
+    another path than the default, the comment says so: clients do not find that socket unless told."""
     exec_start = " ".join(systemd_quote(a) for a in command)
     service = template("m31rd.service").replace("@M31R@", exec_start).replace("@BUNDLE@", systemd_quote(str(bundle)))
-    socket = template("m31rd.socket").replace(f"\nListenStream={DEFAULT_LISTEN}\n", f"\nListenStream={listen}\n")
+    socket = template("m31rd.socket")
+    if listen != DEFAULT_LISTEN:
+        for old in (DEFAULT_LISTEN_COMMENT, f"\nListenStream={DEFAULT_LISTEN}\n"):
+            if old not in socket:  # an edited template: a silent no-op would install a unit on the wrong path
+                raise ValueError(f"{UNITS_DIR / 'm31rd.socket'} no longer holds {old.strip()!r}")
+        # A comment is not read for specifiers: the path as it is, not as ListenStream= escapes it.
+        path = listen.replace("%%", "%")
+        socket = socket.replace(DEFAULT_LISTEN_COMMENT, (
+            f"# ListenStream= is {path}: the socket M31R_SOCKET or `m31r service install --socket` "
+            "named,\n# not the default %t/m31r/m31rd.sock ($XDG_RUNTIME_DIR/m31r/m31rd.sock), so m31r clients find it\n"
+            "# only with M31R_SOCKET (or --socket) set to it.\n"))
+        socket = socket.replace(f"\nListenStream={DEFAULT_LISTEN}\n", f"\nListenStream={listen}\n")
     return {"m31rd.socket": socket, "m31rd.service": service}
 
 

@@ -38,12 +38,17 @@ def default_socket_path() -> Path:
 
 
 def socket_path_problem(path: str | Path) -> str | None:
-    """Why `path` cannot be a Unix socket's path here, or None when it can."""
+    """Why `path` cannot be a Unix socket's path here, or None when it can: too long for one, or a folder (`--socket
+    /tmp`), which the daemon would judge as the socket's folder's folder (the mode of `/`) and clients as a socket
+    that nothing listens on."""
     n = len(os.fsencode(path))
-    if n <= MAX_SOCKET_PATH_BYTES:
-        return None
-    return (f"the socket path {path} is {n} bytes long, and a Unix socket's path holds at most "
-            f"{MAX_SOCKET_PATH_BYTES} bytes here: choose a shorter one (--socket, or M31R_SOCKET)")
+    if n > MAX_SOCKET_PATH_BYTES:
+        return (f"the socket path {path} is {n} bytes long, and a Unix socket's path holds at most "
+                f"{MAX_SOCKET_PATH_BYTES} bytes here: choose a shorter one (--socket, or M31R_SOCKET)")
+    if os.path.isdir(path):
+        return (f"{path} is a folder, not a socket path: name the socket in it, such as "
+                f"{Path(path) / 'm31r' / 'm31rd.sock'} (--socket, or M31R_SOCKET)")
+    return None
 
 
 def state_dir() -> Path:

@@ -748,6 +748,23 @@ async def test_one_connection_cannot_fill_the_queue(warm):
     await until_idle(warm.socket)
 
 
+async def test_busy_counts_one_request_as_one(tiny_bundle, tmp_path: Path):
+    """Limits of 1 said "1 requests in flight"."""
+    sock = tmp_path / "run" / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock, "--max-queue", "1", "--max-per-connection", "1", "--max-active", "1")
+    try:
+        async with await Client.connect(sock) as a, await Client.connect(sock) as b:
+            first = await a.generate("fn main() {", max_tokens=400)
+            mine = await expect_error(await a.generate("fn x", max_tokens=2), "busy", timeout=5)
+            theirs = await expect_error(await b.generate("fn x", max_tokens=2), "busy", timeout=5)
+            await first.cancel()
+            await expect_error(first, "cancelled")
+    finally:
+        stop_daemon(proc)
+    assert mine.message.startswith("1 request in flight on this connection (limit 1 per connection"), mine
+    assert theirs.message.startswith("1 request in flight (limit 1)"), theirs
+
+
 async def test_context_overflow_carries_its_figures(warm, tiny_engine):
     """A context_overflow carries the figures a front end words its own advice from (m31r_http), the very ones the
     message states; other errors carry no detail."""

@@ -79,6 +79,24 @@ def test_healthy_setup_exits_0_and_says_ok(daemon, tiny_bundle, tmp_path: Path) 
     assert "not installed" in lines["service"]  # an empty HOME: no units
 
 
+def test_the_daemons_request_count_is_worded_for_its_number(tiny_bundle, tmp_path: Path) -> None:
+    """A daemon that had served one request was "up 3 s, 1 requests"."""
+    from daemon_util import start_daemon, stop_daemon
+
+    sock = tmp_path / "run" / "d.sock"
+    proc = start_daemon(tiny_bundle.path, sock)
+    try:
+        details = []
+        for _ in range(2):
+            subprocess.run([sys.executable, "-m", "m31r.cli", "generate", "fn", "--max-tokens", "1", "--no-autostart",
+                            "--socket", str(sock)], check=True, capture_output=True, timeout=60)
+            details.append(run_doctor_here(tmp_path, "--socket", str(sock), "--bundle", str(tiny_bundle.path))[1]
+                           ["daemon"]["detail"])
+    finally:
+        stop_daemon(proc)
+    assert details[0].endswith(" s, 1 request") and details[1].endswith(" s, 2 requests"), details
+
+
 def test_corrupted_bundle_fails_and_says_why(corrupt_bundle: Path, tmp_path: Path) -> None:
     bad = corrupt_bundle
     code, checks = run_doctor_here(tmp_path, "--socket", str(tmp_path / "run" / "d.sock"), "--bundle", str(bad))
@@ -110,6 +128,8 @@ def test_a_folder_as_the_socket_fails_the_daemon_check_too(tiny_bundle, tmp_path
     run.chmod(0o700)
     code, checks = run_doctor_here(tmp_path, "--socket", str(run / "sub"), "--bundle", str(tiny_bundle.path))
     assert code == 1 and checks["socket"]["level"] == "fail"
+    assert checks["socket"]["detail"].startswith(f"{run / 'sub'} is a folder, not a socket path: name the socket in "
+                                                 f"it, such as {run / 'sub' / 'm31r' / 'm31rd.sock'}")
     assert checks["daemon"] == {"name": "daemon", "level": "warn", "detail": f"none answers on {run / 'sub'}, and "
                                 "none can start there until the socket check passes"}
 

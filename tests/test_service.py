@@ -190,6 +190,28 @@ def test_install_listens_where_the_clients_look(home: Path, fake_bundle: Path, m
         assert paths[0].read_text() == (UNITS / "m31rd.socket").read_text()
 
 
+@pytest.mark.parametrize("source", ["--socket", "M31R_SOCKET"])
+def test_the_installed_socket_units_comment_is_true_for_its_path(home: Path, fake_bundle: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, source: str):
+    """The unit said "%t is $XDG_RUNTIME_DIR (/run/user/UID): the path every m31r client uses by default" above a
+    ListenStream= of another path, as if clients would find the service there without being told."""
+    sock = home / "socks" / "d.sock"
+    if source == "M31R_SOCKET":
+        monkeypatch.setenv("M31R_SOCKET", str(sock))
+    service.install("systemd", fake_bundle, socket=sock if source == "--socket" else None, echo=lambda _: None)
+    text = (home / "config" / "systemd" / "user" / "m31rd.socket").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert "%t is" not in comments and "uses by default" not in comments, comments
+    assert (f"# ListenStream= is {sock}: the socket M31R_SOCKET or `m31r service install --socket` named,\n# not "
+            "the default %t/m31r/m31rd.sock ($XDG_RUNTIME_DIR/m31r/m31rd.sock), so m31r clients find it\n# only with "
+            "M31R_SOCKET (or --socket) set to it.") in comments, comments
+    assert _listen_stream(home / "config" / "systemd" / "user" / "m31rd.socket") == str(sock)
+    # The default socket keeps the template's own comment, which is true of it.
+    service.install("systemd", fake_bundle, socket=home / "run" / "m31r" / "m31rd.sock", force=True,
+                    echo=lambda _: None)
+    assert (home / "config" / "systemd" / "user" / "m31rd.socket").read_text() == (UNITS / "m31rd.socket").read_text()
+
+
 def test_install_refuses_a_socket_no_client_could_share(home: Path, fake_bundle: Path,
                                                         monkeypatch: pytest.MonkeyPatch):
     """A relative M31R_SOCKET names a different socket in each client's working folder; a path too long for a Unix

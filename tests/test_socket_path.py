@@ -87,3 +87,47 @@ def test_a_socket_folder_that_cannot_be_made_is_named_with_the_way_out(tmp_path:
     assert proc.stderr.endswith(f"m31rd: cannot make the socket {sock}: {tmp_path / 'afile'} is not a folder; "
                                 f"choose a socket path in a folder you can write to (--socket, or M31R_SOCKET)\n"), \
         proc.stderr
+
+
+def _folders(tmp_path: Path) -> list[Path]:
+    """A shared scratch folder (the temp dir, /tmp: `--socket /tmp`) and one of this user's own, mode 0700."""
+    import tempfile
+
+    own = tmp_path / "mine"
+    own.mkdir(mode=0o700)
+    return [Path(tempfile.gettempdir()), own]
+
+
+def test_a_folder_as_the_socket_is_named_as_one_by_the_daemon(tmp_path: Path) -> None:
+    """`m31r daemon --socket /tmp` complained about the mode of `/` (the folder the socket would be in); a folder of
+    one's own as --socket, that it "exists and is not a socket"."""
+    for folder in _folders(tmp_path):
+        proc = subprocess.run([*M31R, "daemon", "--socket", str(folder)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.endswith(f"m31rd: {folder} is a folder, not a socket path: name the socket in it, such as "
+                                    f"{folder / 'm31r' / 'm31rd.sock'} (--socket, or M31R_SOCKET)\n"), proc.stderr
+        assert "mode" not in proc.stderr
+    assert os.listdir(tmp_path / "mine") == []  # not even a lock file beside it
+
+
+@pytest.mark.parametrize("command", [["generate", "fn", "--max-tokens", "2"], ["fim", "--prefix", "fn "], ["status"],
+                                     ["stop"]])
+def test_a_folder_as_the_socket_is_named_as_one_by_the_clients(tmp_path: Path, command: list[str]) -> None:
+    """They said "nothing listens on it (a daemon that ended left its socket file)", and with autostart on started a
+    daemon that could not listen there either."""
+    folder = _folders(tmp_path)[1]
+    env = {**os.environ, "M31R_SOCKET": str(folder), "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = subprocess.run([*M31R, *command], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"error: {folder} is a folder, not a socket path: name the socket in it, such as "
+                           f"{folder / 'm31r' / 'm31rd.sock'} (--socket, or M31R_SOCKET)\n"), proc.stderr
+    assert not (tmp_path / "state").exists() and os.listdir(folder) == []  # no daemon was started
+
+
+def test_a_folder_as_the_socket_is_not_installed_as_a_service(tmp_path: Path) -> None:
+    folder = _folders(tmp_path)[1]
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    proc = subprocess.run([*M31R, "service", "install", "--kind", "systemd", "--socket", str(folder), "--dry-run"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {folder} is a folder, not a socket path"), proc.stderr

@@ -500,12 +500,21 @@ def build_corpus(
     return manifest
 
 
+def held_out_share(text: str) -> float:
+    """--val-fraction: a share in [0, 1). float() takes nan (nothing held out, silently) and 1 holds out everything,
+    which leaves nothing to train on."""
+    value = float(text)
+    if not 0 <= value < 1:  # false for nan too
+        raise argparse.ArgumentTypeError(f"{text} is not a share in [0, 1)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m m31r.train.corpus OUT_DIR ROOT...`; the click command calls build_corpus directly."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("out_dir", type=Path)
     p.add_argument("src_roots", type=Path, nargs="+")
-    p.add_argument("--val-fraction", type=float, default=0.03)
+    p.add_argument("--val-fraction", type=held_out_share, default=0.03)
     p.add_argument("--max-file-bytes", type=int, default=200_000)
     args = p.parse_args(argv)
     manifest = build_corpus(args.src_roots, args.out_dir, val_fraction=args.val_fraction,
