@@ -75,8 +75,9 @@ class DaemonUnavailable(ConnectionError):
     """No daemon answers on the socket, or the connection was lost."""
 
 
-class SocketPathTooLong(DaemonUnavailable):
-    """The socket's path is longer than a Unix socket's path may be: no daemon can answer there, nor be started."""
+class BadSocketPath(DaemonUnavailable):
+    """The socket's path cannot be a Unix socket's (too long for one, or a folder): no daemon can answer there, nor
+    be started."""
 
 
 class SocketUnreachable(DaemonUnavailable):
@@ -148,7 +149,7 @@ class Client:
         daemon loads its model before it answers, so that wait has its own, longer limit."""
         path = Path(path or default_socket_path())
         if why := socket_path_problem(path):
-            raise SocketPathTooLong(why)
+            raise BadSocketPath(why)
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
@@ -382,7 +383,7 @@ async def connect_or_start(
     path = Path(path or default_socket_path())
     try:
         return await Client.connect(path, client=client)
-    except (SocketPathTooLong, SocketUnreachable):
+    except (BadSocketPath, SocketUnreachable):
         raise  # a daemon started there could not listen either
     except DaemonUnavailable:
         if not autostart:

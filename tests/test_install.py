@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,12 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE_FILES = {"model.safetensors", "tokenizer.json", "config.yaml", "metadata.json", "checksum.txt"}
 
 
+# What a wheel is built from (pyproject.toml's package folders, and the README its metadata names).
+SOURCES = ("pyproject.toml", "README.md", "m31r", "m31rd", "protocol", "lsp", "httpd", "release")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of this tree (torch's setuptools builds it, offline), installed without dependencies into a folder."""
+    """A wheel of this tree (torch's setuptools builds it, offline), installed without dependencies into a folder.
+    Built from a copy: setuptools writes its build/ folder into the tree it builds."""
     tmp = tmp_path_factory.mktemp("install")
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp / "wheel"), str(ROOT)], check=True, timeout=300)
+                    str(tmp / "wheel"), str(src)], check=True, timeout=300)
     (wheel,) = (tmp / "wheel").glob("m31r-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
