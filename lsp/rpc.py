@@ -14,22 +14,42 @@
 - A request after `shutdown` is answered InvalidRequest, and one before `initialize` ServerNotInitialized, as LSP
   says; notifications then are dropped. pygls left a request after `shutdown` unanswered (a client waiting on it
   hung until it gave up) and answered one before `initialize` with an internal error and a traceback.
+- A request whose params LSP's types refuse (a negative position, one over 2**31 - 1, null) is answered InvalidParams
+  naming the field, and such a notification is logged and ignored: pygls failed before reading the message's id, so
+  the request was never answered (the editor waited for ever) and the user was shown "Error in server: Invalid
+  Params". A client's answer to the server's own request that does not fit its type (workspace/configuration answered
+  null) is taken as its plain value, not an error shown to the user with the server's request left waiting.
+- A `$/cancelRequest` for a request already answered (the answer and the cancel cross, routinely) is not logged as a
+  warning, and after `exit` nothing more is written to the closed stdout (the requests still running at `exit`
+  wrote a traceback each).
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from cattrs import ClassValidationError, transform_error
+from cattrs.v import format_exception
 from lsprotocol import types
-from pygls.exceptions import JsonRpcException, JsonRpcInvalidRequest, JsonRpcServerNotInitialized
-from pygls.protocol import LanguageServerProtocol, lsp_method
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcServerNotInitialized
+from pygls.protocol import (
+    JsonRPCNotification,
+    JsonRPCRequestMessage,
+    JsonRPCResponseMessage,
+    LanguageServerProtocol,
+    lsp_method,
+)
 from pygls.workspace import TextDocument
 
 from m31r_lsp import documents
+
+log = logging.getLogger("m31r_lsp.rpc")
 
 # (uri, version) of the document a request names, as the request arrived; the handler's task inherits it.
 _received: contextvars.ContextVar[tuple[str, int | None] | None] = contextvars.ContextVar("m31r_received",
@@ -43,12 +63,34 @@ def moved_on(uri: str, version: int | None) -> bool:
     return got is not None and got[0] == uri and got[1] != version
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """A request or notification whose params LSP's types refuse: answered (a request) or logged, never handled."""
+
+    method: str
+    id: Any  # None for a notification (named as a message's id: the lifecycle refusals answer it alike)
+    why: str
+
+
+def _why(e: Exception) -> str:
+    """What was wrong with a message's params, for a person: each field's problem and where it is."""
+    if isinstance(e, ClassValidationError):
+        return "; ".join(transform_error(e, format_exception=_field_problem))
+    return str(e) or type(e).__name__
+
+
+def _field_problem(exc: BaseException, type_: Any) -> str:
+    # lsprotocol's own checks (a position out of range) say more than cattrs' "invalid value"
+    return str(exc).rstrip(".") if isinstance(exc, ValueError) and str(exc) else format_exception(exc, type_)
+
+
 class M31rProtocol(LanguageServerProtocol):
     # Set for a TCP session: what `exit` does instead of ending the process (which serves the next editor too).
     on_exit: Callable[[], None] | None = None
     # The status the process exits with once `exit` came (None before): 0 after `shutdown`, else 1.
     exit_status: int | None = None
     _initialize_seen = False
+    _exited = False  # `exit` came on stdio: stdout is closed, nothing more can be sent
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -67,21 +109,67 @@ class M31rProtocol(LanguageServerProtocol):
         """pygls' handler (sys.exit) on stdio; over TCP, `on_exit`: the editor leaves, the server stays."""
         self.exit_status = 0 if self._shutdown else 1
         if self.on_exit is None:
+            self._exited = True  # the requests still running answer as asyncio.run cancels them: to nowhere
             yield from super().lsp_exit(*args)
             return
         if (user_handler := self.fm.features.get(types.EXIT)) is not None:
             yield user_handler, args, None
         self.on_exit()
 
+    def structure_message(self, data: Any) -> Any:
+        """pygls' reading of a message, except that a request or notification whose params do not fit becomes a
+        _Malformed (pygls raised before the id was read), and an answer to the server's request whose result does not
+        fit is taken as its plain value (pygls raised, and the request went on waiting)."""
+        if not isinstance(data, dict) or "jsonrpc" not in data or ("id" in data and "error" in data):
+            return super().structure_message(data)
+        if "method" in data:
+            method = data["method"]
+            kind = self.get_message_type(method) or (JsonRPCRequestMessage if "id" in data else JsonRPCNotification)
+            try:
+                return self._converter.structure(data, kind)
+            except Exception as e:
+                return _Malformed(str(method), data.get("id"), _why(e))
+        if "id" in data:
+            kind = self._result_types.pop(data["id"], None) or JsonRPCResponseMessage
+            try:
+                return self._converter.structure(data, kind)
+            except Exception as e:
+                log.warning("the client's answer to request %s does not fit LSP's type (%s): taken as it is",
+                            data["id"], _why(e))
+                return self._converter.structure(data, JsonRPCResponseMessage)
+        return super().structure_message(data)
+
+    def _send_data(self, data: Any) -> None:
+        if not self._exited:
+            super()._send_data(data)
+
+    def _handle_cancel_notification(self, msg_id: Any) -> None:
+        """pygls' handling, without its warning for a request already answered: editors cancel such requests
+        routinely (the cancel crosses the answer), and a warning per keystroke buried the log's news."""
+        future = self._request_futures.pop(msg_id, None)
+        if future is None:
+            log.debug("$/cancelRequest for %r: no such request running (answered already?)", msg_id)
+            return
+        future.cancel()
+
     def handle_message(self, msg: Any) -> None:
         """Drop the finished futures first (pygls would keep a notification's for ever), then handle `msg`, unless the
-        session's state rules it out (`_refusal`)."""
+        session's state rules it out (`_refusal`) or its params did not fit (answered InvalidParams, or logged)."""
         for msg_id in [k for k, f in self._request_futures.items() if f.done()]:
             del self._request_futures[msg_id]  # finished: a request's answer is sent by a callback holding its future
         method = getattr(msg, "method", None)
         if isinstance(method, str) and (refusal := self._refusal(method)) is not None:
             if getattr(msg, "id", None) is not None:  # a request: answered with the error; a notification: dropped
                 self._send_response(msg.id, None, refusal.to_response_error())
+            return
+        if isinstance(msg, _Malformed):
+            why = f"{msg.method}: invalid params ({msg.why})"
+            if msg.id is not None:
+                self._send_response(msg.id, None, JsonRpcInvalidParams(why).to_response_error())
+            else:  # nobody to answer: said in the log (the editor's output panel), not shown as the server's error
+                log.warning("%s; ignored", why)
+                self.notify(types.WINDOW_LOG_MESSAGE,
+                            types.LogMessageParams(type=types.MessageType.Warning, message=f"{why}; ignored"))
             return
         self._initialize_seen |= method == types.INITIALIZE
         super().handle_message(msg)
