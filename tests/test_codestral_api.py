@@ -160,9 +160,9 @@ def test_token_and_host(shared_daemon, tmp_path):
     with token_server(tmp_path, shared_daemon[1]) as srv:
         url = f"{srv.url}/v1/fim/completions"
         r = httpx.post(url, json=zed_request(max_tokens=1), headers=ZED_HEADERS, timeout=30)
-        assert r.status_code == 401 and r.json() == {"object": "error", "message": "a bearer token is required",
-                                                     "type": "invalid_request_error", "param": None,
-                                                     "code": "unauthorized"}
+        assert r.status_code == 401 and r.json() == {
+            "object": "error", "message": "the bearer token is not this server's (its --token-file)",
+            "type": "invalid_request_error", "param": None, "code": "unauthorized"}
         r = httpx.post(url, json=zed_request(max_tokens=1), headers={"authorization": "Bearer s3cret"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
         r = httpx.post(url, json=zed_request(max_tokens=1),

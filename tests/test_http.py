@@ -849,7 +849,17 @@ def test_token_and_cors_allow_list(daemon, tmp_path):
         auth = {"authorization": "Bearer s3cret-token"}
         r = httpx.get(f"{srv.url}/health")
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
-        assert httpx.get(f"{srv.url}/health", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert r.json()["error"]["message"] == "a bearer token is required"
+        # A token that is sent but wrong (an editor left with an old one) is told so: "required" would send its user
+        # looking for a header that is there.
+        for wrong in ("Bearer wrong", "bearer s3cret", "Bearer s3cret-token2"):
+            r = httpx.get(f"{srv.url}/health", headers={"authorization": wrong})
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+            assert r.json()["error"] == {"code": "unauthorized", "type": "invalid_request_error", "param": None,
+                                         "message": "the bearer token is not this server's (its --token-file)"}
+        for unsent in ("Basic czNjcmV0LXRva2Vu", "s3cret-token", "Bearer"):
+            r = httpx.get(f"{srv.url}/health", headers={"authorization": unsent})
+            assert r.status_code == 401 and r.json()["error"]["message"] == "a bearer token is required", unsent
         srv.wait_healthy(**auth)
         pre = httpx.options(f"{srv.url}/generate", headers={
             "origin": origin, "access-control-request-method": "POST",
