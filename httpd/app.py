@@ -170,6 +170,15 @@ NOT_SERVED = {
 }
 
 
+MAX_SHOWN_PATH = 200  # characters of a path an error message repeats
+
+
+def shown_path(path: str) -> str:
+    """`path` as an error message repeats it: a URL of many kilobytes (a client's bug, or a probe) is not sent back
+    whole."""
+    return path if len(path) <= MAX_SHOWN_PATH else f"{path[:MAX_SHOWN_PATH]}… ({len(path):,} characters)"
+
+
 async def http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
@@ -177,7 +186,7 @@ async def http_exception(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404 and message == "Not Found":  # Starlette's: no route (an endpoint's own 404 has words)
         path = request.url.path
         message = f"{path}: {NOT_SERVED[path]}" if path in NOT_SERVED else (
-            f"{request.method} {path} is not an endpoint of this server (GET /openapi.json lists them)")
+            f"{request.method} {shown_path(path)} is not an endpoint of this server (GET /openapi.json lists them)")
     return _error_for(request, exc.status_code, code, message, headers=dict(exc.headers or {}))
 
 

@@ -149,6 +149,14 @@ def test_a_404_says_what_is_served(server, method, path, words):
     assert words in (error if path.startswith("/api/") else error["message"]), error
 
 
+def test_a_404_for_a_long_path_does_not_send_it_all_back(server):
+    path = "/v2/" + "x" * 20_000
+    r = httpx.get(f"{server.url}{path}", timeout=10)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and len(message) < 400, len(message)
+    assert message.startswith(f"GET {path[:200]}… (20,004 characters) is not an endpoint of this server"), message
+
+
 def test_the_connection_limit_is_a_json_503(tmp_path):
     """Past uvicorn's limit (MAX_CONNECTIONS connections, or requests being answered) a request is answered 503 in
     its path's error shape, with Retry-After, closing the connection (uvicorn's was plain text, without
