@@ -33,7 +33,8 @@ class EditorLink(DaemonLink):
 
     @property
     def model(self) -> str | None:
-        return self.welcome.model if self.welcome is not None else None
+        """The model served now: none while no daemon answers (the last Welcome is of a daemon that may be gone)."""
+        return self.welcome.model if self.welcome is not None and self.state == READY else None
 
     def editor_status(self) -> dict:
         """The `m31r/status` notification's body."""

@@ -912,6 +912,9 @@ async def test_daemon_dies_and_the_server_reconnects(tiny_bundle, tmp_path):
         res = await s.inline(next(cursors))
         assert len(res.items) == 0
         await until(lambda: _async(any(m.type == t.MessageType.Warning for m in s.client.messages)))
+        # The editor is not shown the dead daemon's model beside "unavailable" (or "starting" a new one).
+        assert [st["model"] for st in s.status if st["state"] != "ready"][-1] is None, s.status
+        assert all(st["model"] is None for st in s.status if st["state"] != "ready"), s.status
         proc = start_daemon(tiny_bundle.path, sock)
 
         async def answered():
