@@ -656,8 +656,13 @@ TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) rec
 # field nests more than three deep
 
 
+BOM = b"\xef\xbb\xbf"
+
+
 def _parse(body: bytes) -> Any:
-    """`body`'s JSON, untyped, or InvalidRequest."""
+    """`body`'s JSON, untyped, or InvalidRequest. A leading UTF-8 byte order mark is skipped, as RFC 8259 lets a
+    server do: Windows tools write one (a body saved by PowerShell's `Out-File -Encoding utf8`, sent with curl)."""
+    body = body.removeprefix(BOM)
     try:
         return msgspec.json.decode(body)
     except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)

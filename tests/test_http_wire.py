@@ -149,6 +149,22 @@ def test_a_404_says_what_is_served(server, method, path, words):
     assert words in (error if path.startswith("/api/") else error["message"]), error
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"prompt": "fn main() {", "max_tokens": 2}),
+    ("/v1/completions", {"model": "m31r", "prompt": "fn main() {", "max_tokens": 2}),
+    ("/api/generate", {"model": "m31r", "prompt": "fn main() {", "stream": False, "options": {"num_predict": 2}}),
+    ("/infill", {"input_prefix": "fn main() {", "input_suffix": "}", "n_predict": 2}),
+    ("/v1/fim/completions", {"model": "codestral-latest", "prompt": "fn main() {", "suffix": "}", "max_tokens": 2}),
+    ("/v1/completions", {"language": "rust", "segments": {"prefix": "fn main() {", "suffix": "}"}}),
+], ids=["native", "openai", "ollama", "llamacpp", "codestral", "tabby"])
+def test_a_body_with_a_byte_order_mark_is_read(server, path, body):
+    """A UTF-8 byte order mark before the JSON (a body a Windows tool saved) is skipped, as RFC 8259 allows: it was
+    a 400 `bad_json` ("invalid character (byte 0)") on every endpoint."""
+    r = httpx.post(f"{server.url}{path}", content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_a_404_for_a_long_path_does_not_send_it_all_back(server):
     path = "/v2/" + "x" * 20_000
     r = httpx.get(f"{server.url}{path}", timeout=10)
