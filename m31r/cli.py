@@ -176,7 +176,8 @@ def bundle() -> None:
 @bundle.command("init")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--seed", type=int, required=True, help="Init seed: the same seed gives the same weight bytes.")
+@click.option("--seed", type=click.IntRange(-(2**63), 2**64 - 1), required=True,
+              help="Init seed (a 64-bit integer): the same seed gives the same weight bytes.")
 @click.option("--tokenizer", "tokenizer_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="tokenizer.json to ship (default: a byte-level tokenizer padded to vocab_size).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
@@ -909,8 +910,9 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
               help="Checkpoints and logs; an existing run is resumed.")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None, callback=_a_number,
               help="Stop (with a checkpoint) after this long.")
-@click.option("--max-steps", type=int, default=None, help="Stop (with a checkpoint) at this step; the learning-rate "
-              "and context schedules still follow the config's max_steps, so a later run resumes seamlessly.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Stop (with a checkpoint) at this step; the learning-rate and context schedules still follow the "
+                   "config's max_steps, so a later run resumes seamlessly.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Start a new run from this float bundle's weights (fresh optimizer); ignored when resuming.")

@@ -17,6 +17,7 @@ import pytest
 M31R = [sys.executable, "-m", "m31r.cli"]
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_CONFIG = REPO / "configs" / "train" / "mini.yaml"
+TINY_CONFIG = REPO / "configs" / "model" / "tiny.yaml"
 
 
 def run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -70,7 +71,8 @@ def test_training_on_a_device_this_machine_lacks_is_one_line_naming_its_devices(
 
 
 def _number_cases() -> list:
-    """(option's command line, option) for every float option of every command: each refuses what it cannot use."""
+    """(option's command line, option) for every float option of every command, and the integers with a range: each
+    refuses what it cannot use."""
     gen = ["generate", "fn", "--no-autostart", "--socket", "{tmp}/run/d.sock"]
     fim = ["fim", "--prefix", "fn ", "--no-autostart", "--socket", "{tmp}/run/d.sock"]
     corpus = ["train", "corpus", "{tmp}/out", "--source", "{tmp}"]
@@ -84,7 +86,8 @@ def _number_cases() -> list:
         (fim, "--temperature", ["nan"]), (fim, "--top-p", ["nan"]),
         (corpus, "--val-fraction", ["nan", "inf", "-0.1", "1"]),
         (textbook, "--plain-share", ["nan", "inf", "-1"]),
-        (model, "--max-minutes", ["nan", "-1", "0"]),
+        (model, "--max-minutes", ["nan", "-1", "0"]), (model, "--max-steps", ["0", "-1"]),
+        (["bundle", "init", str(TINY_CONFIG), "{tmp}/out"], "--seed", [str(2**64), str(-(2**63) - 1)]),
         (daemon, "--cache-mb", ["nan", "inf", "-1"]), (daemon, "--read-timeout", ["nan", "-1"]),
         (serve, "--request-timeout", ["nan", "0"]), (serve, "--body-timeout", ["nan"]),
         (serve, "--header-timeout", ["nan"]),
