@@ -45,10 +45,9 @@ from m31r_protocol.version import VERSION
 
 log = logging.getLogger("m31r_http")
 
-# (metrics labels: a route template counts every path it matches)
-ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/v1/models/{model}",
-             "/health", "/metrics", "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version",
-             "/infill", "/v1/health", "/v1beta/server_setting", "/v1/events", "/v1/fim/completions")
+ENDPOINTS = ("/", "/generate", "/completion", "/fim", "/v1/completions", "/v1/models", "/health", "/metrics",
+             "/openapi.json", "/api/generate", "/api/show", "/api/tags", "/api/version", "/infill", "/v1/health",
+             "/v1beta/server_setting", "/v1/events", "/v1/fim/completions")
 ALIASES = ("m31r",)  # names a request may use for the daemon's model, besides the model's own name
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for /v1/completions
 DRAIN_TIMEOUT = 30.0  # how long a cancelled request's answer is awaited before it is forgotten

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 
 from prometheus_client import (
@@ -31,18 +30,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": no response was sent
 
 
-def template_pattern(template: str) -> re.Pattern[str]:
-    """A route template's paths: each `{name}` one non-empty path segment, as Starlette's routes match them."""
-    parts = re.split(r"\{[^}/]+\}", template)
-    return re.compile("[^/]+".join(map(re.escape, parts)))
-
-
 class Metrics:
     def __init__(self, endpoints: tuple[str, ...]):
-        """`endpoints`: the paths counted under their own label, route templates (`/v1/models/{model}`) included;
-        a path matching a template is counted under the template, so that the labels stay few whatever is asked."""
-        self.endpoints = frozenset(e for e in endpoints if "{" not in e)
-        self.templates = [(template_pattern(e), e) for e in endpoints if "{" in e]
+        """`endpoints`: the paths counted under their own label when no route answered them (a refusal before
+        routing); a routed request is counted under its route's path, `/v1/models/{model}` for any model asked."""
+        self.endpoints = frozenset(endpoints)
         disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
         r = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=r)  # this server's own CPU and memory (process_*)
@@ -76,11 +68,12 @@ class Metrics:
                                      registry=r)
         self.reconnects = Counter("m31r_daemon_connects", "Connections made to the daemon.", registry=r)
 
-    def endpoint(self, path: str) -> str:
-        """The path's label: itself for an endpoint, its route's template, or `other` (404s, whatever they ask)."""
-        if path in self.endpoints:
-            return path
-        return next((template for pattern, template in self.templates if pattern.fullmatch(path)), "other")
+    def endpoint(self, scope: Scope) -> str:
+        """A request's label: the path of the route Starlette matched (a template such as `/v1/models/{model}`, so
+        the labels stay few whatever is asked), else the path if it is an endpoint, else `other` (404s)."""
+        if (route := scope.get("route")) is not None and isinstance(getattr(route, "path", None), str):
+            return route.path
+        return scope["path"] if scope["path"] in self.endpoints else "other"
 
     def observe_daemon(self, status: StatusReply | None) -> None:
         if status is None:
@@ -110,7 +103,6 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         m = self.metrics
-        endpoint = m.endpoint(scope["path"])
         t0 = time.perf_counter()
         status = STATUS_CLIENT_GONE
 
@@ -130,6 +122,7 @@ class MetricsMiddleware:
         finally:
             m.in_flight.dec()
             elapsed = time.perf_counter() - t0
+            endpoint = m.endpoint(scope)  # (after the call: the router has put its route in the scope)
             m.requests.labels(endpoint, str(status)).inc()
             m.duration.labels(endpoint).observe(elapsed)
             log.info("request", extra={"fields": {"method": scope["method"], "path": endpoint, "status": status,

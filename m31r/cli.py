@@ -311,7 +311,10 @@ def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -
 def check_device(device: str) -> None:
     """Refuse a device torch cannot use on this machine, in one line naming the ones it can, before anything loads:
     torch refuses only at its first tensor there (the daemon's model load, the trainer's model), as `AssertionError:
-    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has. Imports torch."""
+    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has. Imports torch, except for
+    `cpu`: the daemon listens before torch is imported, which a check would delay."""
+    if device == "cpu":
+        return
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -413,8 +416,7 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
-    if device != "cpu":  # only then: the daemon listens before torch is imported, which a check here would delay
-        check_device(device)
+    check_device(device)
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, kv_dtype=kv_dtype, prefill_gemm=prefill_gemm, threads=threads,
                          cache_mb=cache_mb,
@@ -920,8 +922,7 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
 def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None, max_steps: int | None,
                 device: str, init_from: Path | None) -> None:
     """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml)."""
-    if device != "cpu":
-        check_device(device)
+    check_device(device)
     from m31r.train.trainer import train as run_training
 
     state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,

@@ -198,17 +198,17 @@ def check_daemon(ctx: Context) -> Check:
     if len(os.fsencode(ctx.socket)) > MAX_SOCKET_PATH_BYTES:
         return Check("daemon", "fail", f"none can listen on {ctx.socket}: the path is too long (the socket check says "
                                        "how long it may be)")
+    cannot_start = Check("daemon", "warn", f"none answers on {ctx.socket}, and none can start there until the socket "
+                                           "check passes")
     if socket_path_problem(ctx.socket):  # a folder: the socket check fails it, and says what to name instead
-        return Check("daemon", "warn", f"none answers on {ctx.socket}, and none can start there until the socket "
-                                       "check passes")
+        return cannot_start
     try:
         welcome, s = blocking.welcome_and_status(ctx.socket, timeout=2.0)
     except ForeignPeer as e:
         return Check("daemon", "fail", str(e))
     except (FileNotFoundError, ConnectionRefusedError):
-        if check_socket(ctx).level == "fail":  # an unsafe folder, a file or folder on the path: no daemon starts
-            return Check("daemon", "warn", f"none answers on {ctx.socket}, and none can start there until the socket "
-                                           "check passes")
+        if check_socket(ctx).level == "fail":  # an unsafe folder, a file on the path: no daemon starts there
+            return cannot_start
         return Check("daemon", "warn", f"none answers on {ctx.socket}: `m31r generate`, `fim`, `lsp` and `serve` "
                                        "start one on first use")
     except NotADirectoryError:

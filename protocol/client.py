@@ -164,7 +164,7 @@ class Client:
                 await writer.drain()
                 body = await read_frame(reader)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
-            raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e, welcome_timeout)}") from None
+            raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
         except OSError as e:  # a connect's error names no file: name the socket, and what the error means here
             raise SocketUnreachable(unreachable(e, path)) from None
         except asyncio.IncompleteReadError:
@@ -333,14 +333,14 @@ def unreachable(e: OSError, path: Path) -> str:
     return f"cannot connect to the daemon on {path}: {why}; choose another socket path (--socket, or M31R_SOCKET)"
 
 
-def absent_why(e: OSError, welcome_timeout: float) -> str:
+def absent_why(e: OSError) -> str:
     """Why no daemon answered, in words: the exception's class name meant nothing to a user."""
     if isinstance(e, FileNotFoundError):
         return "no socket there (no daemon is running)"
     if isinstance(e, ConnectionRefusedError):
         return "nothing listens on it (a daemon that ended left its socket file)"
-    if isinstance(e, TimeoutError):
-        return f"it accepted the connection and sent no greeting within {welcome_timeout:g}s"
+    if isinstance(e, TimeoutError):  # (the connect's limit, or the greeting's)
+        return "it did not answer in time"
     return "it closed the connection at once"
 
 

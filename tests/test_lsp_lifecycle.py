@@ -4,67 +4,17 @@ process, real daemon (the shared one)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 
 import pytest
+from lsp_stdio import URI, Stdio, inline
 
 pytestmark = pytest.mark.timeout(60)
-URI = "file:///work/src/main.rs"
 
 
 @pytest.fixture(scope="module")
 def daemon(shared_daemon):
     return shared_daemon[1]
-
-
-class Stdio:
-    """A server process and the messages it sent, read as they come."""
-
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-        self.got: list[dict] = []
-
-    @classmethod
-    async def start(cls, sock) -> Stdio:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(sock), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        return cls(proc)
-
-    def send(self, method: str, params: object = None, msg_id: int | None = None) -> None:
-        msg = {"jsonrpc": "2.0", "method": method, "params": params}
-        if msg_id is not None:
-            msg["id"] = msg_id
-        body = json.dumps(msg).encode()
-        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-
-    async def _read(self) -> dict:
-        length = 0
-        while (line := await self.proc.stdout.readline()).strip():
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return json.loads(await self.proc.stdout.readexactly(length))
-
-    async def answer(self, msg_id: int) -> dict:
-        """The response to request `msg_id` (the server's notifications and requests on the way are kept)."""
-        async with asyncio.timeout(20):
-            while not any(m.get("id") == msg_id and "method" not in m for m in self.got):
-                self.got.append(await self._read())
-        return next(m for m in self.got if m.get("id") == msg_id and "method" not in m)
-
-    async def exit_status(self) -> int:
-        self.send("exit")
-        self.proc.stdin.close()
-        async with asyncio.timeout(20):
-            return await self.proc.wait()
-
-
-def inline(line: int, character: int) -> dict:
-    return {"textDocument": {"uri": URI}, "position": {"line": line, "character": character},
-            "context": {"triggerKind": 1}}
 
 
 INIT = {"capabilities": {}, "initializationOptions": {"m31r": {"debounceMs": 0, "minProbability": 0}}}
@@ -74,7 +24,7 @@ async def test_requests_before_initialize_and_after_shutdown_get_lsps_errors(dae
     """LSP: a request before `initialize` is answered ServerNotInitialized (-32002) and a notification then dropped;
     after `shutdown` a request is answered InvalidRequest (-32600). pygls answered the first with an internal error
     and its traceback, and the second never: a client waiting for it hung."""
-    s = await Stdio.start(daemon)
+    s = await Stdio.spawn(daemon)
     s.send("textDocument/inlineCompletion", inline(0, 0), msg_id=1)
     s.send("textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "rust", "version": 1,
                                                      "text": "fn main() {\n    let x = \n}\n"}})
@@ -99,7 +49,7 @@ async def test_requests_before_initialize_and_after_shutdown_get_lsps_errors(dae
 async def test_exit_without_shutdown_is_status_1(daemon):
     """LSP: the server exits with 0 if `shutdown` came before `exit`, else 1 (pygls' start_io returned either way and
     the process always ended 0)."""
-    s = await Stdio.start(daemon)
+    s = await Stdio.spawn(daemon)
     s.send("initialize", INIT, msg_id=1)
     await s.answer(1)
     s.send("initialized", {})
