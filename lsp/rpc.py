@@ -19,6 +19,10 @@
   the request was never answered (the editor waited for ever) and the user was shown "Error in server: Invalid
   Params". A client's answer to the server's own request that does not fit its type (workspace/configuration answered
   null) is taken as its plain value, not an error shown to the user with the server's request left waiting.
+- A didChange that does not parse leaves that document out of step with the editor's (its edit is lost, and every
+  later incremental edit would land in the wrong text): the document is dropped, so it gets no completions rather
+  than wrong ones, the user is told once to reopen it, and it is back when it is reopened or a change sends its whole
+  text. Before, the edit was dropped and the server went on completing, and applying edits, on the stale text.
 - A `$/cancelRequest` for a request already answered (the answer and the cancel cross, routinely) is not logged as a
   warning, and after `exit` nothing more is written to the closed stdout (the requests still running at `exit`
   wrote a traceback each).
@@ -70,6 +74,14 @@ class _Malformed:
     method: str
     id: Any  # None for a notification (named as a message's id: the lifecycle refusals answer it alike)
     why: str
+    uri: str | None = None  # the document it names, if that much could be read
+
+
+def _uri_of(data: dict) -> str | None:
+    params = data.get("params")
+    doc = params.get("textDocument") if isinstance(params, dict) else None
+    uri = doc.get("uri") if isinstance(doc, dict) else None
+    return uri if isinstance(uri, str) else None
 
 
 def _why(e: Exception) -> str:
@@ -96,6 +108,10 @@ class M31rProtocol(LanguageServerProtocol):
         super().__init__(*args, **kwargs)
         # Each open document's line index; pygls makes a new TextDocument per version, and a closed one's goes with it.
         self._lines: weakref.WeakKeyDictionary[TextDocument, documents.Lines] = weakref.WeakKeyDictionary()
+        # Documents dropped because a change to them could not be read: their language id, kept for when a change
+        # brings their whole text (keyed as pygls keys documents, by the URI unquoted once).
+        self._out_of_step: dict[str, str] = {}
+        self._told: set[str] = set()  # the documents whose dropping the user was shown
 
     def lines(self, doc: TextDocument) -> documents.Lines:
         """The line index of `doc`'s text (made if it has none yet: a didOpen, a full-text change)."""
@@ -128,7 +144,7 @@ class M31rProtocol(LanguageServerProtocol):
             try:
                 return self._converter.structure(data, kind)
             except Exception as e:
-                return _Malformed(str(method), data.get("id"), _why(e))
+                return _Malformed(str(method), data.get("id"), _why(e), _uri_of(data))
         if "id" in data:
             kind = self._result_types.pop(data["id"], None) or JsonRPCResponseMessage
             try:
@@ -166,13 +182,39 @@ class M31rProtocol(LanguageServerProtocol):
             why = f"{msg.method}: invalid params ({msg.why})"
             if msg.id is not None:
                 self._send_response(msg.id, None, JsonRpcInvalidParams(why).to_response_error())
-            else:  # nobody to answer: said in the log (the editor's output panel), not shown as the server's error
+            elif not (msg.method == types.TEXT_DOCUMENT_DID_CHANGE and self._drop(msg.uri, why)):
+                # nobody to answer: said in the log (the editor's output panel), not shown as the server's error
                 log.warning("%s; ignored", why)
                 self.notify(types.WINDOW_LOG_MESSAGE,
                             types.LogMessageParams(type=types.MessageType.Warning, message=f"{why}; ignored"))
             return
         self._initialize_seen |= method == types.INITIALIZE
         super().handle_message(msg)
+
+    def _drop(self, uri: str | None, why: str) -> bool:
+        """Drop open document `uri`, a change to which could not be read (`why`): it no longer matches the editor's
+        text. Closed for the server's handlers too (its completion jobs end). False if no such document is open."""
+        if uri is None:
+            return False
+        try:
+            doc = self.workspace.text_documents.get(unquote(uri))
+        except RuntimeError:  # not initialized
+            return False
+        if doc is None:
+            return False
+        self._out_of_step[unquote(uri)] = doc.language_id or ""
+        self.workspace.remove_text_document(uri)
+        if (user_handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CLOSE)) is not None:
+            user_handler(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+        told = (f"{why}. {_shown_name(uri)} no longer matches the editor's text, so it gets no completions until it"
+                " is reopened.")
+        log.warning("%s", told)
+        self.notify(types.WINDOW_LOG_MESSAGE, types.LogMessageParams(type=types.MessageType.Warning, message=told))
+        if unquote(uri) not in self._told:  # shown once a document: a client that sends such changes sends many
+            self._told.add(unquote(uri))
+            self.notify(types.WINDOW_SHOW_MESSAGE, types.ShowMessageParams(type=types.MessageType.Warning,
+                                                                           message=told))
+        return True
 
     def _refusal(self, method: str) -> JsonRpcException | None:
         """The error for a message that the session's state rules out (LSP's lifecycle), None for one it takes."""
@@ -197,13 +239,35 @@ class M31rProtocol(LanguageServerProtocol):
             return None
         return None if doc is None else (uri, doc.version)
 
+    @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)
+    def lsp_text_document__did_open(self, params: types.DidOpenTextDocumentParams) -> Generator[Any, Any, None]:
+        self._out_of_step.pop(unquote(params.text_document.uri), None)
+        yield from super().lsp_text_document__did_open(params)
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CLOSE)
+    def lsp_text_document__did_close(self, params: types.DidCloseTextDocumentParams) -> Generator[Any, Any, None]:
+        self._out_of_step.pop(unquote(params.text_document.uri), None)
+        yield from super().lsp_text_document__did_close(params)
+
     @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
     def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams) -> Generator[Any, Any, None]:
-        """pygls' handler, with the changes applied by documents.edit (the editor's line rules)."""
-        doc = self.workspace.text_documents.get(unquote(params.text_document.uri))
+        """pygls' handler, with the changes applied by documents.edit (the editor's line rules); a document dropped
+        out of step (`_drop`) is back from the last change that sends its whole text."""
+        key = unquote(params.text_document.uri)
+        doc = self.workspace.text_documents.get(key)
+        changes = params.content_changes
+        if doc is None and key in self._out_of_step:
+            whole = [i for i, c in enumerate(changes) if not isinstance(c, types.TextDocumentContentChangePartial)]
+            if whole:
+                self.workspace.put_text_document(types.TextDocumentItem(
+                    uri=params.text_document.uri, language_id=self._out_of_step.pop(key),
+                    version=params.text_document.version, text=""))
+                changes = changes[whole[-1]:]
+                log.info("%s: its whole text came; in step again", _shown_name(params.text_document.uri))
+                doc = self.workspace.text_documents.get(key)
         if doc is not None:
             lines, enc = self.lines(doc), self.workspace.position_encoding  # a PositionEncodingKind (a str) or None
-            for change in params.content_changes:
+            for change in changes:
                 if isinstance(change, types.TextDocumentContentChangePartial):
                     r = change.range
                     lines = lines.edit((r.start.line, r.start.character), (r.end.line, r.end.character), change.text,
@@ -216,3 +280,8 @@ class M31rProtocol(LanguageServerProtocol):
                 self._lines[new] = lines
         if (user_handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
             yield user_handler, (params,), None
+
+
+def _shown_name(uri: str) -> str:
+    """A document's name as a user knows it: its path for a file: URI, else the URI."""
+    return unquote(uri[len("file://"):]) if uri.startswith("file://") else uri

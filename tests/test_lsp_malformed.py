@@ -48,12 +48,46 @@ async def test_requests_with_positions_outside_lsps_range_are_answered_invalid_p
     assert "should be in range" in (await s.request("textDocument/inlineCompletion", inline(-1, 0)))["error"][
         "message"]
     # A notification that does not parse cannot be answered: it is logged, not shown as an error of the server.
-    s.send("textDocument/didChange", {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [
-        {"range": {"start": {"line": -1, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "x"}]})
+    s.send("textDocument/didOpen", {"textDocument": {"uri": "file:///x.rs", "languageId": "rust", "version": -1}})
     good = await s.request("textDocument/inlineCompletion", inline(1, 12))
-    assert good["result"]["items"], good  # still serving, the document as it was
+    assert good["result"]["items"], good  # still serving
     assert not s.shown()
-    assert any(m.startswith("textDocument/didChange: ") and "ignored" in m for m in s.logged())
+    assert any(m.startswith("textDocument/didOpen: ") and "ignored" in m for m in s.logged())
+    status, err = await s.end()
+    assert status == 0 and "Traceback" not in err
+
+
+OUT_OF_STEP = {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [
+    {"range": {"start": {"line": -1, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "x"}]}
+
+
+async def test_a_change_that_does_not_parse_drops_its_document_until_it_is_whole_again(daemon):
+    """A didChange that does not parse loses an edit: the server's text no longer matches the editor's, and every
+    later incremental edit lands in the wrong place. It went on completing (and editing) the stale text; now the
+    document gets no completions, the user is told once which file and what to do, and it is back once a change
+    sends its whole text (or the editor reopens it)."""
+    s = await started(daemon)
+    s.send("textDocument/didChange", OUT_OF_STEP)
+    stale = await s.request("textDocument/inlineCompletion", inline(1, 12))
+    assert stale["result"]["items"] == [], stale
+    [told] = s.shown()
+    assert "/work/src/main.rs" in told and "reopened" in told and "should be in range" in told
+    # Incremental edits cannot mend it: they were written for the editor's text.
+    s.send("textDocument/didChange", {"textDocument": {"uri": URI, "version": 3}, "contentChanges": [
+        {"range": {"start": {"line": 1, "character": 12}, "end": {"line": 1, "character": 12}}, "text": " "}]})
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 13)))["result"]["items"] == []
+    # A change with the whole text (then an edit after it, in the same notification) brings it back.
+    s.send("textDocument/didChange", {"textDocument": {"uri": URI, "version": 4}, "contentChanges": [
+        {"text": TEXT.replace("let x = ", "let y = ")},
+        {"range": {"start": {"line": 1, "character": 8}, "end": {"line": 1, "character": 9}}, "text": "zzz"}]})
+    back = await s.request("textDocument/inlineCompletion", inline(1, 99))  # past the line's end: at its end
+    assert back["result"]["items"], back
+    assert back["result"]["items"][0]["range"]["end"] == {"line": 1, "character": len("    let zzz = ")}
+    # Dropped again, then reopened: back too, and the user is not told twice about the same file.
+    s.send("textDocument/didChange", {**OUT_OF_STEP, "textDocument": {"uri": URI, "version": 5}})
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 12)))["result"]["items"] == []
+    s.send("textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "rust", "version": 6, "text": TEXT}})
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 12)))["result"]["items"]
     status, err = await s.end()
     assert status == 0 and "Traceback" not in err
 
