@@ -692,13 +692,35 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
     _run_client(_stream, "fim", payload, opts, socket_path=opts["socket_path"])
 
 
+WAIT_NOTE_S = 3.0  # after this long without a daemon's greeting, `m31r status` and `m31r stop` say what they wait for
+
+
+async def _connect(socket_path: Path | None) -> Any:
+    """Client.connect, saying on stderr what it waits for once the wait is long enough to notice: a daemon that a
+    systemd or launchd socket starts loads its model before it answers (the client allows a minute), and a silent
+    minute looked hung."""
+    import asyncio
+
+    from m31r_protocol import Client
+    from m31r_protocol.paths import default_socket_path
+
+    def note() -> None:
+        click.echo(f"waiting for the daemon on {socket_path or default_socket_path()} to answer (one that a systemd or "
+                   "launchd socket starts loads its model first); giving up after a minute", err=True)
+
+    waiting = asyncio.get_running_loop().call_later(WAIT_NOTE_S, note)
+    try:
+        return await Client.connect(socket_path)
+    finally:
+        waiting.cancel()
+
+
 async def _status(socket_path: Path | None) -> None:
     import msgspec
 
-    from m31r_protocol import Client
     from m31r_protocol.blocking import status_json
 
-    async with await Client.connect(socket_path) as client:
+    async with await _connect(socket_path) as client:
         click.echo(status_json(msgspec.to_builtins(await client.status())))
 
 
@@ -720,11 +742,11 @@ async def _stop(socket_path: Path | None) -> bool:
     import asyncio
     import stat
 
-    from m31r_protocol import Client, DaemonUnavailable
+    from m31r_protocol import DaemonUnavailable
     from m31r_protocol.paths import default_socket_path
 
     try:
-        client = await Client.connect(socket_path)
+        client = await _connect(socket_path)
     except DaemonUnavailable as e:
         if isinstance(e.__context__, FileNotFoundError | ConnectionRefusedError):
             path = Path(socket_path or default_socket_path())
@@ -852,7 +874,8 @@ def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], 
 
 @train.command("tokenizer")
 @click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--vocab-size", type=int, default=16384, show_default=True)
+@click.option("--vocab-size", type=click.IntRange(5 + 256, 1 << 20), default=16384, show_default=True,
+              help="Tokens in all: at least the 5 special tokens and 256 byte symbols every m31r tokenizer has.")
 @click.option("--reuse", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Take this tokenizer.json instead of training one (a model to continue needs its own).")
 @user_errors

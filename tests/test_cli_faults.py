@@ -108,3 +108,28 @@ def test_input_that_cannot_be_read_is_not_called_output(tmp_path: Path) -> None:
                            capture_output=True, timeout=120)
     assert one_error_line(r) == "error: cannot read stdin: Input/output error\n"
     assert r.stdout == b"" and not sock.parent.exists()
+
+
+@pytest.mark.parametrize("args", [["status"], ["stop"]], ids=" ".join)
+def test_waiting_on_a_daemon_that_does_not_answer_is_said(tmp_path: Path, args: list[str]) -> None:
+    """A socket that accepts and sends no greeting (a socket-activated daemon loading its model, or one that hangs)
+    kept `m31r status` and `m31r stop` silent for a minute, as if hung. Now they say, within seconds, what they wait
+    for and how long they will."""
+    import socket
+    import time
+
+    path = tmp_path / "m31rd.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen(4)  # connects complete in the backlog; nothing ever answers
+        proc = subprocess.Popen([sys.executable, "-m", "m31r.entry", *args, "--socket", str(path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            start = time.monotonic()
+            line = proc.stderr.readline().decode()
+            waited = time.monotonic() - start
+        finally:
+            proc.kill()
+            proc.wait()
+    assert f"waiting for the daemon on {path} to answer" in line and "a minute" in line, line
+    assert waited < 30 and proc.returncode == -9  # said while still waiting, long before the minute is up

@@ -87,6 +87,7 @@ def _number_cases() -> list:
         (corpus, "--val-fraction", ["nan", "inf", "-0.1", "1"]),
         (textbook, "--plain-share", ["nan", "inf", "-1"]),
         (model, "--max-minutes", ["nan", "-1", "0"]), (model, "--max-steps", ["0", "-1"]),
+        (["train", "tokenizer", "{tmp}"], "--vocab-size", ["0", "260", str(1 << 30)]),
         (["bundle", "init", str(TINY_CONFIG), "{tmp}/out"], "--seed", [str(2**64), str(-(2**63) - 1)]),
         (daemon, "--cache-mb", ["nan", "inf", "-1"]), (daemon, "--read-timeout", ["nan", "-1"]),
         (serve, "--request-timeout", ["nan", "0"]), (serve, "--body-timeout", ["nan"]),
