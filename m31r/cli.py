@@ -769,12 +769,20 @@ async def _stop(socket_path: Path | None) -> bool:
 @socket_option
 def stop(socket_path: Path | None) -> None:
     """Ask the running daemon to finish in-flight work and exit; with none running, say so and exit 0."""
-    if _run_client(_stop, socket_path, socket_path=socket_path):
-        click.echo("daemon stopped", err=True)
-    else:
-        from m31r_protocol.paths import default_socket_path
+    from m31r_protocol.paths import default_socket_path
+    from m31rd.service import systemd_states
 
-        click.echo(f"no daemon was running on {socket_path or default_socket_path()}", err=True)
+    path = Path(socket_path or default_socket_path())
+    units = systemd_states(path)  # None unless the installed m31rd.socket listens on this path
+    held = units is not None and units[0] == "active"
+    again = (f"m31rd.socket listens on {path}, so systemd starts a daemon for the next request (`systemctl --user stop "
+             "m31rd.socket` stops that too)")
+    if held and units is not None and units[1] in ("inactive", "failed"):  # connecting would start one to stop it
+        click.echo(f"no daemon was running; {again}", err=True)
+    elif _run_client(_stop, socket_path, socket_path=socket_path):
+        click.echo(f"daemon stopped; {again}" if held else "daemon stopped", err=True)
+    else:
+        click.echo(f"no daemon was running on {path}", err=True)
 
 
 @main.command()

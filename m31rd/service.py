@@ -137,6 +137,23 @@ def installed_socket(kind: Kind) -> Path | None:
         return None
 
 
+def systemd_states(socket: Path) -> tuple[str, str] | None:
+    """(m31rd.socket's state, m31rd.service's state) as `systemctl --user is-active` says them ("active",
+    "inactive", ...), where the installed m31rd.socket listens on `socket`; None where it does not, or systemd cannot
+    say. A connection to a socket that systemd holds starts the daemon: `m31r stop` asks first."""
+    if not sys.platform.startswith("linux") or shutil.which("systemctl") is None:
+        return None
+    try:
+        if installed_socket("systemd") != client_socket(socket):
+            return None
+        r = subprocess.run(["systemctl", "--user", "is-active", *SYSTEMD_UNITS], capture_output=True, text=True,
+                           timeout=5)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    states = r.stdout.split()
+    return (states[0], states[1]) if len(states) == 2 else None
+
+
 def launchd_log_path() -> Path:
     return Path.home() / "Library" / "Logs" / "m31r" / "m31rd.log"
 

@@ -774,3 +774,47 @@ def test_one_daemon_per_socket_path_even_when_two_start_at_once(tmp_path: Path):
             bind_unix(path)  # (this process holds it now; a second claim in it is refused as well)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("service_state", ["inactive", "active"])
+def test_stop_on_a_socket_systemd_holds(tiny_bundle, tmp_path: Path, service_state: str):
+    """A connection to a socket that m31rd.socket holds starts the daemon: `m31r stop` with none running started one
+    (loading its model) to stop it, and with one running it did not say that systemd starts the next one anyway. Now
+    stop asks systemd first. The socket is held by systemd-socket-activate (systemd's own socket activation); no user
+    manager runs here to answer `systemctl --user is-active`, so a `systemctl` on PATH answers as one would."""
+    require("systemd-socket-activate")
+    sock_path = tmp_path / "held.sock"
+    config = tmp_path / "config"
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config), "M31R_SOCKET": str(sock_path)}
+    run = [sys.executable, "-m", "m31r.cli"]
+    subprocess.run([*run, "service", "install", "--kind", "systemd", "--bundle", str(tiny_bundle.path)], env=env,
+                   check=True, capture_output=True)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "systemctl").write_text(f"#!/bin/sh\nprintf 'active\\n{service_state}\\n'\n")
+    (fake / "systemctl").chmod(0o755)
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    log = tmp_path / "daemon.log"
+    cmd = ["systemd-socket-activate", "--listen", str(sock_path), "-E", "OMP_NUM_THREADS=1",
+           sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--threads", "1"]
+    with log.open("w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        t0 = time.monotonic()
+        while not sock_path.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 30, log.read_text()
+            time.sleep(0.02)
+        r = subprocess.run([*run, "stop"], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        said = f"m31rd.socket listens on {sock_path}, so systemd starts a daemon for the next request"
+        if service_state == "inactive":
+            assert r.stderr.startswith("no daemon was running; ") and said in r.stderr, r.stderr
+            time.sleep(0.5)
+            assert "Execing" not in log.read_text() and proc.poll() is None  # nothing was started
+        else:
+            assert r.stderr.startswith("daemon stopped; ") and said in r.stderr, r.stderr
+            assert proc.wait(timeout=30) == 0  # the daemon systemd-socket-activate started was stopped
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
