@@ -32,7 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from m31r_http import schemas as s
 from m31r_http.fim_templates import split_fim
@@ -858,6 +858,25 @@ class Service:
         return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
+class TrailingSlash:
+    """Serves a path with one trailing slash as the path without it (`/` itself stays): Starlette's answer to it was a
+    bare 307 to the slashless path, which curl without -L does not follow and some clients follow without the POST
+    body. Outermost, so that the refusals before routing have the endpoint's error shape and metrics its route."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            # In place, as Starlette's router updates it: the server's scope is where connection.py marks a request
+            # whose connection it closed (security.CLOSED_BY_SERVER).
+            scope["path"] = path[:-1]
+            if (raw := scope.get("raw_path")) and raw.endswith(b"/"):
+                scope["raw_path"] = raw[:-1]
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | None = None) -> Starlette:
     from m31r_http import codestral, llamacpp, ollama, tabby
 
@@ -887,6 +906,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
         *codestral.routes(svc, limit),
     ]  # (the modules of other servers' APIs build on this one's Generation: imported here, not at the top)
     middleware = [
+        Middleware(TrailingSlash),
         Middleware(MetricsMiddleware, metrics=svc.metrics),
         Middleware(GuardMiddleware, hosts=HostPolicy(settings.allowed_hosts), origins=settings.cors_origins,
                    token=settings.token, max_body=settings.max_body, body_timeout=settings.body_timeout),
@@ -901,5 +921,6 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_exception, s.InvalidRequest: invalid_request,
                                         **ollama.EXCEPTION_HANDLERS, Exception: internal_error})
+    app.router.redirect_slashes = False  # (TrailingSlash serves the one slash; a path with more is a 404, not a 307)
     app.state.service = svc
     return app

@@ -19,7 +19,10 @@ Uvicorn's own answers are plain text, where every other error of the API is JSON
 "HTTP adapter"), which is what clients parse: its 503 at the connection limit and its 400 for a request that is not
 valid HTTP. Here they are JSON in that shape: the 503 with Retry-After, the 400 saying what h11 found wrong (a 431
 where the header block is too large). These, and the 408 above, use the request line's path for the shape (Ollama's
-under /api/, llama.cpp's at /infill) once it has arrived, OpenAI's before.
+under /api/, llama.cpp's at /infill) once it has arrived, OpenAI's before; and they carry CORS headers for a page from
+an allowed origin (--cors-origin), as the app's answers do, where the request's Origin is known: from its headers, or
+from the header lines that arrived whole (HEAD_KEPT bytes of them) when its header block was not valid or not
+finished.
 
 The class is also used where httptools is installed (uvicorn would pick its httptools protocol), so the deadline
 holds whatever uvicorn's extras are.
@@ -50,7 +53,9 @@ log = logging.getLogger("m31r_http")
 # reach it).
 ROOM_MARGIN = 16
 _turns = itertools.count()  # the order in which connections began waiting (uvloop's clock has 1 ms steps)
-HEAD_KEPT = 4096  # bytes of a request's start kept to read its path from (for the shape of an error before its headers)
+# Bytes of a request's start kept to read its path and Origin from (for an error before its headers are parsed: its
+# shape, and CORS headers for an allowed page).
+HEAD_KEPT = 4096
 H11_HEADER_LIMIT = 16 * 1024  # h11's default limit of a header block, which uvicorn keeps unless configured
 LIMIT_RETRY_AFTER = 1  # seconds, in the 503 at the connection limit: the server's own requests end within a timeout
 
@@ -68,13 +73,29 @@ def request_path(head: bytes) -> str:
     return urllib.parse.unquote(target)
 
 
+def request_origin(head: bytes) -> bytes | None:
+    """The Origin header among the header lines of `head` that arrived whole (a request h11 could not parse, or whose
+    header block was cut short), None where none did."""
+    for line in head.split(b"\n")[1:-1]:  # past the request line; the last piece may be cut short
+        name, colon, value = line.rstrip(b"\r").partition(b":")
+        if not name:  # the blank line ending the header block
+            break
+        if colon and name.strip().lower() == b"origin":
+            return value.strip()
+    return None
+
+
+def scope_origin(scope: Scope) -> bytes | None:
+    return next((v for k, v in scope["headers"] if k == b"origin"), None)
+
+
 class HeaderTimeoutProtocol(H11Protocol):
     """H11Protocol that closes a connection whose next request's headers are not all in by a deadline, and makes
     room at the connection limit; use `with_header_timeout` for a class with the timeout set (uvicorn.Config takes a
     class, and builds one per connection)."""
 
     header_timeout: float = 10.0
-    cors_origins: frozenset[str] = frozenset()  # --cors-origin: pages from these may read the limit's 503
+    cors_origins: frozenset[str] = frozenset()  # --cors-origin: pages from these may read this layer's refusals
     header_timer: asyncio.TimerHandle | None = None
     waiting_since = 0.0  # when the client's turn began (the header deadline's start), time.monotonic()
     turn = 0  # the order of waiting_since
@@ -97,7 +118,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.awaiting_headers() and len(self.head) < HEAD_KEPT and b"\n" not in self.head:
+        if self.awaiting_headers() and len(self.head) < HEAD_KEPT:
             self.head += data[:HEAD_KEPT - len(self.head)]  # (h11 consumes what it parses, a bad line too)
         super().data_received(data)
 
@@ -138,11 +159,10 @@ class HeaderTimeoutProtocol(H11Protocol):
                   "to new requests", self.connection_limit)
         body = error_body_for(scope["path"], 503, "busy", (
             f"the server is at its limit of {self.connection_limit} connections or requests at once; retry shortly"))
-        origin = next((v for k, v in scope["headers"] if k == b"origin"), None)
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", str(LIMIT_RETRY_AFTER).encode()), (b"connection", b"close"),
-            *refusal_cors(self.cors_origins, origin)]})
+            *refusal_cors(self.cors_origins, scope_origin(scope))]})
         await send({"type": "http.response.body", "body": body})
 
     def send_400_response(self, msg: str) -> None:
@@ -159,8 +179,11 @@ class HeaderTimeoutProtocol(H11Protocol):
                 why = f"the request's header block is larger than this server accepts ({size} bytes)"
             else:
                 why += ": " + re.sub(r"bytearray\(b('.*')\)", r"\1", str(exc))[:200]  # h11's: bytearray(b'...')
+        # The request's start, unless its headers were in (the fault is in a body that came after them): its scope.
+        path, origin = ((request_path(self.head), request_origin(self.head)) if self.head or self.cycle is None else
+                        (self.scope["path"], scope_origin(self.scope)))
         self.transport.write(self.error_response(status, "invalid_http" if status == 400 else "too_large", why,
-                                                 request_path(self.head)))
+                                                 path, origin))
         self.transport.close()
 
     def awaiting_headers(self) -> bool:
@@ -225,8 +248,9 @@ class HeaderTimeoutProtocol(H11Protocol):
             if body or self.conn.trailing_data[0]:
                 if body:  # the app sees a disconnect: this says it was the server's doing (GuardMiddleware)
                     self.scope[CLOSED_BY_SERVER] = why
-                self.transport.write(self.error_response(408, "timeout", why,
-                                                         self.scope["path"] if body else request_path(self.head)))
+                path, origin = ((self.scope["path"], scope_origin(self.scope)) if body else
+                                (request_path(self.head), request_origin(self.head)))
+                self.transport.write(self.error_response(408, "timeout", why, path, origin))
                 client = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown client"
                 log.log(level, "closed a connection: %s (%s)", why, client)
             self.conn.send(h11.ConnectionClosed())
@@ -234,12 +258,13 @@ class HeaderTimeoutProtocol(H11Protocol):
             pass
         self.transport.close()
 
-    def error_response(self, status: int, code: str, why: str, path: str) -> bytes:
+    def error_response(self, status: int, code: str, why: str, path: str, origin: bytes | None) -> bytes:
         """An error closing the connection (a 408, or a request h11 cannot parse), in the error shape of the request's
-        path (OpenAI's where it is not known: no request line yet)."""
+        path (OpenAI's where it is not known: no request line yet), readable by a page from an allowed `origin` (the
+        request's, where it is known) as the app's answers are."""
         body = error_body_for(path, status, code, why)
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close")]
+                (b"connection", b"close"), *refusal_cors(self.cors_origins, origin)]
         return b"".join(self.conn.send(event) or b"" for event in (
             h11.Response(status_code=status, headers=head, reason=STATUS_PHRASES[status]), h11.Data(data=body),
             h11.EndOfMessage()))
@@ -265,7 +290,7 @@ def log_room_made(limit: int) -> None:
 
 
 def with_header_timeout(timeout: float, cors_origins: Iterable[str] = ()) -> type[HeaderTimeoutProtocol]:
-    """HeaderTimeoutProtocol with `timeout` seconds for a request's headers, its limit's 503 readable by pages from
-    `cors_origins` (--cors-origin, as GuardMiddleware's refusals are)."""
+    """HeaderTimeoutProtocol with `timeout` seconds for a request's headers, its refusals (the limit's 503, its 400,
+    431 and 408) readable by pages from `cors_origins` (--cors-origin, as GuardMiddleware's refusals are)."""
     return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {
         "header_timeout": timeout, "cors_origins": frozenset(o.rstrip("/") for o in cors_origins)})

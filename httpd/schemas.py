@@ -652,6 +652,59 @@ def _out_of_range(body: bytes) -> InvalidRequest:
                           "64-bit float, up to about 1.8e308)", param)
 
 
+# A JSON string's escapes, in order: a \\u escape's hex digits, else the escaped character (so an escaped backslash
+# is one escape, and the `ud800` after it plain text).
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def _surrogate_path(obj: Any, path: str = "") -> str | None:
+    """The path (".stop[0]") of the first string, or key, in `obj` holding a lone surrogate, None when none does."""
+    if isinstance(obj, str):
+        return path if _SURROGATE.search(obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        sub = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return sub
+        if (found := _surrogate_path(v, sub)) is not None:
+            return found
+    return None
+
+
+def _lone_surrogate(body: bytes) -> InvalidRequest | None:
+    """A 400 naming the first \\ud800-\\udfff escape that is not half of a high-low pair, with its byte and its field
+    (where Python's json, which takes one, reads the body), or None when there is none. msgspec refuses one as "Input
+    data was truncated" or "invalid utf-16 surrogate pair", which does not say what to fix."""
+    lone = high = None  # the lone escape; a high half awaiting its low half
+    for m in _ESCAPE.finditer(body):
+        unit = int(m[1], 16) if m[1] else -1
+        if high is not None:
+            if m.start() == high.end() and 0xDC00 <= unit <= 0xDFFF:
+                high = None
+                continue
+            lone = high
+            break
+        if 0xD800 <= unit <= 0xDBFF:
+            high = m
+        elif 0xDC00 <= unit <= 0xDFFF:
+            lone = m
+            break
+    lone = lone or high
+    if lone is None:
+        return None
+    try:
+        path = _surrogate_path(json.loads(body)) or ""
+    except (ValueError, RecursionError):
+        path = ""
+    # (a field's: a body that is no object has none; a key's own surrogate is written as its escape)
+    param = path[1:].encode("utf-8", "backslashreplace").decode() if path.startswith(".") else None
+    where = f"{param}: " if param else ""
+    return InvalidRequest(f"{where}a JSON string holds a lone UTF-16 surrogate ({lone[0].decode()} at byte "
+                          f"{lone.start()}): an escape in \\ud800-\\udfff must be one half of a high-low pair; send "
+                          "the character itself, or both halves of its pair", param, "bad_json")
+
+
 TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) recurse once per level: no request
 # field nests more than three deep
 
@@ -668,7 +721,7 @@ def _parse(body: bytes) -> Any:
     except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)
         raise _out_of_range(body) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
+        raise _lone_surrogate(body) or InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
     except RecursionError:
         raise InvalidRequest(TOO_DEEP, None, "too_deep") from None
 
@@ -719,6 +772,7 @@ _ERRORS = {
     "403": "The Host header is not a loopback name (DNS-rebinding defence), or the Origin is not allowed.",
     "409": "Cancelled by the daemon: superseded by a newer request for the same `path` (Tabby's: `filepath`).",
     "413": "The request body exceeds the server's limit.",
+    "415": "The body has a Content-Encoding other than identity (gzip, ...): send it uncompressed.",
     "503": "The daemon is busy (its queue is full), starting, or unavailable, or this server's line of requests "
            "waiting for the daemon is full: retry after Retry-After seconds.",
     "504": "The request ran past the server's request timeout.",
@@ -760,7 +814,7 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
     components["OpenAICompletionRequest"]["if"] = {"required": ["stream_options"],
                                                    "properties": {"stream_options": {"type": "object"}}}
     components["OpenAICompletionRequest"]["then"] = {"required": ["stream"], "properties": {"stream": {"const": True}}}
-    gen_errors = ("400", "401", "403", "409", "413", "503", "504")
+    gen_errors = ("400", "401", "403", "409", "413", "415", "503", "504")
     common = ("401", "403")
 
     def native_events(resp: str) -> dict:
@@ -821,7 +875,7 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
             "parameters": [{"name": "select_kind", "in": "query", "required": False, "schema": {"type": "string"}}],
             "requestBody": {"required": True, "content": _json("TabbyEvent")},
             "responses": {"200": {"description": "Accepted (an empty body)"},
-                          **_error_responses(("400", "401", "403", "413"))}}},
+                          **_error_responses(("400", "401", "403", "413", "415"))}}},
         "/v1/models": {"get": {"summary": "OpenAI-compatible model list: the daemon's model and its aliases",
                                "responses": {
             "200": {"description": "The model", "content": _json("OpenAIModelList")},
@@ -849,7 +903,7 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                                     "anyOf": [_ref("InfillChunk"), _ref("InfillResponse"), _ref("LlamaCppError"),
                                               picked]}}}}}}},
                 **{code: {**r, "content": _json("LlamaCppError")}
-                   for code, r in _error_responses(("400", "401", "403", "413", "503", "504")).items()}}}},
+                   for code, r in _error_responses(("400", "401", "403", "413", "415", "503", "504")).items()}}}},
         "/v1/fim/completions": {"post": {
             "summary": "Mistral's Codestral fill-in-the-middle API, for Zed's edit predictions, Continue, minuet",
             "requestBody": {"required": True, "content": _json("CodestralRequest")},
@@ -863,7 +917,7 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
                                     "contentMediaType": "application/json", "contentSchema": {
                                         "anyOf": [_ref("CodestralChunk"), _ref("CodestralError")]}}}}}}}},
                 **{code: {**r, "content": _json("CodestralError")}
-                   for code, r in _error_responses(("401", "403", "409", "413", "503", "504")).items()},
+                   for code, r in _error_responses(("401", "403", "409", "413", "415", "503", "504")).items()},
                 "400": {"description": "The body is not valid JSON or does not fit the schema (`param` names the "
                                        "field), or the daemon refused the request.",
                         "content": _json("CodestralError")}}}},

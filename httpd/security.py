@@ -118,8 +118,10 @@ def codestral_error_body(status: int, code: str, message: str, param: str | None
 
 def error_body_for(path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
     """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's and Mistral's on theirs, else
-    OpenAI's. Shapes without a `param` name the field in the message."""
+    OpenAI's (a path with one trailing slash is the path without it, as the app serves it). Shapes without a `param`
+    name the field in the message."""
     said = f"{param}: {message}" if param and not message.startswith(param) else message
+    path = path[:-1] if len(path) > 1 and path.endswith("/") else path
     if path.startswith(OLLAMA_PREFIX):
         return msgspec.json.encode({"error": message})
     if path in LLAMACPP_PATHS:
@@ -189,9 +191,15 @@ class BodyWatch:
         return message
 
 
+def encoded(header: bytes) -> str:
+    """A Content-Encoding header's value as sent when it names a coding other than identity, else ""."""
+    value = header.decode("latin-1").strip()
+    return value if any(c.strip().lower() not in ("", "identity") for c in value.split(",")) else ""
+
+
 class GuardMiddleware:
-    """Host check, Origin check, bearer token, declared body size and the body's deadline, before any routing or
-    body reading.
+    """Host check, Origin check, bearer token, declared body size and encoding, and the body's deadline, before any
+    routing or body reading.
 
     CORS preflights (OPTIONS with Access-Control-Request-Method) from allowed origins pass through to the CORS
     middleware inside; everything else needs a good Host, an allowed (or no) Origin, and the token if one is set.
@@ -253,6 +261,12 @@ class GuardMiddleware:
             # catches bodies that grow past it without declaring a size.)
             return await refuse(413, "too_large", (
                 f"the request body ({int(length)} bytes) exceeds this server's limit of {self.max_body} bytes"))
+        if body.pending and (coded := encoded(headers.get("content-encoding", b""))):
+            # Starlette hands the endpoints the bytes as sent: a compressed body would be "not valid JSON", which
+            # sends its client looking in the wrong place.
+            return await refuse(415, "unsupported_encoding", (
+                f"the request body has Content-Encoding: {coded}, which this server does not decode; send the body "
+                "uncompressed (without a Content-Encoding header)"), ((b"accept-encoding", b"identity"),))
         try:
             await self.app(scope, body, answer)
         except BodyTimeout:

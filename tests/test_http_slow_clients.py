@@ -269,11 +269,13 @@ def test_waiting_connections_make_room_at_the_connection_limit(shared_daemon, tm
     """MAX_CONNECTIONS + 8 connections that each send part of a header block (or whole headers and part of a body)
     and wait, well within the timeouts, do not have other clients answered uvicorn's 503: each connection opened at
     the limit closes the one that has waited longest for its client (an idle kept-alive one just goes, a begun one
-    gets a 408 in its path's error shape), and the newest waiters, and connections being answered, are left alone."""
-    srv = Server(tmp_path, shared_daemon[1], "--header-timeout", "60", "--body-timeout", "60")
-    start = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a" if phase == "headers" else
-             b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-             b"Content-Length: 100\r\n\r\n{\"model\": \"m31r\", ")
+    gets a 408 in its path's error shape, which a page from an allowed origin can read), and the newest waiters, and
+    connections being answered, are left alone."""
+    origin = "http://localhost:5173"
+    srv = Server(tmp_path, shared_daemon[1], "--header-timeout", "60", "--body-timeout", "60", "--cors-origin", origin)
+    start = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: {origin}\r\nX-Slow: a" if phase == "headers" else
+             "POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             f"Origin: {origin}\r\nContent-Length: 100\r\n\r\n{{\"model\": \"m31r\", ").encode()
     conns: list[socket.socket] = []
     try:
         srv.wait_healthy()
@@ -296,6 +298,7 @@ def test_waiting_connections_make_room_at_the_connection_limit(shared_daemon, tm
         conns[0].settimeout(10)
         status, headers, body = read_response(conns[0])
         assert status == 408 and headers["connection"] == "close", body
+        assert headers["access-control-allow-origin"] == origin, headers
         error = json.loads(body)["error"]
         message = error["message"] if phase == "headers" else error  # OpenAI's shape; Ollama's under /api/
         assert f"request's {phase} {'were' if phase == 'headers' else 'was'} not all in" in message
