@@ -347,6 +347,8 @@ def quantize_bundle(src: str | Path, out: str | Path, method: str, group_size: i
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
     if method == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if method == "int4":
+        _check_int4_groups(source, group_size)
     q = {"method": method, **({"group_size": group_size} if method == "int4" else {})}
     tensors = quantize_state_dict(source.config, load_weights(source), method, group_size)
     meta = source.metadata
@@ -357,6 +359,23 @@ def quantize_bundle(src: str | Path, out: str | Path, method: str, group_size: i
         seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=meta["model_version"],
         extra={**keep, "quantized_from": source.fingerprint}, quantization=q,
     )
+
+
+def _check_int4_groups(source: Bundle, group_size: int) -> None:
+    """Refuse, before any weight is read, a group size that does not tile every layer's input, naming the sizes that
+    do (the shape is the model's, not the user's choice)."""
+    def fault(g: int) -> str | None:
+        try:
+            quantized_tensor_specs(source.config, "int4", g)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    if (why := fault(group_size)) is None:
+        return
+    fits = [str(g) for g in INT4_GROUP_SIZES if fault(g) is None]
+    way = f"--group-size {' or '.join(fits)} does" if fits else "no int4 group size does: use --quant int8"
+    raise BundleError(f"{source.path}: int4 groups of {group_size} do not fit this model ({why}); {way}")
 
 
 def average_bundles(sources: list[str | Path], weights: list[float], out: str | Path, *,

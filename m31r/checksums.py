@@ -50,10 +50,15 @@ def read_checksums(path: Path) -> dict[str, str]:
 
 
 def check_present(path: Path) -> None:
-    if not path.is_dir():
-        raise BundleError(f"{path}: not a bundle directory (one holding {', '.join(CONTENT_FILES)} and "
-                          f"{CHECKSUM_FILE}): pass one with --bundle, or M31R_BUNDLE")
-    for name in (*CONTENT_FILES, CHECKSUM_FILE):
+    names = (*CONTENT_FILES, CHECKSUM_FILE)
+    not_one = f"{path}: not a bundle directory (one holding {', '.join(CONTENT_FILES)} and {CHECKSUM_FILE})"
+    # A folder without any of the files only bundles have is another folder, not a damaged bundle to restore.
+    if not path.is_dir() or not any((path / n).exists() for n in ("config.yaml", "metadata.json", CHECKSUM_FILE)):
+        if path.is_dir() and (path / "config.json").is_file():
+            raise BundleError(f"{not_one}: it looks like a Hugging Face checkpoint, which `m31r bundle import-hf` "
+                              "converts into one")
+        raise BundleError(f"{not_one}: pass one with --bundle, or M31R_BUNDLE")
+    for name in names:
         if not (path / name).is_file():
             raise BundleError(f"{path / name}: missing from the bundle: {RESTORE}")
 

@@ -65,24 +65,66 @@ def user_errors(fn: F) -> F:
 
 
 @contextlib.contextmanager
-def _new_bundle_dir(out: Path) -> Iterator[None]:
-    """Writers never mix a new bundle into an existing directory's files, and leave no half-written bundle
-    behind when the bundle they wrote fails its own verification."""
+def _new_bundle_dir(out: Path, sources: tuple[Path, ...] = ()) -> Iterator[None]:
+    """Writers never mix a new bundle into an existing directory's files or into a source bundle (a bundle is exactly
+    its five files), and leave nothing behind when they fail, are stopped (Ctrl-C, or SIGTERM from `timeout` or a
+    service manager) or write a bundle that fails its own verification: a re-run finds OUT as it was."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists and is not an empty directory")
+    for src in sources:
+        if out.resolve().is_relative_to(src.resolve()):
+            raise ValueError(f"{out}: inside the source bundle {src}, which must hold its five files only: write the "
+                             "new one somewhere else")
     created = not out.exists()
+    restore = _sigterm_raises()
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         if created:
             shutil.rmtree(out, ignore_errors=True)
-        else:
+        elif out.is_dir():
             for child in out.iterdir():  # the directory was empty: everything in it is ours
                 if child.is_dir():
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        _bundle_write_failed(e, out)
         raise
+    finally:
+        restore()
+
+
+TERMINATED_EXIT = 128 + 15  # 128 + SIGTERM: what a shell reports for a program that `kill` or `timeout` ended
+
+
+def _sigterm_raises() -> Callable[[], None]:
+    """Until the returned function is called, SIGTERM ends the command through an exception (TERMINATED_EXIT), as
+    Ctrl-C does, so that _new_bundle_dir removes what it wrote: the default action ends the process on the spot."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        raise SystemExit(TERMINATED_EXIT)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _bundle_write_failed(e: BaseException, out: Path) -> None:
+    """One line for what stopped a bundle writer that names no file: write() on a full disk (an OSError without a
+    file name), torch's allocator (a RuntimeError), SIGTERM."""
+    if isinstance(e, SystemExit) and e.code == TERMINATED_EXIT:
+        fail(f"{out}: terminated (SIGTERM) before the bundle was whole; nothing was left there", TERMINATED_EXIT)
+    if isinstance(e, OSError) and e.filename is None and e.strerror:
+        fail(f"{out}: cannot write the bundle: {e.strerror}")
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+        size = re.search(r"allocate (\d+) bytes", str(e))
+        what = f"an allocation of {size[1]} bytes failed" if size else "an allocation failed"
+        fail(f"{out}: not enough memory for this model ({what}): check the sizes in its config")
 
 
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader went away (`yes | head`)
@@ -238,27 +280,53 @@ def bundle_export_hf(src: Path, out: Path, dtype: str | None) -> None:
     """Write the float bundle SRC as a Llama (Qwen2, with q/k/v biases) Hugging Face checkpoint in OUT."""
     from m31r.hf_export import export_hf
 
-    with _new_bundle_dir(out):
+    with _new_bundle_dir(out, (src,)):
         export_hf(src, out, dtype=dtype)
     click.echo(f"ok {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
+
+
+def _average_weights(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
+    """--weights as numbers, refused as a usage error before any bundle is read (average_bundles checks them too)."""
+    if value is None:
+        return None
+    try:
+        ws = [float(w) for w in value.split(",")] if value.strip() else None
+    except ValueError:
+        ws = None
+    if ws is None:
+        raise click.BadParameter(f"{value!r} is not numbers separated by commas" if value.strip() else
+                                 "empty: give one number per bundle, or leave the option out for equal weights")
+    if not all(math.isfinite(w) and w >= 0 for w in ws) or max(ws) <= 0:
+        raise click.BadParameter(f"{value!r}: weights must be finite, non-negative numbers, at least one above 0")
+    return ws
+
+
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """An option recorded in metadata.json that the bundle check refuses empty: refused before the writing."""
+    if not value.strip():
+        raise click.BadParameter("must not be empty")
+    return value
 
 
 @bundle.command("average")
 @click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--weights", default=None, help="Comma-separated, one per bundle (normalised to sum 1); default: equal.")
-@click.option("--model-version", required=True, help="The averaged model's version (metadata).")
+@click.option("--weights", default=None, callback=_average_weights,
+              help="Comma-separated, one per bundle (normalised to sum 1); default: equal.")
+@click.option("--model-version", required=True, callback=_not_empty, help="The averaged model's version (metadata).")
 @user_errors
-def bundle_average(sources: tuple[Path, ...], out: Path, weights: str | None, model_version: str) -> None:
+def bundle_average(sources: tuple[Path, ...], out: Path, weights: list[float] | None, model_version: str) -> None:
     """Write the weighted average of float bundles SOURCES (one shape, one tokenizer) into OUT."""
     from m31r.bundle import average_bundles
 
-    try:
-        ws = [float(w) for w in weights.split(",")] if weights else [1.0] * len(sources)
-    except ValueError:
-        raise ValueError(f"--weights: expected numbers separated by commas, got {weights!r}") from None
-    with _new_bundle_dir(out):
-        b = average_bundles(list(sources), ws, out, model_version=model_version)
+    ctx = click.get_current_context()
+    if len(sources) < 2:
+        raise click.UsageError(f"average needs two or more bundles, got {len(sources)}", ctx)
+    if weights is not None and len(weights) != len(sources):
+        raise click.BadParameter(f"{len(weights)} weight{'s' * (len(weights) != 1)} for {len(sources)} bundles: give "
+                                 "one per bundle", ctx, param_hint="'--weights'")
+    with _new_bundle_dir(out, sources):
+        b = average_bundles(list(sources), weights or [1.0] * len(sources), out, model_version=model_version)
     click.echo(_summary(b))
 
 
@@ -274,7 +342,11 @@ def bundle_quantize(src: Path, out: Path, quant: str, group_size: str) -> None:
     """Write a copy of the float bundle SRC with quantized weights into OUT (serve it with `daemon --bundle OUT`)."""
     from m31r.bundle import quantize_bundle
 
-    with _new_bundle_dir(out):
+    ctx = click.get_current_context()
+    if quant != "int4" and ctx.get_parameter_source("group_size") is not click.core.ParameterSource.DEFAULT:
+        raise click.BadParameter(f"applies to --quant int4 only ({quant} has one scale per output channel)", ctx,
+                                 param_hint="'--group-size'")
+    with _new_bundle_dir(out, (src,)):
         b = quantize_bundle(src, out, quant, int(group_size))
     click.echo(_summary(b))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +35,7 @@ class RopeScaling(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 
     def __post_init__(self) -> None:
         llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_context)
-        if self.factor <= 0:
+        if not (math.isfinite(self.factor) and self.factor > 0):
             raise ValueError(f"rope_scaling `factor` must be positive, got {self.factor}")
         if self.type == "linear" and any(v is not None for v in llama3):
             raise ValueError("rope_scaling type linear takes only `factor`")
@@ -82,8 +83,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             raise ValueError(f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
         if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
             raise ValueError(f"`n_kv_heads` ({self.n_kv_heads}) must divide `n_heads` ({self.n_heads})")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError("`rope_theta` and `norm_eps` must be positive")
+        for field in ("rope_theta", "norm_eps"):  # nan passes `<= 0`; nan or inf makes a model of nans or zeros
+            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
+                raise ValueError(f"`{field}` must be a finite number above 0, got {getattr(self, field)}")
+        if not self.name.strip():
+            raise ValueError("`name` must not be empty (bundles are named by it)")
 
     @property
     def head_dim(self) -> int:
@@ -135,11 +139,13 @@ def parse_config(data: dict, source: str = "config") -> ModelConfig:
 def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
     return parse_config(data, str(path))

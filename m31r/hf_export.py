@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -96,10 +97,14 @@ def export_hf(bundle: str | Path | Bundle, out: str | Path, *, dtype: str | None
     out.mkdir(parents=True, exist_ok=True)
     config = b.config
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in to_hf_state_dict(config, load_weights(b)).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    except SafetensorError as e:  # a full disk, an I/O error: not an OSError
+        raise OSError(f"{out / 'model.safetensors'}: cannot write: {e}") from None
     shutil.copyfile(b.tokenizer_path, out / "tokenizer.json")
     tok = HFTokenizer.from_file(str(b.tokenizer_path))
     token_ids = {"eos": tok.token_to_id(config.eos_token), "pad": tok.token_to_id(config.pad_token)}
-    (out / "config.json").write_text(json.dumps(hf_config(config, dtype, token_ids), indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(config), indent=2) + "\n")
+    # Last: config.json is what makes a folder a checkpoint, so an export stopped before it never imports.
+    (out / "config.json").write_text(json.dumps(hf_config(config, dtype, token_ids), indent=2) + "\n")
     return out

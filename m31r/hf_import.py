@@ -186,6 +186,9 @@ def _dtype(hf: dict, emb: torch.Tensor) -> torch.dtype:
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "unknown (imported)") -> Bundle:
     hf_dir = Path(hf_dir)
+    if (hf_dir / "config.yaml").is_file() and not (hf_dir / "config.json").exists():
+        raise BundleError(f"{hf_dir}: an m31r bundle (config.yaml), not a Hugging Face checkpoint: it needs no import "
+                          "(`m31r bundle export-hf` goes the other way)")
     for name in ("config.json", "tokenizer.json"):
         if not (hf_dir / name).is_file():
             raise BundleError(f"{hf_dir / name}: missing; an HF checkpoint directory needs it")

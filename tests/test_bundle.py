@@ -318,7 +318,7 @@ def test_cli_average_refuses_other_shapes_and_quantized_bundles(tiny_config, tmp
         assert not out.exists()
     result = runner.invoke(main, ["bundle", "average", str(a.path), str(a.path), "--out", str(tmp_path / "w"),
                                   "--weights", "1,-1", "--model-version", "x"])
-    assert result.exit_code == 1 and "non-negative" in result.stderr
+    assert result.exit_code == 2 and "non-negative" in result.stderr  # a usage error
 
 
 # -- weights that cannot load, metadata of the wrong type ------------------------------------------------------
@@ -439,8 +439,9 @@ def test_cli_average_refuses_weights_that_are_not_finite(tiny_config, tmp_path: 
         out = tmp_path / f"out-{weights}"
         result = runner.invoke(main, ["bundle", "average", str(a.path), str(b.path), "--out", str(out),
                                       "--weights", weights, "--model-version", "x"])
-        assert result.exit_code == 1, (weights, result.output)
-        assert "weights must be finite, non-negative numbers" in result.stderr and result.stderr.count("\n") == 1
+        assert result.exit_code == 2, (weights, result.output)  # a usage error, before any bundle is read
+        assert "Invalid value for '--weights'" in result.stderr, result.stderr
+        assert "weights must be finite, non-negative numbers" in result.stderr
         assert not out.exists()
 
 

@@ -1,0 +1,254 @@
+"""`m31r bundle` used wrongly: every mistake is one line (exit 2 for a bad argument, 1 for a failure), and nothing
+is lost or left half-written, whatever the command was told or whatever stopped it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from m31r.bundle import CHECKSUM_FILE, CONTENT_FILES, Bundle, BundleError, init_bundle, open_bundle, sha256_file
+from m31r.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "model" / "tiny.yaml"
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(main, ["bundle", *args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def _one_error_line(err: str) -> bool:
+    return err.count("\n") == 1 and err.startswith("error: ")
+
+
+def _listing(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+@pytest.fixture
+def pair(tiny_config, tmp_path: Path) -> tuple[Bundle, Bundle]:
+    return (init_bundle(tiny_config, tmp_path / "a", seed=1, dtype=torch.float32),
+            init_bundle(tiny_config, tmp_path / "b", seed=2, dtype=torch.float32))
+
+
+def _tiny_yaml(tmp_path: Path, old: str, new: str) -> Path:
+    f = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
+    f.write_text(TINY.read_text().replace(old, new))
+    return f
+
+
+# -- usage errors are exit 2, before anything is read or written ------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--weights", "1,x"], "'1,x' is not numbers separated by commas"),
+    (["--weights", ""], "empty"),
+    (["--weights", "1"], "1 weight for 2 bundles"),
+    (["--weights", "1,2,3"], "3 weights for 2 bundles"),
+    (["--weights", "1,-1"], "non-negative"),
+    (["--weights", "0,0"], "at least one above 0"),
+    (["--weights", "nan,1"], "finite"),
+    (["--model-version", ""], "must not be empty"),
+])
+def test_average_argument_mistakes_are_usage_errors(pair, tmp_path: Path, extra: list[str], expected: str) -> None:
+    """They were exit 1 (and an empty --model-version was reported against the metadata.json of a bundle that had
+    been written in full, then deleted)."""
+    a, b = pair
+    out = tmp_path / "avg"
+    args = ["average", str(a.path), str(b.path), "--out", str(out), "--model-version", "x", *extra]
+    code, stdout, err = _run(*args)
+    assert code == 2 and stdout == "", err
+    assert expected in err and "Invalid value for" in err, err
+    assert not out.exists()
+
+
+def test_average_of_one_bundle_is_a_usage_error(pair, tmp_path: Path) -> None:
+    code, _, err = _run("average", str(pair[0].path), "--out", str(tmp_path / "avg"), "--model-version", "x")
+    assert code == 2 and "two or more bundles, got 1" in err, err
+    assert not (tmp_path / "avg").exists()
+
+
+def test_group_size_with_int8_is_a_usage_error(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """int8 has one scale per output channel: `--quant int8 --group-size 32` silently wrote a plain int8 bundle."""
+    code, _, err = _run("quantize", str(tiny_bundle.path), str(tmp_path / "q"), "--quant", "int8", "--group-size", "32")
+    assert code == 2 and "--group-size" in err and "int4 only" in err, err
+    assert not (tmp_path / "q").exists()
+    assert _run("quantize", str(tiny_bundle.path), str(tmp_path / "q"), "--quant", "int8")[0] == 0  # the default
+
+
+def test_int4_group_that_does_not_tile_the_model_names_the_sizes_that_do(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    assert _run("init", str(_tiny_yaml(tmp_path, "ffn_hidden: 128", "ffn_hidden: 96")), str(src), "--seed", "1")[0] == 0
+    code, _, err = _run("quantize", str(src), str(tmp_path / "q"), "--quant", "int4", "--group-size", "64")
+    assert code == 1 and _one_error_line(err), err
+    assert f"{src}: " in err and "K=96" in err and "--group-size 32" in err, err
+    assert not (tmp_path / "q").exists()
+    assert _run("quantize", str(src), str(tmp_path / "q"), "--quant", "int4", "--group-size", "32")[0] == 0
+
+
+# -- the output never lands in a source --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["quantize", "export-hf", "average"])
+def test_out_inside_a_source_bundle_is_refused(pair, command: str) -> None:
+    """A bundle is exactly its five files: OUT inside SRC wrote a sixth entry into the source (release/ too)."""
+    a, b = pair
+    before = _listing(a.path)
+    for out in (a.path / "sub", a.path / "sub" / "deeper"):
+        args = {"quantize": ["quantize", str(a.path), str(out), "--quant", "int8"],
+                "export-hf": ["export-hf", str(a.path), str(out)],
+                "average": ["average", str(b.path), str(a.path), "--out", str(out), "--model-version", "x"]}[command]
+        code, _, err = _run(*args)
+        assert code == 1 and _one_error_line(err) and f"inside the source bundle {a.path}" in err, err
+        assert _listing(a.path) == before
+    open_bundle(a.path)
+
+
+# -- failures while writing: one line, nothing left ---------------------------------------------------------------
+
+
+def test_a_full_disk_is_one_line_naming_the_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write() on a full disk raises an OSError without a file name: it read `error: [Errno 28] No space left on
+    device`, naming nothing."""
+    import m31r.bundle
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(m31r.bundle, "save_aligned", full)
+    out = tmp_path / "out"
+    code, _, err = _run("init", str(TINY), str(out), "--seed", "1")
+    assert code == 1 and err == f"error: {out}: cannot write the bundle: {os.strerror(errno.ENOSPC)}\n", err
+    assert not out.exists()
+
+
+def test_export_hf_on_a_full_disk_is_one_line(tiny_bundle: Bundle, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors' writer raises its own SafetensorError: it ended `export-hf` with a traceback."""
+    from safetensors import SafetensorError
+
+    import m31r.hf_export
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(m31r.hf_export, "save_file", full)
+    out = tmp_path / "hf"
+    r = CliRunner().invoke(main, ["bundle", "export-hf", str(tiny_bundle.path), str(out)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert _one_error_line(r.stderr) and f"{out / 'model.safetensors'}: cannot write" in r.stderr, r.stderr
+    assert "No space left on device" in r.stderr and not out.exists()
+
+
+def test_a_model_too_big_for_memory_is_one_line(tmp_path: Path) -> None:
+    """A typo in a config's size (here 10**15 hidden units) ended `init` with torch's allocator traceback."""
+    out = tmp_path / "out"
+    code, _, err = _run("init", str(_tiny_yaml(tmp_path, "ffn_hidden: 128", "ffn_hidden: 1000000000000000")),
+                        str(out), "--seed", "1")
+    assert code == 1 and _one_error_line(err), err
+    assert f"{out}: not enough memory" in err and "512000000000000000 bytes" in err, err
+    assert not out.exists()
+
+
+_KILL_MID_WRITE = """
+import os, signal, sys
+import m31r.bundle
+real = m31r.bundle.save_aligned
+def save_then_terminated(*args, **kwargs):
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # `timeout`, a service manager, a closed session
+m31r.bundle.save_aligned = save_then_terminated
+from m31r.cli import main
+sys.argv = ["m31r", "bundle", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_sigterm_mid_write_leaves_nothing(tmp_path: Path, existing: bool) -> None:
+    """SIGTERM killed the writer with model.safetensors written and no checksum.txt: the folder never verified, but
+    a re-run was refused (`already exists and is not an empty directory`) until the user removed it by hand."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    p = subprocess.run([sys.executable, "-c", _KILL_MID_WRITE, "init", str(TINY), str(out), "--seed", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr)
+    assert p.stdout == "" and _one_error_line(p.stderr) and "terminated" in p.stderr, p.stderr
+    assert (list(out.iterdir()) == []) if existing else not out.exists()
+
+
+# -- configs that cannot make a model are named before anything is written ---------------------------------------
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    ("rope_theta: 10000.0", "rope_theta: .nan", "rope_theta"),
+    ("norm_eps: 1.0e-5", "norm_eps: .inf", "norm_eps"),
+    ("name: m31r-tiny", 'name: ""', "`name` must not be empty"),
+])
+def test_config_that_cannot_make_a_model_is_named(tmp_path: Path, old: str, new: str, expected: str) -> None:
+    """A nan rope_theta wrote (and verified) a model that computes NaN; an empty name was blamed on the output's
+    metadata.json."""
+    cfg = _tiny_yaml(tmp_path, old, new)
+    out = tmp_path / "out"
+    code, _, err = _run("init", str(cfg), str(out), "--seed", "1")
+    assert code == 1 and _one_error_line(err) and err.startswith(f"error: {cfg}: ") and expected in err, err
+    assert not out.exists()
+
+
+def test_config_that_is_not_utf8_is_named(bundle_copy: Path) -> None:
+    cfg = bundle_copy / "config.yaml"
+    cfg.write_bytes(cfg.read_bytes() + b"\xff\xfe\n")
+    (bundle_copy / CHECKSUM_FILE).write_text("".join(f"{sha256_file(bundle_copy / n)}  {n}\n" for n in CONTENT_FILES))
+    code, _, err = _run("verify", str(bundle_copy))
+    assert code == 1 and err.startswith(f"error: {cfg}: not UTF-8 text") and _one_error_line(err), err
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle: Bundle, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_bundle.path, tmp_path / "bundle"))
+
+
+# -- a folder of the other kind is named as such --------------------------------------------------------------------
+
+
+def test_a_checkpoint_is_not_a_bundle_and_a_bundle_not_a_checkpoint(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """export-hf's output given to verify (or quantize) was told to `restore the bundle`; a bundle given to import-hf
+    was told it lacked config.json."""
+    hf = tmp_path / "hf"
+    assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    code, _, err = _run("verify", str(hf))
+    assert code == 1 and _one_error_line(err) and f"{hf}: not a bundle directory" in err and "import-hf" in err, err
+    assert "restore" not in err
+    code, _, err = _run("import-hf", str(tiny_bundle.path), str(tmp_path / "x"))
+    assert code == 1 and _one_error_line(err) and f"{tiny_bundle.path}: an m31r bundle" in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_interrupted_export_is_not_a_checkpoint(tiny_bundle: Bundle, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json is what makes a folder a checkpoint: written before tokenizer_config.json, an export killed
+    between the two imported with another end token (import-hf falls back to <|endoftext|>)."""
+    import m31r.hf_export
+    from m31r.hf_import import import_hf
+
+    def killed(*args: object) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(m31r.hf_export, "tokenizer_config", killed)
+    out = tmp_path / "hf"
+    with pytest.raises(KeyboardInterrupt):
+        m31r.hf_export.export_hf(tiny_bundle, out)
+    with pytest.raises(BundleError, match="config.json: missing"):
+        import_hf(out, tmp_path / "bundle")
