@@ -672,10 +672,11 @@ def _surrogate_path(obj: Any, path: str = "") -> str | None:
     return None
 
 
-def _lone_surrogate(body: bytes) -> InvalidRequest | None:
-    """A 400 naming the first \\ud800-\\udfff escape that is not half of a high-low pair, with its byte and its field
-    (where Python's json, which takes one, reads the body), or None when there is none. msgspec refuses one as "Input
-    data was truncated" or "invalid utf-16 surrogate pair", which does not say what to fix."""
+def _lone_surrogate(body: bytes, skipped: int = 0) -> InvalidRequest | None:
+    """A 400 naming the first \\ud800-\\udfff escape that is not half of a high-low pair, with its byte (counted in the
+    body as sent, `skipped` bytes before `body`) and its field (where Python's json, which takes one, reads the body),
+    or None when there is none. msgspec refuses one as "Input data was truncated" or "invalid utf-16 surrogate pair",
+    which does not say what to fix."""
     lone = high = None  # the lone escape; a high half awaiting its low half
     for m in _ESCAPE.finditer(body):
         unit = int(m[1], 16) if m[1] else -1
@@ -701,8 +702,8 @@ def _lone_surrogate(body: bytes) -> InvalidRequest | None:
     param = path[1:].encode("utf-8", "backslashreplace").decode() if path.startswith(".") else None
     where = f"{param}: " if param else ""
     return InvalidRequest(f"{where}a JSON string holds a lone UTF-16 surrogate ({lone[0].decode()} at byte "
-                          f"{lone.start()}): an escape in \\ud800-\\udfff must be one half of a high-low pair; send "
-                          "the character itself, or both halves of its pair", param, "bad_json")
+                          f"{skipped + lone.start()}): an escape in \\ud800-\\udfff must be one half of a high-low "
+                          "pair; send the character itself, or both halves of its pair", param, "bad_json")
 
 
 TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) recurse once per level: no request
@@ -715,13 +716,14 @@ BOM = b"\xef\xbb\xbf"
 def _parse(body: bytes) -> Any:
     """`body`'s JSON, untyped, or InvalidRequest. A leading UTF-8 byte order mark is skipped, as RFC 8259 lets a
     server do: Windows tools write one (a body saved by PowerShell's `Out-File -Encoding utf8`, sent with curl)."""
-    body = body.removeprefix(BOM)
+    sent, body = len(body), body.removeprefix(BOM)
     try:
         return msgspec.json.decode(body)
     except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)
         raise _out_of_range(body) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise _lone_surrogate(body) or InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json") from None
+        raise (_lone_surrogate(body, sent - len(body))
+               or InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json")) from None
     except RecursionError:
         raise InvalidRequest(TOO_DEEP, None, "too_deep") from None
 

@@ -11,6 +11,7 @@ converted into a model that silently computes something else.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -101,7 +102,9 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
     special["pad_token"] = "<|pad|>" if "<|pad|>" in vocab else special["eos_token"]
     try:
         return parse_config({
-            "name": hf_dir.name, "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
+            # (the folder's own name: `.`, a checkpoint imported from inside it, has none)
+            "name": Path(os.path.abspath(hf_dir)).name,
+            "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads", heads), "ffn_hidden": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_context": hf.get("max_position_embeddings", 2048),
             "rope_theta": theta, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), **special,
@@ -109,7 +112,9 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
             "qkv_bias": qkv_bias, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling": scaling,
         }, str(hf_dir / "config.json"))
-    except (ConfigError, KeyError) as e:
+    except ConfigError as e:  # (it names config.json: parse_config's source)
+        raise BundleError(str(e)) from None
+    except KeyError as e:
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
 
 

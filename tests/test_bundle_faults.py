@@ -252,3 +252,29 @@ def test_an_interrupted_export_is_not_a_checkpoint(tiny_bundle: Bundle, tmp_path
         m31r.hf_export.export_hf(tiny_bundle, out)
     with pytest.raises(BundleError, match="config.json: missing"):
         import_hf(out, tmp_path / "bundle")
+
+
+def test_a_checkpoint_imported_as_dot_is_named_after_its_folder(tiny_bundle: Bundle, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundle's name is the checkpoint folder's: `import-hf .` (run inside it) took the name of `.`, which is
+    empty, and was refused as "config.json: config.json: `name` must not be empty", a field config.json lacks."""
+    hf = tmp_path / "my-checkpoint"
+    assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    monkeypatch.chdir(hf)
+    code, _, err = _run("import-hf", ".", str(tmp_path / "back"))
+    assert code == 0, err
+    assert open_bundle(tmp_path / "back").config.name == "my-checkpoint"
+
+
+def test_a_checkpoint_config_that_cannot_make_a_model_is_named_once(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """A nan rms_norm_eps in config.json is refused naming the file once (it was `config.json: config.json: ...`)."""
+    import json
+
+    hf = tmp_path / "hf"
+    assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()),
+                                                "rms_norm_eps": float("nan")}))
+    code, _, err = _run("import-hf", str(hf), str(tmp_path / "back"))
+    assert code == 1 and _one_error_line(err), err
+    assert err == f"error: {hf / 'config.json'}: `norm_eps` must be a finite number above 0, got nan\n", err
+    assert not (tmp_path / "back").exists()

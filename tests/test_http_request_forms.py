@@ -143,6 +143,18 @@ def test_a_lone_surrogate_is_a_400_saying_so(server, path, raw, where):
         assert err["code"] == "bad_json" and err["param"] == where, err
 
 
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"], ids=["plain", "bom"])
+def test_a_lone_surrogates_byte_is_counted_in_the_body_as_sent(server, bom):
+    """The byte named is the escape's offset in the body the client sent: behind a UTF-8 byte order mark (which the
+    server skips) it was 3 short."""
+    raw = bom + rb'{"prompt": "fn main\ud800", "max_tokens": 2}'
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    at = raw.index(rb"\ud800")
+    assert f"at byte {at})" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("raw", [
     rb'{"prompt": "fn main", "max_tokens": 2, "stop": ["\ud83d\ude00"]}',  # a pair: an emoji
     rb'{"prompt": "fn main \\ud800", "max_tokens": 2}',  # an escaped backslash, then text
