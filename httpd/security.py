@@ -191,10 +191,17 @@ class BodyWatch:
         return message
 
 
-def encoded(header: bytes) -> str:
-    """A Content-Encoding header's value as sent when it names a coding other than identity, else ""."""
-    value = header.decode("latin-1").strip()
-    return value if any(c.strip().lower() not in ("", "identity") for c in value.split(",")) else ""
+# HTTP's content codings (IANA's registry) but identity: a body in one of them is not the JSON it holds.
+CODINGS = frozenset({"aes128gcm", "br", "compress", "dcb", "dcz", "deflate", "exi", "gzip", "pack200-gzip",
+                     "x-compress", "x-gzip", "zstd"})
+
+
+def encoded(headers: list[tuple[bytes, bytes]]) -> str:
+    """The Content-Encoding headers' value as sent (all of them, as one list) when it names a content coding, else "".
+    A name that is none (`Content-Encoding: UTF-8`, a charset some scripts put there) says nothing about the body,
+    which is served as it is, as before."""
+    value = ", ".join(v.decode("latin-1").strip() for k, v in headers if k == b"content-encoding")
+    return value if any(c.strip().lower() in CODINGS for c in value.split(",")) else ""
 
 
 class GuardMiddleware:
@@ -261,7 +268,7 @@ class GuardMiddleware:
             # catches bodies that grow past it without declaring a size.)
             return await refuse(413, "too_large", (
                 f"the request body ({int(length)} bytes) exceeds this server's limit of {self.max_body} bytes"))
-        if body.pending and (coded := encoded(headers.get("content-encoding", b""))):
+        if body.pending and (coded := encoded(scope["headers"])):
             # Starlette hands the endpoints the bytes as sent: a compressed body would be "not valid JSON", which
             # sends its client looking in the wrong place.
             return await refuse(415, "unsupported_encoding", (

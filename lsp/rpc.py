@@ -52,6 +52,7 @@ from pygls.protocol import (
 from pygls.workspace import TextDocument
 
 from m31r_lsp import documents
+from m31r_lsp.context import uri_path
 
 log = logging.getLogger("m31r_lsp.rpc")
 
@@ -284,4 +285,4 @@ class M31rProtocol(LanguageServerProtocol):
 
 def _shown_name(uri: str) -> str:
     """A document's name as a user knows it: its path for a file: URI, else the URI."""
-    return unquote(uri[len("file://"):]) if uri.startswith("file://") else uri
+    return str(uri_path(uri) or uri)

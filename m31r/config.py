@@ -36,7 +36,7 @@ class RopeScaling(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     def __post_init__(self) -> None:
         llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_context)
         if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"rope_scaling `factor` must be positive, got {self.factor}")
+            raise ValueError(f"rope_scaling `factor` must be a finite number above 0, got {self.factor}")
         if self.type == "linear" and any(v is not None for v in llama3):
             raise ValueError("rope_scaling type linear takes only `factor`")
         if self.type == "llama3":

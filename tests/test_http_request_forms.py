@@ -121,6 +121,17 @@ def test_a_compressed_body_is_a_415_saying_to_send_it_uncompressed(server, path,
     assert r.status_code == 200, r.text
 
 
+def test_two_content_encodings_are_read_together_and_a_charset_there_is_no_coding(server):
+    """Two Content-Encoding headers are one list (the last, `identity`, hid the `gzip` before it); a charset put in
+    the header by mistake (`UTF-8`: no content coding) is not a compressed body, and was served before the 415."""
+    raw = gzip.compress(json.dumps(OPENAI).encode())
+    head = [("content-type", "application/json"), ("content-encoding", "gzip"), ("content-encoding", "identity")]
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, headers=head, timeout=30)
+    assert r.status_code == 415 and "gzip, identity" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/completions", json=OPENAI, headers={"content-encoding": "UTF-8"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 # -- 3. a lone surrogate ----------------------------------------------------------------------------------------
 
 
