@@ -1024,18 +1024,25 @@ def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int)
 @user_errors
 def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None, max_steps: int | None,
                 device: str, init_from: Path | None) -> None:
-    """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml)."""
+    """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml). Ctrl-C or SIGTERM saves
+    a checkpoint first; running the same command again resumes from it."""
     check_device(device)
+    from m31r.train.trainer import TrainingStopped
     from m31r.train.trainer import train as run_training
 
-    state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,
-                         init_from=init_from, log=lambda s: click.echo(s, err=True))
+    try:
+        state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,
+                             init_from=init_from, log=lambda s: click.echo(s, err=True))
+    except TrainingStopped as e:  # exits as a shell reports a program the signal ended: the run is not finished
+        click.echo(str(e), err=True)
+        sys.exit(128 + e.signum)
     click.echo(f"trained to step {state['step']} ({state['tokens']:,} tokens) in {run_dir}")
 
 
 @train.command("shards")
 @click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+@user_errors
 def train_shards(run_dir: Path, out: Path) -> None:
     """Write RUN's checkpoint as bf16 weight shards of at most 15 MiB (how weights leave a lent GPU machine)."""
     from m31r.train.shards import write_shards

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1169,7 +1173,7 @@ def test_a_resumed_run_logs_each_step_once(data_dir: Path, tmp_path: Path, monke
     class Killed(Exception):
         pass
 
-    def die_at_step_five(run_dir, log, poll=0.5):
+    def die_at_step_five(run_dir, log, poll=0.5, stop=None):
         if next(steps) == 5:  # steps 1-5 logged, the checkpoint at 3
             with open(run_dir / "log.jsonl", "a") as f:
                 f.write('{"step": 6, "lr"')  # a record the kill cut short
@@ -1202,3 +1206,187 @@ def test_a_configs_init_from_is_recorded_as_written(full_run, data_dir: Path, tm
     meta = export(tmp_path / "run", data_dir, tmp_path / "out").metadata
     assert meta["train_config"]["init_from"] == "bundles/start"
     assert str(tmp_path) not in (tmp_path / "out" / "metadata.json").read_text()
+
+
+# -- long runs that must never be lost: signals, kills, full disks, wrong folders ----------------------------------
+
+
+def cli_train(cfg: Path, data_dir: Path, run: Path, **popen) -> subprocess.Popen:
+    """`m31r train model` in a process of its own, Ctrl-C left to its default (a shell's background job ignores it)."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
+             "preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen}
+    return subprocess.Popen([sys.executable, "-m", "m31r.cli", "train", "model", str(cfg), "--data", str(data_dir),
+                             "--run", str(run)], **popen)
+
+
+def wait_for(check, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not check():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def logged_steps(run: Path) -> int:
+    return len((run / "log.jsonl").read_text().splitlines()) if (run / "log.jsonl").exists() else 0
+
+
+def messages(stderr: str) -> list[str]:
+    """stderr's lines without the progress bar's."""
+    return [line for line in stderr.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("train:")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes_it(full_run, data_dir: Path, tmp_path: Path,
+                                                                     sig: signal.Signals):
+    """Ctrl-C or SIGTERM mid-run (no checkpoint due for 1000 steps): the step in progress finishes, a checkpoint is
+    saved, one line says so, and the exit status is a signal's. The same command resumes from it, and the run ends
+    bit-exact with an uninterrupted one. Before, Ctrl-C said "Aborted!" and SIGTERM killed the run on the spot: every
+    step since the last checkpoint was lost."""
+    full_dir, full_state = full_run
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(train_yaml(ckpt_interval=1000, model=str(data_dir.parent / "model.yaml")))
+    run = tmp_path / "run"
+    proc = cli_train(cfg, data_dir, run)
+    wait_for(lambda: logged_steps(run) >= 3)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    step = torch.load(run / "ckpt.pt", weights_only=False)["state"]["step"]
+    assert 3 <= step < STEPS and "Traceback" not in err
+    assert messages(err)[-1] == (f"stopped by {sig.name} at step {step}: {run / 'ckpt.pt'} is saved, and the same "
+                                 "command resumes the run from it")
+    proc = cli_train(cfg, data_dir, run)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and f"resumed {run / 'ckpt.pt'} at step {step}" in err
+    assert out == f"trained to step {STEPS} ({full_state['tokens']:,} tokens) in {run}\n"
+    a = torch.load(full_dir / "ckpt.pt", weights_only=False)
+    b = torch.load(run / "ckpt.pt", weights_only=False)
+    assert [h["train_next"] for h in b["state"]["history"]] == [h["train_next"] for h in full_state["history"]]
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    assert [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()] == list(
+        range(1, STEPS + 1))
+
+
+def test_ctrl_c_with_row_building_workers_saves_and_exits(data_dir: Path, tmp_path: Path):
+    """Ctrl-C in a terminal reaches its whole process group, the forked row builders too: one it ended never
+    answered, and the trainer waited for its rows forever instead of saving a checkpoint and exiting."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(train_yaml(max_steps=100_000, data_workers=2, eval_interval=100_000,
+                              model=str(data_dir.parent / "model.yaml")))
+    run = tmp_path / "run"
+    proc = cli_train(cfg, data_dir, run, start_new_session=True)
+    try:
+        wait_for(lambda: logged_steps(run) >= 3)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and messages(err)[-1].startswith("stopped by SIGINT at step "), err
+    assert torch.load(run / "ckpt.pt", weights_only=False)["state"]["step"] >= 3
+
+
+def test_a_second_process_on_a_run_is_refused_and_sigterm_ends_a_pause(data_dir: Path, tmp_path: Path):
+    """Two trainers on one run folder would write the same ckpt.tmp, and one could rename the other's half-written
+    file over the checkpoint: the second is refused, naming the first's pid. SIGTERM stops a paused run too."""
+    from m31r.train.trainer import PAUSE_FILE
+
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(train_yaml(max_steps=6, model=str(data_dir.parent / "model.yaml")))
+    run = tmp_path / "run"
+    train(cfg, data_dir, run, max_steps=2, log=lambda s: None)
+    (run / PAUSE_FILE).touch()
+    first = cli_train(cfg, data_dir, run, stderr=subprocess.STDOUT)
+    try:
+        lines: list[str] = []
+        wait_for(lambda: lines.append(first.stdout.readline()) or "paused: " in lines[-1] or not lines[-1])
+        assert "paused: " in lines[-1], lines
+        second = subprocess.run([sys.executable, "-m", "m31r.cli", "train", "model", str(cfg), "--data",
+                                 str(data_dir), "--run", str(run)], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and second.stderr == (
+            f"error: {run} is being trained by another process (pid {first.pid}): let it finish, or stop it first "
+            f"(Ctrl-C, or kill -TERM {first.pid}: it saves a checkpoint and exits)\n")
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143 and messages(out)[-1].startswith("stopped by SIGTERM at step 2: "), out
+    (run / PAUSE_FILE).unlink()
+    assert train(cfg, data_dir, run, log=lambda s: None)["step"] == 6
+
+
+def test_a_full_disk_at_checkpoint_time_keeps_the_last_checkpoint(data_dir: Path, tmp_path: Path):
+    """A checkpoint that cannot be written (here a file size limit, EFBIG, as a full disk gives ENOSPC) stops the
+    run with one line naming the file, the reason and the checkpoint kept, and leaves no partial file taking the
+    space. Before: torch's "unexpected pos" RuntimeError as a traceback, and ckpt.tmp left behind."""
+    import resource
+
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(train_yaml(max_steps=6, ckpt_interval=1, model=str(data_dir.parent / "model.yaml")))
+    run = tmp_path / "run"
+    train(cfg, data_dir, run, max_steps=3, log=lambda s: None)
+    limit = (run / "ckpt.pt").stat().st_size  # the next checkpoint, one more step of history, is larger
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = cli_train(cfg, data_dir, run, preexec_fn=small_files)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert messages(err)[-1] == (
+        f"error: cannot write {run / 'ckpt.tmp'} (File too large): training stopped at step 4; {run / 'ckpt.pt'} of "
+        f"step 3 is kept. Free some space (or make {run} writable) and run the same command again to resume")
+    assert torch.load(run / "ckpt.pt", weights_only=False)["state"]["step"] == 3 and not (run / "ckpt.tmp").exists()
+    assert train(cfg, data_dir, run, log=lambda s: None)["step"] == 6
+
+
+def test_a_checkpoint_cut_short_is_named_with_what_to_do(full_run, data_dir: Path, tmp_path: Path):
+    """A checkpoint cut short (a copy or a transfer) or empty: resume, export and shards say which file and what to
+    do, in one line. Before: torch's "failed finding central directory" traceback, or only "Aborted!" (an EOFError)."""
+    from m31r.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    whole = (full_run[0] / "ckpt.pt").read_bytes()
+    for cut in (whole[: len(whole) // 2], b""):
+        (run / "ckpt.pt").write_bytes(cut)
+        for args in (["model", str(data_dir.parent / "train.yaml"), "--data", str(data_dir), "--run", str(run)],
+                     ["export", "--run", str(run), "--data", str(data_dir), "--out", str(tmp_path / "out")],
+                     ["shards", "--run", str(run), "--out", str(tmp_path / "shards")]):
+            r = CliRunner().invoke(main, ["train", *args])
+            assert r.exit_code == 1 and r.stderr.count("\n") == 1, (args, r.output)
+            assert r.stderr.startswith(f"error: {run / 'ckpt.pt'} cannot be read as a checkpoint (")
+            assert r.stderr.endswith("put back a copy of it, or move it away to start the run again\n")
+        assert (run / "ckpt.pt").read_bytes() == cut and not (tmp_path / "out").exists()
+
+
+def test_a_run_resumed_with_another_model_config_is_refused(full_run, data_dir: Path, tmp_path: Path):
+    """Another shape failed in torch with a list of mismatched tensors; another config of the same shapes (a longer
+    context) trained on silently while the run's state, and so its bundle, kept the first config."""
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(full_run[0] / "ckpt.pt", run / "ckpt.pt")
+    before = (run / "ckpt.pt").read_bytes()
+    for change, said in (("d_model: 64", "d_model 64 -> 32"), ("max_context: 128", "max_context 128 -> 256")):
+        other = change.replace("64", "32").replace("128", "256")
+        (tmp_path / "model.yaml").write_text(MODEL_YAML.replace(change, other))
+        cfg = tmp_path / "t.yaml"
+        cfg.write_text(train_yaml(max_steps=STEPS + 2))
+        with pytest.raises(ValueError, match=f"another model than {cfg}'s \\({said}\\)"):
+            train(cfg, data_dir, run, log=lambda s: None)
+        assert (run / "ckpt.pt").read_bytes() == before
+
+
+def test_export_refuses_a_folder_that_is_not_a_bundle(full_run, data_dir: Path, tmp_path: Path):
+    """`--out` given the data or run folder by mistake: the bundle's files were mixed into it (its tokenizer.json
+    replaced); only a new folder or a bundle (to replace whole) is taken."""
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a bundle"):
+        export(full_run[0], data_dir, out, log=lambda s: None)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

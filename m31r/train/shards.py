@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from m31r.train.trainer import load_checkpoint
+
 MAX_SHARD_BYTES = 15 * 2**20
 
 
@@ -22,7 +24,7 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
     """Pack a checkpoint's weights (as bf16) into as few shards of at most max_bytes as they fit, plus its state as
     JSON. A tensor that does not fit the room left is split by rows (parts named NAME@0, NAME@1, ...): mini's
     embedding alone is 16 MiB, and filling every shard keeps its 59 MB to four files."""
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    saved = load_checkpoint(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     room_per_shard = max_bytes - min(64 * 1024, max_bytes // 4)  # room for the header
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -21,9 +21,12 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import msgspec
 import numpy as np
@@ -160,6 +163,13 @@ def _tokenise_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
 def _single_threaded_tokeniser() -> None:
     # The processes fill the cores; a tokeniser thread pool in each would only crowd them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _leave_ctrl_c_to_the_trainer()
+
+
+def _leave_ctrl_c_to_the_trainer() -> None:
+    """Ctrl-C reaches every process of the terminal's group: a forked worker it ended would never answer, and the
+    trainer would wait for its rows forever instead of saving a checkpoint. The trainer ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def token_stream(tok: Tokenizer, texts: list[str], cache: Path, workers: int | None = None
@@ -338,7 +348,8 @@ class StepBatches:
             import multiprocessing
 
             _WORKER_ARGS = self.args  # the corpus is shared with the workers by fork, not copied through pipes
-            self.pool = multiprocessing.get_context("fork").Pool(tc.data_workers)
+            self.pool = multiprocessing.get_context("fork").Pool(tc.data_workers,
+                                                                 initializer=_leave_ctrl_c_to_the_trainer)
             self._fill()
 
     def _fill(self) -> None:
@@ -468,27 +479,144 @@ def evaluate(model: torch.nn.Module, data: Data, tc: TrainConfig, dtype: torch.d
     return sums
 
 
+class _RecordingFile:
+    """A file for torch.save that keeps the OSError a write failed with: torch reports a full disk only as its zip
+    writer's "unexpected pos" RuntimeError, which says neither what failed nor why."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.error = f, None
+
+    def write(self, b: bytes) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Write the checkpoint beside `path`, fsync it and rename it over `path`: a kill, a full disk or a power cut at
+    any moment leaves the previous checkpoint whole. A failed write leaves no partial file taking the disk's space."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            sink = _RecordingFile(f)
+            try:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, sink)
+            except RuntimeError as e:
+                raise (sink.error or e) from None
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk once the folder is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A run's checkpoint, or a ValueError naming the file and what to do: torch's own errors for a file cut short
+    ("failed finding central directory", or an EOFError that the CLI reports only as "Aborted!") name neither."""
+    try:
+        saved = torch.load(path, weights_only=False, map_location="cpu")
+        why = "not a training checkpoint"
+    except OSError:
+        raise
+    except Exception as e:  # a zip archive cut short, an empty file (EOFError), a pickle of something else
+        saved, why = None, str(e).split(". ")[0].strip() or type(e).__name__
+    if not (isinstance(saved, dict) and {"model", "state"} <= saved.keys() and "step" in saved["state"]):
+        raise ValueError(f"{path} cannot be read as a checkpoint ({why}): it was cut short or replaced (training "
+                         "writes checkpoints whole); put back a copy of it, or move it away to start the run again")
+    return saved
 
 
 PAUSE_FILE = "PAUSE"
 
 
-def wait_while_paused(run_dir: Path, log: Callable[[str], None], poll: float = 0.5) -> float:
+class TrainingStopped(BaseException):
+    """A run stopped by a signal, its checkpoint saved. Not an Exception, as KeyboardInterrupt is not: code that
+    retries a failed run on any Exception (scripts/device-train.sh) must not train again after a stop."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """Ctrl-C, SIGTERM (`kill`, `timeout`, a service manager) and SIGHUP (its terminal closed) while a run trains:
+    the step in progress finishes and a checkpoint is saved before the run stops, where the default actions lose
+    every step since the last checkpoint. A second signal stops at once (the last checkpoint stays). A signal
+    ignored when the run started (nohup's SIGHUP) stays ignored."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                self.previous[sig] = signal.signal(sig, self._requested)
+
+    def _requested(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self.previous = {}
+
+
+class RunWriteError(OSError):
+    """The run folder cannot take a checkpoint or a log record (a full disk, a read-only folder)."""
+
+
+@contextlib.contextmanager
+def hold_run(run_dir: Path) -> Iterator[None]:
+    """Only one process trains a run folder: two would write the same ckpt.tmp, and one could rename the other's
+    half-written file over the checkpoint (a run started again in a second terminal while the first still runs)."""
+    import fcntl
+
+    with open(run_dir / "lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            raise BlockingIOError(f"{run_dir} is being trained by another process (pid {pid}): let it finish, or "
+                                  f"stop it first (Ctrl-C, or kill -TERM {pid}: it saves a checkpoint and exits)"
+                                  ) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def wait_while_paused(run_dir: Path, log: Callable[[str], None], poll: float = 0.5,
+                      stop: StopRequests | None = None) -> float:
     """Hold the run between steps while RUN/PAUSE exists; returns the seconds waited.
 
     For taking benchmark figures beside a long run: unlike SIGSTOP, the wait falls outside any step, so neither
-    the step's tokens/s nor a schedule by minutes counts it.
+    the step's tokens/s nor a schedule by minutes counts it. A stop request (SIGTERM, Ctrl-C) ends the wait.
     """
     flag = Path(run_dir) / PAUSE_FILE
     if not flag.exists():
         return 0.0
     log(f"paused: {flag} exists; training goes on once it is removed")
     t0 = time.perf_counter()
-    while flag.exists():
+    while flag.exists() and (stop is None or stop.signum is None):
         time.sleep(poll)
     waited = time.perf_counter() - t0
     log(f"resumed after {waited:.0f} s")
@@ -503,9 +631,17 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     (or the config's) starts a new run from a bundle's weights and is ignored when resuming.
     """
     tc, mc = load_train_config(config_path)
-    data_dir, run_dir, dev = Path(data_dir), Path(run_dir), torch.device(device)
+    data_dir, run_dir = Path(data_dir), Path(run_dir)
     require_data(data_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run(run_dir):
+        return _train(tc, mc, config_path, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps,
+                      dev=torch.device(device), init_from=init_from, log=log)
+
+
+def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: Path, run_dir: Path, *,
+           max_minutes: float | None, max_steps: int | None, dev: torch.device, init_from: str | Path | None,
+           log: Callable[[str], None]) -> dict:
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -515,9 +651,10 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     tok_sha, version = data_identity(data_dir)
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "train_config": msgspec.to_builtins(tc),
              "model_config": mc.to_dict(), "tokenizer_sha256": tok_sha, "dataset_version": version}
-    saved = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.exists() else None
+    saved = load_checkpoint(ckpt) if ckpt.exists() else None
     if saved is not None:
         state = saved["state"]
+        require_same_model(state, mc, ckpt, config_path)
         state["tokenizer_sha256"], state["dataset_version"] = run_data(state, data_dir, run_dir, log)
         if version != (state.get("dataset_changes") or [state])[-1]["dataset_version"]:  # same tokenizer, new corpus
             log(f"{run_dir} trained on {state['dataset_version']}; from step {state['step']} on, on {version}")
@@ -557,12 +694,26 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     log(f"training on {where} with {'fp32' if cast is None else str(cast).removeprefix('torch.')} activations")
     stop_at = min(tc.max_steps, max_steps or tc.max_steps)
     batches = StepBatches(data, tc, mc.max_context, state["step"], stop_at)
+    saved_at = state["step"] if saved is not None else None  # the step of the checkpoint on disk
+
+    def checkpoint() -> None:
+        nonlocal saved_at
+        try:
+            save_checkpoint(ckpt, model, opt, state)
+        except OSError as e:
+            raise cannot_write(ckpt.with_suffix(".tmp"), e, state["step"], ckpt, saved_at) from None
+        saved_at = state["step"]
+
     t_start = time.time()
     bar = tqdm(total=stop_at, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    stop = StopRequests()  # after the row builders' fork: they keep the default actions
+    last = out_of_time = False
     try:
         while state["step"] < stop_at:
             step = state["step"]
-            t_start += wait_while_paused(run_dir, log)  # a pause counts against no budget
+            t_start += wait_while_paused(run_dir, log, stop=stop)  # a pause counts against no budget
+            if stop.signum is not None:
+                break
             seq = seq_len_at(step, tc, mc.max_context)
             n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
             t0 = time.perf_counter()
@@ -595,19 +746,45 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
                 log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
                     f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
             state["history"].append(record)
-            with open(run_dir / "log.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(run_dir / "log.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                raise cannot_write(run_dir / "log.jsonl", e, state["step"], ckpt, saved_at) from None
             if state["step"] % tc.ckpt_interval == 0 or last or out_of_time:
-                save_checkpoint(ckpt, model, opt, state)
+                checkpoint()
             if out_of_time:
                 log(f"stopping at step {state['step']}: time budget of {max_minutes} min spent")
+            if last or out_of_time or stop.signum is not None:
                 break
-            if last:
-                break
+        if stop.signum is not None and not (last or out_of_time):
+            if saved_at != state["step"]:
+                checkpoint()
+            raise TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at step {state['step']}: {ckpt} "
+                                  "is saved, and the same command resumes the run from it", stop.signum)
     finally:
+        stop.restore()
         batches.close()
         bar.close()
     return state
+
+
+def cannot_write(path: Path, e: OSError, step: int, ckpt: Path, saved_at: int | None) -> RunWriteError:
+    """One line for a run folder that stopped taking writes: what failed, and what is kept to resume from."""
+    kept = f"{ckpt} of step {saved_at} is kept" if saved_at is not None else "it has no checkpoint yet"
+    return RunWriteError(f"cannot write {path} ({e.strerror or e}): training stopped at step {step}; {kept}. Free "
+                         f"some space (or make {path.parent} writable) and run the same command again to resume")
+
+
+def require_same_model(state: dict, mc: ModelConfig, ckpt: Path, config_path: str | Path) -> None:
+    """A resume must build the model the run trained: weights of another shape fail in torch with a long list of
+    mismatched tensors, and one of the same shape (another max_context or rope_theta) would train on silently while
+    its bundle recorded the run's first config."""
+    trained = msgspec.convert(state["model_config"], ModelConfig).to_dict()
+    changed = [f"{k} {trained.get(k)!r} -> {v!r}" for k, v in mc.to_dict().items() if trained.get(k) != v]
+    if changed:
+        raise ValueError(f"{ckpt} is a run of another model than {config_path}'s ({', '.join(changed)}): resume it "
+                         "with the config it started with, or give this config a new --run folder")
 
 
 def trim_log(path: Path, step: int) -> None:
@@ -651,7 +828,10 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
                                 "model`), and `m31r train import-shards` makes one of a GPU call's shards")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} is not a folder: a bundle is a folder")
-    saved = torch.load(run_dir / "ckpt.pt", weights_only=False, map_location="cpu")
+    if out.is_dir() and any(out.iterdir()) and not (out / "metadata.json").is_file():
+        raise FileExistsError(f"{out} holds files and is not a bundle (no metadata.json): export into a new folder, "
+                              "or into a bundle to replace it (its other files are kept)")
+    saved = load_checkpoint(run_dir / "ckpt.pt")
     state = saved["state"]
     _, dataset = run_data(state, data_dir, run_dir, log)
     mc = msgspec.convert(state["model_config"], ModelConfig)
