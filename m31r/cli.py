@@ -1074,8 +1074,16 @@ def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -
     """Write the run's latest checkpoint as a release bundle (bf16 weights, full metadata)."""
     from m31r.train.trainer import export
 
-    click.echo(_summary(export(run_dir, data_dir, out, model_version=model_version,
-                               log=lambda s: click.echo(s, err=True))))  # OUT replaced once the new bundle is whole
+    restore = _sigterm_raises()  # so that export's clean-up runs: its half-written folder goes, OUT stays as it was
+    try:
+        b = export(run_dir, data_dir, out, model_version=model_version, log=lambda s: click.echo(s, err=True))
+    except SystemExit as e:
+        if e.code == TERMINATED_EXIT:
+            fail(f"{out}: terminated (SIGTERM) before the new bundle was whole; {out} is as it was", TERMINATED_EXIT)
+        raise
+    finally:
+        restore()
+    click.echo(_summary(b))  # OUT replaced once the new bundle is whole
 
 
 # ------------------------------------------------------------------------------------------------------------

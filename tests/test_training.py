@@ -1390,3 +1390,27 @@ def test_export_refuses_a_folder_that_is_not_a_bundle(full_run, data_dir: Path, 
     with pytest.raises(FileExistsError, match="not a bundle"):
         export(full_run[0], data_dir, out, log=lambda s: None)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_sigterm_during_export_leaves_no_half_written_folder(full_run, data_dir: Path, tmp_path: Path):
+    """SIGTERM (a `timeout`, a service manager) while `train export` wrote its new bundle ended the process on the
+    spot and left the hidden `.OUT.new-PID` folder behind, for good. Now the clean-up runs: one line, exit 143, OUT as
+    it was. The signal is sent the moment that folder appears, while the bundle is being written."""
+    import signal
+    import time
+
+    run, _ = full_run
+    out = tmp_path / "bundle"
+    proc = subprocess.Popen([sys.executable, "-m", "m31r.cli", "train", "export", "--run", str(run), "--data",
+                             str(data_dir), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    new = tmp_path / f".bundle.new-{proc.pid}"
+    deadline = time.monotonic() + 60
+    while not new.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert new.exists(), "the export finished (or failed) before its folder could be seen"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert not new.exists() and not out.exists()
