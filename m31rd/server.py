@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Stat
     from m31rd.scheduler import Event
 
 log = logging.getLogger("m31rd")
+FLUSH_S = 2.0  # how long a closing connection may take to send what is buffered for its client
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
 
 
@@ -334,9 +335,12 @@ class Connection:
         finally:
             for job in self.jobs.values():
                 job.cancel("client disconnected")
-            with contextlib.suppress(ConnectionError):
-                await self.writer.drain()
             self.writer.close()
+            # What is buffered must reach a client that reads slowly before a stopping daemon exits (it would be cut
+            # off mid-answer), but one that never reads must not hold the stop for long.
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(FLUSH_S):
+                    await self.writer.wait_closed()
 
     async def _read(self) -> bytes | None:
         return await read_frame(self.reader, timeout=self.daemon.read_timeout)

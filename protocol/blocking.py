@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 from m31r_protocol.framing import HEADER, pack
@@ -18,10 +19,20 @@ from m31r_protocol.paths import socket_path_problem
 from m31r_protocol.peer import check_daemon_owner
 
 
-def _read(sock: socket.socket) -> dict[str, Any]:
+def _left(sock: socket.socket, deadline: float) -> None:
+    """Give the socket's next call what is left of the deadline: a peer that trickles bytes must not stretch a
+    per-call timeout into minutes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the daemon did not answer in time")
+    sock.settimeout(left)
+
+
+def _read(sock: socket.socket, deadline: float) -> dict[str, Any]:
     def exactly(n: int) -> bytes:
         buf = bytearray()
         while len(buf) < n:
+            _left(sock, deadline)
             chunk = sock.recv(n - len(buf))
             if not chunk:
                 raise ConnectionError("the daemon closed the connection")
@@ -44,19 +55,22 @@ def status(path: str | os.PathLike, timeout: float = 2.0) -> dict[str, Any]:
 
 
 def welcome_and_status(path: str | os.PathLike, timeout: float = 2.0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The daemon's Welcome and StatusReply as dicts, as `status` gets them."""
+    """The daemon's Welcome and StatusReply as dicts, as `status` gets them, within `timeout` seconds in all."""
     if why := socket_path_problem(path):
         raise ValueError(why)
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
         check_daemon_owner(sock, path)  # a daemon of another user is refused (ForeignPeer, an OSError)
+        _left(sock, deadline)
         sock.sendall(pack(packb({"type": "hello", "protocol": PROTOCOL_VERSION, "client": "m31r-status"})))
-        welcome = _read(sock)
+        welcome = _read(sock, deadline)
         if welcome.get("type") != "welcome" or welcome.get("protocol") != PROTOCOL_VERSION:
             raise ValueError(f"unexpected handshake reply {welcome.get('type')!r}")
+        _left(sock, deadline)
         sock.sendall(pack(packb({"type": "status", "id": 1})))
-        reply = _read(sock)
+        reply = _read(sock, deadline)
         if reply.get("type") != "status_reply" or reply.get("id") != 1:
             raise ValueError(f"unexpected reply {reply.get('type')!r}")
         return welcome, reply

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -19,7 +20,8 @@ from typing import BinaryIO, TypeVar
 import msgspec
 
 from m31r_protocol import capabilities
-from m31r_protocol.framing import pack, read_frame
+from m31r_protocol.framing import FrameTooLarge, pack, read_frame
+from m31r_protocol.limits import MAX_FRAME_BYTES
 from m31r_protocol.logs import LOG_FILE_BYTES
 from m31r_protocol.messages import (
     PROTOCOL_VERSION,
@@ -86,13 +88,19 @@ class SocketUnreachable(DaemonUnavailable):
 
 
 class Stream:
-    """One request's events: iterate for Token events; `done` is set when it ends normally."""
+    """One request's events: iterate for Token events; `done` is set when it ends normally.
+
+    A read that is cancelled (its task cancelled, a timeout around `collect()`) cancels the request, and so does
+    dropping the Stream before its end (breaking out of `async for`): the daemon would otherwise go on working for
+    nobody. Once the stream has ended, iterating it again ends the same way at once instead of waiting."""
 
     def __init__(self, client: Client, rid: int):
         self.client, self.id = client, rid
         self.queue: asyncio.Queue[ServerMessage | BaseException] = asyncio.Queue()
         self.done: Done | None = None
+        self.error: BaseException | None = None  # how it ended, if not with Done
         self.tokens: list[int] = []
+        self.open = True  # the daemon may still send for it (its last event has not arrived)
 
     def __aiter__(self) -> Stream:
         return self
@@ -100,20 +108,28 @@ class Stream:
     async def __anext__(self) -> Token:
         if self.done is not None:
             raise StopAsyncIteration
-        msg = await self.queue.get()
+        if self.error is not None:
+            raise self.error
+        try:
+            msg = await self.queue.get()
+        except asyncio.CancelledError:
+            if self._detach():
+                self.client._cancel_nowait(self.id)
+            raise
         if isinstance(msg, Token):
             if msg.token is not None:
                 self.tokens.append(msg.token)
             return msg
-        self.client._streams.pop(self.id, None)
         if isinstance(msg, Done):
             self.done = msg
             raise StopAsyncIteration
         if isinstance(msg, Error):
-            raise DaemonError.of(msg)
-        if isinstance(msg, BaseException):
-            raise msg
-        raise DaemonError("internal", f"unexpected {type(msg).__name__} for request {self.id}")
+            self.error = DaemonError.of(msg)
+        elif isinstance(msg, BaseException):
+            self.error = msg
+        else:
+            self.error = DaemonError("internal", f"unexpected {type(msg).__name__} for request {self.id}")
+        raise self.error
 
     async def collect(self) -> tuple[str, Done]:
         text = "".join([t.text async for t in self])
@@ -123,10 +139,23 @@ class Stream:
     async def cancel(self) -> None:
         """Ask the daemon to stop this request and detach from it: whatever it still sends is dropped, and
         iterating the stream further raises DaemonError("cancelled")."""
-        if self.done is None and self.client._streams.pop(self.id, None) is not None:
-            self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
+        if self._detach():
             with contextlib.suppress(DaemonUnavailable, ConnectionError):
                 await self.client._send(Cancel(id=self.id))
+
+    def _detach(self) -> bool:
+        """Stop routing the daemon's events here and end the stream with DaemonError("cancelled"); False if its
+        last event had already arrived (nothing to cancel)."""
+        if not self.open:
+            return False
+        self.open = False
+        self.client._streams.pop(self.id, None)
+        self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
+        return True
+
+    def __del__(self) -> None:
+        if getattr(self, "open", False):  # dropped unfinished: the client holds streams weakly, so this runs
+            self.client._cancel_soon(self.id)
 
 
 class Client:
@@ -136,9 +165,12 @@ class Client:
         self._enc = encoder()
         self._dec = server_decoder()
         self._ids = itertools.count(1)
-        self._streams: dict[int, Stream] = {}
+        # Held weakly: a Stream nobody holds any more is dropped, and its __del__ cancels the request.
+        self._streams: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
         self._lock = asyncio.Lock()
         self._can = capabilities.listed(welcome.capabilities)
+        self._loop = asyncio.get_running_loop()
+        self._closed_here = False  # close() was called: requests in flight end saying so, not blaming the daemon
         self._reader_task = asyncio.create_task(self._read_loop())
         self.closed = asyncio.Event()
 
@@ -153,78 +185,73 @@ class Client:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
-            try:
-                if (sock := writer.get_extra_info("socket")) is not None:
-                    check_daemon_owner(sock, path)  # before the Hello: a foreign daemon is sent nothing
-            except ForeignPeer as e:
-                writer.close()
-                raise ForeignDaemon(str(e)) from None
-            async with asyncio.timeout(welcome_timeout):
-                writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
-                await writer.drain()
-                body = await read_frame(reader)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
             raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
         except OSError as e:  # a connect's error names no file: name the socket, and what the error means here
             raise SocketUnreachable(unreachable(e, path)) from None
-        except asyncio.IncompleteReadError:
-            raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake") from None
-        if body is None:
-            raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake")
         try:
-            msg = server_decoder().decode(body)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # e.g. another protocol version's Welcome
-            writer.close()
-            raw = None
-            with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError):
-                raw = msgspec.msgpack.decode(body)
-            version = raw.get("protocol") if isinstance(raw, dict) else None
-            if isinstance(version, int) and version != PROTOCOL_VERSION:
-                raise DaemonError("unsupported_version", (
-                    f"the daemon on {path} speaks protocol {version}, this client speaks {PROTOCOL_VERSION}; "
-                    f"upgrade the older side")) from None
-            raise DaemonError("bad_request", f"undecodable handshake reply from {path}: {e}") from None
-        if isinstance(msg, Error):
-            writer.close()
-            raise DaemonError.of(msg)
-        if not isinstance(msg, Welcome):
-            writer.close()
-            raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
-        if msg.protocol != PROTOCOL_VERSION:
-            writer.close()
-            raise DaemonError("unsupported_version", (
-                f"the daemon on {path} speaks protocol {msg.protocol}, this client speaks {PROTOCOL_VERSION}; "
-                f"upgrade the older side"))
-        return cls(reader, writer, msg)
+            return cls(reader, writer, await _shake_hands(reader, writer, path, client, welcome_timeout))
+        except BaseException:
+            writer.close()  # whatever ended the handshake (a refusal, a timeout, a cancel), the socket is not kept
+            raise
 
     async def _read_loop(self) -> None:
-        error: BaseException = DaemonUnavailable("the daemon closed the connection")
+        error: BaseException | None = None
         try:
             while (body := await read_frame(self._reader)) is not None:
                 msg = self._dec.decode(body)
-                rid = getattr(msg, "id", None)
-                stream = self._streams.get(rid) if rid is not None else None
-                if stream is not None:
-                    stream.queue.put_nowait(msg)
-                elif isinstance(msg, Error) and rid is None:
-                    error = DaemonError.of(msg)
-        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError, UnicodeDecodeError) as e:
+                if isinstance(msg, Error) and msg.id is None:
+                    error = DaemonError.of(msg)  # about the connection: the daemon closes it next
+                else:
+                    self._route(msg)
+        except (asyncio.IncompleteReadError, OSError, FrameTooLarge, msgspec.DecodeError, UnicodeDecodeError) as e:
             error = DaemonUnavailable(f"connection to the daemon lost: {e}")
         finally:
-            for stream in self._streams.values():
+            if error is None or self._closed_here:
+                error = DaemonUnavailable("this client was closed (Client.close) with the request in flight"
+                                          if self._closed_here else "the daemon closed the connection")
+            for stream in list(self._streams.values()):
+                stream.open = False
                 stream.queue.put_nowait(error)
             self._streams.clear()
             self.closed.set()
+            self._writer.close()  # nothing more can be read: the daemon may drop this connection's work
+
+    def _route(self, msg: ServerMessage) -> None:
+        """Hand `msg` to its request's Stream (a method, so that no local variable keeps a dropped Stream alive)."""
+        rid = getattr(msg, "id", None)
+        stream = self._streams.get(rid) if rid is not None else None
+        if stream is None:
+            return  # a request cancelled or dropped here: what the daemon still sent for it is dropped
+        if not isinstance(msg, Token):  # its last event: the daemon is done with it
+            stream.open = False
+            self._streams.pop(rid, None)
+        stream.queue.put_nowait(msg)
+
+    def _cancel_nowait(self, rid: int) -> None:
+        """Send Cancel without awaiting (from a cancelled task): a frame is written whole, so it never splits
+        another."""
+        if not self.closed.is_set() and not self._writer.is_closing():
+            self._writer.write(pack(self._enc.encode(Cancel(id=rid))))
+
+    def _cancel_soon(self, rid: int) -> None:
+        """_cancel_nowait from a finalizer, which may run in the middle of another write or on another thread."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed, and so is the connection
+            self._loop.call_soon_threadsafe(self._cancel_nowait, rid)
 
     async def _send(self, msg: msgspec.Struct) -> None:
-        if self.closed.is_set():
-            raise DaemonUnavailable("the connection to the daemon is closed")
+        if self.closed.is_set() or self._closed_here:
+            raise DaemonUnavailable("this client is closed (Client.close)" if self._closed_here
+                                    else "the connection to the daemon is closed")
         try:
             body = self._enc.encode(msg)
         except UnicodeEncodeError as e:  # a lone surrogate: str allows it, UTF-8 (and so MessagePack) does not
             raise DaemonError("bad_request", f"the request's text is not valid Unicode: a lone surrogate at "
                                              f"character {e.start} of one of its strings (bytes that were not "
                                              "UTF-8?)") from None
+        if len(body) > MAX_FRAME_BYTES:  # the daemon would close the connection, ending every request on it
+            raise DaemonError("frame_too_large", f"the request is {len(body)} bytes as sent, over the protocol's "
+                                                 f"{MAX_FRAME_BYTES}-byte limit: send less text")
         async with self._lock:
             try:
                 self._writer.write(pack(body))
@@ -239,6 +266,7 @@ class Client:
         try:
             await self._send(make(rid))
         except BaseException:
+            stream.open = False  # never sent: nothing to cancel
             self._streams.pop(rid, None)
             raise
         return stream
@@ -285,8 +313,11 @@ class Client:
 
     async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
         stream = await self._request(make)
-        msg = await stream.queue.get()
-        self._streams.pop(stream.id, None)
+        try:
+            msg = await stream.queue.get()
+        finally:
+            stream.open = False  # nothing to cancel (a reply comes at once): dropped, it sends no Cancel
+            self._streams.pop(stream.id, None)
         if isinstance(msg, Error):
             raise DaemonError.of(msg)
         if isinstance(msg, BaseException):
@@ -303,6 +334,7 @@ class Client:
         assert isinstance(reply, ShutdownReply)
 
     async def close(self) -> None:
+        self._closed_here = True
         self._writer.close()
         with contextlib.suppress(ConnectionError, BrokenPipeError):
             await self._writer.wait_closed()
@@ -315,6 +347,52 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _shake_hands(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: Path, client: str,
+                       welcome_timeout: float) -> Welcome:
+    """The daemon's Welcome to our Hello, or the exception saying why there is none."""
+    try:
+        if (sock := writer.get_extra_info("socket")) is not None:
+            check_daemon_owner(sock, path)  # before the Hello: a foreign daemon is sent nothing
+    except ForeignPeer as e:
+        raise ForeignDaemon(str(e)) from None
+    try:
+        async with asyncio.timeout(welcome_timeout):
+            writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
+            await writer.drain()
+            body = await read_frame(reader)
+    except (ConnectionResetError, TimeoutError) as e:
+        raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
+    except OSError as e:
+        raise SocketUnreachable(unreachable(e, path)) from None
+    except asyncio.IncompleteReadError:
+        body = None
+    except FrameTooLarge as e:
+        raise DaemonError("bad_request", f"the handshake reply from {path} is not the daemon's: {e}") from None
+    if body is None:
+        raise DaemonUnavailable(f"the daemon on {path} closed the connection during the handshake")
+    try:
+        msg = server_decoder().decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # e.g. another protocol version's Welcome
+        raw = None
+        with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError):
+            raw = msgspec.msgpack.decode(body)
+        version = raw.get("protocol") if isinstance(raw, dict) else None
+        if isinstance(version, int) and version != PROTOCOL_VERSION:
+            raise DaemonError("unsupported_version", (
+                f"the daemon on {path} speaks protocol {version}, this client speaks {PROTOCOL_VERSION}; "
+                f"upgrade the older side")) from None
+        raise DaemonError("bad_request", f"undecodable handshake reply from {path}: {e}") from None
+    if isinstance(msg, Error):
+        raise DaemonError.of(msg)
+    if not isinstance(msg, Welcome):
+        raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
+    if msg.protocol != PROTOCOL_VERSION:
+        raise DaemonError("unsupported_version", (
+            f"the daemon on {path} speaks protocol {msg.protocol}, this client speaks {PROTOCOL_VERSION}; "
+            f"upgrade the older side"))
+    return msg
 
 
 # How a client starts a daemon: this interpreter running `m31r daemon`. A command line, never an import: the

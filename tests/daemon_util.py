@@ -28,8 +28,9 @@ def start_daemon(bundle: str | Path, socket: str | Path, *extra: str, timeout: f
     proc.log_lines = []  # type: ignore[attr-defined]
 
     def pump() -> None:
-        for line in proc.stderr:  # type: ignore[union-attr]
-            proc.log_lines.append(line)  # type: ignore[attr-defined]
+        with proc.stderr:  # type: ignore[union-attr]  # closed at the daemon's end: no ResourceWarning for the pipe
+            for line in proc.stderr:  # type: ignore[union-attr]
+                proc.log_lines.append(line)  # type: ignore[attr-defined]
 
     drainer = threading.Thread(target=pump, daemon=True)
     drainer.start()

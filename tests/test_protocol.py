@@ -593,6 +593,9 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
         def close(self) -> None:
             self.closed = True
 
+        async def wait_closed(self) -> None:
+            pass
+
     async def handshake(hello: object, then: bytes = b"") -> list[msgspec.Struct]:
         writer = Writer()
         reader = feed(pack(msgspec.msgpack.encode(hello)) + then)
