@@ -384,6 +384,27 @@ def test_sd_notify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, abstract: bo
     sd_notify("READY=1")  # a no-op outside systemd
 
 
+def socket_activated(sock_path: Path, tiny_bundle, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """systemd-socket-activate listening on `sock_path`, to start `m31r daemon` (its output in `log`) on the first
+    connection, with only `env` (and PATH/HOME/USER/TERM, all it passes) in the daemon's environment."""
+    cmd = ["systemd-socket-activate", "--listen", str(sock_path), "--fdname", "m31rd",
+           *[a for k, v in env.items() for a in ("-E", f"{k}={v}")],
+           sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--threads", "1"]
+    with log.open("w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    t0 = time.monotonic()
+    try:
+        while not sock_path.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() - t0 < 30, "systemd-socket-activate did not listen"
+            time.sleep(0.02)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def test_socket_activation_and_ready_notification(tiny_bundle, tmp_path: Path):
     """systemd-socket-activate listens, the first connection starts the daemon with the socket as fd 3
     (LISTEN_FDS/LISTEN_PID), a Generate is answered, READY=1 reaches NOTIFY_SOCKET, SIGTERM exits 0 and
@@ -401,17 +422,8 @@ def test_socket_activation_and_ready_notification(tiny_bundle, tmp_path: Path):
     # systemd-socket-activate passes only PATH/HOME/USER/TERM and the -E variables to the child.
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NOTIFY_SOCKET": str(tmp_path / "notify"),
            "XDG_RUNTIME_DIR": str(runtime)}
-    cmd = ["systemd-socket-activate", "--listen", str(sock_path), "--fdname", "m31rd",
-           *[a for k, v in env.items() for a in ("-E", f"{k}={v}")],
-           sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--threads", "1"]
-    with log.open("w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = socket_activated(sock_path, tiny_bundle, log, env)
     try:
-        t0 = time.monotonic()
-        while not sock_path.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() - t0 < 30, "systemd-socket-activate did not listen"
-            time.sleep(0.02)
         time.sleep(0.2)
         assert "Execing" not in log.read_text()  # nothing runs until a client connects
 
@@ -795,15 +807,8 @@ def test_stop_on_a_socket_systemd_holds(tiny_bundle, tmp_path: Path, service_sta
     (fake / "systemctl").chmod(0o755)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
     log = tmp_path / "daemon.log"
-    cmd = ["systemd-socket-activate", "--listen", str(sock_path), "-E", "OMP_NUM_THREADS=1",
-           sys.executable, "-m", "m31r.cli", "daemon", "--bundle", str(tiny_bundle.path), "--threads", "1"]
-    with log.open("w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = socket_activated(sock_path, tiny_bundle, log, {"OMP_NUM_THREADS": "1"})
     try:
-        t0 = time.monotonic()
-        while not sock_path.exists():
-            assert proc.poll() is None and time.monotonic() - t0 < 30, log.read_text()
-            time.sleep(0.02)
         r = subprocess.run([*run, "stop"], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         said = f"m31rd.socket listens on {sock_path}, so systemd starts a daemon for the next request"
