@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from m31r_http import schemas as s
 from m31r_http.fim_templates import split_fim
 from m31r_http.metrics import Metrics, MetricsMiddleware
-from m31r_http.security import EXPOSED_HEADERS, GuardMiddleware, HostPolicy, error_body, error_body_for
+from m31r_http.security import EXPOSED_HEADERS, GuardMiddleware, HostPolicy, error_body, error_body_for, served_path
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
 from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
@@ -70,6 +70,11 @@ class ServeSettings:
     max_tokens_cap: int = 512
     request_timeout: float = 60.0
     body_timeout: float | None = 30.0  # a request's body must arrive within this of its headers (None: no limit)
+
+    def __post_init__(self) -> None:
+        # An origin as browsers send it, without a trailing slash (`--cors-origin http://localhost:5173/`): the one
+        # form every layer compares (the guard, the CORS middleware, the connection's refusals).
+        object.__setattr__(self, "cors_origins", tuple(o.rstrip("/") for o in self.cors_origins))
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -868,10 +873,10 @@ class TrailingSlash:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+        if scope["type"] == "http" and (served := served_path(path)) != path:
             # In place, as Starlette's router updates it: the server's scope is where connection.py marks a request
             # whose connection it closed (security.CLOSED_BY_SERVER).
-            scope["path"] = path[:-1]
+            scope["path"] = served
             if (raw := scope.get("raw_path")) and raw.endswith(b"/"):
                 scope["raw_path"] = raw[:-1]
         await self.app(scope, receive, send)

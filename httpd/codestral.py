@@ -96,8 +96,8 @@ class CodestralRenderer(Renderer):
 async def fim_completions(svc: Service, request: Request) -> Generation:
     """POST /v1/fim/completions: the request as the daemon's Fim (module docstring), answered as Mistral answers."""
     body = await request.body()
-    r: s.CodestralRequest = s.decode(body, s.CodestralRequest)  # (refused in Mistral's shape: app.invalid_request)
-    raw = s._parse(body)  # (an object: decode checked it)
+    raw = s.parse(body)
+    r: s.CodestralRequest = s.convert(raw, s.CodestralRequest)  # (refused in Mistral's shape: app.invalid_request)
     renderer = CodestralRenderer(sorted(k for k, v in raw.items() if k not in HONOURED and v is not None))
     sampling = svc.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])

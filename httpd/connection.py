@@ -293,4 +293,4 @@ def with_header_timeout(timeout: float, cors_origins: Iterable[str] = ()) -> typ
     """HeaderTimeoutProtocol with `timeout` seconds for a request's headers, its refusals (the limit's 503, its 400,
     431 and 408) readable by pages from `cors_origins` (--cors-origin, as GuardMiddleware's refusals are)."""
     return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {
-        "header_timeout": timeout, "cors_origins": frozenset(o.rstrip("/") for o in cors_origins)})
+        "header_timeout": timeout, "cors_origins": frozenset(cors_origins)})

@@ -225,8 +225,8 @@ def context(extra: list[s.InfillExtra]) -> list[Snippet]:
 async def infill(svc: Service, request: Request) -> Generation:
     """POST /infill: the request as the daemon's Fim (module docstring), answered as llama.cpp answers."""
     body = await request.body()
-    r: s.InfillRequest = s.decode(body, s.InfillRequest)
-    raw = s._parse(body)  # (an object: decode checked it)
+    raw = s.parse(body)
+    r: s.InfillRequest = s.convert(raw, s.InfillRequest)  # (so `raw` is an object)
     ignored = sorted(k for k in raw if k not in HONOURED)
     asked = r.n_predict if r.n_predict is not None else r.max_tokens if r.max_tokens is not None else -1
     greedy = r.temperature <= 0

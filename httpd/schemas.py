@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -628,26 +629,35 @@ def _integral(obj: Any) -> Any:
     return obj
 
 
-def _beyond_float(obj: Any, path: str = "") -> str | None:
-    """The path ("options.temperature", "context[0].x") of the first number in `obj` no float holds (Python's json
-    reads one as ±inf), or None."""
-    if isinstance(obj, float) and math.isinf(obj):
+def _first_path(obj: Any, hit: Callable[[Any], bool], path: str = "") -> str | None:
+    """The path (".options.temperature", ".stop[0]") of the first value, or key, in `obj` that `hit` holds for."""
+    if hit(obj):
         return path
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
-        if (found := _beyond_float(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")) is not None:
+        sub = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+        if hit(k):
+            return sub
+        if (found := _first_path(v, hit, sub)) is not None:
             return found
     return None
 
 
+def _field_of(body: bytes, hit: Callable[[Any], bool]) -> str | None:
+    """The field ("options.temperature", "stop[0]") of the first value or key in `body` that `hit` holds for, read by
+    Python's json, which takes what msgspec refuses (a number past a float's range, a lone surrogate); None where
+    there is none, or the body is no object (no field). A key's own lone surrogate is written as its escape."""
+    try:
+        path = _first_path(json.loads(body), hit) or ""
+    except (ValueError, RecursionError):
+        return None
+    return path[1:].encode("utf-8", "backslashreplace").decode() if path.startswith(".") else None
+
+
 def _out_of_range(body: bytes) -> InvalidRequest:
     """A number past a 64-bit float's range, named by its field: msgspec, reading JSON with no type, says only
-    `$[...]`, which is no field."""
-    try:
-        path = _beyond_float(json.loads(body)) or ""
-        param = path[1:] if path.startswith(".") else None  # (a field's: a body that is no object has none)
-    except (ValueError, RecursionError):
-        param = None
+    `$[...]`, which is no field. (Python's json reads such a number as ±inf.)"""
+    param = _field_of(body, lambda v: isinstance(v, float) and math.isinf(v))
     return InvalidRequest(f"{param + ': ' if param else ''}the number is out of range (a JSON number here must fit a "
                           "64-bit float, up to about 1.8e308)", param)
 
@@ -656,20 +666,6 @@ def _out_of_range(body: bytes) -> InvalidRequest:
 # is one escape, and the `ud800` after it plain text).
 _ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
 _SURROGATE = re.compile("[\\ud800-\\udfff]")
-
-
-def _surrogate_path(obj: Any, path: str = "") -> str | None:
-    """The path (".stop[0]") of the first string, or key, in `obj` holding a lone surrogate, None when none does."""
-    if isinstance(obj, str):
-        return path if _SURROGATE.search(obj) else None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for k, v in items:
-        sub = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
-        if isinstance(k, str) and _SURROGATE.search(k):
-            return sub
-        if (found := _surrogate_path(v, sub)) is not None:
-            return found
-    return None
 
 
 def _lone_surrogate(body: bytes, skipped: int = 0) -> InvalidRequest | None:
@@ -694,12 +690,7 @@ def _lone_surrogate(body: bytes, skipped: int = 0) -> InvalidRequest | None:
     lone = lone or high
     if lone is None:
         return None
-    try:
-        path = _surrogate_path(json.loads(body)) or ""
-    except (ValueError, RecursionError):
-        path = ""
-    # (a field's: a body that is no object has none; a key's own surrogate is written as its escape)
-    param = path[1:].encode("utf-8", "backslashreplace").decode() if path.startswith(".") else None
+    param = _field_of(body, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None)
     where = f"{param}: " if param else ""
     return InvalidRequest(f"{where}a JSON string holds a lone UTF-16 surrogate ({lone[0].decode()} at byte "
                           f"{skipped + lone.start()}): an escape in \\ud800-\\udfff must be one half of a high-low "
@@ -713,7 +704,7 @@ TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) rec
 BOM = b"\xef\xbb\xbf"
 
 
-def _parse(body: bytes) -> Any:
+def parse(body: bytes) -> Any:
     """`body`'s JSON, untyped, or InvalidRequest. A leading UTF-8 byte order mark is skipped, as RFC 8259 lets a
     server do: Windows tools write one (a body saved by PowerShell's `Out-File -Encoding utf8`, sent with curl)."""
     sent, body = len(body), body.removeprefix(BOM)
@@ -731,7 +722,11 @@ def _parse(body: bytes) -> Any:
 def decode(body: bytes, type_: type[Any], refusals: dict[str, str] | None = None) -> Any:
     """`body` as a `type_`, or InvalidRequest whose message and `param` name the offending field (`refusals`:
     why a field is refused, put before the validation error)."""
-    raw = _parse(body)
+    return convert(parse(body), type_, refusals)
+
+
+def convert(raw: Any, type_: type[Any], refusals: dict[str, str] | None = None) -> Any:
+    """As `decode`, from a body already parsed (`parse`): endpoints that also read its untyped fields parse it once."""
     try:
         return msgspec.convert(_integral(raw), type_)
     except msgspec.ValidationError as e:

@@ -116,12 +116,17 @@ def codestral_error_body(status: int, code: str, message: str, param: str | None
     return msgspec.json.encode(CodestralError(object="error", message=message, type=kind, param=param, code=code))
 
 
+def served_path(path: str) -> str:
+    """The path a request is served as: one trailing slash dropped (`/` itself kept), as app.TrailingSlash does."""
+    return path[:-1] if len(path) > 1 and path.endswith("/") else path
+
+
 def error_body_for(path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
     """An error in the shape the path's clients read: Ollama's under /api/, llama.cpp's and Mistral's on theirs, else
     OpenAI's (a path with one trailing slash is the path without it, as the app serves it). Shapes without a `param`
     name the field in the message."""
     said = f"{param}: {message}" if param and not message.startswith(param) else message
-    path = path[:-1] if len(path) > 1 and path.endswith("/") else path
+    path = served_path(path)
     if path.startswith(OLLAMA_PREFIX):
         return msgspec.json.encode({"error": message})
     if path in LLAMACPP_PATHS:
@@ -217,7 +222,7 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, *, hosts: HostPolicy, origins: Iterable[str] = (), token: str | None = None,
                  max_body: int | None = None, body_timeout: float | None = None):
         self.app, self.hosts, self.max_body, self.body_timeout = app, hosts, max_body, body_timeout
-        self.origins = frozenset(o.rstrip("/") for o in origins)
+        self.origins = frozenset(origins)  # (as ServeSettings keeps them: without a trailing slash)
         self.token = token.encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -88,7 +88,7 @@ def tabby_fields(body: bytes) -> dict | None:
     if b"segments" not in body:  # an OpenAI request is not parsed twice (a key escaped as `\u0073egments`, which no
         return None  # client writes, is not seen)
     try:
-        raw = s._parse(body)
+        raw = s.parse(body)
     except s.InvalidRequest:
         return None  # (the OpenAI endpoint says what is wrong with it)
     return raw if isinstance(raw, dict) and "segments" in raw and "prompt" not in raw else None
@@ -142,9 +142,10 @@ class TabbyRenderer(Renderer):
         return msgspec.json.encode(s.TabbyCompletionResponse(id=self.id, choices=[s.TabbyChoice(0, text)]))
 
 
-async def completion(svc: Service, body: bytes, raw: dict) -> Generation:
-    """POST /v1/completions with Tabby's request: the daemon's Fim (module docstring), answered as Tabby answers."""
-    r: s.TabbyCompletionRequest = s.decode(body, s.TabbyCompletionRequest, s.TABBY_REFUSALS)
+async def completion(svc: Service, raw: dict) -> Generation:
+    """POST /v1/completions with Tabby's request (its body parsed by tabby_fields): the daemon's Fim (module
+    docstring), answered as Tabby answers."""
+    r: s.TabbyCompletionRequest = s.convert(raw, s.TabbyCompletionRequest, s.TABBY_REFUSALS)
     seg = r.segments
     suffix = seg.suffix or ""
     crlf = "\r\n" in seg.prefix or "\r\n" in suffix
@@ -212,7 +213,7 @@ def completions_endpoint(svc: Service) -> Callable[[Request], Awaitable[Generati
     async def endpoint(request: Request) -> Generation:
         body = await request.body()  # (kept by the request: the OpenAI endpoint reads it again)
         if (raw := tabby_fields(body)) is not None:
-            return await completion(svc, body, raw)
+            return await completion(svc, raw)
         return await svc.openai_completions(request)
 
     return endpoint

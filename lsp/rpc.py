@@ -112,7 +112,6 @@ class M31rProtocol(LanguageServerProtocol):
         # Documents dropped because a change to them could not be read: their language id, kept for when a change
         # brings their whole text (keyed as pygls keys documents, by the URI unquoted once).
         self._out_of_step: dict[str, str] = {}
-        self._told: set[str] = set()  # the documents whose dropping the user was shown
 
     def lines(self, doc: TextDocument) -> documents.Lines:
         """The line index of `doc`'s text (made if it has none yet: a didOpen, a full-text change)."""
@@ -203,18 +202,14 @@ class M31rProtocol(LanguageServerProtocol):
             return False
         if doc is None:
             return False
-        self._out_of_step[unquote(uri)] = doc.language_id or ""
-        self.workspace.remove_text_document(uri)
-        if (user_handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CLOSE)) is not None:
-            user_handler(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
-        told = (f"{why}. {_shown_name(uri)} no longer matches the editor's text, so it gets no completions until it"
-                " is reopened.")
-        log.warning("%s", told)
-        self.notify(types.WINDOW_LOG_MESSAGE, types.LogMessageParams(type=types.MessageType.Warning, message=told))
-        if unquote(uri) not in self._told:  # shown once a document: a client that sends such changes sends many
-            self._told.add(unquote(uri))
-            self.notify(types.WINDOW_SHOW_MESSAGE, types.ShowMessageParams(type=types.MessageType.Warning,
-                                                                           message=told))
+        language = doc.language_id or ""
+        # Closed as the editor's didClose closes it (the server's handlers end its completion jobs), then marked.
+        super().handle_message(types.DidCloseTextDocumentNotification(
+            params=types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri))))
+        self._out_of_step[unquote(uri)] = language
+        # Shown once a document (keyed by it): a client that sends such changes sends many.
+        self._server.log_problems([f"{why}. {_shown_name(uri)} no longer matches the editor's text, so it gets no "
+                                   "completions until it is reopened."], key=f"out of step: {unquote(uri)}")
         return True
 
     def _refusal(self, method: str) -> JsonRpcException | None:

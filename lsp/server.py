@@ -94,15 +94,16 @@ class M31rLanguageServer(LanguageServer):
     def tell(self, message: str) -> None:
         self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
 
-    def log_problems(self, problems: list[str]) -> None:
-        """Log each settings problem, and show it (window/showMessage) the first time this session has it: Neovim and
+    def log_problems(self, problems: list[str], key: str | None = None) -> None:
+        """Log each problem, and show it (window/showMessage) the first time this session has it (or `key`): Neovim and
         Helix users rarely read the log, and a bad value sent again with every configuration change is not news."""
         for p in problems:
             log.warning("%s", p)
             self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning, message=p))
-            key = p.partition("; keeping ")[0]  # the key and the bad value, not the value kept (that may change)
-            if key not in self._shown_problems:
-                self._shown_problems.add(key)
+            # (for a setting: the setting and its bad value, not the value kept, which may change)
+            shown = p.partition("; keeping ")[0] if key is None else key
+            if shown not in self._shown_problems:
+                self._shown_problems.add(shown)
                 self.tell(p)
 
     async def apply_settings(self, raw: object) -> None:

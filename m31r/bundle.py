@@ -378,6 +378,14 @@ def _check_int4_groups(source: Bundle, group_size: int) -> None:
     raise BundleError(f"{source.path}: int4 groups of {group_size} do not fit this model ({why}); {way}")
 
 
+WEIGHTS_RULE = "weights must be finite, non-negative numbers, at least one above 0"
+
+
+def usable_weights(weights: list[float]) -> bool:
+    """Whether `weights` can weigh an average (WEIGHTS_RULE): the CLI checks them before reading any bundle."""
+    return bool(weights) and all(math.isfinite(w) and w >= 0 for w in weights) and max(weights) > 0
+
+
 def average_bundles(sources: list[str | Path], weights: list[float], out: str | Path, *,
                     model_version: str) -> Bundle:
     """Write the weighted average of float bundles of one shape and tokenizer into `out` (a "model soup").
@@ -389,9 +397,8 @@ def average_bundles(sources: list[str | Path], weights: list[float], out: str | 
     """
     if len(sources) < 2 or len(weights) != len(sources):
         raise ValueError(f"need two or more bundles and one weight each, got {len(sources)} and {len(weights)}")
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or max(weights) <= 0:
-        raise ValueError(f"weights must be finite, non-negative numbers, at least one above 0, got "
-                         f"{', '.join(map(str, weights))}")
+    if not usable_weights(weights):
+        raise ValueError(f"{WEIGHTS_RULE}, got {', '.join(map(str, weights))}")
     # Scaled by the largest first: the sum of weights near the float limit would overflow to inf (every weight
     # then 0), and weights too small to sum exactly stay in proportion.
     top = max(weights)

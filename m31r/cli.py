@@ -76,49 +76,55 @@ def _new_bundle_dir(out: Path, sources: tuple[Path, ...] = ()) -> Iterator[None]
             raise ValueError(f"{out}: inside the source bundle {src}, which must hold its five files only: write the "
                              "new one somewhere else")
     created = not out.exists()
-    restore = _sigterm_raises()
-    try:
-        yield
-    except BaseException as e:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        elif out.is_dir():
-            for child in out.iterdir():  # the directory was empty: everything in it is ours
-                if child.is_dir():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        _bundle_write_failed(e, out)
-        raise
-    finally:
-        restore()
+    with _sigterm_ends(f"{out}: terminated (SIGTERM) before the bundle was whole; nothing was left there"):
+        try:
+            yield
+        except BaseException as e:
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            elif out.is_dir():
+                for child in out.iterdir():  # the directory was empty: everything in it is ours
+                    if child.is_dir():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()
+            _bundle_write_failed(e, out)
+            raise
 
 
 TERMINATED_EXIT = 128 + 15  # 128 + SIGTERM: what a shell reports for a program that `kill` or `timeout` ended
 
 
-def _sigterm_raises() -> Callable[[], None]:
-    """Until the returned function is called, SIGTERM ends the command through an exception (TERMINATED_EXIT), as
-    Ctrl-C does, so that _new_bundle_dir removes what it wrote: the default action ends the process on the spot."""
+@contextlib.contextmanager
+def _sigterm_ends(said: str) -> Iterator[None]:
+    """Inside, SIGTERM (from `timeout`, a service manager) ends the command through an exception, as Ctrl-C does, so
+    that the clean-up of what it was writing runs (the default action ends the process on the spot); then `said`, in
+    one line, exit TERMINATED_EXIT. A SIGTERM this process ignores stays ignored."""
     import signal
     import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
 
     def terminated(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
         raise SystemExit(TERMINATED_EXIT)
 
-    previous = signal.signal(signal.SIGTERM, terminated)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    previous = signal.getsignal(signal.SIGTERM)  # (None: not set from Python, so the default)
+    ours = threading.current_thread() is threading.main_thread() and previous != signal.SIG_IGN
+    if ours:
+        signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except SystemExit as e:
+        if e.code == TERMINATED_EXIT:
+            fail(said, TERMINATED_EXIT)
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _bundle_write_failed(e: BaseException, out: Path) -> None:
     """One line for what stopped a bundle writer that names no file: write() on a full disk (an OSError without a
-    file name), torch's allocator (a RuntimeError), SIGTERM."""
-    if isinstance(e, SystemExit) and e.code == TERMINATED_EXIT:
-        fail(f"{out}: terminated (SIGTERM) before the bundle was whole; nothing was left there", TERMINATED_EXIT)
+    file name), torch's allocator (a RuntimeError)."""
     if isinstance(e, OSError) and e.filename is None and e.strerror:
         fail(f"{out}: cannot write the bundle: {e.strerror}")
     if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
@@ -286,7 +292,9 @@ def bundle_export_hf(src: Path, out: Path, dtype: str | None) -> None:
 
 
 def _average_weights(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
-    """--weights as numbers, refused as a usage error before any bundle is read (average_bundles checks them too)."""
+    """--weights as numbers, refused as a usage error before any bundle is read."""
+    from m31r.bundle import WEIGHTS_RULE, usable_weights
+
     if value is None:
         return None
     try:
@@ -296,8 +304,8 @@ def _average_weights(ctx: click.Context, param: click.Parameter, value: str | No
     if ws is None:
         raise click.BadParameter(f"{value!r} is not numbers separated by commas" if value.strip() else
                                  "empty: give one number per bundle, or leave the option out for equal weights")
-    if not all(math.isfinite(w) and w >= 0 for w in ws) or max(ws) <= 0:
-        raise click.BadParameter(f"{value!r}: weights must be finite, non-negative numbers, at least one above 0")
+    if not usable_weights(ws):
+        raise click.BadParameter(f"{value!r}: {WEIGHTS_RULE}")
     return ws
 
 
@@ -845,11 +853,12 @@ def stop(socket_path: Path | None) -> None:
     from m31rd.service import systemd_states
 
     path = Path(socket_path or default_socket_path())
-    units = systemd_states(path)  # None unless the installed m31rd.socket listens on this path
-    held = units is not None and units[0] == "active"
+    # The units' states where the installed m31rd.socket listens on this path ("" for both elsewhere).
+    socket_unit, service_unit = systemd_states(path) or ("", "")
+    held = socket_unit == "active"
     again = (f"m31rd.socket listens on {path}, so systemd starts a daemon for the next request (`systemctl --user stop "
              "m31rd.socket` stops that too)")
-    if held and units is not None and units[1] in ("inactive", "failed"):  # connecting would start one to stop it
+    if held and service_unit in ("inactive", "failed"):  # connecting would start one to stop it
         click.echo(f"no daemon was running; {again}", err=True)
     elif _run_client(_stop, socket_path, socket_path=socket_path):
         click.echo(f"daemon stopped; {again}" if held else "daemon stopped", err=True)
@@ -1074,15 +1083,9 @@ def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -
     """Write the run's latest checkpoint as a release bundle (bf16 weights, full metadata)."""
     from m31r.train.trainer import export
 
-    restore = _sigterm_raises()  # so that export's clean-up runs: its half-written folder goes, OUT stays as it was
-    try:
+    # (SIGTERM runs export's clean-up: its half-written folder goes, OUT stays as it was)
+    with _sigterm_ends(f"{out}: terminated (SIGTERM) before the new bundle was whole; {out} is as it was"):
         b = export(run_dir, data_dir, out, model_version=model_version, log=lambda s: click.echo(s, err=True))
-    except SystemExit as e:
-        if e.code == TERMINATED_EXIT:
-            fail(f"{out}: terminated (SIGTERM) before the new bundle was whole; {out} is as it was", TERMINATED_EXIT)
-        raise
-    finally:
-        restore()
     click.echo(_summary(b))  # OUT replaced once the new bundle is whole
 
 

@@ -140,16 +140,14 @@ class Stream:
         """Ask the daemon to stop this request and detach from it: whatever it still sends is dropped, and
         iterating the stream further raises DaemonError("cancelled")."""
         if self._detach():
-            with contextlib.suppress(DaemonUnavailable, ConnectionError):
-                await self.client._send(Cancel(id=self.id))
+            self.client._cancel_nowait(self.id)
 
     def _detach(self) -> bool:
         """Stop routing the daemon's events here and end the stream with DaemonError("cancelled"); False if its
         last event had already arrived (nothing to cancel)."""
         if not self.open:
             return False
-        self.open = False
-        self.client._streams.pop(self.id, None)
+        self.client._forget(self)
         self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
         return True
 
@@ -185,15 +183,18 @@ class Client:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
+            try:
+                welcome = await _shake_hands(reader, writer, path, client, welcome_timeout)
+            except BaseException:
+                writer.close()  # whatever ended the handshake (a refusal, a timeout, a cancel), the socket is not kept
+                raise
+        except DaemonUnavailable:  # (the handshake's own, already worded)
+            raise
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
             raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
         except OSError as e:  # a connect's error names no file: name the socket, and what the error means here
             raise SocketUnreachable(unreachable(e, path)) from None
-        try:
-            return cls(reader, writer, await _shake_hands(reader, writer, path, client, welcome_timeout))
-        except BaseException:
-            writer.close()  # whatever ended the handshake (a refusal, a timeout, a cancel), the socket is not kept
-            raise
+        return cls(reader, writer, welcome)
 
     async def _read_loop(self) -> None:
         error: BaseException | None = None
@@ -224,14 +225,18 @@ class Client:
         if stream is None:
             return  # a request cancelled or dropped here: what the daemon still sent for it is dropped
         if not isinstance(msg, Token):  # its last event: the daemon is done with it
-            stream.open = False
-            self._streams.pop(rid, None)
+            self._forget(stream)
         stream.queue.put_nowait(msg)
+
+    def _forget(self, stream: Stream) -> None:
+        """Route no more events to `stream`: nothing it can be cancelled for is left (so dropping it sends nothing)."""
+        stream.open = False
+        self._streams.pop(stream.id, None)
 
     def _cancel_nowait(self, rid: int) -> None:
         """Send Cancel without awaiting (from a cancelled task): a frame is written whole, so it never splits
         another."""
-        if not self.closed.is_set() and not self._writer.is_closing():
+        if not self._writer.is_closing():  # (the read loop closes it when the connection ends)
             self._writer.write(pack(self._enc.encode(Cancel(id=rid))))
 
     def _cancel_soon(self, rid: int) -> None:
@@ -266,8 +271,7 @@ class Client:
         try:
             await self._send(make(rid))
         except BaseException:
-            stream.open = False  # never sent: nothing to cancel
-            self._streams.pop(rid, None)
+            self._forget(stream)  # never sent: nothing to cancel
             raise
         return stream
 
@@ -316,8 +320,7 @@ class Client:
         try:
             msg = await stream.queue.get()
         finally:
-            stream.open = False  # nothing to cancel (a reply comes at once): dropped, it sends no Cancel
-            self._streams.pop(stream.id, None)
+            self._forget(stream)  # nothing to cancel (a reply comes at once): dropped, it sends no Cancel
         if isinstance(msg, Error):
             raise DaemonError.of(msg)
         if isinstance(msg, BaseException):
@@ -357,15 +360,11 @@ async def _shake_hands(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             check_daemon_owner(sock, path)  # before the Hello: a foreign daemon is sent nothing
     except ForeignPeer as e:
         raise ForeignDaemon(str(e)) from None
-    try:
+    try:  # (a reset or the greeting's timeout: worded by `connect`, as the connect's own)
         async with asyncio.timeout(welcome_timeout):
             writer.write(pack(encoder().encode(Hello(protocol=PROTOCOL_VERSION, client=client))))
             await writer.drain()
             body = await read_frame(reader)
-    except (ConnectionResetError, TimeoutError) as e:
-        raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
-    except OSError as e:
-        raise SocketUnreachable(unreachable(e, path)) from None
     except asyncio.IncompleteReadError:
         body = None
     except FrameTooLarge as e:
@@ -380,19 +379,20 @@ async def _shake_hands(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             raw = msgspec.msgpack.decode(body)
         version = raw.get("protocol") if isinstance(raw, dict) else None
         if isinstance(version, int) and version != PROTOCOL_VERSION:
-            raise DaemonError("unsupported_version", (
-                f"the daemon on {path} speaks protocol {version}, this client speaks {PROTOCOL_VERSION}; "
-                f"upgrade the older side")) from None
+            raise _other_version(path, version) from None
         raise DaemonError("bad_request", f"undecodable handshake reply from {path}: {e}") from None
     if isinstance(msg, Error):
         raise DaemonError.of(msg)
     if not isinstance(msg, Welcome):
         raise DaemonError("bad_request", f"expected Welcome, got {type(msg).__name__}")
     if msg.protocol != PROTOCOL_VERSION:
-        raise DaemonError("unsupported_version", (
-            f"the daemon on {path} speaks protocol {msg.protocol}, this client speaks {PROTOCOL_VERSION}; "
-            f"upgrade the older side"))
+        raise _other_version(path, msg.protocol)
     return msg
+
+
+def _other_version(path: Path, version: int) -> DaemonError:
+    return DaemonError("unsupported_version", f"the daemon on {path} speaks protocol {version}, this client speaks "
+                                              f"{PROTOCOL_VERSION}; upgrade the older side")
 
 
 # How a client starts a daemon: this interpreter running `m31r daemon`. A command line, never an import: the

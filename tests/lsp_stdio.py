@@ -62,20 +62,18 @@ class Stdio:
         return [m["params"]["message"] for m in self.got if m.get("method") == "window/logMessage"]
 
     async def exit_status(self) -> int:
-        self.send("exit")
-        self.proc.stdin.close()
-        async with asyncio.timeout(20):
-            return await self.proc.wait()
+        """`exit` without `shutdown`: the status the server exits with."""
+        return (await self.end(shutdown=False))[0]
 
     async def end(self, shutdown: bool = True) -> tuple[int, str]:
-        """Shut down (or not) and exit: the exit status and everything the server wrote on stderr (`spawn(stderr=
-        True)`)."""
+        """Shut down (or not) and exit: the exit status and everything the server wrote on stderr (with `spawn(stderr=
+        True)`; else "")."""
         if shutdown:
             await self.request("shutdown", None)
         self.send("exit")
         self.proc.stdin.close()
         async with asyncio.timeout(20):
-            err = await self.proc.stderr.read()
+            err = await self.proc.stderr.read() if self.proc.stderr is not None else b""
             return await self.proc.wait(), err.decode()
 
 

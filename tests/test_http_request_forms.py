@@ -26,8 +26,18 @@ HEADER_TIMEOUT = 1.0
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory):
-    yield from healthy_server(tmp_path_factory, "edges2", shared_daemon[1], "--cors-origin", ORIGIN,
+    # The origin as a user may write it, with a trailing slash (browsers send it without)
+    yield from healthy_server(tmp_path_factory, "edges2", shared_daemon[1], "--cors-origin", ORIGIN + "/",
                               "--header-timeout", str(HEADER_TIMEOUT))
+
+
+def test_an_origin_given_with_a_trailing_slash_is_allowed_by_every_layer(server):
+    """`--cors-origin http://localhost:5173/` let the page's requests past the guard, but the CORS middleware compared
+    the origin as given, so the page could read only the refusals, not the answers."""
+    r = httpx.post(f"{server.url}/v1/completions", json=OPENAI, headers={"origin": ORIGIN}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN, (r.status_code, r.headers)
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{", headers={"origin": ORIGIN}, timeout=60)
+    assert r.status_code == 400 and r.headers["access-control-allow-origin"] == ORIGIN, (r.status_code, r.headers)
 
 
 OPENAI = {"model": "m31r", "prompt": "fn main() {", "max_tokens": 2}
@@ -166,18 +176,23 @@ def test_a_lone_surrogates_byte_is_counted_in_the_body_as_sent(server, bom):
     assert f"at byte {at})" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("raw", [
-    rb'{"prompt": "fn main", "max_tokens": 2, "stop": ["\ud83d\ude00"]}',  # a pair: an emoji
-    rb'{"prompt": "fn main \\ud800", "max_tokens": 2}',  # an escaped backslash, then text
-])
+PAIR = rb'{"prompt": "fn main", "max_tokens": 2, "stop": ["\ud83d\ude00"]}'  # a pair: an emoji
+ESCAPED = rb'{"prompt": "fn main \\ud800", "max_tokens": 2}'  # an escaped backslash, then text
+
+
+@pytest.mark.parametrize("raw", [PAIR, ESCAPED], ids=["pair", "escaped-backslash"])
 def test_surrogate_pairs_and_escaped_backslashes_are_served(server, raw):
     r = httpx.post(f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, r.text
 
 
-def test_a_truncated_body_is_still_called_so(server):
-    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "fn main', timeout=30,
+@pytest.mark.parametrize("raw", [b'{"prompt": "fn main', PAIR[:-1], ESCAPED[:-1]],
+                         ids=["plain", "pair", "escaped-backslash"])
+def test_a_truncated_body_is_still_called_so(server, raw):
+    """A body that is not JSON for another reason is the scan's case (it runs only when msgspec refuses a body): a
+    surrogate pair or an escaped backslash before `ud800` in it is no lone surrogate."""
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "surrogate" not in r.text and "not valid JSON" in r.text, r.text
 

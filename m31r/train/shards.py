@@ -9,13 +9,12 @@ a fresh optimizer.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from m31r.train.trainer import load_checkpoint
+from m31r.train.trainer import hold_run, load_checkpoint, write_checkpoint
 
 MAX_SHARD_BYTES = 15 * 2**20
 
@@ -88,10 +87,6 @@ def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
         model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
     state = json.loads((Path(folder) / "state.json").read_text())
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt.with_suffix(".tmp")
-    try:
-        torch.save({"model": model, "optimizer": None, "state": state}, tmp)
-        os.replace(tmp, ckpt)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with hold_run(ckpt.parent):  # not while a trainer writes its own ckpt.tmp there
+        write_checkpoint(ckpt, {"model": model, "optimizer": None, "state": state})
     return state

@@ -167,9 +167,11 @@ def _single_threaded_tokeniser() -> None:
 
 
 def _leave_ctrl_c_to_the_trainer() -> None:
-    """Ctrl-C reaches every process of the terminal's group: a forked worker it ended would never answer, and the
-    trainer would wait for its rows forever instead of saving a checkpoint. The trainer ends its workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C (and a SIGTERM or SIGHUP sent to the group) reaches every process of the group: a forked worker it ended
+    would never answer, and the trainer would wait for its rows forever instead of saving a checkpoint. The trainer
+    ends its workers itself."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (`timeout`, systemd: the whole group too)
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def token_stream(tok: Tokenizer, texts: list[str], cache: Path, workers: int | None = None
@@ -498,6 +500,10 @@ class _RecordingFile:
 
 
 def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
+    write_checkpoint(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state})
+
+
+def write_checkpoint(path: Path, saved: dict) -> None:
     """Write the checkpoint beside `path`, fsync it and rename it over `path`: a kill, a full disk or a power cut at
     any moment leaves the previous checkpoint whole. A failed write leaves no partial file taking the disk's space."""
     tmp = path.with_suffix(".tmp")
@@ -505,7 +511,7 @@ def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, 
         with open(tmp, "wb") as f:
             sink = _RecordingFile(f)
             try:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, sink)
+                torch.save(saved, sink)
             except RuntimeError as e:
                 raise (sink.error or e) from None
             f.flush()
