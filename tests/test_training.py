@@ -6,6 +6,7 @@ generated Rust files, 128-token context, 40 steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -1287,6 +1288,42 @@ def test_ctrl_c_with_row_building_workers_saves_and_exits(data_dir: Path, tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and messages(err)[-1].startswith("stopped by SIGINT at step "), err
     assert torch.load(run / "ckpt.pt", weights_only=False)["state"]["step"] >= 3
+
+
+POOL_ROUNDS = """
+import multiprocessing, os, signal, time
+from m31r.train.trainer import TrainerPool
+
+def square(x):
+    return x * x
+
+for _ in range(40):
+    pool = TrainerPool(3)
+    assert pool.map(square, range(14)) == [x * x for x in range(14)]
+    workers = multiprocessing.active_children()
+    assert len(workers) == 3
+    for w in workers:  # as `timeout` or systemd would, to the whole group
+        os.kill(w.pid, signal.SIGTERM)
+    time.sleep(0.02)
+    assert all(w.is_alive() for w in workers) and pool.map(square, [7]) == [49]
+    pool.terminate()
+    assert not multiprocessing.active_children()
+print("ended")
+"""
+
+
+def test_trainer_pool_workers_outlive_a_group_sigterm_and_end_when_terminated():
+    """The forked workers ignore a SIGTERM sent to the group (the trainer saves a checkpoint first, then ends them).
+    Pool.terminate, and the process's exit, end workers with SIGTERM and wait: they waited forever about once in
+    ten rounds (a CI run hung in the token-stream test until its 90 minutes ran out). Workers are now killed."""
+    proc = subprocess.Popen([sys.executable, "-c", POOL_ROUNDS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a hung round: its workers too, not only the script
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and out == "ended\n", err
 
 
 def test_a_second_process_on_a_run_is_refused_and_sigterm_ends_a_pause(data_dir: Path, tmp_path: Path):

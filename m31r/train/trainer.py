@@ -18,6 +18,9 @@ import contextlib
 import hashlib
 import json
 import math
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.pool
 import os
 import random
 import shutil
@@ -163,15 +166,36 @@ def _tokenise_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
 def _single_threaded_tokeniser() -> None:
     # The processes fill the cores; a tokeniser thread pool in each would only crowd them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _leave_ctrl_c_to_the_trainer()
 
 
-def _leave_ctrl_c_to_the_trainer() -> None:
+def _leave_signals_to_the_trainer(setup: Callable[[], None] | None) -> None:
     """Ctrl-C (and a SIGTERM or SIGHUP sent to the group) reaches every process of the group: a forked worker it ended
     would never answer, and the trainer would wait for its rows forever instead of saving a checkpoint. The trainer
-    ends its workers itself."""
+    ends its workers itself (TrainerPool)."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (`timeout`, systemd: the whole group too)
         signal.signal(signum, signal.SIG_IGN)
+    if setup is not None:
+        setup()
+
+
+class _Worker(multiprocessing.context.ForkProcess):
+    def terminate(self) -> None:
+        # Pool.terminate, and the process's exit, end workers with SIGTERM and then wait for them: these ignore it.
+        # (A handler that left on it once the trainer asked could still miss it: one arriving just before the
+        # worker blocks on the task queue's lock is handled only when the lock is free, and terminate holds it.)
+        self.kill()
+
+
+class TrainerPool(multiprocessing.pool.Pool):
+    """Forked workers that leave Ctrl-C, SIGTERM and SIGHUP sent to the whole group to the trainer, and still end
+    when the trainer ends them (terminate, leaving a `with` block, or the process's exit)."""
+
+    def __init__(self, workers: int, setup: Callable[[], None] | None = None):
+        super().__init__(workers, _leave_signals_to_the_trainer, (setup,), context=multiprocessing.get_context("fork"))
+
+    @staticmethod
+    def Process(ctx: Any, *args: Any, **kwds: Any) -> _Worker:  # noqa: N802 (Pool's own name for it)
+        return _Worker(*args, **kwds)
 
 
 def token_stream(tok: Tokenizer, texts: list[str], cache: Path, workers: int | None = None
@@ -194,9 +218,7 @@ def token_stream(tok: Tokenizer, texts: list[str], cache: Path, workers: int | N
     pool = None
     try:
         if workers > 1:
-            import multiprocessing
-
-            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_single_threaded_tokeniser)
+            pool = TrainerPool(workers, _single_threaded_tokeniser)
             parts = pool.imap(_tokenise_range, ranges)  # in order: the stream is the same for any number of them
         else:
             parts = map(_tokenise_range, ranges)
@@ -347,11 +369,8 @@ class StepBatches:
         self.args, self.pool, self.ahead = (data, tc, max_context), None, {}
         self.next, self.stop = first, stop
         if tc.data_workers > 0:
-            import multiprocessing
-
             _WORKER_ARGS = self.args  # the corpus is shared with the workers by fork, not copied through pipes
-            self.pool = multiprocessing.get_context("fork").Pool(tc.data_workers,
-                                                                 initializer=_leave_ctrl_c_to_the_trainer)
+            self.pool = TrainerPool(tc.data_workers)
             self._fill()
 
     def _fill(self) -> None:
