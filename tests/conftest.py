@@ -14,6 +14,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs" / "model"
+EXIT_GRACE_S = 120
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A test run whose process does not exit once the tests are done (a child process or thread it waits for at
+    exit) held CI until its 90 minutes ran out, and printed nothing of why: two minutes on, every thread's stack is
+    printed and the run fails."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
