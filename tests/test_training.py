@@ -1297,9 +1297,15 @@ from m31r.train.trainer import TrainerPool
 def square(x):
     return x * x
 
+def meet(x):  # three tasks that wait for each other: three workers past their setup (a SIGTERM before it ends one)
+    started.wait(timeout=30)
+    return x
+
 for _ in range(40):
+    started = multiprocessing.get_context("fork").Barrier(3)
     pool = TrainerPool(3)
     assert pool.map(square, range(14)) == [x * x for x in range(14)]
+    assert pool.map(meet, range(3), chunksize=1) == [0, 1, 2]
     workers = multiprocessing.active_children()
     assert len(workers) == 3
     for w in workers:  # as `timeout` or systemd would, to the whole group
