@@ -13,12 +13,14 @@ plain functions stay as the reference it is tested against.
 
 from __future__ import annotations
 
+import codecs
 import re
 from bisect import bisect_right
 from collections.abc import Callable
 
 _EOL = re.compile(r"\r\n|\r|\n")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")  # two UTF-16 units each
 
 
 def _utf8(s: str) -> int:
@@ -26,7 +28,7 @@ def _utf8(s: str) -> int:
 
 
 def _utf16(s: str) -> int:
-    return len(s) + sum(1 for c in s if ord(c) > 0xFFFF)
+    return len(s.encode("utf-16-le", "surrogatepass")) // 2  # (a lone surrogate is one unit, as in the editor)
 
 
 UNITS: dict[str, Callable[[str], int]] = {"utf-8": _utf8, "utf-16": _utf16, "utf-32": len}
@@ -46,26 +48,70 @@ def _line_bounds(text: str, line: int) -> tuple[int, int] | None:
     return (start, len(text)) if line == n else None
 
 
-def offset_at(text: str, line: int, character: int, encoding: str | None = "utf-16") -> int:
+def offset_at(text: str, line: int, character: int, encoding: str | None = "utf-16", *, after: bool = False) -> int:
     """The offset (code points) of a client position. A character past the line's end means its end; a line
-    past the last one means the end of the text."""
+    past the last one means the end of the text; one inside a character (between the two UTF-16 units of an emoji,
+    the bytes of a UTF-8 sequence) means before it, or after it with `after`."""
     bounds = _line_bounds(text, line)
     if bounds is None:
         return len(text)
-    return _column(text, *bounds, character, encoding)
+    return _column(text, *bounds, character, encoding, after)
 
 
-def _column(text: str, start: int, end: int, character: int, encoding: str | None) -> int:
-    """The offset of `character` (code units) on the line text[start:end], its end if past it."""
+def _column(text: str, start: int, end: int, character: int, encoding: str | None, after: bool = False) -> int:
+    """The offset of `character` (code units) on the line text[start:end], its end if past it. A character that
+    falls inside one of the line's characters means before that character (as VS Code places such a position), or
+    after it with `after` (the end of a range, which then covers the whole character)."""
     count = _units(encoding)
     if count is len:
         return min(start + character, end)
+    if count is _utf16:
+        return _column_utf16(text, start, end, character, after)
+    if count is _utf8:
+        return _column_utf8(text, start, end, character, after)
     used = 0
     for i in range(start, end):
         if used >= character:
             return i
         used += count(text[i])
+        if used > character:  # inside text[i]: never split it (the daemon could not be sent half a character)
+            return i + 1 if after else i
     return end
+
+
+def _column_utf16(text: str, start: int, end: int, character: int, after: bool) -> int:
+    """_column in UTF-16 units: a step per character outside the BMP, not per character (a line of a megabyte took
+    a third of a second a keystroke)."""
+    pos, used = start, 0  # text[start:pos] is `used` units
+    for m in _ASTRAL.finditer(text, start, end):
+        a = m.start()
+        if used + (a - pos) >= character:
+            break
+        used += a - pos
+        if used + 1 == character:  # between its two units
+            return a + 1 if after else a
+        pos, used = a + 1, used + 2
+    return min(end, pos + character - used)
+
+
+def _column_utf8(text: str, start: int, end: int, character: int, after: bool) -> int:
+    """_column in UTF-8 bytes, counted by the codec: no character is less than a byte, so the first `character`
+    characters hold the position."""
+    head = text[start : min(end, start + character)]
+    data = head.encode("utf-8", "surrogatepass")
+    if len(data) <= character:
+        return start + len(head)
+    whole = codecs.getincrementaldecoder("utf-8")("surrogatepass").decode(data[:character])  # (a cut one left out)
+    inside = _utf8(whole) < character
+    return start + len(whole) + (inside and after)
+
+
+def span(text: str, start: tuple[int, int], end: tuple[int, int], encoding: str | None = "utf-16") -> tuple[int, int]:
+    """The offsets (a, b), a <= b, of a client range. A range's end inside a character takes in the whole character,
+    its start inside one starts before it, and an empty range inside one is before it: VS Code's rules, so that an
+    edit never leaves half a character (a lone surrogate) in the text."""
+    a = offset_at(text, *start, encoding)
+    return a, max(a, offset_at(text, *end, encoding, after=end != start))
 
 
 def position_at(text: str, offset: int, encoding: str | None = "utf-16") -> tuple[int, int]:
@@ -83,8 +129,7 @@ def position_at(text: str, offset: int, encoding: str | None = "utf-16") -> tupl
 def edit(text: str, start: tuple[int, int], end: tuple[int, int], new: str, encoding: str | None = "utf-16") -> str:
     """`text` with the range between two client positions (line, character) replaced by `new`: an incremental
     didChange, placed by the line rules above (the editor's), a character past a line's end meaning its end."""
-    a = offset_at(text, *start, encoding)
-    b = max(a, offset_at(text, *end, encoding))
+    a, b = span(text, start, end, encoding)
     return text[:a] + new + text[b:]
 
 
@@ -166,10 +211,15 @@ class Lines:
         m = _EOL.search(text, start)
         return start, len(text) if m is None else m.start()
 
-    def offset_at(self, line: int, character: int, encoding: str | None = "utf-16") -> int:
+    def offset_at(self, line: int, character: int, encoding: str | None = "utf-16", *, after: bool = False) -> int:
         """As offset_at(self.text, ...)."""
         bounds = self.line_bounds(line)
-        return len(self.text) if bounds is None else _column(self.text, *bounds, character, encoding)
+        return len(self.text) if bounds is None else _column(self.text, *bounds, character, encoding, after)
+
+    def span(self, start: tuple[int, int], end: tuple[int, int], encoding: str | None = "utf-16") -> tuple[int, int]:
+        """As span(self.text, ...)."""
+        a = self.offset_at(*start, encoding)
+        return a, max(a, self.offset_at(*end, encoding, after=end != start))
 
     def position_at(self, offset: int, encoding: str | None = "utf-16") -> tuple[int, int]:
         """As position_at(self.text, ...)."""
@@ -231,8 +281,7 @@ class Lines:
         """As edit(self.text, ...), with this text's marks carried over: those before the edit as they are, those
         after it shifted by the characters and lines it added or removed."""
         old = self.text
-        a = self.offset_at(*start, encoding)
-        b = max(a, self.offset_at(*end, encoding))
+        a, b = self.span(start, end, encoding)
         text = old[:a] + new + old[b:]
         out = Lines(text)
         if len(self._at) == 1:

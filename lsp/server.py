@@ -134,9 +134,7 @@ class M31rLanguageServer(LanguageServer):
             """The text with the menu's selected item accepted, and the cursor after it."""
             assert selected is not None
             r = selected.range
-            lines = self.lines(uri, text)
-            a = lines.offset_at(r.start.line, r.start.character, enc)
-            b = max(a, lines.offset_at(r.end.line, r.end.character, enc))
+            a, b = self.lines(uri, text).span((r.start.line, r.start.character), (r.end.line, r.end.character), enc)
             return text[:a] + selected.text + text[b:], a + len(selected.text), selected.text
 
         def offset_of(text: str) -> int:
