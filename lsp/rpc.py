@@ -26,6 +26,10 @@
 - A `$/cancelRequest` for a request already answered (the answer and the cancel cross, routinely) is not logged as a
   warning, and after `exit` nothing more is written to the closed stdout (the requests still running at `exit`
   wrote a traceback each).
+- A message whose body is not UTF-8 (an editor that sends a buffer's invalid bytes as they are) is read with each bad
+  byte as U+FFFD (`readable`), where pygls failed in json.loads ("Error in server") and lost it: a request was never
+  answered, a didChange's edit was lost silently. The text of a didOpen or didChange so read is not the editor's, so
+  that document is dropped as above, and is back once it is reopened, or changed whole, with valid text.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class M31rProtocol(LanguageServerProtocol):
         # Documents dropped because a change to them could not be read: their language id, kept for when a change
         # brings their whole text (keyed as pygls keys documents, by the URI unquoted once).
         self._out_of_step: dict[str, str] = {}
+        self._not_utf8 = False  # the message being read had bytes that are not UTF-8 (`readable`)
 
     def lines(self, doc: TextDocument) -> documents.Lines:
         """The line index of `doc`'s text (made if it has none yet: a didOpen, a full-text change)."""
@@ -131,6 +136,20 @@ class M31rProtocol(LanguageServerProtocol):
         if (user_handler := self.fm.features.get(types.EXIT)) is not None:
             yield user_handler, args, None
         self.on_exit()
+
+    def readable(self, body: bytes) -> bytes:
+        """A message's body as json.loads reads it: bytes that are not UTF-8 each become U+FFFD, and the message is
+        marked (`handle_message` drops a document whose text they were in). Called by the readers for each body, in
+        turn with its handling."""
+        self._not_utf8 = False
+        if body.isascii():
+            return body
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            self._not_utf8 = True
+            return body.decode("utf-8", "replace").encode("utf-8")
+        return body
 
     def structure_message(self, data: Any) -> Any:
         """pygls' reading of a message, except that a request or notification whose params do not fit becomes a
@@ -188,8 +207,21 @@ class M31rProtocol(LanguageServerProtocol):
                 self.notify(types.WINDOW_LOG_MESSAGE,
                             types.LogMessageParams(type=types.MessageType.Warning, message=f"{why}; ignored"))
             return
+        if self._not_utf8 and method in (types.TEXT_DOCUMENT_DID_OPEN, types.TEXT_DOCUMENT_DID_CHANGE):
+            self._not_in_utf8(msg)
+            return
         self._initialize_seen |= method == types.INITIALIZE
         super().handle_message(msg)
+
+    def _not_in_utf8(self, msg: Any) -> None:
+        """A didOpen or didChange whose text held bytes that are not UTF-8: the text it gives is not the editor's, so
+        the document is dropped (an open one) or left unopened, out of step either way, and the user told."""
+        item = msg.params.text_document
+        why = f"{msg.method}: its text is not valid UTF-8"
+        if self._drop(item.uri, why) or msg.method != types.TEXT_DOCUMENT_DID_OPEN:
+            return
+        self._out_of_step[unquote(item.uri)] = item.language_id
+        self._tell_out_of_step(item.uri, why)
 
     def _drop(self, uri: str | None, why: str) -> bool:
         """Drop open document `uri`, a change to which could not be read (`why`): it no longer matches the editor's
@@ -207,10 +239,13 @@ class M31rProtocol(LanguageServerProtocol):
         super().handle_message(types.DidCloseTextDocumentNotification(
             params=types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri))))
         self._out_of_step[unquote(uri)] = language
+        self._tell_out_of_step(uri, why)
+        return True
+
+    def _tell_out_of_step(self, uri: str, why: str) -> None:
         # Shown once a document (keyed by it): a client that sends such changes sends many.
         self._server.log_problems([f"{why}. {_shown_name(uri)} no longer matches the editor's text, so it gets no "
                                    "completions until it is reopened."], key=f"out of step: {unquote(uri)}")
-        return True
 
     def _refusal(self, method: str) -> JsonRpcException | None:
         """The error for a message that the session's state rules out (LSP's lifecycle), None for one it takes."""

@@ -22,6 +22,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from typing import BinaryIO
 from urllib.parse import unquote
 
 from lsprotocol import types
@@ -215,8 +216,8 @@ class TcpServer:
         ls.protocol.set_writer(writer)  # type: ignore[arg-type]
         ls.protocol.on_exit = writer.close  # the end of the stream ends the session below
         try:
-            await run_async(stop_event=threading.Event(), reader=_Replay(first, reader), protocol=ls.protocol,
-                            logger=log, error_handler=ls.report_server_error)
+            await run_async(stop_event=threading.Event(), reader=_Replay(first, reader, ls.protocol),
+                            protocol=ls.protocol, logger=log, error_handler=ls.report_server_error)
         except (ConnectionError, EOFError, ValueError) as e:  # a reset, a message cut short, a header over the limit
             log.info("the connection of the editor at %s ended: %r", peer, e)
         finally:
@@ -297,9 +298,10 @@ class _Replay:
     handled before any handler task started, so a request followed by a didChange would read the changed text
     (stdin is read on a thread, which yields anyway)."""
 
-    def __init__(self, line: bytes, reader: asyncio.StreamReader):
+    def __init__(self, line: bytes, reader: asyncio.StreamReader, protocol: M31rProtocol):
         self.line: bytes | None = line
         self.reader = reader
+        self.protocol = protocol
 
     async def readline(self) -> bytes:
         await asyncio.sleep(0)
@@ -310,7 +312,21 @@ class _Replay:
 
     async def readexactly(self, n: int) -> bytes:
         await asyncio.sleep(0)
-        return await self.reader.readexactly(n)
+        return self.protocol.readable(await self.reader.readexactly(n))
+
+
+class _Stdin:
+    """stdin as pygls' reader reads it, each message body made readable by the protocol first (`readable`)."""
+
+    def __init__(self, stdin: BinaryIO, protocol: M31rProtocol):
+        self.stdin = stdin
+        self.protocol = protocol
+
+    def readline(self) -> bytes:
+        return self.stdin.readline()
+
+    def read(self, n: int) -> bytes:
+        return self.protocol.readable(self.stdin.read(n))
 
 
 def is_loopback(host: str) -> bool:
@@ -474,7 +490,7 @@ def run(socket: str | None = None, tcp: str | None = None, autostart: bool = Tru
         TcpServer(*address, lambda: create_server(defaults)).run()
         return
     server = create_server(defaults)
-    server.start_io()
+    server.start_io(stdin=_Stdin(sys.stdin.buffer, server.protocol))  # type: ignore[arg-type]
     if server.protocol.exit_status:  # `exit` without `shutdown` first: 1, as LSP says (pygls returns either way)
         sys.exit(server.protocol.exit_status)
 

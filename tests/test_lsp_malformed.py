@@ -7,6 +7,7 @@ user shown no "Error in server", and the log keep to what is news. Real server p
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from lsp_stdio import URI, Stdio, inline
@@ -134,3 +135,41 @@ async def test_exit_while_requests_run_is_quiet(daemon):
     status, err = await s.end(shutdown=False)
     assert status == 1
     assert "Traceback" not in err and "Error sending data" not in err, err
+
+
+def send_bytes(s: Stdio, method: str, params: dict, msg_id: str | None = None, bad: bytes = b"\xff\xfe") -> None:
+    """A message whose JSON holds bytes that are not UTF-8 where its params say "@@" (an editor that sends a buffer's
+    invalid bytes as they are)."""
+    msg = {"jsonrpc": "2.0", "method": method, "params": params, **({"id": msg_id} if msg_id else {})}
+    body = json.dumps(msg).encode().replace(b"@@", bad)
+    s.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+async def test_text_that_is_not_utf8_drops_its_document_and_every_request_is_answered(daemon):
+    """pygls failed to read a message that is not UTF-8 ("Error in server"): a didChange's edit was lost without a word
+    (the server went on completing text the editor no longer had) and a request was never answered. Now the bytes are
+    read as U+FFFD, a request is answered, and a document whose text held them is out of step, as after a didChange
+    that does not parse, until it comes whole with valid text."""
+    s = await started(daemon)
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 12)))["result"]["items"]
+    send_bytes(s, "textDocument/didChange", {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [
+        {"range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "// @@\n"}]})
+    assert (await s.request("textDocument/inlineCompletion", inline(2, 12)))["result"]["items"] == []
+    [told] = s.shown()
+    assert "not valid UTF-8" in told and "/work/src/main.rs" in told and "reopened" in told
+    send_bytes(s, "textDocument/inlineCompletion", {**inline(2, 12), "workDoneToken": "@@"}, "bad-request")
+    assert (await s.answer("bad-request"))["result"]["items"] == []
+    # Its whole text, valid: back in step.
+    s.send("textDocument/didChange", {"textDocument": {"uri": URI, "version": 3}, "contentChanges": [{"text": TEXT}]})
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 12)))["result"]["items"]
+    # A didOpen with such bytes: not opened, told (another file), its completions empty; the first file unharmed.
+    other = URI.replace("main", "lib")
+    send_bytes(s, "textDocument/didOpen", {"textDocument": {"uri": other, "languageId": "rust", "version": 1,
+                                                            "text": "// @@\n" + TEXT}})
+    params = {**inline(2, 12), "textDocument": {"uri": other}}
+    assert (await s.request("textDocument/inlineCompletion", params))["result"]["items"] == []
+    assert any("not valid UTF-8" in m and "/work/src/lib.rs" in m for m in s.shown())
+    assert (await s.request("textDocument/inlineCompletion", inline(1, 12)))["result"]["items"]
+    status, err = await s.end()
+    assert status == 0 and "Traceback" not in err and "UnicodeDecodeError" not in err
+    assert not any("Error in server" in m for m in s.shown())
