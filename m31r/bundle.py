@@ -224,7 +224,7 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
     quantization = metadata.get("quantization")
     if quantization is not None:
         _check_quantization(path / "metadata.json", quantization)
-    _check_tokenizer(path / "tokenizer.json", config)
+    check_tokenizer(path / "tokenizer.json", config)
     _check_weights(path / "model.safetensors", config, quantization)
     # Traceability: the recorded hashes must describe the files actually shipped (metadata.json names them).
     if metadata["config_hash"] != config.config_hash():
@@ -257,7 +257,9 @@ def _check_metadata(f: Path, metadata: object) -> None:
                               f"string, got {value!r}")
 
 
-def _check_tokenizer(f: Path, config: ModelConfig) -> None:
+def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yaml") -> None:
+    """Whether the tokenizer in `f` fits `config` (named `config_name` in messages); `bundle init --tokenizer` asks
+    before it writes, so that a misfit is blamed on the user's files, not on the half-written bundle's."""
     try:
         tok = HFTokenizer.from_file(str(f))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
@@ -267,12 +269,12 @@ def _check_tokenizer(f: Path, config: ModelConfig) -> None:
     size = tok.get_vocab_size(with_added_tokens=True)
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if size > config.vocab_size:
-        raise BundleError(f"{f}: tokenizer has {size} tokens but config.yaml vocab_size is {config.vocab_size}")
+        raise BundleError(f"{f}: tokenizer has {size} tokens but {config_name} vocab_size is {config.vocab_size}")
     if top >= config.vocab_size:
-        raise BundleError(f"{f}: tokenizer id {top} is past config.yaml vocab_size {config.vocab_size}")
+        raise BundleError(f"{f}: tokenizer id {top} is past {config_name} vocab_size {config.vocab_size}")
     for role, text in config.special_tokens.items():
         if tok.token_to_id(text) is None:
-            raise BundleError(f"{f}: special token {text!r} ({role} in config.yaml) is not in the tokenizer")
+            raise BundleError(f"{f}: special token {text!r} ({role} in {config_name}) is not in the tokenizer")
 
 
 def _check_quantization(f: Path, q: object) -> None:

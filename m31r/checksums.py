@@ -9,6 +9,9 @@ from pathlib import Path
 
 CONTENT_FILES = ("model.safetensors", "tokenizer.json", "config.yaml", "metadata.json")
 CHECKSUM_FILE = "checksum.txt"
+# In a folder that `m31r bundle` commands are writing into, removed once the bundle is whole: one that stays marks the
+# leftover of a writer killed outright (SIGKILL, the OOM killer), which the same command, run again, replaces.
+UNFINISHED_FILE = ".m31r-unfinished"
 
 
 class BundleError(RuntimeError):
@@ -49,8 +52,18 @@ def read_checksums(path: Path) -> dict[str, str]:
     return sums
 
 
+def unfinished(path: Path) -> str | None:
+    """Why `path` is no whole bundle or checkpoint yet, where an `m31r bundle` writer left it unfinished."""
+    if not (Path(path) / UNFINISHED_FILE).is_file():
+        return None
+    return (f"{path}: unfinished: the `m31r bundle` command writing it was stopped before the end (killed?), or still "
+            "runs; run that command again, which replaces it")
+
+
 def check_present(path: Path) -> None:
     names = (*CONTENT_FILES, CHECKSUM_FILE)
+    if not all((path / n).is_file() for n in names) and (why := unfinished(path)):
+        raise BundleError(why)
     not_one = f"{path}: not a bundle directory (one holding {', '.join(CONTENT_FILES)} and {CHECKSUM_FILE})"
     # A folder without any of the files only bundles have is another folder, not a damaged bundle to restore.
     if not path.is_dir() or not any((path / n).exists() for n in ("config.yaml", "metadata.json", CHECKSUM_FILE)):

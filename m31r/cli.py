@@ -65,31 +65,112 @@ def user_errors(fn: F) -> F:
 
 
 @contextlib.contextmanager
-def _new_bundle_dir(out: Path, sources: tuple[Path, ...] = ()) -> Iterator[None]:
-    """Writers never mix a new bundle into an existing directory's files or into a source bundle (a bundle is exactly
-    its five files), and leave nothing behind when they fail, are stopped (Ctrl-C, or SIGTERM from `timeout` or a
-    service manager) or write a bundle that fails its own verification: a re-run finds OUT as it was."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: already exists and is not an empty directory")
-    for src in sources:
-        if out.resolve().is_relative_to(src.resolve()):
-            raise ValueError(f"{out}: inside the source bundle {src}, which must hold its five files only: write the "
-                             "new one somewhere else")
-    created = not out.exists()
+def _new_bundle_dir(out: Path, sources: tuple[Path, ...] = (), source_kind: str = "bundle") -> Iterator[None]:
+    """Writers never mix a new bundle into an existing directory's files, into a source (`source_kind`: a bundle, or
+    the checkpoint import-hf reads) or into any bundle (a bundle is exactly its five files), and leave nothing behind
+    when they fail, are stopped (Ctrl-C, or SIGTERM from `timeout` or a service manager) or write a bundle that fails
+    its own verification: a re-run finds OUT as it was. A writer killed outright (SIGKILL, the OOM killer, a power
+    cut) leaves OUT marked unfinished (UNFINISHED_FILE, under a lock held while it writes): a re-run takes it over."""
+    from m31r.checksums import UNFINISHED_FILE
+
+    _refuse_nested_out(out, sources, source_kind)
+    lock = _take_over_unfinished(out)
+    created = False
+    if lock is None:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{out}: already exists and is not an empty directory")
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _lock_out(out)  # (refused: another writer's, left as it is)
+        if any(out.iterdir()):  # another writer filled it meanwhile
+            os.close(lock)
+            raise ValueError(f"{out}: already exists and is not an empty directory")
     with _sigterm_ends(f"{out}: terminated (SIGTERM) before the bundle was whole; nothing was left there"):
         try:
+            (out / UNFINISHED_FILE).write_text(_UNFINISHED_NOTE.format(pid=os.getpid()))
             yield
+            (out / UNFINISHED_FILE).unlink()
         except BaseException as e:
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             elif out.is_dir():
-                for child in out.iterdir():  # the directory was empty: everything in it is ours
+                for child in out.iterdir():  # empty, or an unfinished bundle taken over: everything in it is ours
                     if child.is_dir():
                         shutil.rmtree(child)
                     else:
                         child.unlink()
             _bundle_write_failed(e, out)
+            if isinstance(e, KeyboardInterrupt):  # (click would say only `Aborted!`, and exit 1)
+                fail(f"{out}: interrupted (Ctrl-C) before the bundle was whole; nothing was left there", 130)
             raise
+        finally:
+            os.close(lock)
+
+
+_UNFINISHED_NOTE = ("m31r (pid {pid}) is writing a bundle into this folder. If no such process runs, it was stopped "
+                    "before the end: run the same command again (it replaces this folder's content), or delete the "
+                    "folder.\n")
+
+
+def _refuse_nested_out(out: Path, sources: tuple[Path, ...], source_kind: str) -> None:
+    """OUT inside a source, or inside any bundle folder (release/ included), would add an entry to a folder that is
+    more than a directory: a bundle holds its five files only (`m31r train export` copies anything else into each
+    new release), a checkpoint is uploaded or loaded as a whole."""
+    from m31r.checksums import CHECKSUM_FILE
+
+    where = out.resolve()
+    for src in sources:
+        if where.is_relative_to(src.resolve()):
+            if source_kind == "bundle":
+                raise ValueError(f"{out}: inside the source bundle {src}, which must hold its five files only: write "
+                                 "the new one somewhere else")
+            raise ValueError(f"{out}: inside the {source_kind} {src} it is made from, which tools load and upload as a "
+                             "whole: write the bundle somewhere else")
+    for folder in where.parents:
+        if (folder / CHECKSUM_FILE).is_file() and (folder / "config.yaml").is_file():
+            raise ValueError(f"{out}: inside the bundle {folder}, which must hold its five files only: write the new "
+                             "one somewhere else")
+
+
+def _lock_out(out: Path) -> int:
+    """An exclusive lock on the folder OUT, held while a bundle is written into it (the kernel drops it when the
+    writer ends, however it ends), so that another writer can tell a running write from one that was killed."""
+    import fcntl
+
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"{out}: another m31r is writing a bundle into it now: let it finish, or stop it "
+                         "first") from None
+    return fd
+
+
+def _take_over_unfinished(out: Path) -> int | None:
+    """The lock on OUT where it holds a bundle another writer left unfinished (killed outright), its content cleared
+    for this one; None where it does not (another writer still running there is refused)."""
+    from m31r.checksums import UNFINISHED_FILE
+
+    marker = out / UNFINISHED_FILE
+    if not out.is_dir() or not marker.is_file():
+        return None
+    lock = _lock_out(out)
+    try:
+        if not marker.is_file():  # that writer finished while this one took the lock: OUT is a whole bundle now
+            os.close(lock)
+            return None
+        click.echo(f"note: {out} holds a bundle whose writer was stopped before the end (killed?): replacing it",
+                   err=True)
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    except BaseException:
+        os.close(lock)
+        raise
+    return lock
 
 
 TERMINATED_EXIT = 128 + 15  # 128 + SIGTERM: what a shell reports for a program that `kill` or `timeout` ended
@@ -236,7 +317,7 @@ def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None,
     import torch
     from tokenizers import Tokenizer as HFTokenizer
 
-    from m31r.bundle import init_bundle
+    from m31r.bundle import check_tokenizer, init_bundle
     from m31r.config import load_config
 
     cfg = load_config(config)
@@ -246,6 +327,7 @@ def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None,
             tok = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(f"{tokenizer_file}: cannot be loaded as a tokenizer: {e}") from None
+        check_tokenizer(tokenizer_file, cfg, str(config))
     with _new_bundle_dir(out):
         b = init_bundle(cfg, out, seed=seed, tokenizer=tok, dtype=getattr(torch, dtype))
     click.echo(_summary(b))
@@ -271,7 +353,7 @@ def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
     """Convert a Llama or Qwen2 checkpoint (safetensors) in HF_DIR into a bundle in OUT."""
     from m31r.hf_import import import_hf
 
-    with _new_bundle_dir(out):
+    with _new_bundle_dir(out, (hf_dir,), "checkpoint"):
         b = import_hf(hf_dir, out, dataset_version=dataset_version)
     click.echo(_summary(b))
 
@@ -742,8 +824,8 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
     if file_path is not None:
         if prefix is not None or suffix is not None or line is None or column is None:
             fail("use either --prefix/--suffix or --file with --line and --column")
-        try:
-            text = file_path.read_text(encoding="utf-8")
+        try:  # (a byte-order mark is no character of the file's for an editor: its columns start after it)
+            text = file_path.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model "
                  "completes UTF-8 source")
@@ -773,6 +855,10 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
 
 
 WAIT_NOTE_S = 3.0  # after this long without a daemon's greeting, `m31r status` and `m31r stop` say what they wait for
+# Their connect's limits: the socket's own connect (local: at once, or refused) ends before the note is due, so that
+# the note, when it comes, is about the greeting and its minute (WELCOME_TIMEOUT_S), which it names.
+CONNECT_TIMEOUT_S = 2.5
+WELCOME_TIMEOUT_S = 60.0
 
 
 async def _connect(socket_path: Path | None) -> Any:
@@ -790,7 +876,7 @@ async def _connect(socket_path: Path | None) -> Any:
 
     waiting = asyncio.get_running_loop().call_later(WAIT_NOTE_S, note)
     try:
-        return await Client.connect(socket_path)
+        return await Client.connect(socket_path, timeout=CONNECT_TIMEOUT_S, welcome_timeout=WELCOME_TIMEOUT_S)
     finally:
         waiting.cancel()
 
@@ -1035,16 +1121,26 @@ def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float 
                 device: str, init_from: Path | None) -> None:
     """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml). Ctrl-C or SIGTERM saves
     a checkpoint first; running the same command again resumes from it."""
-    check_device(device)
-    from m31r.train.trainer import TrainingStopped
-    from m31r.train.trainer import train as run_training
-
     try:
-        state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps, device=device,
-                             init_from=init_from, log=lambda s: click.echo(s, err=True))
-    except TrainingStopped as e:  # exits as a shell reports a program the signal ended: the run is not finished
-        click.echo(str(e), err=True)
-        sys.exit(128 + e.signum)
+        check_device(device)
+        from m31r.train.trainer import TrainingStopped
+        from m31r.train.trainer import train as run_training
+
+        try:
+            state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps,
+                                 device=device, init_from=init_from, log=lambda s: click.echo(s, err=True))
+        except TrainingStopped as e:  # exits as a shell reports a program the signal ended: the run is not finished
+            click.echo(str(e), err=True)
+            sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        # Ctrl-C before the step loop (loading, tokenising), or a second one in it: the run's stop handling saves
+        # nothing then; click would say only `Aborted!`.
+        ckpt = run_dir / "ckpt.pt"
+        if ckpt.is_file():
+            fail(f"interrupted (Ctrl-C) without saving: {ckpt} holds the run as of its last checkpoint, and the same "
+                 "command resumes it from there", 130)
+        fail(f"interrupted (Ctrl-C): nothing was saved ({run_dir} has no checkpoint yet); the same command starts the "
+             "run again", 130)
     click.echo(f"trained to step {state['step']} ({state['tokens']:,} tokens) in {run_dir}")
 
 

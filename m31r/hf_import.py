@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from m31r.bundle import Bundle, BundleError, write_bundle
+from m31r.checksums import unfinished
 from m31r.config import ConfigError, ModelConfig, parse_config
 
 _FIM_SPELLINGS = {
@@ -196,6 +197,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
                           "(`m31r bundle export-hf` goes the other way)")
     for name in ("config.json", "tokenizer.json"):
         if not (hf_dir / name).is_file():
+            if why := unfinished(hf_dir):  # an export-hf that was killed
+                raise BundleError(why)
             raise BundleError(f"{hf_dir / name}: missing; an HF checkpoint directory needs it")
     hf = _json_object(hf_dir / "config.json")
     try:

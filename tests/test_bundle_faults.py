@@ -278,3 +278,122 @@ def test_a_checkpoint_config_that_cannot_make_a_model_is_named_once(tiny_bundle:
     assert code == 1 and _one_error_line(err), err
     assert err == f"error: {hf / 'config.json'}: `norm_eps` must be a finite number above 0, got nan\n", err
     assert not (tmp_path / "back").exists()
+
+
+# -- a writer killed outright: its leftover is named, and the same command replaces it -----------------------------
+
+_PAUSE_MID_WRITE = """
+import os, signal, sys, time
+import m31r.bundle
+real = m31r.bundle.save_aligned
+def save_then_wait(*args, **kwargs):
+    real(*args, **kwargs)
+    print("written", flush=True)
+    time.sleep(600)  # killed here, as the OOM killer or `kill -9` would
+m31r.bundle.save_aligned = save_then_wait
+from m31r.cli import main
+sys.argv = ["m31r", "bundle", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("command", ["init", "import-hf"])
+def test_a_writer_killed_outright_leaves_nothing_that_blocks_a_rerun(tiny_bundle: Bundle, tmp_path: Path,
+                                                                     command: str) -> None:
+    """SIGKILL (the OOM killer on a large import, `kill -9`) runs no clean-up: the half-written OUT then refused every
+    re-run (`already exists and is not an empty directory`) until the user found and removed it, and `verify` told
+    them to restore it from where it came from. While the writer runs, a second one is refused; once it is gone, its
+    leftover is named as such and the same command replaces it."""
+    hf = tmp_path / "hf"
+    if command == "import-hf":
+        assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    out = tmp_path / "out"
+    args = ["init", str(TINY), str(out), "--seed", "1"] if command == "init" else ["import-hf", str(hf), str(out)]
+    writer = subprocess.Popen([sys.executable, "-c", _PAUSE_MID_WRITE, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "written\n", writer.stderr.read()
+        code, _, err = _run(*args)  # while it still writes
+        assert code == 1 and err == f"error: {out}: another m31r is writing a bundle into it now: let it finish, or " \
+                                    "stop it first\n", err
+        assert (out / "model.safetensors").is_file()
+    finally:
+        writer.kill()
+        writer.communicate()
+    assert writer.returncode == -signal.SIGKILL
+    code, _, err = _run("verify", str(out))
+    assert code == 1 and _one_error_line(err) and f"{out}: unfinished: " in err and "run that command again" in err
+    code, stdout, err = _run(*args)
+    assert code == 0 and stdout.startswith("ok ") and "holds a bundle whose writer was stopped" in err, err
+    assert sorted(p.name for p in out.iterdir()) == sorted((*CONTENT_FILES, CHECKSUM_FILE))
+    open_bundle(out)
+
+
+def test_an_export_killed_outright_is_named_unfinished_by_import(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """A checkpoint folder that `export-hf` left when killed lacks config.json: import-hf named the missing file
+    only."""
+    import m31r.hf_export
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / ".m31r-unfinished").write_text("")
+    m31r.hf_export.export_hf(tiny_bundle, hf)
+    (hf / "config.json").unlink()  # where the kill left it: config.json is written last
+    code, _, err = _run("import-hf", str(hf), str(tmp_path / "back"))
+    assert code == 1 and _one_error_line(err) and f"{hf}: unfinished: " in err, err
+
+
+# -- the output never lands inside another bundle, or inside the checkpoint it is imported from ------------------
+
+
+@pytest.mark.parametrize("command", ["init", "import-hf", "export-hf", "quantize"])
+def test_out_inside_any_bundle_is_refused(pair, tmp_path: Path, command: str) -> None:
+    """`bundle init cfg release/test` wrote a bundle into the release bundle's folder (which `m31r train export`
+    then copies into every new release); only the source of a command was guarded."""
+    a, b = pair
+    hf = tmp_path / "hf"
+    assert _run("export-hf", str(b.path), str(hf))[0] == 0
+    before = _listing(a.path)
+    out = a.path / "sub" / "deeper"
+    args = {"init": ["init", str(TINY), str(out), "--seed", "1"], "import-hf": ["import-hf", str(hf), str(out)],
+            "export-hf": ["export-hf", str(b.path), str(out)],
+            "quantize": ["quantize", str(b.path), str(out), "--quant", "int8"]}[command]
+    code, _, err = _run(*args)
+    assert code == 1 and err == (f"error: {out}: inside the bundle {a.path}, which must hold its five files only: "
+                                 "write the new one somewhere else\n"), err
+    assert _listing(a.path) == before
+    open_bundle(a.path)
+
+
+def test_import_into_the_checkpoint_it_reads_is_refused(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """`import-hf hf hf/bundle` wrote the bundle into the checkpoint folder, which tools load and upload whole."""
+    hf = tmp_path / "hf"
+    assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    before = _listing(hf)
+    code, _, err = _run("import-hf", str(hf), str(hf / "bundle"))
+    assert code == 1 and _one_error_line(err) and f"{hf / 'bundle'}: inside the checkpoint {hf} it is made from" in err
+    assert _listing(hf) == before
+
+
+def test_ctrl_c_while_writing_is_one_line_and_leaves_nothing(tiny_bundle: Bundle, tmp_path: Path) -> None:
+    """Ctrl-C mid-write removed the half-written folder but said only click's `Aborted!` (exit 1)."""
+    hf = tmp_path / "hf"
+    assert _run("export-hf", str(tiny_bundle.path), str(hf))[0] == 0
+    hook = _KILL_MID_WRITE.replace("signal.SIGTERM", "signal.SIGINT")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", hook, "import-hf", str(hf), str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stderr)
+    assert p.stderr == f"error: {out}: interrupted (Ctrl-C) before the bundle was whole; nothing was left there\n"
+    assert not out.exists()
+
+
+def test_init_with_a_tokenizer_that_does_not_fit_names_the_users_files(tmp_path: Path, tiny_bundle: Bundle) -> None:
+    """The misfit was found by the written bundle's own check, and blamed on OUT/tokenizer.json and `config.yaml`:
+    files the user never named, gone by the time they read the message."""
+    cfg = _tiny_yaml(tmp_path, "vocab_size: 384", "vocab_size: 300")
+    tok = tiny_bundle.tokenizer_path
+    out = tmp_path / "out"
+    code, _, err = _run("init", str(cfg), str(out), "--seed", "1", "--tokenizer", str(tok))
+    assert code == 1 and err == f"error: {tok}: tokenizer has 384 tokens but {cfg} vocab_size is 300\n", err
+    assert not out.exists()

@@ -479,3 +479,24 @@ def test_stop_that_outlasts_its_wait_says_so(tiny_bundle, tmp_path, monkeypatch)
         assert proc.wait(20) == 0
     finally:
         stop_daemon(proc)
+
+
+def test_fim_places_the_cursor_after_a_byte_order_mark_as_editors_do(daemon, tmp_path):
+    """A file saved with a UTF-8 byte-order mark (Windows editors) had it counted as line 1's first character: the
+    column an editor shows put the cursor one character early, and the mark went into the prompt, which an editor's
+    text (LSP) never holds."""
+    _, sock = daemon
+    src = "fn main() {\n    let x = 1;\n}\n"
+    f = tmp_path / "bom.rs"
+    f.write_bytes(b"\xef\xbb\xbf" + src.encode())
+    cursor = src.index("{")  # line 1, column 11
+    r = cli("fim", "--file", str(f), "--line", "1", "--column", "11", "--json", "--max-tokens", "4", "--socket",
+            str(sock))
+    assert r.returncode == 0, r.stderr
+    ref = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "4", "--socket",
+              str(sock))
+    assert ref.returncode == 0, ref.stderr
+    out, want = json.loads(r.stdout), json.loads(ref.stdout)
+    assert (out["tokens"], out["usage"]["prompt_tokens"]) == (want["tokens"], want["usage"]["prompt_tokens"])
+    r = cli("fim", "--file", str(f), "--line", "1", "--column", "13", "--socket", str(sock))
+    assert (r.returncode, r.stderr) == (1, "error: --column 13 is outside line 1 (11 characters)\n")

@@ -133,3 +133,50 @@ def test_waiting_on_a_daemon_that_does_not_answer_is_said(tmp_path: Path, args: 
             proc.wait()
     assert f"waiting for the daemon on {path} to answer" in line and "a minute" in line, line
     assert waited < 30 and proc.returncode == -9  # said while still waiting, long before the minute is up
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["new-run", "resumed-run"])
+def test_ctrl_c_before_training_starts_is_one_line(tmp_path: Path, checkpoint: bool) -> None:
+    """Ctrl-C while `m31r train model` loads (before its step loop takes over Ctrl-C to save a checkpoint) printed
+    only click's `Aborted!` and exited 1. It says what was saved, and exits as a shell reports Ctrl-C. The config is a
+    FIFO, so that the command is caught reading it: no data folder is needed, and the timing is certain."""
+    import errno
+    import signal
+    import time
+
+    config = tmp_path / "train.yaml"
+    os.mkfifo(config)
+    (tmp_path / "data").mkdir()
+    run = tmp_path / "run"
+    if checkpoint:
+        run.mkdir()
+        (run / "ckpt.pt").write_bytes(b"an earlier checkpoint")
+    proc = subprocess.Popen([*M31R, "train", "model", str(config), "--data", str(tmp_path / "data"), "--run", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 120
+        while writer is None:  # the FIFO opens for writing once the command opens it to read
+            try:
+                writer = os.open(config, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                assert e.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline, proc.poll()
+                time.sleep(0.05)
+        time.sleep(0.2)  # (in its read, which waits for the config)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and out == b"", (proc.returncode, err)
+    if checkpoint:
+        assert err.decode() == (f"error: interrupted (Ctrl-C) without saving: {run / 'ckpt.pt'} holds the run as of "
+                                "its last checkpoint, and the same command resumes it from there\n")
+        assert (run / "ckpt.pt").read_bytes() == b"an earlier checkpoint"
+    else:
+        assert err.decode() == (f"error: interrupted (Ctrl-C): nothing was saved ({run} has no checkpoint yet); the "
+                                "same command starts the run again\n")
+        assert not run.exists()
