@@ -1146,6 +1146,33 @@ def test_export_replaces_the_bundle_only_once_the_new_one_is_whole(full_run, dat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "release"]
 
 
+def test_an_export_killed_outright_leaves_nothing_the_next_one_keeps(full_run, data_dir: Path, tmp_path: Path):
+    """An export killed outright (SIGKILL, the OOM killer) leaves its half-written bundle beside OUT
+    (`.release.new-PID`) or, between swap_in's renames, the old bundle moved aside (`.release.old-PID`) and OUT
+    missing: hidden full-size folders that stayed for ever. The next export puts the old bundle back where OUT is
+    missing and removes the rest, but not a folder of a process that still runs (another export)."""
+    run, _ = full_run
+    out = tmp_path / "release"
+    export(run, data_dir, out, model_version="1.0.0")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    old, new = tmp_path / f".release.old-{gone.pid}", tmp_path / f".release.new-{gone.pid}"
+    os.rename(out, old)
+    new.mkdir()
+    (new / "model.safetensors").write_bytes(b"half")
+    busy = tmp_path / f".release.new-{os.getppid()}"
+    busy.mkdir()
+    logs: list[str] = []
+    trainer_mod.clear_leftovers(out, logs.append)
+    assert open_bundle(out).metadata["model_version"] == "1.0.0"  # put back, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, "release"])
+    assert any("put back" in line for line in logs) and any(new.name in line for line in logs)
+    new.mkdir()
+    export(run, data_dir, out, model_version="2.0.0", log=logs.append)
+    assert open_bundle(out).metadata["model_version"] == "2.0.0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, "release"])
+
+
 def test_snippet_headers_show_the_crate_relative_path_the_corpus_recorded(data_dir: Path, tmp_path: Path):
     """Training's snippet headers show each file's crate_path from the corpus (the path the language server sends,
     relative to the crate's Cargo.toml folder), not one guessed from the corpus path's layout."""

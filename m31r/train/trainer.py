@@ -890,6 +890,7 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
     tok = HFTokenizer.from_file(str(data_dir / "tokenizer.json"))
     out = out.resolve() if out.is_symlink() else out  # a link to the bundle: replace the folder it names
     out.parent.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(out, log)
     new = out.with_name(f".{out.name}.new-{os.getpid()}")
     shutil.rmtree(new, ignore_errors=True)
     try:
@@ -899,6 +900,40 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
     finally:
         shutil.rmtree(new, ignore_errors=True)
     return open_bundle(out)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # (this process is not writing one already)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def clear_leftovers(out: Path, log: Callable[[str], None] = print) -> None:
+    """The folders an export killed outright (SIGKILL, the OOM killer) left beside `out` (`.NAME.new-PID`, a bundle
+    half written; `.NAME.old-PID`, the bundle `swap_in` had moved aside): each a full-size bundle, hidden, that nothing
+    else removes. An old one goes back to `out` where `out` is missing (killed between swap_in's two renames); the rest
+    are removed. Those of a process still running (another export) are left alone."""
+    names = {f".{out.name}.{kind}-": kind for kind in ("new", "old")}
+    found = []
+    for p in out.parent.iterdir():
+        for prefix, kind in names.items():
+            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and p.is_dir() and not p.is_symlink():
+                found.append((kind, int(p.name[len(prefix):]), p))
+    for kind, pid, p in sorted(found, key=lambda f: f[0] == "new"):  # the old ones first
+        if _running(pid):
+            continue
+        if kind == "old" and not out.exists():
+            os.rename(p, out)
+            log(f"{out}: put back from {p.name}, where an export that was killed had moved it aside")
+        else:
+            shutil.rmtree(p)
+            log(f"removed {p}, left by an export that was killed")
 
 
 def swap_in(new: Path, out: Path) -> None:
