@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Stat
 
 log = logging.getLogger("m31rd")
 FLUSH_S = 2.0  # how long a closing connection may take to send what is buffered for its client
+SOCKET_CHECK_S = 1.0  # how often the daemon checks that its socket file is still the one it made (_watch_socket)
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
 
 
@@ -335,6 +336,7 @@ class Connection:
         finally:
             for job in self.jobs.values():
                 job.cancel("client disconnected")
+            self.daemon.drop_waiting(self)
             self.writer.close()
             # What is buffered must reach a client that reads slowly before a stopping daemon exits (it would be cut
             # off mid-answer), but one that never reads must not hold the stop for long.
@@ -394,6 +396,16 @@ class Connection:
         return True
 
 
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """The file at `path` (device, inode), or None when there is none: which file a path names, not its name. Raises
+    OSError where that cannot be told (a folder on the way no longer searchable)."""
+    try:
+        st = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _salvage_id(body: bytes) -> int | None:
     with contextlib.suppress(Exception):
         rid = msgspec.msgpack.decode(body).get("id")
@@ -421,6 +433,9 @@ class Daemon:
         self.load_error: str | None = None
         self.waiting: list[tuple[Connection, m.Generate | m.Fim, float]] = []  # came before the model, and when
         self.closing = threading.Event()  # set at shutdown: the torch thread's queued start-up work is skipped
+        # Whether the torch thread began the scheduler's rounds; set, and read against `closing`, under the lock.
+        self.rounds_lock = threading.Lock()
+        self.rounds_began = False
         self.max_queue, self.grace_s = max_queue, grace_s
         self.max_per_connection, self.max_prompt_chars = max_per_connection, max_prompt_chars
         self.read_timeout = read_timeout
@@ -573,6 +588,11 @@ class Daemon:
         self.preparing.add(task)
         task.add_done_callback(self.preparing.discard)
 
+    def drop_waiting(self, conn: Connection) -> None:
+        """Forget the requests a closed connection left waiting for the model: nobody reads their answers, and kept,
+        they counted against --max-queue until the model loaded, so that other clients were refused `busy`."""
+        self.waiting = [w for w in self.waiting if w[0] is not conn]
+
     def cancel_waiting(self, conn: Connection, rid: int) -> bool:
         """Cancel a request that came before the model loaded; False if there is none of that id."""
         for k, (c, r, _) in enumerate(self.waiting):
@@ -706,6 +726,8 @@ class Daemon:
 
     def _answer(self, job: InFlight, msg: msgspec.Struct, final: bool) -> None:
         """Send a request's frame; after its last one, forget the request and log it (runs on the event loop)."""
+        if job not in self.in_flight:  # already answered (_end_unserved): its last frame was sent
+            return
         conn = job.conn
         conn.send(msg)
         if not final:
@@ -739,6 +761,19 @@ class Daemon:
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
+    def _end_unserved(self) -> None:
+        """A stop before the scheduler's rounds began (the model loading or warming up): nothing will ever run the
+        requests that wait for the model or sit in the scheduler's queue, so each is answered `shutting_down` now.
+        Before, their connections were closed with no answer (a client saw "connection lost"), during warm-up only
+        after the grace period and 2 s more."""
+        why = "the daemon is shutting down; it stopped before its model was ready"
+        waiting, self.waiting = self.waiting, []
+        for conn, req, _ in waiting:
+            conn.send(m.Error(id=req.id, code="shutting_down", message=why))
+        for job in list(self.in_flight):
+            job.cancel(why, "shutting_down")  # one still being tokenised then stops there
+            self._answer(job, m.Error(id=job.rid, code="shutting_down", message=why), True)
+
     def _serve_scheduler(self) -> None:
         """The scheduler's rounds, on the torch thread, queued behind the model's load and warm-up, and begun once
         the event loop has announced readiness (`on_ready`: READY=1, the "ready" log), so that no request is answered
@@ -746,8 +781,28 @@ class Daemon:
         while not self.announced.wait(0.05):
             if self.closing.is_set():
                 return
-        if self.scheduler is not None and not self.closing.is_set():
-            self.scheduler.serve()
+        with self.rounds_lock:  # a stop either comes first (no rounds: `serve` answers the requests) or finds them
+            if self.scheduler is None or self.closing.is_set():
+                return
+            self.rounds_began = True
+        self.scheduler.serve()
+
+    async def _watch_socket(self, path: Path, ours: tuple[int, int]) -> None:
+        """Stop once the socket file this daemon made is gone or another file took its place (a temp-folder cleaner, a
+        removed runtime folder and a daemon started there since): no client can reach this daemon again, `m31r stop`
+        included, and it held the socket's lock, so that a daemon started for the next request refused to start
+        ("another m31rd is already serving") and the model's memory stayed taken until someone killed the process.
+        Stopping lets the next request's autostart bring up a daemon that can be reached."""
+        while True:
+            await asyncio.sleep(SOCKET_CHECK_S)
+            try:
+                if (now := file_identity(path)) != ours:
+                    break
+            except OSError:  # cannot tell: keep serving
+                continue
+        what = "was removed" if now is None else "was replaced by another file"
+        log.warning("the socket file %s %s: no client can reach this daemon any more; stopping", path, what)
+        self.request_stop(f"the socket file {what}")
 
     def request_stop(self, reason: str) -> None:
         if self.stopping is not None and not self.stopping.is_set():
@@ -798,13 +853,24 @@ class Daemon:
                 self.announced.set()
 
         readying = asyncio.ensure_future(ready())
+        ours = None
+        with contextlib.suppress(OSError):
+            ours = file_identity(owned_path) if owned_path is not None else None
+        watching = asyncio.ensure_future(self._watch_socket(owned_path, ours)) if ours is not None else None
         await self.stopping.wait()
-        self.closing.set()
+        if watching is not None:
+            watching.cancel()
+        with self.rounds_lock:
+            self.closing.set()
+            rounds = self.rounds_began  # if not, none will run: the scheduler serves nothing of what it was given
         readying.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await readying
-        log.info("stopping", extra={"fields": {"reason": self.stop_reason, "in_flight": len(self.in_flight)}})
+        log.info("stopping", extra={"fields": {"reason": self.stop_reason,
+                                               "in_flight": len(self.in_flight) + len(self.waiting)}})
         server.close()  # stop accepting; connections already open keep being served
+        if not rounds:
+            self._end_unserved()
         deadline = time.monotonic() + self.grace_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -822,6 +888,7 @@ class Daemon:
         await asyncio.gather(*conns, *self.preparing, return_exceptions=True)
         for pool in self.prompt_pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        if owned_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                owned_path.unlink()
+        if owned_path is not None and ours is not None:
+            with contextlib.suppress(OSError):
+                if file_identity(owned_path) == ours:  # (another's socket there now is left alone)
+                    owned_path.unlink()

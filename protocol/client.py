@@ -137,8 +137,8 @@ class Stream:
         return text, self.done
 
     async def cancel(self) -> None:
-        """Ask the daemon to stop this request and detach from it: whatever it still sends is dropped, and
-        iterating the stream further raises DaemonError("cancelled")."""
+        """Ask the daemon to stop this request and detach from it: whatever it still sends, and the tokens it sent
+        that were not read yet, are dropped, and iterating the stream further raises DaemonError("cancelled")."""
         if self._detach():
             self.client._cancel_nowait(self.id)
 
@@ -148,6 +148,10 @@ class Stream:
         if not self.open:
             return False
         self.client._forget(self)
+        # Tokens that came before the cancel and were not read yet are dropped too (only tokens are queued while the
+        # stream is open): a caller that cancelled must not be handed more of the answer it gave up on.
+        while not self.queue.empty():
+            self.queue.get_nowait()
         self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
         return True
 

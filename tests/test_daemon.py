@@ -500,6 +500,26 @@ async def test_cancel_mid_stream(warm):
     await until_idle(warm.socket)
 
 
+async def test_cancel_drops_the_tokens_not_read_yet(warm):
+    """A caller that cancels is handed nothing more of the answer: tokens that arrived before the cancel but were
+    not read yet are dropped with the rest, and the next read ends the stream as cancelled."""
+    async with await Client.connect(warm.socket) as c:
+        s = await c.generate("fn main() {", max_tokens=400, lookahead=0)
+        first = await asyncio.wait_for(s.__anext__(), 10)
+        t0 = time.monotonic()
+        while s.queue.qsize() < 3:  # tokens the daemon sent that this caller has not read
+            assert time.monotonic() - t0 < 10, "the daemon sent no more tokens"
+            await asyncio.sleep(0.01)
+        await s.cancel()
+        after = []
+        with pytest.raises(DaemonError) as e:
+            async for t in s:
+                after.append(t.text)
+        assert e.value.code == "cancelled" and after == [], after
+        assert s.tokens == [first.token] and s.done is None
+    await until_idle(warm.socket)
+
+
 CLIENT_SCRIPT = """
 import asyncio, sys
 from m31r_protocol import Client
@@ -1229,6 +1249,50 @@ def test_a_squatted_default_socket_folder_is_refused(tiny_bundle, tmp_path):
     st = squatted.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o700)
     assert list(squatted.iterdir()) == []
+
+
+@pytest.mark.parametrize("fate", ["removed", "replaced"])
+def test_a_daemon_whose_socket_file_is_gone_stops(tiny_bundle, tmp_path: Path, fate: str):
+    """A daemon whose socket file was removed (a temp-folder cleaner), or replaced (its folder removed and another
+    daemon started there), can be reached by no client, `m31r stop` included, and its lock kept a new daemon from
+    starting on the path: it stops by itself, lets go of the lock, and leaves a socket that is not its own alone."""
+    import fcntl
+
+    sock = tmp_path / "run" / "m31rd.sock"
+    d = launch(tiny_bundle.path, sock)
+    stand_in = None
+    try:
+        async def connected() -> Client:
+            return await Client.connect(sock)
+
+        loop = asyncio.new_event_loop()
+        client = loop.run_until_complete(connected())
+        sock.unlink()
+        if fate == "replaced":
+            stand_in = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            stand_in.bind(str(sock))
+            theirs = sock.lstat().st_ino
+        assert d.proc.wait(15) == 0, "".join(d.lines)[-2000:]
+        loop.run_until_complete(asyncio.wait_for(client.closed.wait(), 5))  # its clients were told: hung up
+        loop.run_until_complete(client.close())
+        loop.close()
+        d.wait_logs(lambda x: x["msg"] == "stopped")
+        (warned,) = [x for x in d.logs() if x["level"] == "warning" and "socket file" in x["msg"]]
+        assert f"{sock} was {fate}" in warned["msg"], warned
+        assert d.logs()[-1]["reason"].startswith(f"the socket file was {fate}")
+        if fate == "replaced":
+            assert sock.lstat().st_ino == theirs  # not removed at the stop: another's
+        else:
+            assert not sock.exists()
+        lock = os.open(sock.with_name(sock.name + ".lock"), os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: a new daemon may start on the path
+        finally:
+            os.close(lock)
+    finally:
+        stop_daemon(d.proc)
+        if stand_in is not None:
+            stand_in.close()
 
 
 def test_stale_socket_is_replaced(life):

@@ -574,6 +574,9 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
         def welcome(self) -> m.Welcome:
             return WELCOME
 
+        def drop_waiting(self, conn: Connection) -> None:
+            pass
+
     class Writer:
         def __init__(self) -> None:
             self.data, self.closed = bytearray(), False

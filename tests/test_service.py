@@ -12,6 +12,7 @@ import os
 import plistlib
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -571,13 +572,13 @@ def test_sigterm_during_warm_up_exits_cleanly(tiny_bundle, tmp_path: Path):
     _terminate_expecting_a_clean_stop(proc, sock_path)
 
 
-def run_gated_daemon(script: str, bundle: Path, tmp_path: Path, session) -> None:
+def run_gated_daemon(script: str, bundle: Path, tmp_path: Path, session, *extra: str) -> None:
     """Start `m31r daemon` through `script` (which holds part of the start-up until the file `gate` exists), run
     `await session(proc, sock_path, gate, log)`, then open the gate and stop the daemon: it must exit 0 and leave no
     socket file."""
     sock_path, gate, log = tmp_path / "run" / "m31rd.sock", tmp_path / "gate", tmp_path / "daemon.log"
     cmd = [sys.executable, "-c", script, str(gate), "daemon", "--bundle", str(bundle), "--socket", str(sock_path),
-           "--threads", "1", "--dtype", "float32", "--quant", "none"]
+           "--threads", "1", "--dtype", "float32", "--quant", "none", *extra]
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -722,6 +723,74 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
         assert '"msg": "ready"' in log.read_text()
 
     run_gated_daemon(GATED_TORCH, tiny_bundle.path, tmp_path, session)
+
+
+@pytest.mark.parametrize("held", ["import torch", "warm-up"])
+def test_a_stop_before_the_model_is_ready_answers_the_waiting_requests(tiny_bundle, tmp_path: Path, held: str):
+    """SIGTERM while the model loads (requests wait for it) or warms up (requests sit in the scheduler's queue, whose
+    rounds then never begin): each waiting request is answered `shutting_down` at once. Before, its connection was
+    just closed ("connection lost"), during warm-up only after the grace period and 2 s more."""
+    from m31r_protocol.client import Client, DaemonError, DaemonUnavailable
+
+    async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
+            try:
+                client = await Client.connect(sock_path, timeout=1.0, welcome_timeout=5.0)
+                break
+            except DaemonUnavailable:
+                await asyncio.sleep(0.02)
+        async with client as c:
+            if held == "warm-up":  # loaded: the request goes to the scheduler's queue, not the wait for the model
+                while (await c.status()).cache_budget_mb == 0:
+                    assert time.monotonic() - t0 < 60, log.read_text()
+                    await asyncio.sleep(0.02)
+            streams = [await c.generate("fn main() {", max_tokens=4) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            assert (await c.status()).warming
+            proc.send_signal(signal.SIGTERM)
+            t_stop = time.monotonic()
+            for s in streams:
+                with pytest.raises(DaemonError) as e:
+                    await asyncio.wait_for(s.collect(), 20)
+                assert e.value.code == "shutting_down" and "before its model was ready" in e.value.message, e.value
+            assert time.monotonic() - t_stop < 3.0  # not after the grace period (5 s)
+
+    script = GATED_TORCH if held == "import torch" else GATED_WARM_UP
+    run_gated_daemon(script, tiny_bundle.path, tmp_path, session)
+
+
+def test_requests_a_closed_connection_left_waiting_for_the_model_are_forgotten(tiny_bundle, tmp_path: Path):
+    """--max-queue 2: a client that sent two requests while the model loads, then went away, no longer fills the
+    queue; another client's request waits for the model and is answered. Before, the gone client's requests counted
+    until the model had loaded, and the other was refused `busy` (`2 requests wait for the model to load`)."""
+    from m31r_protocol.client import Client
+
+    async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
+        t0 = time.monotonic()
+        while not sock_path.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
+            await asyncio.sleep(0.01)
+        async with await Client.connect(sock_path, timeout=5.0, welcome_timeout=5.0) as gone:
+            # Held: a Stream dropped unfinished sends Cancel, and a client that went away sent none.
+            held = [await gone.generate("fn gone() {", max_tokens=2) for _ in range(2)]
+            while (await gone.status()).queue < 2:
+                await asyncio.sleep(0.01)
+        async with await Client.connect(sock_path, timeout=5.0, welcome_timeout=5.0) as c:
+            t1 = time.monotonic()
+            while (queued := (await c.status()).queue):  # until the daemon has seen the other connection close
+                assert time.monotonic() - t1 < 5, f"{queued} requests of a closed connection still wait"
+                await asyncio.sleep(0.01)
+            stream = await c.generate("fn main() {", max_tokens=2)
+            await asyncio.sleep(0.2)
+            gate.touch()
+            _, done = await asyncio.wait_for(stream.collect(), 60)
+            assert done.usage.completion_tokens == 2
+            assert (await c.status()).requests == 1  # the gone client's were never run
+        assert all(s.done is None for s in held)
+
+    run_gated_daemon(GATED_TORCH, tiny_bundle.path, tmp_path, session, "--max-queue", "2")
 
 
 def test_a_model_that_fails_to_load_ends_the_daemon(corrupt_bundle: Path, tmp_path: Path):
