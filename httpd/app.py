@@ -183,14 +183,40 @@ def shown_path(path: str) -> str:
     return path if len(path) <= MAX_SHOWN_PATH else f"{path[:MAX_SHOWN_PATH]}… ({len(path):,} characters)"
 
 
+SENT_PATH = "m31r.sent_path"  # scope key: the path as the request sent it, where TrailingSlash served it without "/"
+# Where a completion is asked for: the hint of a 405 at `/` (a plugin given the server's address without its path).
+COMPLETION_ENDPOINTS = "/v1/completions, /api/generate, /infill or /v1/fim/completions"
+
+
+def not_found(method: str, path: str, sent: str) -> str:
+    """Why `path` (`sent` as the request wrote it) is a 404: named as sent (`GET /foo/` is not told that `/foo` is no
+    endpoint, nor `/health//` that `/health/` is none, which is served), with a doubled slash pointed out (a client's
+    base URL ending with a slash, joined to a path that starts with one)."""
+    if path in NOT_SERVED:
+        return f"{sent}: {NOT_SERVED[path]}"
+    inner = sent.rstrip("/")  # (a doubled slash at the end is no base URL's)
+    doubled = "; it has a doubled slash: does the client's base URL end with a slash?" if "//" in inner else ""
+    return f"{method} {shown_path(sent)} is not an endpoint of this server (GET /openapi.json lists them){doubled}"
+
+
 async def http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
     message = str(exc.detail)
+    path = request.url.path
+    sent = request.scope.get(SENT_PATH, path)
     if exc.status_code == 404 and message == "Not Found":  # Starlette's: no route (an endpoint's own 404 has words)
-        path = request.url.path
-        message = f"{path}: {NOT_SERVED[path]}" if path in NOT_SERVED else (
-            f"{request.method} {shown_path(path)} is not an endpoint of this server (GET /openapi.json lists them)")
+        message = not_found(request.method, path, sent)
+    elif exc.status_code == 413 and message == "Content Too Large":  # Starlette's, for a body sent without a length
+        limit = request.app.state.service.settings.max_body
+        message = f"the request body exceeds this server's limit of {limit} bytes (m31r serve --max-body)"
+    elif exc.status_code == 405 and message == "Method Not Allowed" and (allow := (exc.headers or {}).get("Allow")):
+        # Starlette's said only that: a plugin told to POST to the server's bare address learnt nothing from it.
+        *others, last = sorted(allow.split(", "))  # (Starlette's are a set's, in no fixed order)
+        allowed = f"{', '.join(others)} and {last}" if others else last
+        message = f"{request.method} {shown_path(sent)}: this endpoint answers {allowed} only"
+        if path == "/" and request.method == "POST":
+            message += f" (Ollama's check that a server runs); to complete code, POST to {COMPLETION_ENDPOINTS}"
     return _error_for(request, exc.status_code, code, message, headers=dict(exc.headers or {}))
 
 
@@ -876,7 +902,7 @@ class TrailingSlash:
         if scope["type"] == "http" and (served := served_path(path)) != path:
             # In place, as Starlette's router updates it: the server's scope is where connection.py marks a request
             # whose connection it closed (security.CLOSED_BY_SERVER).
-            scope["path"] = served
+            scope["path"], scope[SENT_PATH] = served, path
             if (raw := scope.get("raw_path")) and raw.endswith(b"/"):
                 scope["raw_path"] = raw[:-1]
         await self.app(scope, receive, send)

@@ -53,10 +53,12 @@ log = logging.getLogger("m31r_http")
 # reach it).
 ROOM_MARGIN = 16
 _turns = itertools.count()  # the order in which connections began waiting (uvloop's clock has 1 ms steps)
-# Bytes of a request's start kept to read its path and Origin from (for an error before its headers are parsed: its
-# shape, and CORS headers for an allowed page).
-HEAD_KEPT = 4096
 H11_HEADER_LIMIT = 16 * 1024  # h11's default limit of a header block, which uvicorn keeps unless configured
+# Bytes of a request's start kept to read its path and Origin from (for an error before its headers are parsed: its
+# shape, and CORS headers for an allowed page): as much as h11 takes of a header block, so that an Origin after
+# kilobytes of other headers (a long Referer, cookies) is found as the app finds it; 4 KiB lost it, and the page
+# could not read the error.
+HEAD_KEPT = H11_HEADER_LIMIT
 LIMIT_RETRY_AFTER = 1  # seconds, in the 503 at the connection limit: the server's own requests end within a timeout
 
 

@@ -708,6 +708,9 @@ def parse(body: bytes) -> Any:
     """`body`'s JSON, untyped, or InvalidRequest. A leading UTF-8 byte order mark is skipped, as RFC 8259 lets a
     server do: Windows tools write one (a body saved by PowerShell's `Out-File -Encoding utf8`, sent with curl)."""
     sent, body = len(body), body.removeprefix(BOM)
+    if not body.strip():  # (msgspec's word for it, "Input data was truncated", sent its client looking for a cut)
+        raise InvalidRequest("the request has no body: send a JSON object (Content-Type: application/json)", None,
+                             "bad_json")
     try:
         return msgspec.json.decode(body)
     except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)

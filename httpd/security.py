@@ -117,8 +117,10 @@ def codestral_error_body(status: int, code: str, message: str, param: str | None
 
 
 def served_path(path: str) -> str:
-    """The path a request is served as: one trailing slash dropped (`/` itself kept), as app.TrailingSlash does."""
-    return path[:-1] if len(path) > 1 and path.endswith("/") else path
+    """The path a request is served as: one trailing slash dropped, as app.TrailingSlash does. Not where that would
+    leave a path ending with a slash (`/` itself, `//`, `/health//`): two slashes are no endpoint, so `//` is not
+    served as `/`."""
+    return path[:-1] if len(path) > 1 and path.endswith("/") and not path.endswith("//") else path
 
 
 def error_body_for(path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:

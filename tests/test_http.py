@@ -655,9 +655,13 @@ def test_413(http):
     big = {"prompt": "x" * (MAX_BODY + 1)}
     r = http.post("/generate", json=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
-    # No Content-Length (chunked): Starlette's streaming limit, still JSON.
+    assert f"exceeds this server's limit of {MAX_BODY} bytes" in r.json()["error"]["message"]
+    # No Content-Length (chunked): Starlette's streaming limit, still JSON, and saying what the limit is (its message
+    # was "Content Too Large" alone).
     r = http.post("/generate", content=iter([json.dumps(big).encode()]))
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    assert r.json()["error"]["message"] == (f"the request body exceeds this server's limit of {MAX_BODY} bytes "
+                                            "(m31r serve --max-body)"), r.text
 
 
 def test_403_host_and_origin(http, server):

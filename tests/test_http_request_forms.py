@@ -104,6 +104,53 @@ def test_a_trailing_slash_keeps_errors_and_the_root_as_they_are(server):
         assert r.status_code == 404 and "not an endpoint" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize(("path", "ollama", "doubled"), [
+    ("/foo/", False, False),
+    ("/api/nope/", True, False),
+    ("/health//", False, False),  # (`/health/` is served: a 404 naming it sent its client the wrong way)
+    ("//", False, False),
+    ("//api/tags", False, True),  # a base URL `http://127.0.0.1:8731/` joined to `/api/tags`
+    ("/v1//completions", False, True),
+])
+def test_a_404_names_the_path_as_sent(server, path, ollama, doubled):
+    """A 404 names the path the client sent, its trailing slash too (`GET /foo/` was told `/foo` is not an endpoint,
+    `GET /health//` that `/health/` is not, which is served), and points out a doubled slash inside it. Two slashes
+    are no endpoint: `//` was served as `/` (Ollama's "is running"), where `/health//` is a 404."""
+    r = httpx.get(f"{server.url}{path}", timeout=10)
+    assert r.status_code == 404, r.text
+    message = r.json()["error"] if ollama else r.json()["error"]["message"]
+    assert message.startswith(f"GET {path} is not an endpoint of this server"), message
+    assert ("doubled slash" in message) == doubled, message
+
+
+@pytest.mark.parametrize(("method", "path", "ollama", "words"), [
+    ("POST", "/", False, "POST /: this endpoint answers GET and HEAD only (Ollama's check that a server runs); to "
+                         "complete code, POST to /v1/completions, /api/generate, /infill or /v1/fim/completions"),
+    ("GET", "/v1/completions", False, "GET /v1/completions: this endpoint answers POST only"),
+    ("GET", "/api/generate/", True, "GET /api/generate/: this endpoint answers POST only"),
+    ("DELETE", "/v1/health", False, "DELETE /v1/health: this endpoint answers GET, HEAD and POST only"),
+])
+def test_a_405_says_which_methods_the_endpoint_answers(server, method, path, ollama, words):
+    """A 405 says what the endpoint answers, and at `/` where completions are (a plugin given the server's address
+    without its endpoint's path POSTs there): Starlette's message was "Method Not Allowed" alone."""
+    r = httpx.request(method, f"{server.url}{path}", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 405, r.text
+    message = r.json()["error"] if ollama else r.json()["error"]["message"]
+    assert message == words, message
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/api/generate", "/api/show", "/infill",
+                                  "/v1/fim/completions", "/v1/events"])
+@pytest.mark.parametrize("body", [b"", b" \r\n"], ids=["empty", "blank"])
+def test_a_request_without_a_body_is_told_so(server, path, body):
+    """A POST without a body (curl -X POST with no -d) is a 400 saying there is none: it was "the body is not valid
+    JSON: Input data was truncated", which sent its client looking for a body cut short."""
+    r = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400, r.text
+    message = message_of(path, r.json())
+    assert "the request has no body: send a JSON object" in message and "truncated" not in message, message
+
+
 # -- 2. a compressed body ---------------------------------------------------------------------------------------
 
 
@@ -222,6 +269,23 @@ def test_the_connection_layers_refusals_are_readable_by_an_allowed_page(server, 
         assert "retry-after" in headers["access-control-expose-headers"].lower()
     else:
         assert "access-control-allow-origin" not in headers, headers
+
+
+# A Referer of 6 KB (a page's address with a long query), which Firefox sends before the Origin header.
+LONG_REFERER = f"Referer: {ORIGIN}/?q={'x' * 6000}\r\n".encode()
+
+
+@pytest.mark.parametrize(("head", "tail", "status"), [
+    (b"GET /api/tags HTTP/1.1\r\n" + HOST, b"Bad Header\r\n\r\n", 400),
+    (b"GET /api/tags HTTP/1.1\r\n" + HOST, b"X-Big: " + b"a" * 20000, 431),
+    (b"GET /health HTTP/1.1\r\n" + HOST, b"X-Slow: a", 408),
+], ids=["bad-header", "too-large", "header-timeout"])
+def test_an_origin_after_kilobytes_of_headers_is_found_by_the_connection_layer(server, head, tail, status):
+    """The connection layer's refusals find an allowed Origin that comes after 4 KiB of other header lines, as the
+    app does: only a request's first 4 KiB were read for it, so a page sending a long Referer could not read them."""
+    [(got, headers, body)] = exchange(server, head + LONG_REFERER + with_origin(ORIGIN) + tail)
+    assert got == status, body
+    assert headers.get("access-control-allow-origin") == ORIGIN, headers
 
 
 @pytest.mark.parametrize("origin", [ORIGIN, None])
