@@ -192,6 +192,7 @@ def _cannot_create(folder: Path) -> str | None:
 def check_daemon(ctx: Context) -> Check:
     from m31r_protocol import blocking
     from m31r_protocol.capabilities import missing, restart_hint
+    from m31r_protocol.connecting import QueueFull
     from m31r_protocol.paths import MAX_SOCKET_PATH_BYTES, socket_path_problem
     from m31r_protocol.peer import ForeignPeer
 
@@ -206,6 +207,8 @@ def check_daemon(ctx: Context) -> Check:
         welcome, s = blocking.welcome_and_status(ctx.socket, timeout=2.0)
     except ForeignPeer as e:
         return Check("daemon", "fail", str(e))
+    except QueueFull as e:
+        return Check("daemon", "warn", str(e))
     except (FileNotFoundError, ConnectionRefusedError):
         if check_socket(ctx).level == "fail":  # an unsafe folder, a file on the path: no daemon starts there
             return cannot_start

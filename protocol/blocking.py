@@ -12,6 +12,7 @@ import socket
 import time
 from typing import Any
 
+from m31r_protocol.connecting import connect_blocking
 from m31r_protocol.framing import HEADER, pack
 from m31r_protocol.limits import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from m31r_protocol.minipack import packb, unpackb
@@ -61,7 +62,7 @@ def welcome_and_status(path: str | os.PathLike, timeout: float = 2.0) -> tuple[d
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(os.fspath(path))
+        connect_blocking(sock, path, deadline)  # (a daemon's full queue of connections: QueueFull at the deadline)
         check_daemon_owner(sock, path)  # a daemon of another user is refused (ForeignPeer, an OSError)
         _left(sock, deadline)
         sock.sendall(pack(packb({"type": "hello", "protocol": PROTOCOL_VERSION, "client": "m31r-status"})))

@@ -20,6 +20,7 @@ from typing import BinaryIO, TypeVar
 import msgspec
 
 from m31r_protocol import capabilities
+from m31r_protocol.connecting import QueueFull, open_unix
 from m31r_protocol.framing import FrameTooLarge, pack, read_frame
 from m31r_protocol.limits import MAX_FRAME_BYTES
 from m31r_protocol.logs import LOG_FILE_BYTES
@@ -185,8 +186,7 @@ class Client:
         if why := socket_path_problem(path):
             raise BadSocketPath(why)
         try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(str(path))
+            reader, writer = await open_unix(path, time.monotonic() + timeout)  # (its own deadline: a full queue)
             try:
                 welcome = await _shake_hands(reader, writer, path, client, welcome_timeout)
             except BaseException:
@@ -194,6 +194,8 @@ class Client:
                 raise
         except DaemonUnavailable:  # (the handshake's own, already worded)
             raise
+        except QueueFull as e:  # a daemon holds the socket: none started there would get it
+            raise SocketUnreachable(str(e)) from None
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
             raise DaemonUnavailable(f"no daemon answers on {path}: {absent_why(e)}") from None
         except OSError as e:  # a connect's error names no file: name the socket, and what the error means here
