@@ -421,6 +421,17 @@ def test_serve_timeouts_that_are_not_numbers_are_usage_errors(tmp_path, flag):
     assert not sock.parent.exists()
 
 
+def assert_fim_file_cursor(sock: Path, f: Path, line: int, column: int, prefix: str, suffix: str) -> None:
+    """`fim --file F --line L --column C` completes exactly as `fim --prefix P --suffix S` does (same prompt)."""
+    r = cli("fim", "--file", str(f), "--line", str(line), "--column", str(column), "--json", "--max-tokens", "4",
+            "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    ref = cli("fim", "--prefix", prefix, "--suffix", suffix, "--json", "--max-tokens", "4", "--socket", str(sock))
+    assert ref.returncode == 0, ref.stderr
+    out, want = json.loads(r.stdout), json.loads(ref.stdout)
+    assert (out["tokens"], out["usage"]["prompt_tokens"]) == (want["tokens"], want["usage"]["prompt_tokens"])
+
+
 def test_fim_counts_lines_as_editors_do(daemon, tmp_path):
     """Only \\n, \\r\\n and \\r end a line, as in LSP and editors: str.splitlines also broke at the form feed and
     U+2028 below, so line 2 was `y` (too short for column 4), and the file had 4 lines instead of 2."""
@@ -430,14 +441,7 @@ def test_fim_counts_lines_as_editors_do(daemon, tmp_path):
     f.write_bytes(src.encode())
     text = f.read_text(encoding="utf-8")  # as the CLI reads it (universal newlines)
     cursor = text.index("main")  # line 2, column 4
-    r = cli("fim", "--file", str(f), "--line", "2", "--column", "4", "--json", "--max-tokens", "4", "--socket",
-            str(sock))
-    assert r.returncode == 0, r.stderr
-    ref = cli("fim", "--prefix", text[:cursor], "--suffix", text[cursor:], "--json", "--max-tokens", "4", "--socket",
-              str(sock))
-    assert ref.returncode == 0, ref.stderr
-    out, want = json.loads(r.stdout), json.loads(ref.stdout)
-    assert (out["tokens"], out["usage"]["prompt_tokens"]) == (want["tokens"], want["usage"]["prompt_tokens"])
+    assert_fim_file_cursor(sock, f, 2, 4, text[:cursor], text[cursor:])
     r = cli("fim", "--file", str(f), "--line", "4", "--column", "1", "--socket", str(sock))
     assert (r.returncode, r.stderr) == (1, f"error: --line 4 is outside {f} (2 lines)\n")
     r = cli("fim", "--file", str(f), "--line", "1", "--column", "10", "--socket", str(sock))
@@ -490,13 +494,6 @@ def test_fim_places_the_cursor_after_a_byte_order_mark_as_editors_do(daemon, tmp
     f = tmp_path / "bom.rs"
     f.write_bytes(b"\xef\xbb\xbf" + src.encode())
     cursor = src.index("{")  # line 1, column 11
-    r = cli("fim", "--file", str(f), "--line", "1", "--column", "11", "--json", "--max-tokens", "4", "--socket",
-            str(sock))
-    assert r.returncode == 0, r.stderr
-    ref = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "4", "--socket",
-              str(sock))
-    assert ref.returncode == 0, ref.stderr
-    out, want = json.loads(r.stdout), json.loads(ref.stdout)
-    assert (out["tokens"], out["usage"]["prompt_tokens"]) == (want["tokens"], want["usage"]["prompt_tokens"])
+    assert_fim_file_cursor(sock, f, 1, 11, src[:cursor], src[cursor:])
     r = cli("fim", "--file", str(f), "--line", "1", "--column", "13", "--socket", str(sock))
     assert (r.returncode, r.stderr) == (1, "error: --column 13 is outside line 1 (11 characters)\n")

@@ -19,11 +19,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
 
 from m31rd import service
+
+if TYPE_CHECKING:
+    from m31r_protocol.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "m31rd" / "units"
@@ -591,6 +595,20 @@ def run_gated_daemon(script: str, bundle: Path, tmp_path: Path, session, *extra:
     assert rc == 0 and not sock_path.exists(), log.read_text()
 
 
+async def connect_once_serving(proc: subprocess.Popen, sock_path: Path, log: Path) -> Client:
+    """A client of the gated daemon: the probe for a live daemon makes the socket file once, refusing connections,
+    so connects are tried until one is served (within 60 s, while the daemon runs)."""
+    from m31r_protocol.client import Client, DaemonUnavailable
+
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
+        try:
+            return await Client.connect(sock_path, timeout=1.0, welcome_timeout=5.0)
+        except DaemonUnavailable:
+            await asyncio.sleep(0.02)
+
+
 # The daemon, with its warm-up held until a file exists: what it answers while warming up, deterministically.
 GATED_WARM_UP = """
 import sys, time
@@ -612,18 +630,9 @@ def test_status_answers_during_warm_up_and_requests_wait_for_it(tiny_bundle, tmp
     """Launch → `m31r status` does not wait for warm-up (issue 18's launch figure): Status answers with `warming`
     true, a Generate sent meanwhile is answered only once warm-up has ended, and "ready" is logged only then."""
     from m31r_protocol import messages as m
-    from m31r_protocol.client import Client, DaemonUnavailable
 
     async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
-        t0 = time.monotonic()
-        while True:  # the probe for a live daemon makes the file once, refusing connections: try until it serves
-            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
-            try:
-                client = await Client.connect(sock_path, timeout=1.0, welcome_timeout=5.0)
-                break
-            except DaemonUnavailable:
-                await asyncio.sleep(0.02)
-        async with client as c:
+        async with await connect_once_serving(proc, sock_path, log) as c:
             st = await c.status()
             assert st.warming and st.threads is None  # the warm-up sets the threads it ran with
 
@@ -730,18 +739,11 @@ def test_a_stop_before_the_model_is_ready_answers_the_waiting_requests(tiny_bund
     """SIGTERM while the model loads (requests wait for it) or warms up (requests sit in the scheduler's queue, whose
     rounds then never begin): each waiting request is answered `shutting_down` at once. Before, its connection was
     just closed ("connection lost"), during warm-up only after the grace period and 2 s more."""
-    from m31r_protocol.client import Client, DaemonError, DaemonUnavailable
+    from m31r_protocol.client import DaemonError
 
     async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
         t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
-            try:
-                client = await Client.connect(sock_path, timeout=1.0, welcome_timeout=5.0)
-                break
-            except DaemonUnavailable:
-                await asyncio.sleep(0.02)
-        async with client as c:
+        async with await connect_once_serving(proc, sock_path, log) as c:
             if held == "warm-up":  # loaded: the request goes to the scheduler's queue, not the wait for the model
                 while (await c.status()).cache_budget_mb == 0:
                     assert time.monotonic() - t0 < 60, log.read_text()
