@@ -11,7 +11,8 @@ Where it follows Ollama and where it does not:
   ignores options it does not know (plugins send num_ctx, num_thread, repeat_penalty by habit); the response's
   `X-M31R-Ignored-Options` header names them (percent-encoded where a name holds what a header cannot carry).
 - Defaults are this project's: greedy (temperature 0, top_k and top_p off) unless asked, not Ollama's 0.8.
-  num_predict left out or negative ("no limit"): min(--max-tokens-cap, half the context). num_predict over the
+  num_predict left out, 0 or negative ("no limit": Ollama's runner limits only a positive one, and leaves 0 out of
+  llama-server's request): min(--max-tokens-cap, half the context). num_predict over the
   cap is capped to it, as Ollama refuses none (Continue sends 4096); `truncate: false` refuses it. A prompt too long
   for the context loses its start, as Ollama's does (`truncate: false` refuses).
   A num_predict too large for the context with the prompt is capped to what fits, keeping the prompt (at least half
@@ -137,19 +138,27 @@ def check_model(client: Client, model: str) -> str:
     return model
 
 
+INTEGERS = ("num_predict", "top_k", "seed")  # the honoured options that Ollama reads as integers
+
+
 def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
-    """The honoured options, validated, and the names of those ignored."""
+    """The honoured options, validated, and the names of those ignored.
+
+    Ollama decodes `options` as untyped JSON, where every number is a float64, and sets an integer option to the
+    float truncated (api/types.go, Options.FromMap): `"num_predict": 64.0` (what Python's json and Emacs write for a
+    float that holds 64) is 64 there, so it is here too, where msgspec alone would refuse a float for an int."""
     raw = raw or {}
+    typed = {k: int(v) if k in INTEGERS and isinstance(v, float) else v for k, v in raw.items()}
     try:
-        opts = msgspec.convert(raw, Options)
+        opts = msgspec.convert(typed, Options)
     except msgspec.ValidationError as e:
         text = str(e)
         field = text.rsplit("$.", 1)[-1].rstrip("`") if "$." in text else ""
         param = f"options.{field}" if field else "options"
         raise s.InvalidRequest(f"{param}: {text}", param) from None
     if opts.num_predict is not None and opts.num_predict < -2:
-        raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 0 or more, or -1 for "
-                               "no limit", "options.num_predict")
+        raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 1 or more, or -1 or 0 "
+                               "for no limit", "options.num_predict")
     return opts, sorted(k for k in raw if k not in HONOURED)
 
 
@@ -335,7 +344,8 @@ class Ollama:
         def start(c: Client) -> Awaitable[Stream]:
             check_model(c, r.model)
             ctx = c.welcome.max_context
-            max_tokens = n if n is not None and n >= 0 else min(cap, ctx // 2)
+            # 0 is no limit, as in Ollama (its runner checks `numPredict > 0`), not an empty answer.
+            max_tokens = n if n is not None and n > 0 else min(cap, ctx // 2)
             max_tokens = fit_num_predict(max_tokens, ctx, prefix if suffix is None else None, r.truncate)
             kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=seed,
                       logprobs=r.top_logprobs if r.logprobs else None)
@@ -343,7 +353,7 @@ class Ollama:
                 return c.fim(prefix, suffix, **kw)
             return c.generate(prefix, truncate=r.truncate, **kw)
 
-        default = None if n is not None and n >= 0 else (
+        default = None if n is not None and n > 0 else (
             "the default, as none was given: the smaller of this server's cap and half the context")
         return Generation(svc, "/api/generate", start, renderer, r.stream,
                           Fields(max_tokens="options.num_predict", max_tokens_default=default))

@@ -142,6 +142,30 @@ def test_options(client, http):
     assert r.eval_count == CAP or r.done_reason == "stop"
 
 
+@pytest.mark.parametrize("kw", [{}, {"suffix": SUFFIX}])
+def test_num_predict_zero_is_no_limit(client, kw):
+    """Ollama limits only a positive num_predict (its runner checks `numPredict > 0`; today's leaves a 0 out of
+    llama-server's request): 0 runs on as the default does, rather than answering nothing."""
+    default = client.generate(model="m31r", prompt=PREFIX, **kw)
+    zero = client.generate(model="m31r", prompt=PREFIX, options={"num_predict": 0}, **kw)
+    assert zero.eval_count > 0 and zero.eval_count == default.eval_count and zero.response == default.response
+
+
+def test_integer_options_written_as_floats(http):
+    """Ollama reads `options` untyped (every number a float64) and truncates one given to an integer option: `64.0`,
+    as Python's json or Emacs write a float, or even `8.7`, is taken, not refused."""
+    def answer(**opts: float) -> dict:
+        r = http.post("/api/generate", json={"model": "m31r", "prompt": "fn", "stream": False, "options": {
+            "temperature": 1.0, **opts}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ints = answer(num_predict=8, top_k=50, seed=5)
+    floats = answer(num_predict=8.0, top_k=50.0, seed=5.0)
+    assert floats["response"] == ints["response"] and floats["eval_count"] == ints["eval_count"]
+    assert answer(num_predict=8.7, top_k=50.2, seed=5.9)["response"] == ints["response"]
+
+
 def test_ignored_option_names_that_a_header_cannot_carry(http):
     """An option's name is the client's to choose: one with a line break (or anything else a header cannot carry) is
     percent-encoded in X-M31R-Ignored-Options, streaming or not, instead of losing the whole response."""
