@@ -514,7 +514,29 @@ socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=
                              help="Daemon socket (default: $M31R_SOCKET, else $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
 
 
+def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """Read the settings file (--config, else the default one where it exists) into the options' defaults, before
+    the other options are parsed: an option given on the command line still wins. A bad file ends the start in one
+    `m31rd:` line (the line an autostarting client repeats)."""
+    from m31r import daemon_config
+
+    if path is None and not (path := daemon_config.default_path()).is_file():
+        return None
+    try:
+        ctx.default_map = {**(ctx.default_map or {}), **daemon_config.read_defaults(path, ctx.command, ctx)}
+    except daemon_config.DaemonConfigError as e:
+        click.echo(f"m31rd: {e}", err=True)
+        sys.exit(1)
+    ctx.meta["m31r.settings"] = path  # (for the daemon's "ready" log line)
+    return path
+
+
 @main.command()
+@click.option("--config", type=UserPath(dir_okay=False, path_type=Path), default=None, is_eager=True,
+              expose_value=False, callback=_daemon_settings,
+              help="Daemon settings file: TOML whose keys are these options' names (threads = 4, quant = \"int8\"); "
+                   "the command line wins over it. Default: $XDG_CONFIG_HOME/m31r/daemon.toml (~/.config/...) where "
+                   "it exists.")
 @click.option("--bundle", "bundle_dir", type=UserPath(path_type=Path), default=None,
               help="Model bundle directory (default: $M31R_BUNDLE or the bundled release/).")
 @socket_option
@@ -586,7 +608,8 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
                          max_per_connection=max_per_connection, max_prompt_chars=max_prompt_chars,
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
                          lookahead=lookahead, beams=beams, chunk_size=chunk_size, quant=quant,
-                         log_level=log_level, log_file=log_file)
+                         log_level=log_level, log_file=log_file,
+                         settings=click.get_current_context().meta.get("m31r.settings"))
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
     sys.stdout.flush()

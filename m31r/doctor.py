@@ -130,6 +130,31 @@ def check_bf16(ctx: Context) -> Check:
     return Check("bf16", "warn", f"emulated by torch on this CPU (slower than fp32): {serves}")
 
 
+# -- the daemon's settings file ------------------------------------------------------------------------------------
+
+
+def check_settings(ctx: Context) -> Check:
+    """The settings file every daemon started here reads (m31r.daemon_config), checked as `m31r daemon` checks it."""
+    import click
+
+    from m31r import daemon_config
+    from m31r.cli import daemon
+
+    path = daemon_config.default_path()
+    if not path.is_file():
+        return Check("settings", "ok", f"no {path}: daemons run on their defaults and the options they are given")
+    try:
+        found = daemon_config.read_defaults(path, daemon, click.Context(daemon))
+    except daemon_config.DaemonConfigError as e:
+        return Check("settings", "fail", f"{e}; every daemon started here refuses to start until it is fixed")
+    if not found:
+        return Check("settings", "ok", f"{path} sets nothing: daemons run on their defaults")
+    names = {p.name: p.opts[0] for p in daemon.params}
+    shown = ", ".join(f"{names[k]} {v}" for k, v in found.items())
+    return Check("settings", "ok", f"{path}: daemons started here default to {shown} (a running daemon read it "
+                                   "when it started)")
+
+
 # -- the model bundle ---------------------------------------------------------------------------------------------
 
 
@@ -391,7 +416,8 @@ def check_emacs(ctx: Context) -> Check | None:
 
 EDITOR_CHECKS: tuple[Callable[[Context], Check | None], ...] = (check_vscode, check_neovim, check_helix, check_emacs)
 CHECKS: tuple[Callable[[Context], Check | None], ...] = (
-    check_cpu, check_compiler, check_kernels, check_bf16, check_bundle, check_socket, check_daemon, check_service,
+    check_cpu, check_compiler, check_kernels, check_bf16, check_settings, check_bundle, check_socket, check_daemon,
+    check_service,
 )
 
 

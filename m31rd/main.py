@@ -66,6 +66,7 @@ class DaemonOptions:
     grace_s: float = 5.0
     log_level: str = "info"
     log_file: Path | None = None  # stderr when None
+    settings: Path | None = None  # the settings file the options' defaults came from (m31r.daemon_config), if any
 
 
 def run(opts: DaemonOptions) -> int:
@@ -157,7 +158,7 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
         log.info("ready", extra={"fields": {
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
             "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant, "threads": daemon.threads,
-            "socket": str(owned or "systemd-activated"),
+            "socket": str(owned or "systemd-activated"), **({"settings": str(opts.settings)} if opts.settings else {}),
             "load_ms": round(load_ms, 1),
             "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
             "pid": os.getpid()}})

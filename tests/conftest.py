@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ import pytest
 # up to 100x slower. Set before torch is first imported (test modules import it after conftest); an explicit
 # OMP_NUM_THREADS in the environment wins. Subprocesses (daemons under test) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A developer's own daemon settings (~/.config/m31r/daemon.toml) must not change the daemons under test: the tests
+# run with a config home that holds nothing (tests of the settings file make their own).
+os.environ["XDG_CONFIG_HOME"] = str(Path(tempfile.gettempdir()) / f"m31r-tests-empty-config-{os.getpid()}")
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs" / "model"
