@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,19 +137,20 @@ def test_settings_are_the_servers_defaults_and_documented(payload, readme):
         assert f"| `{key}` |" in text, key
 
 
-def argv(command: list[str], daemon: Path) -> list[str]:
-    """The configured command, found the way the editor finds it (PATH; this venv's bin first), pointed at the test
-    daemon and kept from starting another."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+def argv(command: list[str], daemon: Path, path: str | None = None) -> list[str]:
+    """The configured command, found the way the editor finds it (on `path`; by default PATH with this venv's bin
+    first), pointed at the test daemon and kept from starting another."""
+    path = path or os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     exe = shutil.which(command[0], path=path)
     assert exe, f"{command[0]} not on PATH"
     return [exe, *command[1:], "--socket", str(daemon), "--no-autostart"]
 
 
-async def session(command: list[str], daemon: Path, init_options, did_change_settings) -> list[str]:
+async def session(command: list[str], daemon: Path, init_options, did_change_settings,
+                  path: str | None = None) -> list[str]:
     """initialize (with init_options), initialized, didChangeConfiguration (if the client sends one), didOpen a Rust
     document, one completion request, shutdown and exit. Returns the server's log and showMessage lines."""
-    client = await ClientServerConfig(server_command=argv(command, daemon)).start()
+    client = await ClientServerConfig(server_command=argv(command, daemon, path)).start()
     try:
         init = await client.initialize_session(t.InitializeParams(
             capabilities=client_capabilities("visual-studio-code"), initialization_options=init_options))
@@ -188,4 +190,27 @@ async def test_kate_command_serves_a_session(shared_daemon):
     entry = kate()["servers"]["rust"]
     messages = await session(entry["command"], shared_daemon[1], entry.get("initializationOptions"),
                              entry.get("settings"))
+    assert not [m for m in messages if "m31r." in m], messages
+
+
+async def test_readme_puts_m31r_on_path_for_the_editors(shared_daemon, tmp_path):
+    """editors/README.md's install step, run as written (less its `make install`, done: the venv this test runs in),
+    puts a `m31r` on a PATH that holds no virtual environment, and the editors' configured command serves a session
+    from there. Before it, the READMEs said `make install` puts `m31r` on PATH: it leaves it in `.venv/bin`."""
+    text = (EDITORS / "README.md").read_text()
+    (line,) = [x for x in text.splitlines() if "ln -sf" in x]
+    assert line.startswith("make install && "), line
+    venv_m31r = EDITORS.parent / ".venv" / "bin" / "m31r"  # Makefile: BIN := .venv/bin
+    assert venv_m31r.exists(), "make install builds .venv/bin/m31r"
+    home = tmp_path / "home"
+    home.mkdir()
+    system_path = os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if Path(p).is_dir())
+    r = subprocess.run(["sh", "-c", line.removeprefix("make install && ")], cwd=EDITORS.parent,
+                       env={"HOME": str(home), "PATH": system_path, "PWD": str(EDITORS.parent)},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    path = os.pathsep.join([str(home / ".local" / "bin"), system_path])
+    assert shutil.which("m31r", path=path) == str(home / ".local" / "bin" / "m31r")  # the README's link, found first
+    entry = kate()["servers"]["rust"]
+    messages = await session(entry["command"], shared_daemon[1], entry.get("initializationOptions"), None, path)
     assert not [m for m in messages if "m31r." in m], messages

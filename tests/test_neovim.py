@@ -396,3 +396,98 @@ def test_fallback_with_default_completeopt_accepts_every_line(daemon, tmp_path):
     for n, case in enumerate(run_keys(daemon, tmp_path, cases)):
         assert "\n" in check_whole_suggestion(n, case), case
         assert case["completeopt"] == {"global": "menu,popup", "buffer": "menu,popup,menuone"}, case
+
+
+# The plugin's accept key (<Tab>) when no suggestion shows: what the key did before, in buffers the plugin maps it in.
+# Neovim before 0.12 has no vim.lsp.inline_completion: a stand-in with 0.12's `get()` when nothing is shown (false)
+# takes its place, so that the plugin maps its keys; the server, the mappings and vim.snippet are Neovim's own.
+ACCEPT_KEY_SCRIPT = r"""
+local cfg = vim.json.decode(os.getenv("M31R_TEST_CONFIG"))
+local out = { lines = {} }
+local ok, err = pcall(function()
+  if not vim.lsp.inline_completion then
+    vim.lsp.inline_completion = {
+      enable = function() end,
+      is_enabled = function() return true end,
+      get = function() return false end,
+      select = function() end,
+    }
+  end
+  out.nvim = tostring(vim.version())
+  require("m31r").setup({ cmd = cfg.cmd, settings = { enable = false } })  -- never a suggestion to accept
+  local function open(file)
+    vim.cmd.edit(file)
+    vim.bo.filetype = "rust"
+    local buf = vim.api.nvim_get_current_buf()
+    assert(vim.wait(30000, function()
+      return (vim.fn.maparg("<Tab>", "i", false, true).desc or ""):match("^M31R: ") ~= nil
+    end, 20), "the plugin did not map <Tab> in " .. file)
+  end
+  local function type_keys(keys)
+    vim.api.nvim_feedkeys(vim.keycode(keys), "xt", false)
+    table.insert(out.lines, vim.api.nvim_get_current_line())
+  end
+  -- 1. Neovim's own <Tab> (0.11+): the next placeholder of the snippet being filled in (x, then y replace a, b)
+  open(cfg.files[1])
+  type_keys("S<Cmd>lua vim.snippet.expand('add(${1}, ${2})')<CR>x<Tab>y")
+  -- 2. no mapping: the key itself
+  vim.keymap.del({ "i", "s" }, "<Tab>")
+  open(cfg.files[2])
+  vim.bo.expandtab, vim.bo.softtabstop = false, 0  -- a Tab character, not the Rust ftplugin's spaces
+  type_keys("Sa<Tab>b")
+  -- 3. a recursive mapping of the user's, to another mapping
+  vim.keymap.set("i", "<Plug>(user-tab)", "<lt>tab>")
+  vim.keymap.set("i", "<Tab>", "<Plug>(user-tab)", { remap = true })
+  open(cfg.files[3])
+  type_keys("Sa<Tab>b")
+  -- 4. a Lua mapping of the user's that is not an expression (it changes text)
+  vim.keymap.set("i", "<Tab>", function() vim.api.nvim_put({ "[tab]" }, "c", false, true) end)
+  open(cfg.files[4])
+  type_keys("Sa<Tab>b")
+  -- 5. a Vim script expression mapping of the user's
+  vim.cmd([[inoremap <expr> <Tab> '(' .. 'tab' .. ')']])
+  open(cfg.files[5])
+  type_keys("Sa<Tab>b")
+  -- 6. the first buffer again, after :M31rRestart maps the key anew: still Neovim's snippet jump
+  vim.cmd.buffer(vim.fn.bufnr(cfg.files[1]))
+  require("m31r").restart()
+  assert(vim.wait(30000, function()
+    local c = vim.lsp.get_clients({ name = "m31r", bufnr = 0 })[1]
+    return c ~= nil and c.initialized and (vim.fn.maparg("<Tab>", "i", false, true).desc or ""):match("^M31R: ")
+  end, 20), "not attached again")
+  type_keys("S<Cmd>lua vim.snippet.expand('add(${1}, ${2})')<CR>x<Tab>y")
+end)
+out.ok, out.err = ok, ok and nil or tostring(err)
+local f = assert(io.open(cfg.out, "w"))
+f:write(vim.json.encode(out))
+f:close()
+for _, c in ipairs(vim.lsp.get_clients({ name = "m31r" })) do c:stop(true) end
+vim.cmd("qa!")
+"""
+
+
+def test_accept_key_keeps_what_the_key_did(daemon, tmp_path):
+    """The inline-completion accept key (<Tab>) is mapped in the buffers the plugin serves; with no suggestion shown
+    it must do what it did there before: Neovim's own <Tab> (0.11+) jumps to a snippet's next placeholder (a
+    rust-analyzer completion of a call, `add($1, $2)`), and a user's <Tab> mapping is theirs. The plugin typed a bare
+    Tab instead, in the middle of the snippet."""
+    src = tmp_path / "proj" / "src"
+    src.mkdir(parents=True)
+    (tmp_path / "proj" / "Cargo.toml").write_text('[package]\nname = "t"\n')
+    files = []
+    for n in range(5):
+        files.append(src / f"f{n}.rs")
+        files[-1].write_text("fn main() {\n}\n")
+    out = tmp_path / "out.json"
+    cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
+           "files": [str(f) for f in files], "out": str(out)}
+    env = {**os.environ, "M31R_TEST_CONFIG": json.dumps(cfg)}
+    script = tmp_path / "accept.lua"
+    script.write_text(ACCEPT_KEY_SCRIPT)
+    proc = subprocess.run([NVIM, "--clean", "--headless", "--cmd", f"set rtp+={REPO / 'editors' / 'neovim'}", "-l",
+                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150,
+                          stdin=subprocess.DEVNULL)
+    assert out.exists(), f"nvim wrote no result (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    res = json.loads(out.read_text())
+    assert res["ok"], res.get("err")
+    assert res["lines"] == ["add(x, y)", "a\tb", "a<tab>b", "a[tab]b", "a(tab)b", "add(x, y)"], res

@@ -41,7 +41,7 @@ M.defaults = {
   -- Neovim >= 0.12 inline completion. Keys may be false to leave them unmapped.
   inline = {
     enabled = true,
-    accept = "<Tab>", -- accepts the ghost text, otherwise behaves as the key itself
+    accept = "<Tab>", -- accepts the ghost text, otherwise does what the key did before (its mapping, else itself)
     next = "<M-]>",
     prev = "<M-[>",
   },
@@ -228,15 +228,79 @@ local function map(bufnr, lhs, rhs, desc, expr)
   vim.keymap.set("i", lhs, rhs, { buffer = bufnr, expr = expr or false, silent = true, desc = desc })
 end
 
+-- What the accept key did in a buffer before the plugin mapped it (its buffer mapping, else the global one), by
+-- buffer and key: Neovim's own <Tab> (0.11+) jumps to a snippet's next placeholder, and a user's <Tab> may be anything.
+local previous = {}
+
+--- Runs the mapping `previous[bufnr][lhs]` held, from a `<Cmd>` (a mapping that is not an expression may change text).
+function M._run_previous(bufnr, lhs)
+  local prev = (previous[bufnr] or {})[lhs]
+  if prev and prev.callback then
+    prev.callback()
+  end
+end
+
+local function remember_previous(bufnr, lhs)
+  local prev = vim.api.nvim_buf_call(bufnr, function()
+    return vim.fn.maparg(lhs, "i", false, true)
+  end)
+  previous[bufnr] = previous[bufnr] or {}
+  if vim.tbl_isempty(prev) then
+    previous[bufnr][lhs] = nil
+  elseif not (prev.buffer == 1 and (prev.desc or ""):match("^M31R: ")) then -- ours, from an earlier attach: kept
+    previous[bufnr][lhs] = prev
+  end
+end
+
+-- The keys `lhs` stands for when no suggestion shows: the earlier mapping's, else the key itself (for an expression
+-- mapping that replaces key codes; feeds them itself where the earlier mapping was recursive).
+local function fallback_keys(bufnr, lhs)
+  local prev = (previous[bufnr] or {})[lhs]
+  if not prev then
+    return lhs
+  end
+  local rhs
+  if prev.callback and prev.expr == 1 then
+    rhs = prev.callback()
+  elseif prev.callback then
+    -- (the key's name with its "<" as <lt>: the keys returned have their key codes replaced)
+    local name = ("%q"):format(lhs):gsub("<", "<lt>")
+    return ("<Cmd>lua require('m31r')._run_previous(%d, %s)<CR>"):format(bufnr, name)
+  else
+    rhs = (prev.rhs or ""):gsub("<[Ss][Ii][Dd]>", "<SNR>" .. (prev.sid or 0) .. "_")
+    if prev.expr == 1 then
+      rhs = vim.api.nvim_buf_call(bufnr, function()
+        return vim.fn.eval(rhs)
+      end)
+    end
+  end
+  if type(rhs) ~= "string" then
+    return ""
+  end
+  if prev.noremap ~= 1 then
+    local codes, key = vim.keycode(rhs), vim.keycode(lhs)
+    if vim.startswith(codes, key) then -- as Vim maps it: the key itself is not mapped again, the rest is
+      vim.api.nvim_feedkeys(codes:sub(#key + 1), "mi", false)
+      return lhs
+    end
+    vim.api.nvim_feedkeys(codes, "mi", false)
+    return ""
+  end
+  return rhs
+end
+
 local function setup_inline(client, bufnr)
   local ic = vim.lsp.inline_completion
   ic.enable(true, { bufnr = bufnr })
   local keys = M.config.inline
+  if keys.accept and keys.accept ~= "" then
+    remember_previous(bufnr, keys.accept)
+  end
   map(bufnr, keys.accept, function()
     if ic.get() then
       return ""
     end
-    return keys.accept
+    return fallback_keys(bufnr, keys.accept)
   end, "M31R: accept the inline completion", true)
   if ic.select then
     map(bufnr, keys.next, function()
@@ -395,7 +459,7 @@ function M.attach(bufnr)
   local settings = cfg.settings_resolved
   local cmd = server_cmd(cfg, settings)
   if vim.fn.executable(cmd[1]) ~= 1 then
-    notify_once("exe", ("%q is not executable: install it (make install) or set cmd"):format(cmd[1]))
+    notify_once("exe", ("%q is not executable: put m31r on PATH (editors/README.md) or set cmd"):format(cmd[1]))
     return nil
   end
   local capabilities = vim.lsp.protocol.make_client_capabilities()
