@@ -4,243 +4,38 @@ Startup cost matters: daemon clients (`status`, `stop`, completions from an edit
 50 ms, so this module imports only the standard library and click. torch and everything that imports it
 (m31r.bundle, m31r.engine, m31r.hf_import) are imported inside the commands that need them.
 
-Layout: shared helpers first, then one section per command group. Add a command by adding a section;
-keep its heavy imports inside the function body.
+Layout: the top-level group, then one section per command or group of commands; the `bundle` and `train` groups
+live in m31r.cli_bundle and m31r.cli_train, and what the commands share in m31r.cli_common. Add a command by adding
+a section; keep its heavy imports inside the function body.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
 import math
 import os
 import re
-import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import click
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-# ------------------------------------------------------------------------------------------------------------
-# Shared helpers
-# ------------------------------------------------------------------------------------------------------------
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    """One line on stderr and a non-zero exit: users see what is wrong, not a traceback."""
-    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    click.echo(f"error: {one_line}", err=True)
-    sys.exit(code)
-
-
-def _is_user_error(e: BaseException) -> bool:
-    """Errors that describe bad input (a bundle, a config, an argument), as opposed to bugs.
-
-    Checked through sys.modules so that catching BundleError never forces an import of torch.
-    """
-    if isinstance(e, ValueError | OSError):  # ConfigError and ContextOverflowError are ValueErrors
-        return True
-    bundle = sys.modules.get("m31r.bundle")
-    return bundle is not None and isinstance(e, bundle.BundleError)
-
-
-def user_errors(fn: F) -> F:
-    """Turn user-facing errors raised by a command into `error: <message>` + exit 1."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            if not _is_user_error(e):
-                raise
-            fail(str(e) or type(e).__name__)
-
-    return wrapper  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def _new_bundle_dir(out: Path, sources: tuple[Path, ...] = (), source_kind: str = "bundle") -> Iterator[None]:
-    """Writers never mix a new bundle into an existing directory's files, into a source (`source_kind`: a bundle, or
-    the checkpoint import-hf reads) or into any bundle (a bundle is exactly its five files), and leave nothing behind
-    when they fail, are stopped (Ctrl-C, or SIGTERM from `timeout` or a service manager) or write a bundle that fails
-    its own verification: a re-run finds OUT as it was. A writer killed outright (SIGKILL, the OOM killer, a power
-    cut) leaves OUT marked unfinished (UNFINISHED_FILE, under a lock held while it writes): a re-run takes it over."""
-    from m31r.checksums import UNFINISHED_FILE
-
-    _refuse_nested_out(out, sources, source_kind)
-    lock = _take_over_unfinished(out)
-    created = False
-    if lock is None:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"{out}: already exists and is not an empty directory")
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        lock = _lock_out(out)  # (refused: another writer's, left as it is)
-        if any(out.iterdir()):  # another writer filled it meanwhile
-            os.close(lock)
-            raise ValueError(f"{out}: already exists and is not an empty directory")
-    with _sigterm_ends(f"{out}: terminated (SIGTERM) before the bundle was whole; nothing was left there"):
-        try:
-            (out / UNFINISHED_FILE).write_text(_UNFINISHED_NOTE.format(pid=os.getpid()))
-            yield
-            (out / UNFINISHED_FILE).unlink()
-        except BaseException as e:
-            if created:
-                shutil.rmtree(out, ignore_errors=True)
-            elif out.is_dir():
-                for child in out.iterdir():  # empty, or an unfinished bundle taken over: everything in it is ours
-                    if child.is_dir():
-                        shutil.rmtree(child)
-                    else:
-                        child.unlink()
-            _bundle_write_failed(e, out)
-            if isinstance(e, KeyboardInterrupt):  # (click would say only `Aborted!`, and exit 1)
-                fail(f"{out}: interrupted (Ctrl-C) before the bundle was whole; nothing was left there", 130)
-            raise
-        finally:
-            os.close(lock)
-
-
-_UNFINISHED_NOTE = ("m31r (pid {pid}) is writing a bundle into this folder. If no such process runs, it was stopped "
-                    "before the end: run the same command again (it replaces this folder's content), or delete the "
-                    "folder.\n")
-
-
-def _refuse_nested_out(out: Path, sources: tuple[Path, ...], source_kind: str) -> None:
-    """OUT inside a source, or inside any bundle folder (release/ included), would add an entry to a folder that is
-    more than a directory: a bundle holds its five files only (`m31r train export` copies anything else into each
-    new release), a checkpoint is uploaded or loaded as a whole."""
-    from m31r.checksums import CHECKSUM_FILE
-
-    where = out.resolve()
-    for src in sources:
-        if where.is_relative_to(src.resolve()):
-            if source_kind == "bundle":
-                raise ValueError(f"{out}: inside the source bundle {src}, which must hold its five files only: write "
-                                 "the new one somewhere else")
-            raise ValueError(f"{out}: inside the {source_kind} {src} it is made from, which tools load and upload as a "
-                             "whole: write the bundle somewhere else")
-    for folder in where.parents:
-        if (folder / CHECKSUM_FILE).is_file() and (folder / "config.yaml").is_file():
-            raise ValueError(f"{out}: inside the bundle {folder}, which must hold its five files only: write the new "
-                             "one somewhere else")
-
-
-def _lock_out(out: Path) -> int:
-    """An exclusive lock on the folder OUT, held while a bundle is written into it (the kernel drops it when the
-    writer ends, however it ends), so that another writer can tell a running write from one that was killed."""
-    import fcntl
-
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ValueError(f"{out}: another m31r is writing a bundle into it now: let it finish, or stop it "
-                         "first") from None
-    return fd
-
-
-def _take_over_unfinished(out: Path) -> int | None:
-    """The lock on OUT where it holds a bundle another writer left unfinished (killed outright), its content cleared
-    for this one; None where it does not (another writer still running there is refused)."""
-    from m31r.checksums import UNFINISHED_FILE
-
-    marker = out / UNFINISHED_FILE
-    if not out.is_dir() or not marker.is_file():
-        return None
-    lock = _lock_out(out)
-    try:
-        if not marker.is_file():  # that writer finished while this one took the lock: OUT is a whole bundle now
-            os.close(lock)
-            return None
-        click.echo(f"note: {out} holds a bundle whose writer was stopped before the end (killed?): replacing it",
-                   err=True)
-        for child in out.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    except BaseException:
-        os.close(lock)
-        raise
-    return lock
-
-
-TERMINATED_EXIT = 128 + 15  # 128 + SIGTERM: what a shell reports for a program that `kill` or `timeout` ended
-
-
-@contextlib.contextmanager
-def _sigterm_ends(said: str) -> Iterator[None]:
-    """Inside, SIGTERM (from `timeout`, a service manager) ends the command through an exception, as Ctrl-C does, so
-    that the clean-up of what it was writing runs (the default action ends the process on the spot); then `said`, in
-    one line, exit TERMINATED_EXIT. A SIGTERM this process ignores stays ignored."""
-    import signal
-    import threading
-
-    def terminated(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
-        raise SystemExit(TERMINATED_EXIT)
-
-    previous = signal.getsignal(signal.SIGTERM)  # (None: not set from Python, so the default)
-    ours = threading.current_thread() is threading.main_thread() and previous != signal.SIG_IGN
-    if ours:
-        signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield
-    except SystemExit as e:
-        if e.code == TERMINATED_EXIT:
-            fail(said, TERMINATED_EXIT)
-        raise
-    finally:
-        if ours:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _bundle_write_failed(e: BaseException, out: Path) -> None:
-    """One line for what stopped a bundle writer that names no file: write() on a full disk (an OSError without a
-    file name), torch's allocator (a RuntimeError)."""
-    if isinstance(e, OSError) and e.filename is None and e.strerror:
-        fail(f"{out}: cannot write the bundle: {e.strerror}")
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
-        size = re.search(r"allocate (\d+) bytes", str(e))
-        what = f"an allocation of {size[1]} bytes failed" if size else "an allocation failed"
-        fail(f"{out}: not enough memory for this model ({what}): check the sizes in its config")
-
-
-CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader went away (`yes | head`)
-
-
-def closed_pipe_exit() -> NoReturn:
-    """stdout's reader is gone (`m31r generate ... | head -c 5`): not an error worth a message. stdout and stderr
-    are pointed at /dev/null first, so that the interpreter's last flush of what is still buffered cannot fail
-    again (Python would print a warning and exit 120). `m31r status`'s fast path (m31r.entry) ends the same way."""
-    with contextlib.suppress(OSError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or no file behind it
-                os.dup2(devnull, stream.fileno())
-    sys.exit(CLOSED_PIPE_EXIT)
-
-
-# What writing the output fails with, a closed pipe aside: a full disk or quota, a file past its size limit, a
-# device error. Connecting to the daemon never does.
-OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
-
-
-def output_failed(e: OSError) -> NoReturn:
-    """stdout cannot take the output (`m31r generate > out.rs` on a full disk): one line and exit 1, not a traceback.
-    stdout is pointed at /dev/null first, so that the interpreter's last flush cannot fail again."""
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    fail(f"cannot write the output: {e.strerror or e}")
+from m31r.cli_bundle import bundle
+from m31r.cli_common import (
+    OUTPUT_ERRNOS,
+    F,
+    UserPath,
+    a_number,
+    check_device,
+    closed_pipe_exit,
+    fail,
+    finite,
+    output_failed,
+    user_errors,
+)
+from m31r.cli_train import train
 
 
 class _Main(click.Group):
@@ -292,222 +87,13 @@ def main() -> None:
     """M31R: local, offline Rust code completion."""
 
 
-# ------------------------------------------------------------------------------------------------------------
-# bundle: create, import and verify release bundles (README "The default model", "Importing Hugging Face checkpoints")
-# ------------------------------------------------------------------------------------------------------------
-
-
-@main.group()
-def bundle() -> None:
-    """Create, import and verify model bundles."""
-
-
-@bundle.command("init")
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--seed", type=click.IntRange(-(2**63), 2**64 - 1), required=True,
-              help="Init seed (a 64-bit integer): the same seed gives the same weight bytes.")
-@click.option("--tokenizer", "tokenizer_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="tokenizer.json to ship (default: a byte-level tokenizer padded to vocab_size).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
-              show_default=True, help="Storage dtype of model.safetensors.")
-@user_errors
-def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None, dtype: str) -> None:
-    """Write a random-weight bundle for CONFIG into OUT (tests, benchmarks)."""
-    import torch
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from m31r.bundle import check_tokenizer, init_bundle
-    from m31r.config import load_config
-
-    cfg = load_config(config)
-    tok = None
-    if tokenizer_file is not None:
-        try:
-            tok = HFTokenizer.from_file(str(tokenizer_file))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise ValueError(f"{tokenizer_file}: cannot be loaded as a tokenizer: {e}") from None
-        check_tokenizer(tokenizer_file, cfg, str(config))
-    with _new_bundle_dir(out):
-        b = init_bundle(cfg, out, seed=seed, tokenizer=tok, dtype=getattr(torch, dtype))
-    click.echo(_summary(b))
-
-
-@bundle.command("verify")
-@click.argument("path", metavar="DIR", type=click.Path(path_type=Path))
-@user_errors
-def bundle_verify(path: Path) -> None:
-    """Check DIR end to end (checksums, config, tokenizer, tensor shapes) without loading the weights."""
-    from m31r.bundle import open_bundle
-
-    click.echo(_summary(open_bundle(path)))
-
-
-@bundle.command("import-hf")
-@click.argument("hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--dataset-version", default="unknown (imported)", show_default=True,
-              help="Recorded in metadata.json for traceability.")
-@user_errors
-def bundle_import_hf(hf_dir: Path, out: Path, dataset_version: str) -> None:
-    """Convert a Llama or Qwen2 checkpoint (safetensors) in HF_DIR into a bundle in OUT."""
-    from m31r.hf_import import import_hf
-
-    with _new_bundle_dir(out, (hf_dir,), "checkpoint"):
-        b = import_hf(hf_dir, out, dataset_version=dataset_version)
-    click.echo(_summary(b))
-
-
-@bundle.command("export-hf")
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None,
-              help="Weight dtype of the checkpoint (default: the bundle's).")
-@user_errors
-def bundle_export_hf(src: Path, out: Path, dtype: str | None) -> None:
-    """Write the float bundle SRC as a Llama (Qwen2, with q/k/v biases) Hugging Face checkpoint in OUT."""
-    from m31r.hf_export import export_hf
-
-    with _new_bundle_dir(out, (src,)):
-        export_hf(src, out, dtype=dtype)
-    click.echo(f"ok {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
-
-
-def _average_weights(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
-    """--weights as numbers, refused as a usage error before any bundle is read."""
-    from m31r.bundle import WEIGHTS_RULE, usable_weights
-
-    if value is None:
-        return None
-    try:
-        ws = [float(w) for w in value.split(",")] if value.strip() else None
-    except ValueError:
-        ws = None
-    if ws is None:
-        raise click.BadParameter(f"{value!r} is not numbers separated by commas" if value.strip() else
-                                 "empty: give one number per bundle, or leave the option out for equal weights")
-    if not usable_weights(ws):
-        raise click.BadParameter(f"{value!r}: {WEIGHTS_RULE}")
-    return ws
-
-
-def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """An option recorded in metadata.json that the bundle check refuses empty: refused before the writing."""
-    if not value.strip():
-        raise click.BadParameter("must not be empty")
-    return value
-
-
-@bundle.command("average")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--weights", default=None, callback=_average_weights,
-              help="Comma-separated, one per bundle (normalised to sum 1); default: equal.")
-@click.option("--model-version", required=True, callback=_not_empty, help="The averaged model's version (metadata).")
-@user_errors
-def bundle_average(sources: tuple[Path, ...], out: Path, weights: list[float] | None, model_version: str) -> None:
-    """Write the weighted average of float bundles SOURCES (one shape, one tokenizer) into OUT."""
-    from m31r.bundle import average_bundles
-
-    ctx = click.get_current_context()
-    if len(sources) < 2:
-        raise click.UsageError(f"average needs two or more bundles, got {len(sources)}", ctx)
-    if weights is not None and len(weights) != len(sources):
-        raise click.BadParameter(f"{len(weights)} weight{'s' * (len(weights) != 1)} for {len(sources)} bundles: give "
-                                 "one per bundle", ctx, param_hint="'--weights'")
-    with _new_bundle_dir(out, sources):
-        b = average_bundles(list(sources), weights or [1.0] * len(sources), out, model_version=model_version)
-    click.echo(_summary(b))
-
-
-@bundle.command("quantize")
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--quant", type=click.Choice(["int8", "int4"]), required=True,
-              help="int8: per-channel weight-only; int4: group-wise (the embedding/LM head stays int8).")
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
-              help="int4 group size along the input dimension.")
-@user_errors
-def bundle_quantize(src: Path, out: Path, quant: str, group_size: str) -> None:
-    """Write a copy of the float bundle SRC with quantized weights into OUT (serve it with `daemon --bundle OUT`)."""
-    from m31r.bundle import quantize_bundle
-
-    ctx = click.get_current_context()
-    if quant != "int4" and ctx.get_parameter_source("group_size") is not click.core.ParameterSource.DEFAULT:
-        raise click.BadParameter(f"applies to --quant int4 only ({quant} has one scale per output channel)", ctx,
-                                 param_hint="'--group-size'")
-    with _new_bundle_dir(out, (src,)):
-        b = quantize_bundle(src, out, quant, int(group_size))
-    click.echo(_summary(b))
-
-
-def _summary(b: Any) -> str:
-    """One line identifying a bundle: what scripts and humans need to know it is the right one."""
-    meta = b.metadata
-    q = meta.get("quantization")
-    kind = f"{q['method']}" + (f" (group {q['group_size']})" if q.get("group_size") else "") + " weights" if q else ""
-    return (f"ok {b.model_id}: {meta['parameter_count']:,} params, {kind + ', ' if kind else ''}{meta['dtype']}, "
-            f"fingerprint {b.fingerprint}, {b.path}")
+main.add_command(bundle)  # make, check, convert model bundles (m31r.cli_bundle)
+main.add_command(train)  # corpus → tokenizer → model → release bundle (m31r.cli_train)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # daemon: the long-lived process that owns the model
 # ------------------------------------------------------------------------------------------------------------
-
-def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """FloatRange lets nan through (every comparison with it is false), and inf is no size, share or sampling
-    setting a command can use."""
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
-    return value
-
-
-def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """FloatRange lets nan through too: a timeout of nan fails every request that starts its clock (asyncio cannot
-    schedule it), a time budget of nan is never spent; inf is a working "no limit" and stays allowed."""
-    if value is not None and math.isnan(value):
-        raise click.BadParameter(f"{value} is not a number", ctx, param)
-    return value
-
-
-def check_device(device: str) -> None:
-    """Refuse a device torch cannot use on this machine, in one line naming the ones it can, before anything loads:
-    torch refuses only at its first tensor there (the daemon's model load, the trainer's model), as `AssertionError:
-    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has. Imports torch, except for
-    `cpu`: the daemon listens before torch is imported, which a check would delay."""
-    if device == "cpu":
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cuda = ["cuda" + (f" (cuda:0 to cuda:{count - 1})" if count > 1 else "")] if count else []
-    has = f"this machine has: {', '.join(['cpu', *cuda, *(['mps'] if torch.backends.mps.is_available() else [])])}"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        fail(f"--device {device}: not a device name ({has})")
-    if dev.type == "cuda" and not count:
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
-        fail(f"--device {device}: no CUDA device ({why}); {has}")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= count:
-        fail(f"--device {device}: no CUDA device {dev.index}; {has}")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        fail(f"--device {device}: no MPS device (Apple GPUs only); {has}")
-    if dev.type not in ("cpu", "cuda", "mps"):
-        fail(f"--device {device}: m31r runs on cpu, cuda or mps, not {dev.type}; {has}")
-
-
-class UserPath(click.Path):
-    """click.Path with a leading `~` expanded to the home folder. A shell expands it only in an unquoted word's start
-    (not in `--socket=~/x.sock`), and an editor that runs `m31r lsp --socket ~/x.sock` without a shell not at all:
-    taken literally, `~` would be a folder of that name in the working directory."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if value == "":  # Path("") is the working directory: not what `--socket "$UNSET_VAR"` meant
-            self.fail("an empty path names nothing: leave the option out for the default", param, ctx)
-        if isinstance(value, str):
-            value = os.path.expanduser(value)
-        return super().convert(value, param, ctx)
 
 
 socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
@@ -552,7 +138,7 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
               "(AVX512-BF16, AMX; faster cold prompts), else float32, which may also be named.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads (default: all cores).")
-@click.option("--cache-mb", type=click.FloatRange(min=0), default=1536, show_default=True, callback=_finite,
+@click.option("--cache-mb", type=click.FloatRange(min=0), default=1536, show_default=True, callback=finite,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
                    "bounds concurrent requests. 0 disables reuse across requests.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
@@ -564,7 +150,7 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
               help="Largest Generate prompt (or Fim prefix + suffix) in characters; longer ones are refused before "
                    "they are tokenised.")
 @click.option("--read-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              callback=_a_number,
+              callback=a_number,
               help="Seconds a frame may take to arrive once its first byte has (0: no limit); a connection that "
                    "stalls mid-frame gets an error and is closed. Idle connections are never timed out.")
 @click.option("--max-active", type=click.IntRange(min=1), default=8, show_default=True,
@@ -638,11 +224,11 @@ class WireInt(click.ParamType):
 def sampling_options(fn: F) -> F:
     for opt in reversed([
         click.option("--max-tokens", type=WireInt(), default=64, show_default=True),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, callback=_finite,
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, callback=finite,
                      help="0 = greedy."),
         click.option("--top-k", type=WireInt(), default=0, show_default=True),
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-                     callback=_finite),
+                     callback=finite),
         click.option("--seed", type=WireInt(), default=None,
                      help="Makes sampling reproducible (a 64-bit integer: -2**63 to 2**64 - 1)."),
         click.option("--stop", multiple=True, help="Stop sequence (repeatable); not included in the output."),
@@ -990,225 +576,6 @@ def doctor(bundle_dir: Path | None, socket_path: Path | None, as_json: bool) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# train: corpus → tokenizer → model → release bundle (README "The default model")
-# ------------------------------------------------------------------------------------------------------------
-
-DEFAULT_SOURCE_ROOTS = ("/usr/lib/rustlib/src/rust", "/usr/share/cargo/registry")
-
-
-@main.group()
-def train() -> None:
-    """Build the corpus and tokenizer, train the model, export a release bundle."""
-
-
-DEFAULT_DEBIAN_CACHE = Path.home() / ".cache" / "m31r" / "debian"
-
-
-@train.command("fetch")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEBIAN_CACHE,
-              show_default=True, help="Where the .deb files and their unpacked sources go.")
-@click.option("--later/--no-later", default=True, show_default=True,
-              help="Also fetch the later Debian suite's crates (trixie), into CACHE/trixie.")
-@user_errors
-def train_fetch(cache: Path, later: bool) -> None:
-    """Download rust-src and every librust-*-dev package of Debian 12 (and 13) and unpack them; nothing is
-    installed, and the host's apt sources are not used."""
-    import shutil
-
-    from m31r.train import debian
-
-    if not shutil.which("apt-get") or not shutil.which("dpkg"):
-        fail("apt-get and dpkg are needed: the corpus comes from Debian's packages")
-    for suite in (debian.BASE_SUITE, *(debian.LATER_SUITES if later else ())):
-        try:
-            roots, packages = debian.fetch_suite(cache, suite)
-        except RuntimeError as e:
-            fail(str(e))
-        folder = debian.suite_folder(cache, suite)
-        click.echo(f"{suite}: {len(packages)} packages in {folder}; source roots: {' '.join(map(str, roots))}")
-
-
-@train.command("corpus")
-@click.argument("data_dir", type=click.Path(path_type=Path))
-@click.option("--debian", "cache", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="A cache made by `m31r train fetch`: its sources and package versions.")
-@click.option("--source", "sources", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Rust source root (repeatable; default: Debian's rust-src and crate sources, where installed).")
-@click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.03, show_default=True,
-              callback=_finite,
-              help="Share of crates held out for validation and the eval.")
-@click.option("--later/--no-later", default=True, show_default=True,
-              help="Add the later suite's files (fetched into the --debian cache) to training; held-out crates stay.")
-@user_errors
-def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], val_fraction: float,
-                 later: bool) -> None:
-    """Filter, deduplicate and split Rust sources by crate into DATA_DIR/corpus."""
-    from m31r.train import debian
-    from m31r.train.corpus import build_corpus
-
-    packages = None
-    roots = list(sources)
-    train_only: list[tuple[str, Path]] = []
-    if cache is not None:
-        if not (cache / "packages.tsv").exists():
-            fail(f"{cache} has no packages.tsv: run `m31r train fetch --cache {cache}` first")
-        packages = debian.read_packages(cache / "packages.tsv")
-        roots += debian.source_roots(cache)
-        for suite in debian.LATER_SUITES if later else ():
-            if (cache / suite / "packages.tsv").exists():
-                packages |= {f"{suite}:{k}": v for k, v in debian.read_packages(cache / suite / "packages.tsv").items()}
-                train_only += [(suite, root) for root in debian.source_roots(cache / suite)]
-    roots = roots or [Path(p) for p in DEFAULT_SOURCE_ROOTS if Path(p).is_dir()]
-    if not roots:
-        fail("no Rust sources found: run `m31r train fetch` and pass --debian, or pass --source")
-    manifest = build_corpus(roots, data_dir / "corpus", val_fraction=val_fraction, packages=packages,
-                            train_only_roots=train_only)
-    tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
-    click.echo(f"dataset {manifest['dataset_version']} written to {data_dir / 'corpus'}")
-    click.echo(f"kept {manifest['files_kept']:,} of {manifest['files_seen']:,} files; dropped {manifest['dropped']}")
-    click.echo(f"train: {tr['files']:,} files, {tr['bytes'] / 1e6:.1f} MB, {tr['crates']:,} crates; "
-               f"val: {va['files']:,} files, {va['bytes'] / 1e6:.1f} MB, {va['crates']:,} held-out crates")
-
-
-@train.command("tokenizer")
-@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--vocab-size", type=click.IntRange(5 + 256, 1 << 20), default=16384, show_default=True,
-              help="Tokens in all: at least the 5 special tokens and 256 byte symbols every m31r tokenizer has.")
-@click.option("--reuse", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Take this tokenizer.json instead of training one (a model to continue needs its own).")
-@user_errors
-def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> None:
-    """Train the byte-level Rust BPE on DATA_DIR/corpus/train.jsonl (or reuse one), then tokenise both splits."""
-    import shutil
-
-    from m31r.train.tokenizer import bytes_per_token, train_tokenizer
-    from m31r.train.trainer import corpus_tokens
-
-    out = data_dir / "tokenizer.json"
-    if reuse is not None:
-        if reuse.resolve() != out.resolve():
-            shutil.copyfile(reuse, out)
-        from tokenizers import Tokenizer as HFTokenizer
-
-        tok = HFTokenizer.from_file(str(out))
-        click.echo(f"tokenizer: {reuse} ({tok.get_vocab_size()} tokens)")
-    else:
-        tok = train_tokenizer(data_dir / "corpus" / "train.jsonl", out, vocab_size)
-        click.echo(f"tokenizer: {vocab_size} tokens")
-    bpt = bytes_per_token(tok, data_dir / "corpus" / "val.jsonl")
-    click.echo(f"{bpt:.3f} bytes/token on the validation split")
-    for split, n in corpus_tokens(data_dir).items():
-        click.echo(f"{split}: {n:,} tokens")
-
-
-@train.command("textbook")
-@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="The new data folder (corpus/, tokenizer.json), to pass to `m31r train model --data`.")
-@click.option("--plain-share", type=click.FloatRange(min=0), default=1.0, show_default=True, callback=_finite,
-              help="Whole train files to add, in characters, per character of textbook pieces.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@user_errors
-def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int) -> None:
-    """Cut DATA_DIR's train split into doc-test examples and small documented functions, one file each, mixed
-    with whole train files, as a data folder of their own (same validation split and tokenizer)."""
-    from m31r.train.textbook import build_textbook
-
-    for need in (data_dir / "corpus" / "train.jsonl", data_dir / "corpus" / "manifest.json",
-                 data_dir / "tokenizer.json"):
-        if not need.exists():
-            fail(f"{need} is missing: build DATA_DIR with `m31r train corpus` and `m31r train tokenizer` first")
-    if out_dir.resolve() == data_dir.resolve():
-        fail("--out must be a folder other than DATA_DIR")
-    tb = build_textbook(data_dir, out_dir, plain_share=plain_share, seed=seed)["textbook"]
-    click.echo(f"{tb['examples']:,} doc examples and {tb['functions']:,} documented functions "
-               f"({tb['piece_chars'] / 1e6:.1f} MB), {tb['plain_files']:,} whole files "
-               f"({tb['plain_chars'] / 1e6:.1f} MB) in {out_dir / 'corpus'}")
-
-
-@train.command("model")
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
-@click.option("--run", "run_dir", type=click.Path(path_type=Path), required=True,
-              help="Checkpoints and logs; an existing run is resumed.")
-@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None, callback=_a_number,
-              help="Stop (with a checkpoint) after this long.")
-@click.option("--max-steps", type=click.IntRange(min=1), default=None,
-              help="Stop (with a checkpoint) at this step; the learning-rate and context schedules still follow the "
-                   "config's max_steps, so a later run resumes seamlessly.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
-@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Start a new run from this float bundle's weights (fresh optimizer); ignored when resuming.")
-@user_errors
-def train_model(config: Path, data_dir: Path, run_dir: Path, max_minutes: float | None, max_steps: int | None,
-                device: str, init_from: Path | None) -> None:
-    """Train (or resume) the model described by a training CONFIG (configs/train/*.yaml). Ctrl-C or SIGTERM saves
-    a checkpoint first; running the same command again resumes from it."""
-    try:
-        check_device(device)
-        from m31r.train.trainer import TrainingStopped
-        from m31r.train.trainer import train as run_training
-
-        try:
-            state = run_training(config, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps,
-                                 device=device, init_from=init_from, log=lambda s: click.echo(s, err=True))
-        except TrainingStopped as e:  # exits as a shell reports a program the signal ended: the run is not finished
-            click.echo(str(e), err=True)
-            sys.exit(128 + e.signum)
-    except KeyboardInterrupt:
-        # Ctrl-C before the step loop (loading, tokenising), or a second one in it: the run's stop handling saves
-        # nothing then; click would say only `Aborted!`.
-        ckpt = run_dir / "ckpt.pt"
-        if ckpt.is_file():
-            fail(f"interrupted (Ctrl-C) without saving: {ckpt} holds the run as of its last checkpoint, and the same "
-                 "command resumes it from there", 130)
-        fail(f"interrupted (Ctrl-C): nothing was saved ({run_dir} has no checkpoint yet); the same command starts the "
-             "run again", 130)
-    click.echo(f"trained to step {state['step']} ({state['tokens']:,} tokens) in {run_dir}")
-
-
-@train.command("shards")
-@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
-@user_errors
-def train_shards(run_dir: Path, out: Path) -> None:
-    """Write RUN's checkpoint as bf16 weight shards of at most 15 MiB (how weights leave a lent GPU machine)."""
-    from m31r.train.shards import write_shards
-
-    for p in write_shards(run_dir / "ckpt.pt", out):
-        click.echo(p)
-
-
-@train.command("import-shards")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
-@click.option("--force", is_flag=True, help="Replace RUN's checkpoint when it has one (refused without).")
-@user_errors
-def train_import_shards(folder: Path, run_dir: Path, force: bool) -> None:
-    """Make RUN's checkpoint from shards written by `m31r train shards` (no optimizer state)."""
-    from m31r.train.shards import import_shards
-
-    state = import_shards(folder, run_dir, force=force)
-    click.echo(f"{run_dir / 'ckpt.pt'}: step {state['step']}, {state['tokens']:,} tokens")
-
-
-@train.command("export")
-@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
-@click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
-@click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--model-version", default="0.1.0", show_default=True)
-@user_errors
-def train_export(run_dir: Path, data_dir: Path, out: Path, model_version: str) -> None:
-    """Write the run's latest checkpoint as a release bundle (bf16 weights, full metadata)."""
-    from m31r.train.trainer import export
-
-    # (SIGTERM runs export's clean-up: its half-written folder goes, OUT stays as it was)
-    with _sigterm_ends(f"{out}: terminated (SIGTERM) before the new bundle was whole; {out} is as it was"):
-        b = export(run_dir, data_dir, out, model_version=model_version, log=lambda s: click.echo(s, err=True))
-    click.echo(_summary(b))  # OUT replaced once the new bundle is whole
-
-
-# ------------------------------------------------------------------------------------------------------------
 # service: run the daemon as a per-user service (systemd socket activation, launchd agent)
 # ------------------------------------------------------------------------------------------------------------
 
@@ -1279,15 +646,15 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
               help="Largest max_tokens a request may ask for.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              callback=_a_number,
+              callback=a_number,
               help="Seconds a request may take once its body is in, the daemon's work included (504 past it; the "
                    "daemon request is cancelled).")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
-              callback=_a_number,
+              callback=a_number,
               help="Seconds a client has to send a request's body after its headers (408 past it, and the connection "
                    "is closed), so that a client trickling its body cannot hold a connection for good.")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              callback=_a_number,
+              callback=a_number,
               help="Seconds a client has to send a request's headers, from its connection's start or the previous "
                    "answer's end (408 past it if the client had begun, and the connection is closed), so that a "
                    "client trickling its headers cannot hold a connection for good.")
@@ -1335,11 +702,6 @@ def lsp(socket_path: Path | None, tcp: str | None, allow_remote: bool, no_autost
 
     run(str(socket_path) if socket_path else None, tcp, not no_autostart,
         bundle=str(bundle_dir) if bundle_dir else None, log_level=log_level, allow_remote=allow_remote)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# (serve, lsp, train, service: added in their own sections below)
-# ------------------------------------------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

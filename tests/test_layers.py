@@ -4,7 +4,8 @@
     protocol   m31r_protocol   messages, framing, the client, the editor policy, the JSON log format
     daemon     m31rd           may import core and protocol
     front ends m31r_lsp, m31r_http   may import protocol (never torch, the core or the daemon), not each other
-    CLI        m31r.cli, its fast path m31r.entry, and m31r.doctor (the `m31r doctor` command): anything
+    CLI        m31r.cli (and its m31r.cli_* modules), its fast path m31r.entry, and m31r.doctor (the `m31r doctor`
+               command): anything
 
 One crossing is allowed: training's samples use the protocol's choice of project-context snippets
 (m31r_protocol.context), so that the model trains on what front ends send.
@@ -24,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = {"m31r": "m31r", "m31rd": "m31rd", "protocol": "m31r_protocol", "lsp": "m31r_lsp", "httpd": "m31r_http"}
 PROJECT = set(FOLDERS.values())
-CLI = {"m31r.cli", "m31r.entry", "m31r.doctor"}
+CLI = {"m31r.cli", "m31r.cli_common", "m31r.cli_bundle", "m31r.cli_train", "m31r.entry", "m31r.doctor"}
 CROSSINGS = {("m31r.train.samples", "m31r_protocol.context")}
 ALLOWED = {
     "m31r": {"m31r"},
