@@ -497,3 +497,15 @@ def test_fim_places_the_cursor_after_a_byte_order_mark_as_editors_do(daemon, tmp
     assert_fim_file_cursor(sock, f, 1, 11, src[:cursor], src[cursor:])
     r = cli("fim", "--file", str(f), "--line", "1", "--column", "13", "--socket", str(sock))
     assert (r.returncode, r.stderr) == (1, "error: --column 13 is outside line 1 (11 characters)\n")
+
+
+@pytest.mark.parametrize(("words", "cword", "want"), [
+    ("m31r da", 1, "daemon"), ("m31r daemon --qu", 2, "--quant"), ("m31r bundle qu", 2, "quantize"),
+    ("m31r train ex", 2, "export")])
+def test_shell_completion_as_the_readme_sets_it_up(words: str, cword: int, want: str) -> None:
+    """README's shell completion line: the `m31r` script (its fast path in m31r.entry first) answers bash's
+    completion requests with the commands and options that match."""
+    m31r = Path(sys.executable).parent / "m31r"
+    env = {**os.environ, "COMP_WORDS": words, "COMP_CWORD": str(cword), "_M31R_COMPLETE": "bash_complete"}
+    r = subprocess.run([str(m31r)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"plain,{want}"], (r.stdout, r.stderr)
