@@ -97,7 +97,12 @@ def cut_suffix(tok: Tokenizer, suffix: str, budget: int) -> str:
             continue
         break
     if kept == 0 and lines:
-        return tok.decode(tok.encode(lines[0])[:budget]) if budget > 0 else ""
+        if budget <= 0:
+            return ""
+        # A cut between the bytes of one character decodes them to U+FFFD, which the prompt then held as text the
+        # file never had (a long line of CJK or accented text after the cursor): keep whole characters only.
+        cut = tok.decode(tok.encode(lines[0])[:budget])
+        return cut if lines[0].startswith(cut) else cut.rstrip("\ufffd")
     return "".join(lines[:kept])
 
 

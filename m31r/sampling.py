@@ -17,13 +17,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        # Written as `not x >= 0` so that NaN is refused too: a NaN temperature reached multinomial as NaN
+        # probabilities (a RuntimeError), a NaN penalty made every seen logit NaN (greedy then picked one of them).
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
@@ -55,10 +57,13 @@ class Sampler:
         if p.repetition_penalty != 1.0 and history is not None and history.numel():
             seen = logits.index_select(0, history)
             # A penalty far from 1 over- or underflows in float32 (to inf, or to 0 and then x/0): clamp the penalty to
-            # float32's range and the penalised logits to finite values, so no inf or nan reaches the softmax.
+            # float32's range and the penalised logits to finite values, so no inf or nan reaches the softmax. A logit
+            # a mask set to -inf (token healing, unused ids) stays -inf: clamped to -max it became a token that a
+            # huge temperature (-max / 1e38 is -3.4) samples like any other, breaking the healed text.
             f = torch.finfo(logits.dtype)
             rp = min(max(p.repetition_penalty, f.tiny), f.max)
-            seen = torch.where(seen > 0, seen / rp, seen * rp).clamp(-f.max, f.max)
+            penalised = torch.where(seen > 0, seen / rp, seen * rp).clamp(-f.max, f.max)
+            seen = torch.where(seen == float("-inf"), seen, penalised)
             logits = logits.index_copy(0, history, seen)
         if p.greedy:
             return int(logits.argmax())
