@@ -810,13 +810,18 @@ class Service:
 
     async def openai_completions(self, request: Request) -> Generation:
         r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest, s.OPENAI_REFUSALS)
-        prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
+        # (null, as OpenAI reads it: the start of a new document, which is what an empty prompt is here)
+        prompt = "" if r.prompt is None else r.prompt if isinstance(r.prompt, str) else r.prompt[0]
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens
         self.check_cap(max_tokens)
         sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
         if r.stream_options is not None and not r.stream:  # as OpenAI answers it
             raise s.InvalidRequest("stream_options: only allowed when stream is true", "stream_options")
+        if r.stream_options is not None and r.stream_options.include_obfuscation:
+            raise s.InvalidRequest("stream_options.include_obfuscation: this server does not pad its chunks with an "
+                                   "`obfuscation` field (OpenAI's guard against network side channels): it must be "
+                                   "false or left out", "stream_options.include_obfuscation")
         if r.logprobs is not None and r.echo:
             raise s.InvalidRequest("logprobs: with echo it would need the prompt's log-probabilities, which this "
                                    "server does not compute: send one or the other", "logprobs")

@@ -248,22 +248,36 @@ class HealthUnavailable(Struct):
 
 class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
+    # OpenAI pads its chunks with an `obfuscation` field (against network side channels) unless this is false; this
+    # server never does: false is what it does, true is refused (app.py), never ignored.
+    include_obfuscation: Annotated[bool, Meta(extra_json_schema={"enum": [False]}, description=(
+        "Not supported: only false (the chunks carry no padding)."))] | None = None
+
+
+# OpenAI's ranges where they are wider than the native endpoints' (its OpenAPI document's CreateCompletionRequest):
+# top_p from 0 (the likeliest token alone: the sampler raises it to MIN_TOP_P), any int64 seed (the daemon takes a
+# negative one as its 64 bits: -1 is the same seed as 2**64 - 1).
+OpenAITopP = Annotated[float, Meta(ge=0, le=1, description="Nucleus sampling mass, 0 to 1 (0: the likeliest token "
+                                                           "alone); 1 = off.")]
+OpenAISeed = Annotated[int, Meta(ge=-(2**63), le=INT63, description=(
+    "Makes sampling (temperature > 0) reproducible: any 64-bit signed integer, as OpenAI's."))]
 
 
 class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's legacy completions request, every field of it: honoured, or (where this server cannot honour
-    it) accepted only at its no-op value. `suffix` makes it fill-in-the-middle; an empty prompt without one
+    it) accepted only at its no-op value. `suffix` makes it fill-in-the-middle; an empty (or null) prompt without one
     writes the start of a file. Differences from OpenAI: temperature defaults to 0 (greedy), not 1; `model` may
     be left out (there is one model)."""
 
     prompt: Annotated[str | Annotated[list[str], Meta(min_length=1, max_length=1)], Meta(
-        description="One prompt: a string, or a list of one string (batches and token ids are not supported).")]
+        description="One prompt: a string, or a list of one string (batches and token ids are not supported); null, "
+                    "as OpenAI's, is the start of a new document.")] | None
     model: Annotated[str, Meta(description="The model's name or an alias (GET /v1/models lists them).")] | None = None
     suffix: Annotated[str, Meta(description="The text after the cursor: fill-in-the-middle.")] | None = None
     max_tokens: Annotated[int, Meta(ge=0, le=INT32, description=(
         "Most tokens to generate (default 16, as OpenAI's); at most the server's --max-tokens-cap."))] | None = None
     temperature: Temperature | None = None
-    top_p: TopP | None = None
+    top_p: OpenAITopP | None = None
     n: Annotated[int, Meta(ge=1, le=1, description="Choices per prompt: only 1.")] | None = None
     best_of: Annotated[int, Meta(ge=1, le=1, description="Candidates to pick from: only 1.")] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5, description=(
@@ -276,7 +290,7 @@ class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | Stop | None = None
-    seed: Seed | None = None
+    seed: OpenAISeed | None = None
     user: Annotated[str, Meta(description="An end-user id; accepted and not used.")] | None = None
 
 
