@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from m31r_protocol.limits import MAX_BEAMS, MAX_LOGPROBS, MAX_SNIPPETS
+from m31r_protocol.limits import MAX_BEAMS, MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOPS
 from m31r_protocol.messages import Timings, Usage
 from m31r_protocol.policy import MIN_PROBABILITY, MULTILINE_MODES, Options
 
@@ -36,7 +36,7 @@ Temperature = Annotated[float, Meta(ge=0, le=2, description=(
 TopK = Annotated[int, Meta(ge=0, le=INT32, description="Keep only the k most likely tokens; 0 = off.")]
 TopP = Annotated[float, Meta(gt=0, le=1, description="Nucleus sampling mass; 1 = off.")]
 Seed = Annotated[int, Meta(ge=0, le=INT63, description="Makes sampling (temperature > 0) reproducible.")]
-Stop = Annotated[list[str], Meta(max_length=16, description="Stop sequences; not included in the output.")]
+Stop = Annotated[list[str], Meta(max_length=MAX_STOPS, description="Stop sequences; not included in the output.")]
 Stream = Annotated[bool, Meta(description="Server-Sent Events: one `chunk` event per text chunk, then `done`.")]
 DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
     "A hard limit on the request's time in the daemon (queued, prefilling, generating): once spent, the answer ends "

@@ -34,7 +34,7 @@ from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
-from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS
+from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
 from m31rd.cancellation import Cancellation
@@ -550,10 +550,12 @@ class Daemon:
             return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
         if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
             return refuse("bad_request", f"min_probability must be between 0 and 1, got {req.min_probability}")
-        if len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop):
-            return refuse("bad_request", f"stop has {len(req.stop)} sequences of up to "
-                                         f"{max(map(len, req.stop))} characters; at most {MAX_STOPS} of at most "
-                                         f"{MAX_STOP_CHARS} are taken (each is matched on every token)")
+        if (len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop)
+                or sum(map(len, req.stop)) > MAX_STOPS_CHARS):
+            return refuse("bad_request", f"stop has {len(req.stop)} sequences of up to {max(map(len, req.stop))} "
+                                         f"characters, {sum(map(len, req.stop))} in all; at most {MAX_STOPS} of at "
+                                         f"most {MAX_STOP_CHARS} are taken, {MAX_STOPS_CHARS} characters in all (each "
+                                         "is matched on every token)")
         if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
             return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
         if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing

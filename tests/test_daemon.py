@@ -670,8 +670,9 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
         27: {"type": "fim", "id": 27, "prefix": "x", "beams": 3, "sampling": {"repetition_penalty": 1.2}},
         28: {"type": "fim", "id": 28, "prefix": "x", "min_probability": 1.5},
         30: {"type": "fim", "id": 30, "prefix": "x", "max_tokens": 257},  # past half the tiny model's context
-        31: {"type": "fim", "id": 31, "prefix": "x", "stop": [str(i) for i in range(17)]},  # 16 at most
+        31: {"type": "fim", "id": 31, "prefix": "x", "stop": [str(i) for i in range(33)]},  # 32 at most
         32: {"type": "generate", "id": 32, "prompt": "fn", "stop": ["x" * 1025]},  # of 1,024 characters at most
+        33: {"type": "generate", "id": 33, "prompt": "fn", "stop": ["x" * 1024] * 16 + ["y"]},  # 16,384 in all
         29: {"type": "generate", "id": 29, "prompt": "fn", "min_probability": 0.05},  # a Fim's only
         15: {"type": "generate", "id": 15, "prompt": "fn", "bogus": True},
         16: {"type": "nonsense", "id": 16},
@@ -699,6 +700,19 @@ async def test_bad_fields_get_an_error_and_the_connection_stays(warm):
     assert sorted(errors) == sorted(bad) and len(anonymous) == 1
     await send(writer, m.Status(id=100))
     assert isinstance(await recv(reader), m.StatusReply)
+    writer.close()
+
+
+async def test_a_plugins_many_stop_sequences_are_taken(warm):
+    """An editor plugin's stop list (Continue sends 12 to 14 of its template's, Zed 14) with the user's own on top:
+    32 sequences, 16,384 characters in all, are matched like any others (17 were refused)."""
+    stops = [f"\nfn stop_{i:02d}".ljust(512, "x") for i in range(32)]
+    assert len(stops) == 32 and sum(map(len, stops)) == 16384 and max(map(len, stops)) <= 1024
+    reader, writer = await raw(warm.socket)
+    await send(writer, m.Fim(id=1, prefix="fn main() {\n", suffix="\n}\n", max_tokens=4, stop=stops))
+    while isinstance(msg := await recv(reader), m.Token):
+        pass
+    assert isinstance(msg, m.Done) and msg.id == 1, msg
     writer.close()
 
 

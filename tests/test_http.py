@@ -581,7 +581,7 @@ def test_openai_wire_format(http, tiny_bundle):
     ("/generate", {"prompt": "x", "max_tokens": CAP + 1}, "max_tokens"),
     ("/generate", {"prompt": "x", "temperature": 3}, "temperature"),
     ("/generate", {"prompt": "x", "top_p": 0}, "top_p"),
-    ("/generate", {"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ("/generate", {"prompt": "x", "stop": ["a"] * 33}, "stop"),
     ("/fim", {"prefix": 1}, "prefix"),
     ("/completion", {"prefix": "x", "multiline": "sometimes"}, "multiline"),
     ("/completion", {"prefix": "x", "max_tokens": 0}, "max_tokens"),

@@ -171,7 +171,7 @@ def test_stream(http):
 @pytest.mark.parametrize(("body", "param"), [
     ({"input_prefix": 5}, "input_prefix"),
     ({"input_extra": [{"filename": "a.rs"}]}, "input_extra[0].text"),
-    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["x"] * 33}, "stop"),
     ({"top_p": 2}, "top_p"),
 ])
 def test_errors_have_llamacpps_shape(http, body, param):
