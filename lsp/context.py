@@ -1,11 +1,12 @@
 """Code from the rest of the crate for a completion's prompt (`Fim.context`).
 
-The files: the other open documents of the completed document's language, then the crate's files of that language on
-disk (the crate is the nearest folder above the document holding a Cargo.toml, else the document's folder), nearest
-first. A language is a file suffix (`.rs` for Rust; a document without one, an unsaved buffer, has its languageId's):
-Rust code is never quoted into a TOML, Markdown or Python prompt, nor theirs into a Rust one. Each file's windows are
-kept until it changes, so a request costs a stat per file and the ranking (m31r_protocol.context), a few
-milliseconds; it runs on a worker thread all the same (`find`), because disks can be slow.
+The files: the other open documents of the completed document's language and the crate's files of that language on disk
+(the crate is the nearest folder above the document holding a Cargo.toml, else the document's folder), nearest the
+document first (an open document as it is in the editor, not its file). A language is a file suffix (`.rs` for Rust; a
+document without one, an unsaved buffer, has its languageId's): Rust code is never quoted into a TOML, Markdown or
+Python prompt, nor theirs into a Rust one. Each file's windows are kept until it changes, so a request costs a stat per
+file and the ranking (m31r_protocol.context), a few milliseconds; it runs on a worker thread all the same (`find`),
+because disks can be slow.
 """
 
 from __future__ import annotations
@@ -78,42 +79,56 @@ class ProjectContext:
 
     def _files(self, uri: str, suffix: str,
                opened: Iterable[tuple[str, str, str | None]]) -> list[tuple[str, list[Window]]]:
+        """The MAX_FILES files to rank: the open documents and the crate's files on disk, nearest to the document first
+        (an open document before a file on disk as near). Open documents all came first: past MAX_FILES of them (an
+        editor also opens the sources of dependencies and std that go-to-definition showed) the first opened filled
+        the list, from other crates as often as not, and the crate's own files on disk were never read."""
         if len(self._windows) > 4 * MAX_FILES:  # bounded: past that, all are dropped and rebuilt as needed
             self._windows.clear()
         here = uri_path(uri)
         root = crate_root(here) if here is not None else None
-        out: list[tuple[str, list[Window]]] = []
+        near = () if here is None else here.parent.parts
         seen: set[Path] = set() if here is None else {here}
+        docs: list[tuple[str, str, Path | None]] = []
         for other, text, lang in opened:
             path = uri_path(other)
             if other == uri or path in seen or language_suffix(other, lang) != suffix:
                 continue
             if path is not None:
                 seen.add(path)
-            key = (other, hash(text))
-            if key not in self._windows:
-                self._windows[key] = windows(text)
-            out.append((_shown(path, root) if path else other, self._windows[key]))
-            if len(out) == MAX_FILES:
-                return out
-        if root is None or here is None:
-            return out
-        for path in self._nearest(root, here, suffix):
-            if path in seen:
-                continue
-            try:
-                st = path.stat()
-                if st.st_size > MAX_FILE_BYTES:
-                    continue
-                key = (path, st.st_mtime_ns, st.st_size)
-                if key not in self._windows:
-                    self._windows[key] = windows(path.read_text(encoding="utf-8", errors="replace"))
-            except OSError:
-                continue
-            out.append((_shown(path, root), self._windows[key]))
-            if len(out) == MAX_FILES:
-                break
+            docs.append((other, text, path))
+        on_disk = [] if root is None or here is None else [p for p in self._nearest(root, here, suffix)
+                                                             if p not in seen]
+        # (sorted is stable: among the open documents as near, the editor's order; the files on disk come nearest first)
+        candidates = sorted([(-_common(d[2].parent.parts if d[2] else (), near), 0, d) for d in docs]
+                            + [(-_common(p.parent.parts, near), 1, p) for p in on_disk], key=lambda c: c[:2])
+        out: list[tuple[str, list[Window]]] = []
+        for _, _, item in candidates:
+            got = self._open_windows(item, root) if isinstance(item, tuple) else self._disk_windows(item, root)
+            if got is not None:
+                out.append(got)
+                if len(out) == MAX_FILES:
+                    break
         return out
+
+    def _open_windows(self, doc: tuple[str, str, Path | None], root: Path | None) -> tuple[str, list[Window]]:
+        other, text, path = doc
+        key = (other, hash(text))
+        if key not in self._windows:
+            self._windows[key] = windows(text)
+        return (_shown(path, root) if path else other), self._windows[key]
+
+    def _disk_windows(self, path: Path, root: Path | None) -> tuple[str, list[Window]] | None:
+        try:
+            st = path.stat()
+            if st.st_size > MAX_FILE_BYTES:
+                return None
+            key = (path, st.st_mtime_ns, st.st_size)
+            if key not in self._windows:
+                self._windows[key] = windows(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            return None
+        return _shown(path, root), self._windows[key]
 
     def _nearest(self, root: Path, here: Path, suffix: str) -> list[Path]:
         """The crate's files ending in `suffix`, those sharing the most folders with `here` first."""

@@ -34,10 +34,11 @@ from m31r_lsp import settings as settings_mod
 from m31r_lsp.completion import Completer, Result
 from m31r_lsp.context import ProjectContext
 from m31r_lsp.daemon_link import EditorLink
-from m31r_lsp.documents import Lines, first_line
+from m31r_lsp.documents import UNITS, Lines, first_line
 from m31r_lsp.rpc import M31rProtocol, moved_on
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import reconnect
+from m31r_protocol.policy import Suggestion
 from m31r_protocol.reconnect import LinkConfig
 from m31r_protocol.version import VERSION
 
@@ -399,13 +400,7 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
             return types.InlineCompletionList(items=[])
         suggestions = (result.suggestion, *result.alternatives)
         if selected is not None:
-            # The menu's item is selected: the editor shows only items that extend its text over its range, so the
-            # suggestion (made for the text with it accepted) goes after it; one that would replace text past it
-            # cannot be shown that way.
-            a = result.offset - len(selected.text)  # where the item's text starts in the text it completed
-            return types.InlineCompletionList(items=[
-                types.InlineCompletionItem(insert_text=lf(selected.text[: s.start - a] + s.text), range=selected.range)
-                for s in suggestions if a <= s.start <= s.end == result.offset])
+            return types.InlineCompletionList(items=after_selected(ls, result, selected, suggestions))
         # The suggestion, then the daemon's runners-up (a beam search's), for the editor to cycle through.
         return types.InlineCompletionList(items=[
             types.InlineCompletionItem(insert_text=lf(s.text),
@@ -426,6 +421,29 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
                 "positionEncoding": ls.encoding, "settings": dataclasses.asdict(ls.config)}
 
     return server
+
+
+def after_selected(ls: M31rLanguageServer, result: Result, selected: types.SelectedCompletionInfo,
+                   suggestions: tuple[Suggestion, ...]) -> list[types.InlineCompletionItem]:
+    """Inline items while the menu's item is selected (`result` is for the text with it accepted). An editor shows
+    beside its menu only items that start with the item's text and replace its range or more (VS Code's
+    singleTextEditAugments: "can replace even more"), so each is the item's text and the suggestion, over the item's
+    range and, past it, the text the suggestion replaces after the cursor (closers typed ahead: `v.le|)`, `len`
+    selected). Such suggestions were dropped: no ghost text beside the menu where the same cursor without it had one."""
+    a = result.offset - len(selected.text)  # where the item's text starts in the text it completed
+    units = UNITS.get(ls.encoding, UNITS["utf-16"])
+    end = selected.range.end
+    items: list[types.InlineCompletionItem] = []
+    for s in suggestions:
+        if not a <= s.start <= result.offset <= s.end:
+            continue
+        # What it replaces after the cursor is on the cursor's line (policy: a suggestion ends at the cursor or at the
+        # line's end), and is the text after the item's range in the document.
+        past = units(result.text[result.offset : s.end])
+        items.append(types.InlineCompletionItem(
+            insert_text=lf(selected.text[: s.start - a] + s.text),
+            range=types.Range(selected.range.start, types.Position(end.line, end.character + past))))
+    return items
 
 
 def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
