@@ -40,6 +40,77 @@ function readSnapshot(): Snapshot {
   return { client: client.value, server: server.value, warnings: [...client.warnings, ...server.warnings] };
 }
 
+/**
+ * The client's `traceOutputChannel`. vscode-languageclient 11 traces the LSP traffic only while that channel's log
+ * level is Trace (lib/common/client.js, refreshTrace: `this._traceLogLevel !== LogLevel.Trace ? Trace.Off : ...`),
+ * and writes each line with `.trace()`, which a LogOutputChannel drops below Trace: with the M31R channel at its
+ * default level (Info), `m31r.trace.server` set to "messages" or "verbose" logged nothing. This channel reports Trace
+ * exactly while the setting is not "off" (and tells the client when that changes, so no restart is needed), and
+ * writes the trace lines into the M31R channel as plain lines.
+ */
+class TraceChannel implements vscode.LogOutputChannel {
+  private readonly changed = new vscode.EventEmitter<vscode.LogLevel>();
+  readonly onDidChangeLogLevel = this.changed.event;
+
+  constructor(
+    private readonly output: vscode.LogOutputChannel,
+    private on: boolean,
+  ) {}
+
+  get name(): string {
+    return this.output.name;
+  }
+
+  get logLevel(): vscode.LogLevel {
+    return this.on ? vscode.LogLevel.Trace : vscode.LogLevel.Off;
+  }
+
+  setEnabled(on: boolean): void {
+    if (on === this.on) return;
+    this.on = on;
+    this.changed.fire(this.logLevel);
+  }
+
+  trace(message: string): void {
+    if (this.on) this.output.appendLine(message);
+  }
+  debug(message: string, ...args: unknown[]): void {
+    this.output.debug(message, ...args);
+  }
+  info(message: string, ...args: unknown[]): void {
+    this.output.info(message, ...args);
+  }
+  warn(message: string, ...args: unknown[]): void {
+    this.output.warn(message, ...args);
+  }
+  error(error: string | Error, ...args: unknown[]): void {
+    this.output.error(error, ...args);
+  }
+  append(value: string): void {
+    this.output.append(value);
+  }
+  appendLine(value: string): void {
+    this.output.appendLine(value);
+  }
+  replace(value: string): void {
+    this.output.replace(value);
+  }
+  clear(): void {
+    this.output.clear();
+  }
+  show(columnOrPreserveFocus?: vscode.ViewColumn | boolean, preserveFocus?: boolean): void {
+    if (typeof columnOrPreserveFocus === 'boolean') this.output.show(columnOrPreserveFocus);
+    else this.output.show(columnOrPreserveFocus, preserveFocus);
+  }
+  hide(): void {
+    this.output.hide();
+  }
+  /** The M31R channel itself is the controller's to dispose. */
+  dispose(): void {
+    this.changed.dispose();
+  }
+}
+
 function errorText(e: unknown): string {
   if (e instanceof Error) return e.message;
   return String(e);
@@ -55,8 +126,10 @@ export class M31rController implements vscode.Disposable {
   private lastWarnings = '';
   private disposed = false;
   private pending: Promise<void> = Promise.resolve();
+  private closing: Promise<void> | undefined;
   private readonly statusItem: vscode.StatusBarItem;
   private readonly output: vscode.LogOutputChannel;
+  private readonly traceChannel: TraceChannel;
   private readonly disposables: vscode.Disposable[] = [];
 
   constructor() {
@@ -64,9 +137,10 @@ export class M31rController implements vscode.Disposable {
     this.output = vscode.window.createOutputChannel('M31R', { log: true });
     this.statusItem = vscode.window.createStatusBarItem('m31r.status', vscode.StatusBarAlignment.Right, 100);
     this.statusItem.name = 'M31R';
+    this.traceChannel = new TraceChannel(this.output, this.snapshot.client.traceServer !== 'off');
+    // The output channel and the status item are not in `disposables`: they outlive them until the server has stopped
+    // (see shutdown()).
     this.disposables.push(
-      this.output,
-      this.statusItem,
       vscode.commands.registerCommand(COMMANDS.restart, () => this.restart()),
       vscode.commands.registerCommand(COMMANDS.toggle, () => this.toggle()),
       vscode.commands.registerCommand(COMMANDS.showOutput, () => this.output.show(true)),
@@ -118,11 +192,30 @@ export class M31rController implements vscode.Disposable {
     vscode.window.setStatusBarMessage(`M31R completions ${next ? 'enabled' : 'disabled'}`, 2000);
   }
 
+  /**
+   * Stops the server, then lets go of the output channel and the status item. VS Code runs `deactivate()` and, without
+   * waiting for it, disposes `context.subscriptions` (extHostExtensionService `_deactivate`); the client keeps writing
+   * to its output channel until the server process has exited ("Server process exited successfully", a stop that
+   * timed out), and a disposed LogOutputChannel throws "Channel has been closed" on every write (extHostOutput.ts), so
+   * the channel must not go before the server has. Both `deactivate()` and `dispose()` come here; the stop runs once.
+   */
+  shutdown(): Promise<void> {
+    if (!this.closing) {
+      for (const d of this.disposables.splice(0)) d.dispose();
+      this.closing = this.stop()
+        .catch(() => undefined)
+        .finally(() => {
+          this.disposed = true;
+          this.traceChannel.dispose();
+          this.statusItem.dispose();
+          this.output.dispose();
+        });
+    }
+    return this.closing;
+  }
+
   dispose(): void {
-    void this.stop().finally(() => {
-      this.disposed = true;
-    });
-    for (const d of this.disposables.splice(0)) d.dispose();
+    void this.shutdown();
   }
 
   // ---------------------------------------------------------------------------
@@ -136,6 +229,7 @@ export class M31rController implements vscode.Disposable {
   private async doStart(): Promise<void> {
     const snap = (this.snapshot = readSnapshot());
     this.reportWarnings(snap.warnings);
+    this.traceChannel.setEnabled(snap.client.traceServer !== 'off');
     const gen = ++this.generation;
     this.serverStatus = undefined;
     this.error = undefined;
@@ -160,6 +254,8 @@ export class M31rController implements vscode.Disposable {
       synchronize: { configurationSection: SECTION },
       initializationOptions: settings,
       outputChannel: this.output,
+      // `m31r.trace.server` (the client reads it as `<id>.trace.server`) takes effect through this channel's log level.
+      traceOutputChannel: this.traceChannel,
       middleware: {
         workspace: {
           didChangeConfiguration: async () => {
@@ -253,6 +349,7 @@ export class M31rController implements vscode.Disposable {
       return;
     }
     this.snapshot = next;
+    this.traceChannel.setEnabled(next.client.traceServer !== 'off');
     this.reportWarnings(next.warnings);
     this.render();
   }
@@ -300,5 +397,5 @@ export function activate(context: vscode.ExtensionContext): M31rController {
 export async function deactivate(): Promise<void> {
   const c = controller;
   controller = undefined;
-  if (c) await c.stop();
+  if (c) await c.shutdown();
 }

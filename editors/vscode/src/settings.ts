@@ -3,7 +3,7 @@
 // The language server (`m31r lsp`) reads exactly these camelCase keys, both from
 // `initializationOptions` (a flat object) and from
 // `workspace/didChangeConfiguration` (`settings.m31r`). Client-only keys
-// (`path`, `languages`, `completionMenu`, `trace`) are never sent to the server.
+// (`path`, `languages`, `completionMenu`, `trace.server`) are never sent to the server.
 
 export type DebounceMode = 'adaptive' | 'fixed';
 export type Multiline = 'auto' | 'always' | 'never';
@@ -54,6 +54,9 @@ export const RANGES: Readonly<Record<'debounceMs' | 'deadlineMs' | 'maxTokens', 
 export const BEAMS_RANGE: Readonly<IntRange> = Object.freeze({ minimum: 1, maximum: 8 });
 
 export const DEBOUNCE_MODES: readonly DebounceMode[] = ['adaptive', 'fixed'];
+/** `m31r.trace.server`'s values (vscode-languageclient's own `<id>.trace.server`); package.json's enum mirrors them. */
+export type TraceServer = 'off' | 'messages' | 'verbose';
+export const TRACE_LEVELS: readonly TraceServer[] = ['off', 'messages', 'verbose'];
 export const MULTILINE_MODES: readonly Multiline[] = ['auto', 'always', 'never'];
 
 /** Client-side settings (not sent to the server). */
@@ -65,6 +68,9 @@ export interface ClientSettings {
   /** Also ask the server for `textDocument/completion` items (the suggestion menu); off: inline ghost text only.
    * Read by the completion middleware on each request, so a change applies without a restart. */
   completionMenu: boolean;
+  /** `m31r.trace.server`: log the LSP traffic in the M31R output channel. vscode-languageclient reads the level itself;
+   * the extension needs to know whether it is on (see TraceChannel in extension.ts). */
+  traceServer: TraceServer;
 }
 
 /** Rust only by default: the model was trained on Rust, and elsewhere its suggestions are noise. package.json's
@@ -73,6 +79,7 @@ export const CLIENT_DEFAULTS: Readonly<ClientSettings> = Object.freeze({
   path: 'm31r',
   languages: ['rust'],
   completionMenu: false,
+  traceServer: 'off',
 });
 
 /** The subset of `vscode.WorkspaceConfiguration` this module needs. */
@@ -232,7 +239,14 @@ export function toClientSettings(source: ConfigSource, homeDir?: string): Valida
     warnings.push(`m31r.languages: expected an array of language ids, got ${JSON.stringify(rawLanguages)}`);
   }
   const completionMenu = readBool(get, 'completionMenu', CLIENT_DEFAULTS.completionMenu, warnings);
-  return { value: { path, languages, completionMenu }, warnings };
+  const rawTrace = get('trace.server');
+  let traceServer = CLIENT_DEFAULTS.traceServer;
+  if (typeof rawTrace === 'string' && (TRACE_LEVELS as readonly string[]).includes(rawTrace)) {
+    traceServer = rawTrace as TraceServer;
+  } else if (rawTrace !== undefined && rawTrace !== null) {
+    warnings.push(`m31r.trace.server: expected one of ${TRACE_LEVELS.join(', ')}, got ${JSON.stringify(rawTrace)}; using off`);
+  }
+  return { value: { path, languages, completionMenu, traceServer }, warnings };
 }
 
 /** `~/x` → `<home>/x` (only when a home directory is given). */

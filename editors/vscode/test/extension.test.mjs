@@ -321,3 +321,58 @@ test('deactivate stops the client', async () => {
   assert.ok(client.disposed);
   controller = undefined;
 });
+
+test('m31r.trace.server logs the LSP traffic in the M31R channel at its default log level; a change needs no restart', async () => {
+  // vscode-languageclient 11 traces only while its trace channel is at log level Trace; the M31R channel starts at Info.
+  const { client } = await activate({ 'm31r.trace.server': 'messages' });
+  const out = fake.outputs[0];
+  assert.equal(out.logLevel, vscode.LogLevel.Info, 'the user never touched the log level');
+  assert.equal(client.effectiveTrace(), 'messages');
+  client.traceLine("[Trace - 10:00:00] Sending request 'textDocument/inlineCompletion - (7)'.");
+  assert.ok(out.lines.some(([, m]) => /Sending request 'textDocument\/inlineCompletion/.test(m)), 'the trace is in the log');
+
+  await vscode.workspace.getConfiguration('m31r').update('trace.server', 'verbose', vscode.ConfigurationTarget.Global);
+  await tick();
+  assert.equal(client.effectiveTrace(), 'verbose');
+
+  await vscode.workspace.getConfiguration('m31r').update('trace.server', 'off', vscode.ConfigurationTarget.Global);
+  await tick();
+  assert.equal(client.effectiveTrace(), 'off');
+  const before = out.lines.length;
+  client.traceLine("[Trace - 10:00:01] Sending request 'textDocument/inlineCompletion - (8)'.");
+  assert.equal(out.lines.length, before, 'off: nothing traced');
+
+  await vscode.workspace.getConfiguration('m31r').update('trace.server', 'messages', vscode.ConfigurationTarget.Global);
+  await tick();
+  assert.equal(client.effectiveTrace(), 'messages', 'on again without a restart');
+  assert.equal(clients.length, 1, 'trace.server does not restart the server');
+});
+
+test('m31r.trace.server "off" (the default) traces nothing, even with the M31R channel at log level Trace', async () => {
+  const { client } = await activate();
+  assert.equal(client.effectiveTrace(), 'off');
+  fake.outputs[0].setLogLevel(vscode.LogLevel.Trace);
+  assert.equal(client.effectiveTrace(), 'off', 'the setting says off');
+  await vscode.workspace.getConfiguration('m31r').update('trace.server', 'messages', vscode.ConfigurationTarget.Global);
+  await tick();
+  assert.equal(client.effectiveTrace(), 'messages');
+});
+
+test('deactivation as VS Code runs it: the server stops before the output channel and the status item go', async () => {
+  const { client, context } = await activate();
+  const out = fake.outputs[0];
+  const item = fake.statusItems[0];
+  // extHostExtensionService._deactivate: calls deactivate(), does not wait for it, disposes the subscriptions at once.
+  const done = ext.deactivate();
+  for (const d of context.subscriptions) d.dispose();
+  await done; // rejected, before the fix: the client's last log line hit the already disposed channel
+  assert.ok(client.disposed, 'server stopped');
+  assert.ok(
+    out.lines.some(([, m]) => /Server process exited successfully/.test(m)),
+    "the client's lines while stopping reach the log",
+  );
+  assert.ok(out.disposed, 'output channel disposed afterwards');
+  assert.ok(item.disposed, 'status item disposed afterwards');
+  assert.equal(fake.commands.size, 0, 'commands unregistered');
+  controller = undefined;
+});

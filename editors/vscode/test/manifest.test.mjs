@@ -29,7 +29,8 @@ test('client settings are contributed with the same defaults', () => {
   assert.equal(props['m31r.completionMenu'].default, s.CLIENT_DEFAULTS.completionMenu);
   assert.equal(props['m31r.completionMenu'].default, false, 'the suggestion menu item is opt-in');
   assert.ok(props['m31r.completionMenu'].markdownDescription);
-  assert.deepEqual(props['m31r.trace.server'].enum, ['off', 'messages', 'verbose']);
+  assert.deepEqual(props['m31r.trace.server'].enum, [...s.TRACE_LEVELS]);
+  assert.equal(props['m31r.trace.server'].default, s.CLIENT_DEFAULTS.traceServer);
 });
 
 test('enums and ranges agree', () => {
@@ -57,7 +58,7 @@ test('beams is contributed as the code reads it', () => {
 test('no contributed m31r.* setting is unknown to the code', () => {
   const known = new Set([
     ...Object.keys(s.DEFAULTS),
-    ...Object.keys(s.CLIENT_DEFAULTS),
+    ...Object.keys(s.CLIENT_DEFAULTS).filter((k) => k !== 'traceServer'),
     'trace.server',
   ]);
   for (const key of Object.keys(props)) {
@@ -93,6 +94,15 @@ test('vscode-languageclient registers inline completion as a built-in feature', 
   assert.ok(Number(lc.version.split('.')[0]) >= 10, `vscode-languageclient ${lc.version} < 10`);
   const src = readFileSync(new URL('lib/common/client.js', lcDir), 'utf8');
   assert.match(src, /registerFeature\(new inlineCompletion_1\.InlineCompletionItemFeature\(this\)\)/);
+});
+
+test("vscode-languageclient traces only at its trace channel's Trace log level (what TraceChannel relies on)", () => {
+  // The fake client (support/fake-languageclient.cjs, effectiveTrace) mirrors this rule; if an upgrade changes it,
+  // revisit TraceChannel in src/extension.ts and the fake.
+  const src = readFileSync(new URL('lib/common/client.js', lcDir), 'utf8');
+  assert.match(src, /let trace = this\._traceLogLevel !== vscode_1\.LogLevel\.Trace \? [\w.]+Trace\.Off/);
+  assert.match(src, /this\.traceOutputChannel\.trace\(/);
+  assert.match(src, /this\._traceOutputChannel = clientOptions\.traceOutputChannel;/);
 });
 
 test('packaging files exist', () => {

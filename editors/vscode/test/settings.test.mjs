@@ -131,7 +131,12 @@ test('socket: trimmed, ~ expanded, non-strings rejected', () => {
 });
 
 test('client settings: path and languages', () => {
-  assert.deepEqual(s.toClientSettings({}).value, { path: 'm31r', languages: ['rust'], completionMenu: false });
+  assert.deepEqual(s.toClientSettings({}).value, {
+    path: 'm31r',
+    languages: ['rust'],
+    completionMenu: false,
+    traceServer: 'off',
+  });
   assert.deepEqual(s.toClientSettings({ path: '' }).value.path, 'm31r');
   assert.equal(s.toClientSettings({ path: '~/.local/bin/m31r' }, '/home/u/').value.path, '/home/u/.local/bin/m31r');
   assert.deepEqual(s.toClientSettings({ languages: ['rust', ' rust ', 'toml'] }).value.languages, ['rust', 'toml']);
@@ -147,10 +152,18 @@ test('client settings: path and languages', () => {
   assert.equal(r.warnings.length, 1);
 });
 
+test('client settings: trace.server is read as VS Code stores it (the key "trace.server")', () => {
+  assert.equal(s.toClientSettings({ 'trace.server': 'verbose' }).value.traceServer, 'verbose');
+  assert.equal(s.toClientSettings({ get: (k) => ({ 'trace.server': 'messages' })[k] }).value.traceServer, 'messages');
+  const bad = s.toClientSettings({ 'trace.server': 'loud' });
+  assert.equal(bad.value.traceServer, 'off');
+  assert.match(bad.warnings.join('\n'), /trace\.server/);
+});
+
 test('client settings: completionMenu is off by default, booleans as elsewhere', () => {
   assert.equal(s.CLIENT_DEFAULTS.completionMenu, false);
   assert.deepEqual(s.toClientSettings(undefined), {
-    value: { path: 'm31r', languages: ['rust'], completionMenu: false },
+    value: { path: 'm31r', languages: ['rust'], completionMenu: false, traceServer: 'off' },
     warnings: [],
   });
   assert.equal(s.toClientSettings({ completionMenu: null }).value.completionMenu, false);

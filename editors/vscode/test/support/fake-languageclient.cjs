@@ -2,6 +2,8 @@
 // Stand-in for `vscode-languageclient/node`: records how the extension builds
 // its client, and lets tests emit notifications and state changes.
 
+const vscode = require('vscode'); // the fake, through hook.cjs
+
 const State = { Stopped: 1, Running: 2, Starting: 3 };
 
 const instances = [];
@@ -18,7 +20,26 @@ class LanguageClient {
     this.sent = [];
     this.state = State.Stopped;
     this.disposed = false;
+    // As vscode-languageclient 11 (lib/common/client.js): the trace level follows the trace channel's log level (the
+    // output channel's when no trace channel is given), read at construction and on onDidChangeLogLevel.
+    const traceChannel = clientOptions.traceOutputChannel ?? clientOptions.outputChannel;
+    this.traceLogLevel = traceChannel ? traceChannel.logLevel : vscode.LogLevel.Info;
+    traceChannel?.onDidChangeLogLevel?.((level) => {
+      this.traceLogLevel = level;
+    });
     instances.push(this);
+  }
+  /** The client's refreshTrace(): off unless the trace channel is at Trace; then `<id>.trace.server`, "off" read as
+   * "messages". */
+  effectiveTrace() {
+    if (this.traceLogLevel !== vscode.LogLevel.Trace) return 'off';
+    const configured = vscode.workspace.getConfiguration(this.id).get('trace.server', 'messages');
+    return configured === 'off' ? 'messages' : configured;
+  }
+  /** Test helper: the client's tracer logging one message (only while tracing is on, as in the real one). */
+  traceLine(message) {
+    if (this.effectiveTrace() === 'off') return;
+    (this.clientOptions.traceOutputChannel ?? this.clientOptions.outputChannel).trace(message);
   }
   onNotification(method, handler) {
     this.notificationHandlers.set(method, handler);
@@ -47,6 +68,8 @@ class LanguageClient {
   async dispose() {
     this.disposed = true;
     if (this.state !== State.Stopped) this.setState(State.Stopped);
+    // The node client's server-process 'exit' handler logs this once the server is gone (lib/node/main.js).
+    this.clientOptions.outputChannel?.info('Server process exited successfully');
   }
   async sendNotification(method, params) {
     this.sent.push({ method, params });

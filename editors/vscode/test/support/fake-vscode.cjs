@@ -23,6 +23,9 @@ class EventEmitter {
   fire(e) {
     for (const l of [...this.listeners]) l(e);
   }
+  dispose() {
+    this.listeners.clear();
+  }
 }
 
 class ThemeColor {
@@ -33,6 +36,8 @@ class ThemeColor {
 
 const ConfigurationTarget = { Global: 1, Workspace: 2, WorkspaceFolder: 3 };
 const StatusBarAlignment = { Left: 1, Right: 2 };
+// vscode.LogLevel (vscode.d.ts).
+const LogLevel = { Off: 0, Trace: 1, Debug: 2, Info: 3, Warning: 4, Error: 5 };
 
 const state = {
   /** Flat user settings, e.g. {'m31r.path': 'x'}. */
@@ -85,19 +90,40 @@ const workspace = {
   onDidChangeConfiguration: configChanged.event,
 };
 
+// A LogOutputChannel as VS Code's (src/vs/workbench/api/common/extHostOutput.ts) behaves: at its default level (Info)
+// `trace` and `debug` lines are dropped, and once disposed every write throws "Channel has been closed".
 function makeOutput(name) {
   const lines = [];
+  const levelChanged = new EventEmitter();
+  const validate = () => {
+    if (out.disposed) throw new Error('Channel has been closed');
+  };
+  const at = (level, kind) => (m) => {
+    validate();
+    if (out.logLevel !== LogLevel.Off && out.logLevel <= level) lines.push([kind, m]);
+  };
   const out = {
     name,
     lines,
-    info: (m) => lines.push(['info', m]),
-    warn: (m) => lines.push(['warn', m]),
-    error: (m) => lines.push(['error', m]),
-    debug: (m) => lines.push(['debug', m]),
-    trace: (m) => lines.push(['trace', m]),
-    append: (m) => lines.push(['append', m]),
-    appendLine: (m) => lines.push(['appendLine', m]),
+    logLevel: LogLevel.Info,
+    onDidChangeLogLevel: levelChanged.event,
+    /** Test helper: what "Developer: Set Log Level..." does. */
+    setLogLevel(level) {
+      out.logLevel = level;
+      levelChanged.fire(level);
+    },
+    info: at(LogLevel.Info, 'info'),
+    warn: at(LogLevel.Warning, 'warn'),
+    error: at(LogLevel.Error, 'error'),
+    debug: at(LogLevel.Debug, 'debug'),
+    trace: at(LogLevel.Trace, 'trace'),
+    append: at(LogLevel.Info, 'append'),
+    appendLine: at(LogLevel.Info, 'appendLine'),
+    replace: at(LogLevel.Info, 'replace'),
+    clear: () => validate(),
+    hide: () => validate(),
     show: () => {
+      validate();
       out.shown = true;
     },
     dispose: () => {
@@ -170,6 +196,7 @@ module.exports = {
   ThemeColor,
   ConfigurationTarget,
   StatusBarAlignment,
+  LogLevel,
   workspace,
   window,
   commands,
