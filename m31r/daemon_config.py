@@ -71,14 +71,15 @@ def read_defaults(path: Path, command: click.Command, ctx: click.Context) -> dic
 def _checked(path: Path, key: str, value: object, param: click.Option, ctx: click.Context) -> object:
     """`value` converted and range-checked by the option's own type and callback."""
     kind = param.type
-    wants_int = isinstance(kind, click.types.IntParamType)
-    wants_number = wants_int or isinstance(kind, click.types.FloatParamType)
-    if isinstance(value, bool) or not isinstance(value, int | float | str) or (
-            wants_number and not isinstance(value, int | float)) or (wants_int and not isinstance(value, int)):
-        want = ("a whole number" if wants_int else "a number" if wants_number
-                else "one of " + ", ".join(f'"{c}"' for c in kind.choices) if isinstance(kind, click.Choice)
-                else "a string")
-        raise DaemonConfigError(f"{path}: `{key} = {_toml(value)}`: expected {want}") from None
+    if isinstance(kind, click.types.IntParamType):
+        takes, want = int, "a whole number"
+    elif isinstance(kind, click.types.FloatParamType):
+        takes, want = int | float, "a number"
+    else:
+        takes = str
+        want = "one of " + ", ".join(f'"{c}"' for c in kind.choices) if isinstance(kind, click.Choice) else "a string"
+    if isinstance(value, bool) or not isinstance(value, takes):
+        raise DaemonConfigError(f"{path}: `{key} = {_toml(value)}`: expected {want}")
     try:
         return param.process_value(ctx, value)
     except click.BadParameter as e:

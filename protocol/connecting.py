@@ -42,9 +42,6 @@ def _connected(sock: socket.socket, path: str) -> bool:
         sock.connect(path)
     except BlockingIOError:
         return False
-    except OSError as e:
-        if e.errno != errno.EISCONN:  # (a retry that the platform finished meanwhile)
-            raise
     return True
 
 

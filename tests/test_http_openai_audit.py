@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_http import Server, sse_events
+from test_http import Server, healthy_server, sse_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,12 +22,7 @@ INT64 = 2**63  # OpenAI's `seed` is an int64: -2**63 to 2**63 - 1
 
 @pytest.fixture(scope="module")
 def server(shared_daemon, tmp_path_factory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("openai-audit"), shared_daemon[1])
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from healthy_server(tmp_path_factory, "openai-audit", shared_daemon[1])
 
 
 @pytest.fixture

@@ -7,18 +7,12 @@ import pytest
 import test_lsp
 from lsprotocol import types as t
 from test_lsp import NOISE, expected
+from test_lsp_edges import applied
 
-from m31r_lsp.documents import offset_at, position_at
+from m31r_lsp.documents import position_at
 
 pytestmark = pytest.mark.timeout(120)
 daemon, lsp = test_lsp.daemon, test_lsp.lsp  # the fixtures, shared with test_lsp
-
-
-def applied(text: str, rng: t.Range, new: str) -> str:
-    """`text` with an edit applied, as an editor applies it (UTF-16 positions)."""
-    a = offset_at(text, rng.start.line, rng.start.character)
-    b = offset_at(text, rng.end.line, rng.end.character)
-    return text[:a] + new + text[b:]
 
 
 def augments(item: t.InlineCompletionItem, selected: t.SelectedCompletionInfo) -> bool:

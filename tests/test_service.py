@@ -686,16 +686,12 @@ def test_the_daemon_answers_before_torch_has_loaded(tiny_bundle, tmp_path: Path)
     a Generate sent meanwhile waits and then completes, and one cancelled meanwhile is answered `cancelled`."""
     from m31r.bundle import open_bundle
     from m31r_protocol import messages as m
-    from m31r_protocol.client import Client, DaemonError
+    from m31r_protocol.client import DaemonError
 
     bundle = open_bundle(tiny_bundle.path)
 
     async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
-        t0 = time.monotonic()
-        while not sock_path.exists():
-            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
-            await asyncio.sleep(0.01)
-        async with await Client.connect(sock_path, timeout=5.0, welcome_timeout=5.0) as c:
+        async with await connect_once_serving(proc, sock_path, log) as c:
             assert (c.welcome.model, c.welcome.fingerprint) == (bundle.model_id, bundle.fingerprint)
             st = await c.status()
             assert st.warming and st.model == bundle.model_id and st.dtype == "float32" and st.quant is None
@@ -770,11 +766,7 @@ def test_requests_a_closed_connection_left_waiting_for_the_model_are_forgotten(t
     from m31r_protocol.client import Client
 
     async def session(proc: subprocess.Popen, sock_path: Path, gate: Path, log: Path) -> None:
-        t0 = time.monotonic()
-        while not sock_path.exists():
-            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()
-            await asyncio.sleep(0.01)
-        async with await Client.connect(sock_path, timeout=5.0, welcome_timeout=5.0) as gone:
+        async with await connect_once_serving(proc, sock_path, log) as gone:
             # Held: a Stream dropped unfinished sends Cancel, and a client that went away sent none.
             held = [await gone.generate("fn gone() {", max_tokens=2) for _ in range(2)]
             while (await gone.status()).queue < 2:
