@@ -3,8 +3,9 @@ never saw in training (m31r.train.corpus splits by crate).
 
 Greedy decoding through `m31r.engine.Engine` with the serving prompt layout (`build_fim_prompt` with
 `FimBudget.for_context(max_context)`, the daemon's budget), stopping at `<|endoftext|>` and at the daemon's
-serving stops: where the completion writes the suffix's next line again (`m31r.fim.suffix_stop`), and before a
-line that repeats the line above it (`m31r.stops.RepeatedLine`). `--no-serving-stops` leaves those two out, for
+serving stops: where the completion writes the suffix's next line again (`m31r.fim.suffix_stop`, and
+`m31r.fim.start_stop` where that is its first line), and before a line that repeats the line above it
+(`m31r.stops.RepeatedLine`). `--no-serving-stops` leaves those two out, for
 comparison with figures from before them.
 
 Tasks, drawn deterministically from a seeded RNG (same --seed and val split, same tasks):
@@ -257,7 +258,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     from m31r.beams import beam_generate
     from m31r.context import context_budget, context_ids
     from m31r.engine import Outcome, line_logprobs
-    from m31r.fim import FimBudget, build_fim_prompt, line_context, suffix_stop
+    from m31r.fim import FimBudget, build_fim_prompt, line_context, start_stop, suffix_stop
 
     budget = FimBudget.for_context(engine.config.max_context)
     cache = engine.new_cache()
@@ -270,9 +271,11 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
         single = t.kind == "single"
         res = Outcome(prompt_tokens=len(ids))
         at_suffix = suffix_stop(t.prefix, t.suffix) if serving_stops and not single else None
+        at_start = start_stop(t.prefix, t.suffix) if serving_stops else None  # a line task's too, as the daemon's
         t0 = time.perf_counter()
         kw = dict(max_tokens=single_max if single else multi_max, cache=cache, result=res, heal=prompt.heal,
                   stop=["\n"] if single else [at_suffix] if at_suffix else [],
+                  start_stops=[at_start] if at_start else [],
                   repeat_context=line_context(t.prefix) if serving_stops else None)
         if floor_stop and not (beams > 1 and single):
             kw["min_probability"] = floor_stop

@@ -87,6 +87,7 @@ def beam_generate(
     heal: str = "",
     deadline: float | None = None,
     repeat_context: str | None = None,
+    start_stops: list[str] | tuple[str, ...] = (),
     spares: list[KVCache] | None = None,
     top_logprobs: int = 0,
 ) -> Iterator[Piece | Chunk | list[Decode]]:
@@ -109,7 +110,8 @@ def beam_generate(
         return deadline is not None and time.perf_counter() >= deadline
 
     caches = [cache]
-    live = [Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", StopMatcher(stop, repeat_context))]
+    stops = StopMatcher(stop, repeat_context, start_stops)
+    live = [Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", stops)]
     rows = [logits]
     done: list[Hypothesis] = []
     spares = spares if spares is not None else []
@@ -161,7 +163,7 @@ def beam_generate(
         spares += caches[1:]
         del spares[MAX_SPARES:]
     ranked = sorted(done, key=lambda h: -h.score)  # stable: ties keep the order they finished in
-    win = _answer(engine, ids, ranked[0], stop, heal, repeat_context)  # its pieces carry its figures
+    win = _answer(engine, ids, ranked[0], stop, heal, repeat_context, start_stops)  # its pieces carry its figures
     res.finish_reason, res.stopped_by = win.finish_reason, win.stopped_by
     res.logprobs = list(ranked[0].logprobs[: len(win.tokens) + (win.stopped_by == "end")])
     for piece in win.pieces:
@@ -175,7 +177,8 @@ def beam_generate(
     if ranked[0].end == "deadline":
         res.finish_reason = "deadline"
     else:
-        res.alternatives = _alternatives(engine, ids, ranked[1:], win.text, width - 1, stop, heal, repeat_context)
+        res.alternatives = _alternatives(engine, ids, ranked[1:], win.text, width - 1, stop, heal, repeat_context,
+                                         start_stops)
     res.total_ms = (time.perf_counter() - t0) * 1000
 
 
@@ -228,10 +231,10 @@ class Answer:
 
 
 def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
-            repeat_context: str | None) -> Answer:
+            repeat_context: str | None, start_stops: list[str] | tuple[str, ...] = ()) -> Answer:
     """h's tokens through generate's text path: the tokenizer's stream, the healed text left out, stop sequences cut
     and held back."""
-    text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context), False
+    text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context, start_stops), False
     out = Answer([], "length", None)
     for i, tok in enumerate(h.tokens):
         if tok in engine.stop_ids:
@@ -248,7 +251,8 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
 
 
 def _alternatives(engine: Engine, ids: list[int], ranked: list[Hypothesis], first: str, n: int,
-                  stop: list[str] | tuple[str, ...], heal: str, repeat_context: str | None) -> list[str]:
+                  stop: list[str] | tuple[str, ...], heal: str, repeat_context: str | None,
+                  start_stops: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The texts of the next likeliest finished hypotheses, up to n, each non-empty and unlike the answer's and the
     others' (hypotheses that differ only in tokens, or past a stop, read the same)."""
     seen, out = {first}, []
@@ -257,7 +261,7 @@ def _alternatives(engine: Engine, ids: list[int], ranked: list[Hypothesis], firs
             break
         if h.end in ("", "deadline"):
             continue
-        text = _answer(engine, ids, h, stop, heal, repeat_context).text
+        text = _answer(engine, ids, h, stop, heal, repeat_context, start_stops).text
         if text.strip() and text not in seen:
             seen.add(text)
             out.append(text)

@@ -170,9 +170,9 @@ class TextPath:
     cut and held back (m31r.stops). Engine.generate's, and beam search's for its answers (m31r.beams)."""
 
     def __init__(self, tokenizer: Tokenizer, ids: list[int], heal: str, stop: list[str] | tuple[str, ...],
-                 repeat_context: str | None):
+                 repeat_context: str | None, start_stops: list[str] | tuple[str, ...] = ()):
         self.stream = tokenizer.stream(ids)
-        self.stops = StopMatcher(stop, repeat_context)
+        self.stops = StopMatcher(stop, repeat_context, start_stops)
         self.skip = len(heal)  # healed characters still to hold back
 
     def step(self, tok: int) -> tuple[str, bool]:
@@ -658,6 +658,7 @@ class Engine:
         deadline: float | None = None,
         lookahead: int = 0,
         repeat_context: str | None = None,
+        start_stops: list[str] | tuple[str, ...] = (),
         top_logprobs: int = 0,
         min_probability: float | None = None,
     ) -> Iterator[Piece | Chunk | Decode]:
@@ -674,7 +675,8 @@ class Engine:
         during prefill. A token holding a line end that arrives past it ends the text at that line end.
 
         `repeat_context` (the document before the completion) turns on the repeated-line stop (m31r.stops): the
-        completion ends, finish_reason "stop", before a line that repeats the line before it.
+        completion ends, finish_reason "stop", before a line that repeats the line before it. `start_stops` end it
+        only where it begins with them (m31r.fim.start_stop), with nothing written.
 
         `min_probability` (an editor's confidence floor, m31r_protocol.policy) ends the completion, finish_reason
         "stop", at the token that takes its probability so far under the floor. Log-probabilities only add up
@@ -708,7 +710,7 @@ class Engine:
         def late() -> bool:
             return deadline is not None and time.perf_counter() >= deadline
 
-        text = TextPath(self.tokenizer, ids, heal, stop, repeat_context)
+        text = TextPath(self.tokenizer, ids, heal, stop, repeat_context, start_stops)
         history = list(ids) if need_history else []
         res.finish_reason = "length"
         hit = False

@@ -205,6 +205,17 @@ def suffix_stop(prefix: str, suffix: str) -> str | None:
     return None
 
 
+def start_stop(prefix: str, suffix: str) -> str | None:
+    """suffix_stop's line as the completion's own first line: where the cursor is at a line's start, the line end
+    that suffix_stop begins with is the prefix's, so that sequence alone never matches a completion that opens with
+    the suffix's next line (the model saying there is nothing to insert). A stop only at the completion's start
+    (StopMatcher's start_stops)."""
+    if prefix and not prefix.endswith("\n"):
+        return None
+    at_suffix = suffix_stop(prefix, suffix)
+    return at_suffix[1:] if at_suffix else None
+
+
 def line_context(prefix: str, lines: int = RepeatedLine.MAX_PERIOD) -> str:
     """The prefix's last `lines` whole lines and the cursor line's text: what the repeated-line stop (m31r.stops)
     compares a completion's first lines with, so that a completion repeating the lines above the cursor ends too."""

@@ -9,11 +9,18 @@ import copy
 
 
 class StopMatcher:
-    """Stop sequences, and with `repeat_context` (the text before the completion) the repeated-line stop."""
+    """Stop sequences, and with `repeat_context` (the text before the completion) the repeated-line stop.
 
-    def __init__(self, stops: list[str] | tuple[str, ...] = (), repeat_context: str | None = None):
+    `start_stops` end the text only where it begins with them: a Fim's suffix line when the completion starts a line
+    of its own (m31r.fim.start_stop), where the stop sequence's leading line end lies before the completion.
+    """
+
+    def __init__(self, stops: list[str] | tuple[str, ...] = (), repeat_context: str | None = None,
+                 start_stops: list[str] | tuple[str, ...] = ()):
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.start_stops = [s for s in start_stops if s]
+        self._start: str | None = "" if self.start_stops else None  # the text so far, while it could begin one
         self.repeats = RepeatedLine(repeat_context) if repeat_context is not None else None
         self.repeated = False  # the repeated-line stop ended the text
 
@@ -25,6 +32,15 @@ class StopMatcher:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop was hit)."""
+        if self._start is not None:
+            seen = self._start + piece
+            if any(seen.startswith(s) for s in self.start_stops):
+                self._start = None
+                return "", True
+            if any(s.startswith(seen) for s in self.start_stops):
+                self._start = seen
+                return "", False
+            self._start, piece = None, seen
         text, hit = self._feed_stops(piece)
         if self.repeats is None:
             return text, hit
@@ -48,6 +64,10 @@ class StopMatcher:
 
     def flush(self) -> str:
         """Held-back text at the end of generation: it was no stop after all."""
+        if self._start:  # the text ended while it could still have begun a start stop: it did not
+            pending, self._start = self._start, None
+            text, hit = self.feed(pending)
+            return text if hit else text + self.flush()
         held, self._held = self._held, ""
         if self.repeats is None:
             return held

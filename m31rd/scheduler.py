@@ -52,6 +52,7 @@ class Request:
     lookahead: int = 0  # prompt-lookup drafts per decode step (Engine.generate; greedy only, same output)
     beams: int = 1  # above 1: a beam search of this width (m31r.beams; greedy only), lookahead unused
     repeat_context: str | None = None  # the document before a completion: the repeated-line stop (m31r.stops)
+    start_stops: Sequence[str] = ()  # stop sequences only at the completion's start (m31r.fim.start_stop)
     top_logprobs: int = 0  # the likeliest tokens each Piece carries (Engine.generate, beam_generate)
     min_probability: float | None = None  # an editor's confidence floor: ends the text once met (Engine.generate)
     received: float = field(default_factory=time.perf_counter)  # timings count from here
@@ -245,7 +246,8 @@ class Scheduler:
         run.slot, run.started = slot, time.perf_counter()
         run.outcome = Outcome(prompt_tokens=len(req.ids))
         common = dict(max_tokens=req.max_tokens, stop=req.stop, cache=slot.cache, result=run.outcome, batched=True,
-                      heal=req.heal, deadline=req.deadline, repeat_context=req.repeat_context)
+                      heal=req.heal, deadline=req.deadline, repeat_context=req.repeat_context,
+                      start_stops=req.start_stops)
         if req.beams > 1:
             run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.spares,
                                     top_logprobs=req.top_logprobs, **common)

@@ -31,7 +31,7 @@ import psutil
 from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
 from m31r.context import context_budget, context_ids
-from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, suffix_stop
+from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
@@ -180,6 +180,14 @@ def request_stops(req: m.Generate | m.Fim) -> list[str]:
     if isinstance(req, m.Fim) and (at_suffix := suffix_stop(req.prefix, req.suffix)):
         return [*req.stop, at_suffix]
     return list(req.stop)
+
+
+def request_start_stops(req: m.Generate | m.Fim) -> list[str]:
+    """A Fim's stop only at the completion's start: the suffix's next line written first, where the cursor is at a
+    line's start (m31r.fim.start_stop), which request_stops' sequence cannot see."""
+    if isinstance(req, m.Fim) and (at_start := start_stop(req.prefix, req.suffix)):
+        return [at_start]
+    return []
 
 
 def beams_refusal(beams: int, sampling: SamplingParams) -> str | None:
@@ -653,6 +661,7 @@ class Daemon:
                           beams=job.beams, top_logprobs=job.wire.logprobs or 0,
                           cancellation=job.cancellation,
                           repeat_context=line_context(job.wire.prefix if fim else job.wire.prompt),
+                          start_stops=request_start_stops(job.wire),
                           min_probability=job.wire.min_probability if fim else None)
         self.scheduler.submit(request, lambda event: loop.call_soon_threadsafe(self._deliver, job, event))
 

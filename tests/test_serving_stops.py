@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from daemon_util import start_daemon, stop_daemon
 
-from m31r.fim import line_context, suffix_stop
+from m31r.fim import line_context, start_stop, suffix_stop
+from m31r.stops import StopMatcher
 
 CYCLE = "ab;\n"
 
@@ -27,6 +28,38 @@ def test_suffix_stop_is_the_next_whole_line_after_the_cursor() -> None:
     assert suffix_stop("", "a\r\nb\r\n") == "\na\r\n"  # CRLF files keep their line ends
     assert suffix_stop("x\n", "}") is None  # a last line without its line end is not a whole line
     assert suffix_stop("x\n", "") is None and suffix_stop("x", "\n\n") is None
+
+
+def test_start_stop_is_the_suffix_line_where_the_cursor_starts_a_line() -> None:
+    assert start_stop("fn f() {\n", "    }\n}\n") == "    }\n"
+    assert start_stop("", "\n  a\r\n") == "  a\r\n"  # the start of a file starts a line; blank lines skipped
+    assert start_stop("fn f() {\n    ", "\n}\n") is None  # mid-line: the suffix's line follows a line end of its own
+    assert start_stop("x\n", "}") is None
+
+
+def feed(m: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        text, hit = m.feed(piece)
+        out.append(text)
+        if hit:
+            return "".join(out), True
+    return "".join(out) + m.flush(), False
+
+
+def test_a_start_stop_ends_only_a_text_that_begins_with_it() -> None:
+    assert feed(StopMatcher([], None, ["    }\n"]), ["  ", "  }", "\n", "x"]) == ("", True)
+    # Held while it could still be one, then let through whole, still under the other stops.
+    m = StopMatcher(["\n    }\n"], None, ["    }\n"])
+    assert m.feed("    ") == ("", False) and m.feed("x") == ("    x", False)
+    assert feed(m, ["\n    }", "\n"]) == ("", True)  # later, the suffix line ends it through its own sequence
+    assert feed(StopMatcher([], None, ["    }\n"]), ["  }\n    }\n"]) == ("  }\n    }\n", False)  # not at the start
+    assert feed(StopMatcher(["\n"], None, ["}\n"]), ["}", "x\n"]) == ("}x", True)  # the line stop still applies
+    assert feed(StopMatcher([], None, ["    }\n"]), ["    }"]) == ("    }", False)  # ended before its line end
+    assert feed(StopMatcher([], "a\n", ["b\n"]), ["c\n", "c\n"]) == ("c\n", True)  # the repeated line still runs
+    m = StopMatcher([], None, ["}\n"])
+    twin = m.clone()
+    assert m.feed("}\n") == ("", True) and twin.feed("x") == ("x", False)  # a beam's forks match apart
 
 
 def test_line_context_is_the_last_whole_lines_and_the_cursor_line() -> None:
@@ -75,22 +108,26 @@ def looping_bundle(tiny_config, tmp_path_factory: pytest.TempPathFactory):
                         dataset_version="none (a looping model built by hand)")
 
 
-def complete(engine, prefix: str, suffix: str, serving: bool, max_tokens: int = 24):
+def complete(engine, prefix: str, suffix: str, serving: bool, max_tokens: int = 24, beams: int = 1):
+    from m31r.beams import beam_generate
     from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt
 
     prompt = build_fim_prompt(engine.tokenizer, prefix, suffix, FimBudget.for_context(engine.config.max_context))
     stop = [s] if serving and (s := suffix_stop(prefix, suffix)) else []
+    start_stops = [s] if serving and (s := start_stop(prefix, suffix)) else []
     res = Outcome(prompt_tokens=len(prompt.ids))
-    for _ in engine.generate(prompt.ids, max_tokens=max_tokens, stop=stop, result=res, heal=prompt.heal,
-                             repeat_context=line_context(prefix) if serving else None):
+    kw = dict(max_tokens=max_tokens, stop=stop, result=res, heal=prompt.heal, start_stops=start_stops,
+              repeat_context=line_context(prefix) if serving else None)
+    for _ in beam_generate(engine, prompt.ids, width=beams, **kw) if beams > 1 else engine.generate(prompt.ids, **kw):
         pass
     return res
 
 
 CASES = [  # (prefix, suffix, served text, what stopped it)
     ("fn f() {\n", "    g();\n}\n", CYCLE, "repeat"),  # the second `ab;` line repeats the first
-    ("fn f() {\n", "ab;\n}\n", "ab;", "sequence"),  # the completion runs into the suffix's next line
+    ("fn f() {\n", "ab;\n}\n", "", "sequence"),  # its first line is the suffix's next line: nothing to insert
+    ("fn f() {\na", ";\nab;\n}\n", "b;", "sequence"),  # the completion runs into the suffix's next line
     ("fn f() {\nab;\n", "}\n", "", "repeat"),  # its first line repeats the line above the cursor
     ("fn f() {\n", "    ab;\n}\n", CYCLE, "repeat"),  # the suffix's line at another indentation is another line
 ]
@@ -105,6 +142,10 @@ def test_the_engine_cuts_a_loop_where_it_repeats(looping_bundle) -> None:
     for prefix, suffix, text, by in CASES:
         res = complete(engine, prefix, suffix, serving=True)
         assert (res.text, res.finish_reason, res.stopped_by) == (text, "stop", by), (prefix, suffix)
+        res = complete(engine, prefix, suffix, serving=True, beams=2)
+        assert (res.text, res.finish_reason, res.stopped_by) == (text, "stop", by), (prefix, suffix)
+        if not text and by == "sequence":  # the search ended there too, not at max_tokens
+            assert res.completion_tokens == len(CYCLE) and res.decode_steps < len(CYCLE)
 
 
 def test_the_daemon_cuts_a_loop_where_it_repeats(looping_bundle, tmp_path: Path) -> None:
