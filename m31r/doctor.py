@@ -91,6 +91,23 @@ def check_compiler(ctx: Context) -> Check:
     return Check("compiler", "ok", f"{cc} (builds the native kernels, m31r/kernels*.c, on the first engine load)")
 
 
+def configured_precision() -> tuple[str, str, str]:
+    """The --dtype and --quant a daemon started here runs with unless told otherwise: the settings file's where it
+    sets them (m31r.daemon_config), else auto; and how to say where they come from."""
+    import click
+
+    from m31r import daemon_config
+    from m31r.cli import daemon
+
+    path = daemon_config.default_path()
+    try:
+        found = daemon_config.read_defaults(path, daemon, click.Context(daemon)) if path.is_file() else {}
+    except daemon_config.DaemonConfigError:
+        found = {}  # check_settings fails on it; a daemon would not start at all
+    dtype, quant = found.get("dtype", "auto"), found.get("quant", "auto")
+    return dtype, quant, "by default" if dtype == quant == "auto" else f"as {path.name} sets"
+
+
 def check_kernels(ctx: Context) -> Check:
     from m31r import native
 
@@ -100,8 +117,9 @@ def check_kernels(ctx: Context) -> Check:
 
         from m31r.precision import resolve
 
-        # the family for the daemon's default activations; built once (~0.3 s) into the cache the daemon uses
-        dtype = getattr(torch, resolve(torch.device("cpu"), "auto", "auto", None).dtype)
+        # the family for the daemon's activations; built once (~0.3 s) into the cache the daemon uses
+        dtype_opt, quant_opt, _ = configured_precision()
+        dtype = getattr(torch, resolve(torch.device("cpu"), dtype_opt, quant_opt, None).dtype)
         kernels = native.load(dtype)
         if kernels is None:
             why = "the build failed (run `m31r daemon --log-level info` to see the compiler's message)"
@@ -120,9 +138,11 @@ def check_bf16(ctx: Context) -> Check:
     from m31r.engine import fast_bf16
     from m31r.precision import resolve
 
-    p = resolve(torch.device("cpu"), "auto", "auto", None)  # builds or finds the kernels check_kernels loaded
+    dtype, quant, source = configured_precision()
+    p = resolve(torch.device("cpu"), dtype, quant, None)  # builds or finds the kernels check_kernels loaded
     weights = {"int8": "int8 weights", "int4": "int4 weights", None: "float weights"}[p.quant]
-    serves = f"the daemon serves {'bf16' if p.dtype == 'bfloat16' else 'fp32'} activations with {weights} by default"
+    act = {"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32")
+    serves = f"the daemon serves {act} activations with {weights} {source}"
     if fast_bf16(torch.device("cpu")):
         extra = "" if p.dtype == "bfloat16" else (
             ", int8 prefill chunks as bf16 GEMMs (`--prefill-gemm`)" if p.quant == "int8" else "")

@@ -142,3 +142,11 @@ def test_doctor_reports_the_settings(tmp_path: Path) -> None:
     assert isinstance(checks, dict) and checks["settings"] == {
         "name": "settings", "level": "ok", "detail": f"no {path}: daemons run on their defaults and the options they "
                                                      "are given"}
+
+
+def test_doctor_reports_the_precision_the_settings_choose(tmp_path: Path) -> None:
+    """The bf16 line says what a daemon started here serves: the settings file's dtype and quant, not auto's."""
+    settings(tmp_path / "config", 'dtype = "float32"\nquant = "none"\n')
+    _, checks = run_doctor(tmp_path)
+    assert isinstance(checks, dict)
+    assert "the daemon serves fp32 activations with float weights as daemon.toml sets" in checks["bf16"]["detail"]
