@@ -7,7 +7,13 @@ waited on it answer empty. A client's `$/cancelRequest` cancels the request's ha
 cancelled with it once nothing else waits on it, and the handler ends with RequestCancelled.
 
 A result is for the text and version captured when the request arrived: if the document changed before
-it was ready it is dropped (stale).
+it was ready it is dropped (stale). It is for the settings it was computed under too (EditorSettings.shape): after a
+settings change that would change it, neither the finished job nor the shown suggestion answers a request.
+
+An invoked request (the user asked: VS Code's "Trigger Inline Suggestion", Alt+\\) shows the model's best suggestion
+even where the model is unsure of its first line: the confidence floor hides suggestions nobody asked for, and with
+it that key did nothing at such a cursor. The lines after the first are still cut at the floor; the daemon, which
+ended the answer where the floor fell (Fim.min_probability), is asked again without one for its whole first line.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from m31r_lsp.daemon_link import EditorLink
 from m31r_lsp.documents import SPLITLINES_BREAKS, Lines, scrub, split_breaks
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import DaemonError, DaemonUnavailable, Sampling, policy
+from m31r_protocol.client import Client
 from m31r_protocol.context import QUERY_LINES, QUERY_STEP, line_start
-from m31r_protocol.messages import Snippet
+from m31r_protocol.messages import Done, Snippet
 from m31r_protocol.reconnect import Unavailable
 
 log = logging.getLogger("m31r_lsp.completion")
@@ -56,7 +63,9 @@ class Result:
 
 @dataclass
 class Job:
-    key: tuple[int | None, int, str]  # (version, cursor offset, the menu item's text it completes after)
+    # (version, cursor offset, the menu item's text it completes after, the floor it shows a suggestion above (0 for
+    # an invoked request), the settings' shape)
+    key: tuple[int | None, int, str, float, tuple]
     task: asyncio.Task[Result | None]
     waiters: int = 0
 
@@ -129,6 +138,8 @@ class Completer:
         st = self.docs.setdefault(uri, DocState())
         self.stats["requests"] += 1
 
+        if st.shown is not None and st.shown.extra.get("shape") != s.shape():
+            st.shown = None  # shown under other settings: it is not what these would show
         if s.typed_through and st.shown is not None:
             hit = policy.typed_through(st.shown, text, offset)
             if hit is not None:
@@ -139,7 +150,7 @@ class Completer:
             if not (st.shown.text == text and st.shown.offset == offset):
                 st.shown = None
 
-        key = (version, offset, item)
+        key = (version, offset, item, 0.0 if invoked else s.min_probability, s.shape())
         job = st.job
         if job is not None and job.key == key and not job.task.cancelled() and not (
                 job.task.done() and (job.task.exception() is not None or job.task.result() is None)):
@@ -149,7 +160,7 @@ class Completer:
                 return job.task.result()
         else:
             self._supersede(st)
-            job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked)))
+            job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked, s)))
             st.job = job
         job.waiters += 1
         try:
@@ -188,8 +199,9 @@ class Completer:
         return False if doc is None else doc[1]
 
     async def _run(self, uri: str, st: DocState, text: str, version: int | None, offset: int,
-                   invoked: bool) -> Result | None:
-        s = self.settings()
+                   invoked: bool, s: EditorSettings) -> Result | None:
+        """The job's suggestion, under settings `s`: those of its key (a change arriving before it starts is not
+        its)."""
         if not invoked:
             delay = self.debounce_s(s)
             if delay > 0:
@@ -197,8 +209,7 @@ class Completer:
                 await asyncio.sleep(delay)
         else:
             self.stats["undebounced"] += 1  # a manual trigger never waits
-        if self._live_version(uri) != version:
-            self.stats["stale"] += 1
+        if not self._fresh(uri, version):
             return None
         plan = policy.plan(text, offset, s.options())
         try:
@@ -217,6 +228,50 @@ class Completer:
         # without the tokens it would cut.
         kwargs["min_probability"] = s.min_probability or None
         context = await self._context(uri, query_prefix(plan.prefix, prefix), s)
+        # The width applies to a single-line suggestion of greedy decoding (the daemon searches only those; a
+        # multi-line one stays greedy); None leaves it to the daemon's --beams.
+        beams = s.beams if not plan.multiline and s.temperature == 0 else None
+        got = await self._fim(uri, client, kwargs, context, beams, s)
+        if got is None or not self._fresh(uri, version):
+            return None
+        raw, done = got
+        if not policy.confident(done.line_logprob, s.min_probability):
+            self.stats["unsure"] += 1
+            if not invoked:
+                return None
+            # The user asked: the model's best suggestion all the same (its first line: confident_lines cuts the rest).
+            # The daemon ended this answer at the token that took it under the floor, so it is asked again without.
+            self.stats["unsure_invoked"] += 1
+            got = await self._fim(uri, client, {**kwargs, "min_probability": None}, context, beams, s)
+            if got is None or not self._fresh(uri, version):
+                return None
+            raw, done = got
+        sure = policy.confident_lines(raw, done.logprob_by_line, s.min_probability)
+        if sure != raw:
+            self.stats["lines_cut"] += 1
+        suggestion = policy.postprocess(plan, sure)
+        if suggestion is None:
+            self.stats["empty"] += 1
+            return None
+        self.stats["suggestions"] += 1
+        alternatives = policy.alternatives(plan, suggestion, done.alternatives)
+        self.stats["alternatives"] += len(alternatives)
+        st.shown = policy.Shown(text, offset, suggestion, extra={"shape": s.shape()}, alternatives=tuple(alternatives))
+        if s.accept_ahead:
+            st.warm = self._spawn(self._warm(uri, st.shown, s))
+        return Result(text, version, offset, suggestion, "model", alternatives)
+
+    def _fresh(self, uri: str, version: int | None) -> bool:
+        """Whether the document is still at `version` (an answer for another is stale)."""
+        if self._live_version(uri) == version:
+            return True
+        self.stats["stale"] += 1
+        return False
+
+    async def _fim(self, uri: str, client: Client, kwargs: dict, context: list, beams: int | None,
+                   s: EditorSettings) -> tuple[str, Done] | None:
+        """The daemon's answer to a Fim (`kwargs`: fim_kwargs with the text as sent), or None when there is none (the
+        daemon failed, timed out, or went away: counted and logged here)."""
         self.last_fim = {**kwargs, "document": uri, "context": [c.path for c in context]}
         t0 = time.perf_counter()
         stream = None
@@ -224,9 +279,6 @@ class Completer:
             # A daemon that accepted the request but never finishes it must not hold the editor's request.
             async with asyncio.timeout(max(5.0, 5 * s.deadline_ms / 1000)):
                 try:
-                    # The width applies to a single-line suggestion of greedy decoding (the daemon searches only
-                    # those; a multi-line one stays greedy); None leaves it to the daemon's --beams.
-                    beams = s.beams if not plan.multiline and s.temperature == 0 else None
                     stream = await client.fim(**kwargs, document=scrub(uri), seed=s.seed, beams=beams, context=context,
                                               sampling=Sampling(temperature=s.temperature))
                     self.stats["daemon_requests"] += 1
@@ -253,26 +305,7 @@ class Completer:
         self.last_raw, self.last_by_line = raw, list(done.logprob_by_line)
         if done.source == "typed_through":
             self.stats["daemon_typed_through"] += 1
-        if self._live_version(uri) != version:
-            self.stats["stale"] += 1
-            return None
-        if not policy.confident(done.line_logprob, s.min_probability):
-            self.stats["unsure"] += 1
-            return None
-        sure = policy.confident_lines(raw, done.logprob_by_line, s.min_probability)
-        if sure != raw:
-            self.stats["lines_cut"] += 1
-        suggestion = policy.postprocess(plan, sure)
-        if suggestion is None:
-            self.stats["empty"] += 1
-            return None
-        self.stats["suggestions"] += 1
-        alternatives = policy.alternatives(plan, suggestion, done.alternatives)
-        self.stats["alternatives"] += len(alternatives)
-        st.shown = policy.Shown(text, offset, suggestion, alternatives=tuple(alternatives))
-        if s.accept_ahead:
-            st.warm = self._spawn(self._warm(uri, st.shown, s))
-        return Result(text, version, offset, suggestion, "model", alternatives)
+        return raw, done
 
     async def _context(self, uri: str, prefix: str, s: EditorSettings) -> list:
         """Snippets of the crate's other files (none when the setting is off or finding them fails: a completion

@@ -13,7 +13,9 @@
   stdio the process's status is 0 only after `shutdown`, as LSP says (pygls' start_io swallowed its status: always 0).
 - A request after `shutdown` is answered InvalidRequest, and one before `initialize` ServerNotInitialized, as LSP
   says; notifications then are dropped. pygls left a request after `shutdown` unanswered (a client waiting on it
-  hung until it gave up) and answered one before `initialize` with an internal error and a traceback.
+  hung until it gave up) and answered one before `initialize` with an internal error and a traceback. A second
+  `initialize` (LSP: sent once) is answered InvalidRequest: pygls made a new workspace for it, and every open
+  document was dropped without a word (no completions until each was reopened).
 - A request whose params LSP's types refuse (a negative position, one over 2**31 - 1, null) is answered InvalidParams
   naming the field, and such a notification is logged and ignored: pygls failed before reading the message's id, so
   the request was never answered (the editor waited for ever) and the user was shown "Error in server: Invalid
@@ -255,6 +257,8 @@ class M31rProtocol(LanguageServerProtocol):
             return JsonRpcInvalidRequest(f"{method}: the server has been shut down; only exit may follow")
         if not self._initialize_seen and method != types.INITIALIZE:
             return JsonRpcServerNotInitialized(f"{method}: the server is not initialized; send initialize first")
+        if self._initialize_seen and method == types.INITIALIZE:
+            return JsonRpcInvalidRequest(f"{method}: the server is already initialized (initialize is sent once)")
         return None
 
     def _handle_request(self, msg_id: Any, method_name: str, params: Any) -> None:

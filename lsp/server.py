@@ -61,6 +61,9 @@ class M31rLanguageServer(LanguageServer):
         # the client's settings goes back to these.
         self.defaults = defaults or EditorSettings()
         self.config = self.defaults
+        # What a key left out of a didChangeConfiguration section goes back to: the command line's settings with the
+        # client's initializationOptions over them (set by `initialize`).
+        self.base: EditorSettings | None = None
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
                                    project=ProjectContext(self.open_documents), lines=self.lines)
@@ -108,8 +111,14 @@ class M31rLanguageServer(LanguageServer):
                 self._shown_problems.add(shown)
                 self.tell(p)
 
-    async def apply_settings(self, raw: object) -> None:
-        new, problems = settings_mod.apply(self.config, raw, self.defaults)
+    async def apply_settings(self, raw: object, *, initial: bool = False) -> None:
+        """Apply a settings payload: initializationOptions (`initial`: over the command line's settings, and the base
+        of what follows) or a didChangeConfiguration section, the client's whole configuration (keys left out: the
+        base)."""
+        new, problems = settings_mod.apply(self.config, raw, self.defaults,
+                                           None if initial else (self.base or self.defaults))
+        if initial:
+            self.base = new
         self.log_problems(problems)
         old, self.config = self.config, new
         if link_config(new) != link_config(old):
@@ -346,7 +355,7 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
 
     @server.feature(types.INITIALIZE)
     async def initialize(ls: M31rLanguageServer, params: types.InitializeParams) -> None:
-        await ls.apply_settings(params.initialization_options)
+        await ls.apply_settings(params.initialization_options, initial=True)
 
     @server.feature(types.INITIALIZED)
     def initialized(ls: M31rLanguageServer, params: types.InitializedParams) -> None:

@@ -6,6 +6,10 @@ reported and the previous value kept (Infinity and NaN too, which Python's JSON 
 reported and ignored, and so is an "m31r" section that is not an object. An empty or null `socket` or `bundle`
 means the server's default (`m31r lsp --socket` / `--bundle`, else the built-in one), and a leading `~` in either is
 the home folder.
+
+A didChangeConfiguration section (pushed, or pulled with workspace/configuration) is the client's whole m31r
+configuration, as VS Code, Neovim, Helix and Sublime send it: a key it leaves out goes back to the session's base
+(the command line's settings with initializationOptions over them), not kept at the value an earlier payload set.
 """
 
 from __future__ import annotations
@@ -44,9 +48,18 @@ class EditorSettings:
     # multi-line one the lines that together keep it (policy.confident_lines); 0 shows every suggestion whole.
     min_probability: float = MIN_PROBABILITY
 
+    def shape(self) -> tuple:
+        """The settings that decide what a completion is (all but those of when, and whether, to ask for one): a
+        suggestion computed under another shape must not answer a request made under this one."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_SHAPING)
+
     def options(self) -> Options:
         return Options(multiline=self.multiline, max_tokens=self.max_tokens, deadline_ms=self.deadline_ms,
                        max_lines=self.max_lines)
+
+
+# Fields that change when or whether a completion is asked for, not what it is (EditorSettings.shape).
+_NOT_SHAPING = frozenset({"enable", "debounce_ms", "debounce_mode", "autostart", "typed_through", "accept_ahead"})
 
 
 # camelCase key → (field, validator returning the value or raising ValueError)
@@ -158,15 +171,18 @@ def section(raw: Any) -> dict | None:
     return None
 
 
-def apply(current: EditorSettings, raw: Any,
-          defaults: EditorSettings | None = None) -> tuple[EditorSettings, list[str]]:
+def apply(current: EditorSettings, raw: Any, defaults: EditorSettings | None = None,
+          base: EditorSettings | None = None) -> tuple[EditorSettings, list[str]]:
     """Settings updated from `raw` (a payload as above), and one message per rejected or unknown key. `defaults` are
     the settings the server started with (its command line's `--socket`, `--bundle`): an empty or null `socket` or
-    `bundle` goes back to them, not to the value a previous payload set."""
+    `bundle` goes back to them, not to the value a previous payload set. With `base` the payload is the client's whole
+    configuration: a key it leaves out takes base's value (a key the user removed goes back to its default) where
+    without it (initializationOptions) the key keeps `current`'s; a bad value keeps `current`'s either way."""
     defaults = defaults or EditorSettings()
     data = section(raw)
     if data is None:
         return current, misshapen(raw)
+    start = current if base is None else base
     changes: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in data.items():
@@ -181,5 +197,6 @@ def apply(current: EditorSettings, raw: Any,
         try:
             changes[name] = check(value)
         except ValueError as e:
+            changes[name] = getattr(current, name)
             problems.append(f"m31r.{key}: {e} (got {value!r}); keeping {getattr(current, name)!r}")
-    return dataclasses.replace(current, **changes), problems
+    return dataclasses.replace(start, **changes), problems

@@ -199,23 +199,34 @@ async def _stat_at_least(s: Session, key: str, n: int) -> bool:
 
 async def test_unsure_suggestions_are_hidden_below_min_probability(lsp):
     """minProbability gates on the daemon's first-line log-probability: the tiny random model gives a line far less
-    than 0.5, so with that floor the same request that shows a suggestion without it shows none, and says why. The
-    floor goes to the daemon too (Fim.min_probability), which stops at the first token that takes the answer under
-    it: here its first."""
+    than 0.5, so with that floor the same automatic request (the editor asking as the user types) that shows a
+    suggestion without it shows none, and says why. The floor goes to the daemon too (Fim.min_probability), which
+    stops at the first token that takes the answer under it: here its first.
+
+    An invoked request (InlineCompletionTriggerKind.Invoked: VS Code's "Trigger Inline Suggestion", Alt+\\) at the same
+    cursor shows the model's best suggestion all the same: the floor keeps unasked-for guesses off the screen, and a
+    user who asks for one expects an answer (VS Code's API: Invoke is "explicitly by a user gesture", where Automatic
+    may get nothing); hidden, that key did nothing at such a cursor. The daemon, which ended the answer at the token
+    where the floor fell (here its first), is asked again without one."""
     s = await lsp({**NOISE, "minProbability": 0.5})
     s.open(RUST)
     offset = RUST.index("    counts\n}") + len("    counts")
-    res = await s.inline(offset)
+    res = await s.inline(offset, invoked=False)
     st = await s.stats()
     assert st["daemon_requests"] == 1 and st["lastFim"]["min_probability"] == 0.5  # the daemon answered ...
     assert len(st["lastLogprobByLine"]) == 1 and st["lastLogprobByLine"][0] < math.log(0.5)  # ... one token, unsure
     assert len(res.items) == 0 and st["unsure"] == 1 and st.get("suggestions", 0) == 0  # ... and it was held back
+    res = await s.inline(offset, invoked=True)  # the user asks at the same cursor: shown, unsure as it is
+    st = await s.stats()
+    assert st["daemon_requests"] == 3 and st["lastFim"]["min_probability"] is None  # with the floor, then without
+    assert st["lastLogprobByLine"][0] < math.log(0.5) and st["unsure"] == 2 and st["unsure_invoked"] == 1
+    assert len(res.items) == 1 and st["suggestions"] == 1
     off = {"m31r": {"minProbability": 0}}
     s.client.workspace_did_change_configuration(t.DidChangeConfigurationParams(settings=off))
     s.edit(offset, offset, " ")
-    res = await s.inline(offset + 1)
+    res = await s.inline(offset + 1, invoked=False)
     st = await s.stats()
-    assert len(res.items) == 1 and st["suggestions"] == 1 and st["unsure"] == 1
+    assert len(res.items) == 1 and st["suggestions"] == 2 and st["unsure"] == 2
 
 
 async def test_a_suggestion_is_cut_to_the_lines_the_model_is_sure_of(lsp):
