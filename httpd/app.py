@@ -119,7 +119,7 @@ class Fields:
     prompt: str = "prompt"
     max_tokens: str = "max_tokens"
     truncate: str | None = "truncate"
-    max_tokens_default: str | None = None  # how max_tokens was chosen when the request left it out (None: it was sent)
+    max_tokens_default: str | None = None  # how max_tokens was chosen when not as sent (None: it was sent)
 
 
 def overflow_error(e: DaemonError, fields: Fields) -> tuple[str, str | None]:
@@ -239,13 +239,28 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in ",%")
 
 
+IGNORED_HEADER_MAX = 4096  # bytes: HTTP clients refuse a response whose header block passes 16 KiB (Node, h11)
+
+
 def ignored_header(ignored: list[str]) -> tuple[tuple[bytes, bytes], ...]:
     """The X-M31R-Ignored-Options header naming the request fields a foreign API's endpoint did not act on (none
-    when it acted on all): those servers ignore what they do not know, so a client is told here instead."""
+    when it acted on all): those servers ignore what they do not know, so a client is told here instead.
+
+    At most IGNORED_HEADER_MAX bytes of it: a body may name thousands of unknown options, or one of a megabyte, and a
+    header that long makes the client drop the whole answer. Past the limit the list ends with `(N more)`, which no
+    name can be mistaken for: a name's spaces are percent-encoded."""
     if not ignored:
         return ()
-    names = ", ".join(urllib.parse.quote(name, safe=HEADER_SAFE) for name in ignored)
-    return ((b"x-m31r-ignored-options", names.encode()),)
+    names: list[str] = []
+    size = 0
+    for i, name in enumerate(ignored):
+        quoted = urllib.parse.quote(name, safe=HEADER_SAFE)
+        if size + len(quoted) > IGNORED_HEADER_MAX - 32:  # (room for the tail)
+            names.append(f"({len(ignored) - i} more)")
+            break
+        names.append(quoted)
+        size += len(quoted) + 2
+    return ((b"x-m31r-ignored-options", ", ".join(names).encode()),)
 
 
 class Renderer:
@@ -812,8 +827,12 @@ class Service:
         r: s.OpenAICompletionRequest = await self.read(request, s.OpenAICompletionRequest, s.OPENAI_REFUSALS)
         # (null, as OpenAI reads it: the start of a new document, which is what an empty prompt is here)
         prompt = "" if r.prompt is None else r.prompt if isinstance(r.prompt, str) else r.prompt[0]
-        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens
-        self.check_cap(max_tokens)
+        # Past --max-tokens-cap, capped rather than refused: editor plugins send their own large defaults (Continue
+        # 4096, others 2048) that their users never see, and a refusal leaves them with no completion at all.
+        # llama.cpp's server caps n_predict at its -n the same way, vLLM at its generation config's max_new_tokens;
+        # the answer says `length` where the cap ended it. (A context overflow is still the 400 OpenAI answers.)
+        max_tokens = min(OPENAI_DEFAULT_MAX_TOKENS if r.max_tokens is None else r.max_tokens,
+                         self.settings.max_tokens_cap)
         sampling = self.sampling(r.temperature or 0.0, 0, 1.0 if r.top_p is None else r.top_p)
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
         if r.stream_options is not None and not r.stream:  # as OpenAI answers it
@@ -842,7 +861,10 @@ class Service:
             kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
             return c.fim(text, suffix, **kw) if suffix is not None else c.generate(text, **kw)
 
-        return Generation(self, "/v1/completions", start, renderer, bool(r.stream), Fields(truncate=None))
+        capped = (f"this server's cap (m31r serve --max-tokens-cap), as {r.max_tokens} was more"
+                  if r.max_tokens is not None and r.max_tokens > max_tokens else None)
+        return Generation(self, "/v1/completions", start, renderer, bool(r.stream),
+                          Fields(truncate=None, max_tokens_default=capped))
 
     async def models(self, request: Request) -> Response:
         try:

@@ -21,15 +21,22 @@ Where it follows Ollama and where it does not:
   probability and UTF-8 bytes, with `top_logprobs` (0 to 20) of the likeliest tokens at its step.
 - Fields asking for what this model cannot do (system, template, context, images, format, think, image generation)
   are refused with 400; unknown top-level fields are ignored, as Ollama's JSON decoding does.
+- A JSON null is the field left out, as Go's decoder reads it (without_nulls; a null option is its default, as
+  Options.FromMap skips it).
+- An empty prompt (and no `suffix`) answers `done_reason: "load"`, or `"unload"` with a zero `keep_alive` (0, "0",
+  "0s", ...), as one JSON object whether streamed or not, as routes.go does; the daemon keeps its model either way.
+  A `keep_alive` Ollama could not read (a boolean, "5", "forever") is its 400.
 - Errors have Ollama's shape, `{"error": "message"}`: 400 bad input, 404 unknown model, 503 busy or unavailable;
   mid-stream, one `{"error": ...}` line ends the stream.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable
 from datetime import UTC, datetime
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -91,7 +98,7 @@ class GenerateRequest(Struct, kw_only=True):
     raw: bool = False
     stream: bool = True
     options: dict[str, Any] | None = None
-    keep_alive: Any = None  # accepted and not used: the daemon keeps its model loaded until it stops
+    keep_alive: Any = None  # validated as Ollama's (keep_alive_is_zero): the daemon keeps its model loaded anyway
     truncate: bool = True
     # What this server cannot do: accepted only empty.
     system: str = ""
@@ -136,6 +143,67 @@ def check_model(client: Client, model: str) -> str:
         raise s.InvalidRequest(f'model "{model}" not found: this server serves {listed}', "model",
                                "model_not_found", status=404)
     return model
+
+
+def without_nulls(raw: Any) -> Any:
+    """The body with its top-level nulls left out. Ollama's Go decoder reads a JSON null as the field's zero value,
+    which is its default (`"system": null` is no system prompt, `"stream": null` streams, `"options": null` is none),
+    so clients that write every field, null where unset, are served as if they had left it out."""
+    return {k: v for k, v in raw.items() if v is not None} if isinstance(raw, dict) else raw
+
+
+# time.ParseDuration's units, in nanoseconds (Go accepts both micro signs).
+GO_UNITS = {"ns": 1, "us": 10**3, "\u00b5s": 10**3, "\u03bcs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
+            "h": 3600 * 10**9}
+_GO_NUMBER = re.compile(r"(\d*)(?:\.(\d*))?")
+_GO_UNIT = re.compile(r"[^\d.]*")
+KEEP_ALIVE_HELP = ("send seconds as a number (negative: keep the model loaded) or a duration such as \"5m\", "
+                   "\"1h30m\" or \"0\" (Go's time.ParseDuration; units ns, us, ms, s, m, h)")
+
+
+def go_duration_ns(text: str) -> int:
+    """Go's time.ParseDuration of `text` in nanoseconds (each term truncated, as Go's), or ValueError saying why."""
+    rest, negative = text, False
+    if rest[:1] in ("-", "+"):
+        negative, rest = rest[0] == "-", rest[1:]
+    if rest == "0":  # Go's one unitless duration
+        return 0
+    if not rest:
+        raise ValueError("it is empty")
+    total = 0
+    while rest:
+        number = _GO_NUMBER.match(rest)
+        assert number is not None  # (the pattern matches the empty string)
+        whole, fraction = number.group(1), number.group(2) or ""
+        if not whole and not fraction:
+            raise ValueError(f"a number was expected at {rest!r}")
+        rest = rest[number.end():]
+        unit = _GO_UNIT.match(rest).group(0)  # type: ignore[union-attr]
+        if unit not in GO_UNITS:
+            raise ValueError(f"unknown unit {unit!r}" if unit else "a number has no unit")
+        rest = rest[len(unit):]
+        total += int((int(whole or 0) + Fraction(int(fraction or 0), 10 ** len(fraction))) * GO_UNITS[unit])
+        if total > 2**63 - (not negative):
+            raise ValueError("it overflows a Go duration (about 292 years)")
+    return -total if negative else total
+
+
+def keep_alive_is_zero(value: Any) -> bool:
+    """Whether `keep_alive` asks to unload the model now (a zero duration), read as Ollama's api.Duration reads it:
+    a number is seconds (negative: forever), a string a Go duration (negative: forever); another type, or a string
+    Go cannot parse, is the 400 Ollama answers. Left out (or null) it is no request to unload."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        kind = "a boolean" if isinstance(value, bool) else "an object" if isinstance(value, dict) else "a list"
+        raise s.InvalidRequest(f"keep_alive: {kind} is not a duration: {KEEP_ALIVE_HELP}", "keep_alive")
+    if isinstance(value, str):
+        try:
+            return go_duration_ns(value) == 0
+        except ValueError as e:
+            raise s.InvalidRequest(f"keep_alive: {value!r} is not a duration ({e}): {KEEP_ALIVE_HELP}",
+                                   "keep_alive") from None
+    return 0 <= value * 1e9 < 1  # Go: time.Duration(t * float64(time.Second)), truncated (1e308: no overflow here)
 
 
 INTEGERS = ("num_predict", "top_k", "seed")  # the honoured options that Ollama reads as integers
@@ -261,9 +329,10 @@ class OllamaRenderer(Renderer):
             done["logprobs"] = ollama_logprobs(g.frames)
         return msgspec.json.encode(done)
 
-    def load(self) -> dict:
-        """Ollama's answer to an empty prompt: the model is loaded (here: the daemon answers)."""
-        return {"model": self.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+    def load(self, reason: str = "load") -> dict:
+        """Ollama's answer to an empty prompt: the model is loaded (here: the daemon answers), or with keep_alive 0
+        unloaded (here: the daemon keeps it, which nothing a client sees tells apart)."""
+        return {"model": self.model, "created_at": _now(), "response": "", "done": True, "done_reason": reason}
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return self._line({"error": message})
@@ -308,7 +377,8 @@ class Ollama:
 
     async def generate(self, request: Request) -> Response | Generation:
         svc = self.svc
-        r: GenerateRequest = await svc.read(request, GenerateRequest)
+        r: GenerateRequest = s.convert(without_nulls(s.parse(await request.body())), GenerateRequest)
+        unload = keep_alive_is_zero(r.keep_alive)
         for name, why in REFUSED.items():
             if getattr(r, name):
                 raise s.InvalidRequest(f"{name}: {why}", name)
@@ -334,12 +404,12 @@ class Ollama:
         if suffix is None and (layout := fim_layout(r.prompt)) is not None:
             prefix, suffix = layout
         renderer = OllamaRenderer(r.model, ignored, r.logprobs)
-        if suffix is None and not prefix:  # Ollama loads the model and says so
+        if suffix is None and not prefix:
+            # Ollama loads the model and says so, or with keep_alive 0 unloads it: one JSON object, streamed or not
+            # (routes.go answers both with c.JSON). With a suffix there is a cursor to complete at: served as FIM.
             check_model(await self._client(), r.model)
-            line = msgspec.json.encode(renderer.load())
-            return Response(line + b"\n" if r.stream else line, headers=dict(
-                (k.decode(), v.decode()) for k, v in renderer.headers),
-                media_type=(NDJSON if r.stream else b"application/json").decode())
+            return Response(msgspec.json.encode(renderer.load("unload" if unload else "load")), headers=dict(
+                (k.decode(), v.decode()) for k, v in renderer.headers), media_type="application/json")
 
         def start(c: Client) -> Awaitable[Stream]:
             check_model(c, r.model)
@@ -359,7 +429,7 @@ class Ollama:
                           Fields(max_tokens="options.num_predict", max_tokens_default=default))
 
     async def show(self, request: Request) -> Response:
-        r: ShowRequest = await self.svc.read(request, ShowRequest)
+        r: ShowRequest = s.convert(without_nulls(s.parse(await request.body())), ShowRequest)
         model = r.model or r.name
         if not model:
             raise s.InvalidRequest("model: required", "model")

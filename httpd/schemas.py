@@ -275,7 +275,8 @@ class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, Meta(description="The model's name or an alias (GET /v1/models lists them).")] | None = None
     suffix: Annotated[str, Meta(description="The text after the cursor: fill-in-the-middle.")] | None = None
     max_tokens: Annotated[int, Meta(ge=0, le=INT32, description=(
-        "Most tokens to generate (default 16, as OpenAI's); at most the server's --max-tokens-cap."))] | None = None
+        "Most tokens to generate (default 16, as OpenAI's); more than the server's --max-tokens-cap is capped to "
+        "it, as llama.cpp's server caps n_predict."))] | None = None
     temperature: Temperature | None = None
     top_p: OpenAITopP | None = None
     n: Annotated[int, Meta(ge=1, le=1, description="Choices per prompt: only 1.")] | None = None
@@ -767,8 +768,8 @@ REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequ
 RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
              OpenAICompletion, OpenAIModelList, InfillResponse, InfillChunk, LlamaCppError, TabbyCompletionResponse,
              TabbyHealth, TabbyServerSetting)
-# Their max_tokens maximum is the server's cap.
-CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest", "OpenAICompletionRequest")
+# Their max_tokens maximum is the server's cap (/v1/completions caps a larger one instead: openai_completions).
+CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest")
 
 
 def _ref(name: str) -> dict:

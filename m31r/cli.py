@@ -644,7 +644,8 @@ def service_uninstall(kind: str | None, dry_run: bool) -> None:
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Largest request body in bytes (413 beyond).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Largest max_tokens a request may ask for.")
+              help="Most tokens a request gets: the native endpoints refuse more, the OpenAI, Ollama, llama.cpp, "
+                   "Tabby and Codestral ones cap it.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=a_number,
               help="Seconds a request may take once its body is in, the daemon's work included (504 past it; the "
