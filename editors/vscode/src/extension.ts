@@ -32,6 +32,40 @@ interface Snapshot {
   warnings: string[];
 }
 
+/** Timings of stopping the server (mutable for tests). */
+export const TIMINGS = {
+  /** How long a stop or restart waits for a server still starting (answering `initialize`) to finish: the client can
+   * stop only a running server. After that, the stop goes ahead: vscode-languageclient's Node client then kills the
+   * process (lib/node/main.js, checkProcessDied). A server that never answers, e.g. `m31r.path` naming another program,
+   * would otherwise hold every later restart, settings change and deactivate for good. */
+  startGraceMs: 3000,
+  /** vscode-languageclient's timeout of a stop (shutdown + exit). */
+  stopMs: 2000,
+};
+
+interface QueuedStart {
+  run: Promise<void>;
+  /** Stop and start even if a server is running (a restart, not just a start, asked for it). */
+  restart: boolean;
+  cancelled: boolean;
+}
+
+/** Resolves once `client` is no longer Starting, or after `ms`; true if it left Starting. */
+function settled(client: LanguageClient, ms: number): Promise<boolean> {
+  if (client.state !== State.Starting) return Promise.resolve(true);
+  return new Promise((resolve) => {
+    const done = (left: boolean): void => {
+      clearTimeout(timer);
+      listener.dispose();
+      resolve(left);
+    };
+    const timer = setTimeout(() => done(false), ms);
+    const listener = client.onDidChangeState((e) => {
+      if (e.newState !== State.Starting) done(true);
+    });
+  });
+}
+
 function readSnapshot(): Snapshot {
   const cfg = vscode.workspace.getConfiguration(SECTION);
   const home = os.homedir();
@@ -121,11 +155,20 @@ export class M31rController implements vscode.Disposable {
   private clientState: ClientState = 'stopped';
   private serverStatus: StatusParams | undefined;
   private error: string | undefined;
+  /** The settings as they are now (kept current by onConfigurationChanged). */
   private snapshot: Snapshot;
+  /** The settings the current client was started with: a change of its command line or selector restarts it. */
+  private startedWith: Snapshot | undefined;
   private generation = 0;
   private lastWarnings = '';
   private disposed = false;
+  /** The queue of starts and stops: one at a time, in order. */
   private pending: Promise<void> = Promise.resolve();
+  /** A (re)start queued that has not read the settings yet: further starts and restarts join it (it will read their
+   * settings); a stop cancels it. */
+  private queuedStart: QueuedStart | undefined;
+  /** Stops waiting for the client's start in flight (the queue moves on; the stop after it deals with the client). */
+  private interruptStart: (() => void) | undefined;
   private closing: Promise<void> | undefined;
   private readonly statusItem: vscode.StatusBarItem;
   private readonly output: vscode.LogOutputChannel;
@@ -163,19 +206,23 @@ export class M31rController implements vscode.Disposable {
     return this.pending;
   }
 
+  /** Starts the server unless it is running or starting already. */
   start(): Promise<void> {
-    return this.enqueue(() => this.doStart());
+    return this.queueStart(false);
   }
 
+  /** Stops the server; a server still starting is given TIMINGS.startGraceMs to finish, then stopped anyway. */
   stop(): Promise<void> {
+    if (this.queuedStart) this.queuedStart.cancelled = true;
+    this.queuedStart = undefined;
+    this.interruptStart?.();
     return this.enqueue(() => this.doStop());
   }
 
+  /** Stops the server (see stop()) and starts a new one with the settings as they are then. Restarts asked for before
+   * the queued one has read the settings join it: two quick settings changes restart the server once. */
   restart(): Promise<void> {
-    return this.enqueue(async () => {
-      await this.doStop();
-      await this.doStart();
-    });
+    return this.queueStart(true);
   }
 
   async toggle(): Promise<void> {
@@ -183,12 +230,22 @@ export class M31rController implements vscode.Disposable {
     const info = cfg.inspect<boolean>('enable');
     const target =
       info?.workspaceValue !== undefined ? vscode.ConfigurationTarget.Workspace : vscode.ConfigurationTarget.Global;
-    const next = !this.snapshot.server.enable;
-    await cfg.update('enable', next, target);
-    // The configuration listener updates the snapshot; do it here too so the
-    // status bar reacts even before VS Code fires the change event.
+    const before = this.snapshot.server.enable;
+    const next = !before;
+    // Take the new value before the (asynchronous) write: a second toggle before it lands flips it back instead of
+    // writing the same value again, and the status bar reacts at once. The configuration listener confirms it.
     this.snapshot = { ...this.snapshot, server: { ...this.snapshot.server, enable: next } };
     this.render();
+    try {
+      await cfg.update('enable', next, target);
+    } catch (e) {
+      if (this.snapshot.server.enable === next) {
+        this.snapshot = { ...this.snapshot, server: { ...this.snapshot.server, enable: before } };
+        this.render();
+      }
+      void vscode.window.showErrorMessage(`M31R: could not ${next ? 'enable' : 'disable'} completions: ${errorText(e)}`);
+      return;
+    }
     vscode.window.setStatusBarMessage(`M31R completions ${next ? 'enabled' : 'disabled'}`, 2000);
   }
 
@@ -226,8 +283,35 @@ export class M31rController implements vscode.Disposable {
     return run;
   }
 
+  private queueStart(restart: boolean): Promise<void> {
+    if (this.closing) return this.closing;
+    // A restart need not wait for the start in flight: the stop below waits for it (a little) itself.
+    if (restart) this.interruptStart?.();
+    const queued = this.queuedStart;
+    if (queued) {
+      queued.restart ||= restart;
+      return queued.run;
+    }
+    const ticket: QueuedStart = { run: Promise.resolve(), restart, cancelled: false };
+    ticket.run = this.enqueue(async () => {
+      try {
+        if (ticket.cancelled || this.closing) return;
+        const alive = this.client !== undefined && (this.clientState === 'running' || this.clientState === 'starting');
+        if (alive && !ticket.restart) return;
+        await this.doStop();
+      } finally {
+        // From here on the settings are read: a change after this point needs a restart of its own.
+        if (this.queuedStart === ticket) this.queuedStart = undefined;
+      }
+      if (ticket.cancelled || this.closing) return;
+      await this.doStart();
+    });
+    this.queuedStart = ticket;
+    return ticket.run;
+  }
+
   private async doStart(): Promise<void> {
-    const snap = (this.snapshot = readSnapshot());
+    const snap = (this.snapshot = this.startedWith = readSnapshot());
     this.reportWarnings(snap.warnings);
     this.traceChannel.setEnabled(snap.client.traceServer !== 'off');
     const gen = ++this.generation;
@@ -310,16 +394,21 @@ export class M31rController implements vscode.Disposable {
       this.render();
     });
 
+    let interrupt!: () => void;
+    const interrupted = new Promise<'interrupted'>((resolve) => (interrupt = () => resolve('interrupted')));
+    this.interruptStart = interrupt;
     try {
       this.output.info(`starting ${[snap.client.path, ...serverArgs(snap.server)].join(' ')}`);
-      await client.start();
-      if (gen === this.generation) this.clientState = 'running';
+      const outcome = await Promise.race([client.start().then(() => 'started' as const), interrupted]);
+      if (outcome === 'started' && gen === this.generation) this.clientState = 'running';
     } catch (e) {
       if (gen === this.generation) {
         this.clientState = 'failed';
         this.error = errorText(e);
         this.output.error(`could not start the language server: ${this.error}`);
       }
+    } finally {
+      if (this.interruptStart === interrupt) this.interruptStart = undefined;
     }
     this.render();
   }
@@ -331,10 +420,20 @@ export class M31rController implements vscode.Disposable {
     this.clientState = 'stopped';
     this.serverStatus = undefined;
     if (client) {
+      // vscode-languageclient stops only a running client ("Client is not running and can't be stopped"): one still
+      // starting, ours or its own restart after a crash, is given a moment to finish first.
+      if (!(await settled(client, TIMINGS.startGraceMs))) {
+        this.output.warn(
+          `the language server did not finish starting within ${TIMINGS.startGraceMs / 1000} s: stopping it anyway`,
+        );
+      }
+      // Stopped or StartFailed: nothing to shut down, but dispose() still makes sure the process is gone.
+      const running = client.state === State.Running;
       try {
-        await client.dispose(2000);
+        await client.dispose(TIMINGS.stopMs);
       } catch (e) {
-        this.output.warn(`stopping the language server: ${errorText(e)}`);
+        if (running) this.output.warn(`stopping the language server: ${errorText(e)}`);
+        else this.output.debug(`stopping the language server: ${errorText(e)}`);
       }
     }
     this.render();
@@ -343,15 +442,19 @@ export class M31rController implements vscode.Disposable {
   private onConfigurationChanged(e: vscode.ConfigurationChangeEvent): void {
     if (!e.affectsConfiguration(SECTION)) return;
     const next = readSnapshot();
-    if (needsRestart(this.snapshot, next)) {
-      this.output.info('m31r.path, m31r.socket or m31r.languages changed: restarting the language server');
-      void this.restart();
-      return;
-    }
+    // The rest applies at once, also while a restart is under way (the status bar, the toggle, the middleware).
     this.snapshot = next;
     this.traceChannel.setEnabled(next.client.traceServer !== 'off');
     this.reportWarnings(next.warnings);
     this.render();
+    // Compared with what the server was started with (not with the last event's settings): a restart queued already
+    // picks up this change too, and one that has read the settings already is followed by one more.
+    if (!this.startedWith || needsRestart(this.startedWith, next)) {
+      if (!this.queuedStart) {
+        this.output.info('m31r.path, m31r.socket or m31r.languages changed: restarting the language server');
+      }
+      void this.restart();
+    }
   }
 
   private reportWarnings(warnings: string[]): void {

@@ -114,6 +114,22 @@ function readBool(get: (k: string) => unknown, key: string, fallback: boolean, w
   return fallback;
 }
 
+const DECIMAL = /^[+-]?(\d+(\.\d*)?|\.\d+)(e[+-]?\d+)?$/i;
+
+/**
+ * A number setting's raw value: a number or a decimal string as a number; undefined where it is unset (undefined, null,
+ * an empty or blank string); NaN for anything else (booleans, objects, "soon", "0x10"). A blank string is unset like
+ * an empty one: `Number("  ")` would read it as 0.
+ */
+function numeric(raw: unknown): number | undefined {
+  if (raw === undefined || raw === null) return undefined;
+  if (typeof raw === 'number') return raw;
+  if (typeof raw !== 'string') return Number.NaN;
+  const text = raw.trim();
+  if (text === '') return undefined;
+  return DECIMAL.test(text) ? Number(text) : Number.NaN;
+}
+
 function readInt(
   get: (k: string) => unknown,
   key: 'debounceMs' | 'deadlineMs' | 'maxTokens',
@@ -121,8 +137,8 @@ function readInt(
 ): number {
   const raw = get(key);
   const fallback = DEFAULTS[key];
-  if (raw === undefined || raw === null || raw === '') return fallback;
-  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  const n = numeric(raw);
+  if (n === undefined) return fallback;
   if (!Number.isFinite(n)) {
     warnings.push(`m31r.${key}: expected an integer, got ${JSON.stringify(raw)}; using ${fallback}`);
     return fallback;
@@ -138,8 +154,8 @@ function readInt(
 
 function readBeams(get: (k: string) => unknown, warnings: string[]): number | null {
   const raw = get('beams');
-  if (raw === undefined || raw === null || raw === '') return null;
-  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  const n = numeric(raw);
+  if (n === undefined) return null;
   if (!Number.isFinite(n)) {
     warnings.push(`m31r.beams: expected an integer or null, got ${JSON.stringify(raw)}; using the daemon's default`);
     return null;
@@ -154,8 +170,8 @@ function readBeams(get: (k: string) => unknown, warnings: string[]): number | nu
 function readProbability(get: (k: string) => unknown, warnings: string[]): number {
   const raw = get('minProbability');
   const fallback = DEFAULTS.minProbability;
-  if (raw === undefined || raw === null || raw === '') return fallback;
-  const n = typeof raw === 'number' ? raw : typeof raw === 'string' ? Number(raw.trim()) : Number.NaN;
+  const n = numeric(raw);
+  if (n === undefined) return fallback;
   if (!Number.isFinite(n)) {
     warnings.push(`m31r.minProbability: expected a number in 0..1, got ${JSON.stringify(raw)}; using ${fallback}`);
     return fallback;
@@ -241,8 +257,17 @@ export function toClientSettings(source: ConfigSource, homeDir?: string): Valida
   const completionMenu = readBool(get, 'completionMenu', CLIENT_DEFAULTS.completionMenu, warnings);
   const rawTrace = get('trace.server');
   let traceServer = CLIENT_DEFAULTS.traceServer;
-  if (typeof rawTrace === 'string' && (TRACE_LEVELS as readonly string[]).includes(rawTrace)) {
-    traceServer = rawTrace as TraceServer;
+  // As vscode-languageclient reads `<id>.trace.server` (refreshTrace): any case, or the object form
+  // `{"verbosity": ..., "format": ...}` (verbosity "messages" if absent). Read otherwise, the client would trace while the M31R channel dropped it all.
+  const level =
+    typeof rawTrace === 'string'
+      ? rawTrace
+      : rawTrace && typeof rawTrace === 'object' && !Array.isArray(rawTrace)
+        ? ((rawTrace as Record<string, unknown>).verbosity ?? 'messages')
+        : undefined;
+  const lowered = typeof level === 'string' ? level.trim().toLowerCase() : undefined;
+  if (lowered !== undefined && (TRACE_LEVELS as readonly string[]).includes(lowered)) {
+    traceServer = lowered as TraceServer;
   } else if (rawTrace !== undefined && rawTrace !== null) {
     warnings.push(`m31r.trace.server: expected one of ${TRACE_LEVELS.join(', ')}, got ${JSON.stringify(rawTrace)}; using off`);
   }

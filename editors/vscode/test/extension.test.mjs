@@ -22,18 +22,36 @@ function resetFakes() {
   fake.user = {};
   fake.workspace = {};
   fake.updates.length = 0;
+  fake.updateDelayMs = 0;
+  fake.updateError = undefined;
   fake.messages.length = 0;
   fake.statusItems.length = 0;
   fake.outputs.length = 0;
   clients.length = 0;
-  lc.__fake.behaviour.failStart = false;
+  Object.assign(lc.__fake.behaviour, { failStart: false, hangStart: false, startDelayMs: 0, stopDelayMs: 0 });
+  if (ext.TIMINGS) Object.assign(ext.TIMINGS, timings);
 }
 
-async function activate(user = {}) {
+const timings = { ...ext.TIMINGS };
+/** How long a stop waits for a server still starting before it kills it (short here). */
+function setStartGrace(ms) {
+  if (ext.TIMINGS) ext.TIMINGS.startGraceMs = ms;
+}
+
+/** Ends the previous test's controller; a server left hanging in `initialize` is killed first, so that a test that
+ * failed on a hang does not hang the ones after it. */
+async function closeController() {
+  lc.__fake.behaviour.hangStart = false;
+  for (const c of clients) if (c.state === lc.State.Starting) c.kill();
   if (controller) {
     controller.dispose();
     await controller.whenIdle();
   }
+  controller = undefined;
+}
+
+async function activate(user = {}) {
+  await closeController();
   resetFakes();
   Object.assign(fake.user, user);
   const context = { subscriptions: [] };
@@ -43,6 +61,33 @@ async function activate(user = {}) {
 }
 
 const tick = () => new Promise((r) => setImmediate(r));
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** `promise`, or a failure naming `what` once `ms` have passed. */
+async function within(ms, promise, what) {
+  let timer;
+  const timeout = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: still pending after ${ms} ms`)), ms);
+  });
+  try {
+    return await Promise.race([promise, timeout]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Activates without waiting for the server to start. */
+async function activateNoWait(user = {}, behaviour = {}) {
+  await closeController();
+  resetFakes();
+  Object.assign(lc.__fake.behaviour, behaviour);
+  Object.assign(fake.user, user);
+  controller = ext.activate({ subscriptions: [] });
+  await tick(); // the queued start has created its client
+  return { item: fake.statusItems[0], client: clients.at(-1) };
+}
+
+const warnings = () => fake.outputs[0].lines.filter(([lvl]) => lvl === 'warn' || lvl === 'error').map(([, m]) => m);
 
 test('starts `m31r lsp` over stdio with defaults', async () => {
   const { client, context } = await activate();
@@ -261,10 +306,7 @@ test('restart command creates a fresh client', async () => {
 });
 
 test('a server that cannot start shows an error and click restarts', async () => {
-  if (controller) {
-    controller.dispose();
-    await controller.whenIdle();
-  }
+  await closeController();
   resetFakes();
   lc.__fake.behaviour.failStart = true;
   controller = ext.activate({ subscriptions: [] });
@@ -375,4 +417,186 @@ test('deactivation as VS Code runs it: the server stops before the output channe
   assert.ok(item.disposed, 'status item disposed afterwards');
   assert.equal(fake.commands.size, 0, 'commands unregistered');
   controller = undefined;
+});
+
+// --- restarts: one server per window, whatever the timing -----------------------------------------------------------
+
+test('two quick changes of m31r.socket restart the server once, with the last value', async () => {
+  const { client: first } = await activate();
+  const cfg = vscode.workspace.getConfiguration('m31r');
+  await cfg.update('socket', '/tmp/a.sock', vscode.ConfigurationTarget.Global);
+  await cfg.update('socket', '/tmp/b.sock', vscode.ConfigurationTarget.Global);
+  await controller.whenIdle();
+  assert.equal(clients.length, 2, 'the second change joins the restart that has not started yet');
+  assert.ok(first.disposed);
+  assert.deepEqual(clients[1].serverOptions.args, ['lsp', '--socket', '/tmp/b.sock']);
+  assert.deepEqual(lc.__fake.liveServers(), [clients[1]]);
+  assert.equal(controller.state.client, 'running');
+});
+
+test('a change that arrives while a restart stops the old server applies at once and restarts nothing more', async () => {
+  await activate();
+  lc.__fake.behaviour.stopDelayMs = 30;
+  // A new path; then, while the old server is still being stopped, completions off.
+  fake.user['m31r.path'] = '/opt/m31r';
+  vscode.__fake.fireChange(['m31r.path']);
+  await tick();
+  fake.user['m31r.enable'] = false;
+  vscode.__fake.fireChange(['m31r.enable']);
+  assert.equal(controller.state.enabled, false, 'm31r.enable applies without waiting for the restart');
+  await controller.whenIdle();
+  assert.equal(clients.length, 2, 'one restart');
+  assert.equal(clients[1].serverOptions.command, '/opt/m31r');
+  assert.deepEqual(lc.__fake.liveServers(), [clients[1]]);
+  // The toggle flips what the status bar shows (with the snapshot left stale it wrote the value already there).
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.equal(fake.user['m31r.enable'], true);
+  assert.equal(controller.state.enabled, true);
+  assert.equal(clients.length, 2);
+});
+
+test('restart while the server hangs in `initialize`: the stuck process is killed and a new server runs', async () => {
+  const { item, client: stuck } = await activateNoWait({}, { hangStart: true });
+  setStartGrace(30);
+  assert.equal(controller.state.client, 'starting');
+  lc.__fake.behaviour.hangStart = false;
+  await within(1000, vscode.commands.executeCommand('m31r.restart'), 'the restart waited for a start that never ends');
+  assert.ok(stuck.killed, 'the stuck server was killed');
+  assert.equal(clients.length, 2);
+  assert.deepEqual(lc.__fake.liveServers(), [clients[1]]);
+  assert.equal(controller.state.client, 'running');
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.ok(warnings().some((m) => /did not finish starting/.test(m)), 'the log says why it was killed');
+});
+
+test('a settings change while the server hangs in `initialize` restarts it with the new value', async () => {
+  const { client: stuck } = await activateNoWait({ 'm31r.path': '/usr/bin/cat' }, { hangStart: true });
+  setStartGrace(30);
+  await tick();
+  lc.__fake.behaviour.hangStart = false;
+  await vscode.workspace.getConfiguration('m31r').update('path', 'm31r', vscode.ConfigurationTarget.Global);
+  await within(1000, controller.whenIdle(), 'the restart waited for a start that never ends');
+  assert.ok(stuck.killed);
+  assert.equal(clients.at(-1).serverOptions.command, 'm31r');
+  assert.deepEqual(lc.__fake.liveServers(), [clients.at(-1)]);
+  assert.equal(controller.state.client, 'running');
+});
+
+test('deactivate while the server hangs in `initialize` ends, with the server gone', async () => {
+  const { item, client: stuck } = await activateNoWait({}, { hangStart: true });
+  setStartGrace(30);
+  const out = fake.outputs[0];
+  await tick();
+  await within(1000, ext.deactivate(), 'deactivate waited for a start that never ends');
+  assert.ok(stuck.killed);
+  assert.deepEqual(lc.__fake.liveServers(), []);
+  assert.ok(out.disposed);
+  assert.ok(item.disposed);
+  controller = undefined;
+});
+
+test('deactivate while the server is still starting waits for it and stops it cleanly', async () => {
+  const { client } = await activateNoWait({}, { startDelayMs: 20 });
+  await tick();
+  await within(1000, ext.deactivate(), 'deactivate');
+  assert.equal(client.killed, false, 'stopped with shutdown/exit, not killed');
+  assert.deepEqual(lc.__fake.liveServers(), []);
+  controller = undefined;
+});
+
+test("restart during the client's own restart after a crash waits for it, then stops that server cleanly", async () => {
+  const { client: first } = await activate();
+  // vscode-languageclient restarts a crashed server by itself (DefaultErrorHandler): Starting again, no start() of ours.
+  first.setState(lc.State.Starting);
+  setTimeout(() => first.setState(lc.State.Running), 20);
+  await vscode.commands.executeCommand('m31r.restart');
+  assert.equal(first.killed, false, 'stopped with shutdown/exit, not killed');
+  assert.deepEqual(warnings(), [], 'no "Client is not running and can\'t be stopped"');
+  assert.deepEqual(lc.__fake.liveServers(), [clients[1]]);
+  assert.equal(controller.state.client, 'running');
+});
+
+test('restart right after activation (the command that activated the extension) leaves one server', async () => {
+  await activateNoWait({}, { startDelayMs: 10 });
+  await vscode.commands.executeCommand('m31r.restart');
+  await vscode.commands.executeCommand('m31r.restart');
+  await controller.whenIdle();
+  assert.equal(lc.__fake.liveServers().length, 1);
+  assert.equal(lc.__fake.liveServers()[0], clients.at(-1));
+  assert.equal(controller.state.client, 'running');
+});
+
+test('start() on a running server does not start a second one', async () => {
+  const { client } = await activate();
+  await controller.start();
+  assert.equal(clients.length, 1);
+  assert.deepEqual(lc.__fake.liveServers(), [client]);
+});
+
+test('start() or restart() after deactivate start nothing', async () => {
+  await activate();
+  const c = controller;
+  await ext.deactivate();
+  controller = undefined;
+  await c.restart();
+  await c.start();
+  assert.equal(clients.length, 1);
+  assert.deepEqual(lc.__fake.liveServers(), []);
+});
+
+test('a restart after a failed start logs no failure to stop it', async () => {
+  await activateNoWait({}, { failStart: true });
+  await controller.whenIdle();
+  assert.equal(controller.state.client, 'failed');
+  lc.__fake.behaviour.failStart = false;
+  await vscode.commands.executeCommand('m31r.restart');
+  assert.equal(controller.state.client, 'running');
+  assert.deepEqual(warnings().filter((m) => /stopping/.test(m)), []);
+});
+
+test('a restart asked for while a start() is queued on a running server still restarts it', async () => {
+  const { client: first } = await activate();
+  fake.user['m31r.socket'] = '/tmp/c.sock';
+  const started = controller.start(); // a no-op: the server runs
+  const restarted = controller.restart(); // joins the queued start(), and must not be lost in it
+  await Promise.all([started, restarted]);
+  assert.equal(clients.length, 2);
+  assert.ok(first.disposed);
+  assert.deepEqual(clients[1].serverOptions.args, ['lsp', '--socket', '/tmp/c.sock']);
+  assert.deepEqual(lc.__fake.liveServers(), [clients[1]]);
+});
+
+test('stop() cancels a restart that has not begun: no server is started only to be stopped', async () => {
+  await activate();
+  const restarted = controller.restart();
+  await controller.stop();
+  await restarted;
+  assert.equal(clients.length, 1, 'no new server');
+  assert.deepEqual(lc.__fake.liveServers(), []);
+  assert.equal(controller.state.client, 'stopped');
+  assert.equal(fake.statusItems[0].text, '$(circle-slash) M31R stopped');
+  assert.equal(fake.statusItems[0].command, 'm31r.restart');
+});
+
+test('toggle twice in quick succession ends where it began (VS Code writes settings asynchronously)', async () => {
+  const { item } = await activate();
+  fake.updateDelayMs = 10;
+  await Promise.all([vscode.commands.executeCommand('m31r.toggle'), vscode.commands.executeCommand('m31r.toggle')]);
+  await tick();
+  assert.deepEqual(
+    fake.updates.map((u) => u.value),
+    [false, true],
+  );
+  assert.equal(fake.user['m31r.enable'], true);
+  assert.equal(controller.state.enabled, true);
+  assert.equal(item.text, '$(sparkle) M31R');
+});
+
+test('toggle that cannot write the setting says so and leaves the status as it was', async () => {
+  const { item } = await activate();
+  fake.updateError = 'Unable to write into user settings. Please open the user settings to correct errors/warnings in it and try again.';
+  await vscode.commands.executeCommand('m31r.toggle');
+  assert.equal(controller.state.enabled, true);
+  assert.equal(item.text, '$(sparkle) M31R');
+  assert.ok(fake.messages.some(([kind, m]) => kind === 'error' && /Unable to write into user settings/.test(m)));
 });

@@ -55,6 +55,23 @@ test('beams is contributed as the code reads it', () => {
   assert.equal(props['m31r.minProbability'].default, s.DEFAULTS.minProbability);
 });
 
+test('no setting offers a folder-level value: one language server per window reads the window-level one', () => {
+  // The extension reads `getConfiguration('m31r')` without a resource, i.e. the window's value: one `m31r lsp` serves
+  // every folder of a multi-root workspace. A folder-level value (in a folder's .vscode/settings.json) would be silently
+  // ignored, so no setting may have a scope VS Code lets a folder set: "resource", "language-overridable" and
+  // "machine-overridable" (FOLDER_SCOPES in src/vs/workbench/services/configuration/common/configuration.ts). No scope
+  // at all means "window".
+  const folderScopes = new Set(['resource', 'language-overridable', 'machine-overridable']);
+  for (const [key, p] of Object.entries(props)) {
+    assert.ok(!folderScopes.has(p.scope), `${key} has scope ${JSON.stringify(p.scope)}: VS Code offers a folder value`);
+  }
+  // The server's command line comes from these two: a workspace may set them, a folder may not.
+  assert.equal(props['m31r.path'].scope, 'window');
+  assert.equal(props['m31r.socket'].scope, 'window');
+  // Their workspace values are not applied until the workspace is trusted.
+  assert.deepEqual([...pkg.capabilities.untrustedWorkspaces.restrictedConfigurations].sort(), ['m31r.path', 'm31r.socket']);
+});
+
 test('no contributed m31r.* setting is unknown to the code', () => {
   const known = new Set([
     ...Object.keys(s.DEFAULTS),

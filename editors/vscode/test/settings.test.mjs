@@ -103,6 +103,24 @@ test('numbers: rounded, clamped, numeric strings accepted, junk replaced by defa
   assert.match(r.warnings[0], /m31r\.debounceMs/);
 });
 
+test('numbers: a blank string is unset like an empty one (Number("  ") is 0), hex and booleans are junk', () => {
+  let r = s.toServerSettings({ debounceMs: '  ', deadlineMs: ' ', maxTokens: '\t', beams: ' ', minProbability: '  ' });
+  assert.deepEqual(
+    [r.value.debounceMs, r.value.deadlineMs, r.value.maxTokens, r.value.beams, r.value.minProbability],
+    [75, 800, 64, null, 0.05],
+  );
+  assert.deepEqual(r.warnings, []);
+
+  r = s.toServerSettings({ debounceMs: '0x10', beams: '0b11', minProbability: '0x1', maxTokens: true, deadlineMs: ' 900 ' });
+  assert.deepEqual(
+    [r.value.debounceMs, r.value.beams, r.value.minProbability, r.value.maxTokens, r.value.deadlineMs],
+    [75, null, 0.05, 64, 900],
+  );
+  assert.equal(r.warnings.length, 4);
+  assert.equal(s.toServerSettings({ minProbability: '.5', maxTokens: '1e2' }).value.maxTokens, 100);
+  assert.equal(s.toServerSettings({ minProbability: '.5' }).value.minProbability, 0.5);
+});
+
 test('enums: case-insensitive, invalid → default with a warning', () => {
   let r = s.toServerSettings({ multiline: 'Always', debounceMode: ' FIXED ' });
   assert.equal(r.value.multiline, 'always');
@@ -158,6 +176,20 @@ test('client settings: trace.server is read as VS Code stores it (the key "trace
   const bad = s.toClientSettings({ 'trace.server': 'loud' });
   assert.equal(bad.value.traceServer, 'off');
   assert.match(bad.warnings.join('\n'), /trace\.server/);
+  // As vscode-languageclient reads it too: any case, and the object form {verbosity, format}.
+  let r = s.toClientSettings({ 'trace.server': 'Verbose' });
+  assert.deepEqual([r.value.traceServer, r.warnings], ['verbose', []]);
+  r = s.toClientSettings({ 'trace.server': { verbosity: 'messages', format: 'json' } });
+  assert.deepEqual([r.value.traceServer, r.warnings], ['messages', []]);
+  r = s.toClientSettings({ 'trace.server': { verbosity: 'off' } });
+  assert.deepEqual([r.value.traceServer, r.warnings], ['off', []]);
+  r = s.toClientSettings({ 'trace.server': { format: 'json' } });
+  assert.deepEqual([r.value.traceServer, r.warnings], ['messages', []], 'verbosity "messages" if absent, as the client');
+  for (const junk of [{ verbosity: 'loud' }, ['verbose'], 3]) {
+    r = s.toClientSettings({ 'trace.server': junk });
+    assert.equal(r.value.traceServer, 'off');
+    assert.match(r.warnings.join('\n'), /trace\.server/, JSON.stringify(junk));
+  }
 });
 
 test('client settings: completionMenu is off by default, booleans as elsewhere', () => {

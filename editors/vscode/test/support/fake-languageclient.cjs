@@ -4,10 +4,22 @@
 
 const vscode = require('vscode'); // the fake, through hook.cjs
 
-const State = { Stopped: 1, Running: 2, Starting: 3 };
+// vscode-languageclient 11's public State (lib/common/client.js).
+const State = { Stopped: 1, Running: 2, Starting: 3, StartFailed: 4 };
 
 const instances = [];
-const behaviour = { failStart: false };
+const behaviour = {
+  /** The executable cannot be spawned: start() rejects (ENOENT), no process. */
+  failStart: false,
+  /** The server process runs but never answers `initialize`: start() stays pending until the process goes. */
+  hangStart: false,
+  /** Milliseconds the server takes to answer `initialize`. */
+  startDelayMs: 0,
+  /** Milliseconds a clean stop (shutdown + exit) takes. */
+  stopDelayMs: 0,
+};
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 class LanguageClient {
   constructor(id, name, serverOptions, clientOptions) {
@@ -20,6 +32,12 @@ class LanguageClient {
     this.sent = [];
     this.state = State.Stopped;
     this.disposed = false;
+    /** Whether this client's server process is running. */
+    this.alive = false;
+    /** Set when the process had to be killed (a stop while it was not running). */
+    this.killed = false;
+    this.startCalls = 0;
+    this.pendingStart = undefined;
     // As vscode-languageclient 11 (lib/common/client.js): the trace level follows the trace channel's log level (the
     // output channel's when no trace channel is given), read at construction and on onDidChangeLogLevel.
     const traceChannel = clientOptions.traceOutputChannel ?? clientOptions.outputChannel;
@@ -54,22 +72,71 @@ class LanguageClient {
     this.state = newState;
     for (const l of this.stateListeners) l({ oldState, newState });
   }
-  async start() {
+  /** As vscode-languageclient 11: Starting, spawn, `initialize`, then Running; StartFailed when that fails. */
+  start() {
+    if (this.disposed) return Promise.reject(new Error("Client got disposed and can't be restarted."));
+    if (this.pendingStart) return this.pendingStart;
+    this.startCalls++;
     this.setState(State.Starting);
     if (behaviour.failStart) {
-      this.setState(State.Stopped);
-      throw new Error(`spawn ${this.serverOptions.command} ENOENT`);
+      this.setState(State.StartFailed);
+      this.pendingStart = undefined;
+      return Promise.reject(new Error(`spawn ${this.serverOptions.command} ENOENT`));
     }
-    this.setState(State.Running);
+    this.alive = true;
+    this.pendingStart = new Promise((resolve, reject) => {
+      // The connection closing (the process killed) rejects the pending `initialize`.
+      this.closeConnection = () => {
+        this.pendingStart = undefined;
+        if (this.state === State.Starting) this.setState(State.StartFailed);
+        reject(new Error('Pending response rejected since connection got disposed'));
+      };
+      if (behaviour.hangStart) return;
+      sleep(behaviour.startDelayMs).then(() => {
+        if (this.state !== State.Starting || !this.alive) return;
+        this.pendingStart = undefined;
+        this.closeConnection = undefined;
+        this.setState(State.Running);
+        resolve();
+      });
+    });
+    return this.pendingStart;
+  }
+  /** The Node client's process kill (lib/node/main.js checkProcessDied, 2 s after a stop that left it alive). */
+  kill() {
+    if (!this.alive) return;
+    this.alive = false;
+    this.killed = true;
+    const close = this.closeConnection;
+    this.closeConnection = undefined;
+    close?.();
   }
   async stop() {
-    this.setState(State.Stopped);
+    return this.shutdown();
+  }
+  /** lib/common/client.js shutdown(): only a Running client can be stopped; lib/node/main.js then makes sure the
+   * process is gone, whatever the outcome. */
+  async shutdown() {
+    try {
+      if (this.state === State.Stopped) return;
+      if (this.state !== State.Running) {
+        throw new Error(`Client is not running and can't be stopped. It's current state is: ${this.stateName()}`);
+      }
+      await sleep(behaviour.stopDelayMs);
+      this.alive = false;
+      this.setState(State.Stopped);
+      // The node client's server-process 'exit' handler logs this once the server is gone (lib/node/main.js).
+      this.clientOptions.outputChannel?.info('Server process exited successfully');
+    } finally {
+      this.kill();
+    }
   }
   async dispose() {
     this.disposed = true;
-    if (this.state !== State.Stopped) this.setState(State.Stopped);
-    // The node client's server-process 'exit' handler logs this once the server is gone (lib/node/main.js).
-    this.clientOptions.outputChannel?.info('Server process exited successfully');
+    return this.shutdown();
+  }
+  stateName() {
+    return { 1: 'stopped', 2: 'running', 3: 'starting', 4: 'startFailed' }[this.state];
   }
   async sendNotification(method, params) {
     this.sent.push({ method, params });
@@ -81,4 +148,9 @@ class LanguageClient {
   }
 }
 
-module.exports = { LanguageClient, State, __fake: { instances, behaviour } };
+/** Server processes running now (a second one is a leak: one server per window). */
+function liveServers() {
+  return instances.filter((c) => c.alive);
+}
+
+module.exports = { LanguageClient, State, __fake: { instances, behaviour, liveServers } };

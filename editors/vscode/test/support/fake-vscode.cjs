@@ -45,6 +45,9 @@ const state = {
   /** Flat workspace settings. */
   workspace: {},
   updates: [],
+  /** Milliseconds update() takes to write, and an error it fails with (tests set them). */
+  updateDelayMs: 0,
+  updateError: undefined,
   commands: new Map(),
   statusItems: [],
   outputs: [],
@@ -80,6 +83,9 @@ const workspace = {
         workspaceValue: state.workspace[full(key)],
       }),
       update: async (key, value, target) => {
+        // VS Code writes settings.json asynchronously (in order); the change event follows the write.
+        if (state.updateDelayMs) await new Promise((r) => setTimeout(r, state.updateDelayMs));
+        if (state.updateError) throw new Error(state.updateError);
         const bag = target === ConfigurationTarget.Workspace ? state.workspace : state.user;
         bag[full(key)] = value;
         state.updates.push({ key: full(key), value, target });
