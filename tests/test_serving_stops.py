@@ -173,3 +173,22 @@ def test_the_daemon_cuts_a_loop_where_it_repeats(looping_bundle, tmp_path: Path)
         assert asyncio.run(answers()) == [*served, ("a", "stop"), (CYCLE, "stop"), ("", "stop")]
     finally:
         stop_daemon(proc)
+
+
+def test_m31r_fim_says_when_the_model_wrote_nothing(looping_bundle, tmp_path: Path) -> None:
+    """At the start of the suffix's next line the looping model writes that line: the answer is empty, and an empty
+    stdout alone would look like a failure, so stderr says what happened."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "d.sock"
+    (tmp_path / "f.rs").write_text("fn f() {\nab;\n}\n")
+    proc = start_daemon(looping_bundle.path, sock)
+    try:
+        r = subprocess.run([sys.executable, "-m", "m31r.cli", "fim", "--socket", str(sock), "--no-autostart", "--file",
+                            str(tmp_path / "f.rs"), "--line", "2", "--column", "1"],
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (0, "")
+        assert r.stderr == "(no completion: the model wrote nothing here; finish_reason stop)\n"
+    finally:
+        stop_daemon(proc)
