@@ -63,7 +63,7 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
         return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs, tops)
     written = engine.tokenizer.token_bytes[tok] or b""
     owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder = codecs.getincrementaldecoder("utf-8")("ignore")  # as the text path's stream (m31r.tokenizer.TextStream)
     text = decoder.decode(h.pending + written)
     pending = decoder.getstate()[0]
     n = min(h.skip, len(text))

@@ -31,9 +31,14 @@ def context_ids(tok: Tokenizer, snippets: Sequence[Snippet], budget: int) -> lis
     """The snippets that fit `budget` tokens, taken best first and laid out best last (nearest the prompt)."""
     chosen: list[list[int]] = []
     used = 0
+    longest = tok.longest_token
     for s in snippets:
         text = s.text if s.text.endswith("\n") else s.text + "\n"
-        ids = tok.encode(f"// {s.path}\n{text}" if s.path else text) + [tok.eos_id]
+        # The path is one comment line: a line break in it would put lines no file has before the snippet.
+        text = f"// {' '.join(s.path.splitlines())}\n{text}" if s.path else text
+        if longest and len(text.encode()) > (budget - used) * longest:  # more tokens than the room: skip the work
+            continue
+        ids = tok.encode(text) + [tok.eos_id]
         if used + len(ids) <= budget:
             chosen.append(ids)
             used += len(ids)

@@ -184,7 +184,13 @@ class TextPath:
         return self.stops.feed(piece)
 
     def flush(self) -> str:
-        return self.stops.flush()
+        """The text held back at the end: the stream's (a decoder that is not byte-level waits after a U+FFFD) through
+        the stops, then the stops' own."""
+        tail = self.stream.flush()
+        n = min(self.skip, len(tail))
+        tail, self.skip = tail[n:], self.skip - n
+        text, hit = self.stops.feed(tail) if tail else ("", False)
+        return text if hit else text + self.stops.flush()
 
     @property
     def stopped_by(self) -> str:

@@ -80,15 +80,47 @@ def _token_counts(tok: Tokenizer, lines: list[str]) -> list[int]:
     return [len(ids) for ids in tok.encode_batch(lines)] if lines else []
 
 
+def _cut_between(tok: Tokenizer, left: int, right: int) -> bool:
+    """Whether a cut between these two adjacent tokens of an encoded text falls between whole characters, and not
+    between the CR and LF of one line end. A cut inside a character decodes its bytes to U+FFFD, text the file never
+    had (a long line of CJK or accented text); one inside CR LF leaves a lone CR, a line end the file never had."""
+    a, b = tok.token_bytes[left] or b"", tok.token_bytes[right] or b""
+    if b and 0x80 <= b[0] < 0xC0:  # `right` opens with a continuation byte: the character began in `left`
+        return False
+    return not (a.endswith(b"\r") and b.startswith(b"\n"))
+
+
+def keep_head(tok: Tokenizer, ids: list[int], n: int) -> list[int]:
+    """At most the first `n` of an encoded text's ids, ending between whole characters (see _cut_between)."""
+    if len(ids) <= n:
+        return ids
+    n = max(n, 0)
+    while n > 0 and not _cut_between(tok, ids[n - 1], ids[n]):
+        n -= 1
+    return ids[:n]
+
+
+def keep_tail(tok: Tokenizer, ids: list[int], n: int) -> list[int]:
+    """At most the last `n` of an encoded text's ids, starting between whole characters (see _cut_between)."""
+    if len(ids) <= n:
+        return ids
+    i = len(ids) - max(n, 0)
+    while i < len(ids) and not _cut_between(tok, ids[i - 1], ids[i]):
+        i += 1
+    return ids[i:]
+
+
 def cut_suffix(tok: Tokenizer, suffix: str, budget: int) -> str:
     """Whole lines forward from the cursor while they fit; the first line is cut by tokens if it alone
     is too long."""
     lines = suffix.splitlines(keepends=True)
     kept, used = 0, 0
+    first: list[int] = []  # the first line's ids, kept for a cut by tokens: a line of megabytes is encoded once
     # Count lazily in small batches: a long file's suffix is mostly beyond the budget.
     while kept < len(lines):
-        batch = lines[kept : kept + 32]
-        for n in _token_counts(tok, batch):
+        batch = tok.encode_batch(lines[kept : kept + 32])
+        first = first or batch[0]
+        for n in map(len, batch):
             if used + n > budget:
                 break
             used += n
@@ -99,10 +131,7 @@ def cut_suffix(tok: Tokenizer, suffix: str, budget: int) -> str:
     if kept == 0 and lines:
         if budget <= 0:
             return ""
-        # A cut between the bytes of one character decodes them to U+FFFD, which the prompt then held as text the
-        # file never had (a long line of CJK or accented text after the cursor): keep whole characters only.
-        cut = tok.decode(tok.encode(lines[0])[:budget])
-        return cut if lines[0].startswith(cut) else cut.rstrip("\ufffd")
+        return tok.decode(keep_head(tok, first, budget))
     return "".join(lines[:kept])
 
 
@@ -169,14 +198,22 @@ def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget
     above, line = split_prefix(prefix)
     # The cuts count tokens line by line; encoded whole, a text can come out a few tokens longer (a first suffix line
     # cut by tokens, then decoded and encoded again): the ids are held to their budgets all the same, so a prompt
-    # never takes the completion's room.
-    s_ids = tok.encode(cut_suffix(tok, suffix, budget.suffix))[: budget.suffix]
+    # never takes the completion's room. Every cut by tokens keeps whole characters (keep_head, keep_tail).
+    s_ids = keep_head(tok, tok.encode(cut_suffix(tok, suffix, budget.suffix)), budget.suffix)
     above_text, start_line = cut_above(tok, above, budget.above, budget.line_step)
     a_ids = tok.encode(above_text)
-    a_ids = a_ids[len(a_ids) - budget.above :] if len(a_ids) > budget.above else a_ids
-    l_ids = tok.encode(line)
-    if len(l_ids) > budget.line:  # a very long cursor line: keep its end, nearest the cursor
-        l_ids = l_ids[len(l_ids) - budget.line :]
+    # Lines that str.splitlines breaks but the tokenizer does not (a form feed, U+2028) can encode longer whole: start
+    # a block further down, so P_above still begins at a line it names; after a few tries, cut its start by tokens.
+    for _ in range(4):
+        if len(a_ids) <= budget.above:
+            break
+        counted = sum(_token_counts(tok, above_text.splitlines(keepends=True)))  # what cut_above counted
+        room = min(counted - (len(a_ids) - budget.above), counted * budget.above // len(a_ids))
+        above_text, start_line = cut_above(tok, above, room, budget.line_step)
+        a_ids = tok.encode(above_text)
+    a_ids = keep_tail(tok, a_ids, budget.above)
+    # A very long cursor line keeps its end, nearest the cursor.
+    l_ids = keep_tail(tok, tok.encode(line), budget.line)
     l_ids, healed = heal_split(tok, l_ids) if heal else (l_ids, "")
     ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_ids, tok.fim_middle_id, *l_ids]
     return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line, healed)

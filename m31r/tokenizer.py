@@ -7,12 +7,13 @@ Special tokens are matched only when prompts are built from ids; `encode` runs w
 from __future__ import annotations
 
 import bisect
+import codecs
 import functools
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from tokenizers.decoders import DecodeStream
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|pad|>")
 # Role → text, as a model config names them by default.
@@ -77,6 +78,17 @@ class Tokenizer:
         return table
 
     @functools.cached_property
+    def longest_token(self) -> int | None:
+        """The most bytes one token spells (None where the tokens' bytes are not known): a text of n bytes is at
+        least n / longest_token tokens, which tells a text too long for a budget without encoding it."""
+        return max((len(b) for b in self.token_bytes if b), default=None) if self.byte_level else None
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the text of any ids is the UTF-8 of their bytes (token_bytes): a byte-level BPE's decoder."""
+        return isinstance(self.hf.decoder, decoders.ByteLevel)
+
+    @functools.cached_property
     def _by_bytes(self) -> tuple[list[bytes], list[int], dict[bytes, list[int]]]:
         """The tokens' bytes sorted (with their ids) and by value: the tokens starting with some bytes are one run of
         the sorted list, so healing finds them by bisection instead of a pass over the vocabulary per keystroke."""
@@ -109,16 +121,69 @@ class Tokenizer:
         return TextStream(self, context)
 
 
+_CONTINUATION_TOKEN = re.compile(r"<0x[89AB][0-9A-F]>", re.IGNORECASE)  # a byte-fallback token inside a character
+
+
 class TextStream:
-    """Incremental detokenisation: partial UTF-8 characters are held back until they complete."""
+    """Incremental detokenisation: partial UTF-8 characters are held back until they complete, and the context (the
+    prompt's last ids) is never shown. For ids whose bytes are text, the pieces add up to the batch decode; with a
+    byte-level tokenizer, bytes that can form no character are left out instead of shown as U+FFFD.
+
+    tokenizers' DecodeStream was used before: primed with a context whose text ended in U+FFFD (a prompt ending in a
+    genuine U+FFFD) it sent the whole context again with the first token, and a completion's last genuine U+FFFD
+    never came out (it waited for a token that would tell it from half a character)."""
+
+    WINDOW = 8  # ids of context a decoder gets (one that is not byte-level may decode an id by the ids before)
 
     def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None):
         self._tok = tokenizer
-        # Priming with the last few prompt ids lets decoders that depend on context decode correctly.
-        self._ds = DecodeStream(ids=list(context[-8:]) if context else None, skip_special_tokens=True)
+        context = list(context[-self.WINDOW :]) if context else []
+        if tokenizer.byte_level:
+            # Byte-level BPE: every token is bytes, the text their UTF-8. The context's last bytes go in first, so
+            # a character it began (a prompt cut inside one) comes out whole when the completion ends it.
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
+            self._utf8.decode(b"".join(self._bytes(i) for i in context))
+        else:
+            self._utf8 = None
+            # Started inside a character, a window's text changes as ids join it (a byte-fallback decoder decodes a
+            # run of byte tokens all or nothing): it starts after any continuation bytes (`<0x80>` to `<0xBF>`).
+            while context and _CONTINUATION_TOKEN.fullmatch(tokenizer.hf.id_to_token(context[0]) or ""):
+                context = context[1:]
+            self._ids, self._sent, self._pending = context, tokenizer.decode(context), 0
 
     def step(self, token_id: int) -> str:
-        return self._ds.step(self._tok.hf, token_id) or ""
+        if self._utf8 is not None:
+            return self._utf8.decode(self._bytes(token_id))
+        self._ids.append(token_id)
+        self._pending += 1
+        if self._tok.decode(self._ids).endswith("\ufffd"):  # perhaps half a character: wait for the next id
+            return ""
+        return self._take()
+
+    def flush(self) -> str:
+        """What is still held back once the ids end: for a decoder that is not byte-level, a text that ended in
+        U+FFFD (genuine or not, it cannot tell); a byte-level one never holds back a whole character."""
+        if self._utf8 is not None:
+            return self._utf8.decode(b"", final=True)
+        return self._take() if self._pending else ""
+
+    def _bytes(self, token_id: int) -> bytes:
+        table = self._tok.token_bytes
+        b = table[token_id] if 0 <= token_id < len(table) else None
+        if b is not None or token_id in self._tok.special_ids:  # decode skips special tokens
+            return b or b""
+        return self._tok.decode([token_id]).encode()  # an added token that is text, or no token at all
+
+    def _take(self) -> str:
+        """The pending ids' text. The next window starts at their first id, where the text before was whole: a
+        window slid by a fixed count could start inside a character, and its text then changes from step to step."""
+        text = self._tok.decode(self._ids)
+        same = len(self._sent)
+        if not text.startswith(self._sent):  # the context ended inside a character these ids complete
+            same = next((k for k, (a, b) in enumerate(zip(text, self._sent, strict=False)) if a != b), same)
+        self._ids = self._ids[len(self._ids) - self._pending :]
+        self._sent, self._pending = self._tok.decode(self._ids), 0
+        return text[same:]
 
 
 @functools.cache
