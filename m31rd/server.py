@@ -240,7 +240,10 @@ def as_trained(req: m.Generate | m.Fim) -> m.Generate | m.Fim:
     if isinstance(req, m.Generate):
         prompt = _bare_above(_lf(req.prompt.removeprefix("\ufeff")))
         return req if prompt == req.prompt else msgspec.structs.replace(req, prompt=prompt)
-    prefix, suffix = _bare_above(_lf(req.prefix.removeprefix("\ufeff"))), _bare(_lf(req.suffix))
+    # A cursor inside a CR LF (an HTTP client's offset can fall there) splits one line end: read apart, each half
+    # would be one, and the file would gain a blank line.
+    suffix = req.suffix[1:] if req.prefix.endswith("\r") and req.suffix.startswith("\n") else req.suffix
+    prefix, suffix = _bare_above(_lf(req.prefix.removeprefix("\ufeff"))), _bare(_lf(suffix))
     context = [c if (t := _bare(_lf(c.text))) == c.text else msgspec.structs.replace(c, text=t) for c in req.context]
     if prefix == req.prefix and suffix == req.suffix and all(a is b for a, b in zip(context, req.context, strict=True)):
         return req

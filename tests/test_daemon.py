@@ -286,6 +286,9 @@ async def test_text_is_read_as_the_model_learned_it(warm, tiny_engine):
             for ends in (crlf, lambda s: s.replace("\n", "\r")):
                 got = await run(await c.fim(ends(prefix), ends(suffix), max_tokens=12))
                 assert got.pieces == want.pieces and got.done.usage.prompt_tokens == want.done.usage.prompt_tokens
+            if prefix.endswith("\n"):  # a cursor between the CR and the LF of a CR LF: the same one line end
+                got = await run(await c.fim(crlf(prefix)[:-1], "\n" + crlf(suffix), max_tokens=12))
+                assert got.pieces == want.pieces and got.done.usage.prompt_tokens == want.done.usage.prompt_tokens
         snippet = Snippet(path="src/a.rs", text="fn a() {\n    1\n}\n")
         want = await run(await c.fim(*FIM_CASES[0], max_tokens=8, context=[snippet]))
         got = await run(await c.fim(*map(crlf, FIM_CASES[0]), max_tokens=8,
