@@ -758,8 +758,6 @@ class Engine:
                 if not hit and "\n" in piece and late():  # past the deadline, a line end is where the text ends
                     piece, hit = piece[: piece.index("\n")], True
                     res.finish_reason = "deadline"
-                    if not piece:
-                        break
                 res.text += piece
                 if res.first_token_ms is None:
                     res.first_token_ms = (time.perf_counter() - t0) * 1000

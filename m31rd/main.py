@@ -24,6 +24,9 @@ log = logging.getLogger("m31rd")
 LOOKAHEAD = 3
 # The beam width of greedy line completions that do not choose (m31r.beams; README "Beam search for line completions").
 BEAMS = 3
+# Open files the daemon asks for (raise_open_files_limit): a descriptor per client connection, with room to spare.
+OPEN_FILES = 1 << 16
+MACOS_OPEN_MAX = 10240  # OPEN_MAX: what macOS's setrlimit takes for RLIMIT_NOFILE whatever the hard limit says
 
 
 def setup_logging(level: str, file: Path | None = None) -> None:
@@ -69,6 +72,29 @@ class DaemonOptions:
     settings: Path | None = None  # the settings file the options' defaults came from (m31r.daemon_config), if any
 
 
+def raise_open_files_limit(want: int = OPEN_FILES) -> int | None:
+    """Raise the soft limit on open files towards `want` (never past the hard limit), and return it (None where
+    there is no such limit). Every client connection holds a descriptor: at an inherited soft limit (1024 on most
+    Linux logins, 256 on macOS, less under some supervisors) a burst of clients left the daemon closing every new
+    connection at once, `m31r status` and `m31r stop` included, until some went away. The hard limit is the
+    system's word on what a process may have; the soft one is only a default."""
+    try:
+        import resource
+    except ImportError:  # no such limits here
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        for limit in (target, min(target, MACOS_OPEN_MAX)):  # macOS refuses more than its own per-process maximum
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+                break
+            except (ValueError, OSError):
+                continue
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def run(opts: DaemonOptions) -> int:
     try:
         setup_logging(opts.log_level, opts.log_file)
@@ -102,6 +128,7 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
     from m31rd.torch_thread import TorchThread
 
     t0 = time.perf_counter()
+    open_files = raise_open_files_limit()  # before the first client can connect
     try:  # before the socket: a daemon that cannot load must leave no socket file (and say why, not how)
         check_present(opts.bundle)
     except BundleError as e:
@@ -159,7 +186,7 @@ def _run(opts: DaemonOptions, start_up: _StartUp) -> int:
             "model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "device": opts.device,
             "dtype": str(engine.dtype).removeprefix("torch."), "quant": engine.quant, "threads": daemon.threads,
             "socket": str(owned or "systemd-activated"), **({"settings": str(opts.settings)} if opts.settings else {}),
-            "load_ms": round(load_ms, 1),
+            "load_ms": round(load_ms, 1), "open_files": open_files,
             "ready_ms": round((time.perf_counter() - t0) * 1000, 1), "cache_slots": daemon.cache.max_slots,
             "pid": os.getpid()}})
 

@@ -49,6 +49,8 @@ log = logging.getLogger("m31rd")
 FLUSH_S = 2.0  # how long a closing connection may take to send what is buffered for its client
 SOCKET_CHECK_S = 1.0  # how often the daemon checks that its socket file is still the one it made (_watch_socket)
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
+TYPED_DOCUMENTS = 256  # documents whose last suggestion a typed-through answer may come from (Daemon._remember)
+TYPED_CHARS = 1 << 24  # the characters of their names, prefixes and suffixes kept for it, in all
 
 
 @dataclass(frozen=True)
@@ -721,8 +723,7 @@ class Daemon:
         if rest is None or answer is None:
             return False
         # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
-        self.typed[req.document] = rest
-        self.typed.move_to_end(req.document)
+        self._remember(req.document, rest)
         del self.by_document[req.document]
         text, finish_reason = answer
         alternatives = clip_alternatives(rest, text, req.max_tokens, stops)
@@ -737,6 +738,18 @@ class Daemon:
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
+
+    def _remember(self, document: str, typed: Typed) -> None:
+        """Keep `typed` as the document's last suggestion; forget the least recently used documents' past
+        TYPED_DOCUMENTS, or past TYPED_CHARS of name, prefix and suffix in all (the newest is always kept). Each holds
+        its request's whole prefix and suffix: counted by documents alone, a client going through documents of 2 Mi
+        characters grew the daemon by up to 8 MB a document, 2 GB at 256."""
+        self.typed[document] = typed
+        self.typed.move_to_end(document)
+        chars = sum(len(d) + len(t.prefix) + len(t.suffix) for d, t in self.typed.items())
+        while len(self.typed) > TYPED_DOCUMENTS or (len(self.typed) > 1 and chars > TYPED_CHARS):
+            d, t = self.typed.popitem(last=False)
+            chars -= len(d) + len(t.prefix) + len(t.suffix)
 
     def _answer(self, job: InFlight, msg: msgspec.Struct, final: bool) -> None:
         """Send a request's frame; after its last one, forget the request and log it (runs on the event loop)."""
@@ -754,14 +767,11 @@ class Daemon:
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
-                self.typed[req.document] = Typed(
+                self._remember(req.document, Typed(
                     req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
                     tuple(msg.logprob_by_line), job.stopped_by, tuple(request_stops(req)),
                     answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
-                    tuple(msg.alternatives))
-                self.typed.move_to_end(req.document)
-                while len(self.typed) > 256:
-                    self.typed.popitem(last=False)
+                    tuple(msg.alternatives)))
             fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),
                           finish_reason=msg.finish_reason, beams=job.beams)
         elif isinstance(msg, m.Error):
