@@ -62,6 +62,10 @@ M.status = nil
 
 local group = nil
 local warned = {}
+-- Set when the server exited before it answered `initialize` (a broken install, a bad argument): no buffer starts
+-- it again until :M31rRestart, so the user gets one message, not one per buffer opened.
+local failed = nil
+local initialized = {}
 
 local function notify_once(key, msg, level)
   if warned[key] then
@@ -393,6 +397,47 @@ local function setup_menuone(bufnr)
   ensure_menuone(bufnr)
 end
 
+-- Undoes on_attach in a buffer the client leaves (its filetype changed to one not served, the client stopped): the
+-- completion source, the keys, the CompleteDone autocmd and the buffer's own 'completeopt'.
+local function on_detach(client, bufnr)
+  if not vim.api.nvim_buf_is_valid(bufnr) then
+    previous[bufnr], menuone_bufs[bufnr] = nil, nil
+    return
+  end
+  if vim.lsp.completion and vim.lsp.completion.enable then
+    pcall(vim.lsp.completion.enable, false, client.id, bufnr)
+  end
+  if vim.lsp.inline_completion then
+    pcall(vim.lsp.inline_completion.enable, false, { bufnr = bufnr })
+  end
+  pcall(vim.api.nvim_del_augroup_by_name, "m31r.completion." .. bufnr)
+  local keys = M.config.inline
+  for _, lhs in ipairs({ keys.accept, keys.next, keys.prev }) do
+    if lhs and lhs ~= "" then
+      local cur = vim.api.nvim_buf_call(bufnr, function()
+        return vim.fn.maparg(lhs, "i", false, true)
+      end)
+      if cur.buffer == 1 and (cur.desc or ""):match("^M31R: ") then
+        vim.keymap.del("i", lhs, { buffer = bufnr })
+        local prev = (previous[bufnr] or {})[lhs]
+        if prev and prev.buffer == 1 then -- the buffer's own mapping the plugin had taken over
+          vim.api.nvim_buf_call(bufnr, function()
+            vim.fn.mapset("i", false, prev)
+          end)
+        end
+      end
+    end
+  end
+  previous[bufnr] = nil
+  if menuone_bufs[bufnr] then
+    menuone_bufs[bufnr] = nil
+    if vim.api.nvim_get_option_value("completeopt", { buf = bufnr }) == vim.b[bufnr].m31r_completeopt then
+      vim.api.nvim_set_option_value("completeopt", "", { buf = bufnr }) -- empty: the global value again
+    end
+    vim.b[bufnr].m31r_completeopt = nil
+  end
+end
+
 local function on_attach(client, bufnr)
   local cfg = M.config
   local inline_ok = cfg.inline.enabled
@@ -458,6 +503,9 @@ function M.attach(bufnr)
   local cfg = M.config
   local settings = cfg.settings_resolved
   local cmd = server_cmd(cfg, settings)
+  if failed then
+    return nil
+  end
   if vim.fn.executable(cmd[1]) ~= 1 then
     notify_once("exe", ("%q is not executable: put m31r on PATH (editors/README.md) or set cmd"):format(cmd[1]))
     return nil
@@ -475,6 +523,26 @@ function M.attach(bufnr)
     capabilities = capabilities,
     handlers = { ["m31r/status"] = on_status },
     on_attach = on_attach,
+    on_init = function(client)
+      initialized[client.id] = true
+    end,
+    on_exit = function(code, signal, client_id)
+      local client = vim.lsp.get_client_by_id(client_id)
+      local stopped = client and client._is_stopping -- asked to stop (:M31rRestart, :LspStop): no failure
+      if not initialized[client_id] and not stopped and (code ~= 0 or signal ~= 0) then
+        failed = true
+        notify_once(
+          "failed",
+          ("%s exited (code %d, signal %d) before it started: see :LspLog; :M31rRestart tries again"):format(
+            table.concat(cmd, " "),
+            code,
+            signal
+          ),
+          vim.log.levels.ERROR
+        )
+      end
+      initialized[client_id] = nil
+    end,
   }, {
     bufnr = bufnr,
     -- One server for every buffer: it holds a single daemon connection.
@@ -518,7 +586,7 @@ end
 
 --- Stop the server and start it again for every buffer that should have it.
 function M.restart()
-  warned.exe = nil -- asked for: say again why no server starts
+  warned.exe, warned.failed, failed = nil, nil, nil -- asked for: try again, and say again why no server starts
   local old = clients()
   for _, client in ipairs(old) do
     client_call(client, "stop")
@@ -597,14 +665,30 @@ function M.setup(opts)
   cfg.settings = settings
   cfg.settings_resolved = M.server_settings(settings)
   M.config = cfg
+  warned.exe, warned.failed, failed = nil, nil, nil -- a new command may start
 
   group = vim.api.nvim_create_augroup("m31r", { clear = true })
   vim.api.nvim_create_autocmd("FileType", {
     group = group,
-    pattern = cfg.filetypes or "*",
-    desc = "M31R: attach the language server",
+    desc = "M31R: attach the language server (and leave a buffer whose new filetype is not served)",
     callback = function(args)
-      M.attach(args.buf)
+      if wanted(args.buf) then
+        M.attach(args.buf)
+      else
+        for _, client in ipairs(vim.lsp.get_clients({ name = cfg.name, bufnr = args.buf })) do
+          vim.lsp.buf_detach_client(args.buf, client.id)
+        end
+      end
+    end,
+  })
+  vim.api.nvim_create_autocmd("LspDetach", {
+    group = group,
+    desc = "M31R: undo the buffer's completion setup",
+    callback = function(args)
+      local client = vim.lsp.get_client_by_id(args.data.client_id)
+      if client and client.name == cfg.name then
+        on_detach(client, args.buf)
+      end
     end,
   })
   vim.api.nvim_create_autocmd("BufEnter", {
