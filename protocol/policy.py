@@ -75,7 +75,7 @@ class Cursor:
     blank_line: bool  # the cursor line is whitespace only
     next_lines: tuple[str, ...]  # the lines after the cursor line (without line breaks), a few at most
     previous_line: str | None  # the nearest non-blank line above the cursor line
-    newline: str  # the document's line break ("\n", "\r\n" or "\r")
+    newline: str  # the document's line break ("\n", "\r\n" or "\r"): in a mixed file, the one above the cursor line
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,13 @@ class Shown:
 _EOL = re.compile(r"\r\n|\r|\n")
 
 
-def _newline_of(text: str) -> str:
-    m = _EOL.search(text)
+def _newline_at(text: str, line_start: int, eol: re.Match | None) -> str:
+    """The line break a suggestion for the line starting at `line_start` writes: the one ending the line above (so a
+    suggestion that starts with a break never joins a lone "\r" before it into a "\r\n" in a mixed file), else the
+    one ending the line, else the document's first, else "\n"."""
+    if line_start > 0:
+        return "\r\n" if text[line_start - 2 : line_start] == "\r\n" else text[line_start - 1]
+    m = eol or _EOL.search(text)
     return m.group() if m else "\n"
 
 
@@ -166,7 +171,7 @@ def cursor_at(text: str, offset: int, *, context_lines: int = 8) -> Cursor:
             break
         end = s
     return Cursor(offset, line_start, line_end, before, after, leading_ws(line), not line.strip(),
-                  tuple(next_lines), previous_line, _newline_of(text))
+                  tuple(next_lines), previous_line, _newline_at(text, line_start, eol))
 
 
 def wants_multiline(cur: Cursor, mode: str = "auto") -> bool:
@@ -204,8 +209,8 @@ class _Scan:
 
 
 def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
-    """Walk `s` tracking brackets and strings the completion itself opens. A closing bracket with no opener
-    inside `s` is an "excess closer": it closes something opened before the cursor."""
+    """Walk `s` tracking brackets (generics' angle brackets too) and strings the completion itself opens. A closing
+    bracket with no opener inside `s` is an "excess closer": it closes something opened before the cursor."""
     items: list[tuple[int, str, bool]] = []
     stack: list[str] = []
     quote: str | None = None
@@ -226,7 +231,13 @@ def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
             quote = c
         elif c in OPENERS:
             stack.append(c)
+        elif c == "<" and (s[i - 1 : i].isalnum() or s[i - 1 : i] in ("_", ":")):
+            stack.append(c)  # a generic's `Vec<` / `::<` (rustfmt spaces a comparison's `a < b`)
+        elif c == ">" and stack and stack[-1] == "<" and s[i - 1 : i] not in ("-", "="):
+            stack.pop()  # its `>`, which must not stand for a `>` the editor auto-closed after the cursor
         elif c in CLOSERS:
+            while stack and stack[-1] == "<":
+                stack.pop()  # that `<` was a comparison after all
             if stack and stack[-1] == CLOSERS[c]:
                 stack.pop()
             elif not stack:
@@ -283,14 +294,14 @@ def _match_closers(comp: str, cur: Cursor) -> tuple[str, int]:
     else:
         scan_items = _scan_depth0(comp).items
     matched = 0
-    last = -1
+    first = -1
     cut: int | None = None
     it = iter(scan_items)
     for _, want in wanted:
         for idx, c, excess in it:
             if c == want:
                 matched += 1
-                last = idx
+                first = idx if first < 0 else first
                 break
             if excess or (c in QUOTES and want in QUOTES):
                 cut = idx  # it closes something else first: the rest of the completion is wrong
@@ -303,12 +314,19 @@ def _match_closers(comp: str, cur: Cursor) -> tuple[str, int]:
         comp = comp[:cut]
     if matched == 0:
         return comp, cur.offset
-    if matched == len(wanted):
-        return comp, cur.line_end
     # Partly closed: keep the closers it did not write, in order, after the completion.
-    rest_from = wanted[matched][0]
-    del last
-    return comp + after[rest_from:], cur.line_end
+    text = comp if matched == len(wanted) else comp + after[wanted[matched][0] :]
+    if not _is_subsequence(after, text):
+        # Replacing the closers would delete the whitespace the user has among them (`{ | }` and "a()}"): the
+        # completion up to its first closer, before the document's own.
+        return comp[:first], cur.offset
+    return text, cur.line_end
+
+
+def _is_subsequence(a: str, b: str) -> bool:
+    """Whether `a`'s characters appear in `b` in order: `b` replacing `a` deletes none of them."""
+    it = iter(b)
+    return all(c in it for c in a)
 
 
 def _trim_after_overlap(comp: str, after: str) -> str:
@@ -368,6 +386,47 @@ def _dedupe_lines(lines: list[str]) -> list[str]:
     return out
 
 
+def _indent_style(cur: Cursor) -> str | None:
+    """The document's indentation character near the cursor ("\t" or " "), or None where no line shows one."""
+    for ln in (cur.indent + "x", cur.previous_line or "", *cur.next_lines):  # (the cursor line's indent first)
+        if ln[:1] in ("\t", " ") and ln.strip():
+            return ln[0]
+    return None
+
+
+def _space_unit(lines: list[str]) -> int:
+    """The indentation step of the space-indented ones of `lines`: 2 where their indents say so, else 4 (rustfmt's)."""
+    g = 0
+    for ln in lines:
+        ws = leading_ws(ln)
+        if ln.strip() and ws and "\t" not in ws:
+            g = math.gcd(g, len(ws))
+    return 2 if g == 2 else 4
+
+
+def _restyle(lines: list[str], style: str | None, unit: int) -> list[str]:
+    """Leading whitespace in the document's style: a small model writes spaces (rustfmt's) into a tab-indented file
+    more often than not, and "\t    " lines mix the two (each `unit` spaces is one tab, and the other way round)."""
+    if style is None:
+        return lines
+    out = []
+    for ln in lines:
+        ws = leading_ws(ln)
+        other = " " if style == "\t" else "\t"
+        if other not in ws or not ln.strip():
+            out.append(ln)
+            continue
+        cols = _width(ws, unit)
+        new = "\t" * (cols // unit) + " " * (cols % unit) if style == "\t" else " " * cols
+        out.append(new + ln[len(ws) :])
+    return out
+
+
+def _width(ws: str, unit: int) -> int:
+    """Columns of leading whitespace, a tab counting `unit`: tabs and spaces compare by what an editor shows."""
+    return sum(unit if c == "\t" else 1 for c in ws)
+
+
 def _reindent(lines: list[str], base_from: str, base_to: str) -> list[str]:
     if base_from == base_to:
         return lines
@@ -383,10 +442,18 @@ def _reindent(lines: list[str], base_from: str, base_to: str) -> list[str]:
 def postprocess(p: Plan, raw: str) -> Suggestion | None:
     """Turn the daemon's raw completion for plan `p` into what the editor shows, or None to show nothing."""
     cur = p.cursor
+    if cur.before.endswith("\r"):
+        return None  # the cursor splits a "\r\n" (no editor puts it there): any text inserted would split it too
     comp = raw.replace("\r\n", "\n").replace("\r", "\n")
     if not p.multiline:
         comp = comp.split("\n", 1)[0]
     start = cur.offset
+
+    # Indentation in the document's style (the first line of a completion mid-line continues the cursor's line).
+    style = _indent_style(cur)
+    unit = _space_unit([*cur.next_lines, cur.previous_line or "", cur.indent] if style == " " else comp.split("\n"))
+    head, sep, rest = comp.partition("\n") if not cur.blank_line else ("", "", comp)
+    comp = head + sep + "\n".join(_restyle(rest.split("\n"), style, unit))
 
     if cur.blank_line:
         # Generated from column 0: skip blank lines it began with, then re-indent to the line's whitespace.
@@ -414,11 +481,11 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
         opens_block = (cur.before + lines[0] if not cur.blank_line else lines[0]).rstrip()[-1:] in OPENERS
         kept = [lines[0]]
         for ln in lines[1:]:
-            depth = len(leading_ws(ln))
-            if ln.strip() and depth < len(block_indent):
+            depth, block = _width(leading_ws(ln), unit), _width(block_indent, unit)
+            if ln.strip() and depth < block:
                 break
             kept.append(ln)
-            if opens_block and ln.strip() and depth == len(block_indent) and ln.strip()[0] in CLOSERS:
+            if opens_block and ln.strip() and depth == block and ln.strip()[0] in CLOSERS:
                 break
         kept = _dedupe_lines(kept)
         if (period := _line_period(kept)) is not None:
@@ -522,6 +589,11 @@ def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
     if typed != pred[:n] or text[:c0] != shown.text[:c0] or text[offset:] != shown.text[c0:]:
         return None
     s = shown.suggestion
+    replaced = text[offset : s.end + n]  # what it replaces after the cursor: closers it writes again, blank indent
+    if pred[n:] == replaced or not _is_subsequence(replaced, pred[n:]):
+        # All it has left are the closers already there (`foo(a|)`): nothing to show, the model is asked. Or what
+        # is typed was the part of it that wrote them again: the rest would delete them.
+        return None
     return Suggestion(s.text, s.start, s.end + n)
 
 
