@@ -50,6 +50,7 @@ from m31r_protocol.paths import default_socket_path, socket_path_problem, state_
 from m31r_protocol.peer import ForeignPeer, check_daemon_owner
 
 T = TypeVar("T")
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 class DaemonError(Exception):
@@ -250,7 +251,9 @@ class Client:
         with contextlib.suppress(RuntimeError):  # the event loop is closed, and so is the connection
             self._loop.call_soon_threadsafe(self._cancel_nowait, rid)
 
-    async def _send(self, msg: msgspec.Struct) -> None:
+    async def _send(self, msg: msgspec.Struct, *, cancel_id: int | None = None) -> None:
+        """Send `msg` whole. Cancelled once it is written (in drain(), a daemon slow to read), its bytes still go
+        out: a request (`cancel_id`) is then followed by its Cancel, else the daemon would serve it for nobody."""
         if self.closed.is_set() or self._closed_here:
             raise DaemonUnavailable("this client is closed (Client.close)" if self._closed_here
                                     else "the connection to the daemon is closed")
@@ -267,17 +270,24 @@ class Client:
             try:
                 self._writer.write(pack(body))
                 await self._writer.drain()
+            except asyncio.CancelledError:
+                if cancel_id is not None:
+                    self._cancel_nowait(cancel_id)
+                raise
             except ConnectionError as e:  # the daemon went away since the last read: as the read loop says it
-                raise DaemonUnavailable(f"connection to the daemon lost: {e}") from None
+                if not self._closed_here:
+                    raise DaemonUnavailable(f"connection to the daemon lost: {e}") from None
+            if self._closed_here:  # a drain() that close() ended (by returning, or with the connection's loss)
+                raise DaemonUnavailable("this client was closed (Client.close) while sending the request")
 
     async def _request(self, make: Callable[[int], msgspec.Struct]) -> Stream:
         rid = next(self._ids)
         stream = Stream(self, rid)
         self._streams[rid] = stream
         try:
-            await self._send(make(rid))
+            await self._send(make(rid), cancel_id=rid)
         except BaseException:
-            self._forget(stream)  # never sent: nothing to cancel
+            self._forget(stream)  # never sent, or cancelled by _send: nothing more to do for it
             raise
         return stream
 
@@ -321,7 +331,9 @@ class Client:
             context=self._hint("context", list(context or [])) or [],
             logprobs=logprobs, min_probability=self._hint("min_probability", min_probability)))
 
-    async def _single(self, make: Callable[[int], msgspec.Struct]) -> msgspec.Struct:
+    async def _single(self, make: Callable[[int], msgspec.Struct], reply: type[R]) -> R:
+        """The one `reply` to a request; DaemonError for anything else the daemon answers (an assert said it before,
+        and under `python -O` handed a Token on as a StatusReply)."""
         stream = await self._request(make)
         try:
             msg = await stream.queue.get()
@@ -331,20 +343,24 @@ class Client:
             raise DaemonError.of(msg)
         if isinstance(msg, BaseException):
             raise msg
+        if not isinstance(msg, reply):
+            raise DaemonError("internal", f"the daemon answered request {stream.id} with {type(msg).__name__}, "
+                                          f"not {reply.__name__}")
         return msg
 
     async def status(self) -> StatusReply:
-        reply = await self._single(lambda rid: Status(id=rid))
-        assert isinstance(reply, StatusReply)
-        return reply
+        return await self._single(lambda rid: Status(id=rid), StatusReply)
 
     async def shutdown(self) -> None:
-        reply = await self._single(lambda rid: Shutdown(id=rid))
-        assert isinstance(reply, ShutdownReply)
+        await self._single(lambda rid: Shutdown(id=rid), ShutdownReply)
 
     async def close(self) -> None:
+        """Close the connection: every request on it ends, in the daemon too, and here with DaemonUnavailable.
+
+        The socket is aborted, not closed gracefully: a graceful close waits until what is still unsent has been
+        written, forever if the daemon reads nothing (stopped). Nothing unsent matters once the connection ends."""
         self._closed_here = True
-        self._writer.close()
+        self._writer.transport.abort()
         with contextlib.suppress(ConnectionError, BrokenPipeError):
             await self._writer.wait_closed()
         self._reader_task.cancel()

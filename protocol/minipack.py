@@ -17,6 +17,10 @@ _SIMPLE = {0xC0: None, 0xC2: False, 0xC3: True}
 _NUMBERS = {0xCA: _f, 0xCB: _d, 0xCC: _B, 0xCD: _H, 0xCE: _I, 0xCF: _Q, 0xD0: _b, 0xD1: _h, 0xD2: _i, 0xD3: _q}
 # bin 8/16/32, str 8/16/32, array 16/32, map 16/32: the struct of the length that follows the type byte
 _LENGTHS = {0xC4: _B, 0xC5: _H, 0xC6: _I, 0xD9: _B, 0xDA: _H, 0xDB: _I, 0xDC: _H, 0xDD: _I, 0xDE: _H, 0xDF: _I}
+# Arrays and maps nested deeper than this are refused (ValueError): a message nests 3 deep, and a frame of nested
+# one-byte arrays would otherwise end in RecursionError, which the callers do not expect (`m31r status` falls back
+# to the full client on ValueError and OSError, and printed a traceback).
+MAX_DEPTH = 100
 
 
 def packb(obj: Any) -> bytes:
@@ -107,23 +111,28 @@ class _Reader:
 
 
 def unpackb(data: bytes) -> Any:
+    """The value `data` holds; ValueError (UnicodeDecodeError for invalid UTF-8) for anything else."""
     reader = _Reader(data)
-    obj = _unpack(reader)
+    obj = _unpack(reader, 0)
     if reader.pos != len(reader.data):
         raise ValueError("trailing bytes after a MessagePack object")
     return obj
 
 
-def _unpack(r: _Reader) -> Any:
+def _unpack(r: _Reader, depth: int) -> Any:
     code = r.unpack(_B)
     if code <= 0x7F:
         return code
     if code >= 0xE0:
         return code - 0x100
+    if 0x80 <= code <= 0x9F or code in (0xDC, 0xDD, 0xDE, 0xDF):
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"MessagePack arrays or maps nested more than {MAX_DEPTH} deep")
+        depth += 1
     if 0x80 <= code <= 0x8F:
-        return _map(r, code & 0x0F)
+        return _map(r, code & 0x0F, depth)
     if 0x90 <= code <= 0x9F:
-        return [_unpack(r) for _ in range(code & 0x0F)]
+        return [_unpack(r, depth) for _ in range(code & 0x0F)]
     if 0xA0 <= code <= 0xBF:
         return str(r.take(code & 0x1F), "utf-8")
     if code in _SIMPLE:
@@ -138,15 +147,15 @@ def _unpack(r: _Reader) -> Any:
     if code <= 0xDB:
         return str(r.take(n), "utf-8")
     if code <= 0xDD:
-        return [_unpack(r) for _ in range(n)]
-    return _map(r, n)
+        return [_unpack(r, depth) for _ in range(n)]
+    return _map(r, n, depth)
 
 
-def _map(r: _Reader, n: int) -> dict:
+def _map(r: _Reader, n: int, depth: int) -> dict:
     out = {}
     for _ in range(n):
-        key = _unpack(r)
+        key = _unpack(r, depth)
         if isinstance(key, list | dict):
             raise ValueError("unhashable MessagePack map key")
-        out[key] = _unpack(r)
+        out[key] = _unpack(r, depth)
     return out
