@@ -24,6 +24,7 @@ import click
 
 from m31r.cli_bundle import bundle
 from m31r.cli_common import (
+    INTERRUPTED_EXIT,
     OUTPUT_ERRNOS,
     F,
     UserPath,
@@ -47,6 +48,8 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:
             closed_pipe_exit()
+        except KeyboardInterrupt:  # Ctrl-C outside a client's stream (reading the prompt): click said `Aborted!`, 1
+            sys.exit(INTERRUPTED_EXIT)
         except OSError as e:
             if e.filename is None and e.errno in OUTPUT_ERRNOS:
                 output_failed(e)
@@ -81,6 +84,17 @@ def read_stdin() -> str:
              "UTF-8 source")
 
 
+def refuse_non_utf8(what: str, text: str) -> None:
+    """An argument that is not UTF-8 (its bytes arrive as lone surrogates) is refused as stdin is, before a daemon is
+    asked (or started) only to answer bad_request: the wire carries UTF-8 alone."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at, code = len(text[:e.start].encode("utf-8")), ord(text[e.start])  # (U+DC80-U+DCFF: a byte, escaped)
+        bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        fail(f"{what} is not UTF-8 text ({bad} at offset {at}); the model completes UTF-8 source")
+
+
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="m31r", prog_name="m31r")
 def main() -> None:
@@ -96,8 +110,12 @@ main.add_command(train)  # corpus → tokenizer → model → release bundle (m3
 # ------------------------------------------------------------------------------------------------------------
 
 
+# Where a socket is by default (m31r_protocol.paths): without a runtime dir of this user's (macOS, after `su`), the
+# temp dir; the help said only the first two, so a Mac's user looked for the socket in the wrong place.
+DEFAULT_SOCKET_HELP = ("$M31R_SOCKET, else $XDG_RUNTIME_DIR/m31r/m31rd.sock, else (no XDG_RUNTIME_DIR of yours) "
+                       "$TMPDIR/m31r-<uid>/m31rd.sock")
 socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
-                             help="Daemon socket (default: $M31R_SOCKET, else $XDG_RUNTIME_DIR/m31r/m31rd.sock).")
+                             help=f"Daemon socket (default: {DEFAULT_SOCKET_HELP}).")
 
 
 def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
@@ -262,6 +280,8 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any, socket_path: Path | Non
 
     from m31r_protocol import DaemonError, DaemonUnavailable
 
+    if why := _not_a_socket(socket_path):
+        fail(why)
     try:
         return asyncio.run(coro_fn(*args))
     except DaemonUnavailable as e:
@@ -274,7 +294,25 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any, socket_path: Path | Non
     except DaemonError as e:
         fail(f"{e.code}: {e.message}")
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT)
+
+
+def _not_a_socket(socket_path: Path | None) -> str | None:
+    """Why no daemon can ever answer on the socket path, when something other than a socket or a folder is there (a
+    regular file): connecting is refused as at a stale socket file, which `status` and `generate --no-autostart`
+    called one a daemon had left, and an autostart started a daemon only for it to refuse the path."""
+    import stat
+
+    from m31r_protocol.paths import default_socket_path
+
+    path = Path(socket_path or default_socket_path())
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):  # nothing there (a daemon may be started), or unreachable: connecting says why
+        return None
+    if stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):  # (a folder: m31r_protocol's socket_path_problem words it)
+        return None
+    return f"{path} is not a socket: no daemon can listen there; choose another socket path (--socket, or M31R_SOCKET)"
 
 
 def _unreachable(e: OSError, socket_path: Path | None) -> str:
@@ -296,6 +334,8 @@ def refuse_unusable(opts: dict) -> None:
     end, a pipe left open), a file read or a daemon started."""
     if opts["logprobs"] is not None and not opts["as_json"]:
         fail("--logprobs gives figures in the --json output: add --json")
+    for stop in opts["stop"]:
+        refuse_non_utf8("--stop", stop)
 
 
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
@@ -334,10 +374,10 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
             if not opts["as_json"]:
                 sys.stdout.write(tok.text)
                 sys.stdout.flush()
-    except BaseException as e:
+    except BaseException as e:  # (Ctrl-C: asyncio.run cancels this task)
         await stream.cancel()
-        if isinstance(e, Exception) and not opts["as_json"]:  # an error line follows: not on the half-written one
-            _end_open_line("".join(text), both=True)
+        if not opts["as_json"]:  # an error line follows (an Exception): not on the half-written one
+            _end_open_line("".join(text), both=isinstance(e, Exception))
         raise
     done = stream.done
     assert done is not None
@@ -402,9 +442,18 @@ def generate(prompt: str, truncate: bool, **opts: Any) -> None:
         if sys.stdin is not None and sys.stdin.isatty():  # else it would wait without a word, and look hung
             click.echo("reading the prompt from stdin; end it with Ctrl-D", err=True)
         prompt = read_stdin()
+    else:
+        refuse_non_utf8("PROMPT", prompt)
     if not prompt:
         fail("empty prompt: pass text or pipe it on stdin")
     _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts, socket_path=opts["socket_path"])
+
+
+def wire_path(path: str) -> str:
+    """A path as the wire can carry it: the bytes of a name that is not UTF-8 (lone surrogates in Python's str of
+    it) as \\xNN escapes. Sent as they were, the daemon refused the whole request, so a file so named, or beside
+    one with --context, could not be completed at all."""
+    return path if path.isascii() else path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
@@ -450,18 +499,25 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         if not 1 <= column <= width + 1:
             fail(f"--column {column} is outside line {line} ({width} characters)")
         offset = sum(len(x) for x in lines[: line - 1]) + column - 1
-        prefix, suffix, document = text[:offset], text[offset:], str(file_path.resolve())
+        document = wire_path(str(file_path.resolve()))  # the file's identity (newest-wins, typed-through)
+        prefix, suffix = text[:offset], text[offset:]
     elif prefix is None:
         fail("give --prefix (and optionally --suffix), or --file with --line and --column")
     elif line is not None or column is not None:  # without --file they would be ignored: the cursor is elsewhere
         fail("--line and --column place the cursor in --file: give --file, or --prefix/--suffix without them")
     elif with_context:
         fail("--context takes the snippets from the files beside --file: give --file with --line and --column")
+    else:
+        refuse_non_utf8("--prefix", prefix)
+        refuse_non_utf8("--suffix", suffix or "")
     context = []
     if file_path is not None and with_context:
+        import msgspec
+
         from m31r_lsp.context import ProjectContext
 
-        context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)
+        context = [msgspec.structs.replace(c, path=wire_path(c.path))  # (a sibling's name: as the document's)
+                   for c in ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)]
     payload = {"prefix": prefix, "suffix": suffix or "", "document": document, "context": context}
     _run_client(_stream, "fim", payload, opts, socket_path=opts["socket_path"])
 
@@ -516,21 +572,16 @@ STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-fli
 async def _stop(socket_path: Path | None) -> bool:
     """Whether a daemon was running (and has stopped). None listening (no socket file, or a stale one nobody
     accepts on) is what stop wants, as `systemctl stop` of a stopped unit: not a failure. Anything else that keeps
-    the daemon from being reached (another user's socket, a file on the path, no Welcome) still is one."""
+    the daemon from being reached (another user's socket, a file on the path, no Welcome) still is one (a file on
+    the path is refused by _run_client before this runs)."""
     import asyncio
-    import stat
 
     from m31r_protocol import DaemonUnavailable
-    from m31r_protocol.paths import default_socket_path
 
     try:
         client = await _connect(socket_path)
     except DaemonUnavailable as e:
         if isinstance(e.__context__, FileNotFoundError | ConnectionRefusedError):
-            path = Path(socket_path or default_socket_path())
-            if path.exists() and not stat.S_ISSOCK(path.stat().st_mode):  # refused: no daemon could ever listen there
-                fail(f"{path} is not a socket: no daemon can listen there; choose another socket path (--socket, or "
-                     "M31R_SOCKET)")
             return False
         raise
     async with client:
@@ -573,6 +624,7 @@ def doctor(bundle_dir: Path | None, socket_path: Path | None, as_json: bool) -> 
     """Check the CPU, kernels, bundle, socket, daemon, service and editors; exit 1 if any check fails."""
     from m31r import doctor as checks
 
+    need_stdout()  # its report is the point, as status's is: with stdout closed it ran every check and said nothing
     results = checks.run_checks(checks.Context.create(socket_path, bundle_dir))
     click.echo(checks.render_json(results) if as_json else checks.render_text(results))
     sys.exit(1 if checks.failed(results) else 0)
@@ -597,8 +649,7 @@ service_kind_option = click.option("--kind", type=click.Choice(["systemd", "laun
 @click.option("--bundle", "bundle_dir", type=UserPath(file_okay=False, path_type=Path), default=None,
               help="Model bundle the service serves (default: $M31R_BUNDLE or the bundled release/).")
 @click.option("--socket", "socket_path", type=UserPath(path_type=Path), default=None,
-              help="Socket the service listens on (default: the one clients here use: $M31R_SOCKET, else "
-              "$XDG_RUNTIME_DIR/m31r/m31rd.sock).")
+              help=f"Socket the service listens on (default: the one clients here use: {DEFAULT_SOCKET_HELP}).")
 @click.option("--dry-run", is_flag=True, help="Print the files and where they would go; write nothing.")
 @click.option("--force", is_flag=True, help="Replace unit files that differ from what install writes (edited by "
               "hand, links, an older install's); each old one is kept as FILE.bak.")

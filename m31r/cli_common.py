@@ -81,6 +81,8 @@ def sigterm_ends(said: str) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+INTERRUPTED_EXIT = 128 + 2  # 128 + SIGINT: what a shell reports for a program that Ctrl-C ended
+
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader went away (`yes | head`)
 
 
