@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote_to_bytes, urlparse
 
-from m31r_protocol.context import Window, query_words, rank, windows
+from m31r_protocol.context import Window, query_words, rank, windows, wire_path
 from m31r_protocol.messages import Snippet
 
 MAX_FILES = 64  # files ranked per request: open documents first, then the nearest files on disk
@@ -31,8 +31,9 @@ LANGUAGE_SUFFIXES = {"rust": ".rs"}  # the suffix of a languageId's files, for a
 
 
 def uri_path(uri: str) -> Path | None:
+    """A file: URI's path; its escaped bytes as the file system names them (a name that is not UTF-8 included)."""
     u = urlparse(uri)
-    return Path(unquote(u.path)) if u.scheme == "file" else None
+    return Path(os.fsdecode(unquote_to_bytes(u.path))) if u.scheme == "file" else None
 
 
 def language_suffix(uri: str, language_id: str | None = None) -> str | None:
@@ -159,7 +160,7 @@ def _shown(path: Path, root: Path | None) -> str:
     """A path as the model sees it: relative to the crate (`src/de.rs`), as training showed it."""
     if root is not None:
         try:
-            return path.relative_to(root).as_posix()
+            return wire_path(path.relative_to(root).as_posix())
         except ValueError:
             pass
-    return path.name
+    return wire_path(path.name)

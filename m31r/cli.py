@@ -449,13 +449,6 @@ def generate(prompt: str, truncate: bool, **opts: Any) -> None:
     _run_client(_stream, "generate", {"prompt": prompt, "truncate": truncate}, opts, socket_path=opts["socket_path"])
 
 
-def wire_path(path: str) -> str:
-    """A path as the wire can carry it: the bytes of a name that is not UTF-8 (lone surrogates in Python's str of
-    it) as \\xNN escapes. Sent as they were, the daemon refused the whole request, so a file so named, or beside
-    one with --context, could not be completed at all."""
-    return path if path.isascii() else path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -499,6 +492,8 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         if not 1 <= column <= width + 1:
             fail(f"--column {column} is outside line {line} ({width} characters)")
         offset = sum(len(x) for x in lines[: line - 1]) + column - 1
+        from m31r_protocol.context import wire_path
+
         document = wire_path(str(file_path.resolve()))  # the file's identity (newest-wins, typed-through)
         prefix, suffix = text[:offset], text[offset:]
     elif prefix is None:
@@ -512,12 +507,9 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         refuse_non_utf8("--suffix", suffix or "")
     context = []
     if file_path is not None and with_context:
-        import msgspec
-
         from m31r_lsp.context import ProjectContext
 
-        context = [msgspec.structs.replace(c, path=wire_path(c.path))  # (a sibling's name: as the document's)
-                   for c in ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)]
+        context = ProjectContext(lambda: []).snippets(file_path.resolve().as_uri(), prefix)
     payload = {"prefix": prefix, "suffix": suffix or "", "document": document, "context": context}
     _run_client(_stream, "fim", payload, opts, socket_path=opts["socket_path"])
 

@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from m31r_protocol.limits import MAX_SNIPPETS
 from m31r_protocol.messages import Snippet
 
+
+def wire_path(path: str) -> str:
+    """A file's path as the wire can carry it: the bytes of a name that is not UTF-8 (lone surrogates in Python's str
+    of it) as \\xNN escapes. Sent as they were, the daemon refused the whole request, so a file so named, or one
+    beside it in the crate with project context on, could not be completed at all."""
+    return path if path.isascii() else path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 WINDOW_LINES = 20  # lines per snippet; windows start every WINDOW_LINES // 2 lines
 QUERY_LINES = 20  # whole lines above the cursor's block of lines that choose the snippets

@@ -10,6 +10,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -240,6 +241,12 @@ def test_fim_completes_files_whose_names_are_not_utf8(shared_daemon, tmp_path: P
     with_context = fim("--file", str(crate / "src" / "main.rs"), "--line", "3", "--column", "5", "--context")
     assert plain["tokens"] == want["tokens"]
     assert with_context["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the sibling's snippet leads
+    # A crate in a folder so named: its files are found from the document's URI (its bytes percent-escaped).
+    odd_crate = Path(os.fsdecode(bytes(tmp_path) + b"/cr\xe9ate2"))
+    shutil.copytree(crate, odd_crate)
+    main_rs = os.fsencode(odd_crate / "src" / "main.rs")
+    assert fim("--file", main_rs, "--line", "3", "--column", "5", "--context")["usage"]["prompt_tokens"] == \
+        with_context["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("args,stdin,said", [
