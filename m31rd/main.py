@@ -265,10 +265,12 @@ def _warm_up(daemon, threads: int | None) -> None:
         widths = engine.decode_widths
         ids = engine.tokenizer.encode("fn main() {\n    let x = 1;\n")
         slot = daemon.cache.acquire(ids, "")
-        for _ in engine.generate(ids, max_tokens=2, cache=slot.cache):
-            pass
-        slot.cache.reset()
-        daemon.cache.release(slot, 0, 0)
+        try:  # the slot goes back whatever happens: with one slot, a lost one would hold every request for ever
+            for _ in engine.generate(ids, max_tokens=2, cache=slot.cache):
+                pass
+        finally:
+            slot.cache.reset()
+            daemon.cache.release(slot, 0, 0)
     except Exception:
         log.exception("warm-up failed")
         return
