@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from m31r.checksums import (
     CHECKSUM_FILE,
     CONTENT_FILES,
+    RESTORE,
     BundleError,
     check_present,
     fingerprint,
@@ -47,6 +49,9 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 _METADATA_INTS = ("format_version", "parameter_count", "training_seed")  # the other METADATA_KEYS but dtype: strings
 _FLOAT_ST = ("F32", "BF16", "F16")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+# metadata.json: the release's is 220 KB (its training record); one past this is no metadata, and is not parsed.
+MAX_METADATA_BYTES = 16 << 20
 ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
 
 
@@ -165,13 +170,19 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         size = path.stat().st_size
         if n > size - 8:
             raise BundleError(f"{path}: header length {n} exceeds the file size {size}")
+        if n > MAX_HEADER_BYTES:
+            raise BundleError(f"{path}: header length {n} is over the {MAX_HEADER_BYTES:,} bytes safetensors allows")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
         except ValueError as e:
             raise BundleError(f"{path}: unreadable safetensors header: {e}") from None
+        except RecursionError:
+            raise BundleError(f"{path}: unreadable safetensors header: nested too deeply") from None
     if not isinstance(header, dict):
         raise BundleError(f"{path}: the safetensors header must be a JSON object, not {type(header).__name__}")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise BundleError(f"{path}: the header's __metadata__ must map names to strings, got {str(meta)[:80]}")
     spans = sorted((_tensor_span(path, name, info), name) for name, info in header.items())
     data = size - 8 - n
     end = 0
@@ -186,12 +197,23 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are distinct: json keeps the last of a repeated key, so two entries for one tensor
+    would name one of them silently."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"{dup!r} appears twice")
+    return out
+
+
 def _tensor_span(path: Path, name: str, info: object) -> tuple[int, int]:
     """One header entry's [begin, end) data offsets, once its dtype, shape and offsets agree with each other."""
     if not isinstance(info, dict):
         raise BundleError(f"{path}: header entry {name} must be an object with dtype, shape and data_offsets")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _ST_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
         raise BundleError(f"{path}: tensor {name} has unsupported dtype {dtype!r} (one of {', '.join(_ST_DTYPES)})")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise BundleError(f"{path}: tensor {name} has shape {shape!r}, not a list of non-negative integers")
@@ -207,8 +229,18 @@ def _tensor_span(path: Path, name: str, info: object) -> tuple[int, int]:
 
 
 def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
-    """Check a bundle end to end without reading the weights into memory; abort on the first fault."""
+    """Check a bundle end to end without reading the weights into memory; abort on the first fault. Nothing here
+    allocates more than a bounded read of the small files, so a hostile bundle is refused before torch allocates
+    anything it describes (see _check_fits)."""
     path = Path(path)
+    try:
+        return _open_bundle(path, verify)
+    except OSError as e:  # a file that cannot be read (permissions, an I/O error on a damaged stick)
+        way = "check its permissions" if isinstance(e, PermissionError) else RESTORE
+        raise BundleError(f"{e.filename or path}: cannot be read ({e.strerror or e}): {way}") from None
+
+
+def _open_bundle(path: Path, verify: bool) -> Bundle:
     check_present(path)
     if verify:
         verify_checksums(path)
@@ -216,10 +248,7 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         config = load_config(path / "config.yaml")
     except ConfigError as e:
         raise BundleError(str(e)) from None
-    try:
-        metadata = json.loads((path / "metadata.json").read_text())
-    except ValueError as e:
-        raise BundleError(f"{path / 'metadata.json'}: not valid JSON: {e}") from None
+    metadata = _read_metadata(path / "metadata.json")
     _check_metadata(path / "metadata.json", metadata)
     quantization = metadata.get("quantization")
     if quantization is not None:
@@ -231,7 +260,45 @@ def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
         raise BundleError(f"{path / 'config.yaml'}: does not match config_hash in metadata.json (edited after export?)")
     if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):
         raise BundleError(f"{path / 'tokenizer.json'}: does not match tokenizer_hash in metadata.json")
+    _check_fits(path / "config.yaml", config)
     return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path))
+
+
+def _read_metadata(f: Path) -> object:
+    with open(f, "rb") as fh:
+        raw = fh.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise BundleError(f"{f}: over {MAX_METADATA_BYTES >> 20} MiB, not a bundle's metadata: {RESTORE}")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise BundleError(f"{f}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise BundleError(f"{f}: not valid JSON: nested too deeply") from None
+
+
+def load_bytes(config: ModelConfig) -> int:
+    """What loading allocates beyond the memory-mapped weights and grows with max_context: the fp32 RoPE cos and
+    sin tables (m31r.model.rope_tables), counted twice for the temporaries that build them. KV caches grow with the
+    context they hold, so none is allocated at load."""
+    return 2 * 2 * config.max_context * config.head_dim * 4
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, where the OS says."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(f: Path, config: ModelConfig) -> None:
+    """Refuse, before torch allocates it, a context whose tables need more memory than the machine has: a
+    max_context of 10^9 asked for 8 GB for the first position table alone and then hundreds more."""
+    need, have = load_bytes(config), physical_memory()
+    if have is not None and need > have:
+        raise BundleError(f"{f}: max_context {config.max_context:,} needs {need / 2**30:,.1f} GiB at load for its "
+                          f"position tables, more than this machine's {have / 2**30:,.1f} GiB of memory")
 
 
 def _check_metadata(f: Path, metadata: object) -> None:
@@ -248,6 +315,10 @@ def _check_metadata(f: Path, metadata: object) -> None:
             if type(value) is not int or (key != "training_seed" and value < 0):
                 kind = "an integer" if key == "training_seed" else "a non-negative integer"
                 raise BundleError(f"{f}: {key} must be {kind}, got {value!r}")
+            if key == "format_version" and value != FORMAT_VERSION:
+                newer = "a newer m31r wrote it: upgrade m31r" if value > FORMAT_VERSION else "no m31r writes that"
+                raise BundleError(f"{f}: format_version {value}, but this m31r reads bundles of format "
+                                  f"{FORMAT_VERSION} ({newer})")
         elif key == "dtype":
             if value not in _DTYPES_BY_NAME:
                 raise BundleError(f"{f}: dtype must be one of {', '.join(_DTYPES_BY_NAME)} (the float dtype of the "
@@ -272,9 +343,15 @@ def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yam
         raise BundleError(f"{f}: tokenizer has {size} tokens but {config_name} vocab_size is {config.vocab_size}")
     if top >= config.vocab_size:
         raise BundleError(f"{f}: tokenizer id {top} is past {config_name} vocab_size {config.vocab_size}")
+    ids: dict[int, str] = {}
     for role, text in config.special_tokens.items():
-        if tok.token_to_id(text) is None:
+        if (i := tok.token_to_id(text)) is None:
             raise BundleError(f"{f}: special token {text!r} ({role} in {config_name}) is not in the tokenizer")
+        # The FIM layout and the stop on eos tell these apart by id (pad may be eos: config.py checks the texts).
+        if role != "pad_token" and i in ids:
+            raise BundleError(f"{f}: special tokens {text!r} ({role}) and {ids[i]} have one id, {i}; the FIM format "
+                              "needs them distinct")
+        ids.setdefault(i, f"{text!r} ({role})")
 
 
 def _check_quantization(f: Path, q: object) -> None:
@@ -286,6 +363,11 @@ def _check_quantization(f: Path, q: object) -> None:
 
 def _check_weights(f: Path, config: ModelConfig, quantization: dict | None = None) -> None:
     header, _ = safetensors_header(f)
+    # Every layer has tensors of its own: a count the file cannot hold is refused before the expected names are
+    # listed (n_layers: 10^9 listed them for minutes, then ran out of memory).
+    if config.n_layers > len(header):
+        raise BundleError(f"{f}: config.yaml has n_layers {config.n_layers:,} but the file holds {len(header)} "
+                          "tensors")
     if quantization:
         try:
             specs = quantized_tensor_specs(config, quantization["method"], quantization.get("group_size"))

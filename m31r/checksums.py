@@ -4,6 +4,7 @@ on another core before it imports torch (~0.8 s), instead of after."""
 from __future__ import annotations
 
 import hashlib
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,9 +24,15 @@ RESTORE = ("restore the bundle from where it came from (the bundled release/ com
            "serve another (--bundle, or M31R_BUNDLE)")
 
 
+# checksum.txt holds four lines of about 85 bytes; one far larger is no checksum file, and is not read into memory.
+MAX_CHECKSUM_BYTES = 64 << 10
+_LINE = re.compile(r"([0-9a-fA-F]{64})[ \t]+\*?(.+)")  # digest, separator (text or *binary), file name
+
+
 def fingerprint(path: Path) -> str:
-    """What identifies a bundle's exact bytes (clients and cache entries key on it): a hash of its checksum file."""
-    return hashlib.sha256((Path(path) / CHECKSUM_FILE).read_bytes()).hexdigest()[:16]
+    """What identifies a bundle's exact bytes (clients and cache entries key on it): a hash of its checksum file
+    (streamed: the daemon takes it before the file is checked)."""
+    return sha256_file(Path(path) / CHECKSUM_FILE)[:16]
 
 
 def sha256_file(path: Path) -> str:
@@ -41,12 +48,23 @@ def read_checksums(path: Path) -> dict[str, str]:
     if not f.is_file():
         raise BundleError(f"{f}: missing; a bundle needs {CHECKSUM_FILE} beside {', '.join(CONTENT_FILES)}: "
                           f"{RESTORE}")
+    with open(f, "rb") as fh:
+        raw = fh.read(MAX_CHECKSUM_BYTES + 1)
+    if len(raw) > MAX_CHECKSUM_BYTES:
+        raise BundleError(f"{f}: over {MAX_CHECKSUM_BYTES >> 10} KiB, not a checksum file of {len(CONTENT_FILES)} "
+                          f"lines: {RESTORE}")
     sums: dict[str, str] = {}
-    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-        parts = line.split()
-        if len(parts) != 2 or len(parts[0]) != 64 or any(c not in "0123456789abcdef" for c in parts[0]):
+    # As `sha256sum -c` reads it: hex in either case, a text (` `) or binary (`*`) marker, the name to the end of the
+    # line; and what an editor or a copy through Windows adds: a byte-order mark, CRLF, blank lines.
+    for n, line in enumerate(raw.decode("utf-8-sig", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        if not (m := _LINE.fullmatch(line.strip())):
             raise BundleError(f"{f}: line {n} is not '<sha256>  <file>': {line[:80]!r}")
-        sums[parts[1].lstrip("*")] = parts[0]
+        digest, name = m[1].lower(), m[2]
+        if name in sums:
+            raise BundleError(f"{f}: line {n} lists {name} a second time")
+        sums[name] = digest
     if set(sums) != set(CONTENT_FILES):
         raise BundleError(f"{f}: must list exactly {', '.join(CONTENT_FILES)}; lists {', '.join(sorted(sums))}")
     return sums
@@ -61,6 +79,16 @@ def unfinished(path: Path) -> str | None:
 
 
 def check_present(path: Path) -> None:
+    """That `path` holds the five files. A folder that cannot be searched (no permission, a name too long) is a
+    BundleError naming it, like a missing one: pathlib's tests raise those errors instead of answering False."""
+    try:
+        _check_present(path)
+    except OSError as e:
+        raise BundleError(f"{e.filename or path}: cannot be read ({e.strerror or e}): check its permissions, or "
+                          "pass another bundle with --bundle, or M31R_BUNDLE") from None
+
+
+def _check_present(path: Path) -> None:
     names = (*CONTENT_FILES, CHECKSUM_FILE)
     if not all((path / n).is_file() for n in names) and (why := unfinished(path)):
         raise BundleError(why)

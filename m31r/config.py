@@ -88,6 +88,18 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                 raise ValueError(f"`{field}` must be a finite number above 0, got {getattr(self, field)}")
         if not self.name.strip():
             raise ValueError("`name` must not be empty (bundles are named by it)")
+        # The FIM layout and the stop on eos tell these four apart by id: two roles on one token make every prompt
+        # ambiguous (pad may be eos, as imported checkpoints without a pad token have it).
+        roles = {"eos_token": self.eos_token, "fim_prefix_token": self.fim_prefix_token,
+                 "fim_suffix_token": self.fim_suffix_token, "fim_middle_token": self.fim_middle_token}
+        for role, text in {**roles, "pad_token": self.pad_token}.items():
+            if not text:
+                raise ValueError(f"`{role}` must not be empty")
+        seen: dict[str, str] = {}
+        for role, text in roles.items():
+            if text in seen:
+                raise ValueError(f"`{role}` and `{seen[text]}` are both {text!r}; the FIM format needs them distinct")
+            seen[text] = role
 
     @property
     def head_dim(self) -> int:
@@ -136,16 +148,62 @@ def parse_config(data: dict, source: str = "config") -> ModelConfig:
         raise ConfigError(f"{source}: {e}") from None
 
 
+# A model config is a few hundred bytes; a file far past that is no config, and parsing it would take minutes.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load without aliases or repeated keys: a config needs neither, an alias bomb (`&a [*a, *a, ...]`) makes
+    whatever walks the data exponential, and with a repeated key the last one silently wins."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(f"alias *{event.anchor} at line {event.start_mark.line + 1}: anchors and aliases "
+                                 "are not supported in a model config")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        keys: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in keys:
+                    raise yaml.YAMLError(f"key `{key_node.value}` appears twice (line {key_node.start_mark.line + 1})")
+                keys.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _one_line(e: yaml.YAMLError) -> str:
+    """PyYAML's message spans lines (it quotes the source with a caret); the daemon and doctor report one line."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        what = "; ".join(s for s in (e.context, e.problem) if s)
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(e).split())
+
+
 def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES >> 20} MiB, not a model config")
+        data = yaml.load(raw.decode("utf-8"), Loader=_StrictLoader)  # a SafeLoader: no Python tags
+    except ConfigError:
+        raise
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a folder, not a file") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a model config") from None
+    except ValueError as e:  # an integer of thousands of digits (int's own limit), a date out of range
+        raise ConfigError(f"{path}: not a valid value: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
     return parse_config(data, str(path))

@@ -65,10 +65,10 @@ def test_flipped_byte_in_a_content_file(bundle_dir: Path, name: str) -> None:
 
 def test_flipped_byte_in_checksum_file(bundle_dir: Path) -> None:
     f = bundle_dir / CHECKSUM_FILE
-    _flip(f, 0, 0x20)  # a hex digit becomes a non-hex character
+    _flip(f, 0, 0x40)  # a hex digit becomes a non-hex character (0x20 only changes its case)
     with pytest.raises(BundleError, match=rf"{re.escape(str(f))}: line 1 is not"):
         open_bundle(bundle_dir)
-    _flip(f, 0, 0x20)
+    _flip(f, 0, 0x40)
     _flip(f, f.read_text().index("config.yaml"))  # the file name itself
     with pytest.raises(BundleError, match=rf"{re.escape(str(f))}: must list exactly"):
         open_bundle(bundle_dir)
