@@ -480,9 +480,17 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
         # cursor line opened; cap the length; cut repetition loops.
         opens_block = (cur.before + lines[0] if not cur.blank_line else lines[0]).rstrip()[-1:] in OPENERS
         kept = [lines[0]]
+        # How far out the document's own next line is: the block's end, when it is further out than the block's closer.
+        nxt_depth = None if nxt is None else _width(leading_ws(nxt), unit)
         for ln in lines[1:]:
             depth, block = _width(leading_ws(ln), unit), _width(block_indent, unit)
             if ln.strip() and depth < block:
+                # The line closing the cursor's block (`}`, `} else {`, `});`), one level out, where the document has
+                # no closer there yet (its next line is further out): what the user types next. Cut before it, the
+                # suggestion at a block's last statement left the `}` to type, and at its end (`return x;|`) showed
+                # nothing.
+                if ln.strip()[0] in CLOSERS and block - depth == unit and nxt_depth is not None and nxt_depth < depth:
+                    kept.append(ln)
                 break
             kept.append(ln)
             if opens_block and ln.strip() and depth == block and ln.strip()[0] in CLOSERS:
@@ -583,18 +591,31 @@ def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
     pred = predicted(shown)
     c0 = shown.offset
     n = offset - c0
-    if n <= 0 or n >= len(pred.rstrip()) or len(text) != len(shown.text) + n:
-        return None
-    typed = text[c0:offset]
-    if typed != pred[:n] or text[:c0] != shown.text[:c0] or text[offset:] != shown.text[c0:]:
+    if n <= 0 or n >= len(pred.rstrip()) or text[c0:offset] != pred[:n] or text[:c0] != shown.text[:c0]:
         return None
     s = shown.suggestion
-    replaced = text[offset : s.end + n]  # what it replaces after the cursor: closers it writes again, blank indent
+    if len(text) == len(shown.text) + n and text[offset:] == shown.text[c0:]:
+        end = s.end + n
+    else:
+        # The editor's own bracket handling changed the closers after the cursor as the user typed: it auto-closed a
+        # typed `(` (`f(|)`) or the typed `)` overtyped one. Still the same suggestion if accepting it now gives the
+        # document it gave, replacing only closers: the typed-through was lost on every bracket, and the model, asked
+        # again, often answered something else or nothing.
+        tail = shown.text[s.end :]
+        end = len(text) - len(tail)
+        if (not text.endswith(tail) or end < offset or not set(text[offset:end]) <= _AUTO_CLOSED
+                or not set(shown.text[c0 : s.end]) <= _AUTO_CLOSED):
+            return None
+    replaced = text[offset:end]  # what it replaces after the cursor: closers it writes again, blank indent
     if pred[n:] == replaced or not _is_subsequence(replaced, pred[n:]):
         # All it has left are the closers already there (`foo(a|)`): nothing to show, the model is asked. Or what
         # is typed was the part of it that wrote them again: the rest would delete them.
         return None
-    return Suggestion(s.text, s.start, s.end + n)
+    return Suggestion(s.text, s.start, end)
+
+
+# What an editor inserts after the cursor when the user types an opening bracket or quote, and lets the user overtype.
+_AUTO_CLOSED = frozenset(")]}\"'`")
 
 
 def typed_through_alternatives(shown: Shown, text: str, offset: int) -> list[Suggestion]:
