@@ -27,6 +27,7 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from test_protocol import recv, send
 
 from m31r_protocol import blocking
 from m31r_protocol import messages as m
@@ -72,16 +73,6 @@ def read_loops() -> list[asyncio.Task]:
 
 Runner = Callable[[Coroutine], Any]
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def send(writer: asyncio.StreamWriter, msg: object) -> None:
-    writer.write(pack(msgspec.msgpack.encode(msg)))
-    await writer.drain()
-
-
-async def recv(reader: asyncio.StreamReader) -> msgspec.Struct | None:
-    body = await read_frame(reader)
-    return None if body is None else m.client_decoder().decode(body)
 
 
 class Peer:
