@@ -73,19 +73,28 @@ async def run_daemon(sock: Path, before: str, after: str, strokes, opts: policy.
     return {"samples": samples}
 
 
-async def run_lsp(sock: Path, before: str, after: str, strokes, settings: dict) -> dict:
+async def start_client(name: str, sock: Path, settings: dict):
+    """A pygls client playing the editor: `m31r lsp` started over stdio on the daemon at `sock`, initialized with
+    these m31r settings."""
     from lsprotocol import types as t
     from pygls.lsp.client import LanguageClient
 
-    from m31r_lsp.documents import position_at
-
-    client = LanguageClient("bench-lsp", "0")
+    client = LanguageClient(name, "0")
     client.feature("m31r/status")(lambda ls, params: None)
-    t0 = time.perf_counter()
     await client.start_io(sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(sock))
     await client.initialize_async(t.InitializeParams(capabilities=t.ClientCapabilities(),
                                                      initialization_options={"m31r": settings}))
     client.initialized(t.InitializedParams())
+    return client
+
+
+async def run_lsp(sock: Path, before: str, after: str, strokes, settings: dict) -> dict:
+    from lsprotocol import types as t
+
+    from m31r_lsp.documents import position_at
+
+    t0 = time.perf_counter()
+    client = await start_client("bench-lsp", sock, settings)
     startup_ms = (time.perf_counter() - t0) * 1000
     text = before + after
     client.text_document_did_open(t.DidOpenTextDocumentParams(

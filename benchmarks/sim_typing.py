@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_daemon import Daemon  # noqa: E402
+from bench_lsp import start_client  # noqa: E402
 from eval_exec import PROBLEMS, load_problems  # noqa: E402
 
 from m31r.cpu import cpu_info, describe  # noqa: E402
@@ -275,15 +276,7 @@ class Editor:
 
 async def type_all(sock: Path, tgts: list[Target], settings: dict, autoclose: bool, log) -> list[dict]:
     """Type every target; one event per inline request."""
-    from lsprotocol import types as t
-    from pygls.lsp.client import LanguageClient
-
-    client = LanguageClient("sim-typing", "0")
-    client.feature("m31r/status")(lambda ls, params: None)
-    await client.start_io(sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(sock))
-    await client.initialize_async(t.InitializeParams(capabilities=t.ClientCapabilities(),
-                                                     initialization_options={"m31r": settings}))
-    client.initialized(t.InitializedParams())
+    client = await start_client("sim-typing", sock, settings)
     ed = Editor(client)
     events: list[dict] = []
     opts = policy.Options(multiline=settings.get("multiline", "auto"), max_tokens=settings["maxTokens"])

@@ -63,7 +63,7 @@ class M31rLanguageServer(LanguageServer):
         self.config = self.defaults
         # What a key left out of a didChangeConfiguration section goes back to: the command line's settings with the
         # client's initializationOptions over them (set by `initialize`).
-        self.base: EditorSettings | None = None
+        self.base = self.defaults
         self.link = EditorLink(link_config(self.config), on_status=self.send_status, tell=self.tell)
         self.completer = Completer(self.link, lambda: self.config, self.document, tell=self.tell,
                                    project=ProjectContext(self.open_documents), lines=self.lines)
@@ -116,7 +116,7 @@ class M31rLanguageServer(LanguageServer):
         of what follows) or a didChangeConfiguration section, the client's whole configuration (keys left out: the
         base)."""
         new, problems = settings_mod.apply(self.config, raw, self.defaults,
-                                           None if initial else (self.base or self.defaults))
+                                           None if initial else self.base)
         if initial:
             self.base = new
         self.log_problems(problems)

@@ -231,7 +231,7 @@ class Answer:
 
 
 def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
-            repeat_context: str | None, start_stops: list[str] | tuple[str, ...] = ()) -> Answer:
+            repeat_context: str | None, start_stops: list[str] | tuple[str, ...]) -> Answer:
     """h's tokens through generate's text path: the tokenizer's stream, the healed text left out, stop sequences cut
     and held back."""
     text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context, start_stops), False
@@ -252,7 +252,7 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
 
 def _alternatives(engine: Engine, ids: list[int], ranked: list[Hypothesis], first: str, n: int,
                   stop: list[str] | tuple[str, ...], heal: str, repeat_context: str | None,
-                  start_stops: list[str] | tuple[str, ...] = ()) -> list[str]:
+                  start_stops: list[str] | tuple[str, ...]) -> list[str]:
     """The texts of the next likeliest finished hypotheses, up to n, each non-empty and unlike the answer's and the
     others' (hypotheses that differ only in tokens, or past a stop, read the same)."""
     seen, out = {first}, []

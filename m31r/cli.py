@@ -398,11 +398,12 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
     else:
         from m31r_protocol.policy import MIN_PROBABILITY, confident
 
-        if not text or not "".join(text):  # an empty stdout says nothing by itself
+        written = "".join(text)
+        if not written:  # an empty stdout says nothing by itself
             click.echo(f"(no completion: the model wrote nothing here; finish_reason {done.finish_reason})", err=True)
             return
         unsure = not confident(done.line_logprob, MIN_PROBABILITY)
-        _end_open_line("".join(text), both=unsure)
+        _end_open_line(written, both=unsure)
         if unsure:
             _say_unsure(done.line_logprob)
 

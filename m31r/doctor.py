@@ -15,7 +15,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -33,13 +33,38 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Settings:
+    """The settings file every daemon started here reads (m31r.daemon_config), read once for the checks."""
+
+    path: Path
+    found: dict | None  # the options' defaults it sets; None where there is no such file
+    error: str | None = None  # why `m31r daemon` would refuse it
+
+    @classmethod
+    def read(cls) -> Settings:
+        import click
+
+        from m31r import daemon_config
+        from m31r.cli import daemon
+
+        path = daemon_config.default_path()
+        if not path.is_file():
+            return cls(path, None)
+        try:
+            return cls(path, daemon_config.read_defaults(path, daemon, click.Context(daemon)))
+        except daemon_config.DaemonConfigError as e:
+            return cls(path, {}, str(e))
+
+
+@dataclass(frozen=True)
 class Context:
-    """What the checks look at: the socket and bundle a client or daemon started here would use."""
+    """What the checks look at: the socket, bundle and settings a client or daemon started here would use."""
 
     socket: Path
     socket_source: str
     bundle: Path
     bundle_source: str
+    settings: Settings = field(default_factory=Settings.read)
 
     @classmethod
     def create(cls, socket: Path | None = None, bundle: Path | None = None) -> Context:
@@ -91,21 +116,12 @@ def check_compiler(ctx: Context) -> Check:
     return Check("compiler", "ok", f"{cc} (builds the native kernels, m31r/kernels*.c, on the first engine load)")
 
 
-def configured_precision() -> tuple[str, str, str]:
+def configured_precision(settings: Settings) -> tuple[str, str, str]:
     """The --dtype and --quant a daemon started here runs with unless told otherwise: the settings file's where it
-    sets them (m31r.daemon_config), else auto; and how to say where they come from."""
-    import click
-
-    from m31r import daemon_config
-    from m31r.cli import daemon
-
-    path = daemon_config.default_path()
-    try:
-        found = daemon_config.read_defaults(path, daemon, click.Context(daemon)) if path.is_file() else {}
-    except daemon_config.DaemonConfigError:
-        found = {}  # check_settings fails on it; a daemon would not start at all
+    sets them, else auto (a file it refuses: check_settings fails); and how to say where they come from."""
+    found = settings.found or {}
     dtype, quant = found.get("dtype", "auto"), found.get("quant", "auto")
-    return dtype, quant, "by default" if dtype == quant == "auto" else f"as {path.name} sets"
+    return dtype, quant, "by default" if dtype == quant == "auto" else f"as {settings.path.name} sets"
 
 
 def check_kernels(ctx: Context) -> Check:
@@ -118,7 +134,7 @@ def check_kernels(ctx: Context) -> Check:
         from m31r.precision import resolve
 
         # the family for the daemon's activations; built once (~0.3 s) into the cache the daemon uses
-        dtype_opt, quant_opt, _ = configured_precision()
+        dtype_opt, quant_opt, _ = configured_precision(ctx.settings)
         dtype = getattr(torch, resolve(torch.device("cpu"), dtype_opt, quant_opt, None).dtype)
         kernels = native.load(dtype)
         if kernels is None:
@@ -138,7 +154,7 @@ def check_bf16(ctx: Context) -> Check:
     from m31r.engine import fast_bf16
     from m31r.precision import resolve
 
-    dtype, quant, source = configured_precision()
+    dtype, quant, source = configured_precision(ctx.settings)
     p = resolve(torch.device("cpu"), dtype, quant, None)  # builds or finds the kernels check_kernels loaded
     weights = {"int8": "int8 weights", "int4": "int4 weights", None: "float weights"}[p.quant]
     act = {"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32")
@@ -155,18 +171,14 @@ def check_bf16(ctx: Context) -> Check:
 
 def check_settings(ctx: Context) -> Check:
     """The settings file every daemon started here reads (m31r.daemon_config), checked as `m31r daemon` checks it."""
-    import click
-
-    from m31r import daemon_config
     from m31r.cli import daemon
 
-    path = daemon_config.default_path()
-    if not path.is_file():
+    path, found = ctx.settings.path, ctx.settings.found
+    if found is None:
         return Check("settings", "ok", f"no {path}: daemons run on their defaults and the options they are given")
-    try:
-        found = daemon_config.read_defaults(path, daemon, click.Context(daemon))
-    except daemon_config.DaemonConfigError as e:
-        return Check("settings", "fail", f"{e}; every daemon started here refuses to start until it is fixed")
+    if ctx.settings.error is not None:
+        why = ctx.settings.error
+        return Check("settings", "fail", f"{why}; every daemon started here refuses to start until it is fixed")
     if not found:
         return Check("settings", "ok", f"{path} sets nothing: daemons run on their defaults")
     names = {p.name: p.opts[0] for p in daemon.params}

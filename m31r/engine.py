@@ -170,7 +170,7 @@ class TextPath:
     cut and held back (m31r.stops). Engine.generate's, and beam search's for its answers (m31r.beams)."""
 
     def __init__(self, tokenizer: Tokenizer, ids: list[int], heal: str, stop: list[str] | tuple[str, ...],
-                 repeat_context: str | None, start_stops: list[str] | tuple[str, ...] = ()):
+                 repeat_context: str | None, start_stops: list[str] | tuple[str, ...]):
         self.stream = tokenizer.stream(ids)
         self.stops = StopMatcher(stop, repeat_context, start_stops)
         self.skip = len(heal)  # healed characters still to hold back

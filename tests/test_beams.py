@@ -160,7 +160,7 @@ def test_search_is_the_search_with_a_cache_per_hypothesis(request, which, width)
             assert got.tokens + end == want
             answers.add(tuple(want))
             # The runners-up: the next finished hypotheses' texts, each new and not empty, likeliest first.
-            texts = [beams._answer(engine, ids, h, stop, heal, context).text for h in ranked[1:]]
+            texts = [beams._answer(engine, ids, h, stop, heal, context, ()).text for h in ranked[1:]]
             expect = [t for i, t in enumerate(texts) if t.strip() and t != got.text and t not in texts[:i]]
             assert got.alternatives == expect[: width - 1]
             alternatives += len(got.alternatives)

@@ -27,7 +27,7 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_protocol import recv, send
+from test_protocol import WELCOME, FakeDaemon, recv, send
 
 from m31r_protocol import blocking
 from m31r_protocol import messages as m
@@ -39,8 +39,6 @@ from m31r_protocol.minipack import packb, unpackb
 PROMPT = "fn main() {"
 LONG = dict(max_tokens=400, lookahead=0)  # the tiny model's 400 tokens, no drafts: still running on a cancel
 _names = itertools.count()
-WELCOME = m.Welcome(protocol=m.PROTOCOL_VERSION, model="fake", fingerprint="0" * 16, max_context=512,
-                    capabilities=list(m.CAPABILITIES), daemon_version="0")
 STATUS = dict(model="fake", fingerprint="0" * 16, bundle="/nowhere", device="cpu", dtype="float32", pid=4242,
               uptime_s=1.0, queue=0, active=0, requests=0, cache_slots=1, cache_slots_used=0, cache_mb=0.0,
               cache_budget_mb=0.0, cache_hit_rate=0.0, rss_mb=1.0)
@@ -75,35 +73,28 @@ Runner = Callable[[Coroutine], Any]
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-class Peer:
-    """A daemon on a real Unix socket that takes the Hello, welcomes (unless `welcome` is False), then runs `script`
-    and hangs up."""
+class Peer(FakeDaemon):
+    """test_protocol's fake daemon that welcomes (unless `welcome` is False), then runs `script` and hangs up; a test
+    can wait for the Hello, and leaving waits for every connection's script to end."""
 
     def __init__(self, path: Path, script: Script, welcome: bool = True):
-        self.path, self.script, self.welcome = path, script, welcome
+        super().__init__(path, self._run)
+        self.script, self.welcome = script, welcome
         self.hello = asyncio.Event()
         self.handlers: list[asyncio.Task] = []
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        self.hello.set()
         try:
-            assert isinstance(await recv(reader), m.Hello)
-            self.hello.set()
             if self.welcome:
                 await send(writer, WELCOME)
             await self.script(reader, writer)
         except ConnectionError:  # the client went away: what the test looks at is on the client's side
             pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> Peer:
-        self.server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
+        await super().__aexit__(*exc)
         await asyncio.gather(*self.handlers, return_exceptions=True)
 
 
