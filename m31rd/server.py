@@ -33,14 +33,16 @@ from m31r.config import load_config
 from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
 from m31r_protocol import messages as m
-from m31r_protocol.framing import FrameTimeout, FrameTooLarge, pack, read_frame
-from m31r_protocol.limits import MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
+from m31r_protocol.framing import HEADER, FrameTimeout, FrameTooLarge, pack
+from m31r_protocol.limits import MAX_FRAME_BYTES, MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
 from m31rd.cancellation import Cancellation
 from m31rd.torch_thread import TorchThread
 
 if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Status before it has loaded
+    from collections.abc import Iterator
+
     from m31r.engine import ContextOverflowError, Engine, Piece
     from m31r.sampling import SamplingParams
     from m31rd.scheduler import Event
@@ -51,6 +53,13 @@ SOCKET_CHECK_S = 1.0  # how often the daemon checks that its socket file is stil
 SMALL_PROMPT_CHARS = 1 << 16  # prompts up to this size are tokenised on their own worker, never behind a huge one
 TYPED_DOCUMENTS = 256  # documents whose last suggestion a typed-through answer may come from (Daemon._remember)
 TYPED_CHARS = 1 << 24  # the characters of their names, prefixes and suffixes kept for it, in all
+HELLO_S = 10.0  # how long a new connection may take to begin its Hello where --read-timeout is 0 (no limit)
+MAX_CONNECTIONS = 256  # connections served at once (fewer where open files are few: connection_cap); more are `busy`
+SPARE_FILES = 64  # descriptors left to the daemon's own files, and to refusing connections past the cap
+REFUSING = SPARE_FILES // 2  # connections past the cap being refused at once; more are closed without a word
+READING_BYTES = 8 * MAX_FRAME_BYTES  # large frames' bytes being read at once, over all connections (reading_frame)
+SMALL_FRAME_BYTES = 1 << 16  # frames up to this size are not counted: a connection's stream buffer holds as much
+UNREAD_BYTES = 1 << 20  # answers a client may leave unread before the daemon drops it (Connection.send)
 
 
 @dataclass(frozen=True)
@@ -314,6 +323,20 @@ class InFlight:
         self.cancellation.cancel(reason, code)
 
 
+class NoHello(Exception):
+    def __init__(self, within: float):
+        self.within = within
+        super().__init__(f"no hello began within {within:g} s of connecting")
+
+
+class ReadRefused(Exception):
+    """A large frame that would take the bytes being read past READING_BYTES: refused before its body is read."""
+
+    def __init__(self, size: int, reading: int):
+        super().__init__(f"this {size}-byte frame was refused unread: the daemon is already reading {reading} bytes of "
+                         f"other large frames, and reads at most {READING_BYTES} at once; retry shortly")
+
+
 class Connection:
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.daemon, self.reader, self.writer = daemon, reader, writer
@@ -321,8 +344,40 @@ class Connection:
         self.client = "?"
 
     def send(self, msg: msgspec.Struct) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(pack(self.daemon.enc.encode(msg)))
+        if self.writer.is_closing():
+            return
+        self.writer.write(pack(self.daemon.enc.encode(msg)))
+        if (unread := self.writer.transport.get_write_buffer_size()) > UNREAD_BYTES:
+            self._drop(unread)
+
+    def _drop(self, unread: int) -> None:
+        """Give up on a client that leaves its answers unread. Its streams kept writing into the daemon's memory
+        (up to --max-per-connection streams of max_tokens frames each, per connection), and closing politely would
+        wait for it to read them."""
+        log.warning("dropped the connection of client %r: %d bytes of its answers unread (limit %d)", self.client,
+                    unread, UNREAD_BYTES)
+        for job in self.jobs.values():
+            job.cancel("the client did not read its answers")
+        self.writer.transport.abort()
+
+    async def refuse(self, error: m.Error) -> None:
+        """Answer a connection that is not served with `error`, and close it once its client has (or after
+        hello_s). What the client sends meanwhile is read and dropped: closed with its Hello unread, the socket
+        reset, and the client saw "connection reset", not the error."""
+        self.send(error)
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(self.daemon.hello_s):
+                while await self.reader.read(SMALL_FRAME_BYTES):
+                    pass
+        await self._close()
+
+    async def _close(self) -> None:
+        self.writer.close()
+        # What is buffered must reach a client that reads slowly before a stopping daemon exits (it would be cut
+        # off mid-answer), but one that never reads must not hold the stop for long.
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(FLUSH_S):
+                await self.writer.wait_closed()
 
     async def serve(self) -> None:
         try:
@@ -337,10 +392,17 @@ class Connection:
                     if not self._handle(body):
                         break
                     await self.writer.drain()
+                    # A frame already buffered is read without a pause: one client's flood of small frames (Status,
+                    # Cancel) ran on for as many as it had buffered, stalling every other client for up to 0.9 s.
+                    await asyncio.sleep(0)
         except FrameTooLarge as e:
             self.send(m.Error(id=None, code="frame_too_large", message=str(e)))
         except FrameTimeout as e:  # a client that stalls mid-frame would hold this connection forever
             self.send(m.Error(id=None, code="bad_request", message=f"{e} (--read-timeout); closing the connection"))
+        except NoHello as e:  # nor may one that never says who it is
+            self.send(m.Error(id=None, code="bad_request", message=f"{e} (--read-timeout); closing the connection"))
+        except ReadRefused as e:
+            self.send(m.Error(id=None, code="busy", message=f"{e}; closing the connection"))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away mid-frame: its jobs are cancelled below
         except Exception:
@@ -350,18 +412,35 @@ class Connection:
             for job in self.jobs.values():
                 job.cancel("client disconnected")
             self.daemon.drop_waiting(self)
-            self.writer.close()
-            # What is buffered must reach a client that reads slowly before a stopping daemon exits (it would be cut
-            # off mid-answer), but one that never reads must not hold the stop for long.
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(FLUSH_S):
-                    await self.writer.wait_closed()
+            await self._close()
 
-    async def _read(self) -> bytes | None:
-        return await read_frame(self.reader, timeout=self.daemon.read_timeout)
+    async def _read(self, begin_within: float | None = None) -> bytes | None:
+        """The next frame's body, or None at a clean end of stream (m31r_protocol.framing.read_frame's contract).
+        A frame must begin within `begin_within` seconds (NoHello past it; None: no limit, as between requests),
+        and arrive whole within --read-timeout of its first byte (FrameTimeout). A large frame's body counts
+        against the daemon's READING_BYTES while it arrives (Daemon.reading_frame)."""
+        timeout = self.daemon.read_timeout
+        try:
+            async with asyncio.timeout(begin_within):
+                first = await self.reader.readexactly(1)
+        except asyncio.IncompleteReadError:
+            return None
+        except TimeoutError:
+            raise NoHello(begin_within or 0.0) from None
+        try:
+            async with asyncio.timeout(timeout):
+                (size,) = HEADER.unpack(first + await self.reader.readexactly(HEADER.size - 1))
+                if size > MAX_FRAME_BYTES:
+                    raise FrameTooLarge(size, MAX_FRAME_BYTES)
+                with self.daemon.reading_frame(size):
+                    return await self.reader.readexactly(size)
+        except TimeoutError:
+            if timeout is None:
+                raise
+            raise FrameTimeout(timeout) from None
 
     async def _handshake(self) -> bool:
-        body = await self._read()
+        body = await self._read(begin_within=self.daemon.hello_s)
         if body is None:
             return False
         try:
@@ -419,6 +498,17 @@ def file_identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def connection_cap() -> int:
+    """MAX_CONNECTIONS, or fewer where the soft limit on open files leaves less room past SPARE_FILES: at that limit
+    accept() fails, and a client waited in the listen queue unanswered rather than being told `busy`."""
+    try:
+        import resource
+    except ImportError:  # no such limits here
+        return MAX_CONNECTIONS
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft - SPARE_FILES))
+
+
 def _salvage_id(body: bytes) -> int | None:
     with contextlib.suppress(Exception):
         rid = msgspec.msgpack.decode(body).get("id")
@@ -452,6 +542,10 @@ class Daemon:
         self.max_queue, self.grace_s = max_queue, grace_s
         self.max_per_connection, self.max_prompt_chars = max_per_connection, max_prompt_chars
         self.read_timeout = read_timeout
+        self.hello_s = read_timeout or HELLO_S  # a connection that never says Hello is never a client
+        self.max_connections = connection_cap()  # read as serving begins: after main raised the limit
+        self.reading = 0  # bytes of large frames being read now (reading_frame)
+        self.refusing = 0  # connections past max_connections being refused now (_refuse)
         # Small prompts get a worker of their own, so that a huge prompt being tokenised never delays them.
         self.prompt_pools = (ThreadPoolExecutor(1, thread_name_prefix="m31rd-prompt"),
                              ThreadPoolExecutor(2, thread_name_prefix="m31rd-prompt-large"))
@@ -503,6 +597,22 @@ class Daemon:
             cache_slots=c.max_slots, cache_slots_used=len(c.slots), cache_mb=round(c.bytes_used / 2**20, 1),
             cache_budget_mb=round(c.budget_bytes / 2**20, 1), cache_hit_rate=round(c.hit_rate, 4), quant=engine.quant,
             warming=self.warm_up is not None and not self.warm_up.done())
+
+    @contextlib.contextmanager
+    def reading_frame(self, size: int) -> Iterator[None]:
+        """Count a large frame's body against READING_BYTES while it arrives; ReadRefused past that. Each connection
+        may send a frame of MAX_FRAME_BYTES, buffered whole as it arrives: uncounted, 30 clients each stalling 7 MiB
+        into a frame held 230 MB of the daemon's memory until --read-timeout, and nothing bounded how many did."""
+        if size <= SMALL_FRAME_BYTES:
+            yield
+            return
+        if self.reading + size > READING_BYTES:
+            raise ReadRefused(size, self.reading)
+        self.reading += size
+        try:
+            yield
+        finally:
+            self.reading -= size
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -828,6 +938,23 @@ class Daemon:
         log.warning("the socket file %s %s: no client can reach this daemon any more; stopping", path, what)
         self.request_stop(f"the socket file {what}")
 
+    async def _refuse(self, conn: Connection, open_now: int) -> None:
+        """Refuse a connection past max_connections: each holds a descriptor and buffers, so there is a limit, and
+        a client past it is told `busy` rather than left waiting. Past REFUSING refusals at once (a flood), the
+        connection is closed without a word: the spare descriptors are for the daemon's own files."""
+        if self.refusing >= REFUSING:
+            conn.writer.transport.abort()
+            return
+        log.warning("refused a connection: %d connections open, the limit", open_now)
+        self.refusing += 1
+        try:
+            await conn.refuse(m.Error(id=None, code="busy", message=(
+                f"{open_now} connections are open to this daemon, the most it serves at once (at most "
+                f"{MAX_CONNECTIONS}, fewer where its limit on open files is low); close unused clients or retry "
+                "shortly")))
+        finally:
+            self.refusing -= 1
+
     def request_stop(self, reason: str) -> None:
         if self.stopping is not None and not self.stopping.is_set():
             self.stop_reason = reason
@@ -848,9 +975,12 @@ class Daemon:
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            conns.add(task)
+            conn = Connection(self, reader, writer)
             try:
-                await Connection(self, reader, writer).serve()
+                if len(conns) >= self.max_connections:
+                    return await self._refuse(conn, len(conns))
+                conns.add(task)
+                await conn.serve()
             except asyncio.CancelledError:
                 # Only shutdown cancels these tasks. Ending normally keeps asyncio's stream callback from
                 # printing a (non-JSON) traceback for a cancelled connection task on stderr.
