@@ -89,12 +89,34 @@ class SocketUnreachable(DaemonUnavailable):
     another user's folder): said with the path, and never answered with an autostart."""
 
 
+# The most a stream's unread events may hold (their _footprint): its consumer stopped reading without cancelling. A
+# legitimate answer holds far less (2048 tokens with 20 alternatives each are about 3 MiB); past it the request is
+# cancelled rather than the connection paused, which would stall every other request on it.
+STREAM_BUFFER_BYTES = 32 * 1024 * 1024
+
+
+class StreamOverflow(DaemonError):
+    """A stream's unread events passed STREAM_BUFFER_BYTES: the request was cancelled (code `cancelled`), its
+    unread events dropped."""
+
+    def __init__(self, rid: int, limit: int):
+        super().__init__("cancelled", f"request {rid} was cancelled by this client: its events went unread until they "
+                                      f"held over {limit} bytes (read the stream, or cancel it)")
+
+
+def _footprint(token: Token) -> int:
+    """About what an unread Token holds in memory: its objects and its texts."""
+    return 128 + len(token.text) + sum(64 + len(c.text) for c in token.top_logprobs)
+
+
 class Stream:
     """One request's events: iterate for Token events; `done` is set when it ends normally.
 
     A read that is cancelled (its task cancelled, a timeout around `collect()`) cancels the request, and so does
     dropping the Stream before its end (breaking out of `async for`): the daemon would otherwise go on working for
-    nobody. Once the stream has ended, iterating it again ends the same way at once instead of waiting."""
+    nobody. Once the stream has ended, iterating it again ends the same way at once instead of waiting. A stream left
+    unread holds at most STREAM_BUFFER_BYTES of events: past that its request is cancelled, and reading it raises
+    StreamOverflow."""
 
     def __init__(self, client: Client, rid: int):
         self.client, self.id = client, rid
@@ -103,6 +125,7 @@ class Stream:
         self.error: BaseException | None = None  # how it ended, if not with Done
         self.tokens: list[int] = []
         self.open = True  # the daemon may still send for it (its last event has not arrived)
+        self.unread = 0  # the _footprint of the Tokens queued and not read yet
 
     def __aiter__(self) -> Stream:
         return self
@@ -119,6 +142,7 @@ class Stream:
                 self.client._cancel_nowait(self.id)
             raise
         if isinstance(msg, Token):
+            self.unread -= _footprint(msg)
             if msg.token is not None:
                 self.tokens.append(msg.token)
             return msg
@@ -144,9 +168,9 @@ class Stream:
         if self._detach():
             self.client._cancel_nowait(self.id)
 
-    def _detach(self) -> bool:
-        """Stop routing the daemon's events here and end the stream with DaemonError("cancelled"); False if its
-        last event had already arrived (nothing to cancel)."""
+    def _detach(self, why: Error | BaseException | None = None) -> bool:
+        """Stop routing the daemon's events here and end the stream with `why` (default: DaemonError("cancelled"));
+        False if its last event had already arrived (nothing to cancel)."""
         if not self.open:
             return False
         self.client._forget(self)
@@ -154,7 +178,8 @@ class Stream:
         # stream is open): a caller that cancelled must not be handed more of the answer it gave up on.
         while not self.queue.empty():
             self.queue.get_nowait()
-        self.queue.put_nowait(Error(id=self.id, code="cancelled", message="cancelled by this client"))
+        self.unread = 0
+        self.queue.put_nowait(why or Error(id=self.id, code="cancelled", message="cancelled by this client"))
         return True
 
     def __del__(self) -> None:
@@ -209,9 +234,12 @@ class Client:
             while (body := await read_frame(self._reader)) is not None:
                 msg = self._dec.decode(body)
                 if isinstance(msg, Error) and msg.id is None:
-                    error = DaemonError.of(msg)  # about the connection: the daemon closes it next
-                else:
-                    self._route(msg)
+                    # About the connection, not a request: which request it ended (if any) cannot be told, and a
+                    # daemon that keeps the connection open (a message it could not read the id of) would leave
+                    # that request waiting forever. The connection ends here, every request with this error.
+                    error = DaemonError.of(msg)
+                    break
+                self._route(msg)
         except (asyncio.IncompleteReadError, OSError, FrameTooLarge, msgspec.DecodeError, UnicodeDecodeError) as e:
             error = DaemonUnavailable(f"connection to the daemon lost: {e}")
         finally:
@@ -233,6 +261,13 @@ class Client:
             return  # a request cancelled or dropped here: what the daemon still sent for it is dropped
         if not isinstance(msg, Token):  # its last event: the daemon is done with it
             self._forget(stream)
+        elif stream.unread + (cost := _footprint(msg)) > STREAM_BUFFER_BYTES:
+            # Nobody reads it: cancelled, never waited for (the read loop serves every request on the connection).
+            stream._detach(StreamOverflow(stream.id, STREAM_BUFFER_BYTES))
+            self._cancel_nowait(stream.id)
+            return
+        else:
+            stream.unread += cost
         stream.queue.put_nowait(msg)
 
     def _forget(self, stream: Stream) -> None:

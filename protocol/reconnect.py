@@ -82,6 +82,7 @@ class DaemonLink:
         self._failure: BaseException | None = None  # the last attempt's error
         self._closing: set[asyncio.Task] = set()
         self._watcher: asyncio.Task[None] | None = None
+        self._closed = False  # close() was called: no connection is made any more
 
     @property
     def last_error(self) -> str:
@@ -99,11 +100,13 @@ class DaemonLink:
 
     def warm_up(self) -> None:
         """Start connecting in the background, so the first request finds the daemon ready."""
-        if not self.connected and (self._connecting is None or self._connecting.done()):
+        if not self._closed and not self.connected and (self._connecting is None or self._connecting.done()):
             self._connecting = asyncio.create_task(self._connect())
 
     async def get(self, wait: float) -> Client:
-        """The connected client; Unavailable if none is ready within `wait` seconds."""
+        """The connected client; Unavailable if none is ready within `wait` seconds, or once the link is closed."""
+        if self._closed:
+            raise Unavailable("the daemon link is closed (DaemonLink.close)")
         if self.connected:
             assert self._client is not None
             return self._client
@@ -114,11 +117,18 @@ class DaemonLink:
             if remaining > 0:
                 raise Unavailable(f"the daemon is unavailable: {self._error}", remaining) from self._failure
             self._connecting = asyncio.create_task(self._connect())
+        connecting = self._connecting
         try:
-            client = await asyncio.wait_for(asyncio.shield(self._connecting), max(wait, 0.001))
+            client = await asyncio.wait_for(asyncio.shield(connecting), max(wait, 0.001))
         except TimeoutError:
             raise Unavailable("the daemon is starting" if self.config.autostart else "the daemon does not answer yet",
                               1.0) from None
+        except asyncio.CancelledError:
+            # The attempt, not this caller, was cancelled (by reconfigure or close): the caller was cancelled by
+            # no one, and must hear why there is no connection rather than take a CancelledError for its own.
+            if not connecting.cancelled() or _cancelling():
+                raise
+            raise Unavailable("the daemon link was closed or reconfigured while connecting") from None
         if client is None:
             raise Unavailable(f"the daemon is unavailable: {self._error}",
                               self._retry_at - time.monotonic()) from self._failure
@@ -202,17 +212,24 @@ class DaemonLink:
         if config == self.config:
             return
         self.config = config
-        if self._connecting is not None and not self._connecting.done():
-            self._connecting.cancel()
+        await self._abandon()
         client, self._client = self._client, None
         self._failures, self._retry_at = 0, 0.0
         if client is not None:
             await self._close(client)
         self.state = None
 
-    async def close(self) -> None:
+    async def _abandon(self) -> None:
+        """Cancel the connection attempt under way, if any, and wait for its end: a `get` that follows starts its own
+        instead of waiting on the cancelled one, and the attempt's socket is closed."""
         if self._connecting is not None and not self._connecting.done():
             self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+
+    async def close(self) -> None:
+        """End the link: its connection, and any attempt under way, are closed, and `get` makes none any more."""
+        self._closed = True
+        await self._abandon()
         if self._watcher is not None:
             self._watcher.cancel()
         client, self._client = self._client, None
@@ -225,6 +242,12 @@ class DaemonLink:
     async def _close(client: Client) -> None:
         with contextlib.suppress(Exception):
             await client.close()
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def link_config(socket: str | Path | None = None, *, autostart: bool = True, bundle: str | Path | None = None,
