@@ -116,6 +116,26 @@ class Completer:
                 if task is not None and not task.done():
                     task.cancel()
 
+    def reconfigured(self, old: EditorSettings, new: EditorSettings) -> None:
+        """Settings changed under the running jobs. Completions turned off (`enable`: false): a job still debouncing or
+        waiting on the daemon would answer its request with a suggestion the user no longer wants, so every job is
+        cancelled (its daemon request gets a Cancel, its requests answer empty) and the shown suggestions go (none is
+        typed through later). A change of what a completion is (EditorSettings.shape): the jobs of the old shape are
+        cancelled, as the finished ones no longer answer."""
+        if old.enable and not new.enable:
+            for uri in list(self.docs):
+                self._stop(self.docs[uri], "disabled")
+                self.closed(uri)
+        elif old.shape() != new.shape():
+            for st in self.docs.values():
+                if st.job is not None and st.job.key[4] != new.shape():
+                    self._stop(st, "reshaped")
+
+    def _stop(self, st: DocState, why: str) -> None:
+        if st.job is not None and not st.job.task.done():
+            st.job.task.cancel()
+            self.stats[why] += 1
+
     # -- requests ---------------------------------------------------------------------------------------------
 
     async def complete(self, uri: str, offset_of: Callable[[str], int], *, invoked: bool = False,
@@ -164,7 +184,10 @@ class Completer:
             st.job = job
         job.waiters += 1
         try:
-            return await asyncio.shield(job.task)
+            result = await asyncio.shield(job.task)
+            # (settings changed between the job's end and this handler's turn: `reconfigured` came too late for it)
+            now = self.settings()
+            return result if now.enable and now.shape() == job.key[4] else None
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me is not None and me.cancelling():  # this request was cancelled ($/cancelRequest, shutdown)

@@ -25,6 +25,9 @@
   later incremental edit would land in the wrong text): the document is dropped, so it gets no completions rather
   than wrong ones, the user is told once to reopen it, and it is back when it is reopened or a change sends its whole
   text. Before, the edit was dropped and the server went on completing, and applying edits, on the stale text.
+- An inlineCompletion's `context.triggerKind` outside LSP 3.18's (1 Invoked, 2 Automatic) is read, not refused: 0 as
+  the 3.18 draft's Invoke, anything else as Automatic, logged once (`_known_trigger_kind`). lsprotocol refused it, and
+  every request of such a client was answered InvalidParams.
 - A `$/cancelRequest` for a request already answered (the answer and the cancel cross, routinely) is not logged as a
   warning, and after `exit` nothing more is written to the closed stdout (the requests still running at `exit`
   wrote a traceback each).
@@ -37,6 +40,7 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import weakref
 from collections.abc import Callable, Generator
@@ -61,6 +65,7 @@ from m31r_lsp import documents
 from m31r_lsp.context import uri_path
 
 log = logging.getLogger("m31r_lsp.rpc")
+INVOKED, AUTOMATIC = types.InlineCompletionTriggerKind.Invoked, types.InlineCompletionTriggerKind.Automatic
 
 # (uri, version) of the document a request names, as the request arrived; the handler's task inherits it.
 _received: contextvars.ContextVar[tuple[str, int | None] | None] = contextvars.ContextVar("m31r_received",
@@ -119,6 +124,7 @@ class M31rProtocol(LanguageServerProtocol):
         # brings their whole text (keyed as pygls keys documents, by the URI unquoted once).
         self._out_of_step: dict[str, str] = {}
         self._not_utf8 = False  # the message being read had bytes that are not UTF-8 (`readable`)
+        self._odd_trigger_kinds: list[Any] = []  # the triggerKind values not LSP 3.18's that were logged (once each)
 
     def lines(self, doc: TextDocument) -> documents.Lines:
         """The line index of `doc`'s text (made if it has none yet: a didOpen, a full-text change)."""
@@ -161,6 +167,8 @@ class M31rProtocol(LanguageServerProtocol):
             return super().structure_message(data)
         if "method" in data:
             method = data["method"]
+            if method == types.TEXT_DOCUMENT_INLINE_COMPLETION:
+                data = self._known_trigger_kind(data)
             kind = self.get_message_type(method) or (JsonRPCRequestMessage if "id" in data else JsonRPCNotification)
             try:
                 return self._converter.structure(data, kind)
@@ -175,6 +183,25 @@ class M31rProtocol(LanguageServerProtocol):
                             data["id"], _why(e))
                 return self._converter.structure(data, JsonRPCResponseMessage)
         return super().structure_message(data)
+
+    def _known_trigger_kind(self, data: dict) -> dict:
+        """An inlineCompletion request with its context's triggerKind one that LSP 3.18 defines (Invoked 1, Automatic
+        2). The 3.18 draft (and VS Code's API) numbered them Invoke 0, Automatic 1: 0 can only be that Invoke. Any other
+        value (absent, null, 3, a name) is taken as Automatic, the cautious reading (debounced, under the confidence
+        floor), and logged once: lsprotocol refused it, so such a client got InvalidParams on every keystroke."""
+        params = data.get("params")
+        context = params.get("context") if isinstance(params, dict) else None
+        kind = context.get("triggerKind") if isinstance(context, dict) else None
+        if not isinstance(context, dict) or (kind in (1, 2) and not isinstance(kind, bool)):
+            return data
+        known = INVOKED if kind == 0 and not isinstance(kind, bool) else AUTOMATIC
+        if kind not in self._odd_trigger_kinds and len(self._odd_trigger_kinds) < 16:
+            self._odd_trigger_kinds.append(kind)
+            why = (f"textDocument/inlineCompletion: triggerKind {json.dumps(kind)} is not LSP 3.18's (1 Invoked, "
+                   f"2 Automatic); taken as {known.name}")
+            log.warning("%s", why)
+            self.notify(types.WINDOW_LOG_MESSAGE, types.LogMessageParams(type=types.MessageType.Warning, message=why))
+        return {**data, "params": {**params, "context": {**context, "triggerKind": known.value}}}
 
     def _send_data(self, data: Any) -> None:
         if not self._exited:

@@ -121,6 +121,7 @@ class M31rLanguageServer(LanguageServer):
             self.base = new
         self.log_problems(problems)
         old, self.config = self.config, new
+        self.completer.reconfigured(old, new)
         if link_config(new) != link_config(old):
             await self.link.reconfigure(link_config(new))
             if new.enable and self.initialized:
