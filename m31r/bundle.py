@@ -36,6 +36,7 @@ from m31r.checksums import (
 from m31r.config import ConfigError, ModelConfig, load_config
 from m31r.model import expected_shapes
 from m31r.quant import INT4_GROUP_SIZES, METHODS, quantize_state_dict, quantized_tensor_specs
+from m31r.tokenizer import guard_user_text
 
 FORMAT_VERSION = 1
 METADATA_KEYS = (
@@ -52,6 +53,8 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
 # metadata.json: the release's is 220 KB (its training record); one past this is no metadata, and is not parsed.
 MAX_METADATA_BYTES = 16 << 20
+# tokenizer.json: the release's is 1.1 MB, a 150k-entry Llama/Qwen one under 12 MB; one past this is not parsed.
+MAX_TOKENIZER_BYTES = 64 << 20
 ALIGN = 64  # tensor data offsets in model.safetensors; the int8 CPU kernel faults on weights below 16-byte alignment
 
 
@@ -326,19 +329,21 @@ def _check_metadata(f: Path, metadata: object) -> None:
         elif not isinstance(value, str) or (key in ("model_name", "model_version") and not value):
             raise BundleError(f"{f}: {key} must be a {'non-empty ' if key in ('model_name', 'model_version') else ''}"
                               f"string, got {value!r}")
+        elif key in ("model_name", "model_version") and not value.isprintable():
+            # (printed as they are by `bundle verify`, the daemon's status and logs: a newline or a terminal escape
+            # sequence would forge lines there)
+            raise BundleError(f"{f}: {key} must be printable text, got {value[:80]!r}")
 
 
 def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yaml") -> None:
     """Whether the tokenizer in `f` fits `config` (named `config_name` in messages); `bundle init --tokenizer` asks
     before it writes, so that a misfit is blamed on the user's files, not on the half-written bundle's."""
-    try:
-        tok = HFTokenizer.from_file(str(f))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise BundleError(f"{f}: cannot be loaded as a tokenizer: {e}") from None
+    tok = _read_tokenizer(f)
     # A tokenizer may be smaller than the embedding (imported checkpoints pad it to a round size; the engine never
     # emits the ids past it), never larger: every id it produces must have a row.
     size = tok.get_vocab_size(with_added_tokens=True)
-    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)
     if size > config.vocab_size:
         raise BundleError(f"{f}: tokenizer has {size} tokens but {config_name} vocab_size is {config.vocab_size}")
     if top >= config.vocab_size:
@@ -352,12 +357,58 @@ def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yam
             raise BundleError(f"{f}: special tokens {text!r} ({role}) and {ids[i]} have one id, {i}; the FIM format "
                               "needs them distinct")
         ids.setdefault(i, f"{text!r} ({role})")
+    _check_ids_distinct(f, vocab)
+    try:
+        guard_user_text(tok, config.special_tokens)
+    except ValueError as e:
+        raise BundleError(f"{f}: {e}") from None
+    _check_round_trip(f, tok)
+
+
+def _check_ids_distinct(f: Path, vocab: dict[str, int]) -> None:
+    """Refuse two vocabulary entries of one id (a hand-merged vocab): text encodes to it by either, and decodes as
+    one of them, so `ab` came back as `bb`, silently."""
+    if len(set(vocab.values())) == len(vocab):
+        return
+    seen: dict[int, str] = {}
+    for token, i in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])):
+        if i in seen:
+            raise BundleError(f"{f}: tokens {seen[i]!r} and {token!r} both have id {i}: text holding one would come "
+                              "back as the other")
+        seen[i] = token
+
+
+ROUND_TRIP = "fn main() {\n    let N = 1;\n}\n"  # code any tokenizer for it spells back exactly
+
+
+def _check_round_trip(f: Path, tok: HFTokenizer) -> None:
+    """Refuse a tokenizer whose decoder does not undo its encoding: one with its "decoder" missing or wrong showed
+    every completion as `fn Ġmain () Ġ{ Ċ`, silently."""
+    back = tok.decode(tok.encode(ROUND_TRIP, add_special_tokens=False).ids, skip_special_tokens=True)
+    if back != ROUND_TRIP:
+        raise BundleError(f"{f}: decodes {ROUND_TRIP!r} back as {back[:60]!r}: its normalizer or decoder does not "
+                          "give back the text it encodes (a missing or wrong \"decoder\"?)")
+
+
+def _read_tokenizer(f: Path) -> HFTokenizer:
+    """The tokenizer in `f`, read with a bound: the tokenizers library reads a file whole, however large."""
+    with open(f, "rb") as fh:
+        raw = fh.read(MAX_TOKENIZER_BYTES + 1)
+    if len(raw) > MAX_TOKENIZER_BYTES:
+        raise BundleError(f"{f}: over {MAX_TOKENIZER_BYTES >> 20} MiB, not a tokenizer a bundle ships: {RESTORE}")
+    try:
+        return HFTokenizer.from_str(raw.decode())
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{f}: cannot be loaded as a tokenizer: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise BundleError(f"{f}: cannot be loaded as a tokenizer: {e}") from None
 
 
 def _check_quantization(f: Path, q: object) -> None:
     if not isinstance(q, dict) or q.get("method") not in METHODS:
         raise BundleError(f"{f}: quantization must be {{\"method\": one of {', '.join(METHODS)}, ...}}, got {q!r}")
-    if q["method"] == "int4" and q.get("group_size") not in INT4_GROUP_SIZES:
+    # (an integer: 64.0 compares equal to 64, and was taken until a kernel refused the float deep in the engine)
+    if q["method"] == "int4" and not (type(q.get("group_size")) is int and q["group_size"] in INT4_GROUP_SIZES):
         raise BundleError(f"{f}: int4 quantization needs group_size in {INT4_GROUP_SIZES}, got {q.get('group_size')!r}")
 
 
@@ -403,7 +454,19 @@ def load_weights(bundle: Bundle) -> dict[str, torch.Tensor]:
         numel = (end - begin) // dtype.itemsize
         t = torch.frombuffer(mm, dtype=dtype, count=numel, offset=data_start + begin)
         tensors[name] = t.view(info["shape"])
+    _check_finite(bundle.weights_path, tensors)
     return tensors
+
+
+def _check_finite(f: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse NaN and infinite weights, which the model would turn into garbage silently. A tensor's min and max
+    are non-finite exactly when one of its values is (both propagate NaN): ~5 ms for the release's 29M weights once
+    mapped, where torch.isfinite takes ~0.5 s."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not all(map(math.isfinite, torch.aminmax(t))):
+            bad = torch.isnan(t).sum().item(), torch.isinf(t).sum().item()
+            raise BundleError(f"{f}: tensor {name} holds {bad[0]} NaN and {bad[1]} infinite values (a diverged "
+                              f"training run, or a damaged export): {RESTORE}")
 
 
 def init_bundle(

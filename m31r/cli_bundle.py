@@ -176,10 +176,12 @@ def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None,
 @click.argument("path", metavar="DIR", type=click.Path(path_type=Path))
 @user_errors
 def bundle_verify(path: Path) -> None:
-    """Check DIR end to end (checksums, config, tokenizer, tensor shapes) without loading the weights."""
-    from m31r.bundle import open_bundle
+    """Check DIR end to end: checksums, config, tokenizer, tensor shapes, and that every weight is a finite number."""
+    from m31r.bundle import load_weights, open_bundle
 
-    click.echo(bundle_summary(open_bundle(path)))
+    b = open_bundle(path)
+    load_weights(b)  # memory-mapped: reads the weights (the checksums just did) and refuses NaN or infinite ones
+    click.echo(bundle_summary(b))
 
 
 @bundle.command("import-hf")

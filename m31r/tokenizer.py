@@ -1,7 +1,8 @@
 """Tokenizer wrapper: user text never becomes control tokens, and decoding streams safely.
 
 Special tokens are matched only when prompts are built from ids; `encode` runs with
-`encode_special_tokens = True`, so source code containing `<|fim_prefix|>` stays plain text.
+`encode_special_tokens = True`, so source code containing `<|fim_prefix|>` stays plain text (whatever tokenizer.json
+marks special: see guard_user_text).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import functools
 import re
 from pathlib import Path
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|pad|>")
 # Role → text, as a model config names them by default.
@@ -34,6 +35,7 @@ class Tokenizer:
             if tid is None:
                 raise KeyError(f"special token {text!r} ({role}) is not in the tokenizer")
             ids[role] = tid
+        guard_user_text(hf, special)
         self.eos_id = ids["eos_token"]
         self.fim_prefix_id = ids["fim_prefix_token"]
         self.fim_suffix_id = ids["fim_suffix_token"]
@@ -184,6 +186,29 @@ class TextStream:
         self._ids = self._ids[len(self._ids) - self._pending :]
         self._sent, self._pending = self._tok.decode(self._ids), 0
         return text[same:]
+
+
+def guard_user_text(hf: HFTokenizer, special: dict[str, str]) -> None:
+    """Make `hf` encode user text as text only, whatever tokenizer.json says.
+
+    Its truncation or padding settings (an HF checkpoint's) would cut or pad the code around the cursor on every
+    encode, silently: prompts are laid out by token budgets instead. The config's special tokens become control
+    tokens only: an added token not marked special (Qwen2.5-Coder ships its FIM tokens so) or none at all is matched
+    in text, so a file containing `<|fim_middle|>` would give the model the marker itself, a prompt injected by file
+    content. Marked special, they are kept out of text by `encode_special_tokens`; ValueError where text still
+    encodes to one (merges that build it), which no marking prevents."""
+    hf.no_truncation()
+    hf.no_padding()
+    hf.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in special.values()])
+    flag, hf.encode_special_tokens = hf.encode_special_tokens, True
+    try:
+        ids = {hf.token_to_id(text) for text in special.values()}
+        for role, text in special.items():
+            if leaked := ids.intersection(hf.encode(text, add_special_tokens=False).ids):
+                raise ValueError(f"the text of {role} {text!r} encodes to control token id {min(leaked)} (the "
+                                 "vocabulary's merges build it), so a file containing it would be read as the marker")
+    finally:
+        hf.encode_special_tokens = flag
 
 
 @functools.cache
