@@ -12,7 +12,8 @@
 #   CONFIG   training config (default configs/train/gpu-mini.yaml). One scheduled by `minutes` gets the minutes
 #            the call has left once the corpus is tokenised, so its learning rate has decayed when the call ends.
 #   BUDGET   seconds from the start of this script to the end of its training (default 530; the call's limit is 600)
-#   MINUTES  for a config scheduled by steps: training minutes in this call (default 8)
+#   MINUTES  for a config scheduled by steps: training minutes in this call (default 8), fewer where BUDGET
+#            leaves fewer
 #   DEVICE, PYTHON  cuda and python3 by default (a dry run here: DEVICE=cpu PYTHON=.venv/bin/python)
 #   PACKED   the folder pack-device.sh filled (default .device; tests point it elsewhere)
 #   RUN      the run's folder under WORK (default run): a second name on a warm machine trains a second candidate
@@ -69,6 +70,19 @@ fi
 mkdir -p "$W/pkgs"
 ln -sfn "$PWD/protocol" "$W/pkgs/m31r_protocol"
 export PYTHONPATH=/tmp/site:$PWD:$W/pkgs
+# A torch that cannot reach the device (a CPU-only build, no driver) stops the call here, in seconds: found by the
+# trainer, it failed only after unpacking, tokenising and loading the corpus, and again in the retry without compile.
+"$PY" - <<PY
+import sys
+
+import torch
+
+try:
+    torch.zeros(1, device="$DEVICE")
+except Exception as e:
+    sys.exit(f"torch {torch.__version__} cannot use the device $DEVICE ({str(e).splitlines()[0]}): nothing was "
+             "unpacked or trained; run with a python whose torch can (PYTHON=)")
+PY
 
 if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   mkdir -p "$W/data/corpus"
@@ -109,7 +123,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
 fi
 
-"$PY" - <<PY
+trained=0
+"$PY" - <<PY || trained=$?
 import math, os, time, traceback
 from pathlib import Path
 
@@ -139,7 +154,7 @@ def left() -> float:
 def attempt(compile_: bool) -> dict:
     """Train with the config, its minutes set to what this call has left (on top of what the run has trained)."""
     spec = yaml.safe_load(config.read_text())
-    stop = None if spec.get("minutes") else $MINUTES
+    stop = min($MINUTES, max(0.1, left() - 0.4))  # a config scheduled by steps: MINUTES, never past BUDGET
     if spec.get("minutes"):
         before = torch.load(run / "ckpt.pt", weights_only=False)["state"]["seconds"] if (run / "ckpt.pt").exists() else 0
         spec["minutes"] = round(before / 60 + max(0.1, left() - 0.4), 2)  # 0.4: loading, evaluations, checkpoints
@@ -181,9 +196,20 @@ if rows:
           f"{med(2):.0f} of {med(3):.0f} MHz, power median {med(4):.0f} W, temperature median {med(5):.0f} C")
 PY
 fi
+# Training that failed (an error after some checkpoints, the retry's too) still sends the run's last checkpoint back:
+# the machine and the checkpoint are gone once the call ends.
+if [ "$trained" -ne 0 ] && [ ! -f "$R/ckpt.pt" ]; then
+  echo "training failed (status $trained) before its first checkpoint: no weights to send" >&2
+  exit "$trained"
+fi
 rm -rf "$W/shards"
 "$PY" -c "from pathlib import Path; from m31r.train.shards import write_shards; \
 write_shards(Path('$R/ckpt.pt'), Path('$W/shards'))"
 send_shards 0
-cp "$R/log.jsonl" "$OUT/"
+if [ -f "$R/log.jsonl" ]; then cp "$R/log.jsonl" "$OUT/"; fi
 echo "call: $(( $(date +%s) - START )) s"
+if [ "$trained" -ne 0 ]; then
+  echo "training failed (status $trained): sent the checkpoint of step $("$PY" -c "import json; \
+print(json.load(open('$W/shards/state.json'))['step'])") instead" >&2
+  exit "$trained"
+fi
