@@ -3,7 +3,9 @@
 Emacs and eglot come from Debian (`apt-get install emacs-nox elpa-eglot`; .ci/run installs them); the test skips
 only when there is no `emacs` on PATH. The suite checks m31r.el's settings, mode line and eglot registration, and
 its round trip starts the language server through eglot, asks for an inline completion at a cursor, toggles
-completions off and on, and shuts the server down.
+completions off and on, and shuts the server down. Through eglot it also accepts a completion with
+`completion-at-point` and takes it back with one `undo`, and checks what the user sees with no m31r program, with no
+daemon on the socket, and in a 2 MB file.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def test_emacs_suite_with_eglot_against_the_server(shared_daemon):
     ran = re.search(r"Ran (\d+) tests, (\d+) results as expected, 0 unexpected", out)
     assert ran and ran.group(1) == ran.group(2) and int(ran.group(1)) >= 7, out[-4000:]
     assert "skipped" not in out[ran.start():], out[-4000:]  # eglot present and the round trip ran
-    assert re.search(r"passed\s+\d+/\d+\s+m31r-eglot-roundtrip", out), out[-4000:]
+    for name in ("m31r-eglot-roundtrip", "m31r-eglot-accept-then-undo", "m31r-eglot-missing-program-says-so",
+                 "m31r-eglot-no-daemon-says-so-once", "m31r-eglot-large-file"):
+        assert re.search(rf"passed\s+\d+/\d+\s+{name}\b", out), out[-4000:]
 
 
 def test_m31r_el_byte_compiles_without_warnings(tmp_path):

@@ -273,11 +273,20 @@ Defined here so that this file compiles without lsp-mode."
 
 (defvar eglot-server-programs)
 
-(defun m31r--eglot-contact (&rest _)
-  "Eglot contact: (CLASS PROGRAM ARGS... :initializationOptions FN)."
-  (append (list 'm31r-eglot-server)
-          (m31r-command)
-          (list :initializationOptions (lambda (_server) (m31r-settings)))))
+(defun m31r--eglot-contact (&optional interactive &rest _)
+  "Eglot contact: (CLASS PROGRAM ARGS... :initializationOptions FN).
+INTERACTIVE is non-nil under \\[eglot]."
+  (let ((command (m31r-command)))
+    ;; Eglot itself reports a missing absolute path only as "Process EGLOT (...) not running".  Not checked: on a
+    ;; remote (TRAMP) buffer, where the program runs remotely, and under C-u M-x eglot, which lets one edit the command.
+    (unless (or (and interactive current-prefix-arg)
+                (file-remote-p default-directory)
+                (executable-find (car command)))
+      (user-error "M31R: cannot find the program %S: put m31r on PATH or set `m31r-executable'"
+                  (car command)))
+    (append (list 'm31r-eglot-server)
+            command
+            (list :initializationOptions (lambda (_server) (m31r-settings))))))
 
 ;;;###autoload
 (defun m31r-eglot-setup ()

@@ -66,12 +66,36 @@ function settled(client: LanguageClient, ms: number): Promise<boolean> {
   });
 }
 
+/** `m31r.path` and `m31r.socket` are "machine-overridable" (package.json): VS Code accepts them in a folder's
+ * `.vscode/settings.json` of a multi-root workspace without greying them out, but the one server of the window is
+ * started with the window's value. Say so rather than ignore them silently. */
+function ignoredFolderValues(): string[] {
+  if (!vscode.workspace.workspaceFile) return []; // a folder window: its folder settings are the workspace's
+  const out: string[] = [];
+  for (const folder of vscode.workspace.workspaceFolders ?? []) {
+    const cfg = vscode.workspace.getConfiguration(SECTION, folder.uri);
+    for (const key of ['path', 'socket']) {
+      if (cfg.inspect(key)?.workspaceFolderValue !== undefined) {
+        out.push(
+          `m31r.${key} in the folder settings of "${folder.name}" is ignored: one server serves the whole window, ` +
+            'set it in the user or workspace settings',
+        );
+      }
+    }
+  }
+  return out;
+}
+
 function readSnapshot(): Snapshot {
   const cfg = vscode.workspace.getConfiguration(SECTION);
   const home = os.homedir();
   const server = toServerSettings(cfg, home);
   const client = toClientSettings(cfg, home);
-  return { client: client.value, server: server.value, warnings: [...client.warnings, ...server.warnings] };
+  return {
+    client: client.value,
+    server: server.value,
+    warnings: [...client.warnings, ...server.warnings, ...ignoredFolderValues()],
+  };
 }
 
 /**

@@ -21,6 +21,11 @@ let controller;
 function resetFakes() {
   fake.user = {};
   fake.workspace = {};
+  fake.remote = false;
+  fake.remoteUser = {};
+  fake.workspaceFile = undefined;
+  fake.folders = [];
+  fake.folderSettings = {};
   fake.updates.length = 0;
   fake.updateDelayMs = 0;
   fake.updateError = undefined;
@@ -138,6 +143,71 @@ test('path, socket and languages shape the command line and selector', async () 
   assert.equal('path' in init, false);
   assert.equal('languages' in init, false);
   assert.ok(fake.messages.some(([kind, m]) => kind === 'warning' && /maxTokens/.test(m)));
+});
+
+test('remote window: local user path and socket do not apply there; remote user and workspace ones do', async () => {
+  const local = { 'm31r.path': '/Users/me/bin/m31r', 'm31r.socket': '/Users/me/m31rd.sock', 'm31r.maxTokens': 32 };
+  await closeController();
+  resetFakes();
+  fake.remote = true;
+  Object.assign(fake.user, local);
+  controller = ext.activate({ subscriptions: [] });
+  await controller.whenIdle();
+  // The local machine's files do not exist on the remote one: `m31r` from the remote PATH, the default socket.
+  assert.deepEqual(clients.at(-1).serverOptions, { command: 'm31r', args: ['lsp'] });
+  // Other (window-scoped) settings still follow the user from the local settings.
+  assert.equal(clients.at(-1).clientOptions.initializationOptions().maxTokens, 32);
+
+  fake.remoteUser['m31r.path'] = '/home/me/bin/m31r';
+  vscode.__fake.fireChange(['m31r.path']);
+  await controller.whenIdle();
+  assert.deepEqual(clients.at(-1).serverOptions, { command: '/home/me/bin/m31r', args: ['lsp'] });
+
+  // A workspace may still set them (trusted workspaces only: package.json's restrictedConfigurations).
+  fake.workspace['m31r.socket'] = '/srv/m31rd.sock';
+  vscode.__fake.fireChange(['m31r.socket']);
+  await controller.whenIdle();
+  assert.deepEqual(clients.at(-1).serverOptions, {
+    command: '/home/me/bin/m31r',
+    args: ['lsp', '--socket', '/srv/m31rd.sock'],
+  });
+
+  // In a local window the user settings apply as they are.
+  const { client } = await activate(local);
+  assert.deepEqual(client.serverOptions, {
+    command: '/Users/me/bin/m31r',
+    args: ['lsp', '--socket', '/Users/me/m31rd.sock'],
+  });
+});
+
+test("multi-root workspace: a folder's m31r.path or m31r.socket is ignored, and the user is told once", async () => {
+  await closeController();
+  resetFakes();
+  fake.workspaceFile = { toString: () => 'file:///w/all.code-workspace' };
+  fake.folders = [
+    { name: 'app', uri: { toString: () => 'file:///w/app' } },
+    { name: 'lib', uri: { toString: () => 'file:///w/lib' } },
+  ];
+  fake.folderSettings = { lib: { 'm31r.path': '/opt/lib/m31r' } };
+  controller = ext.activate({ subscriptions: [] });
+  await controller.whenIdle();
+  assert.deepEqual(clients.at(-1).serverOptions, { command: 'm31r', args: ['lsp'] });
+  const told = fake.messages.filter(([kind, m]) => kind === 'warning' && /m31r\.path/.test(m));
+  assert.equal(told.length, 1);
+  assert.match(told[0][1], /"lib".*ignored/);
+  // Another change repeats nothing.
+  fake.user['m31r.maxTokens'] = 10;
+  vscode.__fake.fireChange(['m31r.maxTokens']);
+  await controller.whenIdle();
+  assert.equal(fake.messages.filter(([kind, m]) => kind === 'warning' && /m31r\.path/.test(m)).length, 1);
+  // A folder window: the folder's settings are the workspace's, nothing to warn about.
+  await closeController();
+  resetFakes();
+  fake.folders = [{ name: 'lib', uri: { toString: () => 'file:///w/lib' } }];
+  fake.folderSettings = { lib: { 'm31r.path': '/opt/lib/m31r' } };
+  controller = ext.activate({ subscriptions: [] });
+  await controller.whenIdle();
+  assert.deepEqual(fake.messages.filter(([kind]) => kind === 'warning'), []);
 });
 
 test('didChangeConfiguration sends validated settings.m31r only', async () => {

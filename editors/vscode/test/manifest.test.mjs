@@ -55,19 +55,23 @@ test('beams is contributed as the code reads it', () => {
   assert.equal(props['m31r.minProbability'].default, s.DEFAULTS.minProbability);
 });
 
-test('no setting offers a folder-level value: one language server per window reads the window-level one', () => {
+test('settings are read at the window level; path and socket are per machine', () => {
   // The extension reads `getConfiguration('m31r')` without a resource, i.e. the window's value: one `m31r lsp` serves
-  // every folder of a multi-root workspace. A folder-level value (in a folder's .vscode/settings.json) would be silently
-  // ignored, so no setting may have a scope VS Code lets a folder set: "resource", "language-overridable" and
-  // "machine-overridable" (FOLDER_SCOPES in src/vs/workbench/services/configuration/common/configuration.ts). No scope
-  // at all means "window".
-  const folderScopes = new Set(['resource', 'language-overridable', 'machine-overridable']);
+  // every folder of a multi-root workspace. No setting but path and socket may have a scope VS Code lets a folder set
+  // ("resource", "language-overridable"; FOLDER_SCOPES in
+  // src/vs/workbench/services/configuration/common/configuration.ts). No scope at all means "window".
+  const machine = new Set(['m31r.path', 'm31r.socket']);
   for (const [key, p] of Object.entries(props)) {
-    assert.ok(!folderScopes.has(p.scope), `${key} has scope ${JSON.stringify(p.scope)}: VS Code offers a folder value`);
+    if (machine.has(key)) continue;
+    assert.ok([undefined, 'window'].includes(p.scope), `${key} has scope ${JSON.stringify(p.scope)}`);
   }
-  // The server's command line comes from these two: a workspace may set them, a folder may not.
-  assert.equal(props['m31r.path'].scope, 'window');
-  assert.equal(props['m31r.socket'].scope, 'window');
+  // The server's command line names files on the machine the extension host runs on: in a remote window a value from
+  // the local user settings (a local absolute path) must not apply. VS Code reads local user settings there for
+  // LOCAL_MACHINE_SCOPES only (application, window, resource, language-overridable); "machine-overridable" is read
+  // from the remote user settings and, unlike "machine", from the workspace too (WORKSPACE_SCOPES), so a workspace may
+  // still set them. It is also kept out of Settings Sync, which would carry one machine's path to another.
+  assert.equal(props['m31r.path'].scope, 'machine-overridable');
+  assert.equal(props['m31r.socket'].scope, 'machine-overridable');
   // Their workspace values are not applied until the workspace is trusted.
   assert.deepEqual([...pkg.capabilities.untrustedWorkspaces.restrictedConfigurations].sort(), ['m31r.path', 'm31r.socket']);
 });

@@ -40,10 +40,18 @@ const StatusBarAlignment = { Left: 1, Right: 2 };
 const LogLevel = { Off: 0, Trace: 1, Debug: 2, Info: 3, Warning: 4, Error: 5 };
 
 const state = {
-  /** Flat user settings, e.g. {'m31r.path': 'x'}. */
+  /** Flat (local) user settings, e.g. {'m31r.path': 'x'}. */
   user: {},
   /** Flat workspace settings. */
   workspace: {},
+  /** A remote window (SSH, WSL, container), and its remote user settings (the *Remote* tab). */
+  remote: false,
+  remoteUser: {},
+  /** A multi-root workspace's file (undefined: a folder window), its folders ({name, uri}) and their flat settings
+   * by folder name. */
+  workspaceFile: undefined,
+  folders: [],
+  folderSettings: {},
   updates: [],
   /** Milliseconds update() takes to write, and an error it fails with (tests set them). */
   updateDelayMs: 0,
@@ -56,9 +64,23 @@ const state = {
 
 const configChanged = new EventEmitter();
 
+// Each setting's contributed scope, as VS Code registers it from package.json (none means "window").
+const scopes = Object.fromEntries(
+  Object.entries(require('../../package.json').contributes.configuration.properties).map(([k, p]) => [
+    k,
+    p.scope ?? 'window',
+  ]),
+);
+// In a remote window VS Code reads only these scopes from the local user settings (LOCAL_MACHINE_SCOPES in
+// src/vs/workbench/services/configuration/common/configuration.ts); a "machine" or "machine-overridable" value
+// there does not apply.
+const LOCAL_MACHINE_SCOPES = new Set(['application', 'window', 'resource', 'language-overridable']);
+
 function lookup(key) {
-  if (Object.prototype.hasOwnProperty.call(state.workspace, key)) return state.workspace[key];
-  if (Object.prototype.hasOwnProperty.call(state.user, key)) return state.user[key];
+  const has = (bag) => Object.prototype.hasOwnProperty.call(bag, key);
+  if (has(state.workspace)) return state.workspace[key];
+  if (state.remote && has(state.remoteUser)) return state.remoteUser[key];
+  if (has(state.user) && (!state.remote || LOCAL_MACHINE_SCOPES.has(scopes[key] ?? 'window'))) return state.user[key];
   return undefined;
 }
 
@@ -69,8 +91,16 @@ function fireChange(keys) {
 }
 
 const workspace = {
-  getConfiguration(section) {
+  get workspaceFile() {
+    return state.workspaceFile;
+  },
+  get workspaceFolders() {
+    return state.folders.length ? state.folders : undefined;
+  },
+  getConfiguration(section, scope) {
     const full = (key) => (section ? `${section}.${key}` : key);
+    const folder = scope && state.folders.find((f) => f.uri === scope);
+    const folderBag = (folder && state.folderSettings[folder.name]) || {};
     return {
       get: (key, dflt) => {
         const v = lookup(full(key));
@@ -81,6 +111,7 @@ const workspace = {
         key: full(key),
         globalValue: state.user[full(key)],
         workspaceValue: state.workspace[full(key)],
+        workspaceFolderValue: folderBag[full(key)],
       }),
       update: async (key, value, target) => {
         // VS Code writes settings.json asynchronously (in order); the change event follows the write.
