@@ -224,13 +224,14 @@ def test_no_daemon_is_a_503(tmp_path):
 
 class WritingDaemon(StalledDaemon):
     """Speaks the daemon's protocol and answers every Fim with `pieces` as Token frames, `delay` seconds apart, then
-    Done; a Cancel stops it (the Cancel is recorded)."""
+    Done; a Cancel stops it (the Cancel is recorded). With `hold` it sends that many pieces, then waits (up to 10 s)
+    for a Cancel before going on: a test of a cut can then tell a cancelled request from one that had already ended."""
 
     model = "scripted"
     capabilities = ("context",)
 
-    def __init__(self, path: Path, pieces: list[str], delay: float = 0.0):
-        self.pieces, self.delay = pieces, delay
+    def __init__(self, path: Path, pieces: list[str], delay: float = 0.0, hold: int | None = None):
+        self.pieces, self.delay, self.hold = pieces, delay, hold
         self.cancelled: set[int] = set()
         super().__init__(path)
 
@@ -244,6 +245,8 @@ class WritingDaemon(StalledDaemon):
     def _write(self, req: pm.Fim, send: Callable[[object], None]) -> None:
         for i, piece in enumerate(self.pieces):
             time.sleep(self.delay)
+            if i == self.hold:
+                _eventually(lambda: req.id in self.cancelled, timeout=10.0)
             if req.id in self.cancelled:
                 return
             send(pm.Token(id=req.id, text=piece, token=i))
@@ -256,8 +259,8 @@ BLOCK = ["x = 1;", "\n", "        ", "y = 2;\n", "    ", "}", "\n", "z();\n"]  #
 
 @pytest.fixture
 def writing(tmp_path):
-    def make(pieces: list[str], delay: float = 0.0) -> tuple[Server, WritingDaemon]:
-        daemon = WritingDaemon(tmp_path / f"w{len(made)}.sock", pieces, delay)
+    def make(pieces: list[str], delay: float = 0.0, hold: int | None = None) -> tuple[Server, WritingDaemon]:
+        daemon = WritingDaemon(tmp_path / f"w{len(made)}.sock", pieces, delay, hold)
         srv = Server(tmp_path, daemon.path)
         made.append((srv, daemon))
         return srv, daemon
@@ -274,7 +277,7 @@ def test_n_indent_ends_before_a_line_indented_less(writing, stream):
     """n_indent 8 (the cursor line's indentation, as the plugins send it): the answer ends before the first line
     indented less, which is left out whole; a stream never sends any of it (the line's whitespace is held until
     its indentation is known); the daemon's request is cancelled there."""
-    srv, daemon = writing(BLOCK)
+    srv, daemon = writing(BLOCK, hold=6)  # the adapter has what it needs after six pieces
     body = {"input_prefix": "fn f() {\n    if a {\n", "prompt": "        ", "input_suffix": "\n}\n", "n_indent": 8,
             "stream": stream}
     r = httpx.post(f"{srv.url}/infill", json=body, timeout=30)
