@@ -4,7 +4,8 @@ Each check is a plain function of a Context that returns one Check (or None: not
 that is not installed). warn means "works, but slower or not set up"; only fail makes the command exit non-zero.
 The checks reuse the code that decides at run time (m31r.native, m31r.engine.fast_bf16, m31r.bundle,
 m31rd.sockets.check_folder, the blocking status client, m31rd.service), so doctor says what the daemon would do.
-torch is imported only by the checks that need it (kernels, bf16, bundle); no model is loaded.
+torch is imported only by the checks that need it (kernels, bf16, bundle); no model is built (the bundle's
+weights are mapped, to check that they are finite).
 """
 
 from __future__ import annotations
@@ -191,10 +192,11 @@ def check_settings(ctx: Context) -> Check:
 
 
 def check_bundle(ctx: Context) -> Check:
-    from m31r.bundle import BundleError, open_bundle
+    from m31r.bundle import BundleError, load_weights, open_bundle
 
     try:
-        b = open_bundle(ctx.bundle)  # checksums, config, tokenizer, tensor shapes; the weights are not loaded
+        b = open_bundle(ctx.bundle)  # checksums, config, tokenizer, tensor shapes
+        load_weights(b)  # mapped, not copied: only so that NaN or infinite weights fail here as they would at load
     except (BundleError, OSError, ValueError) as e:
         return Check("bundle", "fail", f"{ctx.bundle} ({ctx.bundle_source}): {e}")
     meta = b.metadata

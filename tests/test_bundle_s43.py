@@ -171,6 +171,16 @@ def test_the_daemon_refuses_non_finite_weights_in_one_line(copy: Path) -> None:
                                                    "layers.0.attention.wqkv.weight holds 1 NaN and 0 infinite"), err
 
 
+def test_doctor_fails_non_finite_weights(copy: Path, tmp_path: Path) -> None:
+    """doctor opened the bundle without its weights, and called a NaN bundle ok that the daemon then refused."""
+    _poison(copy, "layers.0.attention.wqkv.weight", float("inf"))
+    r = CliRunner().invoke(main, ["doctor", "--bundle", str(copy), "--socket", str(tmp_path / "s.sock"), "--json"],
+                           catch_exceptions=False)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "bundle"]
+    assert r.exit_code == 1 and check["level"] == "fail", r.output
+    assert "tensor layers.0.attention.wqkv.weight holds 0 NaN and 1 infinite" in check["detail"], check
+
+
 def test_non_finite_quantization_scales_are_refused(tiny_bundle: Bundle, tmp_path: Path) -> None:
     q = quantize_bundle(tiny_bundle.path, tmp_path / "q", "int8")
     scale = next(k for k, v in load_weights(q).items() if v.is_floating_point() and v.dim() == 1 and "norm" not in k)
