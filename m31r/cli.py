@@ -170,7 +170,8 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
 @click.option("--read-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               callback=a_number,
               help="Seconds a frame may take to arrive once its first byte has (0: no limit); a connection that "
-                   "stalls mid-frame gets an error and is closed. Idle connections are never timed out.")
+                   "stalls mid-frame gets an error and is closed. A new connection must begin its Hello within this "
+                   "time (10 s when 0); connections idle after their Hello are never timed out.")
 @click.option("--max-active", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests advanced together (each holds a cache slot; bounded by --cache-mb).")
 @click.option("--decode-width", type=click.IntRange(min=1), default=8, show_default=True,
