@@ -25,12 +25,13 @@ def augments(item: t.InlineCompletionItem, selected: t.SelectedCompletionInfo) -
 
 
 async def test_a_suggestion_beside_the_menu_may_replace_the_closers_after_the_cursor(lsp):
-    """`v.le|)` (the editor typed the `)`) with `len` selected in the menu: the suggestion for `v.len|)` writes its own
-    `)` and so replaces the one there, up to the line's end. The server dropped every such suggestion (it answered only
+    """`dbg!(v.le|)` (the editor typed the `)`) with `len` selected in the menu: the suggestion for `v.len|)` writes its
+    own `)` and so replaces the one there, up to the line's end (a `)` that closes nothing open would be cut,
+    so the `(` is there). The server dropped every such suggestion (it answered only
     those ending at the cursor), so the user saw no ghost text beside the menu; now it comes over the item's range and
     the closers, which VS Code takes (the range may extend past the item's)."""
     s = await lsp({**NOISE, "multiline": "never", "maxTokens": 24, "seed": 8})  # (a seed whose answer holds a `)`)
-    text = "fn main() {\n    let v = vec![1];\n    let n = v.le)\n}\n"
+    text = "fn main() {\n    let v = vec![1];\n    let n = dbg!(v.le)\n}\n"
     s.open(text)
     cursor = text.index("v.le)") + len("v.le")
     start = cursor - len("le")
