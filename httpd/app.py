@@ -343,7 +343,8 @@ class CompletionRenderer(Renderer):
 
     def response(self, g: Generation) -> s.CompletionResponse:
         r = _result(g)
-        unsure = not policy.confident(r.line_logprob, self.min_probability)
+        unsure = not policy.confident(policy.first_line_logprob(g.text, r.line_logprob, r.logprob_by_line),
+                                      self.min_probability)
         sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability)
         sug = None if unsure else policy.postprocess(self.plan, sure)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)

@@ -258,7 +258,8 @@ class Completer:
         if got is None or not self._fresh(uri, version):
             return None
         raw, done = got
-        if not policy.confident(done.line_logprob, s.min_probability):
+        if not policy.confident(policy.first_line_logprob(raw, done.line_logprob, done.logprob_by_line),
+                                s.min_probability):
             self.stats["unsure"] += 1
             if not invoked:
                 return None

@@ -397,16 +397,18 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                     "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}
                                   if opts["logprobs"] is not None else {})}))
     else:
-        from m31r_protocol.policy import MIN_PROBABILITY, confident
+        from m31r_protocol.policy import MIN_PROBABILITY, confident, first_line_logprob
 
         written = "".join(text)
         if not written:  # an empty stdout says nothing by itself
             click.echo(f"(no completion: the model wrote nothing here; finish_reason {done.finish_reason})", err=True)
             return
-        unsure = not confident(done.line_logprob, MIN_PROBABILITY)
+        first = first_line_logprob(written, done.line_logprob, done.logprob_by_line)
+        unsure = not confident(first, MIN_PROBABILITY)
         _end_open_line(written, both=unsure)
         if unsure:
-            _say_unsure(done.line_logprob)
+            assert first is not None  # (confident says yes without a figure)
+            _say_unsure(first)
 
 
 def _end_open_line(written: str, both: bool) -> None:

@@ -9,6 +9,7 @@ Pure functions and dataclasses over a document string and a cursor offset; no ed
     typed_through(shown, text, offset) → the shown suggestion still valid after the user typed part of it
     confident(line_logprob, min_probability) → whether a suggestion is likely enough to show
     confident_lines(raw, logprob_by_line, min_probability) → a completion cut to the lines likely enough to show
+    first_line_logprob(raw, line_logprob, logprob_by_line) → what `confident` judges: the first line shown's figure
     accepted_state(shown)         → (text, offset) of the document once the suggestion is accepted
 
 Rules (what editor users expect from ghost text):
@@ -684,22 +685,40 @@ def confident(line_logprob: float | None, min_probability: float) -> bool:
     return line_logprob is None or min_probability <= 0 or line_logprob >= math.log(min_probability)
 
 
+def _first_shown_lines(raw: str) -> int:
+    """The lines of `raw` up to and including its first with text: the line an editor shows first, after the line
+    breaks a completion at a line's end begins with ("\n    body();")."""
+    for i, line in enumerate(raw.split("\n")):
+        if line.strip():
+            return i + 1
+    return 1
+
+
+def first_line_logprob(raw: str, line_logprob: float | None, logprob_by_line: list[float]) -> float | None:
+    """The log-probability of the first line an editor shows of `raw` (what `confident` gates): Done.line_logprob,
+    or, where `raw` begins with blank lines, theirs and its first line with text's summed. Gated on line_logprob
+    alone, such a completion was judged by its line break, near certain, and confident_lines then cut the line after
+    it: nothing shown, not even to a user who asked for a suggestion (an invoked request shows an unsure one)."""
+    n = _first_shown_lines(raw)
+    if n == 1 or len(logprob_by_line) < n:
+        return line_logprob
+    return sum(logprob_by_line[:n])
+
+
 def confident_lines(raw: str, logprob_by_line: list[float], min_probability: float) -> str:
     """`raw` cut before the line at which the model's probability of its lines so far (Done.logprob_by_line summed)
-    falls under `min_probability`; the first line is kept (`confident` is its gate). The floor that decides whether a
-    suggestion shows thus also decides how much of it: on the held-out crates, cut at the editors' 0.05 the shown
-    multi-line suggestions kept every right line and lost two thirds of the wrong ones (README "Confidence").
-    Lines without a figure (an older daemon) are kept."""
+    falls under `min_probability`; the first line shown is kept (`confident` of first_line_logprob is its gate), with
+    the blank lines before it. The floor that decides whether a suggestion shows thus also decides how much of it: on
+    the held-out crates, cut at the editors' 0.05 the shown multi-line suggestions kept every right line and lost two
+    thirds of the wrong ones (README "Confidence"). Lines without a figure (an older daemon) are kept."""
     if min_probability <= 0 or len(logprob_by_line) < 2:
         return raw
-    floor, total, end = math.log(min_probability), logprob_by_line[0], raw.find("\n")
-    for lp in logprob_by_line[1:]:
-        total += lp
-        if end < 0:
-            return raw
+    floor, lines, keep = math.log(min_probability), raw.split("\n"), _first_shown_lines(raw)
+    total = sum(logprob_by_line[:keep])
+    for i in range(keep, min(len(lines), len(logprob_by_line))):
+        total += logprob_by_line[i]
         if total < floor:
-            return raw[:end]
-        end = raw.find("\n", end + 1)
+            return "\n".join(lines[:i])
     return raw
 
 

@@ -159,3 +159,22 @@ def test_a_long_prefix_is_read_from_its_last_top_level_item():
     indented = "mod m {\n" + "".join(f"    fn f{i}() {{ g({i}); }}\n" for i in range(policy.SCAN_CHARS // 16))
     assert apply(indented + "    fn h() {\n        let y = f(x█\n    }\n}\n", "));") == (
         indented + "    fn h() {\n        let y = f(x));\n    }\n}\n")
+
+
+def test_a_completion_that_begins_with_a_line_break_is_judged_by_its_first_line_with_text():
+    """At a line's end the model often begins with the line break: Done.line_logprob is that break's (near certain),
+    and confident_lines then cut the unlikely line after it, so nothing showed, even to a user who asked (an invoked
+    request shows its best unsure suggestion). The gate is now the first line with text, with the breaks before it."""
+    raw, by_line = "\n    return t;\n}", [-0.01, -4.0, -0.1]
+    first = policy.first_line_logprob(raw, by_line[0], by_line)
+    assert first == pytest.approx(-4.01) and not policy.confident(first, 0.05)
+    assert policy.confident_lines(raw, by_line, 0.05) == "\n    return t;"  # kept whole when the gate lets it through
+    # a completion that begins with text: the daemon's figure, and the cut as before
+    assert policy.first_line_logprob("a;\nb;", -0.5, [-0.5, -9.0]) == -0.5
+    assert policy.confident_lines("a;\nb;", [-0.5, -9.0], 0.05) == "a;"
+    # blank lines, then a likely one: shown, and the cut goes on after it
+    assert policy.confident(policy.first_line_logprob("\n\n    x;\n    y;", -0.1, [-0.1, -0.2, -0.3, -8.0]), 0.05)
+    assert policy.confident_lines("\n\n    x;\n    y;", [-0.1, -0.2, -0.3, -8.0], 0.05) == "\n\n    x;"
+    # an older daemon without line figures: its line_logprob, and nothing cut
+    assert policy.first_line_logprob("\n    x;", -0.2, []) == -0.2
+    assert policy.confident_lines("\n    x;", [], 0.05) == "\n    x;"
