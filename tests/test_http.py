@@ -802,6 +802,10 @@ def test_a_daemon_full_of_other_clients_requests_is_a_503(http, daemon):
     async def go() -> httpx.Response:
         async with await Client.connect(daemon["sock"]) as c:
             streams = [await c.generate(f"fn f{i}() {{", max_tokens=400) for i in range(16)]  # its --max-queue
+            # (the daemon reads one frame a turn, another connection's between them: wait until all 16 are in)
+            async with asyncio.timeout(30):
+                while (await c.status()).queue < 16:
+                    await asyncio.sleep(0.01)
             r = await asyncio.to_thread(http.post, "/v1/completions", json={"prompt": "fn", "max_tokens": 2})
             for st in streams:
                 await st.cancel()

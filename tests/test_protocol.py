@@ -569,10 +569,13 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
 
     class StubDaemon:
         enc, dec = m.encoder(), m.client_decoder()
-        read_timeout = None
+        read_timeout = hello_s = None
 
         def welcome(self) -> m.Welcome:
             return WELCOME
+
+        def reading_frame(self, size: int) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
 
         def drop_waiting(self, conn: Connection) -> None:
             pass
@@ -580,6 +583,10 @@ async def test_daemon_refuses_a_hello_of_another_version() -> None:
     class Writer:
         def __init__(self) -> None:
             self.data, self.closed = bytearray(), False
+            self.transport = self
+
+        def get_write_buffer_size(self) -> int:
+            return 0
 
         def get_extra_info(self, name: str) -> None:
             return None
