@@ -224,8 +224,9 @@ def test_no_daemon_is_a_503(tmp_path):
 
 class WritingDaemon(StalledDaemon):
     """Speaks the daemon's protocol and answers every Fim with `pieces` as Token frames, `delay` seconds apart, then
-    Done; a Cancel stops it (the Cancel is recorded). With `hold` it sends that many pieces, then waits (up to 10 s)
-    for a Cancel before going on: a test of a cut can then tell a cancelled request from one that had already ended."""
+    Done; a Cancel stops it (the Cancel is recorded). With `hold` it sends the first request that many pieces, then
+    waits (up to 10 s) for a Cancel before going on: a test of a cut can then tell a cancelled request from one
+    that had already ended."""
 
     model = "scripted"
     capabilities = ("context",)
@@ -245,7 +246,7 @@ class WritingDaemon(StalledDaemon):
     def _write(self, req: pm.Fim, send: Callable[[object], None]) -> None:
         for i, piece in enumerate(self.pieces):
             time.sleep(self.delay)
-            if i == self.hold:
+            if i == self.hold and req.id == min(r.id for r in self.received if isinstance(r, pm.Fim)):
                 _eventually(lambda: req.id in self.cancelled, timeout=10.0)
             if req.id in self.cancelled:
                 return
