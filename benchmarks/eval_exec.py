@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,16 +138,27 @@ def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tu
 
 def score(problems: list[Problem], predictions: list[str], rustc: str, log,
           shown: list[bool] | None = None) -> list[Outcome]:
-    out = []
+    """Each prediction compiled and tested, one program per CPU at a time (rustc compiles a small one on one core),
+    each in a folder of its own."""
     shown = shown if shown is not None else [True] * len(problems)
+    pairs = list(zip(problems, predictions, strict=True))
     with tempfile.TemporaryDirectory(prefix="m31r-exec-") as tmp:
-        for k, (pr, pred) in enumerate(zip(problems, predictions, strict=True)):
-            compiles, passes, error = run_program(pr.program(pred), Path(tmp), rustc)
-            p, g = normalize(pred), normalize(pr.middle)
-            out.append(Outcome(pr.name, pr.kind, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles,
-                               passes, error, shown[k]))
-            if (k + 1) % 20 == 0:
-                log(f"  {k + 1}/{len(problems)} compiled and tested")
+        def one(k: int) -> tuple[bool, bool, str]:
+            work = Path(tmp) / str(k)
+            work.mkdir()
+            return run_program(pairs[k][0].program(pairs[k][1]), work, rustc)
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            built = []
+            for k, result in enumerate(pool.map(one, range(len(pairs)))):
+                built.append(result)
+                if (k + 1) % 20 == 0:
+                    log(f"  {k + 1}/{len(problems)} compiled and tested")
+    out = []
+    for k, ((pr, pred), (compiles, passes, error)) in enumerate(zip(pairs, built, strict=True)):
+        p, g = normalize(pred), normalize(pr.middle)
+        out.append(Outcome(pr.name, pr.kind, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles,
+                           passes, error, shown[k]))
     return out
 
 
