@@ -69,6 +69,11 @@ class Job:
     task: asyncio.Task[Result | None]
     waiters: int = 0
 
+    @property
+    def shape(self) -> tuple:
+        """The settings' shape it was asked under (EditorSettings.shape)."""
+        return self.key[4]
+
 
 @dataclass
 class DocState:
@@ -128,7 +133,7 @@ class Completer:
                 self.closed(uri)
         elif old.shape() != new.shape():
             for st in self.docs.values():
-                if st.job is not None and st.job.key[4] != new.shape():
+                if st.job is not None and st.job.shape != new.shape():
                     self._stop(st, "reshaped")
 
     def _stop(self, st: DocState, why: str) -> None:
@@ -187,7 +192,7 @@ class Completer:
             result = await asyncio.shield(job.task)
             # (settings changed between the job's end and this handler's turn: `reconfigured` came too late for it)
             now = self.settings()
-            return result if now.enable and now.shape() == job.key[4] else None
+            return result if now.enable and now.shape() == job.shape else None
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me is not None and me.cancelling():  # this request was cancelled ($/cancelRequest, shutdown)

@@ -267,11 +267,17 @@ def _open_bundle(path: Path, verify: bool) -> Bundle:
     return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path))
 
 
-def _read_metadata(f: Path) -> object:
+def _read_capped(f: Path, cap: int, what: str) -> bytes:
+    """`f`'s bytes, refused past `cap` without reading the rest: a bundle's small files are parsed whole."""
     with open(f, "rb") as fh:
-        raw = fh.read(MAX_METADATA_BYTES + 1)
-    if len(raw) > MAX_METADATA_BYTES:
-        raise BundleError(f"{f}: over {MAX_METADATA_BYTES >> 20} MiB, not a bundle's metadata: {RESTORE}")
+        raw = fh.read(cap + 1)
+    if len(raw) > cap:
+        raise BundleError(f"{f}: over {cap >> 20} MiB, not {what}: {RESTORE}")
+    return raw
+
+
+def _read_metadata(f: Path) -> object:
+    raw = _read_capped(f, MAX_METADATA_BYTES, "a bundle's metadata")
     try:
         return json.loads(raw)
     except ValueError as e:
@@ -392,10 +398,7 @@ def _check_round_trip(f: Path, tok: HFTokenizer) -> None:
 
 def _read_tokenizer(f: Path) -> HFTokenizer:
     """The tokenizer in `f`, read with a bound: the tokenizers library reads a file whole, however large."""
-    with open(f, "rb") as fh:
-        raw = fh.read(MAX_TOKENIZER_BYTES + 1)
-    if len(raw) > MAX_TOKENIZER_BYTES:
-        raise BundleError(f"{f}: over {MAX_TOKENIZER_BYTES >> 20} MiB, not a tokenizer a bundle ships: {RESTORE}")
+    raw = _read_capped(f, MAX_TOKENIZER_BYTES, "a tokenizer a bundle ships")
     try:
         return HFTokenizer.from_str(raw.decode())
     except UnicodeDecodeError as e:

@@ -33,7 +33,7 @@ from m31r.config import load_config
 from m31r.context import context_budget, context_ids
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
 from m31r_protocol import messages as m
-from m31r_protocol.framing import HEADER, FrameTimeout, FrameTooLarge, pack
+from m31r_protocol.framing import FrameNotBegun, FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.limits import MAX_FRAME_BYTES, MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
 from m31r_protocol.peer import peer_uid
 from m31r_protocol.version import VERSION
@@ -323,12 +323,6 @@ class InFlight:
         self.cancellation.cancel(reason, code)
 
 
-class NoHello(Exception):
-    def __init__(self, within: float):
-        self.within = within
-        super().__init__(f"no hello began within {within:g} s of connecting")
-
-
 class ReadRefused(Exception):
     """A large frame that would take the bytes being read past READING_BYTES: refused before its body is read."""
 
@@ -399,8 +393,9 @@ class Connection:
             self.send(m.Error(id=None, code="frame_too_large", message=str(e)))
         except FrameTimeout as e:  # a client that stalls mid-frame would hold this connection forever
             self.send(m.Error(id=None, code="bad_request", message=f"{e} (--read-timeout); closing the connection"))
-        except NoHello as e:  # nor may one that never says who it is
-            self.send(m.Error(id=None, code="bad_request", message=f"{e} (--read-timeout); closing the connection"))
+        except FrameNotBegun as e:  # nor may one that never says who it is (only the Hello has a deadline to begin)
+            self.send(m.Error(id=None, code="bad_request", message=(
+                f"no hello began within {e.timeout:g} s of connecting (--read-timeout); closing the connection")))
         except ReadRefused as e:
             self.send(m.Error(id=None, code="busy", message=f"{e}; closing the connection"))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -415,29 +410,11 @@ class Connection:
             await self._close()
 
     async def _read(self, begin_within: float | None = None) -> bytes | None:
-        """The next frame's body, or None at a clean end of stream (m31r_protocol.framing.read_frame's contract).
-        A frame must begin within `begin_within` seconds (NoHello past it; None: no limit, as between requests),
-        and arrive whole within --read-timeout of its first byte (FrameTimeout). A large frame's body counts
-        against the daemon's READING_BYTES while it arrives (Daemon.reading_frame)."""
-        timeout = self.daemon.read_timeout
-        try:
-            async with asyncio.timeout(begin_within):
-                first = await self.reader.readexactly(1)
-        except asyncio.IncompleteReadError:
-            return None
-        except TimeoutError:
-            raise NoHello(begin_within or 0.0) from None
-        try:
-            async with asyncio.timeout(timeout):
-                (size,) = HEADER.unpack(first + await self.reader.readexactly(HEADER.size - 1))
-                if size > MAX_FRAME_BYTES:
-                    raise FrameTooLarge(size, MAX_FRAME_BYTES)
-                with self.daemon.reading_frame(size):
-                    return await self.reader.readexactly(size)
-        except TimeoutError:
-            if timeout is None:
-                raise
-            raise FrameTimeout(timeout) from None
+        """The next frame (read_frame's contract): whole within --read-timeout of its first byte, begun within
+        `begin_within` seconds (the Hello's), a large one's body counted against READING_BYTES
+        (Daemon.reading_frame)."""
+        return await read_frame(self.reader, timeout=self.daemon.read_timeout, begin_within=begin_within,
+                                reserve=self.daemon.reading_frame)
 
     async def _handshake(self) -> bool:
         body = await self._read(begin_within=self.daemon.hello_s)

@@ -12,6 +12,8 @@ from m31r_protocol.limits import MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
 HEADER = struct.Struct(">I")
 
@@ -32,27 +34,42 @@ class FrameTimeout(Exception):
         super().__init__(f"a frame began to arrive but was not complete after {timeout:g} s")
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES,
-                     timeout: float | None = None) -> bytes | None:
+class FrameNotBegun(Exception):
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        super().__init__(f"no frame began within {timeout:g} s")
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES, timeout: float | None = None, *,
+                     begin_within: float | None = None,
+                     reserve: Callable[[int], AbstractContextManager[object]] | None = None) -> bytes | None:
     """The next frame's body, or None at a clean end of stream (EOF between frames).
 
     Raises asyncio.IncompleteReadError on a frame cut short, FrameTooLarge before reading an oversize body, and
     FrameTimeout when `timeout` seconds pass between a frame's first byte and its last. Waiting for a first byte
-    has no limit: an idle connection between frames is fine, a half-sent frame is not.
+    has no limit unless `begin_within` sets one (FrameNotBegun past it): an idle connection between frames is fine,
+    a half-sent frame is not. `reserve(size)`, where given, is held while the body arrives (a reader's bound on the
+    bytes it buffers for all its connections: it may raise to refuse the body unread).
     """
     import asyncio  # here, not at the top: the blocking client must not pay for importing asyncio
 
     try:
-        first = await reader.readexactly(1)
+        async with asyncio.timeout(begin_within):
+            first = await reader.readexactly(1)
     except asyncio.IncompleteReadError:
         return None
+    except TimeoutError:
+        raise FrameNotBegun(begin_within or 0.0) from None
     try:
         async with asyncio.timeout(timeout):
             head = first + await reader.readexactly(HEADER.size - 1)
             (size,) = HEADER.unpack(head)
             if size > limit:
                 raise FrameTooLarge(size, limit)
-            return await reader.readexactly(size)
+            if reserve is None:
+                return await reader.readexactly(size)
+            with reserve(size):
+                return await reader.readexactly(size)
     except TimeoutError:
         if timeout is None:
             raise

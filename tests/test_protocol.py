@@ -19,7 +19,7 @@ import pytest
 
 from m31r_protocol import messages as m
 from m31r_protocol.client import Client, DaemonError, DaemonUnavailable, ForeignDaemon, connect_or_start
-from m31r_protocol.framing import HEADER, FrameTooLarge, pack, read_frame
+from m31r_protocol.framing import HEADER, FrameNotBegun, FrameTooLarge, pack, read_frame
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -70,6 +70,29 @@ async def test_frame_limit_is_inclusive() -> None:
     with pytest.raises(FrameTooLarge):
         await read_frame(feed(pack(b"y" * 17)), limit=16)
 
+
+
+async def test_a_frame_must_begin_within_begin_within_and_reserve_holds_its_body() -> None:
+    """The daemon's Hello deadline and its bound on bytes being read, as read_frame's hooks."""
+    with pytest.raises(FrameNotBegun) as e:
+        await read_frame(feed(b"", eof=False), begin_within=0.05)
+    assert e.value.timeout == 0.05
+    held: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def reserve(size: int):
+        held.append(("in", size))
+        yield
+        held.append(("out", size))
+
+    assert await read_frame(feed(pack(b"abc")), begin_within=1, reserve=reserve) == b"abc"
+    assert held == [("in", 3), ("out", 3)]
+
+    def refuse(size: int):
+        raise OverflowError(size)
+
+    with pytest.raises(OverflowError):  # refused before the body is read: none follows here, and none is awaited
+        await asyncio.wait_for(read_frame(feed(HEADER.pack(5), eof=False), reserve=refuse), 2)
 
 # -- messages -----------------------------------------------------------------------------------------------
 
