@@ -16,7 +16,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -64,6 +64,9 @@ class Bundle:
     config: ModelConfig
     metadata: dict
     fingerprint: str  # identifies these exact bytes: cache entries and clients key on it
+    # The tokenizer check_tokenizer parsed and checked (one capped read): what the engine serves, rather than a second,
+    # unbounded read of a file that may have changed since it was checked.
+    tokenizer: HFTokenizer = field(compare=False, repr=False)
 
     @property
     def weights_path(self) -> Path:
@@ -256,7 +259,7 @@ def _open_bundle(path: Path, verify: bool) -> Bundle:
     quantization = metadata.get("quantization")
     if quantization is not None:
         _check_quantization(path / "metadata.json", quantization)
-    check_tokenizer(path / "tokenizer.json", config)
+    tokenizer = check_tokenizer(path / "tokenizer.json", config)
     _check_weights(path / "model.safetensors", config, quantization)
     # Traceability: the recorded hashes must describe the files actually shipped (metadata.json names them).
     if metadata["config_hash"] != config.config_hash():
@@ -264,7 +267,7 @@ def _open_bundle(path: Path, verify: bool) -> Bundle:
     if metadata["tokenizer_hash"] != sha256_file(path / "tokenizer.json"):
         raise BundleError(f"{path / 'tokenizer.json'}: does not match tokenizer_hash in metadata.json")
     _check_fits(path / "config.yaml", config)
-    return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path))
+    return Bundle(path=path, config=config, metadata=metadata, fingerprint=fingerprint(path), tokenizer=tokenizer)
 
 
 def _read_capped(f: Path, cap: int, what: str) -> bytes:
@@ -341,8 +344,8 @@ def _check_metadata(f: Path, metadata: object) -> None:
             raise BundleError(f"{f}: {key} must be printable text, got {value[:80]!r}")
 
 
-def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yaml") -> None:
-    """Whether the tokenizer in `f` fits `config` (named `config_name` in messages); `bundle init --tokenizer` asks
+def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yaml") -> HFTokenizer:
+    """The tokenizer in `f`, once it fits `config` (named `config_name` in messages); `bundle init --tokenizer` asks
     before it writes, so that a misfit is blamed on the user's files, not on the half-written bundle's."""
     tok = _read_tokenizer(f)
     # A tokenizer may be smaller than the embedding (imported checkpoints pad it to a round size; the engine never
@@ -369,6 +372,7 @@ def check_tokenizer(f: Path, config: ModelConfig, config_name: str = "config.yam
     except ValueError as e:
         raise BundleError(f"{f}: {e}") from None
     _check_round_trip(f, tok)
+    return tok
 
 
 def _check_ids_distinct(f: Path, vocab: dict[str, int]) -> None:

@@ -284,7 +284,8 @@ class Engine:
                              f"(quantize the float bundle instead)")
         self.quant = stored.get("method") or quant
         self.group_size = stored.get("group_size") or group_size or DEFAULT_INT4_GROUP
-        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_path, self.config.special_tokens, self.config.vocab_size)
+        # The tokenizer open_bundle read (capped) and checked: the file is not parsed a second time.
+        self.tokenizer = Tokenizer(bundle.tokenizer, self.config.special_tokens, self.config.vocab_size)
         with torch.device("meta"):
             model = Transformer(self.config)
         kernels = native.load(self.dtype) if self.device.type == "cpu" else None

@@ -211,23 +211,39 @@ class Scheduler:
 
     def _run_calls(self, runs: list[_Run]) -> None:
         """Run the model call of every request waiting for one: one round's forward passes."""
-        decodes = [r for r in runs if isinstance(r.call, Decode | list)]
-        chunks = [r for r in runs if isinstance(r.call, Chunk)]
-        if not decodes and not chunks:
+        waiting = [r for r in runs if isinstance(r.call, Decode | list | Chunk)]
+        if not waiting:
             return
         self.rounds += 1
-        self.mixed_rounds += bool(decodes and chunks)
-        for run in decodes + chunks:
+        self.mixed_rounds += len({isinstance(r.call, Chunk) for r in waiting}) == 2  # chunks beside decode steps
+        for run in waiting:
             handle = run.request.cancellation
             handle.calls += 1
             handle.calls_after += handle.reason is not None
+        self._execute(waiting)
+
+    def _execute(self, runs: list[_Run]) -> None:
+        """One Engine.run for these requests' calls. Where it fails, the failure is not blamed on every request in it:
+        what the passes that did run recorded is rolled back and each request's call runs again by itself (the same
+        bits, as the engine shares passes only where a row's bits do not change), so a request whose call cannot run
+        (its cache cannot grow, say) fails alone, and its neighbours go on."""
+        decodes = [r for r in runs if isinstance(r.call, Decode | list)]
+        chunks = [r for r in runs if isinstance(r.call, Chunk)]
         rows = [r.call if isinstance(r.call, list) else [r.call] for r in decodes]
+        steps, prefills = [d for ds in rows for d in ds], [r.call for r in chunks]
+        marks = [(c.cache, len(c.cache.tokens), len(c.cache.chunks)) for c in (*steps, *prefills)]
         try:
-            decoded, chunked = self.engine.run([d for ds in rows for d in ds], [r.call for r in chunks])  # type: ignore[misc]
+            decoded, chunked = self.engine.run(steps, prefills)  # type: ignore[arg-type]
         except Exception as e:
             log.error("a model pass failed: %s", traceback.format_exc())
-            for run in decodes + chunks:
-                run.call, run.failure = None, f"inference failed: {e!r}"
+            for cache, n, k in marks:  # positions past these are written again by whatever runs next
+                del cache.tokens[n:]
+                del cache.chunks[k:]
+            if len(runs) > 1:
+                for run in decodes + chunks:
+                    self._execute([run])
+                return
+            runs[0].call, runs[0].failure = None, f"inference failed: {e!r}"
             return
         at = 0
         for run, ds in zip(decodes, rows, strict=True):
