@@ -3,7 +3,8 @@
 One Job per document at a time computes a suggestion for one (version, cursor) pair. Requests for the same
 pair share it (an editor may ask for an inline and a menu completion on the same keystroke); a request for
 anything else supersedes it: the job is cancelled, its daemon request gets a Cancel, and the requests that
-waited on it answer empty. A client's `$/cancelRequest` cancels the request's handler task; the job is
+waited on it answer empty. Past MAX_LIVE_DOCUMENTS documents with a job running, a new job supersedes those of the
+documents asked about longest ago likewise. A client's `$/cancelRequest` cancels the request's handler task; the job is
 cancelled with it once nothing else waits on it, and the handler ends with RequestCancelled.
 
 A result is for the text and version captured when the request arrived: if the document changed before
@@ -46,6 +47,12 @@ log = logging.getLogger("m31r_lsp.completion")
 # contexts, three sides' worth (lines above, the cursor's line, the text after it) staying well under 2 Mi.
 CHARS_PER_TOKEN = 64
 MAX_SIDE_CHARS = 1 << 18
+# Documents with a job (or warm-up) running at once. The daemon takes 16 requests at a time from a connection (its
+# --max-per-connection) and refuses the rest `busy`: an editor asking in 24 documents at once had the 8 newest
+# requests, those the user most likely waits on, refused while the oldest were served. Past this many, the jobs of
+# the documents asked about longest ago are cancelled (superseded by the newer ones; their requests answer empty).
+MAX_LIVE_DOCUMENTS = 8
+BUSY_NOTICE_S = 600.0  # the daemon's `busy` refusals are said once, then at most once per this long
 LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of it
 assert LINE_STEP % QUERY_STEP == 0  # (query_prefix: a cut at a multiple of LINE_STEP keeps the context's blocks)
 
@@ -81,6 +88,11 @@ class DocState:
     shown: policy.Shown | None = None
     warm: asyncio.Task[None] | None = None
     keystrokes: list[float] = field(default_factory=list)
+    asked: int = 0  # when its last job started, in the order of all documents' jobs (Completer._make_room)
+
+    def running(self) -> bool:
+        """Whether its job or warm-up is running (it may have a request at the daemon)."""
+        return any(t is not None and not t.done() for t in (self.job.task if self.job else None, self.warm))
 
 
 class Completer:
@@ -104,6 +116,9 @@ class Completer:
         self.last_by_line: list[float] = []  # the daemon's Done.logprob_by_line for last_raw
         self.last_fim: dict | None = None
         self._background: set[asyncio.Task] = set()
+        self._jobs_started = 0
+        self._busy_told: float | None = None  # when the user was last told of a `busy` refusal (_busy)
+        self._busy_untold = 0  # `busy` refusals since then
 
     # -- document events --------------------------------------------------------------------------------------
 
@@ -185,8 +200,11 @@ class Completer:
                 return job.task.result()
         else:
             self._supersede(st)
+            self._make_room(uri)
             job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked, s)))
             st.job = job
+            self._jobs_started += 1
+            st.asked = self._jobs_started
         job.waiters += 1
         try:
             result = await asyncio.shield(job.task)
@@ -213,6 +231,16 @@ class Completer:
             self.stats["superseded"] += 1
         if st.warm is not None and not st.warm.done():
             st.warm.cancel()
+
+    def _make_room(self, uri: str) -> None:
+        """Before a job starts for `uri`: cancel the jobs and warm-ups of the other documents asked about longest ago,
+        so that at most MAX_LIVE_DOCUMENTS documents have one running."""
+        live = sorted((st.asked, other) for other, st in self.docs.items() if other != uri and st.running())
+        for _, other in live[: max(0, len(live) - MAX_LIVE_DOCUMENTS + 1)]:
+            st = self.docs[other]
+            self._stop(st, "evicted")
+            if st.warm is not None and not st.warm.done():
+                st.warm.cancel()
 
     def debounce_s(self, s: EditorSettings) -> float:
         base = s.debounce_ms / 1000
@@ -326,7 +354,9 @@ class Completer:
             self.stats["unavailable"] += 1
             return None
         except DaemonError as e:
-            if e.code != "cancelled":
+            if e.code == "busy":
+                self._busy(e)
+            elif e.code != "cancelled":
                 log.warning("daemon error: %s", e)
             self.stats[f"daemon_error_{e.code}"] += 1
             return None
@@ -335,6 +365,22 @@ class Completer:
         if done.source == "typed_through":
             self.stats["daemon_typed_through"] += 1
         return raw, done
+
+    def _busy(self, e: DaemonError) -> None:
+        """A request the daemon refused `busy` (its queue, or this connection's share of it, is full: other clients'
+        load, or a --max-per-connection under MAX_LIVE_DOCUMENTS): said in the log and to the user once, then at most
+        once per BUSY_NOTICE_S with the count since. A warning per refused request buried the log, and the user was
+        never told why completions went missing."""
+        self._busy_untold += 1
+        now = time.monotonic()
+        if self._busy_told is not None and now - self._busy_told < BUSY_NOTICE_S:
+            log.debug("daemon busy: %s", e.message)
+            return
+        n, told, self._busy_untold, self._busy_told = self._busy_untold, self._busy_told, 0, now
+        why = e.message.removesuffix("; retry shortly")
+        log.warning("the daemon refused %d completion request(s) as busy%s: %s", n,
+                    "" if told is None else " since the last notice", why)
+        self.tell(f"m31r: the completion daemon is busy ({why}); the completions it refuses are skipped.")
 
     async def _context(self, uri: str, prefix: str, s: EditorSettings) -> list:
         """Snippets of the crate's other files (none when the setting is off or finding them fails: a completion
