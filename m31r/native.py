@@ -48,6 +48,7 @@ says why; `Kernels.threads` says how many threads a build's loops run on.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -241,9 +242,11 @@ def choose(dtype: torch.dtype | None = None) -> tuple[Family | None, str]:
             reasons.append(f"no {name}: {why}")
     if not runs:
         return None, "; ".join(reasons)
-    for family in runs:
-        if dtype is not None and family.dtype == dtype and family is not runs[0]:
-            return family, f"the widest family this CPU runs for {str(dtype).removeprefix('torch.')} activations"
+    # The first (widest) of the dtype's families: where that is the widest of all (avx2vnni before avx2 on an AVX-VNNI
+    # laptop), the search must stop there, not go on to a narrower one of the same dtype.
+    family = next((f for f in runs if f.dtype == dtype), runs[0])
+    if family is not runs[0]:
+        return family, f"the widest family this CPU runs for {str(dtype).removeprefix('torch.')} activations"
     return runs[0], "the widest family this CPU runs"
 
 
@@ -319,7 +322,8 @@ def build(out_dir: Path | None = None, family: str | None = None, openmp: bool =
           system: str = sys.platform) -> Path:
     """Compile a family's source (default: the one `choose` picks, else avx512), or return the cached build of the
     same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files). `openmp=False`:
-    the one-thread build; `system`: whose OpenMP flags (`flags_for`)."""
+    the one-thread build; `system`: whose OpenMP flags (`flags_for`). Where `out_dir` cannot take the build, it is
+    returned from a private temporary folder (removed at exit), and a line logged says why."""
     fam = FAMILIES[family] if family else (choose()[0] or FAMILIES["avx512"])
     cc = compiler()
     if cc is None:
@@ -331,19 +335,40 @@ def build(out_dir: Path | None = None, family: str | None = None, openmp: bool =
     target = out_dir / f"kernels-{fam.name}-{key}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
+    # Compiled in a private folder, then published: a cache the user cannot write (read-only, full, over quota, a
+    # file in its path) then costs the cache, not the kernels, and a compiler's error is always about the source.
+    private = Path(tempfile.mkdtemp(prefix="m31r-kernels-"))
+    built = private / target.name
     try:
-        done = subprocess.run([cc, *flags, str(fam.source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(fam.source), "-o", str(built)], capture_output=True, text=True,
                               check=False)
         if done.returncode:
             raise RuntimeError(f"{cc} failed on {fam.source.name}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+        try:
+            _publish(built, target)
+        except OSError as e:
+            log.info("native kernels built in %s, not cached: %s cannot take them (%s)", private, out_dir, e)
+            atexit.register(shutil.rmtree, private, True)  # loaded by then; a loaded library outlives its file
+            private = None
+            return built
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+    return target
+
+
+def _publish(built: Path, target: Path) -> None:
+    """Copy a build into the cache under its final name atomically: a concurrent build of the same key writes the
+    same bytes, and a reader never sees a partial file (a full disk fails the copy, not the rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        shutil.copy(built, tmp)  # contents and mode
+        os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:
@@ -775,8 +800,14 @@ def _load(dtype: torch.dtype | None) -> tuple[Kernels | None, str]:
                     return kernels, kernels.reason
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     why = str(e)
-    log.info("native kernels off: %s; decode attention runs in eager torch, quantized layers on torch's kernels", why)
+    if why not in _told:  # one line per reason: a daemon asks for fp32 then bf16 kernels, for the same reason
+        _told.add(why)
+        log.info("native kernels off: %s; decode attention runs in eager torch, quantized layers on torch's kernels",
+                 why)
     return None, why
+
+
+_told: set[str] = set()  # the reasons `_load` has logged
 
 
 def load(dtype: torch.dtype | None = None) -> Kernels | None:
@@ -789,4 +820,10 @@ def why_not(dtype: torch.dtype | None = None) -> str:
     return _load(dtype)[1]
 
 
-load.cache_clear = _load.cache_clear  # type: ignore[attr-defined]  (tests reload under another environment)
+def _forget() -> None:
+    """Forget every load and every reason logged (tests reload under another environment)."""
+    _load.cache_clear()
+    _told.clear()
+
+
+load.cache_clear = _forget  # type: ignore[attr-defined]
