@@ -118,6 +118,16 @@ def block_middle(text: str, rng: random.Random) -> tuple[int, int] | None:
     return offs[i], offs[j]
 
 
+def past_blanks(text: str, a: int) -> int:
+    """`a`, or where the run of spaces and tabs it falls inside ends. Serving takes the whitespace before the cursor as
+    typed: a completion may not add to healed whitespace (Tokenizer.heal_ids), so a middle that goes on with more of it
+    teaches a first token the engine never lets the model write."""
+    if 0 < a < len(text) and text[a - 1] in " \t" and text[a] in " \t":
+        while a < len(text) and text[a] in " \t":
+            a += 1
+    return a
+
+
 def choose_middle(text: str, rng: random.Random, block_rate: float = 0.0) -> tuple[int, int]:
     """Character span of the middle. Mostly starting at a line start (the cursor-line text becomes the
     start of the middle when serving) and ending anywhere: the rest of one line, a block, or nothing.
@@ -127,7 +137,7 @@ def choose_middle(text: str, rng: random.Random, block_rate: float = 0.0) -> tup
         if span is not None:
             return span
     line_starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
-    a = rng.choice(line_starts) if rng.random() < 0.85 else rng.randrange(len(text) + 1)
+    a = rng.choice(line_starts) if rng.random() < 0.85 else past_blanks(text, rng.randrange(len(text) + 1))
     kind = rng.random()
     if kind < 0.05:  # empty middle: the model must learn to stop at once
         return a, a

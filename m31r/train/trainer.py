@@ -441,6 +441,24 @@ def total_loss(terms: dict[str, torch.Tensor], tc: TrainConfig) -> torch.Tensor:
     return terms["next"] + tc.alpha * terms["fim"] + tc.beta * terms["cot"]
 
 
+SKIP_LIMIT = 8  # steps in a row with a gradient that is not finite: the run has diverged, and stops
+
+
+class TrainingDiverged(ValueError):
+    """SKIP_LIMIT steps in a row had a gradient that is not finite; the last checkpoint is kept as it was."""
+
+
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the step's gradient and apply it; returns its norm. A gradient that is not finite (an overflow, a run
+    diverging) is dropped instead: applied, it makes every weight NaN, and the next checkpoint would write those over
+    the last good one, losing the run."""
+    gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    if math.isfinite(gnorm):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return gnorm
+
+
 def lr_at(step: int, tc: TrainConfig, seconds: float = 0.0) -> float:
     """Linear warm-up over warmup_steps, then cosine to min_lr over the steps (or, with tc.minutes, the training
     seconds) of the run."""
@@ -733,6 +751,7 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
     bar = tqdm(total=stop_at, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
     stop = StopRequests()  # after the row builders' fork: they keep the default actions
     last = out_of_time = False
+    skipped = 0  # steps in a row whose gradient was not finite
     try:
         while state["step"] < stop_at:
             step = state["step"]
@@ -748,9 +767,14 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
             step_rows = batches.get(step)
             waited = time.perf_counter() - t0  # blocked on the row builders: what tells which side limits a GPU run
             parts = accumulate_step(fwd, step_rows, tc, cast)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            gnorm = optimizer_step(model, opt, tc.grad_clip)
+            skipped = 0 if math.isfinite(gnorm) else skipped + 1
+            if skipped >= SKIP_LIMIT:
+                kept = f"{ckpt} of step {saved_at} is kept" if saved_at is not None else "it has no checkpoint yet"
+                raise TrainingDiverged(f"steps {step + 2 - skipped} to {step + 1} all had a gradient that is not "
+                                       f"finite: the run diverged (a lower lr or a longer warm-up may hold it); {kept}")
+            if skipped:
+                log(f"step {step + 1}: the gradient is not finite ({gnorm}): skipped, the weights are as they were")
             dt = time.perf_counter() - t0
             tokens = tc.grad_accum * n_rows * seq
             state["step"] = step + 1
@@ -858,6 +882,12 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
                               "or into a bundle to replace it (its other files are kept)")
     saved = load_checkpoint(run_dir / "ckpt.pt")
     state = saved["state"]
+    # Weights that are not finite (a diverged run, its shards imported) would replace `out` with a bundle that the
+    # daemon refuses to load (bundle.load_weights); open_bundle reads no weights, so it would not say.
+    bad = [k for k, v in saved["model"].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"{run_dir / 'ckpt.pt'} holds weights that are not finite ({', '.join(bad[:3])}): the run "
+                         f"diverged at step {state['step']} or before; {out} is left as it was")
     _, dataset = run_data(state, data_dir, run_dir, log)
     mc = msgspec.convert(state["model_config"], ModelConfig)
     evals = [h for h in state["history"] if "val_next" in h]
