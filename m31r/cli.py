@@ -24,8 +24,10 @@ import click
 
 from m31r.cli_bundle import bundle
 from m31r.cli_common import (
+    CLOSED_PIPE_EXIT,
     INTERRUPTED_EXIT,
     OUTPUT_ERRNOS,
+    TERMINATED_EXIT,
     F,
     UserPath,
     a_number,
@@ -95,7 +97,13 @@ def refuse_non_utf8(what: str, text: str) -> None:
         fail(f"{what} is not UTF-8 text ({bad} at offset {at}); the model completes UTF-8 source")
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+# What scripts branch on, said where they look (the README says it only command by command).
+EXIT_STATUSES = (f"Exit status: 0 done; 1 an error (one `error:` line on stderr), or `doctor` found a failing check; "
+                 f"2 a usage error; {INTERRUPTED_EXIT} Ctrl-C; {CLOSED_PIPE_EXIT} stdout's reader went away "
+                 f"(`| head`); {TERMINATED_EXIT} SIGTERM.")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUSES)
 @click.version_option(package_name="m31r", prog_name="m31r")
 def main() -> None:
     """M31R: local, offline Rust code completion."""
@@ -363,6 +371,8 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
     sampling = Sampling(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
     common = dict(max_tokens=opts["max_tokens"], sampling=sampling, stop=list(opts["stop"]), seed=opts["seed"],
                   lookahead=opts["lookahead"], beams=opts["beams"], logprobs=opts["logprobs"])
+    if kind == "fim" and payload.get("document"):
+        payload = {**payload, **_fim_window(payload["prefix"], payload["suffix"], client.welcome.max_context)}
     stream = await (client.generate(payload["prompt"], truncate=payload.get("truncate", False), **common)
                     if kind == "generate"
                     else client.fim(payload["prefix"], payload["suffix"], document=payload.get("document", ""),
@@ -409,6 +419,16 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
         if unsure:
             assert first is not None  # (confident says yes without a figure)
             _say_unsure(first)
+
+
+def _fim_window(prefix: str, suffix: str, max_context: int) -> dict[str, str]:
+    """A `fim --file`'s prefix and suffix cut to what the daemon keeps of them, as the language server cuts an open
+    document's (the same prompt, the same answer): sent whole, a file past the daemon's --max-prompt-chars (2 MiB
+    of generated bindings) was refused with bad_request, naming a daemon option the user of `fim` cannot act on."""
+    from m31r_lsp.completion import sent_text
+
+    prefix, suffix = sent_text(prefix, suffix, max_context)
+    return {"prefix": prefix, "suffix": suffix}
 
 
 def _end_open_line(written: str, both: bool) -> None:

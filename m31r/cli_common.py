@@ -26,10 +26,14 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def _is_user_error(e: BaseException) -> bool:
-    """Errors that describe bad input (a bundle, a config, an argument), as opposed to bugs.
+    """Errors that describe bad input (a bundle, a config, an argument), as opposed to bugs. Not a closed pipe: its
+    reader gone (`m31r service install --dry-run | head -1`), which m31r.cli's group ends quietly as every command's
+    (taken here, it was `error: [Errno 32] Broken pipe` and exit 1).
 
     Checked through sys.modules so that catching BundleError never forces an import of torch.
     """
+    if isinstance(e, BrokenPipeError):
+        return False
     if isinstance(e, ValueError | OSError):  # ConfigError and ContextOverflowError are ValueErrors
         return True
     bundle = sys.modules.get("m31r.bundle")

@@ -50,10 +50,12 @@ def quick_status(socket: str | None) -> bool:
 
 def main() -> None:
     socket = _status_socket(sys.argv[1:])
-    if socket is not False and quick_status(socket):
-        return
-    from m31r.cli import main as cli
-
+    try:
+        if socket is not False and quick_status(socket):
+            return
+        from m31r.cli import main as cli
+    except KeyboardInterrupt:  # Ctrl-C while a daemon that does not answer (loading, stopped) is waited for
+        sys.exit(130)  # quietly, as the click CLI's INTERRUPTED_EXIT (not imported here: it costs click's import)
     cli()
 
 
