@@ -495,6 +495,8 @@ def tcp_address(tcp: str, allow_remote: bool) -> tuple[str, int]:
     host, sep, port = tcp.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"--tcp expects HOST:PORT, not {tcp!r}")
+    if not 0 <= int(port) <= 65535:  # else bind's OverflowError came out as a traceback
+        raise ValueError(f"--tcp {tcp}: a port runs from 0 to 65535")
     host = host.strip("[]") or "127.0.0.1"
     if not is_loopback(host):
         if not allow_remote:

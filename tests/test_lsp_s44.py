@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,10 @@ async def test_busy_refusals_are_told_once(narrow):
     assert len(told) == 1 and "limit 2 per connection" in told[0]
     status, err = await s.end()
     assert status == 0 and err.count("busy") == 1 and "refused 1 completion request(s)" in err
+
+
+def test_a_tcp_port_past_65535_is_one_error_line_not_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "m31r.cli", "lsp", "--tcp", "127.0.0.1:99999", "--no-autostart"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "a port runs from 0 to 65535" in r.stderr, r.stderr
