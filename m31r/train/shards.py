@@ -3,7 +3,7 @@
 A lent GPU machine returns files of at most 16 MiB and loses everything when it is given back, so each training
 call there ends by writing its weights as shards (the optimizer state, three times larger, stays behind). Here the
 shards become a checkpoint again (`import_shards`): `export` makes a bundle of it, and `train` continues it with
-a fresh optimizer.
+a fresh optimizer, its learning rate warmed up again from the checkpoint's step (trainer.rewarm_factor).
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
 
 
 def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
-    """A checkpoint in run_dir from shards (no optimizer state: the next `train` starts a fresh one). The shards'
-    state.json carries the run's state whole (its tokenizer's sha256 and dataset version included). An existing
-    checkpoint is replaced only with `force` (it may be a run's only copy), and never half-written."""
+    """A checkpoint in run_dir from shards (no optimizer state: the next `train` starts a fresh one and warms the lr
+    up again). The shards' state.json carries the run's state whole (its tokenizer's sha256 and dataset version
+    included). An existing checkpoint is replaced only with `force` (it may be a run's only copy), and never
+    half-written."""
     ckpt = Path(run_dir) / "ckpt.pt"
     if ckpt.exists() and not force:
         raise FileExistsError(f"{ckpt} exists: import into a new run folder, or pass --force to replace it")

@@ -471,6 +471,19 @@ def lr_at(step: int, tc: TrainConfig, seconds: float = 0.0) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def rewarm_factor(step: int, state: dict) -> float:
+    """The share of the scheduled lr that `step` takes under the run's last re-warm (state["rewarms"]), 1.0 outside
+    it. A fresh AdamW's first steps move every weight by about the lr: at a schedule's peak, weights resumed without
+    their optimizer state (shards from a GPU call) would take a jolt that undoes part of what they learnt, so the lr
+    climbs linearly back to the schedule over the re-warm's steps. Kept in the state, so a resume mid-way goes on
+    with the same one."""
+    rewarms = state.get("rewarms")
+    if not rewarms:
+        return 1.0
+    start, steps = rewarms[-1]["step"], rewarms[-1]["steps"]
+    return (step - start + 1) / steps if start <= step < start + steps else 1.0
+
+
 def make_optimizer(model: Transformer, tc: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -702,6 +715,9 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
         if version != (state.get("dataset_changes") or [state])[-1]["dataset_version"]:  # same tokenizer, new corpus
             log(f"{run_dir} trained on {state['dataset_version']}; from step {state['step']} on, on {version}")
             state.setdefault("dataset_changes", []).append({"step": state["step"], "dataset_version": version})
+        if (done := nothing_to_train(state, tc, max_steps, run_dir)) is not None:
+            log(done)
+            return state
     tok = Tokenizer.from_file(data_dir / "tokenizer.json", mc.special_tokens)
     if tok.vocab_size != mc.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model config wants {mc.vocab_size}")
@@ -726,7 +742,13 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
     if saved is not None and saved["optimizer"] is not None:
         opt.load_state_dict(saved["optimizer"])
     elif saved is not None:  # weights that came back from a GPU machine without their optimizer state
-        log("the checkpoint has no optimizer state: continuing with a fresh one")
+        at = state["step"]
+        if at > 0 and tc.warmup_steps > 0:  # (at step 0 the schedule's own warm-up does it)
+            state.setdefault("rewarms", []).append({"step": at, "steps": tc.warmup_steps})
+            log(f"the checkpoint has no optimizer state: continuing with a fresh one, its lr warmed up again over "
+                f"steps {at + 1} to {at + tc.warmup_steps}")
+        else:
+            log("the checkpoint has no optimizer state: continuing with a fresh one")
     (run_dir / "train.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(tc)))
     (run_dir / "model.yaml").write_text(mc.to_yaml())
     model.train()
@@ -761,7 +783,7 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
             seq = seq_len_at(step, tc, mc.max_context)
             n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
             t0 = time.perf_counter()
-            lr = lr_at(step, tc, state["seconds"])
+            lr = lr_at(step, tc, state["seconds"]) * rewarm_factor(step, state)
             for g in opt.param_groups:
                 g["lr"] = lr
             step_rows = batches.get(step)
@@ -816,6 +838,20 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
         batches.close()
         bar.close()
     return state
+
+
+def nothing_to_train(state: dict, tc: TrainConfig, max_steps: int | None, run_dir: Path) -> str | None:
+    """One line saying why a resumed run has nothing left to train, or None. The step loop checks its ends only after
+    a step, so a finished run trained one step more each time the same command ran again."""
+    at = f"at step {state['step']}"
+    if tc.minutes > 0 and state["seconds"] >= 60 * tc.minutes:
+        return (f"{run_dir} is finished: its {tc.minutes:g} minutes of training are spent, {at} (raise `minutes` in "
+                "the config to train on); nothing to train")
+    if state["step"] >= tc.max_steps:
+        return f"{run_dir} is finished {at}, the config's max_steps (raise it to train on); nothing to train"
+    if max_steps and state["step"] >= max_steps:  # (0: none, as for stop_at)
+        return f"{run_dir} is {at}, where --max-steps {max_steps} stops it; nothing to train"
+    return None
 
 
 def cannot_write(path: Path, e: OSError, step: int, ckpt: Path, saved_at: int | None) -> RunWriteError:
@@ -904,6 +940,7 @@ def export(run_dir: str | Path, data_dir: str | Path, out: str | Path, *, model_
         "train_config": state["train_config"],
         "train_config_changes": state.get("config_changes", []),
         "dataset_changes": state.get("dataset_changes", []),
+        "lr_rewarms": state.get("rewarms", []),
         "init_from": bundle_identity(init) if isinstance(init := state.get("init_from"), str) else init,
         "hardware": "; ".join(state.get("hardware", [])) or f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
         # What the dataset version's hash was made from: every source package with its version, and the crates
