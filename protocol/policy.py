@@ -23,7 +23,8 @@ Rules (what editor users expect from ghost text):
   range extends over them so the editor replaces them instead of leaving a second copy; a multi-line one that ends its
   last line before them leaves them on a line of their own. Mid-line, its last closers that the document's closers
   right after the cursor close too are cut.
-- A completion is cut before a closer of no bracket open before the cursor (or of another one than is open).
+- A completion is cut before a closer of no bracket open before the cursor (or of another one than is open, or
+  than it opened itself): brackets in comments (nested ones too), strings and char literals are none.
 - max_lines=1 right after a `{`: a one-line body the model wrote under it shows as `{ body }` (no line break).
 - A multi-line completion stops before a line indented less than the cursor's block, and before the line at which
   the model's probability of the lines so far falls under the editor's floor (the first line alone must reach it).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -214,6 +216,12 @@ class _Scan:
     items: list[tuple[int, str, bool]]  # (index, char, is_excess_closer)
 
 
+# A char literal ('(', '"', '\'') or a raw string (r#"a "(" b"#) whose brackets and quotes are text, unlike those of
+# the plain quote-to-quote reading below; a lifetime's lone quote matches neither.
+_LITERAL = re.compile(
+    r"""(?<!\w)(?:b?'(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])'|[bc]?r(#*)".*?"\1)""", re.S)
+
+
 def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
     """Walk `s` tracking brackets (generics' angle brackets too) and strings the completion itself opens. A closing
     bracket with no opener inside `s` is an "excess closer": it closes something opened before the cursor."""
@@ -230,6 +238,11 @@ def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
             if c == quote:
                 quote = None
             i += 1
+            continue
+        if c in "'rbc" and (lit := _LITERAL.match(s, i)):
+            if not stack:
+                items.append((i, c, False))
+            i = lit.end()
             continue
         if c in QUOTES:
             if not stack:
@@ -268,6 +281,9 @@ def _inside_string(before: str) -> str | None:
                 continue
             if c == quote:
                 quote = None
+        elif c in "'rbc" and (lit := _LITERAL.match(before, i)):
+            i = lit.end()
+            continue
         elif c in QUOTES:
             quote = c
         i += 1
@@ -282,6 +298,8 @@ def _match_closers(comp: str, cur: Cursor) -> tuple[str, int]:
     if not wanted:
         return comp, cur.offset
     open_quote = _inside_string(cur.before)
+    if open_quote is None and after[:1] == "'" and any(tok == "'" for _, tok in _rust_brackets(cur.before)):
+        open_quote = "'"  # in a char literal the editor closed (`'█'` answered "{';"), its quote as a string's
     # Inside a string the completion's first unescaped matching quote closes it: scan only from there.
     start = 0
     if open_quote is not None:
@@ -340,12 +358,42 @@ def _closers_on_their_line(comp: str, cur: Cursor) -> tuple[str, int]:
     return text, cur.offset + (len(ws) if _is_subsequence(ws, cur.indent) else 0)
 
 
-# Rust text that can hold a bracket that is none: comments, strings (raw and byte ones too) and char literals (a
-# lifetime's lone quote matches none of them); then the brackets; last, a string or comment left open (`unclosed`).
+# Rust text that can hold a bracket that is none: comments (a block comment, from `comment`, is read by
+# _rust_brackets: they nest), strings (raw, byte and C ones too) and char literals (a lifetime's lone quote matches
+# none of them; one the text ends in, `'(`, is the cursor's, from `char`); then the brackets; last, a string left open.
 _RUST_TOKENS = re.compile(
-    r"""//[^\n\r]*|/\*.*?\*/|(?<!\w)b?r(#*)".*?"\1|(?<!\w)b?"(?:\\.|[^"\\])*"|"""
-    r"""(?<!\w)b?'(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])'|"""
-    r"""(?P<bracket>[()\[\]{}])|(?P<unclosed>/\*|")""", re.S)
+    r"""//[^\n\r]*|(?P<comment>/\*)|"""
+    r"""(?<!\w)[bc]?r(?P<hashes>#*)".*?"(?P=hashes)|(?<!\w)[bc]?"(?:\\.|[^"\\])*"|"""
+    r"""(?<!\w)b?'(?:(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])'|"""
+    r"""(?P<char>(?:\\[^'\n\r]{0,9}|[^\\'\n\r])?\Z))|"""
+    r"""(?P<bracket>[()\[\]{}])|(?P<unclosed>")""", re.S)
+_COMMENT_EDGES = re.compile(r"/\*|\*/")
+
+
+def _rust_brackets(text: str) -> Iterator[tuple[int, str]]:
+    """(offset, bracket) for the brackets of Rust code `text`, then (offset, "") for a string or block comment it leaves
+    open, or (offset, "'") for a char literal. A block comment ends at the `*/` of its own `/*`, not the first one
+    (`/* a /* b */ ( */` is all comment)."""
+    pos: int | None = 0
+    while pos is not None:
+        tokens, pos = _RUST_TOKENS.finditer(text, pos), None
+        for m in tokens:
+            if tok := m.group("bracket"):
+                yield m.start(), tok
+            elif m.group("comment"):
+                depth, pos = 1, m.end()
+                while depth:
+                    if (edge := _COMMENT_EDGES.search(text, pos)) is None:
+                        yield m.start(), ""
+                        return
+                    depth += 1 if edge.group() == "/*" else -1
+                    pos = edge.end()
+                break  # the tokens go on after the comment
+            elif m.group("unclosed"):
+                yield m.start(), ""
+                return
+            elif m.group("char") is not None:
+                yield m.start(), "'"
 
 
 # The text before the cursor read for its open brackets: the scan costs ~0.1 ms a KB, and reading a whole 5 MB file's
@@ -355,10 +403,15 @@ SCAN_CHARS = 1 << 15
 _TOP_LEVEL = re.compile(r"^[A-Za-z_#]", re.M)
 
 
-def _open_brackets(prefix: str) -> tuple[str, ...] | None:
-    """The brackets open at the end of `prefix` (innermost last), or None where that is unclear: the cursor is in a
-    string or comment, the prefix closes a bracket it did not open (an edit in progress), or a long prefix has no
-    top-level line among its last SCAN_CHARS to start from."""
+def _has_line_comment(line: str) -> bool:
+    """Whether `line` has a `//` comment (outside strings and char literals): it would comment out what follows."""
+    return any(m.group().startswith("//") for m in _RUST_TOKENS.finditer(line))
+
+
+def _open_brackets(prefix: str) -> tuple[tuple[str, ...], str] | None:
+    """The brackets open at the end of `prefix` (innermost last) and the char literal it ends inside (`'(`, or ""), or
+    None where that is unclear: the cursor is in a string or comment, the prefix closes a bracket it did not open (an
+    edit in progress), or a long prefix has no top-level line among its last SCAN_CHARS to start from."""
     if len(prefix) <= SCAN_CHARS:
         return _brackets_open_in(prefix)
     top = _TOP_LEVEL.search(prefix, len(prefix) - SCAN_CHARS)
@@ -366,37 +419,38 @@ def _open_brackets(prefix: str) -> tuple[str, ...] | None:
 
 
 @functools.lru_cache(maxsize=4)  # one scan for a suggestion and its alternatives
-def _brackets_open_in(text: str) -> tuple[str, ...] | None:
+def _brackets_open_in(text: str) -> tuple[tuple[str, ...], str] | None:
     stack: list[str] = []
-    for m in _RUST_TOKENS.finditer(text):
-        if m.group("unclosed"):
+    for i, tok in _rust_brackets(text):
+        if not tok:
             return None
-        tok = m.group("bracket")
+        if tok == "'":
+            return tuple(stack), text[i:]
         if tok in OPENERS:
             stack.append(tok)
-        elif tok and (not stack or stack.pop() != CLOSERS[tok]):
+        elif not stack or stack.pop() != CLOSERS[tok]:
             return None
-    return tuple(stack)
+    return tuple(stack), ""
 
 
 def _cut_unopened_closers(comp: str, prefix: str) -> str:
     """The completion cut before a closer of no bracket open before the cursor, or of another one (`.collect())` where
-    only `map(` was open): a small model often writes one closer too many, and accepting it breaks the code."""
-    opened = _open_brackets(prefix)
-    if opened is None:
+    only `map(` was open), or of another one than the completion opened (`(a}`): a small model often writes one closer
+    too many or in the wrong order, and accepting it breaks the code. It is read on from the char literal the cursor is
+    in (`'(` answered "'));"), whose bracket is none."""
+    if (opened := _open_brackets(prefix)) is None:
         return comp
-    stack = list(opened)
-    own: list[str] = []  # brackets the completion opens itself (mismatches among them are the model's business)
-    for m in _RUST_TOKENS.finditer(comp):
-        if m.group("unclosed"):
+    stack, lit = list(opened[0]), opened[1]
+    own: list[str] = []  # brackets the completion opens itself
+    for i, tok in _rust_brackets(lit + comp):
+        if tok in ("", "'"):
             break
-        tok = m.group("bracket")
         if tok in OPENERS:
             own.append(tok)
-        elif tok and own:
-            own.pop()
-        elif tok and (not stack or stack.pop() != CLOSERS[tok]):
-            return comp[: m.start()]
+        else:
+            pending = own or stack  # its own brackets first, then those open before the cursor
+            if not pending or pending.pop() != CLOSERS[tok]:
+                return comp[: max(0, i - len(lit))]
     return comp
 
 
@@ -487,8 +541,8 @@ def _one_line_block(kept: list[str], cur: Cursor) -> str:
         closed = not kept[-1].strip() and cur.after.lstrip().startswith("}")  # it ended its line before the doc's `}`
     else:
         closed = closer.lstrip().startswith("}") and len(leading_ws(closer)) <= len(cur.indent)
-    if not closed or body[0] in CLOSERS or body[-1] in OPENERS:
-        return kept[0]
+    if not closed or body[0] in CLOSERS or body[-1] in OPENERS or _has_line_comment(body):
+        return kept[0]  # (a `// comment` would comment out the `}` after it)
     return " " + body + " }"
 
 
