@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from m31r.tokenizer import Tokenizer
 
 FUSE_CHUNK = 32  # prefill chunks of up to this many tokens share forward passes with decode rows (Engine.run)
 FUSE_ROWS = 48  # the rows of such a shared pass; below 64, where the int8/int4 layers switch kernels (quant)
+HEAL_MASK_BYTES = 4 << 20  # token healing's cached masks (Engine.heal_logits): 256 of a 16k vocabulary
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -303,7 +305,7 @@ class Engine:
                              f"{str(self.kv_dtype).removeprefix('torch.')} caches ({self.kernel_report['kv_why']})")
         self.model.eval()
         self.stop_ids = self.tokenizer.special_ids
-        self._heal_masks: dict[bytes, torch.Tensor] = {}
+        self._heal_masks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # heal_logits' masks, least recent first
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids
         self.unused_ids = torch.tensor(unused, device=self.device) if unused else None
@@ -595,9 +597,12 @@ class Engine:
             if not owed:
                 allowed[list(self.stop_ids)] = True
             allowed = allowed.to(logits.device)
-            if len(self._heal_masks) >= 4096:
-                self._heal_masks.clear()
+            # The least recently used go past HEAL_MASK_BYTES: a word being typed reuses the same few masks.
+            while self._heal_masks and (len(self._heal_masks) + 1) * allowed.nbytes > HEAL_MASK_BYTES:
+                self._heal_masks.popitem(last=False)
             self._heal_masks[owed] = allowed
+        else:
+            self._heal_masks.move_to_end(owed)
         return logits.masked_fill(~allowed, float("-inf"))
 
     def _drafts(self, lookup: Lookup, k: int, position: int, room: int) -> list[int]:
@@ -620,11 +625,9 @@ class Engine:
             raise ContextOverflowError(len(ids), max_tokens, limit)
         return ids[len(ids) - (limit - max_tokens) :]
 
-    def start(self, ids: list[int], max_tokens: int, cache: KVCache, res: Outcome, batched: bool,
-              deadline: float | None, t0: float) -> Generator[Chunk, torch.Tensor | None, torch.Tensor | None]:
-        """A generation's start, shared by `generate` and beam search (m31r.beams): check the request, prefill the
-        prompt into `cache` past what it holds already (each chunk yielded when `batched`) and return the logits
-        after it. None where generation ends there, `res` saying why: the deadline passed, or max_tokens is 0."""
+    def check(self, ids: list[int], max_tokens: int) -> None:
+        """Refuse a request the engine cannot run (ValueError; ContextOverflowError where it does not fit). `start`
+        checks before it touches a cache; a scheduler checks before it takes a slot (m31rd.scheduler)."""
         if not ids:
             raise ValueError("empty prompt: nothing to continue from")
         if not all(0 <= i < self.config.vocab_size for i in ids):
@@ -633,6 +636,13 @@ class Engine:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if len(ids) + max_tokens > self.config.max_context:
             raise ContextOverflowError(len(ids), max_tokens, self.config.max_context)
+
+    def start(self, ids: list[int], max_tokens: int, cache: KVCache, res: Outcome, batched: bool,
+              deadline: float | None, t0: float) -> Generator[Chunk, torch.Tensor | None, torch.Tensor | None]:
+        """A generation's start, shared by `generate` and beam search (m31r.beams): check the request, prefill the
+        prompt into `cache` past what it holds already (each chunk yielded when `batched`) and return the logits
+        after it. None where generation ends there, `res` saying why: the deadline passed, or max_tokens is 0."""
+        self.check(ids, max_tokens)
         res.prompt_tokens = len(ids)
         res.cached_tokens = start = self.reusable(cache, ids)
         logits = None
@@ -742,8 +752,8 @@ class Engine:
                 res.logprobs.append((logits[tok].float() - norm).item())
                 top: tuple[tuple[int, float], ...] = ()
                 if top_logprobs:
-                    values, ids = torch.topk(logits.float(), min(top_logprobs, logits.numel()))
-                    top = tuple((i, v) for i, v in zip(ids.tolist(), (values - norm).tolist(), strict=True)
+                    values, top_ids = torch.topk(logits.float(), min(top_logprobs, logits.numel()))
+                    top = tuple((t, v) for t, v in zip(top_ids.tolist(), (values - norm).tolist(), strict=True)
                                 if v > -math.inf)  # not the tokens the masks rule out
                 if tok in self.stop_ids:
                     res.finish_reason, res.stopped_by = "stop", "end"

@@ -4,6 +4,11 @@ Each slot is a KV cache (sized to its context in 64-position blocks) plus the id
 free slot with the longest reusable prefix (its document's slot on a tie), else a fresh slot while the budget
 allows, else the least recently used one. A running request holds its slot exclusively; only this class's owner,
 the inference thread, touches it.
+
+It also keeps beam searches' spare caches between searches (m31r.beams), inside the same bound: the slots' full
+size (`max_slots * slot_bytes`, what the budget allows), busy slots counted at that full size since they may grow to
+it. Spares give way to slots, so they only use what the slots leave, and `bytes_used` (the daemon's status) counts
+them. With `--cache-mb 0` the one slot, busy, leaves no room: a search's extra caches go by the next request.
 """
 
 from __future__ import annotations
@@ -34,14 +39,24 @@ class PrefixCache:
         # Without reuse one working buffer remains; with it, as many slots as the budget holds (at least one).
         self.max_slots = slots or (max(1, self.budget_bytes // self.slot_bytes) if self.reuse else 1)
         self.slots: list[Slot] = []
+        self.spares: list[KVCache] = []  # beam searches' caches between searches (m31r.beams; `_trim_spares`)
         self._tick = itertools.count(1)
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
     @property
     def bytes_used(self) -> int:
-        """What the slots hold now: each grows with its context, up to slot_bytes (which the budget counts)."""
-        return sum(s.cache.nbytes for s in list(self.slots))
+        """What the slots and kept spares hold now: each grows with its context, up to slot_bytes (which the budget
+        counts). A running beam search's caches taken from the spares are its working memory until it ends."""
+        return sum(s.cache.nbytes for s in list(self.slots)) + sum(c.nbytes for c in list(self.spares))
+
+    def _trim_spares(self) -> None:
+        """Drop the oldest spares until slots and spares fit `max_slots` full slots, a busy slot counted full."""
+        room = self.max_slots * self.slot_bytes
+        room -= sum(self.slot_bytes if s.busy else s.cache.nbytes for s in self.slots)
+        held = sum(c.nbytes for c in self.spares)
+        while self.spares and held > room:
+            held -= self.spares.pop(0).nbytes
 
     def acquire(self, ids: list[int], document: str) -> Slot | None:
         """A slot for `ids`, or None when every slot is busy (the caller waits for one)."""
@@ -64,6 +79,7 @@ class PrefixCache:
             slot.cache.reset()
         slot.busy = True
         slot.document = document
+        self._trim_spares()
         return slot
 
     def release(self, slot: Slot, prompt_tokens: int, cached_tokens: int, ok: bool = True) -> None:
@@ -73,6 +89,7 @@ class PrefixCache:
             slot.cache.reset()
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+        self._trim_spares()  # a beam search gives its caches back as it ends, just before its slot
 
     @property
     def hit_rate(self) -> float:

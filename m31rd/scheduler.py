@@ -126,7 +126,7 @@ class Scheduler:
         self.stopping = False
         self.rounds = 0  # rounds that ran model calls
         self.mixed_rounds = 0  # of which prefill chunks ran beside decode steps
-        self.spares: list[KVCache] = []  # beam searches' caches, kept for the next search (m31r.beams)
+        self.spares: list[KVCache] = cache.spares  # beam searches' caches, kept within the cache's bound (m31r.beams)
 
     def submit(self, request: Request, emit: Emit) -> None:
         """Queue a request (from any thread); `emit` gets its events on the scheduler's thread."""
@@ -254,8 +254,10 @@ class Scheduler:
             run.call, run.logits = None, logits
 
     def _try_start(self, run: _Run) -> bool:
-        """Give the request a cache slot and its generator. False: every slot is busy (it waits)."""
+        """Give the request a cache slot and its generator. False: every slot is busy (it waits). A request the engine
+        refuses raises here, before it takes a slot: the slot it would take (its document's cache) stays as it was."""
         req = run.request
+        self.engine.check(req.ids, req.max_tokens)
         slot = self.cache.acquire(req.ids, req.document)
         if slot is None:
             return False
