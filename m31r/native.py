@@ -49,12 +49,16 @@ says why; `Kernels.threads` says how many threads a build's loops run on.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -260,9 +264,38 @@ def unavailable() -> str | None:
     return None
 
 
+def compiler_command() -> list[str] | None:
+    """The C compiler as a command: $CC where its program is found (its words shlex-split: `ccache gcc`, `gcc -m64`
+    are common; a path with spaces that names a program is one word), else cc, gcc or clang. A $CC that cannot be
+    used is said once in the log, not silently replaced."""
+    cc = os.environ.get("CC", "").strip()
+    whole = shutil.which(cc) if cc else None
+    if whole:
+        return [whole]
+    found = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+    if cc:
+        try:
+            words = shlex.split(cc)
+        except ValueError as e:
+            words, why = [], f"cannot be split into words ({e})"
+        else:
+            why = f"{words[0]} not found" if words else "no program named"
+        program = shutil.which(words[0]) if words else None
+        if program:
+            return [program, *words[1:]]
+        if cc not in _cc_told:
+            _cc_told.add(cc)
+            log.info("CC=%s is not used: %s; native kernels build with %s", cc, why, found or "no compiler")
+    return [found] if found else None
+
+
+_cc_told: set[str] = set()  # the $CC values `compiler_command` has said it cannot use
+
+
 def compiler() -> str | None:
-    found = (shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c)
-    return next((path for path in found if path), None)
+    """The C compiler command as one string (a program's path, or $CC's words with its program's path first)."""
+    cmd = compiler_command()
+    return None if cmd is None else " ".join(cmd)
 
 
 def int8_supported() -> bool:
@@ -324,37 +357,71 @@ def build(out_dir: Path | None = None, family: str | None = None, openmp: bool =
     same source, compiler and flags (avx2 and avx2vnni: one source, two flag sets, two cached files). `openmp=False`:
     the one-thread build; `system`: whose OpenMP flags (`flags_for`). Where `out_dir` cannot take the build, it is
     returned from a private temporary folder (removed at exit), and a line logged says why."""
+    return _build(out_dir, family, openmp, system)[0]
+
+
+def _build(out_dir: Path | None, family: str | None, openmp: bool, system: str,
+           fresh: bool = False) -> tuple[Path, bool]:
+    """`build`, and whether the file came from the cache; `fresh` compiles even where the cache has the key (a
+    cached file that did not load), replacing that file."""
     fam = FAMILIES[family] if family else (choose()[0] or FAMILIES["avx512"])
-    cc = compiler()
-    if cc is None:
+    cmd = compiler_command()
+    if cmd is None:
         raise RuntimeError("no C compiler found (set CC)")
+    cc = " ".join(cmd)
     flags = flags_for(fam, cpu_info()[1], system, openmp)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([source_text(fam.source), cc, version, *flags]).encode()).hexdigest()[:16]
+    version = _run([*cmd, "--version"], f"{cc} --version").stdout
+    key = hashlib.sha256("\0".join([source_text(fam.source), *cmd, version, *flags]).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"kernels-{fam.name}-{key}.so"
-    if target.exists():
-        return target
+    if target.exists() and not fresh:
+        return target, True
     # Compiled in a private folder, then published: a cache the user cannot write (read-only, full, over quota, a
     # file in its path) then costs the cache, not the kernels, and a compiler's error is always about the source.
     private = Path(tempfile.mkdtemp(prefix="m31r-kernels-"))
     built = private / target.name
     try:
-        done = subprocess.run([cc, *flags, str(fam.source), "-o", str(built)], capture_output=True, text=True,
-                              check=False)
+        done = _run([*cmd, *flags, str(fam.source), "-o", str(built)], f"{cc} on {fam.source.name}")
         if done.returncode:
-            raise RuntimeError(f"{cc} failed on {fam.source.name}: {done.stderr.strip()[-2000:]}")
+            # The reason is one line (it ends up in "native kernels off: ..."); the whole output is for debugging.
+            log.debug("%s failed on %s (exit status %d):\n%s", cc, fam.source, done.returncode, done.stderr)
+            raise RuntimeError(f"{cc} failed on {fam.source.name}: {_first_error(done.stderr, done.returncode)}")
         try:
             _publish(built, target)
         except OSError as e:
             log.info("native kernels built in %s, not cached: %s cannot take them (%s)", private, out_dir, e)
             atexit.register(shutil.rmtree, private, True)  # loaded by then; a loaded library outlives its file
             private = None
-            return built
+            return built, False
     finally:
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
-    return target
+    return target, False
+
+
+BUILD_TIMEOUT_S = 120.0  # a compiler run past this is taken as hung (a build takes ~0.3 s; a loaded machine, more)
+
+
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    """Runs a compiler command. Past BUILD_TIMEOUT_S its whole process group is killed (gcc's cc1 and as with the
+    driver, not left spinning) and a RuntimeError says so: a hung compiler costs the kernels, not the daemon's start."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"{what} did not finish in {BUILD_TIMEOUT_S:g} s (killed)") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _first_error(output: str, status: int) -> str:
+    """A failed compile's reason in one short line: its first line naming an error, else its first line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+    return first[:300] or f"exit status {status}, no output"
 
 
 def _publish(built: Path, target: Path) -> None:
@@ -765,18 +832,65 @@ def open_family(family: Family, why: str, system: str = sys.platform, out_dir: P
     that runtime is missing, or the build does not compile (a compiler without `-Xclang -fopenmp`) or load (a
     symbol not found), the one-thread build runs instead, and its reason says why."""
     if system != "darwin":
-        return Kernels(build(out_dir, family.name), family, why)
+        return _open(out_dir, family, why)
     runtime = openmp_runtime(system)
     if runtime is None:
         note = "torch's OpenMP runtime (libomp) is not loaded"
     else:
         try:
             ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)  # the loaded image itself, its symbols made global
-            return Kernels(build(out_dir, family.name, system=system), family, why)
+            return _open(out_dir, family, why, system=system)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             note = f"its OpenMP build failed ({str(e).strip().splitlines()[0][:300]})"
     log.info("native kernels on one thread: %s", note)
-    return Kernels(build(out_dir, family.name, False, system), family, f"{why}; one thread: {note}")
+    return _open(out_dir, family, f"{why}; one thread: {note}", False, system)
+
+
+def _open(out_dir: Path | None, family: Family, why: str, openmp: bool = True, system: str = sys.platform) -> Kernels:
+    """The family's build, loaded. A cached file that does not load (truncated by a crash or a damaged disk) is
+    compiled once more, replacing it atomically, so the kernels do not stay off until someone deletes it; what
+    that rebuild's load raises is the reason they are off."""
+    path, cached = _build(out_dir, family.name, openmp, system)
+    try:
+        _whole(path)
+        return Kernels(path, family, why)
+    except OSError as e:
+        if not cached or not _damaged(e):  # a missing symbol (macOS's OpenMP) would fail again: no compile per start
+            raise
+        log.debug("cached native kernels %s did not load (%s): building them again", path, e)
+    path = _build(out_dir, family.name, openmp, system, fresh=True)[0]
+    _whole(path)
+    return Kernels(path, family, why)
+
+
+# What loaders say of a damaged file (glibc, macOS dyld, _whole), as against a symbol or runtime the build lacks.
+_DAMAGE = ("cut short", "too short", "invalid elf", "not a mach-o", "truncated", "malformed", "file is empty")
+
+
+def _damaged(e: OSError) -> bool:
+    return any(word in str(e).lower() for word in _DAMAGE)
+
+
+def _whole(path: Path) -> None:
+    """Raises OSError where an ELF build is shorter than its headers say. dlopen refuses a file too short for its
+    headers, but one cut later (a crash before its data reached the disk) maps pages past the end of the file and
+    the process dies of SIGBUS when they are touched. The section header table is what a linker writes last; other
+    formats (Mach-O) are left to the loader."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] != b"\x7fELF":
+        return
+    wide, order = head[4:5] == b"\x02", "<" if head[5:6] == b"\x01" else ">"
+    # e_shoff, e_shentsize, e_shnum: where the section header table starts, its entries' size and count
+    fmt, at, end = (f"{order}Q", 0x28, 0x3E) if wide else (f"{order}I", 0x20, 0x32)
+    if len(head) < end:
+        raise OSError(f"{path}: cut short ({size} bytes, not a whole ELF header)")
+    shoff = struct.unpack_from(fmt, head, at)[0]
+    entsize, count = struct.unpack_from(f"{order}HH", head, end - 4)
+    need = shoff + entsize * count
+    if size < need:
+        raise OSError(f"{path}: cut short ({size} of the {need} bytes its ELF header describes)")
 
 
 @cache
@@ -824,6 +938,7 @@ def _forget() -> None:
     """Forget every load and every reason logged (tests reload under another environment)."""
     _load.cache_clear()
     _told.clear()
+    _cc_told.clear()
 
 
 load.cache_clear = _forget  # type: ignore[attr-defined]
