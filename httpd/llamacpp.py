@@ -222,10 +222,19 @@ def context(extra: list[s.InfillExtra]) -> list[Snippet]:
     return [Snippet(c.text, c.filename) for c in reversed(extra[-MAX_SNIPPETS:])]
 
 
+def stop_as_list(raw: Any) -> Any:
+    """The body with its `stop` a list: llama.cpp reads only an array, and passes over a string or null rather than
+    refusing it (a 400 here left such a client with no completion). Null is no stop sequence, as there; a string is
+    the one it names, as OpenAI's API and Ollama's read one."""
+    if isinstance(raw, dict) and (raw.get("stop") is None or isinstance(raw["stop"], str)) and "stop" in raw:
+        return {**raw, "stop": [] if raw["stop"] is None else [raw["stop"]]}
+    return raw
+
+
 async def infill(svc: Service, request: Request) -> Generation:
     """POST /infill: the request as the daemon's Fim (module docstring), answered as llama.cpp answers."""
     body = await request.body()
-    raw = s.parse(body)
+    raw = stop_as_list(s.parse(body))
     r: s.InfillRequest = s.convert(raw, s.InfillRequest)  # (so `raw` is an object)
     ignored = sorted(k for k in raw if k not in HONOURED)
     asked = r.n_predict if r.n_predict is not None else r.max_tokens if r.max_tokens is not None else -1

@@ -658,7 +658,7 @@ def _first_path(obj: Any, hit: Callable[[Any], bool], path: str = "") -> str | N
     return None
 
 
-def _field_of(body: bytes, hit: Callable[[Any], bool]) -> str | None:
+def _field_of(body: bytes | str, hit: Callable[[Any], bool]) -> str | None:
     """The field ("options.temperature", "stop[0]") of the first value or key in `body` that `hit` holds for, read by
     Python's json, which takes what msgspec refuses (a number past a float's range, a lone surrogate); None where
     there is none, or the body is no object (no field). A key's own lone surrogate is written as its escape."""
@@ -712,6 +712,31 @@ def _lone_surrogate(body: bytes, skipped: int = 0) -> InvalidRequest | None:
                           "pair; send the character itself, or both halves of its pair", param, "bad_json")
 
 
+_ESCAPED_BYTE = re.compile("[\\udc80-\\udcff]")  # a byte that is no UTF-8, as "surrogateescape" decodes it
+
+
+def _not_utf8(body: bytes, skipped: int = 0) -> InvalidRequest | None:
+    """A 400 saying that the body is not UTF-8, JSON's one encoding (RFC 8259), naming the first byte that is none (in
+    the body as sent, `skipped` bytes before `body`) and its field; None when the body is UTF-8. msgspec's words for a
+    Latin-1 body were "'utf-8' codec can't decode byte 0xe9 in position 3" (counted in the string, not the body), and
+    "invalid character (byte 0)" for a UTF-16 one: neither says that the encoding is at fault. (Windows PowerShell
+    5.1's Invoke-RestMethod sends a string body as ISO-8859-1 unless -ContentType names charset=utf-8.)"""
+    if body.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in body[:2]:  # a BOM, or an ASCII `{` in 2 or 4 bytes
+        return InvalidRequest("the body is UTF-16 or UTF-32 (it has a byte order mark or zero bytes): JSON must be "
+                              "UTF-8 (RFC 8259); send it encoded as UTF-8", None, "bad_json")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        param = _field_of(body.decode("utf-8", "surrogateescape"),
+                          lambda v: isinstance(v, str) and _ESCAPED_BYTE.search(v) is not None)
+        return InvalidRequest(f"{param + ': ' if param else ''}the body is not UTF-8, which JSON must be (RFC 8259): "
+                              f"byte 0x{body[e.start]:02x} at byte {skipped + e.start} is not UTF-8; send text in "
+                              "Latin-1 or Windows-1252 encoded as UTF-8 (Windows PowerShell: -ContentType "
+                              "'application/json; charset=utf-8')",
+                              param, "bad_json")
+    return None
+
+
 TOO_DEEP = "the body's JSON is nested too deeply"  # msgspec (and _integral) recurse once per level: no request
 # field nests more than three deep
 
@@ -731,7 +756,7 @@ def parse(body: bytes) -> Any:
     except msgspec.ValidationError:  # (untyped, the only one: a number no float holds)
         raise _out_of_range(body) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise (_lone_surrogate(body, sent - len(body))
+        raise (_lone_surrogate(body, sent - len(body)) or _not_utf8(body, sent - len(body))
                or InvalidRequest(f"the body is not valid JSON: {e}", None, "bad_json")) from None
     except RecursionError:
         raise InvalidRequest(TOO_DEEP, None, "too_deep") from None

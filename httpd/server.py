@@ -84,12 +84,8 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         raise ValueError("--max-body, --max-tokens-cap, --request-timeout, --body-timeout and --header-timeout must "
                          "be positive")
     hosts = list(allowed_hosts)
-    if not loopback:
-        if host not in ("0.0.0.0", "::", ""):
-            hosts.append(host)  # a specific address: requests naming it are for us
-        print(f"warning: m31r serve is listening on {host}:{port}, reachable from other machines"
-              f"{'' if token else ' without a token (--token-file)'}; requests must name an allowed Host "
-              f"({', '.join(hosts) or 'none yet: add --allowed-host'})", file=sys.stderr)
+    if not loopback and host not in ("0.0.0.0", "::", ""):
+        hosts.append(host)  # a specific address: requests naming it are for us
 
     import uvicorn
 
@@ -112,6 +108,10 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
                             log_level=log_level, log_config=None, access_log=False, server_header=False,
                             limit_concurrency=MAX_CONNECTIONS, timeout_graceful_shutdown=5)
     socks = listen(host, port)
+    if not loopback:  # (once bound: an address that cannot be listened on is an error, not a warning)
+        print(f"warning: m31r serve is listening on {host}:{port}, reachable from other machines"
+              f"{'' if token else ' without a token (--token-file)'}; requests must name an allowed Host "
+              f"({', '.join(hosts) or 'none yet: add --allowed-host'})", file=sys.stderr)
     log.info("serving", extra={"fields": {"url": f"http://{host}:{port}", "socket": str(socket or "default"),
                                           "autostart": autostart, "bundle": str(bundle or "default"),
                                           "token": token is not None,
