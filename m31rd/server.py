@@ -267,6 +267,39 @@ def prompt_chars(req: m.Generate | m.Fim) -> int:
     return len(req.prefix) + len(req.suffix) + sum(len(s.text) + len(s.path) for s in req.context)
 
 
+def wire_refusal(req: m.Generate | m.Fim, max_context: int, budget: FimBudget | None,
+                 max_prompt_chars: int) -> str | None:
+    """Why a request cannot be served, from its fields and the model's context alone (no torch: checked on arrival,
+    also while the model loads), or None. `max_context` 0 and `budget` None: unknown yet, checked once loaded."""
+    if max_context > 0 and not 0 <= req.max_tokens <= max_context:
+        return f"max_tokens must be between 0 and {max_context}, got {req.max_tokens}"
+    if isinstance(req, m.Fim) and budget is not None and req.max_tokens > budget.max_reserve:
+        return (f"max_tokens {req.max_tokens} is more than a fim completion may have with this model: "
+                f"{budget.max_reserve}, half its context (the rest holds the code around the cursor)")
+    s = req.sampling
+    if not all(math.isfinite(x) for x in (s.temperature, s.top_p, s.repetition_penalty)):
+        return "temperature, top_p and repetition_penalty must be finite numbers"
+    if req.deadline_ms is not None and req.deadline_ms < 0:
+        return f"deadline_ms must be >= 0, got {req.deadline_ms}"
+    if req.lookahead is not None and req.lookahead < 0:
+        return f"lookahead must be >= 0, got {req.lookahead}"
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}"
+    if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
+        return f"min_probability must be between 0 and 1, got {req.min_probability}"
+    if (len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop)
+            or sum(map(len, req.stop)) > MAX_STOPS_CHARS):
+        return (f"stop has {len(req.stop)} sequences of up to {max(map(len, req.stop))} characters, "
+                f"{sum(map(len, req.stop))} in all; at most {MAX_STOPS} of at most {MAX_STOP_CHARS} are taken, "
+                f"{MAX_STOPS_CHARS} characters in all (each is matched on every token)")
+    if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
+        return f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken"
+    if (chars := prompt_chars(req)) > max_prompt_chars:  # before tokenising: a length costs nothing
+        what = "the prompt has" if isinstance(req, m.Generate) else "prefix, suffix and context have"
+        return f"{what} {chars} characters; this daemon takes at most {max_prompt_chars} (--max-prompt-chars)"
+    return None
+
+
 def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> tuple[list[int], int, str]:
     """A request's prompt ids, max_tokens and healed text (m31r.fim). Runs on a worker thread: the tokenizer lets
     go of the GIL on long texts, so a huge prompt costs its own request time, not everyone's (on the inference
@@ -443,6 +476,11 @@ class Connection:
             msg = self.daemon.dec.decode(body)
         except msgspec.ValidationError as e:
             rid = _salvage_id(body)
+            if rid is not None and self.daemon.holds(self, rid):  # answered as a duplicate is: that id's frames
+                self.send(m.Error(id=None, code="bad_request", message=(  # are the running request's
+                    f"request id {rid} is already in flight on this connection; this invalid message with its id was "
+                    f"dropped: {e}")))
+                return True
             self.send(m.Error(id=rid, code="bad_request", message=f"invalid message: {e}"))
             return True
         except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for invalid UTF-8
@@ -609,9 +647,15 @@ class Daemon:
 
         if self.stopping is not None and self.stopping.is_set():
             return refuse("shutting_down", "the daemon is shutting down")
-        if not self.loaded:  # checked and run once the model has loaded (`_loaded`)
-            if req.id in conn.jobs or any(c is conn and r.id == req.id for c, r, _ in self.waiting):
-                return duplicate()
+        if self.holds(conn, req.id):
+            return duplicate()
+        # Checked on arrival, the wait for the model included: a request it could never serve (a prompt over
+        # --max-prompt-chars) waited for the whole load, holding its text and a place in the queue, to be refused then.
+        max_context = self.engine.config.max_context if self.loaded else self.identity.max_context
+        budget = self.budget if self.loaded else FimBudget.for_context(max_context) if max_context > 0 else None
+        if why := wire_refusal(req, max_context, budget, self.max_prompt_chars):
+            return refuse("bad_request", why)
+        if not self.loaded:  # the rest is checked, and the request run, once the model has loaded (`_loaded`)
             mine = sum(1 for c, _, _ in self.waiting if c is conn)
             if mine >= self.max_per_connection:
                 return busy("connection", self.max_per_connection,
@@ -619,49 +663,19 @@ class Daemon:
                             f"{self.max_per_connection} per connection, --max-per-connection)")
             if len(self.waiting) >= self.max_queue:
                 return busy("loading", self.max_queue,
-                            f"{requests(len(self.waiting))} wait for the model to load (limit {self.max_queue})")
+                            f"{requests(len(self.waiting))} wait for the model to load (limit {self.max_queue}) "
+                            "over every connection to this daemon (--max-queue)")
             self.waiting.append((conn, req, time.perf_counter()))
             return
-        from m31r.sampling import SamplingParams
+        from m31r.sampling import SamplingParams  # (torch: only once the model has loaded)
 
-        if req.id in conn.jobs:
-            return duplicate()
-        limit = self.engine.config.max_context
-        if not 0 <= req.max_tokens <= limit:
-            return refuse("bad_request", f"max_tokens must be between 0 and {limit}, got {req.max_tokens}")
-        if isinstance(req, m.Fim) and req.max_tokens > self.budget.max_reserve:
-            return refuse("bad_request", f"max_tokens {req.max_tokens} is more than a fim completion may have with "
-                                         f"this model: {self.budget.max_reserve}, half its context (the rest holds "
-                                         "the code around the cursor)")
         s = req.sampling
-        if not all(math.isfinite(x) for x in (s.temperature, s.top_p, s.repetition_penalty)):
-            return refuse("bad_request", "temperature, top_p and repetition_penalty must be finite numbers")
         try:
             sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.repetition_penalty, req.seed)
         except ValueError as e:
             return refuse("bad_request", str(e))
-        if req.deadline_ms is not None and req.deadline_ms < 0:
-            return refuse("bad_request", f"deadline_ms must be >= 0, got {req.deadline_ms}")
-        if req.lookahead is not None and req.lookahead < 0:
-            return refuse("bad_request", f"lookahead must be >= 0, got {req.lookahead}")
         if req.beams is not None and (why := beams_refusal(req.beams, sampling)):
             return refuse("bad_request", why)
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            return refuse("bad_request", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}")
-        if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
-            return refuse("bad_request", f"min_probability must be between 0 and 1, got {req.min_probability}")
-        if (len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop)
-                or sum(map(len, req.stop)) > MAX_STOPS_CHARS):
-            return refuse("bad_request", f"stop has {len(req.stop)} sequences of up to {max(map(len, req.stop))} "
-                                         f"characters, {sum(map(len, req.stop))} in all; at most {MAX_STOPS} of at "
-                                         f"most {MAX_STOP_CHARS} are taken, {MAX_STOPS_CHARS} characters in all (each "
-                                         "is matched on every token)")
-        if isinstance(req, m.Fim) and len(req.context) > MAX_SNIPPETS:
-            return refuse("bad_request", f"context has {len(req.context)} snippets; at most {MAX_SNIPPETS} are taken")
-        if (chars := prompt_chars(req)) > self.max_prompt_chars:  # before tokenising: a length costs nothing
-            what = "the prompt has" if isinstance(req, m.Generate) else "prefix, suffix and context have"
-            return refuse("bad_request", f"{what} {chars} characters; this daemon takes at most "
-                                         f"{self.max_prompt_chars} (--max-prompt-chars)")
         # A Fim that supersedes an older one for its document takes that one's place rather than being `busy`.
         superseded = self.by_document.get(req.document) if isinstance(req, m.Fim) and req.document else None
         mine = sum(1 for j in conn.jobs.values() if not j.cancelled and j is not superseded)
@@ -671,7 +685,8 @@ class Daemon:
                         "connection, --max-per-connection)")
         live = sum(1 for j in self.in_flight if not j.cancelled and j is not superseded)
         if live >= self.max_queue:
-            return busy("daemon", self.max_queue, f"{requests(live)} in flight (limit {self.max_queue})")
+            return busy("daemon", self.max_queue, f"{requests(live)} in flight (limit {self.max_queue}) over every "
+                                                  "connection to this daemon (--max-queue)")
         self.requests += 1
         req = as_trained(req)
         job = InFlight(conn, req, sampling, received=received or time.perf_counter())
@@ -689,6 +704,11 @@ class Daemon:
         task = asyncio.ensure_future(self._prepare(job))
         self.preparing.add(task)
         task.add_done_callback(self.preparing.discard)
+
+    def holds(self, conn: Connection, rid: int) -> bool:
+        """Whether `conn`'s request `rid` is in flight or waits for the model: an Error with its id would end that
+        request in the client (which routes by id) while the daemon went on serving it for nobody."""
+        return rid in conn.jobs or any(c is conn and r.id == rid for c, r, _ in self.waiting)
 
     def drop_waiting(self, conn: Connection) -> None:
         """Forget the requests a closed connection left waiting for the model: nobody reads their answers, and kept,

@@ -200,8 +200,16 @@ class Client:
         self._can = capabilities.listed(welcome.capabilities)
         self._loop = asyncio.get_running_loop()
         self._closed_here = False  # close() was called: requests in flight end saying so, not blaming the daemon
-        self._reader_task = asyncio.create_task(self._read_loop())
         self.closed = asyncio.Event()
+        # The read loop holds this client weakly, and the finalizer closes the connection: a client dropped without
+        # close() is freed at once, and its socket with it. A loop that held it made a cycle with it: the client was
+        # freed only by a collection of cycles, whenever one ran, the loop with it while pending ("Task was destroyed
+        # but it is pending"), and its connection to the daemon stayed open until then.
+        self._reader_task = asyncio.create_task(_read_loop(weakref.ref(self), reader, self._dec))
+        _READERS.add(self._reader_task)
+        self._reader_task.add_done_callback(_READERS.discard)
+        self._finalizer = weakref.finalize(self, _abandon, self._loop, writer)
+        self._finalizer.atexit = False
 
     @classmethod
     async def connect(cls, path: str | Path | None = None, *, client: str = "m31r", timeout: float = 5.0,
@@ -228,30 +236,17 @@ class Client:
             raise SocketUnreachable(unreachable(e, path)) from None
         return cls(reader, writer, welcome)
 
-    async def _read_loop(self) -> None:
-        error: BaseException | None = None
-        try:
-            while (body := await read_frame(self._reader)) is not None:
-                msg = self._dec.decode(body)
-                if isinstance(msg, Error) and msg.id is None:
-                    # About the connection, not a request: which request it ended (if any) cannot be told, and a
-                    # daemon that keeps the connection open (a message it could not read the id of) would leave
-                    # that request waiting forever. The connection ends here, every request with this error.
-                    error = DaemonError.of(msg)
-                    break
-                self._route(msg)
-        except (asyncio.IncompleteReadError, OSError, FrameTooLarge, msgspec.DecodeError, UnicodeDecodeError) as e:
-            error = DaemonUnavailable(f"connection to the daemon lost: {e}")
-        finally:
-            if error is None or self._closed_here:
-                error = DaemonUnavailable("this client was closed (Client.close) with the request in flight"
-                                          if self._closed_here else "the daemon closed the connection")
-            for stream in list(self._streams.values()):
-                stream.open = False
-                stream.queue.put_nowait(error)
-            self._streams.clear()
-            self.closed.set()
-            self._writer.close()  # nothing more can be read: the daemon may drop this connection's work
+    def _ended(self, error: BaseException | None) -> None:
+        """The connection is over (`error`: why, if the daemon or the link said): every request in flight ends."""
+        if error is None or self._closed_here:
+            error = DaemonUnavailable("this client was closed (Client.close) with the request in flight"
+                                      if self._closed_here else "the daemon closed the connection")
+        for stream in list(self._streams.values()):
+            stream.open = False
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        self.closed.set()
+        self._writer.close()  # nothing more can be read: the daemon may drop this connection's work
 
     def _route(self, msg: ServerMessage) -> None:
         """Hand `msg` to its request's Stream (a method, so that no local variable keeps a dropped Stream alive)."""
@@ -395,6 +390,7 @@ class Client:
         The socket is aborted, not closed gracefully: a graceful close waits until what is still unsent has been
         written, forever if the daemon reads nothing (stopped). Nothing unsent matters once the connection ends."""
         self._closed_here = True
+        self._finalizer.detach()
         self._writer.transport.abort()
         with contextlib.suppress(ConnectionError, BrokenPipeError):
             await self._writer.wait_closed()
@@ -407,6 +403,47 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# The read loops still running: a loop whose client was dropped is held here until its connection has closed, so
+# that it ends rather than being collected while pending.
+_READERS: set[asyncio.Task] = set()
+
+
+async def _read_loop(ref: weakref.ref[Client], reader: asyncio.StreamReader, dec: msgspec.msgpack.Decoder) -> None:
+    """Route the daemon's frames to `ref`'s streams until the connection ends. It holds its client only while
+    routing a frame: a loop that held it throughout kept a dropped client, and its connection, alive."""
+    error: BaseException | None = None
+    try:
+        while (body := await read_frame(reader)) is not None:
+            msg = dec.decode(body)
+            if (client := ref()) is None:
+                return  # dropped without close(): its finalizer has closed the connection
+            if isinstance(msg, Error) and msg.id is None:
+                # About the connection, not a request: which request it ended (if any) cannot be told, and a
+                # daemon that keeps the connection open (a message it could not read the id of) would leave
+                # that request waiting forever. The connection ends here, every request with this error.
+                error = DaemonError.of(msg)
+                break
+            client._route(msg)
+            del client
+    except (asyncio.IncompleteReadError, OSError, FrameTooLarge, msgspec.DecodeError, UnicodeDecodeError) as e:
+        error = DaemonUnavailable(f"connection to the daemon lost: {e}")
+    finally:
+        if (client := ref()) is not None:
+            client._ended(error)
+
+
+def _abandon(loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
+    """A Client's finalizer (it was dropped without close()): close its connection, on its loop (a finalizer may run
+    on another thread, or in the middle of the loop's own work), so that the daemon drops its work and the read loop
+    ends. The callback holds the writer until then: freed unclosed, it would close itself with a ResourceWarning."""
+    with contextlib.suppress(RuntimeError):  # the event loop is closed, and so is the connection
+        loop.call_soon_threadsafe(_abort, writer)
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    writer.transport.abort()
 
 
 async def _shake_hands(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: Path, client: str,

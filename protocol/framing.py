@@ -59,7 +59,9 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES,
     except asyncio.IncompleteReadError:
         return None
     except TimeoutError:
-        raise FrameNotBegun(begin_within or 0.0) from None
+        if begin_within is None:  # the connection's own (ETIMEDOUT), not a frame that did not begin
+            raise
+        raise FrameNotBegun(begin_within) from None
     try:
         async with asyncio.timeout(timeout):
             head = first + await reader.readexactly(HEADER.size - 1)
