@@ -20,8 +20,10 @@ def peer_uid(sock: socket.socket) -> int | None:
     """The peer process's uid, where the platform can tell (SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS and the
     BSDs); None where it cannot."""
     if hasattr(socket, "SO_PEERCRED"):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[1]
+        # struct ucred: pid_t, then uid_t and gid_t, unsigned (a uid past 2**31, as directory services hand out,
+        # read signed never matched os.getuid())
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+        return struct.unpack("iII", creds)[1]
     if sys.platform == "darwin" or "bsd" in sys.platform:
         with contextlib.suppress(OSError):
             LOCAL_PEERCRED = 0x001  # noqa: N806 - the constant's name in <sys/un.h>

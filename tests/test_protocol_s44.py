@@ -8,7 +8,9 @@ import asyncio
 import errno
 import gc
 import logging
+import os
 import re
+import socket
 import subprocess
 import time
 import weakref
@@ -22,6 +24,7 @@ from test_service import GATED_TORCH, GATED_WARM_UP, connect_once_serving, run_g
 from m31r_protocol import messages as m
 from m31r_protocol.client import Client, DaemonError
 from m31r_protocol.framing import read_frame
+from m31r_protocol.peer import peer_uid
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -160,3 +163,33 @@ async def test_a_connection_that_times_out_is_not_a_frame_that_did_not_begin() -
     reader.set_exception(TimeoutError(errno.ETIMEDOUT, "Connection timed out"))
     with pytest.raises(TimeoutError, match="Connection timed out"):
         await read_frame(reader)
+
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not hasattr(socket, "SO_PEERCRED"),
+                    reason="running a peer as another uid takes root (CI runs as root)")
+def test_a_peer_uid_past_2_to_the_31_is_read_as_it_is():
+    """uid_t is unsigned: read signed, a uid from a directory service past 2**31 never matched os.getuid()."""
+    uid = 3_000_000_000
+    path = f"\0m31r-peer-{os.getpid()}"  # Linux's abstract namespace: no folder the other uid must be let into
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        pid = os.fork()
+        if pid == 0:  # the child: only system calls, then out (no interpreter clean-up in a forked pytest)
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                peer = socket.socket(socket.AF_UNIX)
+                peer.connect(path)
+                peer.recv(1)
+            finally:
+                os._exit(0)
+        try:
+            server.settimeout(60)
+            conn, _ = server.accept()
+            with conn:
+                assert peer_uid(conn) == uid
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
