@@ -113,7 +113,9 @@ def check_compiler(ctx: Context) -> Check:
 
     cc = compiler()
     if cc is None:
-        return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built")
+        return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built; "
+                                         "install one (`apt-get install gcc`, `xcode-select --install` on macOS) or "
+                                         "set CC")
     return Check("compiler", "ok", f"{cc} (builds the native kernels, m31r/kernels*.c, on the first engine load)")
 
 
@@ -144,6 +146,12 @@ def check_kernels(ctx: Context) -> Check:
             detail = f"{kernels.describe()}, {kernels.reason} ({kernels.path})"
             if kernels.name == "avx512" and not kernels.int8:
                 detail += "; int8 layers on torch's kernel (no AVX512-BF16)"
+            cache = native.cache_dir()
+            if kernels.path.parent != cache:  # built in a private folder: the cache could not take the build
+                why = _cannot_create(cache) or "read-only, full or not yours?"
+                return Check("kernels", "warn", f"{detail}; not cached: {cache} cannot take the build ({why}), so "
+                                                "every daemon start compiles them again: make it writable, or set "
+                                                "XDG_CACHE_HOME to a folder you can write")
             return Check("kernels", "ok", detail)
     return Check("kernels", "warn", f"native kernels off: {why}; decode attention runs in eager torch, quantized "
                                     "layers on torch's kernels (slower)")
@@ -281,6 +289,8 @@ def check_daemon(ctx: Context) -> Check:
         return Check("daemon", "warn", f"{ctx.socket} accepts connections but gave no status within 2 s (a daemon "
                                        "still loading, or a service starting?)")
     except (OSError, ValueError, UnicodeDecodeError) as e:
+        if other := _other_version(ctx.socket):
+            return Check("daemon", "fail", other)
         return Check("daemon", "fail", f"something answers on {ctx.socket}, but not as this m31r's daemon does: {e}")
     quant = f", {s['quant']} weights" if s.get("quant") else ""
     n = s.get("requests")
@@ -290,6 +300,45 @@ def check_daemon(ctx: Context) -> Check:
     if isinstance(caps, list) and (lacks := missing([str(c) for c in caps])):
         return Check("daemon", "warn", f"{serves}; {restart_hint(lacks)}")
     return Check("daemon", "ok", serves)
+
+
+def _other_version(path: Path) -> str | None:
+    """Where a daemon of another protocol version answers on `path` (an older or newer m31r's, the service's after an
+    upgrade), what it said and the way out, else None. The status probe says only "unexpected handshake reply"; the
+    full client reads the daemon's refusal. This m31r cannot stop it (`m31r stop` says Hello first), so its pid."""
+    import asyncio
+    import socket
+    import struct
+
+    from m31r_protocol.client import Client, DaemonError
+
+    async def hello() -> None:
+        async with await Client.connect(path, client="m31r-doctor", timeout=2.0, welcome_timeout=2.0):
+            pass
+
+    try:
+        asyncio.run(hello())
+    except DaemonError as e:
+        if e.code != "unsupported_version":
+            return None
+        said = e.message
+    except Exception:  # noqa: BLE001 - the caller reports the status probe's own error
+        return None
+    else:
+        return None
+    kill = "stop it with the m31r that started it"
+    if hasattr(socket, "SO_PEERCRED"):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(2.0)
+                s.connect(str(path))
+                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+            kill = f"`kill {pid}` ends it (gracefully)"
+        except OSError:
+            pass
+    return (f"another m31r's daemon answers on {path} ({said}), and this one cannot stop it: {kill}, and the next "
+            "request starts this install's; a service installed from that m31r starts its own again until "
+            "`m31r service install --force` here")
 
 
 # -- the service units --------------------------------------------------------------------------------------------
@@ -328,13 +377,14 @@ def _with_its_socket(state: Check, served: Path | None, ctx: Context) -> Check:
                  "or move the service with `m31r service install --force` here (then restart it)")
 
 
-def systemd_unquote(word: str) -> str | None:
+def systemd_unquote(word: str, escapes: str = "%$") -> str | None:
     """Undo service.systemd_quote's escaping of one ExecStart= word that shlex has unquoted: `%%` is a `%`, `$$` a
-    `$`. None where a lone `%` (a specifier such as %h) or `$` (a variable) is left, which only systemd can expand."""
+    `$`. None where a lone `%` (a specifier such as %h) or `$` (a variable) is left, which only systemd can expand.
+    The command (the first word) takes escapes="%": systemd expands no variables there (service.systemd_executable)."""
     out, i = [], 0
     while i < len(word):
         c = word[i]
-        if c in "%$":
+        if c in escapes:
             if word[i + 1:i + 2] != c:
                 return None
             i += 1
@@ -349,7 +399,7 @@ def _systemd_state(paths: list[Path]) -> Check:
     for line in paths[1].read_text(errors="replace").splitlines():  # m31rd.service: does its command still exist?
         if line.startswith("ExecStart="):
             try:  # systemd_quote's quoting is a subset of the shell's
-                exe = systemd_unquote(shlex.split(line.removeprefix("ExecStart="))[0])
+                exe = systemd_unquote(shlex.split(line.removeprefix("ExecStart="))[0], escapes="%")
             except (ValueError, IndexError):
                 return Check("service", "fail", f"{paths[1]}: cannot read its ExecStart= line")
             if exe is not None and not os.path.exists(exe):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import plistlib
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -184,6 +186,17 @@ def systemd_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def systemd_executable(path: str) -> str:
+    """ExecStart='s first word, the command: % escaped (specifiers), quoted where it has spaces. Not $: systemd expands
+    variables in the arguments only, so a `$$` there named a file that does not exist. A quote, a backslash or a
+    control character systemd refuses in it whatever the quoting ("Executable name contains special characters")."""
+    if any(c in "\"'\\" or ord(c) < 32 or ord(c) == 127 for c in path):
+        raise ValueError(f"{path!r}: systemd refuses to run a command whose path holds a quote, a backslash or a "
+                         "control character; install m31r in a virtual environment on a path without them")
+    path = path.replace("%", "%%")
+    return f'"{path}"' if any(c.isspace() or c == ";" for c in path) else path
+
+
 def template(name: str) -> str:
     return (UNITS_DIR / name).read_text()
 
@@ -195,7 +208,7 @@ DEFAULT_LISTEN_COMMENT = "# %t is $XDG_RUNTIME_DIR (/run/user/UID): the path eve
 def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_LISTEN) -> dict[str, str]:
     """{file name: content} of the two user units; `listen` is m31rd.socket's ListenStream= (systemd_listen). On
     another path than the default, the comment says so: clients do not find that socket unless told."""
-    exec_start = " ".join(systemd_quote(a) for a in command)
+    exec_start = " ".join([systemd_executable(command[0]), *(systemd_quote(a) for a in command[1:])])
     service = template("m31rd.service").replace("@M31R@", exec_start).replace("@BUNDLE@", systemd_quote(str(bundle)))
     socket = template("m31rd.socket")
     if listen != DEFAULT_LISTEN:
@@ -267,6 +280,27 @@ def _write(path: Path, data: bytes, backup: Path | None = None) -> None:
     os.replace(tmp, path)
 
 
+def _daemon_beside(kind: Kind, sock: Path) -> int | None:
+    """The pid of a daemon that answers on `sock` outside the service (started by hand, or by a client), or None.
+    Enabling the service then goes wrong without a word: m31rd.socket unlinks a socket file in its way and binds
+    the path, leaving that daemon running for no one; launchd's agent finds the path taken, exits 1 and is retried
+    every 10 s. A path the installed m31rd.socket holds is not probed: a connection there would start its daemon."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+            return None
+    except OSError:
+        return None
+    if kind == "systemd" and (systemd_states(sock) or ("",))[0] == "active":
+        return None
+    from m31r_protocol.blocking import status
+
+    try:
+        pid = status(sock, timeout=2.0).get("pid")
+    except (OSError, ValueError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
 def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: bool = False, *, force: bool = False,
             socket: str | Path | None = None, echo: Echo = print) -> list[Path]:
     """Write the unit files for `kind` (default: this platform's) and print the command that enables them.
@@ -317,11 +351,20 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
             echo(f"kept the previous {path} as {backup}")
         echo(f"wrote {path}")
     echo(f"the service listens on {sock} (from {source})")
+    stop = f"m31r stop --socket {shlex.quote(str(sock))}" if socket else "m31r stop"  # what reaches `sock` here
+    if (pid := _daemon_beside(k, sock)) is not None:
+        echo(f"note: a daemon (pid {pid}) already serves {sock} outside the service: `{stop}` before starting the "
+             "service, or " + ("m31rd.socket takes the path from it and it runs on, serving no one" if k == "systemd"
+                               else "(unless it is the agent's own) the agent's daemon finds the path taken and "
+                               "launchd retries it every 10 s"))
     if k == "systemd":
         echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")
         if any(p.name == "m31rd.socket" for p in differing):  # enable --now leaves an active socket where it was
             echo("(m31rd.socket changed: `systemctl --user restart m31rd.socket` moves one already listening, and "
                  "stops its daemon)")
+        elif any(p.name == "m31rd.service" for p in differing):  # a daemon it started runs the old ExecStart=
+            echo(f"(m31rd.service changed: a daemon it started runs the old command and bundle until `{stop}` "
+                 "after the daemon-reload; the next request starts the new one)")
         echo("(the daemon starts on the first connection; logs: journalctl --user -u m31rd)")
     else:
         launchd_log_path().parent.mkdir(parents=True, exist_ok=True)
@@ -332,16 +375,18 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
     return list(files)
 
 
-def _run_quietly(cmd: list[str], echo: Echo) -> None:
+def _run_quietly(cmd: list[str], echo: Echo) -> bool:
+    """Run a service manager's command, saying so; False where it is missing, failed or hung."""
     if shutil.which(cmd[0]) is None:
-        return
+        return False
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         echo(f"note: {' '.join(cmd)}: {e}")
-        return
+        return False
     if r.returncode == 0:
         echo(f"ran: {' '.join(cmd)}")
+    return r.returncode == 0
 
 
 def uninstall(kind: str | None = None, dry_run: bool = False, *, stop: bool = True,
@@ -361,7 +406,12 @@ def uninstall(kind: str | None = None, dry_run: bool = False, *, stop: bool = Tr
         return paths
     if stop and paths:
         if k == "systemd":
-            _run_quietly(["systemctl", "--user", "disable", "--now", *SYSTEMD_UNITS], echo)
+            cmd = ["systemctl", "--user", "disable", "--now", *SYSTEMD_UNITS]
+            if not _run_quietly(cmd, echo) and shutil.which("systemctl"):
+                # The files go regardless; a manager that was not reached keeps a listening m31rd.socket (and its
+                # daemon) loaded from them until it is told, with nothing left on disk to say why.
+                echo(f"note: `{' '.join(cmd)}` failed (no systemd user manager answers here?): where the service "
+                     "runs, `systemctl --user stop m31rd.socket m31rd.service` in the session it runs in stops it")
         else:
             _run_quietly(["launchctl", "bootout", f"gui/{os.getuid()}/{LAUNCHD_LABEL}"], echo)
     for p in paths:
