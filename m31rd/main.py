@@ -39,7 +39,7 @@ def default_bundle() -> Path:
     release/ beside an installed package)."""
     env = os.environ.get("M31R_BUNDLE")
     if env:
-        return Path(env)
+        return Path(os.path.expanduser(env))  # `~` quoted in a profile, as M31R_SOCKET's
     spec = importlib.util.find_spec("m31r_release")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))

@@ -34,7 +34,10 @@ def _own_folder(path: str) -> bool:
 
 
 def default_socket_path() -> Path:
-    return Path(os.environ.get("M31R_SOCKET") or runtime_dir() / "m31rd.sock")
+    """$M31R_SOCKET (a leading `~` expanded, as for --socket: quoted in a shell profile it reaches us unexpanded, and
+    was a `./~/` folder in whatever folder a client ran in), else the runtime folder's m31rd.sock."""
+    env = os.environ.get("M31R_SOCKET")
+    return Path(os.path.expanduser(env)) if env else runtime_dir() / "m31rd.sock"
 
 
 def socket_path_problem(path: str | Path) -> str | None:

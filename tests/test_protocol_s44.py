@@ -193,3 +193,16 @@ def test_a_peer_uid_past_2_to_the_31_is_read_as_it_is():
         finally:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
+
+
+def test_a_tilde_in_m31r_socket_and_m31r_bundle_is_the_home_folder(monkeypatch, tmp_path):
+    """Quoted in a shell profile (`export M31R_SOCKET='~/m31r.sock'`), `~` reaches the process as is: it named a
+    `./~/` folder in whatever folder a client ran in."""
+    from m31r_protocol.paths import default_socket_path
+    from m31rd.main import default_bundle
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("M31R_SOCKET", "~/run/m31rd.sock")
+    monkeypatch.setenv("M31R_BUNDLE", "~/bundles/mine")
+    assert default_socket_path() == tmp_path / "run" / "m31rd.sock"
+    assert default_bundle() == tmp_path / "bundles" / "mine"
