@@ -301,6 +301,10 @@ def _run_client(coro_fn: Callable[..., Any], *args: Any, socket_path: Path | Non
             fail(_unreachable(cause, socket_path))
         fail(str(cause or e))
     except DaemonError as e:
+        if e.code == "cancelled" and "superseded" in e.message:  # the daemon's newest-wins rule, across processes
+            fail(f"{e.code}: {e.message}: another `m31r fim` on the same --file reached the daemon after this one "
+                 "(it answers the newest request for a file, as an editor wants while the user types); run "
+                 "completions for one file one after another")
         fail(f"{e.code}: {e.message}")
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT)

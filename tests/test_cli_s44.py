@@ -102,3 +102,18 @@ def test_help_names_the_exit_statuses() -> None:
     said = " ".join(r.stdout.split())
     for status in ("0 done", "1 an error", "2 a usage error", "130 Ctrl-C", "141 stdout's reader", "143 SIGTERM"):
         assert status in said, said
+
+
+def test_a_fim_superseded_by_another_on_the_same_file_says_what_to_do(capsys):
+    """Two `m31r fim --file F` at once (a script's `xargs -P`): the daemon answers the newest for a document, and the
+    older one's bare "superseded by a newer request for the same document" did not say that document was the file."""
+    from m31r import cli
+    from m31r_protocol import DaemonError
+
+    async def superseded() -> None:
+        raise DaemonError("cancelled", "superseded by a newer request for the same document")
+
+    with pytest.raises(SystemExit) as e:
+        cli._run_client(superseded, socket_path=None)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "same --file" in err and "one after another" in err, err
