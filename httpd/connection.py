@@ -24,6 +24,14 @@ an allowed origin (--cors-origin), as the app's answers do, where the request's 
 from the header lines that arrived whole (HEAD_KEPT bytes of them) when its header block was not valid or not
 finished.
 
+An answer sent before the request's body was all in (a refusal: 413, 403, 415..., or a 408) ends with `Connection:
+close`, and uvicorn then closed the socket at once, with the client's unread body in it: the kernel answers that, and
+every byte the client still sends, with a reset, and a client still uploading (Python's http.client, for one) saw
+ECONNRESET or EPIPE instead of the answer. Here the connection lingers instead, as Apache's and nginx's do: the answer
+is sent and the write side shut (the client reads it, then EOF), and what the client still sends is read and
+discarded, for at most LINGER_SECONDS and LINGER_BYTES, before the connection is closed. A lingering connection is the
+first to go for room at the connection limit (it has been answered), so an endless or slow uploader costs nobody.
+
 The class is also used where httptools is installed (uvicorn would pick its httptools protocol), so the deadline
 holds whatever uvicorn's extras are.
 """
@@ -60,6 +68,10 @@ H11_HEADER_LIMIT = 16 * 1024  # h11's default limit of a header block, which uvi
 # could not read the error.
 HEAD_KEPT = H11_HEADER_LIMIT
 LIMIT_RETRY_AFTER = 1  # seconds, in the 503 at the connection limit: the server's own requests end within a timeout
+# After an answer sent before the request was all in: how long, and how much of the rest, is read and discarded
+# before the connection is closed (a client sending more still sees a reset, but has its answer by then).
+LINGER_SECONDS = 5.0  # (nginx's lingering_timeout)
+LINGER_BYTES = 8 << 20
 
 
 def request_path(head: bytes) -> str:
@@ -91,6 +103,21 @@ def scope_origin(scope: Scope) -> bytes | None:
     return next((v for k, v in scope["headers"] if k == b"origin"), None)
 
 
+class LingeringClose:
+    """The connection's transport as a request's cycle (uvicorn's RequestResponseCycle) uses it, but for close: that
+    lingers, where the answer left the request's body unread (HeaderTimeoutProtocol.close_after_answer). Uvicorn
+    closes the transport itself once an answer with `Connection: close` is sent, with no hook in between."""
+
+    def __init__(self, protocol: HeaderTimeoutProtocol) -> None:
+        self.protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.protocol.transport, name)
+
+    def close(self) -> None:
+        self.protocol.close_after_answer()
+
+
 class HeaderTimeoutProtocol(H11Protocol):
     """H11Protocol that closes a connection whose next request's headers are not all in by a deadline, and makes
     room at the connection limit; use `with_header_timeout` for a class with the timeout set (uvicorn.Config takes a
@@ -102,6 +129,8 @@ class HeaderTimeoutProtocol(H11Protocol):
     waiting_since = 0.0  # when the client's turn began (the header deadline's start), time.monotonic()
     turn = 0  # the order of waiting_since
     head = b""  # the start of the request whose headers are awaited (up to HEAD_KEPT bytes): its path, once in
+    linger_left: int | None = None  # bytes still to be read and discarded while lingering (None: not lingering)
+    linger_timer: asyncio.TimerHandle | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -117,9 +146,16 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_header_timer()
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger_left is not None:  # the rest of a request already answered: discarded
+            self.linger_left -= len(data)
+            if self.linger_left <= 0:
+                self.transport.close()
+            return
         if self.awaiting_headers() and len(self.head) < HEAD_KEPT:
             self.head += data[:HEAD_KEPT - len(self.head)]  # (h11 consumes what it parses, a bad line too)
         super().data_received(data)
@@ -127,6 +163,8 @@ class HeaderTimeoutProtocol(H11Protocol):
     def handle_events(self) -> None:
         self.keep_head()
         super().handle_events()
+        if self.cycle is not None and self.cycle.transport is self.transport:  # a new request's cycle
+            self.cycle.transport = LingeringClose(self)  # type: ignore[assignment]
         if not self.awaiting_headers():
             self.head = b""  # the request's headers are in: the scope has its path
         self.keep_head()
@@ -186,7 +224,28 @@ class HeaderTimeoutProtocol(H11Protocol):
                         (self.scope["path"], scope_origin(self.scope)))
         self.transport.write(self.error_response(status, "invalid_http" if status == 400 else "too_large", why,
                                                  path, origin))
-        self.transport.close()
+        self.linger()  # (the client may still be sending the request h11 gave up on)
+
+    def close_after_answer(self) -> None:
+        """Close the connection once a request's cycle is done with it: lingering, if the answer went before the
+        request's body was all in."""
+        if self.cycle is not None and self.cycle.response_complete and self.conn.their_state is h11.SEND_BODY:
+            self.linger()
+        else:
+            self.transport.close()
+
+    def linger(self) -> None:
+        """Close the connection, an answer having been written, without resetting it while the client still sends:
+        shut the write side (the client reads the answer, then EOF), then read and discard what comes in, and
+        close at the client's EOF, or after LINGER_SECONDS or LINGER_BYTES."""
+        if self.transport.is_closing() or self.linger_left is not None:
+            return
+        self.stop_header_timer()
+        self.linger_left = LINGER_BYTES
+        self.waiting_since, self.turn = time.monotonic(), next(_turns)  # (for make_room)
+        self.transport.write_eof()  # once the answer is written
+        self.flow.resume_reading()  # (paused where the unread body filled uvicorn's buffer)
+        self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def awaiting_headers(self) -> bool:
         """Between requests: no request of this cycle seen yet, and no answer under way."""
@@ -207,15 +266,15 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def make_room(self) -> None:
         """At uvicorn's connection limit, close the other connection that has waited longest for its client (a
-        request's headers or body), so that this one's request is served rather than answered 503 (none is closed
-        if all are being answered)."""
+        request's headers or body, or lingering after an answer: those first), so that this one's request is served
+        rather than answered 503 (none is closed if all are being answered)."""
         limit = self.connection_limit
         if limit is None or len(self.connections) < limit - ROOM_MARGIN:
             return
         waiting = [c for c in self.connections
                    if c is not self and isinstance(c, HeaderTimeoutProtocol) and c.waiting_for_client()]
         if waiting:
-            oldest = min(waiting, key=lambda c: c.turn)
+            oldest = min(waiting, key=lambda c: (c.linger_left is None, c.turn))  # answered ones first
             part = "body was" if oldest.body_pending() else "headers were"
             waited = time.monotonic() - oldest.waiting_since
             oldest.close_waiting(f"the request's {part} not all in after {waited:.1f}s, when the server, at its "
@@ -229,7 +288,8 @@ class HeaderTimeoutProtocol(H11Protocol):
                 and self.conn.their_state is h11.SEND_BODY)
 
     def waiting_for_client(self) -> bool:
-        return not self.transport.is_closing() and (self.header_timer is not None or self.body_pending())
+        return not self.transport.is_closing() and (
+            self.header_timer is not None or self.body_pending() or self.linger_left is not None)
 
     def header_timed_out(self) -> None:
         self.header_timer = None
@@ -243,6 +303,9 @@ class HeaderTimeoutProtocol(H11Protocol):
         then sees the client leave, as the app is told."""
         self.stop_header_timer()
         body = self.body_pending()
+        if self.linger_left is not None:  # answered already
+            self.transport.close()
+            return
         if self.transport.is_closing() or not (body or self.awaiting_headers()):
             return
         try:

@@ -218,7 +218,8 @@ class GuardMiddleware:
     CORS preflights (OPTIONS with Access-Control-Request-Method) from allowed origins pass through to the CORS
     middleware inside; everything else needs a good Host, an allowed (or no) Origin, and the token if one is set.
     An answer sent before the request's body is all in (a refusal, a 408) closes the connection: reading the rest
-    of a body nobody wants would keep it for as long as the client takes to send it.
+    of a body nobody wants would keep it for as long as the client takes to send it. (Closed after a bounded
+    linger, connection.py, so that a client still sending reads the answer rather than a reset.)
     """
 
     def __init__(self, app: ASGIApp, *, hosts: HostPolicy, origins: Iterable[str] = (), token: str | None = None,
