@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,28 +33,37 @@ def daemon(shared_daemon):
     return shared_daemon[1]
 
 
+@dataclass
+class Stoppable:
+    """A daemon of a test's own, and `stall()`/`resume()` to stop and continue it: a request sent to a stopped
+    daemon stays in flight."""
+
+    sock: Path
+    pid: int
+
+    def stall(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def stoppable(bundle: Path, sock: Path, *args: str) -> Iterator[Stoppable]:
+    proc = start_daemon(bundle, sock, *args)
+    try:
+        yield Stoppable(sock, proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        stop_daemon(proc)
+
+
 @pytest.fixture
 def stalled(tiny_bundle, tmp_path: Path):
-    """A daemon of this test's own (its socket in pytest's 0700 tmp_path), and `stall()`/`resume()` to stop and
-    continue it: a request sent to a stopped daemon stays in flight."""
-    proc = start_daemon(tiny_bundle.path, tmp_path / "d.sock")
-
-    class Daemon:
-        sock = tmp_path / "d.sock"
-        pid = proc.pid
-
-        @staticmethod
-        def stall() -> None:
-            os.kill(proc.pid, signal.SIGSTOP)
-
-        @staticmethod
-        def resume() -> None:
-            os.kill(proc.pid, signal.SIGCONT)
-
-    yield Daemon
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGCONT)
-    stop_daemon(proc)
+    """A daemon of this test's own (its socket in pytest's 0700 tmp_path) that the test may stall and resume."""
+    with stoppable(tiny_bundle.path, tmp_path / "d.sock") as daemon:
+        yield daemon
 
 
 async def begin(sock: Path, settings: dict) -> Stdio:

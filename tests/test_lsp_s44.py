@@ -6,19 +6,15 @@ SIGSTOP (test_lsp_s43_audit's `stalled`). Nothing is mocked."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import test_lsp_s43_audit
-from daemon_util import start_daemon, stop_daemon
 from lsp_stdio import Stdio
 from test_lsp import NOISE
-from test_lsp_s43_audit import begin, stats
+from test_lsp_s43_audit import begin, stats, stoppable
 
 from m31r_lsp.completion import MAX_LIVE_DOCUMENTS
 
@@ -55,23 +51,8 @@ async def at_daemon(s: Stdio, want: int) -> dict:
 def narrow(tiny_bundle, tmp_path: Path):
     """A daemon of this test's own that takes two requests at a time from a connection (--max-per-connection 2), and
     `stall()`/`resume()` as `stalled`'s."""
-    proc = start_daemon(tiny_bundle.path, tmp_path / "n.sock", "--max-per-connection", "2")
-
-    class Daemon:
-        sock = tmp_path / "n.sock"
-
-        @staticmethod
-        def stall() -> None:
-            os.kill(proc.pid, signal.SIGSTOP)
-
-        @staticmethod
-        def resume() -> None:
-            os.kill(proc.pid, signal.SIGCONT)
-
-    yield Daemon
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGCONT)
-    stop_daemon(proc)
+    with stoppable(tiny_bundle.path, tmp_path / "n.sock", "--max-per-connection", "2") as daemon:
+        yield daemon
 
 
 # -- 1. many documents at once, and the daemon's `busy` -----------------------------------------------------------

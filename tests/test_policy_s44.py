@@ -7,29 +7,7 @@ Documents mark the cursor with █.
 from __future__ import annotations
 
 import pytest
-
-from m31r_protocol import policy
-from m31r_protocol.policy import Options, Suggestion
-
-
-def cur(doc: str) -> tuple[str, int]:
-    i = doc.index("█")
-    return doc[:i] + doc[i + 1 :], i
-
-
-def suggest(doc: str, raw: str, **opts) -> Suggestion | None:
-    text, offset = cur(doc)
-    return policy.postprocess(policy.plan(text, offset, Options(**opts)), raw)
-
-
-def apply(doc: str, raw: str, **opts) -> str | None:
-    """The document once the suggestion is accepted, or None when nothing shows."""
-    text, offset = cur(doc)
-    s = suggest(doc, raw, **opts)
-    if s is None:
-        return None
-    assert s.start <= offset <= s.end and s.text.startswith(text[s.start : offset])
-    return text[: s.start] + s.text + text[s.end :]
+from test_policy_s43 import apply
 
 
 def in_fn(line: str) -> str:
