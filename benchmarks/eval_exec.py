@@ -30,9 +30,11 @@ Needs `rustc` on PATH (Debian: `apt-get install rustc`); nothing else of Rust.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,23 +118,49 @@ def load_problems(folder: Path = PROBLEMS) -> list[Problem]:
     return [parse_problem(p) for p in sorted(folder.glob("*.rs"))]
 
 
+OUTPUT_BLOCKS = 32768  # `ulimit -f` of a test binary (16-32 MiB, by the shell's block size): a print loop fills no disk
+
+
+def _run_alone(argv: list[str], work: Path, timeout: float) -> tuple[int | None, str]:
+    """(exit status, None past `timeout`; what it wrote) of one command run in an empty folder of `work`, its current
+    and temporary folder, in a process group of its own, all of which is killed when it ends: a program that writes
+    files writes them in its own folder (not the evaluator's, where the next program would read them), and one that
+    leaves a child behind (holding the output pipe open, or looping) neither hangs the evaluation nor outlives it."""
+    log, cwd = work / f"{Path(argv[0]).name}.out", work / "run"
+    cwd.mkdir(exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, "TMPDIR": str(cwd)}, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # none of the group is left
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with open(log, "rb") as f:
+        return code, f.read(1 << 20).decode("utf-8", "replace")
+
+
 def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tuple[bool, bool, str]:
-    """(compiles, passes, first error) for one program, built as a test binary in `work`."""
+    """(compiles, passes, first error) for one program, built as a test binary in `work` and run there (_run_alone)."""
+    work = work.resolve()
     src, exe = work / "main.rs", work / "main"
     src.write_text(source)
     exe.unlink(missing_ok=True)
-    build = subprocess.run([rustc, "--edition", "2021", "--test", "-A", "warnings", "-C", "opt-level=1",
-                            "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
-    if build.returncode != 0:
-        first = next((ln for ln in build.stderr.splitlines() if ln.startswith("error")), build.stderr.strip())
-        return False, False, first[:300]
-    try:
-        run = subprocess.run([str(exe), "--test-threads", "1"], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    code, errors = _run_alone([rustc, "--edition", "2021", "--test", "-A", "warnings", "-C", "opt-level=1",
+                               "-o", str(exe), str(src)], work, 120)
+    if code != 0:
+        first = next((ln for ln in errors.splitlines() if ln.startswith("error")), errors.strip())
+        return False, False, (first if code is not None else "rustc still running after 120 s")[:300]
+    code, output = _run_alone(["sh", "-c", f'ulimit -f {OUTPUT_BLOCKS} && exec "$0" "$@"', str(exe), "--test-threads",
+                               "1"], work, timeout)
+    if code is None:
         return True, False, f"tests still running after {timeout:g} s"
-    if run.returncode != 0:
-        failed = [ln for ln in run.stdout.splitlines() if "panicked" in ln or ln.startswith("test ") and "FAILED" in ln]
-        return True, False, (failed[0] if failed else f"tests exited with {run.returncode}")[:300]
+    if code != 0:
+        failed = [ln for ln in output.splitlines() if "panicked" in ln or ln.startswith("test ") and "FAILED" in ln]
+        return True, False, (failed[0] if failed else f"tests exited with {code}")[:300]
     return True, True, ""
 
 

@@ -22,7 +22,8 @@ Tasks, drawn deterministically from a seeded RNG (same --seed and val split, sam
                body lines with their newlines.
 
   Only middles that fit the completion budget are used (single-line: --single-tokens - 1 tokens, multi-line:
-  --multi-tokens - 1), so every task is solvable. The budgets and the perplexity windows (--ppl-context) are
+  --multi-tokens - 1, counted by the data's tokenizer, DATA/tokenizer.json, where it has one: the same tasks
+  whatever the model's tokenizer), so every task is solvable. The budgets and the perplexity windows (--ppl-context) are
   fixed numbers, not the model's: models of different context lengths get the same tasks and windows.
 
 Metrics, on prediction and target normalised the same way (trailing whitespace of each line and trailing
@@ -172,6 +173,19 @@ def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, s
     return tasks
 
 
+def task_tokenizer(data: Path, tok, tok_hash: str):
+    """The tokenizer that sizes the tasks' middles (make_tasks): the data's own (DATA/tokenizer.json) where it has one,
+    so two models of different tokenizers draw the same tasks from the same data and seed (compare_evals.py pairs
+    them); `tok`, the model's (its tokenizer.json's sha256 `tok_hash`), where the data has none or the same."""
+    from m31r.bundle import sha256_file
+    from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
+
+    path = data / "tokenizer.json"
+    if not path.is_file() or sha256_file(path) == tok_hash:
+        return tok
+    return Tokenizer.from_file(path, DEFAULT_SPECIAL)
+
+
 def val_texts(data: Path) -> list[tuple[str, str, str]]:
     """(path, text, crate) of the non-blank validation files in DATA/corpus/val.jsonl; files outside any crate (an
     older corpus) count as a crate each."""
@@ -300,6 +314,15 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     return results
 
 
+def text_bytes(tok, ids: list[int]) -> int:
+    """The UTF-8 bytes of the text these predicted ids spell, special tokens none. A window's edge can fall inside a
+    character (its bytes in two tokens); decoded, each stray half becomes a 3-byte U+FFFD, so a byte-level tokenizer's
+    ids are counted by their own bytes."""
+    if tok.byte_level:
+        return sum(len(tok.token_bytes[i] or b"") for i in ids)
+    return len(tok.decode(ids).encode("utf-8"))
+
+
 def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -320,9 +343,9 @@ def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
             logits = engine.model(win[None, :-1])
         nats += float(F.cross_entropy(logits[0].float(), win[1:], reduction="sum"))
         n_tok += w - 1
-        n_bytes += len(tok.decode(win[1:].tolist()).encode("utf-8"))
+        n_bytes += text_bytes(tok, stream[i * stride + 1 : i * stride + w])
     loss = nats / n_tok
-    return {"windows": k, "tokens": n_tok, "stream_tokens": len(stream), "loss": round(loss, 4),
+    return {"windows": k, "tokens": n_tok, "bytes": n_bytes, "stream_tokens": len(stream), "loss": round(loss, 4),
             "perplexity": round(math.exp(loss), 3), "bits_per_byte": round(nats / math.log(2) / max(n_bytes, 1), 4)}
 
 
@@ -429,13 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     meta = engine.bundle.metadata
     data_tok = args.data / "tokenizer.json"
     if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
-        log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's is used")
+        log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's tokenizes the prompts, the data's "
+            f"sizes the tasks (the same tasks for any model on this data)")
     reserve = FimBudget.for_context(engine.config.max_context).reserve
     single_max, multi_max = min(args.single_tokens, reserve), min(args.multi_tokens, reserve)
     if (single_max, multi_max) != (args.single_tokens, args.multi_tokens):
         log(f"warning: this model's completion budget is {reserve} tokens: tasks are cut to it, and differ from "
             f"a larger model's")
-    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, engine.tokenizer, single_max, multi_max)
+    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed,
+                       task_tokenizer(args.data, engine.tokenizer, meta["tokenizer_hash"]), single_max, multi_max)
     if args.context:
         add_context(tasks, texts)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "

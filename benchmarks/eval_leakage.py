@@ -13,10 +13,11 @@ code with changes, or inside larger files, and those copies stay. This reports w
            This is the corpus builder's own file test (m31r.train.lookalike, the same defaults): corpora built
            since it drop such train files, so on them this part should find nothing.
   tasks    the exact task lists of `make eval` and `make eval-large` (eval_fim.make_tasks with their counts, seed 0,
-           the bundle's tokenizer and eval_fim.py's default budgets): are a task's target line(s), with the N
-           lines above them (--context-lines, one probe per N), in a train file, line by line with indentation
-           ignored? Such a task can be answered from memory. A probe found in more than --common-crates train
-           crates is common text (licence headers, runs of `}`, idioms); in fewer, most likely a copy.
+           the data's tokenizer (the bundle's where it has none) and eval_fim.py's default budgets): are a task's
+           target line(s), with the N lines above them (--context-lines, one probe per N), in a train file, line by
+           line with indentation ignored? Such a task can be answered from memory. A probe found in more than
+           --common-crates train crates is common text (licence headers, runs of `}`, idioms); in fewer, most likely
+           a copy.
   figures  given those evals' results (--results: eval_fim.py --out files of the same tasks), exact match and edit
            similarity on the leaked and the clean tasks apart.
 
@@ -187,14 +188,17 @@ def match_files(val: list[ValFile], index: ValIndex, scan: TrainScan, *, jaccard
     return judged
 
 
-def draw_tasks(texts: list[tuple[str, str, str]], bundle: Path) -> dict[str, list[eval_fim.Task]]:
-    """The task lists of `make eval` and `make eval-large`, as eval_fim.py draws them for this bundle."""
+def draw_tasks(texts: list[tuple[str, str, str]], bundle: Path, data: Path) -> dict[str, list[eval_fim.Task]]:
+    """The task lists of `make eval` and `make eval-large`, as eval_fim.py draws them for this bundle on `data`
+    (sized by the data's tokenizer where it has one: eval_fim.task_tokenizer)."""
+    from m31r.bundle import sha256_file
     from m31r.config import load_config
     from m31r.fim import FimBudget
     from m31r.tokenizer import Tokenizer
 
     config = load_config(bundle / "config.yaml")
     tok = Tokenizer.from_file(bundle / "tokenizer.json", config.special_tokens, config.vocab_size)
+    tok = eval_fim.task_tokenizer(data, tok, sha256_file(bundle / "tokenizer.json"))
     reserve = FimBudget.for_context(config.max_context).reserve
     budgets = min(SINGLE_TOKENS, reserve), min(MULTI_TOKENS, reserve)
     return {name: eval_fim.make_tasks(texts, ns, nm, SEED, tok, *budgets) for name, (ns, nm) in DRAWS.items()}
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         results = [f for f in (REPO / "bench-results" / "eval.json", REPO / "bench-results" / "eval-large.json")
                    if f.is_file()]
     t0 = time.perf_counter()
-    draws = {} if args.no_tasks else draw_tasks(eval_fim.val_texts(args.data), args.bundle)
+    draws = {} if args.no_tasks else draw_tasks(eval_fim.val_texts(args.data), args.bundle, args.data)
     report = measure(args.data, draws, context_lines=args.context_lines,
                      jaccard=args.jaccard, containment=args.containment, common_files=args.common_files,
                      min_shingles=args.min_shingles, common_crates=args.common_crates, results=results, log=log)
