@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -120,14 +121,22 @@ class ProjectContext:
         return (_shown(path, root) if path else other), self._windows[key]
 
     def _disk_windows(self, path: Path, root: Path | None) -> tuple[str, list[Window]] | None:
+        """A file's windows; None for one that is no regular file (a named pipe called `x.rs` blocked the read, and
+        every request after it, with the lock held, until something wrote to it; a link to /dev/zero never ended),
+        is too large, or is not UTF-8 (training's corpus leaves those out, and rustc refuses them: quoted, they
+        put U+FFFD in the prompt). Line ends read as LF, as before."""
         try:
             st = path.stat()
-            if st.st_size > MAX_FILE_BYTES:
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return None
             key = (path, st.st_mtime_ns, st.st_size)
             if key not in self._windows:
-                self._windows[key] = windows(path.read_text(encoding="utf-8", errors="replace"))
-        except OSError:
+                with path.open(encoding="utf-8-sig") as f:  # no byte order mark, as training's corpus has none
+                    text = f.read(MAX_FILE_BYTES + 1)  # grown since the stat: not read on without end
+                if len(text) > MAX_FILE_BYTES:
+                    return None
+                self._windows[key] = windows(text)
+        except (OSError, UnicodeDecodeError):
             return None
         return _shown(path, root), self._windows[key]
 

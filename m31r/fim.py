@@ -159,12 +159,36 @@ def _word_char(c: str) -> bool:
     return c.isalnum() or c == "_"
 
 
+_RUN = frozenset("(){}[];,?#\"")  # what the pre-tokenizer joins into runs of up to four (m31r.train.tokenizer)
+
+
+def _joins(tok: Tokenizer, prev: str, healed: str) -> str:
+    """Whether token text `prev` is part of the pre-tokenizer piece that `healed` (the text taken back so far) ends:
+    "word" (a word's own token, or a bracket run's: go on), "opens" (what opens a word's piece, where some token
+    spans the two: a lone space, a lifetime's `'`, the `&` of `&mut`; it starts there) or "". A prompt that keeps
+    it ends in a split of that piece no finished text has: `&mu` as `&` + `mu`, where `&mut` is one token, or
+    `    asser` as `   ` + ` ` + `asser`, where `assert` is ` assert`; the model goes on from ids it never saw."""
+    h, run = healed[0], set(healed) <= _RUN
+    if _word_char(h) and _word_char(prev[-1]):
+        return "word"
+    if not tok.starts_a_token((prev + h).encode()):
+        return ""
+    if run and set(prev) <= _RUN:
+        return "word"
+    if prev[:1] == " " and (set(prev[1:]) <= _RUN if run else prev == " " and _word_char(h)):
+        return "opens"
+    if prev in ("'", " '") and (h.isalpha() or h == "_") or prev in ("&", " &") and "mut".startswith(healed):
+        return "opens"
+    return ""
+
+
 def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
     """(ids without the text to heal, that text): the last token, and the tokens before it that spell the same
     word, so a cursor inside a word owes the whole fragment. `thi` as `th` + `i` healed by its last token alone
     leaves the model to go on from a split no training text has, and it ends the word there; owing `thi`, it
-    writes `this`. Where the last token ends a character that earlier byte tokens began (`é` as two byte tokens),
-    all of them: the healed text is always whole characters."""
+    writes `this`. So too what opens the word's pre-tokenizer piece, and a bracket run's tokens (_joins). Where the
+    last token ends a character that earlier byte tokens began (`é` as two byte tokens), all of them: the healed
+    text is always whole characters."""
     for k in range(1, min(4, len(line_ids)) + 1):
         pieces = [tok.token_bytes[i] for i in line_ids[-k:]]
         if any(p is None for p in pieces):
@@ -174,14 +198,17 @@ def heal_split(tok: Tokenizer, line_ids: list[int]) -> tuple[list[int], str]:
         except UnicodeDecodeError:
             continue
         ids, size = line_ids[:-k], sum(map(len, pieces))
-        while ids and _word_char(healed[0]) and (prev := tok.token_bytes[ids[-1]]):
+        while ids and (prev := tok.token_bytes[ids[-1]]):
             try:
                 text = prev.decode("utf-8")
             except UnicodeDecodeError:
                 break
-            if not _word_char(text[-1]) or size + len(prev) > HEAL_WORD_BYTES:
+            joins = _joins(tok, text, healed)
+            if not joins or size + len(prev) > HEAL_WORD_BYTES:
                 break
             ids, healed, size = ids[:-1], text + healed, size + len(prev)
+            if joins == "opens":
+                break
         return ids, healed
     return line_ids, ""
 

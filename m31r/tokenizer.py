@@ -100,6 +100,12 @@ class Tokenizer:
             exact.setdefault(b, []).append(i)
         return [b for b, _ in pairs], [i for _, i in pairs], exact
 
+    def starts_a_token(self, head: bytes) -> bool:
+        """Whether some token's bytes start with `head`: a text split there may yet be one token (healing)."""
+        keys = self._by_bytes[0]
+        j = bisect.bisect_left(keys, head)
+        return j < len(keys) and keys[j].startswith(head)
+
     def heal_ids(self, rest: bytes) -> list[int]:
         """Ids a healed completion may continue with while `rest` (bytes already in the text) is still owed:
         tokens that start with all of it, or that are a prefix of it. Where it ends in a space or tab, a token
