@@ -1,21 +1,24 @@
 """Code from the rest of the crate for a completion's prompt (`Fim.context`).
 
 The files: the other open documents of the completed document's language and the crate's files of that language on disk
-(the crate is the nearest folder above the document holding a Cargo.toml, else the document's folder), nearest the
-document first (an open document as it is in the editor, not its file). A language is a file suffix (`.rs` for Rust; a
-document without one, an unsaved buffer, has its languageId's): Rust code is never quoted into a TOML, Markdown or
-Python prompt, nor theirs into a Rust one. Each file's windows are kept until it changes, so a request costs a stat per
-file and the ranking (m31r_protocol.context), a few milliseconds; it runs on a worker thread all the same (`find`),
-because disks can be slow.
+(the crate is the nearest folder above the document holding a Cargo.toml, else the document's folder, its own files
+only), nearest the document first (an open document as it is in the editor, not its file). A language is a file suffix
+(`.rs` for Rust; a document without one, an unsaved buffer, has its languageId's): Rust code is never quoted into a
+TOML, Markdown or Python prompt, nor theirs into a Rust one. Each file's windows are kept until it changes, so a
+request costs a stat per file and the ranking (m31r_protocol.context), a few milliseconds; it runs on a worker thread
+all the same (`find`), because disks can be slow. The listing of the crate's files (`walk`, every LISTING_TTL_S) is
+bounded by entries and time, as every completion waits on the lock it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote_to_bytes, urlparse
@@ -26,9 +29,13 @@ from m31r_protocol.messages import Snippet
 MAX_FILES = 64  # files ranked per request: open documents first, then the nearest files on disk
 MAX_FILE_BYTES = 256 * 1024  # larger files are generated tables more often than code worth quoting
 MAX_LISTED = 2000  # files a crate's listing takes before it stops walking
+MAX_VISITED = 5000  # folder entries (any name) a listing looks at before it stops walking
+MAX_WALK_S = 0.3  # seconds a listing walks before it stops: the lock every completion takes is held meanwhile
 LISTING_TTL_S = 10.0  # a crate's file list is walked again after this long
 SKIP_DIRS = {"target", ".git", "node_modules"}
 LANGUAGE_SUFFIXES = {"rust": ".rs"}  # the suffix of a languageId's files, for a document whose URI has none
+
+log = logging.getLogger("m31r_lsp.context")
 
 
 def uri_path(uri: str) -> Path | None:
@@ -58,6 +65,7 @@ class ProjectContext:
         self._lock = threading.Lock()
         self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
         self._listings: dict[tuple[Path, str], tuple[float, list[Path]]] = {}  # (crate, suffix) -> (when, files)
+        self._cut: set[tuple[Path, str]] = set()  # (crate, suffix) whose listing was cut, as the log said once
 
     async def find(self, uri: str, prefix: str) -> list[Snippet]:
         """`snippets` on a worker thread, with the open documents as they are now (read here, on the event loop
@@ -145,15 +153,72 @@ class ProjectContext:
         now = time.monotonic()
         got = self._listings.get((root, suffix))
         if got is None or now - got[0] > LISTING_TTL_S:
-            found: list[Path] = []
-            for folder, dirs, files in os.walk(root):
-                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
-                found += (Path(folder) / f for f in sorted(files) if f.endswith(suffix) and f != suffix)
-                if len(found) >= MAX_LISTED:
-                    break
+            found, visited, cut = walk(root, here, suffix)
+            if cut and (root, suffix) not in self._cut:  # said once per crate, not at every refresh
+                self._cut.add((root, suffix))
+                log.info("project context: stopped listing %s's %s files after %d entries (%d files found); the "
+                         "files nearest the document were listed first", root, suffix, visited, len(found))
             got = self._listings[(root, suffix)] = (now, found)
         parts = here.parent.parts
         return sorted(got[1], key=lambda p: -_common(p.parent.parts, parts))
+
+
+def walk(root: Path, here: Path, suffix: str) -> tuple[list[Path], int, bool]:
+    """The files ending in `suffix` under crate `root` for document `here`: (files, entries visited, whether the walk
+    was cut). Outward from the document's folder (its subtree breadth first, then its parent's other folders, and so
+    on up to `root`), so that a cut at MAX_VISITED entries, MAX_LISTED files or MAX_WALK_S keeps the nearest files:
+    walked from `root` in name order, a large crate's limit was reached before the document's folder, and a document
+    in no crate (`~/x.rs`: `root` is its folder) walked the whole tree under it, home folder and all, every refresh.
+    With no Cargo.toml in `root`, only its own files are listed. Never entered: symlinked folders, `target`, `.git`,
+    `node_modules` and hidden folders; never listed: a symlink that leads out of the crate."""
+    deadline = time.monotonic() + MAX_WALK_S
+    descend = (root / "Cargo.toml").is_file()
+    real_root = root.resolve()
+    rel = here.parent.relative_to(root).parts
+    kept = next((i for i, part in enumerate(rel) if _skipped(part)), len(rel))
+    level = root.joinpath(*rel[:kept])  # the walk starts at the document's folder, unless it is one never entered
+    found: list[Path] = []
+    visited = 0
+    done: str | None = None  # the subfolder of `level` walked already
+    while True:
+        queue = deque([level])
+        while queue:
+            folder = queue.popleft()
+            entries: list[os.DirEntry[str]] = []
+            try:
+                with os.scandir(folder) as it:
+                    for entry in it:
+                        visited += 1
+                        entries.append(entry)
+                        if visited >= MAX_VISITED or time.monotonic() > deadline:
+                            break
+            except OSError:
+                pass
+            for entry in sorted(entries, key=lambda e: e.name):
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        if descend and not _skipped(entry.name) and not (folder == level and entry.name == done):
+                            queue.append(Path(entry.path))
+                    elif entry.name.endswith(suffix) and entry.name != suffix and (
+                            not entry.is_symlink() or Path(entry.path).resolve().is_relative_to(real_root)):
+                        found.append(Path(entry.path))
+                except (OSError, RuntimeError):  # (RuntimeError: a symlink loop, before Python 3.13)
+                    continue
+            if visited >= MAX_VISITED or len(found) >= MAX_LISTED or time.monotonic() > deadline:
+                return sorted(found, key=_walk_order), visited, True
+        if not descend or level == root:
+            return sorted(found, key=_walk_order), visited, False
+        done, level = level.name, level.parent
+
+
+def _walk_order(path: Path) -> tuple[tuple[int, str], ...]:
+    """The order a walk from the crate's root in name order lists files (a folder's files before its subfolders'): it
+    decides which of the files as near the document are ranked, as it did before the walk went outward."""
+    return (*((1, d) for d in path.parent.parts), (0, path.name))
+
+
+def _skipped(name: str) -> bool:
+    return name in SKIP_DIRS or name.startswith(".")
 
 
 def _common(a: tuple[str, ...], b: tuple[str, ...]) -> int:
