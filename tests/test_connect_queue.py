@@ -8,6 +8,7 @@ queue is full, starting no second daemon. A real daemon, stopped with SIGSTOP, i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -26,13 +27,12 @@ M31R = [sys.executable, "-m", "m31r.cli"]
 FULL = "accepts no new connections: its queue of connections waiting to be accepted stayed full for"
 
 
-@pytest.fixture
-def stopped_and_full(tiny_bundle, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+@contextlib.contextmanager
+def daemon_stopped_and_full(bundle: Path, folder: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
     """A real daemon stopped with SIGSTOP, its queue filled with connections that wait to be accepted."""
-    folder = tmp_path / "run"
     folder.mkdir(mode=0o700)
     sock = folder / "m31rd.sock"
-    proc = start_daemon(tiny_bundle.path, sock)
+    proc = start_daemon(bundle, sock)
     held: list[socket.socket] = []
     try:
         proc.send_signal(signal.SIGSTOP)
@@ -54,6 +54,21 @@ def stopped_and_full(tiny_bundle, tmp_path: Path) -> Iterator[tuple[subprocess.P
         stop_daemon(proc)
 
 
+@pytest.fixture(scope="module")
+def stopped_and_full(tiny_bundle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """One such daemon for the tests that only knock on it (each checks it is still stopped, never started again):
+    a daemon's start costs a torch import and a model load."""
+    with daemon_stopped_and_full(tiny_bundle.path, tmp_path_factory.mktemp("full") / "run") as held:
+        yield held
+
+
+@pytest.fixture
+def own_stopped_and_full(tiny_bundle, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A daemon of the test's own, for a test that lets it accept again."""
+    with daemon_stopped_and_full(tiny_bundle.path, tmp_path / "run") as held:
+        yield held
+
+
 @pytest.mark.parametrize("command", [["status"], ["generate", "fn", "--max-tokens", "2"], ["stop"]])
 def test_the_cli_says_the_queue_is_full_and_starts_no_daemon(stopped_and_full, command: list[str]) -> None:
     proc, sock = stopped_and_full
@@ -73,8 +88,8 @@ def test_doctor_warns_that_the_queue_is_full(stopped_and_full, tmp_path: Path) -
     assert checks["daemon"]["level"] == "warn" and FULL in checks["daemon"]["detail"], checks["daemon"]
 
 
-async def test_a_client_connects_once_the_daemon_accepts_again(stopped_and_full) -> None:
-    proc, sock = stopped_and_full
+async def test_a_client_connects_once_the_daemon_accepts_again(own_stopped_and_full) -> None:
+    proc, sock = own_stopped_and_full
     connecting = asyncio.create_task(Client.connect(sock, timeout=60, welcome_timeout=60))
     await asyncio.sleep(0.5)
     assert not connecting.done(), connecting  # still trying: not refused as another user's daemon

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_util import start_daemon, stop_daemon
-from test_doctor import run_doctor
+from test_doctor import run_doctor, run_doctor_here
 
 from m31r_protocol.blocking import status
 
@@ -134,11 +134,12 @@ def test_doctor_reports_the_settings(tmp_path: Path) -> None:
     assert checks["settings"]["detail"].startswith(f"{path}: daemons started here default to --threads 2, --quant "
                                                    "int8")
     settings(tmp_path / "config", "threads = 0\n")
-    code, checks = run_doctor(tmp_path)
+    # (the same command in this process from here on: each subprocess run cost a torch import, ~2 s)
+    code, checks = run_doctor_here(tmp_path)
     assert code == 1 and isinstance(checks, dict) and checks["settings"]["level"] == "fail"
     assert "`threads = 0`: 0 is not in the range x>=1." in checks["settings"]["detail"]
     path.unlink()
-    _, checks = run_doctor(tmp_path)
+    _, checks = run_doctor_here(tmp_path)
     assert isinstance(checks, dict) and checks["settings"] == {
         "name": "settings", "level": "ok", "detail": f"no {path}: daemons run on their defaults and the options they "
                                                      "are given"}
@@ -147,6 +148,6 @@ def test_doctor_reports_the_settings(tmp_path: Path) -> None:
 def test_doctor_reports_the_precision_the_settings_choose(tmp_path: Path) -> None:
     """The bf16 line says what a daemon started here serves: the settings file's dtype and quant, not auto's."""
     settings(tmp_path / "config", 'dtype = "float32"\nquant = "none"\n')
-    _, checks = run_doctor(tmp_path)
+    _, checks = run_doctor_here(tmp_path)
     assert isinstance(checks, dict)
     assert "the daemon serves fp32 activations with float weights as daemon.toml sets" in checks["bf16"]["detail"]

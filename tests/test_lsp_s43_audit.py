@@ -66,6 +66,24 @@ def stalled(tiny_bundle, tmp_path: Path):
         yield daemon
 
 
+@pytest.fixture(scope="module")
+def stoppable_daemon(tiny_bundle, tmp_path_factory: pytest.TempPathFactory):
+    """A daemon of this module's own (its socket in a 0700 folder of pytest's) that its tests stall and resume, one
+    at a time: each start cost a torch import and a model load. What a test counts is its own server's."""
+    with stoppable(tiny_bundle.path, tmp_path_factory.mktemp("stoppable") / "d.sock") as daemon:
+        yield daemon
+
+
+@pytest.fixture
+def shared_stalled(stoppable_daemon):
+    """The module's stoppable daemon, for a test that stalls and resumes it (never ends it): running again after the
+    test, whatever the test did."""
+    try:
+        yield stoppable_daemon
+    finally:
+        stoppable_daemon.resume()
+
+
 async def begin(sock: Path, settings: dict) -> Stdio:
     """A server initialized with `settings`, RUST open at URI."""
     s = await Stdio.spawn(sock, stderr=True)
@@ -112,17 +130,17 @@ async def test_turning_completions_off_cancels_a_debouncing_request(daemon):
     assert await s.end() == (0, "")
 
 
-async def test_turning_completions_off_cancels_a_request_the_daemon_is_answering(stalled):
+async def test_turning_completions_off_cancels_a_request_the_daemon_is_answering(shared_stalled):
     """`enable`: false while the daemon computes the answer: the request answers empty (it does not wait for the
     daemon), the daemon's request is cancelled, and the suggestion it then writes is shown nowhere."""
-    s = await begin(stalled.sock, NOISE)
+    s = await begin(shared_stalled.sock, NOISE)
     await stats(s)
-    stalled.stall()
+    shared_stalled.stall()
     s.send("textDocument/inlineCompletion", at(1), msg_id=1)
     await in_flight(s)
     configure(s, {**NOISE, "enable": False})
     assert (await s.answer(1))["result"] == {"items": []}
-    stalled.resume()
+    shared_stalled.resume()
     st = await stats(s)
     assert st["disabled"] == 1 and st["daemon_cancels"] == 1 and st.get("suggestions", 0) == 0
     assert await s.end() == (0, "")
@@ -184,24 +202,24 @@ async def test_trigger_kinds(daemon, kind, invoked):
 # -- 3. the daemon link's end -------------------------------------------------------------------------------------
 
 
-async def test_a_closed_link_leaves_no_task_and_does_not_connect_again(stalled):
+async def test_a_closed_link_leaves_no_task_and_does_not_connect_again(shared_stalled):
     """EditorLink.close while a connection is being made (the daemon stalled in its handshake): DaemonLink.close
     cancelled the connecting task without waiting for it, so it was still pending when close returned (a TCP session's
     end, the loop's end), and a job still running at shutdown could call get() and connect again. Close now leaves no
     task and a closed link connects no more, telling the editor nothing more (fixed in m31r_protocol.reconnect)."""
     sent: list = []
-    link = EditorLink(reconnect.link_config(str(stalled.sock), autostart=False), on_status=sent.append,
+    link = EditorLink(reconnect.link_config(str(shared_stalled.sock), autostart=False), on_status=sent.append,
                       tell=sent.append)
     await link.get(wait=20)
     assert link.connects == 1
     await link.close()
-    link2 = EditorLink(reconnect.link_config(str(stalled.sock), autostart=False), on_status=sent.append)
-    stalled.stall()
+    link2 = EditorLink(reconnect.link_config(str(shared_stalled.sock), autostart=False), on_status=sent.append)
+    shared_stalled.stall()
     link2.warm_up()
     await asyncio.sleep(0.2)  # connecting, in the stalled daemon's handshake
     await link2.close()
     assert asyncio.all_tasks() == {asyncio.current_task()}
-    stalled.resume()
+    shared_stalled.resume()
     told = len(sent)
     link.warm_up()
     with pytest.raises(Unavailable):
@@ -229,30 +247,30 @@ async def test_the_daemon_dying_mid_request_is_said_once(stalled):
     assert status == 0 and "Traceback" not in err
 
 
-async def test_a_change_mid_request_is_not_answered_with_the_old_texts_suggestion(stalled):
+async def test_a_change_mid_request_is_not_answered_with_the_old_texts_suggestion(shared_stalled):
     """didChange while the daemon computes: the request answers empty at once and the daemon's request is
     cancelled."""
-    s = await begin(stalled.sock, NOISE)
+    s = await begin(shared_stalled.sock, NOISE)
     await stats(s)
-    stalled.stall()
+    shared_stalled.stall()
     s.send("textDocument/inlineCompletion", at(1), msg_id=1)
     await in_flight(s)
     s.send("textDocument/didChange", {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [
         {"range": {"start": {"line": LINE, "character": CHAR}, "end": {"line": LINE, "character": CHAR}},
          "text": "."}]})
     assert (await s.answer(1))["result"] == {"items": []}
-    stalled.resume()
+    shared_stalled.resume()
     st = await stats(s)
     assert st["daemon_cancels"] == 1 and st.get("suggestions", 0) == 0
     assert await s.end() == (0, "")
 
 
-async def test_shutdown_and_exit_with_a_request_in_flight_are_clean(stalled):
+async def test_shutdown_and_exit_with_a_request_in_flight_are_clean(shared_stalled):
     """shutdown while the daemon computes: the request answers empty, shutdown answers, a request after it gets
     InvalidRequest, and the process exits 0 with nothing on stderr; `exit` alone with a request in flight exits 1."""
-    s = await begin(stalled.sock, NOISE)
+    s = await begin(shared_stalled.sock, NOISE)
     await stats(s)
-    stalled.stall()
+    shared_stalled.stall()
     s.send("textDocument/inlineCompletion", at(1), msg_id=1)
     await in_flight(s)
     assert (await s.request("shutdown", None))["result"] is None
@@ -260,7 +278,7 @@ async def test_shutdown_and_exit_with_a_request_in_flight_are_clean(stalled):
     late = await s.request("textDocument/inlineCompletion", at(1))
     assert late["error"]["code"] == -32600
     assert await s.end(shutdown=False) == (0, "")
-    s = await begin(stalled.sock, NOISE)
+    s = await begin(shared_stalled.sock, NOISE)
     s.send("textDocument/inlineCompletion", at(1), msg_id=1)
     assert await s.end(shutdown=False) == (1, "")
 
