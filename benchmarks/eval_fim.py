@@ -436,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
                         "(for comparison, not for releases)")
     args = p.parse_args(argv)
 
-    from m31r.bundle import sha256_file
     from m31r.engine import Engine
     from m31r.fim import FimBudget
 
@@ -450,17 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.bundle, dtype=args.dtype, threads=args.threads,
                     quant=None if args.quant == "none" else args.quant)
     meta = engine.bundle.metadata
-    data_tok = args.data / "tokenizer.json"
-    if data_tok.exists() and sha256_file(data_tok) != meta["tokenizer_hash"]:
-        log(f"warning: {data_tok} differs from the bundle's tokenizer; the bundle's tokenizes the prompts, the data's "
-            f"sizes the tasks (the same tasks for any model on this data)")
+    task_tok = task_tokenizer(args.data, engine.tokenizer, meta["tokenizer_hash"])
+    if task_tok is not engine.tokenizer:
+        log(f"warning: {args.data / 'tokenizer.json'} differs from the bundle's tokenizer; the bundle's tokenizes the "
+            f"prompts, the data's sizes the tasks (the same tasks for any model on this data)")
     reserve = FimBudget.for_context(engine.config.max_context).reserve
     single_max, multi_max = min(args.single_tokens, reserve), min(args.multi_tokens, reserve)
     if (single_max, multi_max) != (args.single_tokens, args.multi_tokens):
         log(f"warning: this model's completion budget is {reserve} tokens: tasks are cut to it, and differ from "
             f"a larger model's")
-    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed,
-                       task_tokenizer(args.data, engine.tokenizer, meta["tokenizer_hash"]), single_max, multi_max)
+    tasks = make_tasks(texts, args.n_single, args.n_multi, args.seed, task_tok, single_max, multi_max)
     if args.context:
         add_context(tasks, texts)
     log(f"{engine.bundle.model_id}: {sum(t.kind == 'single' for t in tasks)} single-line and "

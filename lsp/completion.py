@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import Counter
@@ -116,7 +117,7 @@ class Completer:
         self.last_by_line: list[float] = []  # the daemon's Done.logprob_by_line for last_raw
         self.last_fim: dict | None = None
         self._background: set[asyncio.Task] = set()
-        self._jobs_started = 0
+        self._jobs_started = itertools.count(1)  # DocState.asked
         self._busy_told: float | None = None  # when the user was last told of a `busy` refusal (_busy)
         self._busy_untold = 0  # `busy` refusals since then
 
@@ -203,8 +204,7 @@ class Completer:
             self._make_room(uri)
             job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked, s)))
             st.job = job
-            self._jobs_started += 1
-            st.asked = self._jobs_started
+            st.asked = next(self._jobs_started)
         job.waiters += 1
         try:
             result = await asyncio.shield(job.task)
@@ -225,10 +225,9 @@ class Completer:
         finally:
             job.waiters -= 1
 
-    def _supersede(self, st: DocState) -> None:
-        if st.job is not None and not st.job.task.done():
-            st.job.task.cancel()
-            self.stats["superseded"] += 1
+    def _supersede(self, st: DocState, why: str = "superseded") -> None:
+        """Cancel the document's job (counted as `why`) and its warm-up."""
+        self._stop(st, why)
         if st.warm is not None and not st.warm.done():
             st.warm.cancel()
 
@@ -237,10 +236,7 @@ class Completer:
         so that at most MAX_LIVE_DOCUMENTS documents have one running."""
         live = sorted((st.asked, other) for other, st in self.docs.items() if other != uri and st.running())
         for _, other in live[: max(0, len(live) - MAX_LIVE_DOCUMENTS + 1)]:
-            st = self.docs[other]
-            self._stop(st, "evicted")
-            if st.warm is not None and not st.warm.done():
-                st.warm.cancel()
+            self._supersede(self.docs[other], "evicted")
 
     def debounce_s(self, s: EditorSettings) -> float:
         base = s.debounce_ms / 1000

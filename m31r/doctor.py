@@ -308,9 +308,9 @@ def _other_version(path: Path) -> str | None:
     full client reads the daemon's refusal. This m31r cannot stop it (`m31r stop` says Hello first), so its pid."""
     import asyncio
     import socket
-    import struct
 
     from m31r_protocol.client import Client, DaemonError
+    from m31r_protocol.peer import peer_pid
 
     async def hello() -> None:
         async with await Client.connect(path, client="m31r-doctor", timeout=2.0, welcome_timeout=2.0):
@@ -327,15 +327,14 @@ def _other_version(path: Path) -> str | None:
     else:
         return None
     kill = "stop it with the m31r that started it"
-    if hasattr(socket, "SO_PEERCRED"):
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(2.0)
-                s.connect(str(path))
-                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-            kill = f"`kill {pid}` ends it (gracefully)"
-        except OSError:
-            pass
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(str(path))
+            if (pid := peer_pid(s)) is not None:
+                kill = f"`kill {pid}` ends it (gracefully)"
+    except OSError:
+        pass
     return (f"another m31r's daemon answers on {path} ({said}), and this one cannot stop it: {kill}, and the next "
             "request starts this install's; a service installed from that m31r starts its own again until "
             "`m31r service install --force` here")

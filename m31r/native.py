@@ -269,23 +269,21 @@ def compiler_command() -> list[str] | None:
     are common; a path with spaces that names a program is one word), else cc, gcc or clang. A $CC that cannot be
     used is said once in the log, not silently replaced."""
     cc = os.environ.get("CC", "").strip()
-    whole = shutil.which(cc) if cc else None
-    if whole:
-        return [whole]
-    found = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
     if cc:
+        if whole := shutil.which(cc):
+            return [whole]
         try:
             words = shlex.split(cc)
         except ValueError as e:
             words, why = [], f"cannot be split into words ({e})"
         else:
             why = f"{words[0]} not found" if words else "no program named"
-        program = shutil.which(words[0]) if words else None
-        if program:
+        if words and (program := shutil.which(words[0])):
             return [program, *words[1:]]
-        if cc not in _cc_told:
-            _cc_told.add(cc)
-            log.info("CC=%s is not used: %s; native kernels build with %s", cc, why, found or "no compiler")
+    found = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+    if cc and cc not in _cc_told:
+        _cc_told.add(cc)
+        log.info("CC=%s is not used: %s; native kernels build with %s", cc, why, found or "no compiler")
     return [found] if found else None
 
 

@@ -30,7 +30,6 @@ import torch
 
 from m31r.beams import beam_generate
 from m31r.engine import Chunk, ContextOverflowError, Decode, Engine, Outcome, Piece, line_logprobs
-from m31r.model import KVCache
 from m31r.sampling import SamplingParams
 from m31rd.cancellation import Cancellation
 from m31rd.prefix_cache import PrefixCache, Slot
@@ -126,7 +125,6 @@ class Scheduler:
         self.stopping = False
         self.rounds = 0  # rounds that ran model calls
         self.mixed_rounds = 0  # of which prefill chunks ran beside decode steps
-        self.spares: list[KVCache] = cache.spares  # beam searches' caches, kept within the cache's bound (m31r.beams)
 
     def submit(self, request: Request, emit: Emit) -> None:
         """Queue a request (from any thread); `emit` gets its events on the scheduler's thread."""
@@ -215,7 +213,7 @@ class Scheduler:
         if not waiting:
             return
         self.rounds += 1
-        self.mixed_rounds += len({isinstance(r.call, Chunk) for r in waiting}) == 2  # chunks beside decode steps
+        self.mixed_rounds += 0 < sum(isinstance(r.call, Chunk) for r in waiting) < len(waiting)  # chunks beside steps
         for run in waiting:
             handle = run.request.cancellation
             handle.calls += 1
@@ -267,7 +265,7 @@ class Scheduler:
                       heal=req.heal, deadline=req.deadline, repeat_context=req.repeat_context,
                       start_stops=req.start_stops)
         if req.beams > 1:
-            run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.spares,
+            run.gen = beam_generate(self.engine, req.ids, width=req.beams, spares=self.cache.spares,
                                     top_logprobs=req.top_logprobs, **common)
         else:
             run.gen = self.engine.generate(req.ids, sampling=req.sampling, lookahead=req.lookahead,

@@ -16,14 +16,23 @@ class ForeignPeer(PermissionError):
     """The process on the other end of the socket runs as another user."""
 
 
+# struct ucred: pid_t, then uid_t and gid_t, unsigned (a uid past 2**31, as directory services hand out, read signed
+# never matched os.getuid())
+_UCRED = struct.Struct("iII")
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The peer process's pid, where the platform can tell (SO_PEERCRED: Linux); None where it cannot."""
+    if hasattr(socket, "SO_PEERCRED"):
+        return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+    return None
+
+
 def peer_uid(sock: socket.socket) -> int | None:
     """The peer process's uid, where the platform can tell (SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS and the
     BSDs); None where it cannot."""
     if hasattr(socket, "SO_PEERCRED"):
-        # struct ucred: pid_t, then uid_t and gid_t, unsigned (a uid past 2**31, as directory services hand out,
-        # read signed never matched os.getuid())
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
-        return struct.unpack("iII", creds)[1]
+        return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
     if sys.platform == "darwin" or "bsd" in sys.platform:
         with contextlib.suppress(OSError):
             LOCAL_PEERCRED = 0x001  # noqa: N806 - the constant's name in <sys/un.h>

@@ -216,10 +216,12 @@ class _Scan:
     items: list[tuple[int, str, bool]]  # (index, char, is_excess_closer)
 
 
-# A char literal ('(', '"', '\'') or a raw string (r#"a "(" b"#) whose brackets and quotes are text, unlike those of
-# the plain quote-to-quote reading below; a lifetime's lone quote matches neither.
-_LITERAL = re.compile(
-    r"""(?<!\w)(?:b?'(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])'|[bc]?r(#*)".*?"\1)""", re.S)
+# A char literal's character ('(', '\'', '\u{1F600}') and a raw string (r#"a "(" b"#), shared by both readings below.
+_CHAR_BODY = r"""(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])"""
+_RAW_STRING = r"""[bc]?r(?P<hashes>#*)".*?"(?P=hashes)"""
+# A char literal or a raw string, whose brackets and quotes are text, unlike those of the plain quote-to-quote reading
+# below; a lifetime's lone quote matches neither.
+_LITERAL = re.compile(r"(?<!\w)(?:b?'" + _CHAR_BODY + "'|" + _RAW_STRING + ")", re.S)
 
 
 def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
@@ -363,8 +365,8 @@ def _closers_on_their_line(comp: str, cur: Cursor) -> tuple[str, int]:
 # none of them; one the text ends in, `'(`, is the cursor's, from `char`); then the brackets; last, a string left open.
 _RUST_TOKENS = re.compile(
     r"""//[^\n\r]*|(?P<comment>/\*)|"""
-    r"""(?<!\w)[bc]?r(?P<hashes>#*)".*?"(?P=hashes)|(?<!\w)[bc]?"(?:\\.|[^"\\])*"|"""
-    r"""(?<!\w)b?'(?:(?:\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]*\}|.)|[^\\'\n\r])'|"""
+    r"""(?<!\w)""" + _RAW_STRING + r"""|(?<!\w)[bc]?"(?:\\.|[^"\\])*"|"""
+    r"""(?<!\w)b?'(?:""" + _CHAR_BODY + r"""'|"""
     r"""(?P<char>(?:\\[^'\n\r]{0,9}|[^\\'\n\r])?\Z))|"""
     r"""(?P<bracket>[()\[\]{}])|(?P<unclosed>")""", re.S)
 _COMMENT_EDGES = re.compile(r"/\*|\*/")

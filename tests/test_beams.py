@@ -228,7 +228,7 @@ def test_scheduler_runs_searches_beside_greedy_streams(tiny_engine):
             alone, res = search(tiny_engine, ids, width, max_tokens=14, stop=["\n"], heal=heal, repeat_context=context)
             assert [(p.id, p.text) for p in pieces] == alone
             assert finished.finish_reason == res.finish_reason and finished.completion_tokens == res.completion_tokens
-    assert sched.spares  # the searches' caches stay for the next one
+    assert sched.cache.spares  # the searches' caches stay for the next one
 
 
 def test_refusals_and_deadline(tiny_engine):
@@ -278,7 +278,7 @@ def test_a_cancelled_search_gives_its_caches_back(tiny_engine):
     req.cancellation.cancel("superseded")
     sched.drain()
     assert len(events) == 1 and isinstance(events[0], Failed) and events[0].code == "cancelled"
-    assert len(sched.spares) == 3 and all(s.tokens[: len(ids)] == ids for s in sched.spares)
+    assert len(sched.cache.spares) == 3 and all(s.tokens[: len(ids)] == ids for s in sched.cache.spares)
     slot = sched.cache.slots[0]
     assert slot.cache.tokens == ids
 

@@ -146,7 +146,7 @@ def test_training_samples_carry_the_serving_context(tok) -> None:
 
 
 def crate(tmp_path, files: dict[str, str]):
-    tmp_path.mkdir()
+    tmp_path.mkdir(parents=True)
     (tmp_path / "Cargo.toml").write_text("[package]\nname = \"demo\"\n")
     for rel, text in files.items():
         p = tmp_path / rel

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_context import crate
 
 from m31r_lsp import context as lsp_context
 from m31r_lsp.context import ProjectContext, walk
@@ -22,16 +23,6 @@ QUERY = "let p = Point { x: 1 };\n"
 def no_time_limit(monkeypatch) -> None:
     """A loaded machine's walk is cut by entries, as the tests count, not by time (its own test lowers it)."""
     monkeypatch.setattr(lsp_context, "MAX_WALK_S", 600.0)
-
-
-def crate(root: Path, files: dict[str, str]) -> Path:
-    root.mkdir(parents=True)
-    (root / "Cargo.toml").write_text('[package]\nname = "demo"\n')
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    return root
 
 
 def many(folder: Path, n: int, suffix: str, per_folder: int = 1000) -> None:

@@ -24,7 +24,7 @@ LONG = "".join(f"fn f{i}(x: u32) -> u32 {{ x * {i} + {i % 7} }}\n" for i in rang
 
 def held(cache: PrefixCache, sched: Scheduler) -> int:
     """Every KV byte the scheduler keeps between requests: its slots' and the beam searches' spares'."""
-    return sum(s.cache.nbytes for s in cache.slots) + sum(c.nbytes for c in sched.spares)
+    return sum(s.cache.nbytes for s in cache.slots) + sum(c.nbytes for c in sched.cache.spares)
 
 
 def searched(engine: Engine, ids: list[int], width: int) -> list[tuple[int | None, str]]:
@@ -62,9 +62,9 @@ def test_beam_spares_are_kept_within_a_budget_and_counted(tiny_engine: Engine) -
     sched.submit(Request(ids, 12, stop=["\n"], beams=4), events.append)
     sched.drain()
     assert [(e.id, e.text) for e in events if isinstance(e, Piece)] == searched(tiny_engine, ids, 4)
-    assert len(sched.spares) >= 1 and all(s.tokens[: len(ids)] == ids for s in sched.spares)
+    assert len(sched.cache.spares) >= 1 and all(s.tokens[: len(ids)] == ids for s in sched.cache.spares)
     assert cache.bytes_used == held(cache, sched) <= cache.budget_bytes
-    assert cache.bytes_used >= (1 + len(sched.spares)) * tiny_engine.cache_bytes(len(ids))
+    assert cache.bytes_used >= (1 + len(sched.cache.spares)) * tiny_engine.cache_bytes(len(ids))
 
 
 async def test_the_daemon_status_counts_beam_spares(tiny_bundle, tiny_engine: Engine, tmp_path: Path) -> None:

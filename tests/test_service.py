@@ -46,7 +46,11 @@ def require(binary: str) -> None:
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HOME, XDG_CONFIG_HOME and XDG_RUNTIME_DIR: install/uninstall never touch the real ones."""
-    h = tmp_path / "home"
+    return fresh_home(tmp_path / "home", monkeypatch)
+
+
+def fresh_home(h: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`h` made an empty HOME with its config and runtime folders, set as HOME, XDG_CONFIG_HOME and XDG_RUNTIME_DIR."""
     (h / "config").mkdir(parents=True)
     (h / "run").mkdir(mode=0o700)
     monkeypatch.setenv("HOME", str(h))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_service import require
+from test_service import fresh_home, require
 
 from m31r import doctor
 from m31rd import service
@@ -27,15 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HOME (with a space in its path, as on a laptop's "/Users/Jo Doe"), config and runtime dir, and no
     session bus: the real systemctl, where a test runs it, finds no user manager to change."""
-    h = tmp_path / "Jo Doe"
-    (h / "config").mkdir(parents=True)
-    (h / "run").mkdir(mode=0o700)
-    monkeypatch.setenv("HOME", str(h))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(h / "config"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(h / "run"))
     monkeypatch.delenv("DBUS_SESSION_BUS_ADDRESS", raising=False)
-    monkeypatch.delenv("M31R_SOCKET", raising=False)
-    return h
+    return fresh_home(tmp_path / "Jo Doe", monkeypatch)
 
 
 def fake_bundle(where: Path) -> Path:
