@@ -572,18 +572,21 @@ async def test_a_vanished_client_stops_generation_within_one_round(warm):
 
 
 async def test_client_closes_without_reading_while_prefilling(warm):
-    """EOF seen while jobs are queued or prefilling a long prompt cancels them at once.
+    """EOF seen while jobs are queued or prefilling cancels them at once, not after they finish.
 
-    Each job needs 16 prefill chunks and only 8 decode steps, so a job that was not cancelled early would
-    finish (and log a finish_reason) instead of logging `cancelled`.
+    Each job has 256 prompt tokens to prefill and 256 tokens to decode without drafts, so a job the EOF did not
+    cancel runs on for many rounds and logs a finish_reason instead of `cancelled`. (With 8 tokens to decode, the
+    first job could finish before the daemon's event loop, waiting its turn for the GIL on a loaded 2-core machine,
+    read the EOF: CI failed that way.)
     """
-    long_prompt = "    let value = compute(alpha, beta, gamma);\n" * 20  # ~900 tokens: truncated to 504
+    long_prompt = "    let value = compute(alpha, beta, gamma);\n" * 20  # ~900 tokens: truncated to 256
     for base, close in ((987_000, "close"), (987_100, "half-close")):
         reader, writer = await raw(warm.socket)
         ids = {base + i for i in range(3)}
         for rid in sorted(ids):
             writer.write(pack(msgspec.msgpack.encode(
-                {"type": "generate", "id": rid, "prompt": long_prompt, "max_tokens": 8, "truncate": True})))
+                {"type": "generate", "id": rid, "prompt": long_prompt, "max_tokens": 256, "truncate": True,
+                 "lookahead": 0})))
         await writer.drain()
         t0 = time.monotonic()
         if close == "close":
