@@ -12,6 +12,7 @@ Quantized bundles are refused: int8/int4 codes have no Llama spelling, export th
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -83,6 +84,16 @@ def tokenizer_config(config: ModelConfig) -> dict:
             "clean_up_tokenization_spaces": False, "model_max_length": config.max_context}
 
 
+def _converted(b: Bundle, name: str, t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`t` (finite: load_weights checked) in `dtype`, refused where a value overflows it (float16 tops out at 65504):
+    the export held infinities, which transformers turns into NaN logits, and import-hf refuses."""
+    out = t.to(DTYPES[dtype]).contiguous()
+    if out.numel() and not all(map(math.isfinite, torch.aminmax(out))):
+        raise BundleError(f"{b.path}: tensor {name} has values beyond {dtype}'s range (largest magnitude "
+                          f"{t.abs().max().item():.4g}): export it as float32 or bfloat16 instead")
+    return out
+
+
 def export_hf(bundle: str | Path | Bundle, out: str | Path, *, dtype: str | None = None) -> Path:
     """Write `bundle` as an HF checkpoint directory `out`: config.json, model.safetensors, tokenizer.json and
     tokenizer_config.json. `dtype` (float32, bfloat16, float16) defaults to the bundle's."""
@@ -94,9 +105,9 @@ def export_hf(bundle: str | Path | Bundle, out: str | Path, *, dtype: str | None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     config = b.config
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in to_hf_state_dict(config, load_weights(b)).items()}
+    tensors = {k: _converted(b, k, v, dtype) for k, v in to_hf_state_dict(config, load_weights(b)).items()}
+    out.mkdir(parents=True, exist_ok=True)
     try:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     except SafetensorError as e:  # a full disk, an I/O error: not an OSError

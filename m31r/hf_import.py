@@ -4,13 +4,16 @@ Both layouts are ours up to naming and fusion: q/k/v become one `wqkv` (Qwen2's 
 gate/up one `w13`, a separate `lm_head` the `output` matrix. GQA, rope_theta and RoPE scaling of the `linear`
 and `llama3` types carry over as config fields. An embedding padded beyond the tokenizer is kept as it is; the
 engine never emits the padding ids. Anything the M31R block cannot express (other architectures, an o_proj or
-MLP bias, other activations, sliding-window attention, other RoPE scalings) is refused by name rather than
-converted into a model that silently computes something else.
+MLP bias, other activations, sliding-window attention, other RoPE scalings, quantized weights) is refused by name
+rather than converted into a model that silently computes something else; so are weights that are not finite, or not
+in the bundle dtype's range, and sharded weights whose files disagree with their index or with each other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from m31r.bundle import Bundle, BundleError, write_bundle
+from m31r.bundle import Bundle, BundleError, check_tokenizer, write_bundle
 from m31r.checksums import unfinished
 from m31r.config import ConfigError, ModelConfig, parse_config
 
@@ -29,6 +32,10 @@ _FIM_SPELLINGS = {
     "fim_middle_token": ("<|fim_middle|>", "<fim_middle>", "<fim-middle>"),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors' names of the float dtypes a checkpoint's weights may be stored in (float64 is converted); integer and
+# float8 tensors are codes that need scales this import does not apply.
+_STORED = ("F32", "BF16", "F16", "F64")
+INDEX = "model.safetensors.index.json"
 # model_type -> the architecture class it must name, and whether its q/k/v projections carry biases.
 FAMILIES = {"llama": ("LlamaForCausalLM", False), "qwen2": ("Qwen2ForCausalLM", True)}
 ROPE_SCALINGS = ("linear", "llama3")
@@ -72,6 +79,10 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
     if family is None or (arch and arch != [family[0]]):
         raise _refuse(hf_dir, f"architecture {arch or hf.get('model_type')!r} is not supported")
     qkv_bias = family[1]
+    if q := hf.get("quantization_config"):
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise _refuse(hf_dir, f"quantized weights (quantization_config, quant_method {method!r}) are not supported: "
+                              "import the float checkpoint they were made from")
     if hf.get("attention_bias"):
         raise _refuse(hf_dir, "attention_bias puts a bias on o_proj, which the M31R block does not have")
     if hf.get("mlp_bias"):
@@ -99,7 +110,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
     tok_cfg = hf_dir / "tokenizer_config.json"
     eos = _json_object(tok_cfg).get("eos_token") if tok_cfg.exists() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos  # older files spell an AddedToken out
-    special["eos_token"] = eos if isinstance(eos, str) and eos in vocab else "<|endoftext|>"
+    special["eos_token"] = eos if isinstance(eos, str) and eos in vocab else _config_eos(hf_dir, hf, tok)
     special["pad_token"] = "<|pad|>" if "<|pad|>" in vocab else special["eos_token"]
     try:
         return parse_config({
@@ -117,6 +128,19 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         raise BundleError(str(e)) from None
     except KeyError as e:
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
+
+
+def _config_eos(hf_dir: Path, hf: dict, tok: HFTokenizer) -> str:
+    """The end token where tokenizer_config.json names none the tokenizer has: config.json's eos_token_id (the first
+    of a list the tokenizer has), else `<|endoftext|>`; refused when the tokenizer has neither."""
+    ids = hf.get("eos_token_id")
+    for i in ids if isinstance(ids, list) else [ids]:
+        if type(i) is int and i >= 0 and (text := tok.id_to_token(i)) is not None:
+            return text
+    if tok.token_to_id("<|endoftext|>") is not None:
+        return "<|endoftext|>"
+    raise BundleError(f"{hf_dir / 'tokenizer.json'}: no end-of-text token: neither tokenizer_config.json's eos_token "
+                      f"nor config.json's eos_token_id ({ids!r}) names one of its tokens, and it has no <|endoftext|>")
 
 
 # Sizes _hf_config divides by and the tensor shapes follow from: checked first, so that a bad value is named instead
@@ -147,21 +171,70 @@ def _check_sizes(hf_dir: Path, hf: dict) -> None:
             raise BundleError(f"{hf_dir / 'config.json'}: {key} must be a positive integer, got {value!r}")
 
 
-def _read_tensors(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """Every tensor of the checkpoint, and the file each came from (for messages)."""
-    files = sorted(hf_dir.glob("model*.safetensors"))
-    if not files:
-        raise BundleError(f"{hf_dir}: no model*.safetensors weights (PyTorch .bin checkpoints are not read)")
-    tensors, origin = {}, {}
+def _weight_files(hf_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The safetensors files of the checkpoint and, where it is sharded, the file its index places each tensor in.
+
+    With model.safetensors.index.json, exactly the shards it lists: a shard missing (an interrupted download) is named,
+    and a model.safetensors beside them refused, since which copy is current cannot be told (transformers would load
+    that one, the index says the shards)."""
+    index = hf_dir / INDEX
+    if not index.is_file():
+        files = sorted(hf_dir.glob("model*.safetensors"))
+        if not files:
+            raise BundleError(f"{hf_dir}: no model*.safetensors weights (PyTorch .bin checkpoints are not read)")
+        return files, None
+    weight_map = _json_object(index).get("weight_map")
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise BundleError(f"{index}: weight_map must be an object naming each tensor's shard file, got "
+                          f"{str(weight_map)[:80]!r}")
+    places: dict[str, Path] = {}
+    for name, shard in weight_map.items():
+        if not shard or Path(shard).name != shard or shard in (".", ".."):
+            raise BundleError(f"{index}: shard {shard!r} of tensor {name} is not a file name in {hf_dir}")
+        places[name] = hf_dir / shard
+    files = sorted(set(places.values()))
+    for f in files:
+        if not f.is_file():
+            held = next(n for n, p in places.items() if p == f)
+            raise BundleError(f"{f}: missing; {INDEX} lists it as the shard holding {held} (an incomplete download?)")
+    single = hf_dir / "model.safetensors"
+    if single.is_file() and single not in files:
+        raise BundleError(f"{hf_dir}: holds both model.safetensors and the shards {INDEX} lists: two copies of the "
+                          "weights, which may differ; remove the one that is not current")
+    return files, places
+
+
+def _open_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> dict[str, tuple[object, Path]]:
+    """Each tensor of the checkpoint: the open file that holds it (read one tensor at a time, when converted, so that
+    the checkpoint is never in memory whole beside the bundle made of it), and that file's path (for messages)."""
+    files, places = _weight_files(hf_dir)
+    where: dict[str, tuple[object, Path]] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; recomputed
-                        tensors[name], origin[name] = sf.get_tensor(name), f
+            sf = stack.enter_context(safe_open(str(f), framework="pt"))
+            names = list(sf.keys())
         except Exception as e:  # safetensors raises SafetensorError (a bare Exception subclass) on a damaged file
             raise BundleError(f"{f}: cannot be read as safetensors ({e}): damaged or truncated?") from None
-    return tensors, origin
+        for name in names:
+            if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; recomputed
+                continue
+            if name in where:  # the later file won, silently: a stale copy beside the current one
+                raise BundleError(f"{f}: holds tensor {name}, which {where[name][1].name} holds too: two copies of the "
+                                  "weights, which may differ; remove the one that is not current")
+            if places is not None and places.get(name, f) != f:
+                raise BundleError(f"{f}: holds tensor {name}, which {INDEX} places in {places[name].name}: shards of "
+                                  "different checkpoints?")
+            where[name] = (sf, f)
+    for name, f in (places or {}).items():
+        if name not in where and not name.endswith("rotary_emb.inv_freq"):
+            raise BundleError(f"{f}: lacks tensor {name}, which {INDEX} places there: damaged, or a shard of another "
+                              "checkpoint?")
+    return where
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN and no infinity: min and max are finite exactly when every value is (both propagate NaN)."""
+    return not t.numel() or all(map(math.isfinite, torch.aminmax(t)))
 
 
 def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -181,13 +254,14 @@ def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _dtype(hf: dict, emb: torch.Tensor) -> torch.dtype:
+def _dtype(hf: dict, stored: str) -> torch.dtype:
     """The checkpoint's dtype: config.json's (`dtype`, or transformers 4's `torch_dtype`), else that of the weights
-    themselves (the embedding's); float32 only where neither is a float dtype a bundle stores."""
+    themselves (`stored`, the embedding's safetensors dtype); float32 only where neither is a float dtype a bundle
+    stores."""
     named = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")))
     if named is not None:
         return named
-    return emb.dtype if emb.dtype in _DTYPES.values() else torch.float32
+    return {"F16": torch.float16, "BF16": torch.bfloat16}.get(stored, torch.float32)
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "unknown (imported)") -> Bundle:
@@ -211,18 +285,51 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
         raise BundleError(f"{hf_dir / 'config.json'}: missing key {e}") from None
     except (TypeError, ValueError) as e:  # a field of the wrong type where a number or a mapping belongs
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
-    src, origin = _read_tensors(hf_dir)
+    # Checked before anything is written, so that a misfit names the checkpoint's file, not the half-written bundle's.
+    check_tokenizer(hf_dir / "tokenizer.json", config, "config.json")
+    with contextlib.ExitStack() as stack:
+        src = _open_tensors(hf_dir, stack)
+        return _convert(hf_dir, hf, config, tok, src, out, dataset_version)
+
+
+def _convert(hf_dir: Path, hf: dict, config: ModelConfig, tok: HFTokenizer, src: dict[str, tuple[object, Path]],
+             out: str | Path, dataset_version: str) -> Bundle:
+    """Read, check, rename and fuse the checkpoint's tensors (`src`, from _open_tensors) and write the bundle."""
     if not config.qkv_bias and any(k.endswith(".bias") for k in src):
         raise _refuse(hf_dir, "the checkpoint has bias tensors")
     shapes = _hf_shapes(config)
+    if "model.embed_tokens.weight" not in src:
+        raise BundleError(f"{hf_dir}: tensor model.embed_tokens.weight is missing from the checkpoint")
+    sf, _ = src["model.embed_tokens.weight"]
+    dtype = _dtype(hf, sf.get_slice("model.embed_tokens.weight").get_dtype())
+    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
 
     def take(name: str) -> torch.Tensor:
+        """The tensor `name` in the bundle's dtype, once its shape, dtype and values are checked."""
         if name not in src:
             raise BundleError(f"{hf_dir}: tensor {name} is missing from the checkpoint")
-        if tuple(src[name].shape) != shapes[name]:
-            raise BundleError(f"{origin[name]}: tensor {name} has shape {list(src[name].shape)}, config.json implies "
+        sf, f = src.pop(name)
+        part = sf.get_slice(name)
+        if tuple(part.get_shape()) != shapes[name]:
+            raise BundleError(f"{f}: tensor {name} has shape {list(part.get_shape())}, config.json implies "
                               f"{list(shapes[name])}")
-        return src.pop(name)
+        if part.get_dtype() not in _STORED:  # int8/uint8/fp8 codes without their scales: not weights
+            raise BundleError(f"{f}: tensor {name} is {part.get_dtype()}, not float weights (a quantized "
+                              "checkpoint?): import the float checkpoint")
+        try:
+            t = sf.get_tensor(name)
+        except Exception as e:  # SafetensorError: data the header describes but the file lacks
+            raise BundleError(f"{f}: tensor {name} cannot be read ({e}): damaged or truncated?") from None
+        # A bundle of NaN or infinite weights was written, and refused only when loaded ("restore the bundle").
+        if not _finite(t):
+            raise BundleError(f"{f}: tensor {name} holds {torch.isnan(t).sum().item()} NaN and "
+                              f"{torch.isinf(t).sum().item()} infinite values: a damaged or diverged checkpoint")
+        converted = t.to(dtype)
+        if not _finite(converted):
+            raise BundleError(f"{f}: tensor {name} has values beyond {dtype_name}'s range (largest magnitude "
+                              f"{t.abs().max().item():.4g}), the dtype config.json names: set its dtype (and "
+                              "torch_dtype) to float32 or bfloat16 to import it")
+        return converted
 
     emb = take("model.embed_tokens.weight")
     sd = {"tok_embeddings.weight": emb, "norm.weight": take("model.norm.weight")}
@@ -249,5 +356,5 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dataset_version: str = "un
         sd[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
     if src:
         raise _refuse(hf_dir, f"unrecognised tensor {next(iter(src))}")
-    return write_bundle(out, config, sd, tok, dtype=_dtype(hf, emb), seed=-1, dataset_version=dataset_version,
+    return write_bundle(out, config, sd, tok, dtype=dtype, seed=-1, dataset_version=dataset_version,
                         model_version="imported", extra={"source": "hf-import", "source_dir": hf_dir.name})
