@@ -39,9 +39,13 @@ export function parseStatus(params: unknown): StatusParams | undefined {
   return { state: p.state as ServerState, model, lastLatencyMs: latency };
 }
 
+/** The unit is chosen by the value as shown, after rounding: 9.96 is "10 ms" (not "10.0 ms"), 9999.6 "10.0 s" (not
+ * "10000 ms"). */
 export function formatLatency(ms: number): string {
-  if (ms < 10) return `${ms.toFixed(1)} ms`;
-  if (ms < 10000) return `${Math.round(ms)} ms`;
+  const tenths = ms.toFixed(1);
+  if (Number(tenths) < 10) return `${tenths} ms`;
+  const whole = Math.round(ms);
+  if (whole < 10000) return `${whole} ms`;
   return `${(ms / 1000).toFixed(1)} s`;
 }
 

@@ -91,3 +91,10 @@ test('latency formatting', () => {
   assert.equal(st.formatLatency(250.4), '250 ms');
   assert.equal(st.formatLatency(12345), '12.3 s');
 });
+
+test('latency formatting: the unit follows the rounded value, at both unit boundaries', () => {
+  assert.equal(st.formatLatency(9.94), '9.9 ms');
+  assert.equal(st.formatLatency(9.96), '10 ms'); // was "10.0 ms"
+  assert.equal(st.formatLatency(9999.4), '9999 ms');
+  assert.equal(st.formatLatency(9999.6), '10.0 s'); // was "10000 ms"
+});
