@@ -329,29 +329,64 @@ local function suggestion_lines(item)
   return vim.split((text:gsub("\r\n?", "\n")), "\n", { plain = true })
 end
 
+-- The line and cursor (0-based row, byte column) of the buffer's last response, as vim.lsp.completion converts its
+-- items: in its response handler, with the cursor where the request was made. By buffer.
+local converted = {}
+
 -- vim.lsp.completion makes a plain-text item's word of its text up to the first whitespace (an item is usually a
 -- name): of a suggestion, a line of code, that is its first word, and on an indented empty line (the edit starts at
 -- the line start) nothing at all, so the indentation was replaced by nothing. The word is the first line instead.
 local function convert_item(item)
   local lines = suggestion_lines(item)
-  return lines and { word = lines[1] } or {}
+  if not lines then
+    return {}
+  end
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  converted[vim.api.nvim_get_current_buf()] = { row = row - 1, col = col, line = vim.api.nvim_get_current_line() }
+  return { word = lines[1] }
 end
 
--- A word has one line: once a multi-line suggestion is accepted (<C-y>), its other lines go after the first one.
+-- The text after the request's cursor that an accepted suggestion's edit replaces: Neovim replaces only up to the
+-- cursor, but the edit may go on, over the closers the suggestion writes itself (`foo(|);` answered `a, b);`) or the
+-- rest of a blank line's indentation. Left there, they came twice (`foo(a, b););`), or as trailing spaces. "" if none.
+local function covered_after_cursor(bufnr, item, client_id)
+  local at, range = converted[bufnr], vim.tbl_get(item, "textEdit", "range")
+  local client = vim.lsp.get_client_by_id(client_id or -1)
+  if not (at and range and client) or range["end"].line ~= at.row or range.start.line ~= at.row then
+    return ""
+  end
+  local ok, stop = pcall(vim.str_byteindex, at.line, client.offset_encoding or "utf-16", range["end"].character, false)
+  if not ok or stop <= at.col then
+    return ""
+  end
+  return at.line:sub(at.col + 1, stop)
+end
+
+-- Once a suggestion is accepted (<C-y>): the text its edit replaces after the cursor goes, and, since a word has one
+-- line, a multi-line suggestion's other lines go after its first one.
 local function complete_rest(bufnr)
   vim.api.nvim_create_autocmd("CompleteDone", {
     group = vim.api.nvim_create_augroup("m31r.completion." .. bufnr, { clear = true }),
     buffer = bufnr,
-    desc = "M31R: insert the lines of an accepted suggestion after its first",
+    desc = "M31R: complete the edit of an accepted suggestion (the text it replaces after the cursor, its other lines)",
     callback = function()
       if (vim.v.event or {}).reason ~= "accept" then
         return
       end
-      local lines = suggestion_lines(vim.tbl_get(vim.v.completed_item, "user_data", "nvim", "lsp", "completion_item"))
-      if not lines or #lines < 2 then
+      local lsp = vim.tbl_get(vim.v.completed_item, "user_data", "nvim", "lsp") or {}
+      local lines = suggestion_lines(lsp.completion_item)
+      if not lines then
         return
       end
       local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      local covered = covered_after_cursor(bufnr, lsp.completion_item, lsp.client_id)
+      local line = vim.api.nvim_get_current_line()
+      if covered ~= "" and line:sub(col + 1, col + #covered) == covered then -- (still there as it was)
+        vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col + #covered, { "" })
+      end
+      if #lines < 2 then
+        return
+      end
       local rest = { "" }
       vim.list_extend(rest, lines, 2)
       vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col, rest)
@@ -401,7 +436,7 @@ end
 -- completion source, the keys, the CompleteDone autocmd and the buffer's own 'completeopt'.
 local function on_detach(client, bufnr)
   if not vim.api.nvim_buf_is_valid(bufnr) then
-    previous[bufnr], menuone_bufs[bufnr] = nil, nil
+    previous[bufnr], menuone_bufs[bufnr], converted[bufnr] = nil, nil, nil
     return
   end
   if vim.lsp.completion and vim.lsp.completion.enable then
@@ -411,6 +446,7 @@ local function on_detach(client, bufnr)
     pcall(vim.lsp.inline_completion.enable, false, { bufnr = bufnr })
   end
   pcall(vim.api.nvim_del_augroup_by_name, "m31r.completion." .. bufnr)
+  converted[bufnr] = nil
   local keys = M.config.inline
   for _, lhs in ipairs({ keys.accept, keys.next, keys.prev }) do
     if lhs and lhs ~= "" then
