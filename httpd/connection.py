@@ -32,6 +32,16 @@ is sent and the write side shut (the client reads it, then EOF), and what the cl
 discarded, for at most LINGER_SECONDS and LINGER_BYTES, before the connection is closed. A lingering connection is the
 first to go for room at the connection limit (it has been answered), so an endless or slow uploader costs nobody.
 
+A client may send its request and then shut its sending side (shutdown(SHUT_WR): a script piping into nc, a client
+that signals "no more requests" so): HTTP/1.1 lets it read the answer, but uvicorn took the EOF for a disconnect,
+closed the connection and cancelled the request. Here an EOF after whole requests keeps the connection open: they are
+answered, then it is closed; an EOF within a request (or between requests) closes it, the part unanswered. A client
+that has closed its socket altogether sends the same EOF, and must still have its daemon request cancelled (an
+editor that moves on drops the connection): its kernel answers the next bytes sent to it with a reset. So at the EOF,
+before the answer has begun, a `100 Continue` is sent (an interim response that every HTTP/1.1 client must accept,
+and skips), and until the answer is written the socket's error is polled: a reset closes the connection, which the
+app sees as a disconnect, as before. Once the answer has begun, its own writes bring the reset.
+
 The class is also used where httptools is installed (uvicorn would pick its httptools protocol), so the deadline
 holds whatever uvicorn's extras are.
 """
@@ -41,7 +51,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
+import socket
 import sys
 import time
 import urllib.parse
@@ -72,6 +84,11 @@ LIMIT_RETRY_AFTER = 1  # seconds, in the 503 at the connection limit: the server
 # before the connection is closed (a client sending more still sees a reset, but has its answer by then).
 LINGER_SECONDS = 5.0  # (nginx's lingering_timeout)
 LINGER_BYTES = 8 << 20
+# After a client's EOF past a whole request: how soon, and then how often at most, the socket is checked for a reset
+# (a client that is gone, not half-closed). The reset comes a round trip after the 100 Continue; each check is one
+# getsockopt, while the answer is worked out.
+RESET_CHECK_FIRST = 0.005
+RESET_CHECK_MAX = 0.5
 
 
 def request_path(head: bytes) -> str:
@@ -131,6 +148,9 @@ class HeaderTimeoutProtocol(H11Protocol):
     head = b""  # the start of the request whose headers are awaited (up to HEAD_KEPT bytes): its path, once in
     linger_left: int | None = None  # bytes still to be read and discarded while lingering (None: not lingering)
     linger_timer: asyncio.TimerHandle | None = None
+    half_closed = False  # the client sent EOF after whole requests: they are answered, then the connection closed
+    reset_timer: asyncio.TimerHandle | None = None
+    reset_wait = RESET_CHECK_FIRST
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,9 +166,56 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_header_timer()
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
+        for timer in (self.linger_timer, self.reset_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """The client's EOF: past a whole request being answered, a half-close (the connection stays open for the
+        answers, then closes: on_response_complete); anywhere else (between requests, within one, lingering) the
+        connection closes, as uvicorn closes it. (Called again where reading resumes after a pause.)"""
+        if self.linger_left is not None or not self.answering():
+            return None
+        if not self.half_closed:
+            self.half_closed = True
+            self.probe_client()
+        return True
+
+    def answering(self) -> bool:
+        """A request is all in and its answer not yet all written."""
+        return (self.cycle is not None and not self.cycle.response_complete
+                and self.conn.their_state in (h11.DONE, h11.MUST_CLOSE))
+
+    def probe_client(self) -> None:
+        """Tell a half-closed client from a gone one: where no answer has begun, a 100 Continue (HTTP/1.1 only; one
+        of HTTP/1.0 must not get one), which a gone client's kernel answers with a reset; then check_reset."""
+        assert self.cycle is not None
+        if not self.cycle.response_started and self.conn.their_http_version == b"1.1":
+            interim = h11.InformationalResponse(status_code=100, headers=[], reason=STATUS_PHRASES[100])
+            self.transport.write(self.conn.send(interim) or b"")
+            self.cycle.waiting_for_100_continue = False  # (uvicorn's for Expect: 100-continue would repeat it)
+        self.reset_wait = RESET_CHECK_FIRST
+        self.reset_timer = self.loop.call_later(self.reset_wait, self.check_reset)
+
+    def check_reset(self) -> None:
+        """Close the half-closed connection once its client has answered with a reset (it is gone: its request is
+        cancelled, as uvicorn's disconnect does it); else check again later, till the connection closes."""
+        self.reset_timer = None
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        try:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if sock is not None else 0
+        except OSError as e:
+            error = e.errno or -1
+        if error:
+            log.debug("closed a connection: its client closed it after its request (%s)", os.strerror(error)
+                      if error > 0 else "gone")
+            self.transport.abort()
+            return
+        self.reset_wait = min(self.reset_wait * 2, RESET_CHECK_MAX)
+        self.reset_timer = self.loop.call_later(self.reset_wait, self.check_reset)
 
     def data_received(self, data: bytes) -> None:
         if self.linger_left is not None:  # the rest of a request already answered: discarded
@@ -177,6 +244,8 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.half_closed and not self.transport.is_closing() and self.awaiting_headers():
+            self.transport.close()  # the client sends no more: the answers written, EOF (a part after them dropped)
         self.watch_headers()  # keep-alive: the next request's headers are now awaited (unless pipelined, in)
 
     # -- uvicorn's own answers, in the API's error shape ---------------------------------------------------------

@@ -424,16 +424,37 @@ def _first_error(output: str, status: int) -> str:
 
 def _publish(built: Path, target: Path) -> None:
     """Copy a build into the cache under its final name atomically: a concurrent build of the same key writes the
-    same bytes, and a reader never sees a partial file (a full disk fails the copy, not the rename)."""
+    same bytes, and a reader never sees a partial file (a full disk fails the copy, not the rename). The copy is
+    flushed to disk before the rename, and the folder after it: else a power cut could leave the final name on a
+    file whose data never reached the disk (empty, or its size right and its pages zeros, which _whole passes and
+    the loader maps), and every later start would load that. One build per key, so the cost is once."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
     try:
-        shutil.copy(built, tmp)  # contents and mode
+        with os.fdopen(fd, "wb") as out, open(built, "rb") as src:
+            shutil.copyfileobj(src, out)
+            shutil.copymode(built, tmp)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _sync_folder(target.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk, where the system lets a folder be opened for that."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # (some file systems refuse to sync a folder: the rename stands, as it would have)
+        pass
+    finally:
+        os.close(fd)
 
 
 def _fn(lib: ctypes.CDLL, name: str, *argtypes) -> ctypes._CFuncPtr:

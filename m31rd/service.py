@@ -283,8 +283,9 @@ def _write(path: Path, data: bytes, backup: Path | None = None) -> None:
 def _daemon_beside(kind: Kind, sock: Path) -> int | None:
     """The pid of a daemon that answers on `sock` outside the service (started by hand, or by a client), or None.
     Enabling the service then goes wrong without a word: m31rd.socket unlinks a socket file in its way and binds
-    the path, leaving that daemon running for no one; launchd's agent finds the path taken, exits 1 and is retried
-    every 10 s. A path the installed m31rd.socket holds is not probed: a connection there would start its daemon."""
+    the path, leaving that daemon running for no one; launchd's agent finds the path taken and exits 1 (not
+    relaunched: its KeepAlive restarts crashes only). A path the installed m31rd.socket holds is not probed: a
+    connection there would start its daemon."""
     try:
         if not stat.S_ISSOCK(os.lstat(sock).st_mode):
             return None
@@ -356,7 +357,8 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
         echo(f"note: a daemon (pid {pid}) already serves {sock} outside the service: `{stop}` before starting the "
              "service, or " + ("m31rd.socket takes the path from it and it runs on, serving no one" if k == "systemd"
                                else "(unless it is the agent's own) the agent's daemon finds the path taken and "
-                               "launchd retries it every 10 s"))
+                               "exits, and launchd does not retry it: once the path is free, `launchctl kickstart "
+                               f"gui/{os.getuid()}/{LAUNCHD_LABEL}` starts it"))
     if k == "systemd":
         echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")
         if any(p.name == "m31rd.socket" for p in differing):  # enable --now leaves an active socket where it was
