@@ -66,6 +66,16 @@ class Server:
 
     def __init__(self, tmp: Path, sock: Path, *args: str, ready_timeout: float = 30.0, autostart: bool = False,
                  env: dict[str, str] | None = None):
+        # free_port()'s port is free when it answers, not when the server binds it a second later: another program
+        # may take it meanwhile. The server then says so and exits, and starts again on another port.
+        for _ in range(3):
+            if self._start(tmp, sock, args, ready_timeout, autostart, env):
+                return
+        raise RuntimeError(f"m31r serve found its port in use three times: {self.log.read_text()[-2000:]}")
+
+    def _start(self, tmp: Path, sock: Path, args: tuple[str, ...], ready_timeout: float, autostart: bool,
+               env: dict[str, str] | None) -> bool:
+        """Start the server and wait until it listens; False if its port was taken before it could bind it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
@@ -77,13 +87,20 @@ class Server:
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         t0 = time.monotonic()
         while time.monotonic() - t0 < ready_timeout:
+            log = self.log.read_text()
             if self.proc.poll() is not None:
-                raise RuntimeError(f"m31r serve exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.05)
+                if f"cannot listen on 127.0.0.1:{self.port}: the port is in use" in log:
+                    return False
+                raise RuntimeError(f"m31r serve exited with {self.proc.returncode}: {log[-2000:]}")
+            # Its "serving" line comes once it holds the port: before that, the program that took the port would
+            # answer the probe.
+            if '"msg": "serving"' in log:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                    return True
+                except OSError:
+                    pass
+            time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"m31r serve not listening after {ready_timeout}s: {self.log.read_text()[-2000:]}")
 
@@ -138,9 +155,11 @@ def token_server(tmp: Path, sock: Path) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def daemon(tiny_bundle, tmp_path_factory):
     """A daemon whose queue (16) is small enough for the load test to hit `busy`. A dict: the restart test
-    replaces its process."""
+    replaces its process. Without prompt-lookup drafts (HTTP requests cannot turn them off): they finish the tiny
+    model's looping CAP tokens in ~50 ms, and the disconnect tests need their request still running once the client's
+    hang-up has gone through the server to the daemon; drafts never change what is written."""
     sock = tmp_path_factory.mktemp("httpd") / "d.sock"
-    extra = ("--max-queue", "16", "--cache-mb", "16")
+    extra = ("--max-queue", "16", "--cache-mb", "16", "--lookahead", "0")
     d = {"sock": sock, "bundle": tiny_bundle.path, "extra": extra,
          "proc": start_daemon(tiny_bundle.path, sock, *extra)}
     yield d
