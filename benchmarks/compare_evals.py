@@ -7,6 +7,9 @@ on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, 
                 on those discordant tasks: the chance of a split at least this uneven if either model were as
                 likely to win each of them.
   edit sim.     both means, the mean paired difference and its 95% interval from a seeded paired bootstrap.
+  as shown      where both results score each task as the editor shows it (eval_fim's as-shown figures; results
+                from before them have none), the same two comparisons on those scores, in rows of their own. They
+                inform; the release rule below stays on the raw figures, comparable across sessions.
 
 Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
 Last comes the release rule's verdict (docs/training.md "Which tasks decide a release"): on the larger draw
@@ -81,22 +84,37 @@ def compare(base: dict, cand: dict) -> dict:
         pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["kind"] == kind]
         if not pairs:
             continue
-        n = len(pairs)
-        gained = sum(1 for x, y in pairs if y["exact"] and not x["exact"])
-        lost = sum(1 for x, y in pairs if x["exact"] and not y["exact"])
-        diffs = [y["edit_similarity"] - x["edit_similarity"] for x, y in pairs]
-        low, high = bootstrap_interval(diffs)
-        out[kind] = {
-            "n": n,
-            "exact_base": sum(x["exact"] for x, _ in pairs) / n,
-            "exact_candidate": sum(y["exact"] for _, y in pairs) / n,
-            "gained": gained, "lost": lost, "sign_test_p": round(sign_test_p(gained, lost), 4),
-            "edit_base": sum(x["edit_similarity"] for x, _ in pairs) / n,
-            "edit_candidate": sum(y["edit_similarity"] for _, y in pairs) / n,
-            "edit_diff": sum(diffs) / n, "edit_diff_95": [low, high],
-        }
+        out[kind] = paired(pairs, "exact", "edit_similarity")
+        # What the editor shows (eval_fim's as-shown scores, since the forty-fifth session): compared where both
+        # results have them for every task; it does not enter the release rule.
+        if all(x.get(SHOWN[0]) is not None and y.get(SHOWN[0]) is not None for x, y in pairs):
+            out[kind]["as_shown"] = paired(pairs, *SHOWN)
+    if any("as_shown" in out.get(kind, {}) for kind in KINDS) and base.get("editor") != cand.get("editor"):
+        out["editor_differ"] = [base.get("editor"), cand.get("editor")]
     out["release"] = release_verdict(out)
     return out
+
+
+SHOWN = ("shown_exact", "shown_edit_similarity")  # a task's as-shown scores (eval_fim's Result)
+
+
+def paired(pairs: list[tuple[dict, dict]], exact: str, edit: str) -> dict:
+    """Both runs' figures on these paired tasks, by their `exact` and `edit` fields: exact match with the tasks gained
+    and lost and the sign test's p, edit similarity with the mean paired difference and its bootstrap interval."""
+    n = len(pairs)
+    gained = sum(1 for x, y in pairs if y[exact] and not x[exact])
+    lost = sum(1 for x, y in pairs if x[exact] and not y[exact])
+    diffs = [y[edit] - x[edit] for x, y in pairs]
+    low, high = bootstrap_interval(diffs)
+    return {
+        "n": n,
+        "exact_base": sum(bool(x[exact]) for x, _ in pairs) / n,
+        "exact_candidate": sum(bool(y[exact]) for _, y in pairs) / n,
+        "gained": gained, "lost": lost, "sign_test_p": round(sign_test_p(gained, lost), 4),
+        "edit_base": sum(x[edit] for x, _ in pairs) / n,
+        "edit_candidate": sum(y[edit] for _, y in pairs) / n,
+        "edit_diff": sum(diffs) / n, "edit_diff_95": [low, high],
+    }
 
 
 DECIDING_DRAW = {"single": 300, "multi": 150}  # `make eval-large`: the tasks that decide a release
@@ -146,13 +164,23 @@ def with_clean(r: dict, clean: dict, leaky_files: int) -> dict:
     """`compare`'s result with the clean tasks' comparison beside it. The clean tasks are fewer than the deciding
     draw's counts, so their verdict is the all-task rule applied to them; the release needs both."""
     v = release_verdict(r)
-    if v["wins"]:
+    # A kind whose every task comes from a leaky file has no clean tasks: nothing to compare, so no win shown there.
+    empty = [k for k in KINDS if k in r and k not in clean]
+    if v["wins"] and empty:
+        v = {"wins": False, "why": f"{v['why']}; but there are no clean {' or '.join(map(LABEL.get, empty))} tasks "
+             "(every one's file has a look-alike in training): nothing to compare, so the win is not shown to be the "
+             "model's alone"}
+    elif v["wins"]:
         single, multi = moves(clean)
         if not (single > 0 and multi > 0):
             v = {"wins": False, "why": f"{v['why']}; but on the clean tasks (no file look-alike in training) "
                  f"single-line exact match moves {single:+d} tasks, multi-line edit similarity {multi:+.3f}: the win "
                  "is not the model's alone"}
-    return {**r, "clean": {k: clean[k] for k in KINDS if k in clean} | {"leaky_files": leaky_files}, "release": v}
+    return {**r, "clean": {k: clean[k] for k in KINDS if k in clean} | {"leaky_files": leaky_files}
+            | ({"nothing_to_compare": empty} if empty else {}), "release": v}
+
+
+LABEL = {"single": "single-line", "multi": "multi-line"}
 
 
 def table(r: dict) -> str:
@@ -163,14 +191,27 @@ def table(r: dict) -> str:
     lines += ["",
               "| tasks | exact base | exact cand. | gained / lost | sign-test p | edit base | edit cand. "
               "| edit diff [95%] |", "|---|---|---|---|---|---|---|---|"]
+    def row(name: str, k: dict) -> str:
+        lo, hi = k["edit_diff_95"]
+        return (f"| {name} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
+                f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
+                f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+
     for part, label in ((r, ""), (r.get("clean", {}), ", clean")):
         for kind in KINDS:
             if kind in part:
-                k = part[kind]
-                lo, hi = k["edit_diff_95"]
-                lines.append(f"| {kind}{label} ({k['n']}) | {k['exact_base']:.1%} | {k['exact_candidate']:.1%} "
-                             f"| {k['gained']} / {k['lost']} | {k['sign_test_p']:.3f} | {k['edit_base']:.3f} "
-                             f"| {k['edit_candidate']:.3f} | {k['edit_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+                lines.append(row(f"{kind}{label}", part[kind]))
+                if "as_shown" in part[kind]:
+                    lines.append(row(f"{kind}{label}, as shown", part[kind]["as_shown"]))
+            elif kind in part.get("nothing_to_compare", ()):
+                lines.append(f"| {kind}{label} (0) | nothing to compare: every {LABEL[kind]} task's file has a "
+                             "look-alike in training | | | | | | |")
+    if any("as_shown" in r.get(kind, {}) for kind in KINDS):
+        lines.append("(as shown: scored on what the editor shows at each task's cursor, eval_fim's as-shown figures; "
+                     "not part of the release rule)")
+    if "editor_differ" in r:
+        a, b = r["editor_differ"]
+        lines.append(f"the as-shown figures are under different editor settings ({a} / {b})")
     if "clean" in r:
         lines.append(f"(clean: the tasks of files without a look-alike in training; {r['clean']['leaky_files']} "
                      "files have one)")

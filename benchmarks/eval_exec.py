@@ -20,6 +20,9 @@ wrong loop body can loop for ever).
   compiles  rustc accepts the program (whatever the tests then say)
   exact     the completion is the reference middle (normalised as in eval_fim); edit similarity likewise
   shown     the editors would show it: its first line at least their confidence floor (0.05) likely
+  as shown  the program with what the editor shows at that cursor in its place (eval_fim's `as shown`: the language
+            server's request, answered as the daemon answers it, cut and post-processed as the server does) passes;
+            where it shows nothing the task counts as failed (nothing is compiled for it)
 
 Needs `rustc` on PATH (Debian: `apt-get install rustc`); nothing else of Rust.
 
@@ -48,7 +51,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eval_fim import Task, edit_similarity, normalize, run_tasks  # noqa: E402
+from eval_fim import Result, Task, edit_similarity, editor_settings, normalize, run_tasks  # noqa: E402
 
 from m31r_protocol.policy import MIN_PROBABILITY, confident  # noqa: E402
 
@@ -71,6 +74,13 @@ class Problem:
         if self.kind == "body" and middle and not middle.endswith("\n"):
             middle += "\n"
         return self.prefix + middle + self.suffix + "\n" + self.tests
+
+    def shown_program(self, shown: str, at: list[int]) -> str:
+        """The program once the editor's suggestion `shown` is accepted over the characters `at` (from, to: counted
+        from the cursor, Result.shown_range) of the document prefix + suffix."""
+        cursor = len(self.prefix)
+        doc = self.prefix + self.suffix
+        return doc[: cursor + at[0]] + shown + doc[cursor + at[1] :] + "\n" + self.tests
 
     def lines(self) -> list[Problem]:
         """A line task for each line of the middle with a letter or digit in it."""
@@ -98,6 +108,11 @@ class Outcome:
     passes: bool
     error: str  # the first rustc error, or why the tests failed ("" when they passed)
     shown: bool = True  # the editors would show it (policy.confident at MIN_PROBABILITY)
+    # What the editor shows, accepted (eval_fim's Result.shown; None: not scored so): "" where it shows nothing
+    as_shown: str | None = None
+    shown_exact: bool | None = None
+    shown_passes: bool | None = None  # False where nothing is shown
+    shown_error: str = ""
 
 
 def parse_problem(path: Path) -> Problem:
@@ -165,38 +180,53 @@ def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tu
 
 
 def score(problems: list[Problem], predictions: list[str], rustc: str, log,
-          shown: list[bool] | None = None) -> list[Outcome]:
+          shown: list[bool] | None = None, as_shown: list[Result] | None = None) -> list[Outcome]:
     """Each prediction compiled and tested, one program per CPU at a time (rustc compiles a small one on one core),
-    each in a folder of its own."""
+    each in a folder of its own; with `as_shown` (run_tasks' results with `editor`), each shown suggestion's program
+    too, where it is not the prediction's."""
     shown = shown if shown is not None else [True] * len(problems)
     pairs = list(zip(problems, predictions, strict=True))
+    sources = [pr.program(pred) for pr, pred in pairs]
+    accepted = [None if r is None or not r.shown else pr.shown_program(r.shown, r.shown_range)
+                for pr, r in zip(problems, as_shown or [None] * len(problems), strict=True)]
+    todo = list(dict.fromkeys([*sources, *filter(None, accepted)]))  # each distinct program once, in order
     with tempfile.TemporaryDirectory(prefix="m31r-exec-") as tmp:
         def one(k: int) -> tuple[bool, bool, str]:
             work = Path(tmp) / str(k)
             work.mkdir()
-            return run_program(pairs[k][0].program(pairs[k][1]), work, rustc)
+            return run_program(todo[k], work, rustc)
 
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            built = []
-            for k, result in enumerate(pool.map(one, range(len(pairs)))):
-                built.append(result)
+            built = {}
+            for k, result in enumerate(pool.map(one, range(len(todo)))):
+                built[todo[k]] = result
                 if (k + 1) % 20 == 0:
-                    log(f"  {k + 1}/{len(problems)} compiled and tested")
+                    log(f"  {k + 1}/{len(todo)} compiled and tested")
     out = []
-    for k, ((pr, pred), (compiles, passes, error)) in enumerate(zip(pairs, built, strict=True)):
+    for k, (pr, pred) in enumerate(pairs):
+        compiles, passes, error = built[sources[k]]
         p, g = normalize(pred), normalize(pr.middle)
-        out.append(Outcome(pr.name, pr.kind, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles,
-                           passes, error, shown[k]))
+        o = Outcome(pr.name, pr.kind, pr.middle, pred, p == g, round(edit_similarity(p, g), 4), compiles, passes,
+                    error, shown[k])
+        if as_shown is not None:
+            r, program = as_shown[k], accepted[k]
+            o.as_shown, o.shown_exact = r.shown, r.shown_exact
+            o.shown_passes, o.shown_error = ((built[program][1], built[program][2]) if program is not None
+                                             else (False, f"nothing shown ({r.shown_why})"))
+        out.append(o)
     return out
 
 
-def complete(engine, problems: list[Problem], max_tokens: int, beams: int, log) -> tuple[list[str], list[bool]]:
-    """Each problem's completion as the daemon serves it (eval_fim.run_tasks), and whether the editors would show
-    it."""
+def complete(engine, problems: list[Problem], max_tokens: int, beams: int, log,
+             as_shown: bool = True) -> tuple[list[str], list[bool], list[Result] | None]:
+    """Each problem's completion as the daemon serves it (eval_fim.run_tasks), whether the editors would show it,
+    and (`as_shown`) the results that say what they would show at that cursor."""
     tasks = [Task("multi" if pr.kind == "body" else "single", pr.name, pr.prefix.count("\n"), pr.prefix, pr.suffix,
                   pr.middle) for pr in problems]
-    results = run_tasks(engine, tasks, max_tokens, max_tokens, log, beams=beams)
-    return [r.prediction for r in results], [confident(r.line_logprob, MIN_PROBABILITY) for r in results]
+    results = run_tasks(engine, tasks, max_tokens, max_tokens, log, beams=beams,
+                        editor=editor_settings(MIN_PROBABILITY) if as_shown else None)
+    return ([r.prediction for r in results], [confident(r.line_logprob, MIN_PROBABILITY) for r in results],
+            results if as_shown else None)
 
 
 def summary(outcomes: list[Outcome]) -> dict:
@@ -205,9 +235,14 @@ def summary(outcomes: list[Outcome]) -> dict:
     def share(flag: str) -> float:
         return round(sum(getattr(o, flag) for o in outcomes) / max(n, 1), 4)
 
-    return {"n": n, "passes": share("passes"), "compiles": share("compiles"), "exact": share("exact"),
-            "edit_similarity": round(sum(o.edit_similarity for o in outcomes) / max(n, 1), 4),
-            "shown": sum(o.shown for o in outcomes), "shown_passing": sum(o.shown and o.passes for o in outcomes)}
+    out = {"n": n, "passes": share("passes"), "compiles": share("compiles"), "exact": share("exact"),
+           "edit_similarity": round(sum(o.edit_similarity for o in outcomes) / max(n, 1), 4),
+           "shown": sum(o.shown for o in outcomes), "shown_passing": sum(o.shown and o.passes for o in outcomes)}
+    if outcomes and all(o.shown_passes is not None for o in outcomes):
+        # what the editor shows at each cursor (Outcome.as_shown): passing once accepted, the reference, and shown
+        out["as_shown"] = {"passes": share("shown_passes"), "exact": share("shown_exact"),
+                           "shown": sum(bool(o.as_shown) for o in outcomes)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="none", help="weights as the daemon's --quant (none: as stored)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rustc", default="rustc", help="the Rust compiler to test with")
+    p.add_argument("--no-as-shown", action="store_true",
+                   help="skip the 'as shown' scores (what the editor shows at each cursor, compiled and tested)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.references and args.bundle is None:
@@ -241,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = bodies + ([] if args.no_lines else [line for pr in bodies for line in pr.lines()])
     t0 = time.perf_counter()
     if args.references:
-        predictions, shown, model = [pr.middle for pr in problems], None, {"model": "references"}
+        predictions, shown, model, results = [pr.middle for pr in problems], None, {"model": "references"}, None
     else:
         from m31r.engine import Engine
 
@@ -250,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         model = {"model": engine.bundle.model_id, "fingerprint": engine.bundle.fingerprint, "dtype": args.dtype,
                  "quant": engine.quant, "beams": args.beams}
         log(f"{engine.bundle.model_id}: {len(bodies)} bodies and {len(problems) - len(bodies)} lines")
-        predictions, shown = complete(engine, problems, args.max_tokens, args.beams, log)
-    outcomes = score(problems, predictions, rustc, log, shown)
+        predictions, shown, results = complete(engine, problems, args.max_tokens, args.beams, log,
+                                               not args.no_as_shown)
+    outcomes = score(problems, predictions, rustc, log, shown, results)
     kinds = [k for k in ("body", "line") if any(o.kind == k for o in outcomes)]
     report = {**model, "rustc": version, "problems": str(args.problems),
               **{k: summary([o for o in outcomes if o.kind == k]) for k in kinds},
@@ -263,13 +301,17 @@ def main(argv: list[str] | None = None) -> int:
             mark = "pass" if o.passes else "runs, fails" if o.compiles else "no build"
             print(f"  {o.name:<22} {mark:<12} {'' if o.shown else 'hidden':<7} edit {o.edit_similarity:.2f}  "
                   f"{o.error}")
+    with_as_shown = results is not None
     print(f"{'tasks':<7} {'n':>4} {'passes':>7} {'compiles':>9} {'exact':>7} {'edit-sim':>9}"
-          + (f" {'shown':>6} {'shown+pass':>11}" if with_shown else ""))
+          + (f" {'shown':>6} {'shown+pass':>11}" if with_shown else "")
+          + (f" {'as shown: passes':>16} {'exact':>7}" if with_as_shown else ""))
     for k in kinds:
         s = report[k]
         name = {"body": "bodies", "line": "lines"}[k]
+        a = s.get("as_shown")
         print(f"{name:<7} {s['n']:>4} {s['passes']:>7.1%} {s['compiles']:>9.1%} {s['exact']:>7.1%} "
-              f"{s['edit_similarity']:>9.3f}" + (f" {s['shown']:>6} {s['shown_passing']:>11}" if with_shown else ""))
+              f"{s['edit_similarity']:>9.3f}" + (f" {s['shown']:>6} {s['shown_passing']:>11}" if with_shown else "")
+              + (f" {a['passes']:>16.1%} {a['exact']:>7.1%}" if a else ""))
     print(f"({report['seconds']} s" + (f"; shown: what the editors would show, the first line at least "
                                          f"{MIN_PROBABILITY:g} likely)" if with_shown else ")"))
     if args.out:

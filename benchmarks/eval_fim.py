@@ -33,6 +33,17 @@ blank lines dropped):
   edit similarity  1 - Levenshtein(prediction, target) / max(len(prediction), len(target)), by characters,
                    with an exact dynamic programme (difflib's ratio is not an edit distance); 1.0 when both
                    are empty
+  as shown         exact match and edit similarity of what the editor shows at the task's cursor (`m31r lsp` with
+                   its default settings and --min-probability; --no-as-shown skips it): the language server's request
+                   for the document prefix + suffix (lsp/completion.py: policy.plan, sent_text), answered as the
+                   daemon answers it (m31rd/server.py: build_prompt and its stops; greedy, as --beams says for a line
+                   request), then hidden under the floor, cut to its confident lines and post-processed
+                   (policy.postprocess). The shown text is compared with the document's text over the range it
+                   replaces, with the middle in place; nothing shown scores as an empty suggestion. At a single-line
+                   task's cursor the line's end is the document's, so the editor asks for (and may show) several lines.
+                   The raw figures above are the model's alone and stay comparable across sessions; this one says what
+                   a user gets of them. Its request is answered from the task's own completion where the daemon would
+                   run the same generation, else decoded again (not counted in ms/task).
   perplexity       exp(mean next-token loss) over non-overlapping windows of --ppl-context + 1 tokens spread
                    evenly over the validation stream (files tokenised and joined with <|endoftext|>, as in
                    training), with the engine's model and dtype; also bits per byte of the predicted text
@@ -94,6 +105,17 @@ class Result:
     logprobs: list[float] = field(default_factory=list)  # of each token written, the end's last (Outcome.logprobs)
     line_logprob: float | None = None  # of the first line (logprob_by_line's first): what the editor's gate reads
     logprob_by_line: list[float] = field(default_factory=list)  # of each line (m31r.engine.line_logprobs)
+    # What the editor shows for this cursor (run_tasks' `editor`; None where not scored so): the language server's
+    # request for the document prefix + suffix, answered as the daemon answers it, then gated, cut and post-processed
+    # as the server does. `shown` is the text it inserts ("" where it shows nothing), over the document's characters
+    # `shown_range` (from, to), counted from the cursor; `shown_why` why nothing is shown: unsure (under the floor) or
+    # empty (the policy left nothing).
+    shown: str | None = None
+    shown_range: list[int] = field(default_factory=lambda: [0, 0])
+    shown_why: str = ""
+    shown_exact: bool | None = None
+    shown_edit_similarity: float | None = None
+    shown_decoded: bool = False  # its request differs from the task's (prompt, stops or budget): decoded again
 
 
 # -- task selection ---------------------------------------------------------------------------------------
@@ -264,11 +286,98 @@ def edit_similarity(pred: str, target: str) -> float:
     return 1.0 - levenshtein(pred, target) / max(len(pred), len(target))
 
 
+# -- what the editor shows ----------------------------------------------------------------------------------
+
+
+def editor_settings(min_probability: float = MIN_PROBABILITY):
+    """The language server's settings (m31r_lsp.settings' defaults) with this confidence floor: what `as shown`
+    scores under."""
+    from m31r_lsp.settings import EditorSettings
+
+    return EditorSettings(min_probability=min_probability)
+
+
+@dataclass
+class EditorRequest:
+    """The language server's Fim for a cursor (Completer._run), as the daemon turns it into a generation
+    (m31rd.server._prepare): the prompt, its stops and budget, and the policy's plan for post-processing."""
+
+    plan: object  # m31r_protocol.policy.Plan
+    ids: list[int]
+    heal: str
+    max_tokens: int
+    stop: list[str]
+    start_stops: list[str]
+    repeat_context: str
+    width: int  # beam width (m31rd.server.request_beams, with the evaluation's --beams as the daemon's)
+    min_probability: float | None
+
+
+def editor_request(engine, budget, t: Task, settings, beams: int = 1) -> EditorRequest:
+    """What the language server sends at the task's cursor in the document prefix + suffix, and what the daemon makes
+    of it, through their own functions: policy.plan, sent_text and scrub (lsp/completion.py), then as_trained,
+    build_prompt, request_stops, request_start_stops and request_beams (m31rd/server.py)."""
+    from m31r.fim import line_context
+    from m31r.sampling import SamplingParams
+    from m31r_lsp.completion import sent_text
+    from m31r_lsp.documents import scrub
+    from m31r_protocol import messages as m
+    from m31r_protocol import policy
+    from m31rd.server import as_trained, build_prompt, request_beams, request_start_stops, request_stops
+
+    max_context = engine.config.max_context
+    plan = policy.plan(t.prefix + t.suffix, len(t.prefix), settings.options())
+    prefix, suffix = sent_text(plan.prefix, plan.suffix, max_context)
+    # Completer._clamp_max_tokens: the daemon takes at most half the model's context.
+    req = as_trained(m.Fim(id=0, prefix=scrub(prefix), suffix=scrub(suffix), stop=list(plan.stop),
+                           max_tokens=min(plan.max_tokens, max_context // 2), context=list(t.context),
+                           min_probability=settings.min_probability or None))
+    ids, max_tokens, heal = build_prompt(engine, budget, req)
+    return EditorRequest(plan, ids, heal, max_tokens, request_stops(req), request_start_stops(req),
+                         line_context(req.prefix), request_beams(req, SamplingParams(), beams), req.min_probability)
+
+
+def editor_shows(plan, raw: str, line_logprob: float | None, by_line: list[float], floor: float):
+    """(suggestion or None, why none) for the daemon's answer `raw`, as Completer._run turns it into what the editor
+    shows at a request nobody invoked: hidden under the floor, cut to its confident lines, post-processed."""
+    from m31r_protocol import policy
+
+    if not policy.confident(policy.first_line_logprob(raw, line_logprob, by_line), floor):
+        return None, "unsure"
+    suggestion = policy.postprocess(plan, policy.confident_lines(raw, by_line, floor))
+    return suggestion, "" if suggestion is not None else "empty"
+
+
+def shown_regions(t: Task, suggestion) -> tuple[str, str]:
+    """(shown, wanted): the suggestion's text, and the document's text over the range it replaces with the task's
+    middle in place, so that accepting a right suggestion gives the original file. Nothing shown: ("", the middle)."""
+    if suggestion is None:
+        return "", t.target
+    text, cursor = t.prefix + t.suffix, len(t.prefix)
+    return suggestion.text, text[suggestion.start : cursor] + t.target + text[cursor : suggestion.end]
+
+
+def score_shown(r: Result, t: Task, req: EditorRequest, raw: str, line_logprob: float | None, by_line: list[float],
+                decoded: bool) -> None:
+    """Fill in r's `shown` fields from the editor's answer `raw` to `req`."""
+    suggestion, why = editor_shows(req.plan, raw, line_logprob, by_line, req.min_probability or 0.0)
+    shown, wanted = shown_regions(t, suggestion)
+    p, g = normalize(shown), normalize(wanted)
+    cursor = len(t.prefix)
+    r.shown, r.shown_why, r.shown_decoded = shown, why, decoded
+    r.shown_range = [suggestion.start - cursor, suggestion.end - cursor] if suggestion is not None else [0, 0]
+    r.shown_exact, r.shown_edit_similarity = p == g, round(edit_similarity(p, g), 4)
+
+
 # -- running ----------------------------------------------------------------------------------------------
 
 
 def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, heal: bool = True,
-              serving_stops: bool = True, beams: int = 1, floor_stop: float | None = None) -> list[Result]:
+              serving_stops: bool = True, beams: int = 1, floor_stop: float | None = None,
+              editor=None) -> list[Result]:
+    """Each task's completion, scored. With `editor` (EditorSettings: editor_settings()) each is also scored as the
+    editor shows it (Result.shown): the language server's request for that cursor is answered from this completion
+    where the daemon would run the same generation, else decoded again (not counted in `ms`)."""
     from m31r.beams import beam_generate
     from m31r.context import context_budget, context_ids
     from m31r.engine import Outcome, line_logprobs
@@ -309,6 +418,32 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
                               g in {p, *map(normalize, alts)}, len(t.context), len(head),
                               [round(x, 3) for x in res.logprobs], by_line[0] if by_line else None,
                               [round(x, 4) for x in by_line]))
+        if editor is not None:
+            req = editor_request(engine, budget, t, editor, beams)
+            width = beams if wide else 1
+            # The daemon's generation for the editor's request is this one where prompt, stops and width are the same
+            # and the budget too, or (greedy) this one ended by itself before the editor's budget ran out. Its floor
+            # (Fim.min_probability) ends the text where what is shown is decided, so it does not change what is shown.
+            same = ((req.ids, req.heal, req.stop, req.start_stops, req.width)
+                    == (ids, prompt.heal, kw["stop"], kw["start_stops"], width)
+                    and req.repeat_context == kw["repeat_context"]
+                    and (req.max_tokens == kw["max_tokens"] or width == 1 and res.finish_reason == "stop"
+                         and res.completion_tokens < req.max_tokens))
+            got = res
+            if not same:
+                got = Outcome(prompt_tokens=len(req.ids))
+                again = dict(max_tokens=req.max_tokens, cache=cache, result=got, heal=req.heal, stop=req.stop,
+                             start_stops=req.start_stops, repeat_context=req.repeat_context)
+                if req.width > 1:
+                    stream = beam_generate(engine, req.ids, width=req.width, spares=spares, **again)
+                else:
+                    stream = engine.generate(req.ids, min_probability=req.min_probability, **again)
+                for _ in stream:
+                    pass
+            # As the daemon's scheduler figures the lines of its answer (m31rd.scheduler._finished).
+            lines = line_logprobs(engine.tokenizer.token_bytes, got.tokens, got.logprobs, got.text.count("\n") + 1,
+                                  req.heal.count("\n"))
+            score_shown(results[-1], t, req, got.text, lines[0] if lines else None, lines, not same)
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results
@@ -370,7 +505,19 @@ def summarize(results: list[Result], kind: str) -> dict:
             "ms_per_task": round(sum(r.ms for r in rs) / n, 1),
             # project context (--context): snippets offered, and tokens of them the prompt had room for, per task
             "snippets": round(sum(r.snippets for r in rs) / n, 2),
-            "context_tokens": round(sum(r.context_tokens for r in rs) / n, 1)}
+            "context_tokens": round(sum(r.context_tokens for r in rs) / n, 1),
+            **({"as_shown": as_shown(rs)} if all(r.shown_exact is not None for r in rs) else {})}
+
+
+def as_shown(rs: list[Result]) -> dict:
+    """The tasks scored on what the editor shows (Result.shown; nothing shown scores as an empty suggestion): exact
+    match and edit similarity as above, the share shown, and the share whose editor request was decoded again."""
+    n = len(rs)
+    return {"exact_match": round(sum(bool(r.shown_exact) for r in rs) / n, 4),
+            "edit_similarity": round(sum(r.shown_edit_similarity or 0.0 for r in rs) / n, 4),
+            "shown": round(sum(r.shown_why == "" for r in rs) / n, 4),
+            "unsure": round(sum(r.shown_why == "unsure" for r in rs) / n, 4),
+            "decoded_again": round(sum(r.shown_decoded for r in rs) / n, 4)}
 
 
 def gate(results: list[Result], kind: str, floor: float) -> dict:
@@ -404,6 +551,13 @@ def gate(results: list[Result], kind: str, floor: float) -> dict:
     return out
 
 
+def editor_report(min_probability: float) -> dict:
+    """The language server's settings that shape what `as_shown` scores (its beam width and project context are the
+    evaluation's --beams and --context, reported beside)."""
+    settings = editor_settings(min_probability)
+    return {k: getattr(settings, k) for k in ("multiline", "max_tokens", "max_lines", "min_probability", "temperature")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True)
@@ -434,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
                         "where it decided what is shown, so the shown suggestions and their cut lines stay the same "
                         "while tokens and time drop; exact match and edit similarity then count the cut answers "
                         "(for comparison, not for releases)")
+    p.add_argument("--no-as-shown", action="store_true",
+                   help="skip the 'as shown' scores (what the editor shows: the language server's request for each "
+                        "cursor, post-processed), which decode again the tasks whose request differs")
     args = p.parse_args(argv)
 
     from m31r.engine import Engine
@@ -465,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(t.kind == 'multi' for t in tasks)} multi-line tasks from {len(texts)} validation files")
     results = run_tasks(engine, tasks, single_max, multi_max, log, heal=not args.no_heal,
                         serving_stops=not args.no_serving_stops, beams=args.beams,
-                        floor_stop=args.min_probability if args.floor_stop else None)
+                        floor_stop=args.min_probability if args.floor_stop else None,
+                        editor=None if args.no_as_shown else editor_settings(args.min_probability))
     t_ppl = time.perf_counter()
     ppl = perplexity(engine, [t for _, t, _ in texts], args.ppl_windows, args.ppl_context)
     ppl["seconds"] = round(time.perf_counter() - t_ppl, 1)
@@ -487,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         "beams": args.beams,
         "floor_stop": args.floor_stop,
         "context": args.context,
+        # The language server's settings the `as_shown` figures are for (its defaults, with --min-probability).
+        **({} if args.no_as_shown else {"editor": editor_report(args.min_probability)}),
         "seed": args.seed,
         "dtype": args.dtype,
         "quant": engine.quant,
@@ -503,16 +663,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [("single-line", report["single_line"]), ("multi-line", report["multi_line"])]
     print(f"\nFIM evaluation of {report['model']} ({args.dtype}, {report['threads']} threads, seed {args.seed})")
+    shown = not args.no_as_shown
     print(f"{'task':<12} {'n':>5} {'exact':>8} {'edit-sim':>9} {'tokens':>7} {'stopped':>8} {'serving':>7} "
-          f"{'ms/task':>8} {'2x space':>8}")
+          f"{'ms/task':>8} {'2x space':>8}" + (f" {'shown':>6} {'exact':>8} {'edit-sim':>9}" if shown else ""))
     for name, s in rows:
         if s["n"]:
+            a = s.get("as_shown", {})
             print(f"{name:<12} {s['n']:>5} {s['exact_match']:>8.1%} {s['edit_similarity']:>9.3f} "
                   f"{s['completion_tokens']:>7.1f} {s['stopped']:>8.0%} {s['serving_stopped']:>7.0%} "
                   f"{s['ms_per_task']:>8.0f} "
-                  f"{s['doubled_space']:>8}")
+                  f"{s['doubled_space']:>8}"
+                  + (f" {a['shown']:>6.0%} {a['exact_match']:>8.1%} {a['edit_similarity']:>9.3f}" if a else ""))
         else:
             print(f"{name:<12} {0:>5}")
+    if shown:
+        print(f"(the last three: as the editor shows it at minProbability {args.min_probability:g}, the language "
+              "server's defaults otherwise: the share shown, and exact match and edit similarity of what is shown, "
+              "nothing counting as an empty suggestion)")
     if args.beams > 1 and report["single_line"]["n"]:
         s = report["single_line"]
         print(f"single-line exact within the beam search's suggestions: {s['exact_any']:.1%} "
