@@ -374,8 +374,8 @@ _COMMENT_EDGES = re.compile(r"/\*|\*/")
 
 def _rust_brackets(text: str) -> Iterator[tuple[int, str]]:
     """(offset, bracket) for the brackets of Rust code `text`, then (offset, "") for a string or block comment it leaves
-    open, or (offset, "'") for a char literal. A block comment ends at the `*/` of its own `/*`, not the first one
-    (`/* a /* b */ ( */` is all comment)."""
+    open, or (offset, "'") for a char literal, or (offset, "//") for the line comment it ends in. A block comment ends
+    at the `*/` of its own `/*`, not the first one (`/* a /* b */ ( */` is all comment)."""
     pos: int | None = 0
     while pos is not None:
         tokens, pos = _RUST_TOKENS.finditer(text, pos), None
@@ -396,6 +396,8 @@ def _rust_brackets(text: str) -> Iterator[tuple[int, str]]:
                 return
             elif m.group("char") is not None:
                 yield m.start(), "'"
+            elif m.end() == len(text) and m.group().startswith("//"):
+                yield m.start(), "//"
 
 
 # The text before the cursor read for its open brackets: the scan costs ~0.1 ms a KB, and reading a whole 5 MB file's
@@ -412,18 +414,40 @@ def _has_line_comment(line: str) -> bool:
 
 def _open_brackets(prefix: str) -> tuple[tuple[str, ...], str] | None:
     """The brackets open at the end of `prefix` (innermost last) and the char literal it ends inside (`'(`, or ""), or
-    None where that is unclear: the cursor is in a string or comment, the prefix closes a bracket it did not open (an
-    edit in progress), or a long prefix has no top-level line among its last SCAN_CHARS to start from."""
+    None where that is unclear: the cursor is in a string or block comment, the prefix closes a bracket it did not open
+    (an edit in progress), or a long prefix has no top-level line among its last SCAN_CHARS to start from. In a line
+    comment: those open in its text (_comment_code)."""
     if len(prefix) <= SCAN_CHARS:
         return _brackets_open_in(prefix)
     top = _TOP_LEVEL.search(prefix, len(prefix) - SCAN_CHARS)
     return None if top is None else _brackets_open_in(prefix[top.start():])
 
 
+_LINE_COMMENT = re.compile(r"[ \t]*(//[/!]?)")
+COMMENT_LINES = 200  # the comment lines above the cursor's read for the brackets its example opened
+
+
+def _comment_code(text: str, start: int) -> str:
+    """The text of the line comment at `start`, which `text` ends in, after those of the comment lines just above it
+    of the same kind (`///`, `//!` or `//`), markers left out. A doc comment's example is code (`/// assert!(x.has(|`
+    answered `"e"));`): read as comment, its brackets were none, and the completion's closers were cut as closing
+    nothing."""
+    marker = _LINE_COMMENT.match(text, start).group(1)
+    lines = [text[start + len(marker) :]]
+    for line in reversed(text[: max(text.rfind("\n", 0, start), text.rfind("\r", 0, start), 0)].splitlines()[
+            -COMMENT_LINES:]):
+        if (m := _LINE_COMMENT.match(line)) is None or m.group(1) != marker:
+            break
+        lines.append(line[m.end() :])
+    return "\n".join(reversed(lines))
+
+
 @functools.lru_cache(maxsize=4)  # one scan for a suggestion and its alternatives
 def _brackets_open_in(text: str) -> tuple[tuple[str, ...], str] | None:
     stack: list[str] = []
     for i, tok in _rust_brackets(text):
+        if tok == "//":
+            return _brackets_open_in(_comment_code(text, i))
         if not tok:
             return None
         if tok == "'":
@@ -445,7 +469,7 @@ def _cut_unopened_closers(comp: str, prefix: str) -> str:
     stack, lit = list(opened[0]), opened[1]
     own: list[str] = []  # brackets the completion opens itself
     for i, tok in _rust_brackets(lit + comp):
-        if tok in ("", "'"):
+        if tok in ("", "'", "//"):
             break
         if tok in OPENERS:
             own.append(tok)
