@@ -54,10 +54,14 @@ class StopMatcher:
         if not self.stops:
             return piece, False
         text = self._held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # The stop that ends first is the one a stream of single characters would meet first; where two end at the
+        # same place, the longer (earlier) one. Cut at the earliest start instead, a stop that only began before
+        # another ended (["\n", "}\n\n"] on "}\n\n") cut the text earlier when both came in one token than when
+        # they came in two: the same text read differently with the tokens' boundaries.
+        hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         keep = self._longest_partial(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

@@ -140,9 +140,10 @@ def _round(x: float | None) -> float | None:
 
 
 def first_stop(text: str, stop: list[str]) -> int | None:
-    """Where the first of the stop sequences starts in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return min(hits) if hits else None
+    """Where the stop sequence that ends first in `text` starts (of two ending at once, the longer), or None: where
+    the model's own stop matcher (m31r.stops.StopMatcher) cuts, however the text came in tokens."""
+    hits = [(i + len(s), i) for s in stop if s and (i := text.find(s)) >= 0]
+    return min(hits)[1] if hits else None
 
 
 def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> tuple[str, str] | None:
