@@ -144,8 +144,9 @@ class Token(Struct, tag="token", omit_defaults=True):
     id: int
     text: str
     token: int | None = None  # the token id; None for held-back text released at the end
-    # With the request's `logprobs`: the token's natural-log probability (under the distribution it was picked from,
-    # before temperature) and the likeliest tokens at its step, likeliest first.
+    # With the request's `logprobs`: the token's natural-log probability under the model's own distribution at its
+    # step (before temperature and any repetition penalty: a penalised pick may not be the likeliest listed) and the
+    # likeliest tokens at its step, likeliest first.
     logprob: float | None = None
     top_logprobs: list[TokenChoice] = []
 
