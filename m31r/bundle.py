@@ -547,7 +547,7 @@ def average_bundles(sources: list[str | Path], weights: list[float], out: str | 
     Fine-tunes of one parent sit in one basin, so their average is a model too, often better than each: a phase
     that gained multi-line completions and lost single-line ones can be averaged back toward its parent. The
     first source's training record stays in the metadata, as the line the others branch from; `averaged_from`
-    names every source with its weight.
+    names every source with its weight. The average is stored in the sources' dtype, float32 where they differ.
     """
     if len(sources) < 2 or len(weights) != len(sources):
         raise ValueError(f"need two or more bundles and one weight each, got {len(sources)} and {len(weights)}")
@@ -568,14 +568,19 @@ def average_bundles(sources: list[str | Path], weights: list[float], out: str | 
                 raise BundleError(f"{b.path}: its {key.split('_')[0]} differs from {first.path}'s; only bundles of "
                                   f"one shape and tokenizer can be averaged")
     state: dict[str, torch.Tensor] = {}
+    stored: set[torch.dtype] = set()
     for b, w in zip(bundles, weights, strict=True):
         for name, t in load_weights(b).items():
+            stored.add(t.dtype)
             state[name] = state[name] + w * t.float() if name in state else w * t.float()
     meta = first.metadata
     keep = {k: v for k, v in meta.items() if k not in METADATA_KEYS}
     parents = [{"model": b.model_id, "fingerprint": b.fingerprint, "weight": round(w, 6),
                 "tokens_seen": b.metadata.get("tokens_seen")} for b, w in zip(bundles, weights, strict=True)]
-    dtype = _DTYPES_BY_NAME[meta["dtype"]]
+    # The dtype the sources store, float32 where they store several: it holds each of them exactly. The first's
+    # made `average A B` and `average B A` differ, and a float16 first turned a float32 source's weights past
+    # 65504 into inf, written as a bundle that every load then refused.
+    dtype = stored.pop() if len(stored) == 1 else torch.float32
     return write_bundle(
         out, first.config, state, HFTokenizer.from_file(str(first.tokenizer_path)), dtype=dtype,
         seed=meta["training_seed"], dataset_version=meta["dataset_version"], model_version=model_version,

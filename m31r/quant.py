@@ -273,8 +273,13 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
         self.group_size = group_size
         self.codes = _aligned(codes)  # plain nibbles: kept (usually a memory map) for the dequantizing prefill path
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(codes).to(torch.int32), 1)
         self.scales_and_zeros = _aligned(scales_and_zeros.to(torch.bfloat16).contiguous())
+        # aten's CPU packing takes N in multiples of 16 only (a RuntimeError at load otherwise: an MQA model of head
+        # dim 12 has wqkv N = 120): other N pack zero rows past the layer's own, whose outputs forward drops.
+        self._pad = -self.out_features % 16
+        q = F.pad(unpack_int4(codes).to(torch.int32), (0, 0, 0, self._pad))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self._sz_packed = F.pad(self.scales_and_zeros, (0, 0, 0, self._pad)) if self._pad else self.scales_and_zeros
         sz = self.scales_and_zeros.transpose(0, 1)  # [N, K/group, 2]
         self._scale = sz[..., :1].contiguous()
         self._base = (sz[..., 1:].float() - 8 * sz[..., :1].float()).to(torch.bfloat16).contiguous()  # code 0
@@ -315,7 +320,9 @@ class Int4Linear(nn.Module):
         if x2.shape[0] >= INT4_GEMM_ROWS:
             y = F.linear(x2, self.dequantized())
         else:
-            y = _int4_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            y = _int4_mm(x2, self.packed, self.group_size, self._sz_packed)
+            if self._pad:
+                y = y[:, :self.out_features].contiguous()
         if self.bias is not None:
             y = y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -425,6 +432,25 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
+def _check_int4_at_load(config: ModelConfig, group_size: int) -> None:
+    """Refuse `--quant int4` on a model its groups do not tile, naming what does: the daemon has no group size option
+    (quantize_int4's own message, "group size must ... divide K", named a choice it does not offer)."""
+    def fault(g: int) -> str | None:
+        try:
+            quantized_tensor_specs(config, "int4", g)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    if (why := fault(group_size)) is None:
+        return
+    fits = [g for g in INT4_GROUP_SIZES if fault(g) is None]
+    way = (f"serve an int4 bundle written by `m31r bundle quantize --quant int4 --group-size {fits[0]}`, or use "
+           "--quant int8" if fits else "no int4 group size does: use --quant int8")
+    raise ValueError(f"--quant int4 quantizes at load in groups of {group_size}, which do not fit this model ({why}); "
+                     f"{way}")
+
+
 def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype, device: torch.device,
             method: str | None, group_size: int = DEFAULT_INT4_GROUP, pack: bool = True) -> nn.Module:
     """Fill a meta-device Transformer with inference modules built from `tensors`.
@@ -434,9 +460,15 @@ def prepare(model: nn.Module, tensors: dict[str, Tensor], *, dtype: torch.dtype,
     keeps float weights plain (copies), for an engine that hands them the native fp32 matmul (FloatLinear).
     """
     check_method(method, group_size)
-    if method is not None and device.type != "cpu":
-        raise ValueError(f"--quant {method} runs on the CPU kernels only; use --device cpu or a float dtype")
     quantized = any(k.endswith((".weight_int8", ".weight_int4")) for k in tensors)
+    if method is not None and device.type != "cpu":
+        # (the dtype is not what to change: it is the activations', and the quantized kernels are CPU-only)
+        if quantized:
+            raise ValueError(f"the bundle holds {method} weights, which run on the CPU kernels only: use --device cpu, "
+                             "or serve the float bundle it was quantized from")
+        raise ValueError(f"--quant {method} runs on the CPU kernels only: use --device cpu, or --quant none")
+    if not quantized and method == "int4":
+        _check_int4_at_load(model.config, group_size)
     if not quantized and method is not None:
         tensors = quantize_state_dict(model.config, tensors, method, group_size)
 
