@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "ab.json", help="where the JSON goes")
     ap.add_argument("command", nargs="*", help="the benchmark command, after --, with {python} and {out}")
     args = ap.parse_args(argv)
+    if args.rounds < 2:  # one round has no spread: the band would be --tolerance alone, and noise a verdict
+        ap.error(f"--rounds must be at least 2 (the noise band is the rounds' own spread), not {args.rounds}")
+    if args.tolerance < 0:
+        ap.error(f"--tolerance is a fraction, 0 or more, not {args.tolerance:g}")
     command = args.command or DEFAULT_COMMAND
     figures = args.figure or (DEFAULT_FIGURES if not args.command else None)
     tree_b = Path(git(args.repo or Path.cwd(), "rev-parse", "--show-toplevel"))
@@ -194,14 +198,18 @@ def compare_trees(args: argparse.Namespace, command: list[str], figures: list[st
                                higher_is_better(path) and not path.startswith("-"), args.tolerance)
     head_desc = git(trees["B"], "rev-parse", "--short", "HEAD")
     dirty = bool(git(trees["B"], "status", "--porcelain", "--untracked-files=no"))
+    from m31r.cpu import describe  # standard library only: ab.py stays torch-free
+
+    cpu = describe()  # both sides ran here, on this CPU: the figures compare only with each other
     print(f"\nA = {args.base} ({base_commit[:9]}), B = working tree at {head_desc}{' + changes' if dirty else ''}; "
-          f"{args.rounds} interleaved rounds; load avg {os.getloadavg()[0]:.1f}")
+          f"{args.rounds} interleaved rounds; load avg {os.getloadavg()[0]:.1f}\nCPU: {cpu}")
     print(table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "base": args.base, "base_commit": base_commit, "head": head_desc, "dirty": dirty, "rounds": args.rounds,
         "command": command, "tolerance": args.tolerance, "python": args.python,
-        "modules": modules, "figures": results, "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+        "modules": modules, "figures": results, "cpu": cpu, "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
     regressed = [k for k, f in results.items() if f["verdict"] == "regression"]

@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unshared", action="store_true",
                    help="also run each width above 1 with every hypothesis reading the prompt from its own cache")
     args = p.parse_args(argv)
-    widths = [int(w) for w in args.widths.split(",")]
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        p.error(f"--widths: comma-separated beam widths, not {args.widths!r}")
+    if min(widths) < 1 or args.tasks < 1 or args.keystrokes < 1:
+        p.error("--widths, --tasks and --keystrokes must be at least 1")
     if 1 not in widths:
         widths.insert(0, 1)
     # (label, width, whether the hypotheses read the prompt once)
@@ -54,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.tokenizer
     texts = val_texts(args.data)
     tasks = [t for t in make_tasks(texts, args.tasks, 0, args.seed, tok, 48, 128) if t.kind == "single"]
-    budget = FimBudget.for_context(engine.config.max_context)
+    if not tasks:
+        raise SystemExit(f"error: no single-line task could be drawn from {args.data / 'corpus' / 'val.jsonl'}")
+    budget = FimBudget.for_context(engine.config.max_context).with_reserve(48)  # room for max_tokens=48, as served
     state = {label: (engine.new_cache(), []) for label in labels}
     ms: dict[str, list[float]] = {label: [] for label in labels}
     tokens: dict[str, list[int]] = {label: [] for label in labels}

@@ -255,21 +255,37 @@ def options(description: str, **unset: tuple[Any, Any]) -> argparse.ArgumentPars
     return ap
 
 
-def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
-    """The options, with those left unset at their (--quick or full) defaults and the prefill lengths as ints."""
-    args = ap.parse_args()
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with those left unset at their (--quick or full) defaults and the prefill lengths as ints; a
+    value no measurement can take is refused here, by name, not as a traceback from a worker."""
+    args = ap.parse_args(argv)
     for name, (quick, full) in vars(args).pop("unset").items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    args.prefill_lengths = [int(n) for n in str(args.prefill_lengths).split(",")]
+    try:
+        args.prefill_lengths = [int(n) for n in str(args.prefill_lengths).split(",")]
+    except ValueError:
+        ap.error(f"--prefill-lengths: comma-separated token counts, not {args.prefill_lengths!r}")
+    if not args.prefill_lengths or min(args.prefill_lengths) < 1:
+        ap.error(f"--prefill-lengths: every length must be at least 1, not {args.prefill_lengths}")
+    for name in ("threads", "reps", "decode_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.long_context < 0:
+        ap.error(f"--long-context must be 0 (skip) or a token count, not {args.long_context}")
+    if not args.worker and not args.config.is_file():
+        ap.error(f"--config {args.config}: no such file")
     return args
 
 
 def machine() -> dict:
-    """Where the figures were measured, for the JSON report."""
+    """Where the figures were measured, for the JSON report: the CPU with the flags that choose the kernels (figures
+    compare only on one machine), not platform.processor(), which on Linux is just "x86_64"."""
     import torch
 
-    return {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    from m31r.cpu import describe
+
+    return {"torch": torch.__version__, "cpu": describe(), "arch": platform.machine(),
             "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
 
 

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chars", type=int, default=120, help="characters typed per task at most")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)
+    if min(args.tasks, args.max_chars, args.max_tokens) < 1:
+        p.error("--tasks, --max-chars and --max-tokens must be at least 1")
 
     from m31r.context import context_budget, context_ids
     from m31r.cpu import describe
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes[crate] = sizes.get(crate, 0) + 1
     tasks = [t for t in make_tasks(texts, 0, 4 * args.tasks, args.seed, tok, 48, 128)
              if sizes[files[t.path][0]] > 1][: args.tasks]
+    if not tasks:
+        raise SystemExit(f"error: no multi-line task from a crate of several files in {args.data / 'corpus'}")
     budget = FimBudget.for_context(engine.config.max_context)
     ways = ("plain", "context")
     caches = {w: engine.new_cache() for w in ways}

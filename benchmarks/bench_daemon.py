@@ -14,7 +14,7 @@ subprocess on a real Unix socket, measured from the client side (what an editor 
   roundtrip   1-token Generate latency p50 on an open connection (and the daemon's own total_ms, so the
               difference is the socket + protocol overhead), and the wall time of `m31r status` as a user
               runs it (a new process: interpreter start, imports, connect, handshake).
-  throughput  completion tokens/s summed over 1, 4 and 16 concurrent clients, each on its own connection
+  throughput  completion tokens/s summed over 1, 8 and 16 concurrent clients, each on its own connection
               sending Generate requests back to back for a fixed time.
 
 The model is a random-init bundle of the chosen shape (`m31r bundle init` into a temp dir; the medium shape
@@ -140,6 +140,14 @@ class Daemon:
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            self._wait_ready()
+        except BaseException:  # a failed `m31r status`, a Ctrl-C while it loads: the daemon must not outlive us
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        sock, log = self.sock, self.log
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
@@ -152,7 +160,6 @@ class Daemon:
                     break
                 s.close()
             if time.monotonic() - t0 > 600:
-                self.stop()
                 raise TimeoutError("daemon not ready after 600 s")
             time.sleep(0.05)
         self.listening_s = time.monotonic() - t0  # the socket accepts (before the model has loaded)
@@ -179,6 +186,26 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`, `kill`, a cancelled CI job) ends the benchmark as Ctrl-C does, by an exception, so that
+    the finally blocks stop the daemons it started: Python's default just dies and leaves them running, orphaned."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def start_daemons(bundle: Path, log: Path, specs: dict[str, tuple[Path, list[str]]]) -> dict[str, Daemon]:
+    """One daemon per name (socket, arguments), all ready; if one fails to start, those already started are stopped
+    before the error goes on (a dict comprehension would leave them running, orphaned, after the benchmark)."""
+    started: dict[str, Daemon] = {}
+    try:
+        for name, (sock, args) in specs.items():
+            started[name] = Daemon(bundle, sock, log, args)
+    except BaseException:
+        for d in started.values():
+            d.stop()
+        raise
+    return started
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -388,7 +415,8 @@ def fmt(x: float | None, nd: int = 1) -> str:
 def print_tables(res: dict) -> None:
     m = res["meta"]
     print(f"\nm31rd daemon benchmark: shape {m['shape']} ({m['model']}), dtype {m['dtype']}, "
-          f"threads {m['threads'] or 'default'}, tokenizer {Path(m['tokenizer']).name}, {m['cpus']} CPUs")
+          f"threads {m['threads'] or 'default'}, tokenizer {Path(m['tokenizer']).name}")
+    print(f"CPU: {m.get('cpu') or str(m['cpus']) + ' CPUs'}")
     print_typing(res)
     print_lookahead(res)
     print_others(res)
@@ -454,7 +482,7 @@ def print_others(res: dict) -> None:
                   f"{t['requests_done']:>8} {fmt(t['request_ms_p50']):>10} {t['busy_replies']:>5}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=["tiny", "mini", "small", "medium", "large"], default="medium")
     ap.add_argument("--bundle", type=Path, help="Use this bundle instead of a random-init one of --shape.")
@@ -482,7 +510,18 @@ def main() -> None:
                     help="The cold and warm daemons' --lookahead (default: the daemon's, 3).")
     ap.add_argument("--seconds", type=float, default=None, help="Throughput window per client count.")
     ap.add_argument("--out", type=Path, help="Write the results as JSON.")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    exit_on_sigterm()
+    for name in ("keystrokes", "cold_keystrokes", "chunk_size", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    for name in ("lookahead", "daemon_lookahead"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be 0 (off) or more, not {getattr(args, name)}")
+    if args.seconds is not None and args.seconds <= 0:
+        ap.error(f"--seconds must be more than 0, not {args.seconds:g}")
+    if args.bundle and not (args.bundle / "metadata.json").is_file():
+        ap.error(f"--bundle {args.bundle}: not a bundle (no metadata.json)")
 
     keys = args.keystrokes if args.keystrokes is not None else (20 if args.quick else None)
     cold_keys = args.cold_keystrokes if args.cold_keystrokes is not None else (6 if args.quick else keys)
@@ -499,13 +538,16 @@ def main() -> None:
         daemon_args += ["--chunk-size", str(args.chunk_size)]
     lookahead_args = [] if args.daemon_lookahead is None else ["--lookahead", str(args.daemon_lookahead)]
 
+    from m31r.cpu import describe
+
     _, target, _ = session_document()
     res: dict = {"meta": {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "quant": args.quant, "stored_quant": args.stored_quant, "chunk_size": args.chunk_size,
         "daemon_lookahead": args.daemon_lookahead,
-        "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "fim_max_tokens": fim_tokens, "gen_max_tokens": gen_tokens, "session_keystrokes": len(keystrokes(target)),
+        "cpus": os.cpu_count(), "cpu": describe(), "platform": platform.platform(),
+        "python": platform.python_version(), "fim_max_tokens": fim_tokens, "gen_max_tokens": gen_tokens,
+        "session_keystrokes": len(keystrokes(target)),
         "loadavg_start": os.getloadavg(),
     }, "typing": []}
     with tempfile.TemporaryDirectory(prefix="m31r-bench-") as tmp:
@@ -555,8 +597,9 @@ def main() -> None:
                     d.stop()
             if "lookahead" not in args.skip:
                 names = {"off": 0, "on": args.lookahead}
-                daemons = {name: Daemon(bundle, tmpd / f"{name}.sock", log, [*daemon_args, "--lookahead", str(k)])
-                           for name, k in names.items()}
+                daemons = start_daemons(bundle, log, {name: (tmpd / f"{name}.sock",
+                                                             [*daemon_args, "--lookahead", str(k)])
+                                                      for name, k in names.items()})
                 try:
                     print(f"lookahead: --lookahead 0 against {args.lookahead}, typing {keys or 'all'} keystrokes",
                           file=sys.stderr)

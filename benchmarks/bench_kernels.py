@@ -69,6 +69,7 @@ def decode_run(engine, prompt: list[int], tokens: int) -> list[float]:
     return times
 
 
+PRECISIONS = ("fp32", "int8", "int4")  # the bundles --precisions can name: fp32 and the two it is quantized to
 PARTS = ["matmuls", "LM head", "attention", "norms", "RoPE", "SwiGLU", "attention glue", "step rest", "engine"]
 
 
@@ -321,6 +322,11 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name in ("threads", "context", "tokens", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if not (precisions := [n for n in args.precisions.split(",") if n]) or set(precisions) - set(PRECISIONS):
+        ap.error(f"--precisions takes a comma-separated subset of {', '.join(PRECISIONS)}, not {args.precisions!r}")
 
     import torch
 
@@ -358,12 +364,19 @@ def main() -> None:
                 act = str(engines[name].dtype).removeprefix("torch.")
                 engines[name + "/kv"] = Engine(path, dtype=act, threads=args.threads, decode_width=1, kv_dtype=act)
         kernels = {name: e.kernels for name, e in engines.items()}
+        # Every comparison has the native kernels on at least one side: without them ("eager" forced, a CPU none of
+        # the families runs on) both columns would time the eager path, and the ratio would pass for a measurement.
+        if without := [name for name in names if kernels[name] is None]:
+            why = native.why_not(engines[without[0]].dtype)
+            if len(without) == len(names):
+                raise SystemExit(f"no native kernels run here ({why}): nothing to compare them with eager; "
+                                 "M31R_KERNELS=auto picks the widest family this CPU runs")
+            print(f"# skipped {', '.join(without)}: no native kernels for them here ({why})", file=sys.stderr)
+            names = [n for n in names if n not in without]
         alone = {}  # --one-thread: the same family built without OpenMP
         if args.one_thread:
-            if any(k is None for k in kernels.values()):
-                raise SystemExit(f"--one-thread: no native kernels run here ({native.why_not(first_dtype(engines))})")
-            alone = {name: native.Kernels(native.build(family=k.name, openmp=False), k.family, "one-thread build")
-                     for name, k in kernels.items()}
+            alone = {name: native.Kernels(native.build(family=kernels[name].name, openmp=False),
+                                          kernels[name].family, "one-thread build") for name in names}
         kinds = (("kv " + str(first_dtype(engines)), "kv auto") if args.kv_cache
                  else ("per call", "layer call") if args.layer_calls
                  else ("one thread", "OpenMP") if args.one_thread else ("eager", "native"))
@@ -379,7 +392,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1234)
         prompt = torch.randint(5, config.vocab_size, (args.context,), generator=gen).tolist()
         runs: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
-        first = next(iter(engines.values()))
+        first = engines[names[0]]
         print(f"# {describe()}; torch {torch.__version__}, {args.threads} threads; kernels: "
               f"{first.kernels.describe() if first.kernels else 'none'} ({native.why_not(first.dtype)})",
               file=sys.stderr)

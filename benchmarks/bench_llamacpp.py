@@ -44,6 +44,18 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
 AVX2_FLAGS = tuple(f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON") + (
     "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
     "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2")  # what AVX2_FLAGS compile for, in /proc/cpuinfo spelling
+
+
+def avx2_refusal(flags: set[str], arch: str) -> str | None:
+    """Why --avx2 cannot run on this CPU (its llama.cpp build would die of SIGILL mid-run), or None."""
+    if arch not in ("x86_64", "amd64", "i386", "i686"):
+        return f"--avx2 builds both engines for x86-64 AVX2 CPUs; this CPU is {arch}: run without --avx2"
+    if missing := [f for f in AVX2_CPU_FLAGS if f not in flags]:
+        return f"--avx2 needs a CPU with {', '.join(AVX2_CPU_FLAGS)}; this one lacks {', '.join(missing)}"
+    return None
+
+
 # format -> (M31R bundle, M31R activation dtypes, GGUF type). The int8/int4 layers take bf16 inputs whatever the
 # activations are; "auto" is the daemon's default for the rest (bf16 where the CPU runs it natively, AVX512-BF16 or
 # AMX, else fp32: torch emulates bf16 there). --m31r-dtypes tries others and keeps the fastest.
@@ -454,9 +466,15 @@ def main() -> None:
         args.config, args.rounds, args.reps, args.n, args.depth = REPO / "configs/model/tiny.yaml", 1, 1, 16, 64
 
     from m31r.config import load_config
-    from m31r.cpu import describe
+    from m31r.cpu import cpu_info, describe
 
+    for name in ("threads", "n", "depth", "rounds", "reps", "jobs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if args.avx2:
+        _, flags, arch = cpu_info()
+        if why := avx2_refusal(flags, arch):
+            sys.exit(why)
         os.environ["M31R_KERNELS"] = "avx2"  # the workers inherit it
         if args.formats == ",".join(FORMATS):
             args.formats = "float32,int8,int4"  # bf16 is emulated on such a CPU

@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_daemon import Daemon, keystrokes, make_bundle, pct, session_document  # noqa: E402
+from bench_daemon import Daemon, exit_on_sigterm, keystrokes, make_bundle, pct, session_document  # noqa: E402
 
 from m31r_protocol import policy  # noqa: E402
 
@@ -157,6 +157,10 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["daemon", "lsp", "lsp-default"])
     ap.add_argument("--out", type=Path, help="Write the results as JSON.")
     args = ap.parse_args()
+    exit_on_sigterm()
+    for name in ("keystrokes", "max_tokens", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
 
     before, target, after = session_document()
     strokes = keystrokes(target)
@@ -165,7 +169,10 @@ def main() -> None:
     opts = policy.Options(max_tokens=args.max_tokens)
     base = {"maxTokens": args.max_tokens, "deadlineMs": opts.deadline_ms, "multiline": "auto", "autostart": False}
     daemon_args = ["--threads", str(args.threads)] if args.threads else []
-    res: dict = {"meta": {"shape": args.shape, "cpus": os.cpu_count(), "platform": platform.platform(),
+    from m31r.cpu import describe
+
+    res: dict = {"meta": {"shape": args.shape, "cpus": os.cpu_count(), "cpu": describe(),
+                          "platform": platform.platform(),
                           "python": platform.python_version(), "max_tokens": args.max_tokens,
                           "keystrokes": len(strokes), "loadavg_start": os.getloadavg()}, "runs": []}
     raw: dict[str, list[dict]] = {}
@@ -215,7 +222,7 @@ def main() -> None:
 
     m = res["meta"]
     print(f"\nm31r lsp benchmark: {m['model']} ({m['parameters']:,} params), {m['keystrokes']} keystrokes, "
-          f"maxTokens {m['max_tokens']}, {m['cpus']} CPUs, load {m['loadavg_start'][0]:.1f}")
+          f"maxTokens {m['max_tokens']}, load {m['loadavg_start'][0]:.1f}\nCPU: {m['cpu']}")
     hdr = f"{'run':<12} {'keys':>5} {'1st key':>8} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8} {'shown':>6}"
     print(hdr)
     print("-" * len(hdr))

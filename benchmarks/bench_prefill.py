@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     typing_options(p)
     p.add_argument("--tasks", type=int, default=40, help="tasks (eval_fim's first ones: single-line, then multi-line)")
     args = p.parse_args(argv)
+    if args.tasks < 1:
+        p.error(f"--tasks must be at least 1, not {args.tasks}")
 
     from m31r.cpu import describe
     from m31r.fim import FimBudget, build_fim_prompt
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = make_tasks(texts, args.tasks - args.tasks // 3, args.tasks // 3, args.seed, tok, 48, 128)
     budget = FimBudget.for_context(engine.config.max_context)
     prompts = [build_fim_prompt(tok, t.prefix, t.suffix, budget).ids for t in tasks]
+    if not prompts:
+        raise SystemExit(f"error: no task could be drawn from {args.data / 'corpus' / 'val.jsonl'}")
 
     def prefill(ids: list[int]) -> float:
         cache = engine.new_cache()

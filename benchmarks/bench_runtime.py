@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 IMPLS = ("m31r", "hf")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def worker(args: argparse.Namespace, spec: dict) -> None:
@@ -123,7 +124,9 @@ def main() -> None:
     from m31r.config import load_config
 
     config = load_config(args.config)
-    dtypes = args.dtypes.split(",")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or set(dtypes) - set(DTYPES):
+        ap.error(f"--dtypes takes a comma-separated subset of {', '.join(DTYPES)}, not {args.dtypes!r}")
     with tempfile.TemporaryDirectory(prefix="m31r-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -138,6 +141,9 @@ def main() -> None:
                     "vocab_size": config.vocab_size}, f"{impl}/{d}")
                 print(f"# {impl} {d}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         checks = agreement(work, results)
+    report_machine = bc.machine()
+    print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), threads={args.threads}, "
+          f"load avg {report_machine['load_avg_1m']:.1f}\nCPU: {report_machine['cpu']}")
     print(table(results, args))
     for line in checks:
         print(line)
@@ -145,7 +151,7 @@ def main() -> None:
         bc.write_report(args.out, {
             "config": str(args.config), "model": config.name, "params": config.param_count(),
             "threads": args.threads, "quick": args.quick, "prefill_lengths": args.prefill_lengths,
-            "decode_tokens": args.decode_tokens, "long_context": args.long_context, **bc.machine(),
+            "decode_tokens": args.decode_tokens, "long_context": args.long_context, **report_machine,
             "results": results, "agreement": checks,
         })
 

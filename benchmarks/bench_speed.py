@@ -188,6 +188,8 @@ def main() -> None:
     args = bc.parse(ap)
     if args.worker:
         return worker(*bc.worker_spec(args.worker))
+    if args.keystrokes < 1:
+        ap.error(f"--keystrokes must be at least 1, not {args.keystrokes}")
 
     from m31r.bundle import quantize_bundle
     from m31r.config import load_config
@@ -219,9 +221,11 @@ def main() -> None:
                                                            "vocab_size": config.vocab_size}, name)
             print(f"# {name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         acc = accuracy(work, names)
+    report_machine = bc.machine()
     print(f"{config.name} ({config.param_count() / 1e6:.1f}M params), {args.device}, threads={args.threads}, "
           f"chunk {args.chunk_size}..{args.max_chunk}, decode width {args.decode_width}, "
           f"load avg {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {report_machine['cpu']}")
     print(table(results, args))
     for name, a in acc.items():
         print(f"{name:8} vs m31r fp32: max |logit diff| {a['max_logit_diff']:.3g} (logit std {a['logit_std']:.3g}); "
@@ -232,7 +236,7 @@ def main() -> None:
             "config": str(args.config), "model": config.name, "params": config.param_count(), "threads": args.threads,
             "quick": args.quick, "prefill_lengths": args.prefill_lengths, "decode_tokens": args.decode_tokens,
             "long_context": args.long_context, "chunk_size": args.chunk_size, "max_chunk": args.max_chunk,
-            "decode_width": args.decode_width, "device": args.device, **bc.machine(),
+            "decode_width": args.decode_width, "device": args.device, **report_machine,
             "results": results, "accuracy": acc,
         })
 

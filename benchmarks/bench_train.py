@@ -67,6 +67,12 @@ def main() -> int:
                          "slower than fp32, and a full step would take many minutes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths: comma-separated row lengths, not {args.lengths!r}")
+    if min([*lengths, args.steps, args.threads, args.old_seq]) < 1:
+        ap.error("--lengths, --steps, --threads and --old-seq must be at least 1")
 
     import torch
 
@@ -100,7 +106,6 @@ def main() -> int:
     # (name, autocast dtype, fused AdamW, row length, rows per micro-batch, micro-batches per step, compiled)
     variants = [] if args.skip_old else [("old", torch.bfloat16, False, args.old_seq, 1, 1, False)]
     variants += [("fp32-unfused", None, False, mc.max_context, full, tc.grad_accum, False)]
-    lengths = [int(n) for n in args.lengths.split(",")]
     for compiled in (False, True) if args.compile else (False,):
         variants += [(f"{'compiled' if compiled else 'new'}-{n}", new_cast, True, n,
                       rows_per_micro_batch(tc, n, mc.max_context), tc.grad_accum, compiled) for n in lengths]

@@ -4,8 +4,9 @@ A candidate is a model config, optionally started from a bundle's weights. Each 
 `--steps` steps, or for `--minutes` of training (equal compute), of the same training config (same rows, same
 tokens per step, same learning-rate shape over `--steps`), then its
 loss on the held-out crates is measured at the full context. Printed per candidate: parameters, tokens, training
-seconds, tokens/s, held-out next-token loss and bits per byte. More tokens through a smaller model often beat a
-larger, undertrained one; this measures it on the machine at hand.
+seconds, tokens/s, held-out next-token loss and perplexity, and held-out FIM loss, under the CPU they ran on (each JSON
+row carries it). More tokens through a smaller model often beat a larger, undertrained one; this measures it on the
+machine at hand.
 
     python benchmarks/size_curve.py --data ~/.cache/m31r/data --steps 8 \\
         --candidate mini=configs/model/mini.yaml@release --candidate mini-scratch=configs/model/mini.yaml \\
@@ -43,15 +44,29 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    candidates = []
+    for spec in args.candidate:
+        name, eq, rest = spec.partition("=")
+        model, _, bundle = rest.partition("@")
+        if not eq or not name or not model:
+            ap.error(f"--candidate {spec!r}: expected NAME=MODEL_YAML[@BUNDLE]")
+        if not Path(model).is_file():
+            ap.error(f"--candidate {spec!r}: no model config {model}")
+        if bundle and not Path(bundle).is_dir():
+            ap.error(f"--candidate {spec!r}: no bundle {bundle}")
+        candidates.append((name, model, bundle))
+    if len({name for name, _, _ in candidates}) < len(candidates):
+        ap.error("--candidate: every NAME must differ (each names its run's folder)")
+    if args.steps < 1 or args.seq < 1 or (args.minutes is not None and args.minutes <= 0):
+        ap.error("--steps and --seq must be at least 1, and --minutes more than 0")
 
+    from m31r.cpu import describe
     from m31r.train.trainer import train
 
     base = yaml.safe_load(Path(args.train_config).read_text())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.candidate:
-            name, _, rest = spec.partition("=")
-            model, _, bundle = rest.partition("@")
+        for name, model, bundle in candidates:
             cfg = dict(base, model=str(Path(model).resolve()), max_steps=args.steps,
                        warmup_steps=2 if args.minutes else max(1, args.steps // 10), eval_interval=args.steps,
                        ckpt_interval=args.steps,
@@ -72,6 +87,8 @@ def main() -> int:
                          "tokens": state["tokens"], "train_s": round(state["seconds"], 1), "wall_s": round(wall, 1),
                          "tok_s": round(state["tokens"] / state["seconds"], 1), "val_next": round(last["val_next"], 4),
                          "val_fim": round(last["val_fim"], 4)})
+    machine = describe()  # tokens/s (and so tokens in --minutes) hold on this CPU only
+    print(f"machine: {machine}, device {args.device}")
     print(f"{'candidate':<14} {'params':>7} {'from':<10} {'tokens':>8} {'train s':>8} {'tok/s':>7} "
           f"{'val loss':>9} {'val ppl':>8} {'fim loss':>9}")
     for r in rows:
@@ -79,7 +96,8 @@ def main() -> int:
               f"{r['tok_s']:>7.0f} {r['val_next']:>9.3f} {math.exp(r['val_next']):>8.1f} {r['val_fim']:>9.3f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+        args.out.write_text(json.dumps([{**r, "machine": machine, "device": args.device} for r in rows], indent=2)
+                            + "\n")
     return 0
 
 

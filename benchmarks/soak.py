@@ -33,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_daemon import exit_on_sigterm  # noqa: E402
 from soak_common import Figure, JobResult, make_tiny_bundle  # noqa: E402
 
 JOBS = {"fuzz": "soak_fuzz", "vanish": "soak_vanish", "load": "soak_load", "kill": "soak_kill"}
@@ -65,13 +66,21 @@ def table(results: dict[str, JobResult]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=float, default=float(os.environ.get("SOAK_SCALE") or 1),
+    ap.add_argument("--scale", type=float, default=None,
                     help="Multiply every count (cases, requests, clients' completions, kill cycles); default 1 "
                          "(or SOAK_SCALE).")
     ap.add_argument("--only", nargs="+", choices=list(JOBS), default=list(JOBS), help="Run these jobs only.")
     ap.add_argument("--bundle", type=Path, help="Serve this bundle instead of a random tiny one.")
     ap.add_argument("--out", type=Path, default=HERE.parent / "bench-results" / "soak.json")
     args = ap.parse_args()
+    exit_on_sigterm()
+    if args.scale is None:
+        try:
+            args.scale = float(os.environ.get("SOAK_SCALE") or 1)
+        except ValueError:
+            ap.error(f"SOAK_SCALE={os.environ['SOAK_SCALE']!r} is not a number")
+    if not args.scale > 0:
+        ap.error(f"--scale must be more than 0, not {args.scale:g}")
 
     from m31r.cpu import describe
 

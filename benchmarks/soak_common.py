@@ -66,13 +66,16 @@ class Daemon:
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        while not warm(sock):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise TimeoutError(f"daemon not ready after {timeout:g} s")
-            time.sleep(0.02)
+        try:
+            while not warm(sock):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"daemon not ready after {timeout:g} s")
+                time.sleep(0.02)
+        except BaseException:  # not ready, or Ctrl-C while it loads: no job holds it yet, so stop it here
+            self.stop()
+            raise
         self.ready_s = time.monotonic() - t0
 
     @property

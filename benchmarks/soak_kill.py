@@ -65,6 +65,7 @@ class Http:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() - t0 > 60:
+                    self.stop()  # not serving after a minute: it must not outlive the job either
                     raise RuntimeError(f"m31r serve did not start: {log.read_text()[-2000:]}") from None
                 time.sleep(0.05)
 
@@ -135,7 +136,10 @@ async def active_jobs(sock: Path) -> int:
         return (await c.status()).active
 
 
-async def cycle(daemon: Daemon, http: Http, lsp: Lsp, hc: httpx.AsyncClient) -> tuple[Daemon, dict]:
+async def cycle(daemon: Daemon, http: Http, lsp: Lsp, hc: httpx.AsyncClient,
+                started: list[Daemon]) -> tuple[Daemon, dict]:
+    """One kill and restart; the new daemon is also appended to `started`, so that it is stopped even when the
+    cycle ends in an error (or Ctrl-C) before it returns."""
     r: dict = {}
     # 1. both serve
     r["http_before"] = (await hc.post("/generate", json={"prompt": "fn", "max_tokens": 2})).status_code == 200
@@ -186,6 +190,7 @@ async def cycle(daemon: Daemon, http: Http, lsp: Lsp, hc: httpx.AsyncClient) -> 
     # 5. restart over the stale socket
     t_restart = time.monotonic()
     daemon = Daemon(daemon.bundle, daemon.sock, daemon.log)
+    started.append(daemon)
     r["restart_s"] = round(time.monotonic() - t_restart, 2)
     # 6. both serve again
     r["http_next_s"] = await until(lambda: _served(hc), 30, 0.05)
@@ -213,22 +218,27 @@ async def kill_cycles(bundle: Path, work: Path, cycles: int) -> tuple[list[dict]
     sock = work / "kill" / "d.sock"
     sock.parent.mkdir(mode=0o700)
     daemon = Daemon(bundle, sock, work / "kill-daemon.log")
-    http = Http(sock, work / "kill-http.log")
+    started = [daemon]  # every daemon this job started: all are stopped at the end, however it ends
+    http: Http | None = None
     lsp = Lsp()
     out: list[dict] = []
     try:
+        http = Http(sock, work / "kill-http.log")
         await lsp.start(sock)
         async with httpx.AsyncClient(base_url=http.url, timeout=60) as hc:
             for _ in range(cycles):
-                daemon, r = await cycle(daemon, http, lsp, hc)
+                daemon, r = await cycle(daemon, http, lsp, hc, started)
                 out.append(r)
             metrics = (await hc.get("/metrics")).text
         stats = await lsp.stats()
     finally:
-        with contextlib.suppress(Exception):
-            await lsp.stop()
-        http.stop()
-        daemon.stop()
+        if hasattr(lsp, "client"):
+            with contextlib.suppress(Exception):
+                await lsp.stop()
+        if http is not None:
+            http.stop()
+        for d in started:
+            d.stop()
     http_connects = next((float(line.split()[-1]) for line in metrics.splitlines()
                           if line.startswith("m31r_daemon_connects_total")), None)
     return out, {"lsp_connects": getattr(stats, "connects", None), "http_connects": http_connects}
