@@ -8,7 +8,8 @@ tokenised on its own, so an edit in one part never changes the tokens of another
 
 Truncation keeps the sequence stable too: S keeps whole lines forward from the cursor up to a token
 budget; P_above starts at a line whose index is a multiple of `line_step`, the first that fits its budget,
-so its start moves only every few lines of growth, never with each keystroke.
+so its start moves only every few lines of growth, never with each keystroke. Where that would keep less than
+half of what fits (`line_step` long lines pass the budget), a finer step does (cut_above).
 
 Token healing: a cursor may stand inside what would be one token of the finished line (`foo.ba|` of
 `foo.bar()`, or indentation that the finished line tokenises as `   ` + ` let`). The prompt therefore ends one
@@ -31,7 +32,7 @@ class FimBudget:
     line: int  # tokens of P_line
     above: int  # tokens of P_above
     reserve: int  # tokens left for the completion
-    line_step: int = 16  # P_above may start only at line indices that are multiples of this
+    line_step: int = 16  # P_above starts at a line index that is a multiple of this (or of a finer step: cut_above)
 
     @classmethod
     def for_context(cls, max_context: int, line_step: int = 16) -> FimBudget:
@@ -135,20 +136,47 @@ def cut_suffix(tok: Tokenizer, suffix: str, budget: int) -> str:
     return "".join(lines[:kept])
 
 
+def above_steps(line_step: int) -> list[int]:
+    """The steps P_above's start may fall on, coarsest first: `line_step`, then finer steps each dividing the one
+    before (16, 4, 1), so a cut at a multiple of `line_step` (the language server's, m31r_lsp.completion) is one at a
+    multiple of each of them too."""
+    steps = [max(1, line_step)]
+    while steps[-1] > 1:
+        s = steps[-1]
+        steps.append(next(d for d in range(max(1, s // 4), 0, -1) if s % d == 0))
+    return steps
+
+
 def cut_above(tok: Tokenizer, above: str, budget: int, line_step: int) -> tuple[str, int]:
-    """The tail of `above` that fits `budget`, starting at a line index that is a multiple of `line_step`."""
+    """The tail of `above` that fits `budget` and its first line's index: a multiple of `line_step` where the lines
+    from there keep at least half the tokens of the most whole lines that fit, else a multiple of the next finer step
+    (above_steps) that does, down to a single line.
+
+    A coarse step keeps the start still while lines are added, so the daemon's prefix cache holds across Enter; but
+    where `line_step` lines pass the budget (long dense lines, a small context, a long completion's budget) the lines
+    from the nearest multiple never fit, and the prompt had no line above the cursor at all, or kept one or two where
+    the budget held a dozen. The finer steps serve those cursors, still moving the start only every few lines."""
     lines = above.splitlines(keepends=True)
     n = len(lines)
-    total = 0
-    start = n
-    # Walk up from the cursor, a block of `line_step`-aligned lines at a time.
-    while start > 0:
-        block_start = (start - 1) // line_step * line_step
-        block = sum(_token_counts(tok, lines[block_start:start]))
-        if total + block > budget:
+    counts: list[int] = []  # tokens of lines[n - 1], lines[n - 2], ...: those that fit, walking up from the cursor
+    used = 0
+    # Count lazily in small batches: a long file's lines above are mostly beyond the budget.
+    while len(counts) < n:
+        end = n - len(counts)
+        for c in reversed(_token_counts(tok, lines[max(0, end - 32) : end])):
+            if used + c > budget:
+                break
+            used += c
+            counts.append(c)
+        else:
+            continue
+        break
+    fit = n - len(counts)  # the first of the most whole lines that fit
+    for step in above_steps(line_step):
+        start = min(-(-fit // step) * step, n)
+        kept = sum(counts[: n - start])
+        if 2 * kept >= used:
             break
-        total += block
-        start = block_start
     return "".join(lines[start:]), start
 
 

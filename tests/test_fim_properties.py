@@ -72,7 +72,9 @@ def check_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget, he
     # The suffix from the cursor, the lines above from the one named, the end of the cursor line: nothing more.
     assert suffix.startswith(s) and not (s.endswith("\r") and suffix[len(s) :].startswith("\n")), (suffix, s)
     assert a == "".join(above.splitlines(keepends=True)[p.above_start_line :]), (above, a, p.above_start_line)
-    assert p.above_start_line % budget.line_step == 0 or a == ""
+    if a and p.above_start_line % budget.line_step:  # a finer step (cut_above): from the next multiple, under half
+        on_step = -(-p.above_start_line // budget.line_step) * budget.line_step
+        assert 2 * sum(len(tok.encode(x)) for x in above.splitlines(keepends=True)[on_step:]) < budget.above
     assert line.endswith(typed), (line, typed)
     # (a line of more bytes than `budget.line` of the longest tokens hold is over budget without tokenising it: a
     # megabyte took ~1 s)
