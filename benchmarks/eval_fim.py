@@ -35,12 +35,13 @@ blank lines dropped):
                    are empty
   as shown         exact match and edit similarity of what the editor shows at the task's cursor (`m31r lsp` with
                    its default settings and --min-probability; --no-as-shown skips it): the language server's request
-                   for the document prefix + suffix (lsp/completion.py: policy.plan, sent_text), answered as the
+                   for the document prefix + suffix (lsp/completion.py: policy.plan, fim_request), answered as the
                    daemon answers it (m31rd/server.py: build_prompt and its stops; greedy, as --beams says for a line
                    request), then hidden under the floor, cut to its confident lines and post-processed
-                   (policy.postprocess). The shown text is compared with the document's text over the range it
-                   replaces, with the middle in place; nothing shown scores as an empty suggestion. At a single-line
-                   task's cursor the line's end is the document's, so the editor asks for (and may show) several lines.
+                   (lsp/completion.py: shown_suggestion, the server's own). The shown text is compared with the
+                   document's text over the range it replaces, with the middle in place; nothing shown scores as an
+                   empty suggestion. At a single-line task's cursor the line's end is the document's, so the editor
+                   asks for (and may show) several lines.
                    The raw figures above are the model's alone and stay comparable across sessions; this one says what
                    a user gets of them. Its request is answered from the task's own completion where the daemon would
                    run the same generation, else decoded again (not counted in ms/task).
@@ -315,37 +316,21 @@ class EditorRequest:
 
 def editor_request(engine, budget, t: Task, settings, beams: int = 1) -> EditorRequest:
     """What the language server sends at the task's cursor in the document prefix + suffix, and what the daemon makes
-    of it, through their own functions: policy.plan, sent_text and scrub (lsp/completion.py), then as_trained,
-    build_prompt, request_stops, request_start_stops and request_beams (m31rd/server.py)."""
+    of it, through their own functions: policy.plan and fim_request (lsp/completion.py: Completer._run's), then
+    as_trained, build_prompt, request_stops, request_start_stops and request_beams (m31rd/server.py)."""
     from m31r.fim import line_context
     from m31r.sampling import SamplingParams
-    from m31r_lsp.completion import sent_text
-    from m31r_lsp.documents import scrub
+    from m31r_lsp.completion import fim_request
     from m31r_protocol import messages as m
     from m31r_protocol import policy
     from m31rd.server import as_trained, build_prompt, request_beams, request_start_stops, request_stops
 
-    max_context = engine.config.max_context
     plan = policy.plan(t.prefix + t.suffix, len(t.prefix), settings.options())
-    prefix, suffix = sent_text(plan.prefix, plan.suffix, max_context)
-    # Completer._clamp_max_tokens: the daemon takes at most half the model's context.
-    req = as_trained(m.Fim(id=0, prefix=scrub(prefix), suffix=scrub(suffix), stop=list(plan.stop),
-                           max_tokens=min(plan.max_tokens, max_context // 2), context=list(t.context),
-                           min_probability=settings.min_probability or None))
+    fields, _, _ = fim_request(plan, settings, engine.config.max_context)
+    req = as_trained(m.Fim(id=0, context=list(t.context), **fields))
     ids, max_tokens, heal = build_prompt(engine, budget, req)
     return EditorRequest(plan, ids, heal, max_tokens, request_stops(req), request_start_stops(req),
                          line_context(req.prefix), request_beams(req, SamplingParams(), beams), req.min_probability)
-
-
-def editor_shows(plan, raw: str, line_logprob: float | None, by_line: list[float], floor: float):
-    """(suggestion or None, why none) for the daemon's answer `raw`, as Completer._run turns it into what the editor
-    shows at a request nobody invoked: hidden under the floor, cut to its confident lines, post-processed."""
-    from m31r_protocol import policy
-
-    if not policy.confident(policy.first_line_logprob(raw, line_logprob, by_line), floor):
-        return None, "unsure"
-    suggestion = policy.postprocess(plan, policy.confident_lines(raw, by_line, floor))
-    return suggestion, "" if suggestion is not None else "empty"
 
 
 def shown_regions(t: Task, suggestion) -> tuple[str, str]:
@@ -359,8 +344,11 @@ def shown_regions(t: Task, suggestion) -> tuple[str, str]:
 
 def score_shown(r: Result, t: Task, req: EditorRequest, raw: str, line_logprob: float | None, by_line: list[float],
                 decoded: bool) -> None:
-    """Fill in r's `shown` fields from the editor's answer `raw` to `req`."""
-    suggestion, why = editor_shows(req.plan, raw, line_logprob, by_line, req.min_probability or 0.0)
+    """Fill in r's `shown` fields from the editor's answer `raw` to `req`: what the language server shows of it at a
+    request nobody invoked (lsp/completion.py: shown_suggestion, Completer._run's)."""
+    from m31r_lsp.completion import shown_suggestion
+
+    suggestion, why = shown_suggestion(req.plan, raw, line_logprob, by_line, req.min_probability or 0.0)
     shown, wanted = shown_regions(t, suggestion)
     p, g = normalize(shown), normalize(wanted)
     cursor = len(t.prefix)

@@ -54,7 +54,8 @@ MAX_SIDE_CHARS = 1 << 18
 # the documents asked about longest ago are cancelled (superseded by the newer ones; their requests answer empty).
 MAX_LIVE_DOCUMENTS = 8
 BUSY_NOTICE_S = 600.0  # the daemon's `busy` refusals are said once, then at most once per this long
-LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of it
+LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of a
+# divisor of it (m31r.fim.above_steps), so a cut at a multiple of it leaves the daemon's own cut unchanged
 assert LINE_STEP % QUERY_STEP == 0  # (query_prefix: a cut at a multiple of LINE_STEP keeps the context's blocks)
 
 
@@ -269,16 +270,10 @@ class Completer:
         except Unavailable:
             self.stats["unavailable"] += 1
             return None
-        kwargs = plan.fim_kwargs()
-        prefix, suffix = sent_text(plan.prefix, plan.suffix, client.welcome.max_context,
-                                   self.lines(uri, text).breaks_before)
+        kwargs, prefix, suffix = fim_request(plan, s, client.welcome.max_context, self.lines(uri, text).breaks_before)
         if (prefix, suffix) != (plan.prefix, plan.suffix):
             self.stats["text_cut"] += 1
-        kwargs["prefix"], kwargs["suffix"] = scrub(prefix), scrub(suffix)
-        kwargs["max_tokens"] = self._clamp_max_tokens(kwargs["max_tokens"], client.welcome.max_context // 2)
-        # The daemon stops once the floor below has decided what is shown (Fim.min_probability): the same suggestion,
-        # without the tokens it would cut.
-        kwargs["min_probability"] = s.min_probability or None
+        self._clamped(plan.max_tokens, kwargs["max_tokens"])
         context = await self._context(uri, query_prefix(plan.prefix, prefix), s)
         # The width applies to a single-line suggestion of greedy decoding (the daemon searches only those; a
         # multi-line one stays greedy); None leaves it to the daemon's --beams.
@@ -287,9 +282,9 @@ class Completer:
         if got is None or not self._fresh(uri, version):
             return None
         raw, done = got
-        if not policy.confident(policy.first_line_logprob(raw, done.line_logprob, done.logprob_by_line),
-                                s.min_probability):
-            self.stats["unsure"] += 1
+        suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
+                                           stats=self.stats)
+        if why == "unsure":
             if not invoked:
                 return None
             # The user asked: the model's best suggestion all the same (its first line: confident_lines cuts the rest).
@@ -299,12 +294,9 @@ class Completer:
             if got is None or not self._fresh(uri, version):
                 return None
             raw, done = got
-        sure = policy.confident_lines(raw, done.logprob_by_line, s.min_probability)
-        if sure != raw:
-            self.stats["lines_cut"] += 1
-        suggestion = policy.postprocess(plan, sure)
+            suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
+                                               gate=False, stats=self.stats)
         if suggestion is None:
-            self.stats["empty"] += 1
             return None
         self.stats["suggestions"] += 1
         alternatives = policy.alternatives(plan, suggestion, done.alternatives)
@@ -391,17 +383,15 @@ class Completer:
         self.stats["context_snippets"] += len(found)
         return [Snippet(text=scrub(c.text), path=scrub(c.path)) for c in found]
 
-    def _clamp_max_tokens(self, max_tokens: int, limit: int) -> int:
-        """The daemon refuses a fim's max_tokens above half its model's context, the rest being the code around
-        the cursor (every completion would silently come back empty): send its limit instead, and tell the user once
-        per setting."""
+    def _clamped(self, max_tokens: int, limit: int) -> None:
+        """fim_request sent `limit` for the plan's `max_tokens` (the daemon's limit, where it is lower): counted, and
+        said to the user once per setting."""
         if max_tokens <= limit:
-            return max_tokens
+            return
         self.stats["max_tokens_clamped"] += 1
         if self._told_clamp != (max_tokens, limit):
             self._told_clamp = (max_tokens, limit)
             self.tell(f"m31r: maxTokens {max_tokens} is above the model's limit of {limit} tokens; using {limit}.")
-        return limit
 
     async def _warm(self, uri: str, shown: policy.Shown, s: EditorSettings) -> None:
         """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""
@@ -454,6 +444,47 @@ async def _cancel_stream(stream) -> None:
         async with asyncio.timeout(10):
             async for _ in stream:
                 pass
+
+
+def fim_request(plan: policy.Plan, s: EditorSettings, max_context: int,
+                breaks_before: Callable[[int], int] | None = None) -> tuple[dict, str, str]:
+    """The Fim the language server sends for `plan` under settings `s` to a daemon whose model has `max_context`
+    tokens: Client.fim's keyword arguments (less document, context, beams, seed and sampling), and the prefix and
+    suffix sent before scrub (sent_text's). Shared with the evaluations' "as shown" (benchmarks/eval_fim.py), so that
+    they score the request the server sends. `breaks_before`: as sent_text's."""
+    kwargs = plan.fim_kwargs()
+    prefix, suffix = sent_text(plan.prefix, plan.suffix, max_context, breaks_before)
+    kwargs["prefix"], kwargs["suffix"] = scrub(prefix), scrub(suffix)
+    # The daemon refuses a max_tokens above half its model's context, the rest being the code around the cursor (every
+    # completion would silently come back empty): its limit instead (Completer._clamped tells the user).
+    kwargs["max_tokens"] = min(plan.max_tokens, max_context // 2)
+    # The daemon stops once the floor has decided what is shown (Fim.min_probability): the same suggestion, without
+    # the tokens it would cut.
+    kwargs["min_probability"] = s.min_probability or None
+    return kwargs, prefix, suffix
+
+
+def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, logprob_by_line: list[float],
+                     min_probability: float, *, gate: bool = True,
+                     stats: Counter[str] | None = None) -> tuple[policy.Suggestion | None, str]:
+    """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob and logprob_by_line) to
+    `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line is under the floor `min_probability`
+    (hidden, with `gate`: a request nobody invoked; the server asks an invoked one again and shows it ungated), "empty"
+    where nothing is left once the lines after the first are cut at the floor and the policy has post-processed it.
+    Shared with the evaluations' "as shown" (benchmarks/eval_fim.py), so that they score what the server shows.
+    `stats` counts unsure, lines_cut and empty (Completer.stats)."""
+    stats = stats if stats is not None else Counter()
+    if gate and not policy.confident(policy.first_line_logprob(raw, line_logprob, logprob_by_line), min_probability):
+        stats["unsure"] += 1
+        return None, "unsure"
+    sure = policy.confident_lines(raw, logprob_by_line, min_probability)
+    if sure != raw:
+        stats["lines_cut"] += 1
+    suggestion = policy.postprocess(plan, sure)
+    if suggestion is None:
+        stats["empty"] += 1
+        return None, "empty"
+    return suggestion, ""
 
 
 def sent_text(prefix: str, suffix: str, max_context: int,
