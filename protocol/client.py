@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -570,25 +571,110 @@ async def connect_or_start(
     # it reads the same file should another start move the log to LOG.1 meanwhile.
     with open(log, "ab") as logf, open(log, "rb") as own:
         own.seek(logf.tell())
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        return await _await_start(proc, own, path, client, timeout, log)
+        return await _await_start(_Started(cmd, logf), own, path, client, timeout, log)
 
 
-async def _await_start(proc: subprocess.Popen, own: BinaryIO, path: Path, client: str, timeout: float,
+# The daemon is started by a shell that exits at once, from a subshell it leaves in the background: so it is no
+# descendant of this client, which is often an editor's language server, and editors kill a stopped server's whole
+# process tree (VS Code's, by parent pid), which took the daemon every editor and CLI shares with it. The subshell
+# (one small /bin/sh process while the daemon runs) writes the daemon's pid, then its exit status, to the pipe this
+# client gave the shell as stdin (fd 3 from then on: dash redirects no fd above 9, and a client's pipe may be one).
+_SPAWN = 'exec 3>&0 </dev/null; ("$@" 3>&- & echo $! >&3; wait $!; echo $? >&3) &'
+
+
+class _Started:
+    """A daemon started in the background, no child of this process: its pid, and its exit status once it ends,
+    come from the pipe its waiting subshell writes (read without blocking)."""
+
+    def __init__(self, cmd: list[str], logf: BinaryIO):
+        r, w = os.pipe()
+        try:
+            self._shell = subprocess.Popen(["/bin/sh", "-c", _SPAWN, "sh", *cmd], stdin=w, stdout=logf, stderr=logf,
+                                           start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)  # the subshell's copy is the only one left: its end is this pipe's EOF
+        os.set_blocking(r, False)
+        self._pipe: int | None = r
+        self._said = b""
+        self.pid: int | None = None
+        self.status: int | None = None
+        self.eof = False
+
+    def poll(self) -> None:
+        """Read what the subshell has written so far; reap the shell that started it (it exits at once)."""
+        self._shell.poll()
+        while self._pipe is not None:
+            try:
+                chunk = os.read(self._pipe, 256)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                self.close()
+            self._said += chunk
+        lines = self._said.split(b"\n")
+        with contextlib.suppress(ValueError, IndexError):
+            self.pid = int(lines[0]) if len(lines) > 1 else None
+            self.status = int(lines[1]) if len(lines) > 2 else None
+
+    def alive(self) -> bool:
+        """Whether the daemon may still run: its status is not in, and its waiter did not end without it (killed),
+        or did, but the daemon's pid still names a process."""
+        self.poll()
+        if self.status is not None:
+            return False
+        if not self.eof:
+            return True
+        if self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except (ProcessLookupError, PermissionError):  # (PermissionError: the pid is another user's process now)
+            return False
+        # Its new parent (init, or a subreaper) may be slow to reap it, or never do: a zombie has ended.
+        with contextlib.suppress(OSError, IndexError):
+            return Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        return True  # (no /proc: macOS, whose launchd reaps at once)
+
+    def why_ended(self) -> str:
+        """How the daemon ended, in words: a shell says 128+N for a daemon killed by signal N."""
+        if self.status is None:
+            return ("the daemon did not start: the shell that starts it was killed" if self.pid is None else
+                    "the daemon ended, its exit status unknown (the shell that waited for it was killed)")
+        if self.status > 128:
+            with contextlib.suppress(ValueError):
+                return f"the daemon was killed by {signal.Signals(self.status - 128).name}"
+        return f"the daemon exited with code {self.status}"
+
+    def close(self) -> None:
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._shell.wait(1)  # (it exited long since: it only forks the subshell)
+
+
+async def _await_start(started: _Started, own: BinaryIO, path: Path, client: str, timeout: float,
                        log: Path) -> Client:
     """The started daemon's client once it answers; if it exits first, DaemonUnavailable with what it wrote."""
     t0 = time.monotonic()
-    while (left := timeout - (time.monotonic() - t0)) > 0:
-        await asyncio.sleep(0.1)
-        try:
-            # Once the socket accepts, the Welcome comes when warm-up ends: wait for it as long as the budget allows.
-            return await Client.connect(path, client=client, welcome_timeout=max(1.0, left))
-        except DaemonUnavailable:
-            if proc.poll() is not None:
-                # Another client may have won the race to start it: its daemon is then the one to use.
-                with contextlib.suppress(DaemonUnavailable):
-                    return await Client.connect(path, client=client)
-                why = _why_it_exited(own)
-                raise DaemonUnavailable(f"the daemon exited with code {proc.returncode}: {why}") from None
-    raise DaemonUnavailable(f"the daemon did not become ready within {timeout:.0f}s (log: {log})")
+    try:
+        while (left := timeout - (time.monotonic() - t0)) > 0:
+            await asyncio.sleep(0.1)
+            try:
+                # Once the socket accepts, the Welcome comes when warm-up ends: wait for it as long as the budget
+                # allows.
+                return await Client.connect(path, client=client, welcome_timeout=max(1.0, left))
+            except DaemonUnavailable:
+                if not started.alive():
+                    # Another client may have won the race to start it: its daemon is then the one to use.
+                    with contextlib.suppress(DaemonUnavailable):
+                        return await Client.connect(path, client=client)
+                    why = _why_it_exited(own)
+                    raise DaemonUnavailable(f"{started.why_ended()}: {why}") from None
+        raise DaemonUnavailable(f"the daemon did not become ready within {timeout:.0f}s (log: {log})")
+    finally:
+        started.close()
