@@ -129,6 +129,7 @@ class Tokenizer:
         return TextStream(self, context)
 
 
+_CONTROL_TEXT = re.compile(r"<([|｜])\S+\1>")  # a control token's text: `<|file_sep|>`, `<｜fim▁hole｜>`
 _CONTINUATION_TOKEN = re.compile(r"<0x[89AB][0-9A-F]>", re.IGNORECASE)  # a byte-fallback token inside a character
 
 
@@ -206,6 +207,12 @@ def guard_user_text(hf: HFTokenizer, special: dict[str, str]) -> None:
     hf.no_truncation()
     hf.no_padding()
     hf.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in special.values()])
+    # The model's other control tokens that tokenizer.json leaves unmarked (Qwen2.5-Coder's `<|file_sep|>`,
+    # `<|repo_name|>`, `<|fim_pad|>`) were matched in text too: a file naming one told the model a new file began.
+    # Only marker-shaped ones: an added token that is text (DeepSeek-Coder's `ø`) must still encode as it trained.
+    hf.add_special_tokens([AddedToken(t.content, special=True, normalized=False)
+                           for t in hf.get_added_tokens_decoder().values()
+                           if not t.special and _CONTROL_TEXT.fullmatch(t.content)])
     flag, hf.encode_special_tokens = hf.encode_special_tokens, True
     try:
         ids = {hf.token_to_id(text) for text in special.values()}
