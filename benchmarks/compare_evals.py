@@ -10,6 +10,8 @@ on 150 or 450 tasks can be noise, so this pairs the two runs' tasks and prints, 
   as shown      where both results score each task as the editor shows it (eval_fim's as-shown figures; results
                 from before them have none), the same two comparisons on those scores, in rows of their own. They
                 inform; the release rule below stays on the raw figures, comparable across sessions.
+  perplexity    both validation perplexities, with the window length each is over; where those differ (eval_fim
+                cuts its windows to a model's shorter context) it says they are not comparable. Not in the rule.
 
 Both files must hold the same tasks (same --seed, counts and validation split); the script refuses otherwise.
 Last comes the release rule's verdict (docs/training.md "Which tasks decide a release"): on the larger draw
@@ -91,7 +93,35 @@ def compare(base: dict, cand: dict) -> dict:
             out[kind]["as_shown"] = paired(pairs, *SHOWN)
     if any("as_shown" in out.get(kind, {}) for kind in KINDS) and base.get("editor") != cand.get("editor"):
         out["editor_differ"] = [base.get("editor"), cand.get("editor")]
+    if (ppl := perplexities(base, cand)) is not None:
+        out["perplexity"] = ppl
     out["release"] = release_verdict(out)
+    return out
+
+
+def ppl_window(result: dict) -> int | None:
+    """The tokens each perplexity window of an eval_fim result predicts: its `perplexity.context`, or for a result from
+    before it was recorded, its tokens per window (the same number); None where it has no perplexity."""
+    ppl = result.get("perplexity") or {}
+    if not ppl.get("windows") or "perplexity" not in ppl:
+        return None
+    return ppl.get("context") or ppl["tokens"] // ppl["windows"]
+
+
+def perplexities(base: dict, cand: dict) -> dict | None:
+    """Both results' perplexity and bits per byte, with the windows they are over; `not_comparable` says why where
+    those differ (eval_fim cuts its windows to a shorter model's context, and a shorter window has less to condition
+    on, so its perplexity is higher whatever the model). Not part of the release rule."""
+    wa, wb = ppl_window(base), ppl_window(cand)
+    if wa is None or wb is None:
+        return None
+    pa, pb = base["perplexity"], cand["perplexity"]
+    out = {"base": pa["perplexity"], "candidate": pb["perplexity"], "bits_per_byte": [pa.get("bits_per_byte"),
+                                                                                       pb.get("bits_per_byte")],
+           "windows": [wa, wb]}
+    if wa != wb:
+        out["not_comparable"] = (f"the perplexities are over windows of {wa} and {wb} tokens (a model's context "
+                                 "shorter than --ppl-context cuts them): they are not comparable")
     return out
 
 
@@ -212,6 +242,11 @@ def table(r: dict) -> str:
     if "editor_differ" in r:
         a, b = r["editor_differ"]
         lines.append(f"the as-shown figures are under different editor settings ({a} / {b})")
+    if ppl := r.get("perplexity"):
+        wa, wb = ppl["windows"]
+        lines.append(f"validation perplexity: base {ppl['base']:.3f} ({wa}-token windows), candidate "
+                     f"{ppl['candidate']:.3f} ({wb}-token windows)"
+                     + (f"; {ppl['not_comparable']}" if "not_comparable" in ppl else ""))
     if "clean" in r:
         lines.append(f"(clean: the tasks of files without a look-alike in training; {r['clean']['leaky_files']} "
                      "files have one)")

@@ -13,8 +13,8 @@ other lines of the middle given around it (what a user who has typed the other l
 
 Decoding is what the daemon serves for such a request (`benchmarks/eval_fim.py`'s `run_tasks`): a body greedily
 with its serving stops, a line by a beam search of 3 stopped at the line end. Then the program with the completion
-in its place, and the tests, is compiled with `rustc --test` and run, each test binary limited to a few seconds (a
-wrong loop body can loop for ever).
+in its place, and the tests, is compiled with `rustc --test` and run, each test binary limited to a few seconds of
+CPU time (a wrong loop body can loop for ever; CPU time, so that a busy machine fails no program an idle one passes).
 
   passes    the tests pass
   compiles  rustc accepts the program (whatever the tests then say)
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -134,13 +135,32 @@ def load_problems(folder: Path = PROBLEMS) -> list[Problem]:
 
 
 OUTPUT_BLOCKS = 32768  # `ulimit -f` of a test binary (16-32 MiB, by the shell's block size): a print loop fills no disk
+# The limits are CPU time, so that a machine busy with other work (CI, training) fails no program that would pass on an
+# idle one: a test binary gets TEST_CPU_S seconds of CPU, rustc RUSTC_CPU_S. The wall-clock limits only back them up,
+# for a program that blocks or sleeps without using CPU; they are far above what a passing program takes even at a
+# load of 10 on every core.
+TEST_CPU_S, RUSTC_CPU_S = 5.0, 60.0
+TEST_WALL_S, RUSTC_WALL_S = 120.0, 600.0
+
+
+def _limited(argv: list[str], cpu: float, blocks: int | None = None) -> list[str]:
+    """`argv` run by sh under a CPU-time limit of `cpu` seconds (whole seconds, rounded up: RLIMIT_CPU counts so): past
+    it the kernel sends SIGXCPU, and SIGKILL a second later; no core file is written. With `blocks`, files it writes
+    are limited to that many blocks. A shell sets the limits, not a preexec_fn, as score() starts programs from
+    threads, where a preexec_fn can deadlock."""
+    soft = max(1, math.ceil(cpu))
+    limits = f"ulimit -c 0 && ulimit -S -t {soft} && ulimit -H -t {soft + 1}"
+    if blocks is not None:
+        limits += f" && ulimit -f {blocks}"
+    return ["sh", "-c", f'{limits} && exec "$0" "$@"', *argv]
 
 
 def _run_alone(argv: list[str], work: Path, timeout: float) -> tuple[int | None, str]:
-    """(exit status, None past `timeout`; what it wrote) of one command run in an empty folder of `work`, its current
-    and temporary folder, in a process group of its own, all of which is killed when it ends: a program that writes
-    files writes them in its own folder (not the evaluator's, where the next program would read them), and one that
-    leaves a child behind (holding the output pipe open, or looping) neither hangs the evaluation nor outlives it."""
+    """(exit status, None past `timeout` seconds of wall-clock time; what it wrote) of one command run in an empty
+    folder of `work`, its current and temporary folder, with no input, in a process group of its own, all of which is
+    killed when it ends: a program that writes files writes them in its own folder (not the evaluator's, where the next
+    program would read them), and one that leaves a child behind (holding the output pipe open, or looping) neither
+    hangs the evaluation nor outlives it."""
     log, cwd = work / f"{Path(argv[0]).name}.out", work / "run"
     cwd.mkdir(exist_ok=True)
     with open(log, "wb") as out:
@@ -158,21 +178,35 @@ def _run_alone(argv: list[str], work: Path, timeout: float) -> tuple[int | None,
         return code, f.read(1 << 20).decode("utf-8", "replace")
 
 
-def run_program(source: str, work: Path, rustc: str, timeout: float = 5.0) -> tuple[bool, bool, str]:
-    """(compiles, passes, first error) for one program, built as a test binary in `work` and run there (_run_alone)."""
+def _out_of_cpu(code: int | None) -> bool:
+    """Whether an exit status is RLIMIT_CPU's soft limit (SIGXCPU, whose default action ends the program; one that
+    ignores it is killed a second later, and reads as any SIGKILL: -9)."""
+    return code == -signal.SIGXCPU
+
+
+def run_program(source: str, work: Path, rustc: str, timeout: float = TEST_CPU_S,
+                wall: float = TEST_WALL_S) -> tuple[bool, bool, str]:
+    """(compiles, passes, first error) for one program, built as a test binary in `work` and run there (_run_alone);
+    `timeout` is the seconds of CPU time its tests may use, `wall` the seconds they may take however little CPU."""
     work = work.resolve()
     src, exe = work / "main.rs", work / "main"
     src.write_text(source)
     exe.unlink(missing_ok=True)
-    code, errors = _run_alone([rustc, "--edition", "2021", "--test", "-A", "warnings", "-C", "opt-level=1",
-                               "-o", str(exe), str(src)], work, 120)
+    code, errors = _run_alone(_limited([rustc, "--edition", "2021", "--test", "-A", "warnings", "-C", "opt-level=1",
+                                        "-o", str(exe), str(src)], RUSTC_CPU_S), work, RUSTC_WALL_S)
     if code != 0:
         first = next((ln for ln in errors.splitlines() if ln.startswith("error")), errors.strip())
-        return False, False, (first if code is not None else "rustc still running after 120 s")[:300]
-    code, output = _run_alone(["sh", "-c", f'ulimit -f {OUTPUT_BLOCKS} && exec "$0" "$@"', str(exe), "--test-threads",
-                               "1"], work, timeout)
+        if code is None:
+            first = f"rustc still running after {RUSTC_WALL_S:g} s of wall-clock time"
+        elif _out_of_cpu(code) and not first.startswith("error"):
+            first = f"rustc used its {RUSTC_CPU_S:g} s of CPU time without finishing"
+        return False, False, first[:300]
+    code, output = _run_alone(_limited([str(exe), "--test-threads", "1"], timeout, OUTPUT_BLOCKS), work, wall)
     if code is None:
-        return True, False, f"tests still running after {timeout:g} s"
+        return True, False, (f"tests still running after {wall:g} s of wall-clock time, using less than "
+                             f"{timeout:g} s of CPU: blocked or sleeping")
+    if _out_of_cpu(code):
+        return True, False, f"tests used {max(1, math.ceil(timeout))} s of CPU time without finishing (endless loop?)"
     if code != 0:
         failed = [ln for ln in output.splitlines() if "panicked" in ln or ln.startswith("test ") and "FAILED" in ln]
         return True, False, (failed[0] if failed else f"tests exited with {code}")[:300]

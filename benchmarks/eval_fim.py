@@ -47,7 +47,9 @@ blank lines dropped):
                    run the same generation, else decoded again (not counted in ms/task).
   perplexity       exp(mean next-token loss) over non-overlapping windows of --ppl-context + 1 tokens spread
                    evenly over the validation stream (files tokenised and joined with <|endoftext|>, as in
-                   training), with the engine's model and dtype; also bits per byte of the predicted text
+                   training), with the engine's model and dtype; also bits per byte of the predicted text. A model
+                   whose context is shorter gets windows of its context, with a warning; the report records the
+                   window used (perplexity.context), and compare_evals.py says when two results' windows differ
 
     python benchmarks/eval_fim.py --bundle release/m31r-mini --data data --out bench-results/fim.json
 """
@@ -447,6 +449,9 @@ def text_bytes(tok, ids: list[int]) -> int:
 
 
 def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
+    """Perplexity over `n_windows` windows of `context` tokens each predicted, or of the model's context where that is
+    shorter: said on stderr and recorded (`context`, beside `requested_context`), as a perplexity over shorter windows
+    (less to condition on) is higher and not comparable with one over longer windows (compare_evals says so)."""
     import torch
     import torch.nn.functional as F
 
@@ -454,10 +459,15 @@ def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
     stream: list[int] = []
     for ids in tok.encode_batch(texts):
         stream += ids + [tok.eos_id]
-    w = min(context, engine.config.max_context) + 1
+    used = min(context, engine.config.max_context)
+    if used < context:
+        print(f"warning: this model's context is {engine.config.max_context} tokens, shorter than --ppl-context "
+              f"{context}: its perplexity is over {used}-token windows, not comparable with one over {context}-token "
+              "windows", file=sys.stderr, flush=True)
+    w = used + 1
     k = min(n_windows, len(stream) // w)
     if k == 0:
-        return {"windows": 0}
+        return {"windows": 0, "context": used, "requested_context": context}
     stride = len(stream) // k
     nats, n_tok, n_bytes = 0.0, 0, 0
     for i in range(k):
@@ -468,8 +478,9 @@ def perplexity(engine, texts: list[str], n_windows: int, context: int) -> dict:
         n_tok += w - 1
         n_bytes += text_bytes(tok, stream[i * stride + 1 : i * stride + w])
     loss = nats / n_tok
-    return {"windows": k, "tokens": n_tok, "bytes": n_bytes, "stream_tokens": len(stream), "loss": round(loss, 4),
-            "perplexity": round(math.exp(loss), 3), "bits_per_byte": round(nats / math.log(2) / max(n_bytes, 1), 4)}
+    return {"windows": k, "context": used, "requested_context": context, "tokens": n_tok, "bytes": n_bytes,
+            "stream_tokens": len(stream), "loss": round(loss, 4), "perplexity": round(math.exp(loss), 3),
+            "bits_per_byte": round(nats / math.log(2) / max(n_bytes, 1), 4)}
 
 
 def summarize(results: list[Result], kind: str) -> dict:
