@@ -24,7 +24,8 @@ Tasks, drawn deterministically from a seeded RNG (same --seed and val split, sam
   Only middles that fit the completion budget are used (single-line: --single-tokens - 1 tokens, multi-line:
   --multi-tokens - 1, counted by the data's tokenizer, DATA/tokenizer.json, where it has one: the same tasks
   whatever the model's tokenizer), so every task is solvable. The budgets and the perplexity windows (--ppl-context) are
-  fixed numbers, not the model's: models of different context lengths get the same tasks and windows.
+  fixed numbers, not the model's: models of different context lengths get the same tasks, and the same windows
+  unless a model's context is shorter than --ppl-context (it is then said, and its perplexity not comparable).
 
 Metrics, on prediction and target normalised the same way (trailing whitespace of each line and trailing
 blank lines dropped):
