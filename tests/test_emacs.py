@@ -37,7 +37,8 @@ def test_emacs_suite_with_eglot_against_the_server(shared_daemon):
     assert ran and ran.group(1) == ran.group(2) and int(ran.group(1)) >= 7, out[-4000:]
     assert "skipped" not in out[ran.start():], out[-4000:]  # eglot present and the round trip ran
     for name in ("m31r-eglot-roundtrip", "m31r-eglot-accept-then-undo", "m31r-eglot-missing-program-says-so",
-                 "m31r-eglot-no-daemon-says-so-once", "m31r-eglot-large-file"):
+                 "m31r-eglot-no-daemon-says-so-once", "m31r-eglot-large-file",
+                 "m31r-eglot-rust-modes-open-as-rust"):
         assert re.search(rf"passed\s+\d+/\d+\s+{name}\b", out), out[-4000:]
 
 

@@ -103,7 +103,8 @@
       (m31r-eglot-setup)                  ; idempotent
       (should (equal (length eglot-server-programs) 2))
       (let ((entry (car eglot-server-programs)))
-        (should (equal (car entry) m31r-major-modes))
+        (should (equal (car entry) '((rust-mode :language-id "rust") (rust-ts-mode :language-id "rust")
+                                     (rustic-mode :language-id "rust"))))
         (let ((contact (funcall (cdr entry) nil)))
           (should (eq (car contact) 'm31r-eglot-server))
           (should (equal (seq-take (cdr contact) 2) '("m31r" "lsp")))
@@ -318,6 +319,40 @@ A tiny test model's greedy answer may be empty: the tests sample it with a seed 
             (advice-remove 'message note)
             (set-buffer-modified-p nil)
             (when (eglot-current-server) (eglot-shutdown (eglot-current-server)))))))))
+
+;; Eglot before 1.15 names the language after the mode ("rust-ts", "rustic"); the server is told "rust", which
+;; it knows (completion documentation's code fence, the suffix of a document without one).  Each mode starts its
+;; own server: eglot 1.9 gives all of a server's buffers the languageId of the mode that started it.
+(ert-deftest m31r-eglot-rust-modes-open-as-rust ()
+  (let ((cmd (getenv "M31R_LSP_CMD")))
+    (skip-unless (and cmd (not (string-empty-p cmd)) (require 'eglot nil t)))
+    ;; Emacs 28 has neither mode: stand-ins, not derived from rust-mode (as rustic-mode may not be).
+    (unless (fboundp 'rust-ts-mode) (define-derived-mode rust-ts-mode prog-mode "Rust[ts]"))
+    (unless (fboundp 'rustic-mode) (define-derived-mode rustic-mode prog-mode "Rustic"))
+    (let* ((dir (make-temp-file "m31r-langid" t))
+           (eglot-server-programs nil)
+           (opened nil)
+           (record (lambda (_conn method params)
+                     (when (eq method :textDocument/didOpen)
+                       (push (plist-get (plist-get params :textDocument) :languageId) opened)))))
+      (m31r-tests--with-server cmd nil
+        (m31r-eglot-setup)
+        (dolist (mode '(rust-ts-mode rustic-mode))
+          (let ((file (expand-file-name (format "%s/lib.rs" mode) dir)))
+            (make-directory (file-name-directory file) t)
+            (with-temp-file file (insert "fn main() {}\n"))
+            (with-current-buffer (find-file-noselect file)
+              (funcall mode)
+              (setq opened nil)
+              (advice-add 'jsonrpc-notify :before record)
+              (unwind-protect
+                  (should (m31r-tests--start-eglot))
+                (advice-remove 'jsonrpc-notify record))
+              (unwind-protect
+                  (should (equal opened '("rust")))
+                (set-buffer-modified-p nil)
+                (eglot-shutdown (eglot-current-server))
+                (kill-buffer)))))))))
 
 ;; A large file (about 2 MB) is completed like a small one, and says nothing about its size.
 (ert-deftest m31r-eglot-large-file ()

@@ -288,6 +288,19 @@ INTERACTIVE is non-nil under \\[eglot]."
             command
             (list :initializationOptions (lambda (_server) (m31r-settings))))))
 
+(defconst m31r--rust-modes '(rust-mode rust-ts-mode rustic-mode)
+  "Major modes whose buffers are Rust: languageId \"rust\" under eglot.")
+
+(defun m31r--eglot-modes ()
+  "`m31r-major-modes' as the major-mode list of an `eglot-server-programs' entry.
+Eglot before 1.15 (Emacs 29's too) derives the languageId from the mode's
+name, \"rust-ts\" or \"rustic\", which the server does not know as Rust
+\(completion documentation's code fence, a document without a suffix): the
+Rust modes are (MODE :language-id \"rust\"), a form eglot accepts from 1.9 on."
+  (mapcar (lambda (mode)
+            (if (memq mode m31r--rust-modes) (list mode :language-id "rust") mode))
+          m31r-major-modes))
+
 ;;;###autoload
 (defun m31r-eglot-setup ()
   "Make eglot use M31R in `m31r-major-modes' buffers.
@@ -300,7 +313,7 @@ Eglot runs one server per buffer: there M31R takes rust-analyzer's place."
         (cl-remove-if (lambda (entry) (eq (cdr entry) #'m31r--eglot-contact))
                       eglot-server-programs))
   (add-to-list 'eglot-server-programs
-               (cons m31r-major-modes #'m31r--eglot-contact)))
+               (cons (m31r--eglot-modes) #'m31r--eglot-contact)))
 
 ;;;; lsp-mode
 

@@ -91,6 +91,20 @@ check("server settings: defaults, validation, socket", function()
   eq(m31r.server_settings({ beams = 9 }).beams, vim.NIL, "beams out of range")
   eq(m31r.server_settings({ beams = "2" }).beams, vim.NIL, "beams not a number")
   eq(vim.json.decode(vim.json.encode(m31r.server_settings({}))).beams, vim.NIL, "beams sent as null")
+  -- every other setting the server reads: sent when set (not by default), checked as the server checks it
+  s = m31r.server_settings({ maxLines = 3.2, temperature = 0.7, seed = 11, typedThrough = false, acceptAhead = true,
+                             autostart = false, bundle = "/tmp/b.m31r" })
+  eq({ s.maxLines, s.temperature, s.seed, s.typedThrough, s.acceptAhead, s.autostart, s.bundle },
+     { 3, 0.7, 11, false, true, false, "/tmp/b.m31r" }, "the server's other settings")
+  s = m31r.server_settings({ maxLines = 201, temperature = 2.5, seed = -1, typedThrough = 1, autostart = "no",
+                             bundle = 3 })
+  eq({ s.maxLines, s.temperature, s.seed, s.typedThrough, s.autostart, s.bundle }, {}, "bad values: not sent")
+  s = m31r.server_settings({ maxLines = 200, temperature = 2, seed = 2 ^ 53 - 1 })
+  eq({ s.maxLines, s.temperature, s.seed }, { 200, 2, 2 ^ 53 - 1 }, "range ends are accepted")
+  eq(m31r.server_settings({ seed = 2 ^ 53 }).seed, nil, "a seed a Lua number cannot send exactly")
+  eq(m31r.server_settings({ seed = vim.NIL, bundle = vim.NIL }), vim.tbl_extend("force", m31r.server_settings({}),
+     { seed = vim.NIL, bundle = vim.NIL }), "seed and bundle null")
+  eq(m31r.server_settings({ nonsense = 1 }), m31r.server_settings({}), "an unknown key is not sent")
   -- a leading ~ is the home folder (Neovim passes the path to the server as written)
   eq(m31r.server_settings({ socket = "~/m31rd.sock" }).socket, vim.env.HOME .. "/m31rd.sock", "~ expanded")
   eq(m31r.server_settings({ socket = "/tmp/~x.sock" }).socket, "/tmp/~x.sock", "only a leading ~")

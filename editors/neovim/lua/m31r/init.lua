@@ -92,6 +92,8 @@ local function supports(client, method, bufnr)
   return client.supports_method(method, { bufnr = bufnr })
 end
 
+-- Every setting the server reads (lsp/settings.py FIELDS). Those not in M.server_defaults are sent only when set:
+-- sent always, a default (autostart = true) would override the server's command line (`--no-autostart`).
 local valid = {
   enable = "boolean",
   debounceMs = "number",
@@ -99,22 +101,39 @@ local valid = {
   multiline = { auto = true, always = true, never = true },
   deadlineMs = "number",
   maxTokens = "number",
+  maxLines = "number",
   beams = "number",
   projectContext = "boolean",
-  minProbability = "probability",
+  minProbability = "fraction",
+  temperature = "fraction",
+  seed = "number",
+  typedThrough = "boolean",
+  acceptAhead = "boolean",
+  autostart = "boolean",
   socket = "string",
+  bundle = "string",
 }
 
 -- The server's ranges (lsp/settings.py): it drops a value outside them, so one is replaced here, with a warning.
+-- Integers are rounded; a seed goes up to 2^53 - 1, the largest integer a Lua number sends exactly (the server
+-- takes up to 2^63 - 1, but a larger Lua number reaches it as another seed).
 local ranges = {
   debounceMs = { 0, 5000 },
   deadlineMs = { 1, 60000 },
   maxTokens = { 1, 4096 },
+  maxLines = { 1, 200 },
   beams = { 1, 8 },
+  seed = { 0, 2 ^ 53 - 1 },
+}
+
+-- Numbers kept as they are (not rounded), in the server's range.
+local fractions = {
+  minProbability = { 0, 1 },
+  temperature = { 0, 2 },
 }
 
 -- Settings that may be vim.NIL (JSON null): the server's default.
-local nullable = { beams = true }
+local nullable = { beams = true, seed = true, bundle = true }
 
 -- A leading ~ is the home folder: the server would otherwise get it as written (Neovim runs it without a shell).
 local function expand_home(path)
@@ -142,9 +161,10 @@ function M.server_settings(user)
       else
         notify_once("bad:" .. key, ("invalid value for %s: %s"):format(key, vim.inspect(value)))
       end
-    elseif want == "probability" then
-      if type(value) ~= "number" or value ~= value or value < 0 or value > 1 then
-        notify_once("bad:" .. key, ("%s must be a number in 0..1, got %s"):format(key, vim.inspect(value)))
+    elseif want == "fraction" then
+      local lo, hi = fractions[key][1], fractions[key][2]
+      if type(value) ~= "number" or value ~= value or value < lo or value > hi then
+        notify_once("bad:" .. key, ("%s must be a number in %g..%g, got %s"):format(key, lo, hi, vim.inspect(value)))
       else
         out[key] = value
       end
@@ -152,7 +172,7 @@ function M.server_settings(user)
       notify_once("bad:" .. key, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
     elseif want == "number" then
       local lo, hi = ranges[key][1], ranges[key][2]
-      local n = math.floor(value + 0.5)
+      local n = value % 1 == 0 and value or math.floor(value + 0.5) -- (2^53 - 1 + 0.5 rounds up to 2^53)
       if value ~= value or n < lo or n > hi then
         notify_once("bad:" .. key, ("%s must be in %d..%d, got %s"):format(key, lo, hi, vim.inspect(value)))
       else
@@ -232,7 +252,7 @@ local function map(bufnr, lhs, rhs, desc, expr)
   vim.keymap.set("i", lhs, rhs, { buffer = bufnr, expr = expr or false, silent = true, desc = desc })
 end
 
--- What the accept key did in a buffer before the plugin mapped it (its buffer mapping, else the global one), by
+-- What the plugin's keys did in a buffer before it mapped them (its buffer mapping, else the global one), by
 -- buffer and key: Neovim's own <Tab> (0.11+) jumps to a snippet's next placeholder, and a user's <Tab> may be anything.
 local previous = {}
 
@@ -307,6 +327,12 @@ local function setup_inline(client, bufnr)
     return fallback_keys(bufnr, keys.accept)
   end, "M31R: accept the inline completion", true)
   if ic.select then
+    -- (remembered as the accept key is: on_detach gives the buffer its own mappings of these keys back)
+    for _, lhs in ipairs({ keys.next, keys.prev }) do
+      if lhs and lhs ~= "" then
+        remember_previous(bufnr, lhs)
+      end
+    end
     map(bufnr, keys.next, function()
       ic.select({ count = 1 })
     end, "M31R: next inline completion")
