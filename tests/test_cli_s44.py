@@ -69,7 +69,9 @@ def test_a_closed_pipe_ends_service_install_dry_run_quietly(tmp_path: Path) -> N
 
 
 def _filler(n: int) -> str:
-    return "".join(f"pub const C{i}: u32 = {i};\n" for i in range(n))
+    """Lines that repeat every 160 (LINE_STEP * 10), so the large file's last lines are the small one's: the daemon
+    keeps as many of them above the cursor as fit (on a finer step than LINE_STEP where a block does not fit)."""
+    return "".join(f"pub const C{i % 160}: u32 = {i % 160};\n" for i in range(n))
 
 
 @pytest.mark.parametrize("side", ["prefix", "suffix"])

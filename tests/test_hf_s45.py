@@ -223,9 +223,13 @@ def test_fim_tokens_keep_their_ids_both_ways(tiny_bundle: Bundle, tmp_path: Path
     """Export then import: each special token keeps its text and id, and the shipped tokenizer encodes the same."""
     hf = _checkpoint(tiny_bundle, tmp_path)
     back = import_hf(hf, tmp_path / "back")
-    a, b = tiny_bundle.tokenizer, open_bundle(back.path).tokenizer
+    # Both as open_bundle gives them, fresh: the session's tiny_bundle.tokenizer is shared, and a Tokenizer built on it
+    # elsewhere set its encode_special_tokens, which decides how the markers' text below encodes.
+    a, b = open_bundle(tiny_bundle.path).tokenizer, open_bundle(back.path).tokenizer
     for role, text in tiny_bundle.config.special_tokens.items():
         assert getattr(back.config, role) == text and b.token_to_id(text) == a.token_to_id(text) is not None
     text = "<|fim_prefix|>fn a() {<|fim_suffix|>}\n<|fim_middle|>"
-    assert b.encode(text).ids == a.encode(text).ids
+    for flag in (False, True):  # the markers matched, and (as a Tokenizer encodes user text) read as text
+        a.encode_special_tokens = b.encode_special_tokens = flag
+        assert b.encode(text).ids == a.encode(text).ids
     shutil.rmtree(hf)
