@@ -586,16 +586,19 @@ def status(socket_path: Path | None) -> None:
     _run_client(_status, socket_path, socket_path=socket_path)
 
 
-STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-flight work and close
-
-
+STOP_WAIT_S = 30.0  # how long `m31r stop` waits for the daemon to finish in-flight work and exit
 async def _stop(socket_path: Path | None) -> bool:
-    """Whether a daemon was running (and has stopped). None listening (no socket file, or a stale one nobody
+    """Whether a daemon was running (and has exited). None listening (no socket file, or a stale one nobody
     accepts on) is what stop wants, as `systemctl stop` of a stopped unit: not a failure. Anything else that keeps
     the daemon from being reached (another user's socket, a file on the path, no Welcome) still is one (a file on
-    the path is refused by _run_client before this runs)."""
+    the path is refused by _run_client before this runs).
+
+    The daemon closes its connections before it exits (and it holds the socket's lock until then): this returns
+    only once its process has ended, so that a daemon started next (`m31r stop && m31r generate`, after a change
+    of settings) is not refused as "another m31rd is already starting or serving"."""
     import asyncio
 
+    from m31r.process_exit import ProcessExit
     from m31r_protocol import DaemonUnavailable
 
     try:
@@ -604,11 +607,23 @@ async def _stop(socket_path: Path | None) -> bool:
         if isinstance(e.__context__, FileNotFoundError | ConnectionRefusedError):
             return False
         raise
+    loop = asyncio.get_running_loop()
     async with client:
-        await client.shutdown()
+        # Its pid from its own Status, not the socket's peer credentials, which under systemd socket activation
+        # name systemd (the socket's maker); watched from now, while this open connection shows it is alive.
+        daemon = ProcessExit.of((await client.status()).pid)
         try:
-            await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)
-        except TimeoutError:
+            deadline = loop.time() + STOP_WAIT_S
+            await client.shutdown()
+            try:
+                await asyncio.wait_for(client.closed.wait(), STOP_WAIT_S)
+                exited = daemon is None or await daemon.wait(deadline - loop.time())
+            except TimeoutError:
+                exited = False
+        finally:
+            if daemon is not None:
+                daemon.close()
+        if not exited:
             fail(f"the daemon accepted the shutdown but was still running {STOP_WAIT_S:g} s later (it finishes "
                  f"in-flight requests first); `m31r status` shows whether it is still there")
     return True
