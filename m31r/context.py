@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from m31r.fim import FimBudget
+from m31r.fim import FimBudget, FimPrompt
 from m31r.tokenizer import Tokenizer
 
 
@@ -25,6 +25,15 @@ def context_budget(budget: FimBudget, prompt_tokens: int) -> int:
     file's own lines matter more than another file's)."""
     total = budget.suffix + budget.line + budget.above + budget.reserve + 3
     return max(0, min(total // 4, total - budget.reserve - prompt_tokens))
+
+
+def context_room(budget: FimBudget, prompt: FimPrompt) -> int:
+    """context_budget beside `prompt`, its cursor line (P_line) counted at its full budget, not its length: what
+    serving and training give the snippets. Typing on a line grows only P_line (m31r.fim); counted as typed, each
+    keystroke took a token of the room, and where the room fell below what the chosen snippets took, one was dropped,
+    the head of the prompt changed and the daemon's prefix cache prefilled the whole prompt again. So the snippets
+    change only where the prompt's head would anyway: Enter (P_above grows by a line) or a moved cut of S or P_above."""
+    return context_budget(budget, len(prompt.ids) - prompt.line_tokens + budget.line)
 
 
 def context_ids(tok: Tokenizer, snippets: Sequence[Snippet], budget: int) -> list[int]:

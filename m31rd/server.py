@@ -30,7 +30,7 @@ import psutil
 
 from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
-from m31r.context import context_budget, context_ids
+from m31r.context import context_ids, context_room
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameNotBegun, FrameTimeout, FrameTooLarge, pack, read_frame
@@ -309,7 +309,7 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
     if isinstance(req, m.Fim):
         budget = budget.with_reserve(req.max_tokens)  # within max_reserve: the request was checked
         prompt = build_fim_prompt(engine.tokenizer, req.prefix, req.suffix, budget)
-        room = context_budget(budget, len(prompt.ids))
+        room = context_room(budget, prompt)  # P_line at its budget: typing on a line keeps the snippets
         head = context_ids(engine.tokenizer, req.context, room) if req.context else []
         return head + prompt.ids, req.max_tokens, prompt.heal
     ids = engine.tokenizer.encode(req.prompt)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from m31r.context import context_budget, context_ids
+from m31r.context import context_ids, context_room
 from m31r.fim import FimBudget, build_fim_prompt
 from m31r.tokenizer import Tokenizer
 from m31r_protocol.context import Window, query_words, rank, windows
@@ -167,7 +167,7 @@ def fim_sample(tok: Tokenizer, text: str, rng: random.Random, budget: FimBudget,
     prompt = build_fim_prompt(tok, text[:a], text[b:], budget)
     ctx: list[int] = []
     if neighbours:
-        ctx = context_ids(tok, rank(query_words(text[:a]), neighbours), context_budget(budget, len(prompt.ids)))
+        ctx = context_ids(tok, rank(query_words(text[:a]), neighbours), context_room(budget, prompt))
     # Token healing, as served: the prompt ends one token early and the middle starts by writing it again.
     m_ids = tok.encode(prompt.heal + middle)
     # A middle longer than the completion budget is cut and gets no <|endoftext|>: the model must not learn
