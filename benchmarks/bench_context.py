@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.tasks, args.max_chars, args.max_tokens) < 1:
         p.error("--tasks, --max-chars and --max-tokens must be at least 1")
 
-    from m31r.context import context_budget, context_ids
+    from m31r.context import context_ids, context_room
     from m31r.cpu import describe
     from m31r.engine import Outcome
     from m31r.fim import FimBudget, build_fim_prompt, line_context
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix = t.prefix + t.target[:k]
             prompt = build_fim_prompt(tok, prefix, t.suffix, budget)
             snippets = rank(query_words(prefix), near)
-            head = context_ids(tok, snippets, context_budget(budget, len(prompt.ids)))
+            head = context_ids(tok, snippets, context_room(budget, prompt))
             if k:
                 keystrokes += 1
                 offered += len(snippets)

@@ -370,7 +370,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     editor shows it (Result.shown): the language server's request for that cursor is answered from this completion
     where the daemon would run the same generation, else decoded again (not counted in `ms`)."""
     from m31r.beams import beam_generate
-    from m31r.context import context_budget, context_ids
+    from m31r.context import context_ids, context_room
     from m31r.engine import Outcome, line_logprobs
     from m31r.fim import FimBudget, build_fim_prompt, line_context, start_stop, suffix_stop
 
@@ -380,7 +380,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
     results = []
     for k, t in enumerate(tasks):
         prompt = build_fim_prompt(engine.tokenizer, t.prefix, t.suffix, budget, heal=heal)
-        head = context_ids(engine.tokenizer, t.context, context_budget(budget, len(prompt.ids)))
+        head = context_ids(engine.tokenizer, t.context, context_room(budget, prompt))
         ids = head + prompt.ids
         single = t.kind == "single"
         res = Outcome(prompt_tokens=len(ids))

@@ -152,7 +152,7 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
 def test_fim_file_context_sends_its_crates_other_files(daemon, tiny_engine, tmp_path):
     """`m31r fim --file --context` leads the prompt with snippets of the file's crate, as the language server does with
     projectContext on; without `--context`, none."""
-    from m31r.context import context_budget, context_ids
+    from m31r.context import context_ids, context_room
     from m31r.fim import FimBudget, build_fim_prompt
     from m31r_protocol.context import query_words, rank, windows
 
@@ -168,7 +168,7 @@ def test_fim_file_context_sends_its_crates_other_files(daemon, tiny_engine, tmp_
     budget = FimBudget.for_context(tiny_engine.config.max_context)
     p = build_fim_prompt(tiny_engine.tokenizer, src[:cursor], src[cursor:], budget)
     head = context_ids(tiny_engine.tokenizer, rank(query_words(src[:cursor]), [("src/point.rs", windows(point))]),
-                       context_budget(budget, len(p.ids)))
+                       context_room(budget, p))
     assert "// src/point.rs\npub struct Point" in tiny_engine.tokenizer.decode(head)
     for flags, ids in ((("--context",), head + p.ids), ((), p.ids)):
         r = cli("fim", "--file", str(f), "--line", "3", "--column", "13", "--json", "--max-tokens", "6", "--beams", "1",

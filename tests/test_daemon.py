@@ -337,7 +337,7 @@ async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm
 async def test_fim_context_snippets_lead_the_prompt(warm, tiny_engine):
     """A Fim's context snippets go before its prompt as m31r.context lays them out, within the room the prompt leaves;
     the answer is the engine's for that prompt. More snippets than the protocol allows are refused."""
-    from m31r.context import context_budget, context_ids
+    from m31r.context import context_ids, context_room
     from m31r.fim import FimBudget, build_fim_prompt
     from m31r_protocol.limits import MAX_SNIPPETS
 
@@ -346,8 +346,8 @@ async def test_fim_context_snippets_lead_the_prompt(warm, tiny_engine):
                 m.Snippet("fn norm(p: &Point) -> i64 { p.x.abs() }\n" * 40, "src/norm.rs"), m.Snippet("let z = 1;")]
     budget = FimBudget.for_context(tiny_engine.config.max_context)
     p = build_fim_prompt(tiny_engine.tokenizer, prefix, suffix, budget)
-    head = context_ids(tiny_engine.tokenizer, snippets, context_budget(budget, len(p.ids)))
-    assert head and len(head) <= context_budget(budget, len(p.ids))
+    head = context_ids(tiny_engine.tokenizer, snippets, context_room(budget, p))
+    assert head and len(head) <= context_room(budget, p)
     assert tiny_engine.tokenizer.decode(head).count("src/point.rs") == 1
     assert "src/norm.rs" not in tiny_engine.tokenizer.decode(head)  # too long for the room: left out
     ref = reference(tiny_engine, head + p.ids, 10, heal=p.heal)

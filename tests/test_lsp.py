@@ -814,7 +814,7 @@ async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engi
     """Editor → language server → daemon with a crate on disk: the request carries snippets of the crate's other files
     (an open document's unsaved text over its file's), best first, and the daemon's answer is the engine's for the
     prompt they lead. With projectContext off (the default), nothing is sent."""
-    from m31r.context import context_budget, context_ids
+    from m31r.context import context_ids, context_room
     from m31r.fim import FimBudget, build_fim_prompt, line_context
     from m31r_protocol import messages as m
     from m31r_protocol.context import query_words, rank, windows
@@ -844,7 +844,7 @@ async def test_project_context_is_sent_and_laid_before_the_prompt(lsp, tiny_engi
     assert st["context_snippets"] == 2
     budget = FimBudget.for_context(tiny_engine.config.max_context)
     p = build_fim_prompt(tiny_engine.tokenizer, fim["prefix"], fim["suffix"], budget)
-    head = context_ids(tiny_engine.tokenizer, want, context_budget(budget, len(p.ids)))
+    head = context_ids(tiny_engine.tokenizer, want, context_room(budget, p))
     assert tiny_engine.tokenizer.decode(head).count("p.x * p.y") == 1
     stops = request_stops(m.Fim(id=0, prefix=fim["prefix"], suffix=fim["suffix"], stop=fim["stop"]))
     ref = "".join(x.text for x in tiny_engine.generate(head + p.ids, max_tokens=fim["max_tokens"], stop=stops,
