@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 from m31r_protocol.paths import default_socket_path, socket_path_problem
 
 SD_LISTEN_FDS_START = 3
+log = logging.getLogger("m31rd")
 
 
 class SocketInUse(RuntimeError):
@@ -30,16 +33,89 @@ def _claim(path: Path) -> None:
     """Hold `<socket>.lock` (beside the socket, in the folder that is ours alone) for as long as this process lives.
     The check for a live daemon, the removal of a stale socket file and the bind are not one step: two daemons
     starting at once on a stale socket both found it stale, and the second removed the first one's new socket, which
-    then served no one. Whoever holds the lock is the one daemon on the path; a crash lets go of it."""
+    then served no one. Whoever holds the lock is the one daemon on the path; a crash lets go of it.
+
+    A daemon told to stop closes its socket first and lets go of the lock only when its process ends, a second or
+    more later: one started meanwhile (`kill PID; m31r daemon`, a restart, a client's autostart after a stop) was
+    refused, told to stop a daemon that no longer answered. A holder that does not answer on the socket is waited for
+    (CLAIM_WAIT_S at most); one that answers is refused at once. The lock file records its holder's pid, for the
+    message when the wait runs out."""
     lock = path.with_name(path.name + ".lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
+        if not _lock(fd):
+            _wait_for_holder(fd, path, lock)
+        with contextlib.suppress(OSError):  # the pid is for messages only: a lock without it still works
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.append(fd)
+
+
+CLAIM_WAIT_S = 10.0  # how long a starting daemon waits for one that no longer answers (exiting) to let go of the path
+_CLAIM_POLL_S = 0.05
+
+
+def _lock(fd: int) -> bool:
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        raise SocketInUse(f"another m31rd is already starting or serving on {path} (stop it with {_stop(path)})"
-                          ) from None
-    _HELD.append(fd)
+        return False
+    return True
+
+
+def _answers(path: Path) -> bool:
+    """Whether a daemon answers on `path` (a file there that is not a socket is no daemon: _bind refuses it)."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except OSError:  # no socket file (the daemon that made it removed it as it ended)
+        return False
+    return _is_live(path)
+
+
+def _wait_for_holder(fd: int, path: Path, lock: Path) -> None:
+    """Return once `lock` is ours; refuse (SocketInUse) as soon as a daemon answers on `path`, or once CLAIM_WAIT_S
+    has passed with the holder neither answering nor gone. Only reached when the lock is held: no wait otherwise."""
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    told = False
+    while True:
+        if _answers(path):  # serving, or a starting one that has bound meanwhile
+            raise SocketInUse(f"another m31rd is already starting or serving on {path} (stop it with {_stop(path)})")
+        if time.monotonic() >= deadline:
+            break
+        if not told:
+            told = True
+            log.info("waiting for the m31rd that holds the socket's lock and no longer answers (exiting) to end",
+                     extra={"fields": {"socket": str(path), "holder_pid": _holder(fd)}})
+        time.sleep(_CLAIM_POLL_S)
+        if _lock(fd):
+            return
+    pid = _holder(fd)
+    who = f"pid {pid}" if pid is not None else "its pid unrecorded"
+    raise SocketInUse(
+        f"another m31rd ({who}) holds {lock} but has not answered on {path} for {CLAIM_WAIT_S:g} s: it is still "
+        f"exiting (one already starting or serving there would answer); start this one again once "
+        f"{f'pid {pid}' if pid is not None else 'it'} has ended")
+
+
+def _holder(fd: int) -> int | None:
+    """The pid the lock file records, if that process still runs (a file another program holds may say anything)."""
+    try:
+        pid = int(os.pread(fd, 32, 0).decode("ascii").strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # running, as another user: still the holder it records
+        return pid
+    except (OSError, OverflowError):  # no such process (any more)
+        return None
+    return pid
 
 
 def _stop(path: Path) -> str:

@@ -838,7 +838,9 @@ def test_one_daemon_per_socket_path_even_when_two_start_at_once(tmp_path: Path):
     made = path.stat().st_ctime_ns
     held = os.open(folder / "m31rd.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a daemon starting in another process holds it
-    code = ("import sys; from pathlib import Path; from m31rd.sockets import SocketInUse, bind_unix\n"
+    # (nothing answers on the stale file: the claim waits CLAIM_WAIT_S for a holder that may be exiting, cut short here)
+    code = ("import sys; from pathlib import Path; from m31rd import sockets; from m31rd.sockets import SocketInUse, "
+            "bind_unix\nsockets.CLAIM_WAIT_S = 0.3\n"
             "try:\n    bind_unix(Path(sys.argv[1]))\nexcept SocketInUse as e:\n    sys.exit(str(e))\n")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "already starting or serving" in r.stderr, r.stderr
