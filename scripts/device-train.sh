@@ -82,6 +82,22 @@ try:
 except Exception as e:
     sys.exit(f"torch {torch.__version__} cannot use the device $DEVICE ({str(e).splitlines()[0]}): nothing was "
              "unpacked or trained; run with a python whose torch can (PYTHON=)")
+# So do a CONFIG that is missing or does not load with its model (a typo, a copy outside configs/train whose model:
+# path is relative) and a BUDGET or MINUTES that is no number: they failed only after the corpus was unpacked and
+# tokenised (a minute of the lease), in the retry without compile too.
+import re
+
+from m31r.train.trainer import load_train_config
+
+for name, value in (("BUDGET", "$BUDGET"), ("MINUTES", "$MINUTES")):
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", value):
+        sys.exit(f"{name}={value!r} is not a number of {'seconds' if name == 'BUDGET' else 'minutes'}: nothing was "
+                 "unpacked or trained")
+try:
+    load_train_config("$CONFIG")
+except Exception as e:
+    sys.exit(f"CONFIG=$CONFIG does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+             "nothing was unpacked or trained")
 PY
 
 if [ ! -f "$W/data/corpus/train.jsonl" ]; then
