@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +219,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Engine:
+    # Called before every model pass on the calling thread (the daemon's: m31rd.torch_thread.ThreadGovernor.adjust,
+    # which sets torch's thread count to the cores other processes leave free); None keeps the thread count as set.
+    before_pass: Callable[[], object] | None = None
+
     def __init__(
         self,
         bundle: Bundle | str | Path,
@@ -503,6 +507,8 @@ class Engine:
         rows share the weight reads, and pay where accepted (docs/speed.md "Prompt-lookup decoding": a typing session's
         answers 13-26% sooner); beside other streams they widen every pass, which cost 8 concurrent streams 10-12%
         of their throughput. The output is the same either way."""
+        if self.before_pass is not None:
+            self.before_pass()
         if len(decodes) > 1:
             for d in decodes:
                 d.drafts = []

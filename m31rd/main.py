@@ -274,7 +274,56 @@ def _warm_up(daemon, threads: int | None) -> None:
     except Exception:
         log.exception("warm-up failed")
         return
+    follow = _govern_threads(engine, daemon.threads)
     log.info("warm", extra={"fields": {"warm_ms": round((time.perf_counter() - t0) * 1000, 1),
-                                       "threads": daemon.threads, "decode_widths": widths,
+                                       "threads": daemon.threads, "threads_follow_load": follow,
+                                       "decode_widths": widths,
                                        "chunks_share_passes": engine.fuse,
                                        **engine.kernel_report}})
+
+
+def _govern_threads(engine, ceiling: int) -> str:
+    """Let the thread count follow the CPUs other processes leave free (m31rd.torch_thread.ThreadGovernor): under a
+    `cargo build` an OpenMP team as wide as the machine stalls every decode step at its barriers. Only where the
+    model's logits are the same bits at 1 thread and at `ceiling` (checked here on the kinds of pass a request runs:
+    long and short prefill chunks, decodes of one row, of two streams and of the widest draft rows), so that no output
+    depends on the machine's load. Returns what was decided, for the warm-up's log."""
+    import torch
+
+    from m31r.engine import Decode
+    from m31rd.torch_thread import ThreadGovernor
+
+    if engine.device.type != "cpu":
+        return f"no: the model runs on {engine.device.type}"
+    governor = ThreadGovernor.where_supported(ceiling)
+    if governor is None:
+        return "no: one thread" if ceiling < 2 else "no: no /proc/stat to read the load from"
+    # 96 tokens of the release tokenizer: a long chunk and a short one (chunk_layout), and short ones for the half
+    ids = engine.tokenizer.encode("fn main() {\n    let v: Vec<u32> = (0..10).map(|x| x * 2).collect();\n" * 3)
+    ids = ids[: engine.config.max_context - engine.decode_width - 2]
+
+    def logits(threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        caches = [engine.new_cache(), engine.new_cache()]
+        try:
+            out = [x for x in engine.prefill(caches[0], ids, 0) if x is not None]
+            out += [x for x in engine.prefill(caches[1], ids[: len(ids) // 2 + 1], 0) if x is not None]
+            out.append(engine.decode_rows(caches[:1], [int(out[0].argmax())]))
+            out.append(engine.decode_rows(caches, [int(out[-1].argmax()), int(out[1].argmax())]))
+            wide = Decode(caches[0], ids[1], drafts=ids[2 : engine.decode_width + 1])
+            return out + engine.run([wide], [])[0]
+        finally:
+            for c in caches:
+                c.reset()
+
+    try:
+        one, many = logits(1), logits(ceiling)
+    except Exception:  # as the warm-up's own failures: logged, and the thread count stays as it is
+        log.exception("checking the logits across thread counts failed")
+        return "no: the check failed"
+    finally:
+        torch.set_num_threads(ceiling)
+    if not all(torch.equal(a, b) for a, b in zip(one, many, strict=True)):
+        return f"no: the logits at 1 and at {ceiling} threads differ"
+    engine.before_pass = governor.adjust
+    return "yes"
