@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -13,8 +14,20 @@ from m31r_protocol.messages import MAX_FRAME_BYTES, PROTOCOL_VERSION, ClientMess
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 
+def _cleaned(node: object) -> object:
+    """`node` with each description's docstring indentation removed, as msgspec 0.23 does itself and 0.22 did not:
+    the schema is the same text whichever msgspec is installed (`--check` failed on a fresh install of 0.23)."""
+    if isinstance(node, dict):
+        return {k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _cleaned(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_cleaned(v) for v in node]
+    return node
+
+
 def build_schema() -> dict:
     (client, server), components = msgspec.json.schema_components([ClientMessage, ServerMessage])
+    client, server, components = _cleaned(client), _cleaned(server), _cleaned(components)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": f"m31rd socket protocol v{PROTOCOL_VERSION}",
