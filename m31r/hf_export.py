@@ -12,7 +12,6 @@ Quantized bundles are refused: int8/int4 codes have no Llama spelling, export th
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from m31r.bundle import Bundle, BundleError, load_weights, open_bundle
+from m31r.bundle import Bundle, BundleError, finite, load_weights, open_bundle
 from m31r.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,7 +87,7 @@ def _converted(b: Bundle, name: str, t: torch.Tensor, dtype: str) -> torch.Tenso
     """`t` (finite: load_weights checked) in `dtype`, refused where a value overflows it (float16 tops out at 65504):
     the export held infinities, which transformers turns into NaN logits, and import-hf refuses."""
     out = t.to(DTYPES[dtype]).contiguous()
-    if out.numel() and not all(map(math.isfinite, torch.aminmax(out))):
+    if not finite(out):
         raise BundleError(f"{b.path}: tensor {name} has values beyond {dtype}'s range (largest magnitude "
                           f"{t.abs().max().item():.4g}): export it as float32 or bfloat16 instead")
     return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from m31r.bundle import Bundle, BundleError, check_tokenizer, write_bundle
+from m31r.bundle import Bundle, BundleError, check_tokenizer, finite, write_bundle
 from m31r.checksums import unfinished
 from m31r.config import ConfigError, ModelConfig, parse_config
 
@@ -232,11 +231,6 @@ def _open_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> dict[str, tuple[
     return where
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN and no infinity: min and max are finite exactly when every value is (both propagate NaN)."""
-    return not t.numel() or all(map(math.isfinite, torch.aminmax(t)))
-
-
 def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape config.json implies for each checkpoint tensor, by its Hugging Face name."""
     d, hd, ffn = config.d_model, config.head_dim, config.ffn_hidden
@@ -321,11 +315,11 @@ def _convert(hf_dir: Path, hf: dict, config: ModelConfig, tok: HFTokenizer, src:
         except Exception as e:  # SafetensorError: data the header describes but the file lacks
             raise BundleError(f"{f}: tensor {name} cannot be read ({e}): damaged or truncated?") from None
         # A bundle of NaN or infinite weights was written, and refused only when loaded ("restore the bundle").
-        if not _finite(t):
+        if not finite(t):
             raise BundleError(f"{f}: tensor {name} holds {torch.isnan(t).sum().item()} NaN and "
                               f"{torch.isinf(t).sum().item()} infinite values: a damaged or diverged checkpoint")
         converted = t.to(dtype)
-        if not _finite(converted):
+        if not finite(converted):
             raise BundleError(f"{f}: tensor {name} has values beyond {dtype_name}'s range (largest magnitude "
                               f"{t.abs().max().item():.4g}), the dtype config.json names: set its dtype (and "
                               "torch_dtype) to float32 or bfloat16 to import it")

@@ -8,6 +8,15 @@ from __future__ import annotations
 import copy
 
 
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the stop that ends first in `text` starts (of two ending at once, the longer, earlier one), or None: the
+    stop a stream of single characters meets first. Cut at the earliest start instead, a stop that only began before
+    another ended (["\n", "}\n\n"] on "}\n\n") cut the text earlier when both came in one token than when they
+    came in two: the same text read differently with the tokens' boundaries."""
+    hits = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return min(hits)[1] if hits else None
+
+
 class StopMatcher:
     """Stop sequences, and with `repeat_context` (the text before the completion) the repeated-line stop.
 
@@ -54,14 +63,9 @@ class StopMatcher:
         if not self.stops:
             return piece, False
         text = self._held + piece
-        # The stop that ends first is the one a stream of single characters would meet first; where two end at the
-        # same place, the longer (earlier) one. Cut at the earliest start instead, a stop that only began before
-        # another ended (["\n", "}\n\n"] on "}\n\n") cut the text earlier when both came in one token than when
-        # they came in two: the same text read differently with the tokens' boundaries.
-        hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
-        if hits:
+        if (cut := first_stop(text, self.stops)) is not None:
             self._held = ""
-            return text[: min(hits)[1]], True
+            return text[:cut], True
         keep = self._longest_partial(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

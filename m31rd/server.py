@@ -32,6 +32,7 @@ from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
 from m31r.context import context_ids, context_room
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
+from m31r.stops import first_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameNotBegun, FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.limits import MAX_FRAME_BYTES, MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
@@ -137,13 +138,6 @@ def requests(n: int) -> str:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
-
-
-def first_stop(text: str, stop: list[str]) -> int | None:
-    """Where the stop sequence that ends first in `text` starts (of two ending at once, the longer), or None: where
-    the model's own stop matcher (m31r.stops.StopMatcher) cuts, however the text came in tokens."""
-    hits = [(i + len(s), i) for s in stop if s and (i := text.find(s)) >= 0]
-    return min(hits)[1] if hits else None
 
 
 def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> tuple[str, str] | None:

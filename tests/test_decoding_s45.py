@@ -9,20 +9,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_sampling import feed_all
 
 from m31r.stops import StopMatcher
 
 
 def feed(stops: list[str], pieces: list[str], context: str | None = None) -> tuple[str, bool]:
     """The text a StopMatcher lets through for `pieces`, fed until a stop, then flushed if none hit."""
-    m = StopMatcher(stops, context)
-    out = ""
-    for p in pieces:
-        text, hit = m.feed(p)
-        out += text
-        if hit:
-            return out, True
-    return out + m.flush(), False
+    return feed_all(StopMatcher(stops, context), pieces)
 
 
 @pytest.mark.parametrize(("stops", "text", "expected"), [

@@ -10,27 +10,15 @@ import asyncio
 import importlib.util
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_util import REPO, RUSTC, load
 from lsp_stdio import Stdio
 
-REPO = Path(__file__).resolve().parent.parent
-RUSTC = shutil.which("rustc")
 SCRIPT = REPO / "benchmarks" / "compare_evals.py"
-
-
-def load(monkeypatch, name: str):
-    """benchmarks/NAME.py, loaded as its scripts import each other (by bare name)."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 FILE = ("fn add(x: u32, y: u32) -> u32 {\n    let total = x + y;\n    total\n}\n\n"
