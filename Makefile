@@ -8,17 +8,23 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
-.PHONY: install run test test-python test-vscode vsix lint bench bench-ab soak bench-llamacpp bench-train train-data train export eval eval-large eval-exec clean
+.PHONY: install constraints run test test-python test-vscode vsix lint bench bench-ab soak bench-llamacpp bench-train train-data train export eval eval-large eval-exec clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# Pinned: an open torch range on a machine without torch pulls gigabytes of CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# constraints.txt: the versions the suite last passed with, so a fresh clone installs what was tested.
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# After upgrading a dependency in .venv (and a green `make test`), record the versions for the next fresh install.
+constraints: install
+	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 run: install
 	@echo "--- m31r fim: complete the body of a Rust function (the daemon starts in the background if needed)" >&2
