@@ -193,10 +193,12 @@ class DaemonLink:
         task.add_done_callback(self._closing.discard)
 
     def lost(self, client: Client | None = None, reason: str = "the connection to the daemon was lost") -> None:
-        """A request found the connection (`client`, default: the current one) broken: reconnect on the next."""
+        """A request found the connection (`client`, default: the current one) broken: reconnect on the next. One that
+        has ended counts as the daemon's close, as the watcher counts it: a request in flight hears of the loss first,
+        and a daemon that died under every request (a crash, an OOM kill) was started again for every keystroke."""
         client = client or self._client
         if client is not None:
-            self._drop(client, reason)
+            self._drop(client, reason, by_daemon=client.closed.is_set())
 
     async def status(self, wait: float = 1.0, timeout: float = 2.0) -> StatusReply | None:
         """The daemon's Status, or None if it does not answer in time."""
