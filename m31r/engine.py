@@ -308,7 +308,7 @@ class Engine:
             raise ValueError(f"kv_dtype {self.kv_request}: this engine's decode attention reads "
                              f"{str(self.kv_dtype).removeprefix('torch.')} caches ({self.kernel_report['kv_why']})")
         self.model.eval()
-        self.stop_ids = self.tokenizer.special_ids
+        self.stop_ids = self.tokenizer.end_ids  # the model's end token, and any other control token it writes
         self._heal_masks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # heal_logits' masks, least recent first
         self._probed: tuple[list[int], bool] | None = None
         unused = self.tokenizer.unused_ids

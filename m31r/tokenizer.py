@@ -48,6 +48,12 @@ class Tokenizer:
         reserved = {i for t, i in vocab.items() if t.startswith("<|reserved_") and t.endswith("|>")}
         missing = set(range(model_vocab or 0)) - set(vocab.values())
         self.unused_ids = sorted(reserved | missing)
+        # Ids that end a completion: the config's special tokens and every other control token (guard_user_text's).
+        # Those decode to no text, so a model that wrote one (an imported Qwen2.5-Coder's `<|file_sep|>` or
+        # `<|im_end|>`, an instruct checkpoint's `<|endoftext|>` beside its configured eos) went on unseen into the
+        # next file or turn, to max_tokens, and the text after the marker reached the user's buffer.
+        control = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self.end_ids = frozenset(self.special_ids | (control - reserved))
 
     @classmethod
     def from_file(cls, path: str | Path, special: dict[str, str], model_vocab: int | None = None) -> Tokenizer:
