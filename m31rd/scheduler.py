@@ -155,6 +155,11 @@ class Scheduler:
         those calls. `block`: wait for a submission when there is nothing to do. False once `stop` was called and
         nothing is left."""
         self._take(block and self.idle and not self.stopping)
+        # Running requests that were cancelled (or whose pass failed) end before anything starts: their slots and
+        # places go to the requests waiting now. Ended after the starts, a keystroke's request found the one it
+        # superseded still holding its document's slot, and took a fresh one (a cold prefill) or evicted another
+        # document's.
+        self.running = [run for run in self.running if self._settle(run)]
         now = time.perf_counter()
         for run in [r for r in self.pending if r.cancel_reason or self._expired(r, now)]:
             self.pending.remove(run)  # answer cancelled and expired waiters now, not when they reach the head
@@ -294,13 +299,19 @@ class Scheduler:
             accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,
             line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line), stopped_by=o.stopped_by)
 
-    def _advance(self, run: _Run) -> bool:
-        """Advance a running request to its next model call (collected for this round), emitting the tokens produced
-        on the way. True while it runs on; False once it has finished (its last event emitted, its slot released)."""
+    def _settle(self, run: _Run) -> bool:
+        """End a running request whose pass failed (`internal`) or that was cancelled; True if it runs on."""
         if run.failure is not None:
             return self._end(run, Failed("internal", run.failure), reusable=False)
         if run.cancel_reason:
             return self._end(run, Failed(run.request.cancellation.code, run.cancel_reason))
+        return True
+
+    def _advance(self, run: _Run) -> bool:
+        """Advance a running request to its next model call (collected for this round), emitting the tokens produced
+        on the way. True while it runs on; False once it has finished (its last event emitted, its slot released)."""
+        if not self._settle(run):
+            return False
         assert run.gen is not None
         while True:
             try:
