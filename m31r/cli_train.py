@@ -97,9 +97,12 @@ def train_corpus(data_dir: Path, cache: Path | None, sources: tuple[Path, ...], 
 def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> None:
     """Train the byte-level Rust BPE on DATA_DIR/corpus/train.jsonl (or reuse one), then tokenise both splits."""
 
+    from m31r.train.corpus import unfinished_build
     from m31r.train.tokenizer import bytes_per_token, train_tokenizer
     from m31r.train.trainer import corpus_tokens
 
+    if (unfinished := unfinished_build(data_dir / "corpus")) is not None:
+        fail(unfinished)
     out = data_dir / "tokenizer.json"
     if reuse is not None:
         if reuse.resolve() != out.resolve():
@@ -128,8 +131,11 @@ def train_tokenizer_cmd(data_dir: Path, vocab_size: int, reuse: Path | None) -> 
 def train_textbook(data_dir: Path, out_dir: Path, plain_share: float, seed: int) -> None:
     """Cut DATA_DIR's train split into doc-test examples and small documented functions, one file each, mixed
     with whole train files, as a data folder of their own (same validation split and tokenizer)."""
+    from m31r.train.corpus import unfinished_build
     from m31r.train.textbook import build_textbook
 
+    if (unfinished := unfinished_build(data_dir / "corpus")) is not None:
+        fail(unfinished)
     for need in (data_dir / "corpus" / "train.jsonl", data_dir / "corpus" / "manifest.json",
                  data_dir / "tokenizer.json"):
         if not need.exists():

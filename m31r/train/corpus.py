@@ -135,16 +135,64 @@ PERMISSIVE = frozenset(
 )
 
 
+_SPDX_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
 def is_permissive(expression: str | None) -> bool:
-    """True when an SPDX expression (or Cargo's old `MIT/Apache-2.0`) offers a permissive choice."""
+    """True when an SPDX expression (or Cargo's old `MIT/Apache-2.0`) offers a permissive choice.
+
+    Parsed with SPDX precedence (WITH, then AND, then OR) and parentheses: `GPL-2.0 AND (MIT OR Apache-2.0)` obliges
+    the GPL whichever of the two is taken. A malformed expression is not permissive.
+    """
     if not expression:
         return False
-    text = re.sub(r"[()]", " ", expression).replace("/", " OR ")
-    for choice in re.split(r"\s+OR\s+", text.strip(), flags=re.IGNORECASE):
-        parts = [p.strip().lower() for p in re.split(r"\s+AND\s+", choice, flags=re.IGNORECASE)]
-        if parts and all(p.removesuffix("+") in PERMISSIVE for p in parts):
-            return True
-    return False
+    tokens = _SPDX_TOKEN.findall(expression.replace("/", " OR "))
+    pos = 0
+
+    def peek() -> str:
+        return tokens[pos].upper() if pos < len(tokens) else ""
+
+    def either() -> bool:  # a OR b OR ...
+        nonlocal pos
+        ok = both()
+        while peek() == "OR":
+            pos += 1
+            ok = both() or ok  # (both() first: every operand is parsed)
+        return ok
+
+    def both() -> bool:  # a AND b AND ...
+        nonlocal pos
+        ok = term()
+        while peek() == "AND":
+            pos += 1
+            ok = term() and ok
+        return ok
+
+    def term() -> bool:  # (expr) | licence [WITH exception]
+        nonlocal pos
+        if peek() == "(":
+            pos += 1
+            ok = either()
+            if peek() != ")":
+                raise ValueError("unclosed parenthesis")
+            pos += 1
+            return ok
+        if peek() in ("", ")", "AND", "OR", "WITH"):
+            raise ValueError("a licence is missing")
+        name = tokens[pos].lower()
+        pos += 1
+        if peek() == "WITH":
+            if pos + 1 >= len(tokens) or tokens[pos + 1] in ("(", ")"):
+                raise ValueError("an exception is missing")
+            name += f" with {tokens[pos + 1].lower()}"
+            pos += 2
+        return name.removesuffix("+") in PERMISSIVE
+
+    try:
+        ok = either()
+    except ValueError:
+        return False
+    return ok and pos == len(tokens)
 
 
 @dataclass(frozen=True)
@@ -418,12 +466,32 @@ class _Serial:
 
 
 def _write_jsonl(path: Path, docs: list[Doc]) -> dict[str, int]:
-    with path.open("w", encoding="utf-8") as f:
-        for doc in docs:
-            row = {"path": doc.path, "crate": doc.crate, "crate_path": doc.crate_path, "text": doc.text}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for doc in docs:
+                row = {"path": doc.path, "crate": doc.crate, "crate_path": doc.crate_path, "text": doc.text}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: no partial file left taking its space)
+        raise
     return {"files": len(docs), "bytes": sum(len(d.text.encode()) for d in docs),
             "crates": len({d.crate for d in docs if d.crate})}
+
+
+# In a corpus folder while build_corpus replaces its files: a build stopped there (a full disk, Ctrl-C) left a new
+# train.jsonl beside the old val.jsonl and manifest, whose held-out crates may be in the new training files (another
+# --val-fraction or other sources), under the old dataset_version. Training refuses such a folder (require_data).
+UNFINISHED = "BUILDING"
+
+
+def unfinished_build(corpus_dir: Path) -> str | None:
+    """One line saying the corpus folder holds a build that stopped part-way, or None."""
+    if (Path(corpus_dir) / UNFINISHED).exists():
+        return (f"{corpus_dir} holds a corpus build that stopped part-way (its files may be of two builds, the "
+                "held-out crates of one in the training files of the other): build it again with `m31r train corpus`")
+    return None
 
 
 def drop_lookalikes(docs: list[Doc], held_out: list[bool], workers: int | None = None) -> list[int]:
@@ -473,6 +541,7 @@ def build_corpus(
     train = [d for d, v in zip(docs, held_out, strict=True) if not v]
     val = [d for d, v in zip(docs, held_out, strict=True) if v]
     packages = package_versions() if packages is None else packages
+    (out_dir / UNFINISHED).write_text("m31r train corpus is replacing this folder's files\n")
     seen = reasons.pop("seen", 0)
     manifest = {
         "dataset_version": dataset_version(docs, packages, held_out),
@@ -496,7 +565,10 @@ def build_corpus(
             "lookalike": lookalike_params(),
         },
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp = out_dir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out_dir / "manifest.json")
+    (out_dir / UNFINISHED).unlink()
     return manifest
 
 

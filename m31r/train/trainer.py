@@ -39,13 +39,14 @@ import yaml
 from tqdm import tqdm
 
 from m31r.bundle import Bundle, open_bundle, sha256_file, write_bundle
-from m31r.config import ModelConfig, load_config
+from m31r.config import ModelConfig, _one_line, load_config
 from m31r.cpu import cpu_info
 from m31r.engine import fast_bf16
 from m31r.fim import FimBudget
 from m31r.model import Transformer, init_weights
 from m31r.quant import dequantize_int8
 from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
+from m31r.train.corpus import unfinished_build
 from m31r.train.samples import COT, FIM, NEXT, Neighbours, lm_row, pack_fim_row, tokenize_documents
 
 
@@ -85,13 +86,57 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     minutes: float = 0.0
 
 
+# Values that load but failed only later: eval_interval 0 after the first step (ZeroDivisionError), micro_batch 0 at the
+# first eval, a context_schedule row longer than the model's context at the step its stage begins; grad_accum 0 or
+# grad_clip 0 trained nothing, silently.
+_AT_LEAST_ONE = ("micro_batch", "grad_accum", "max_steps", "eval_interval", "ckpt_interval")
+_NOT_NEGATIVE = ("warmup_steps", "threads", "data_workers", "weight_decay", "alpha", "beta", "min_lr", "minutes")
+_POSITIVE = ("lr", "grad_clip")
+_SHARES = ("fim_rate", "block_fim", "context_fim")
+DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+
+
+def config_problems(tc: TrainConfig, max_context: int) -> list[str]:
+    """What is wrong with a training config's values, one phrase each (none for a good config)."""
+    out = [f"{k} must be >= 1, not {getattr(tc, k)}" for k in _AT_LEAST_ONE if not getattr(tc, k) >= 1]
+    out += [f"{k} must be >= 0, not {getattr(tc, k)}" for k in _NOT_NEGATIVE
+            if not 0 <= getattr(tc, k) < math.inf]  # (false for nan too)
+    out += [f"{k} must be > 0, not {getattr(tc, k)}" for k in _POSITIVE if not 0 < getattr(tc, k) < math.inf]
+    out += [f"{k} must be a share in [0, 1], not {getattr(tc, k)}" for k in _SHARES if not 0 <= getattr(tc, k) <= 1]
+    if tc.min_lr > tc.lr:
+        out.append(f"min_lr {tc.min_lr} is above lr {tc.lr}")
+    if tc.dtype not in DTYPES:
+        out.append(f"dtype must be auto, bfloat16 or float32, not {tc.dtype!r}")
+    for start, length in tc.context_schedule:
+        if not 0 <= start <= 1:
+            out.append(f"context_schedule stage [{start}, {length}]: start {start} outside [0, 1] (a share of "
+                       "max_steps)")
+        if not 8 <= length <= max_context:
+            out.append(f"context_schedule stage [{start}, {length}]: row length {length} outside [8, {max_context}] "
+                       "(the model's max_context)")
+    if tc.minutes > 0 and tc.context_schedule:
+        out.append("a run scheduled by minutes has no context_schedule (its steps are not known beforehand)")
+    return out
+
+
 def load_train_config(path: str | Path) -> tuple[TrainConfig, ModelConfig]:
+    """A training config and its model's, or a ValueError naming the file and every value that is wrong."""
     path = Path(path)
-    tc = msgspec.convert(yaml.safe_load(path.read_text()), TrainConfig)
-    if tc.minutes < 0 or (tc.minutes > 0 and tc.context_schedule):
-        raise ValueError(f"{path}: minutes must be >= 0, and a run scheduled by minutes has no context_schedule "
-                         f"(its steps are not known beforehand)")
-    return tc, load_config((path.parent / tc.model).resolve())
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {_one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of training config fields, got {type(raw).__name__}")
+    try:
+        # strict=False: YAML 1.1 reads `lr: 3e-4` (no dot) as a string, which strict conversion refused as one.
+        tc = msgspec.convert(raw, TrainConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{path}: {e}") from None
+    mc = load_config((path.parent / tc.model).resolve())
+    if problems := config_problems(tc, mc.max_context):
+        raise ValueError(f"{path}: {'; '.join(problems)}")
+    return tc, mc
 
 
 def config_init_from(tc: TrainConfig, config_path: str | Path) -> Path | None:
@@ -281,6 +326,8 @@ def require_data(data_dir: Path) -> None:
     if missing:
         raise FileNotFoundError(f"{data_dir} is not a training data folder ({', '.join(missing)} missing): build it "
                                 f"with `make train-data` (`make train-data DATA={data_dir}` for this folder)")
+    if (unfinished := unfinished_build(data_dir / "corpus")) is not None:
+        raise ValueError(unfinished)
 
 
 def corpus_tokens(data_dir: Path) -> dict[str, int]:
@@ -311,6 +358,14 @@ class Data:
                                          [d.get("crate") or d["path"] for d in ds],
                                          shown=[d.get("crate_path") for d in ds]) for s, ds in docs.items()}
         self.streams = {s: token_stream(tok, self.texts[s], stream_cache(data_dir, s)) for s in self.texts}
+        # A split shorter than one row failed in lm_row's randrange ("empty range for randrange()"): the train split at
+        # the first step, the validation split only at the first eval, eval_interval steps in and before that step's
+        # checkpoint (a corpus built with --val-fraction 0, or one small held-out crate).
+        for s, (ids, _) in self.streams.items():
+            if len(ids) < seq_len + 2:
+                more = "more sources" + (", or with a larger --val-fraction" if s == "val" else "")
+                raise ValueError(f"{data_dir / 'corpus' / f'{s}.jsonl'} holds {len(ids)} tokens, fewer than the "
+                                 f"{seq_len + 2} one row of the model's max_context needs: build it from {more}")
         self._validation: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def validation_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -731,12 +786,14 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
         if old and tc.init_from and Path(old).is_absolute() and Path(old) == config_init_from(tc, config_path):
             state["train_config"]["init_from"] = tc.init_from  # a run from before init_from was kept as written
         record_config_change(state, msgspec.to_builtins(tc))
-        trim_log(run_dir / "log.jsonl", state["step"])
     elif init_from or tc.init_from:
         source = init_from or config_init_from(tc, config_path)
         load_weights(model, source)
         state["init_from"] = bundle_identity(source)
         log(f"new run from the weights of {source} (fresh optimizer)")
+    # Records past the checkpoint (all of them, for a run started again: one killed before its first checkpoint, or
+    # device-train's retry without torch.compile) are of steps trained again now, and would be logged twice.
+    trim_log(run_dir / "log.jsonl", state["step"])
     model.to(dev)
     opt = make_optimizer(model, tc)
     if saved is not None and saved["optimizer"] is not None:
