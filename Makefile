@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TORCH_CPU_INDEX ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu)
 DATA   ?= $(or $(M31R_DATA),$(HOME)/.cache/m31r/data)
 RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 
@@ -13,8 +14,12 @@ RUN    ?= $(or $(M31R_RUN),$(HOME)/.cache/m31r/runs/mini)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# Pinned: an open torch range on a machine without torch pulls gigabytes of CUDA wheels.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch==2.13.0, pinned (an open range pulls gigabytes of CUDA wheels): a wheel this machine already has (pip's
+	# find-links), else on Linux the CPU build from PyTorch's index (PyPI's Linux wheel is the CUDA one), else PyPI's.
+	# Its dependencies come with the next line.
+	$(BIN)/pip install -q --no-deps --no-index torch==2.13.0 2>/dev/null \
+	  || $(if $(TORCH_CPU_INDEX),$(BIN)/pip install -q --no-deps --index-url $(TORCH_CPU_INDEX) torch==2.13.0 ||) \
+	  $(BIN)/pip install -q --no-deps torch==2.13.0
 	# constraints.txt: the versions the suite last passed with, so a fresh clone installs what was tested.
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
