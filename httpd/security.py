@@ -18,7 +18,9 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import stat
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -53,6 +55,50 @@ def host_of(header: str) -> str:
     if h.count(":") == 1:
         h = h.split(":", 1)[0]
     return h.rstrip(".").lower()
+
+
+def _url_part(url: str, part: str) -> str | None:
+    """A part of `url` for an error message's example (None where Python cannot split it: `http://[::1/`)."""
+    try:
+        return getattr(urllib.parse.urlsplit(url), part) or None
+    except ValueError:
+        return None
+
+
+def check_allowed_host(value: str) -> str:
+    """`value` as --allowed-host takes it: a name or address as a Host header carries it (its port, if given, is not
+    compared), or "*". ValueError for a URL or anything with a path: no Host header ever names one, so every request
+    was refused with a 403 telling the user to pass the --allowed-host they had passed."""
+    v = value.strip()
+    if v == "*" or (v and not any(c.isspace() or c in "/@?#" for c in v)):
+        return v
+    name = _url_part(v if "://" in v else f"//{v}", "hostname")
+    example = f": --allowed-host {name}" if name and not any(c.isspace() for c in name) else ""
+    raise ValueError(f"--allowed-host {value!r} is not a host name: give the name or address a request's Host "
+                     f"header carries, without a scheme, user or path{example}")
+
+
+# An Origin header's value (RFC 6454): scheme://host[:port], nothing after it.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s]+")
+
+
+def check_origin(value: str) -> str:
+    """`value` as --cors-origin takes it, in the form browsers send: without a trailing slash, its scheme in lower case
+    and an http(s) host too (the URL standard's serialisation; the CORS middleware compares origins exactly), or "*"
+    or "null". ValueError for what no browser sends as an Origin (no scheme, a path): the server would refuse every
+    request from the page with a 403 telling the user to pass the --cors-origin they had passed."""
+    v = value.strip().rstrip("/")
+    if v in ("*", "null"):
+        return v
+    scheme, _, rest = v.partition("://")
+    if _ORIGIN.fullmatch(v.lower()):
+        scheme = scheme.lower()
+        return f"{scheme}://{rest.lower() if scheme in ('http', 'https') else rest}"
+    url = v if "://" in v else f"http://{v}"
+    host = (_url_part(url, "netloc") or "").rpartition("@")[2]
+    example = f": --cors-origin {_url_part(url, 'scheme')}://{host}".lower() if host else ""
+    raise ValueError(f"--cors-origin {value!r} is not an origin: give it as browsers send it, scheme://host[:port] "
+                     f"with no path{example}")
 
 
 class HostPolicy:

@@ -76,14 +76,15 @@ def run(host: str = "127.0.0.1", port: int = DEFAULT_PORT, socket: str | Path | 
         body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM. ValueError (before binding) for a bad configuration."""
-    from m31r_http.security import load_token
+    from m31r_http.security import check_allowed_host, check_origin, load_token
 
     loopback = check_bind(host, allow_remote)
     token = load_token(token_file) if token_file is not None else None
     if max_body < 1 or max_tokens_cap < 1 or min(request_timeout, body_timeout, header_timeout) <= 0:
         raise ValueError("--max-body, --max-tokens-cap, --request-timeout, --body-timeout and --header-timeout must "
                          "be positive")
-    hosts = list(allowed_hosts)
+    hosts = [check_allowed_host(h) for h in allowed_hosts]
+    cors_origins = [check_origin(o) for o in cors_origins]
     if not loopback and host not in ("0.0.0.0", "::", ""):
         hosts.append(host)  # a specific address: requests naming it are for us
 
