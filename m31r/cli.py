@@ -126,6 +126,17 @@ socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=
                              help=f"Daemon socket (default: {DEFAULT_SOCKET_HELP}).")
 
 
+# More threads than any CPU m31r runs on has: past it a typo (`--threads 40000`) killed the daemon as it loaded (OpenMP
+# could not create the team: `libgomp: Thread creation failed`, or a segfault), with no `m31rd:` line to say why.
+MAX_THREADS = 1024
+
+
+def _not_too_many_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value > MAX_THREADS:
+        raise click.BadParameter(f"{value} is more threads than any CPU has cores (at most {MAX_THREADS})", ctx, param)
+    return value
+
+
 def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
     """Read the settings file (--config, else the default one where it exists) into the options' defaults, before
     the other options are parsed: an option given on the command line still wins. A bad file ends the start in one
@@ -162,8 +173,8 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
 @click.option("--prefill-gemm", type=click.Choice(["auto", "float32"]), default="auto", show_default=True,
               help="Prefill GEMMs of int8 layers on float32 activations. auto: bfloat16 where the CPU runs it natively "
               "(AVX512-BF16, AMX; faster cold prompts), else float32, which may also be named.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch intra-op threads (default: all cores).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, callback=_not_too_many_threads,
+              help=f"torch intra-op threads (default: all cores; at most {MAX_THREADS}).")
 @click.option("--cache-mb", type=click.FloatRange(min=0), default=1536, show_default=True, callback=finite,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
                    "bounds concurrent requests. 0 disables reuse across requests.")
@@ -213,7 +224,16 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
     from m31r_protocol.paths import default_socket_path
     from m31rd.main import DaemonOptions, default_bundle, run
 
-    check_device(device)
+    ctx = click.get_current_context()
+    settings = ctx.meta.get("m31r.settings")
+    if settings is not None and ctx.get_parameter_source("device") is click.core.ParameterSource.DEFAULT_MAP:
+        from m31r.daemon_config import device_error
+
+        if why := device_error(settings, device):  # as the file's other errors: it, not --device, names the device
+            click.echo(f"m31rd: {why}", err=True)
+            sys.exit(1)
+    else:
+        check_device(device)
     opts = DaemonOptions(bundle=bundle_dir or default_bundle(), socket=socket_path or default_socket_path(),
                          device=device, dtype=dtype, kv_dtype=kv_dtype, prefill_gemm=prefill_gemm, threads=threads,
                          cache_mb=cache_mb,
@@ -222,7 +242,7 @@ def daemon(bundle_dir: Path | None, socket_path: Path | None, device: str, dtype
                          read_timeout=read_timeout, max_active=max_active, decode_width=decode_width,
                          lookahead=lookahead, beams=beams, chunk_size=chunk_size, quant=quant,
                          log_level=log_level, log_file=log_file,
-                         settings=click.get_current_context().meta.get("m31r.settings"))
+                         settings=settings)
     code = run(opts)
     # Everything is flushed and the socket is gone: skip interpreter teardown (seconds of torch cleanup).
     sys.stdout.flush()
@@ -514,8 +534,11 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
         except OSError as e:  # a read that fails names no file: _Main would call it output that cannot be written
             fail(f"cannot read {file_path}: {e.strerror or e}")
         lines = editor_lines(text)
-        if not 1 <= line <= len(lines) + 1:
-            fail(f"--line {line} is outside {file_path} ({len(lines)} lines)")
+        # A line end opens one more (empty) line for the cursor; without one at the end (or with no text), the last
+        # line is the last: past it, the cursor fell silently at that line's end.
+        last = len(lines) + 1 if not lines or lines[-1][-1] in "\r\n" else len(lines)
+        if not 1 <= line <= last:
+            fail(f"--line {line} is outside {file_path} ({len(lines)} line{'s' * (len(lines) != 1)})")
         width = len(lines[line - 1].rstrip("\r\n")) if line <= len(lines) else 0
         if not 1 <= column <= width + 1:
             fail(f"--column {column} is outside line {line} ({width} characters)")

@@ -136,6 +136,18 @@ def _bundle_write_failed(e: BaseException, out: Path) -> None:
         fail(f"{out}: not enough memory for this model ({what}): check the sizes in its config")
 
 
+def _fits_in_memory(nbytes: int, what: str) -> None:
+    """Refuse, before anything is built or written, a model whose float32 weights alone exceed this machine's memory:
+    a config with a slip in it (`n_layers: 1000000000000`) built layer after small layer for hours, no allocation
+    large enough to fail, until the machine swapped or the OOM killer ended it."""
+    from m31r.bundle import physical_memory
+
+    total = physical_memory()  # (None where the OS does not say: the allocator's own failure says it then)
+    if total and nbytes > total:
+        raise ValueError(f"{what}: its float32 weights take {nbytes / 2**30:,.1f} GiB, more than this machine's "
+                         f"{total / 2**30:,.1f} GiB of memory: check the sizes in the config")
+
+
 @click.group()
 def bundle() -> None:
     """Create, import and verify model bundles."""
@@ -160,6 +172,7 @@ def bundle_init(config: Path, out: Path, seed: int, tokenizer_file: Path | None,
     from m31r.config import load_config
 
     cfg = load_config(config)
+    _fits_in_memory(cfg.param_count() * 4, f"{config}: the model has {cfg.param_count():,} parameters")
     tok = None
     if tokenizer_file is not None:
         try:

@@ -135,10 +135,16 @@ def a_number(ctx: click.Context, param: click.Parameter, value: float | None) ->
 def check_device(device: str) -> None:
     """Refuse a device torch cannot use on this machine, in one line naming the ones it can, before anything loads:
     torch refuses only at its first tensor there (the daemon's model load, the trainer's model), as `AssertionError:
-    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has. Imports torch, except for
+    Torch not compiled with CUDA enabled` or a traceback, naming no device the machine has."""
+    if why := device_problem(device):
+        fail(f"--device {device}: {why}")
+
+
+def device_problem(device: str) -> str | None:
+    """Why torch cannot use `device` on this machine (naming the devices it can), or None. Imports torch, except for
     `cpu`: the daemon listens before torch is imported, which a check would delay."""
     if device == "cpu":
-        return
+        return None
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -147,16 +153,17 @@ def check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        fail(f"--device {device}: not a device name ({has})")
+        return f"not a device name ({has})"
     if dev.type == "cuda" and not count:
         why = "this torch is built without CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
-        fail(f"--device {device}: no CUDA device ({why}); {has}")
+        return f"no CUDA device ({why}); {has}"
     if dev.type == "cuda" and dev.index is not None and dev.index >= count:
-        fail(f"--device {device}: no CUDA device {dev.index}; {has}")
+        return f"no CUDA device {dev.index}; {has}"
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        fail(f"--device {device}: no MPS device (Apple GPUs only); {has}")
+        return f"no MPS device (Apple GPUs only); {has}"
     if dev.type not in ("cpu", "cuda", "mps"):
-        fail(f"--device {device}: m31r runs on cpu, cuda or mps, not {dev.type}; {has}")
+        return f"m31r runs on cpu, cuda or mps, not {dev.type}; {has}"
+    return None
 
 
 class UserPath(click.Path):

@@ -68,6 +68,17 @@ def read_defaults(path: Path, command: click.Command, ctx: click.Context) -> dic
     return defaults
 
 
+def device_error(path: Path, device: str) -> str | None:
+    """What is wrong with the file's `device` on this machine (no CUDA, no Apple GPU), worded as the file's other
+    errors: the option's own check names `--device`, which the user of an autostarted daemon never passed. Imports
+    torch, except for `cpu`. Checked where the file's device is the one used, not while reading it: a file written
+    for a GPU machine must not stop `m31r daemon --device cpu`."""
+    from m31r.cli_common import device_problem
+
+    why = device_problem(device)
+    return f"{path}: `device = {_toml(device)}`: {why}" if why else None
+
+
 def _checked(path: Path, key: str, value: object, param: click.Option, ctx: click.Context) -> object:
     """`value` converted and range-checked by the option's own type and callback."""
     kind = param.type

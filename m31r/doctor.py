@@ -180,6 +180,7 @@ def check_bf16(ctx: Context) -> Check:
 
 def check_settings(ctx: Context) -> Check:
     """The settings file every daemon started here reads (m31r.daemon_config), checked as `m31r daemon` checks it."""
+    from m31r import daemon_config
     from m31r.cli import daemon
 
     path, found = ctx.settings.path, ctx.settings.found
@@ -190,6 +191,9 @@ def check_settings(ctx: Context) -> Check:
         return Check("settings", "fail", f"{why}; every daemon started here refuses to start until it is fixed")
     if not found:
         return Check("settings", "ok", f"{path} sets nothing: daemons run on their defaults")
+    if "device" in found and (why := daemon_config.device_error(path, found["device"])):  # said ok; no daemon started
+        return Check("settings", "fail", f"{why}; every daemon started here without --device refuses to start until "
+                                         "it is fixed")
     names = {p.name: p.opts[0] for p in daemon.params}
     shown = ", ".join(f"{names[k]} {v}" for k, v in found.items())
     return Check("settings", "ok", f"{path}: daemons started here default to {shown} (a running daemon read it "
