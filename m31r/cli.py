@@ -129,6 +129,9 @@ socket_option = click.option("--socket", "socket_path", type=UserPath(path_type=
 # More threads than any CPU m31r runs on has: past it a typo (`--threads 40000`) killed the daemon as it loaded (OpenMP
 # could not create the team: `libgomp: Thread creation failed`, or a segfault), with no `m31rd:` line to say why.
 MAX_THREADS = 1024
+# The warm-up probes every decode width up to this one, a forward pass each: a slip (`--decode-width 1000000000`) kept
+# the daemon warming for ever while its memory grew. 64 rows is eight streams each with a beam search of 8.
+MAX_DECODE_WIDTH = 64
 
 
 def _not_too_many_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
@@ -193,9 +196,10 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
                    "time (10 s when 0); connections idle after their Hello are never timed out.")
 @click.option("--max-active", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests advanced together (each holds a cache slot; bounded by --cache-mb).")
-@click.option("--decode-width", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--decode-width", type=click.IntRange(min=1, max=MAX_DECODE_WIDTH), default=8, show_default=True,
               help="Rows per batched decode step: concurrent streams share it. Outputs never depend on what runs "
-                   "beside them; 1 gives the lowest single-stream latency but no batching.")
+                   f"beside them; 1 gives the lowest single-stream latency but no batching (at most "
+                   f"{MAX_DECODE_WIDTH}).")
 @click.option("--lookahead", type=click.IntRange(min=0), default=3, show_default=True,
               help="Prompt-lookup decoding: draft tokens copied from the prompt, verified per decode step (greedy "
                    "requests only; the output is the same, it comes faster where the completion repeats the "

@@ -85,6 +85,29 @@ def test_threads_past_any_cpu_are_refused_on_the_command_line_and_in_the_setting
     assert daemon_config.read_defaults(config_home, *_daemon())["threads"] == MAX_THREADS
 
 
+def test_a_decode_width_the_warm_up_cannot_probe_is_refused(config_home: Path) -> None:
+    """The warm-up runs a forward pass at every width up to --decode-width: `--decode-width 1000000000` kept the daemon
+    warming for ever while its memory grew. Refused as usage, on the command line and in daemon.toml."""
+    from m31r import doctor
+    from m31r.cli import MAX_DECODE_WIDTH
+
+    r = cli("daemon", "--decode-width", str(MAX_DECODE_WIDTH + 1), "--bundle", str(config_home.parent / "none"),
+            "--socket", str(config_home.parent / "d.sock"))
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert f"Invalid value for '--decode-width': {MAX_DECODE_WIDTH + 1} is not in the range 1<=x<={MAX_DECODE_WIDTH}" \
+        in r.stderr, r.stderr
+    config_home.write_text("decode_width = 1000000000\n")
+    assert "1000000000 is not in the range" in (doctor.Settings.read().error or "")
+    config_home.write_text(f"decode_width = {MAX_DECODE_WIDTH}\n")
+    assert daemon_config_defaults(config_home)["decode_width"] == MAX_DECODE_WIDTH
+
+
+def daemon_config_defaults(path: Path) -> dict:
+    from m31r import daemon_config
+
+    return daemon_config.read_defaults(path, *_daemon())
+
+
 def _daemon() -> tuple:
     import click
 
