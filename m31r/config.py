@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -171,6 +172,12 @@ class _StrictLoader(yaml.SafeLoader):
                     raise yaml.YAMLError(f"key `{key_node.value}` appears twice (line {key_node.start_mark.line + 1})")
                 keys.add(key_node.value)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads an exponent without a dot or sign, `norm_eps: 1e-5` or `rope_theta: 1.0e4`, as a string,
+# which the config's float fields then refused ("Expected `float`, got `str`"); YAML 1.2 reads a number.
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789"))
 
 
 def _one_line(e: yaml.YAMLError) -> str:
