@@ -39,7 +39,10 @@ daemon runs one arithmetic and never switches. Where no family runs, no C compil
 
 The kernels run on torch's OpenMP threads, not on a second pool competing with them for the cores. On Linux the
 library is linked with -fopenmp and so needs libgomp.so.1: torch has loaded its own copy by then, and the dynamic
-loader reuses a loaded library of the same soname. Apple's clang ships no OpenMP runtime or header, but torch's macOS
+loader reuses a loaded library of the same soname. clang's -fopenmp links LLVM's libomp instead, whose ABI libgomp
+lacks: that build, which would run a second thread pool ignoring torch's thread count, is not loaded (`elf_needed`
+says what a build links), and the one-thread build runs, as it does where the OpenMP build cannot link at all (clang
+without libomp installed). Apple's clang ships no OpenMP runtime or header, but torch's macOS
 wheels carry libomp.dylib: there the library is compiled with `-Xclang -fopenmp`, links no runtime, and binds its
 OpenMP calls when it loads to the libomp torch has loaded (`openmp_runtime`, made global first). Where that runtime
 is not found, or that build does not compile or load, the one-thread build (no OpenMP) runs, and `Kernels.reason`
@@ -53,8 +56,10 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -383,7 +388,8 @@ def _build(out_dir: Path | None, family: str | None, openmp: bool, system: str,
         if done.returncode:
             # The reason is one line (it ends up in "native kernels off: ..."); the whole output is for debugging.
             log.debug("%s failed on %s (exit status %d):\n%s", cc, fam.source, done.returncode, done.stderr)
-            raise RuntimeError(f"{cc} failed on {fam.source.name}: {_first_error(done.stderr, done.returncode)}")
+            raise BuildError(f"{cc} failed on {fam.source.name}: {_first_error(done.stderr, done.returncode)}",
+                             done.stderr)
         try:
             _publish(built, target)
         except OSError as e:
@@ -395,6 +401,14 @@ def _build(out_dir: Path | None, family: str | None, openmp: bool, system: str,
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
     return target, False
+
+
+class BuildError(RuntimeError):
+    """A compile that exited with an error: its one-line reason, and the compiler's whole output (`output`)."""
+
+    def __init__(self, reason: str, output: str):
+        super().__init__(reason)
+        self.output = output
 
 
 BUILD_TIMEOUT_S = 120.0  # a compiler run past this is taken as hung (a build takes ~0.3 s; a loaded machine, more)
@@ -846,12 +860,81 @@ class DecodeTable:
         self.kernels.attend_qkv(qkv, cos, sin, self, layer, out)
 
 
+# OpenMP runtimes by soname: GCC's libgomp (and auditwheel's renamed copies), LLVM's libomp, Intel's libiomp5.
+_OPENMP_LIB = re.compile(r"lib(?:g|i)?omp5?(?:-[0-9a-f]+)?\.so")
+# What a compiler says where it cannot link its OpenMP runtime (clang without libomp-dev: "cannot find -lomp").
+_OPENMP_ERROR = re.compile(r"openmp|-l(?:g|i)?omp|lib(?:g|i)?omp|omp\.h", re.IGNORECASE)
+
+
+class SecondRuntime(RuntimeError):
+    """A Linux OpenMP build that links an OpenMP runtime other than torch's (`open_family`)."""
+
+
+def elf_needed(path: Path) -> list[str]:
+    """The libraries an ELF shared object names as DT_NEEDED, in order; [] for a file that is not one or cannot be
+    read. Mapped, not read: torch's libtorch_cpu.so is hundreds of MB, of which this touches a few pages."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"\x7fELF":
+                return []
+            order = "<" if data[5] == 1 else ">"
+            if data[4] == 2:  # ELF64: section header (type, offset, size, link) and dynamic entry layouts
+                shoff, (entsize, count) = struct.unpack_from(f"{order}Q", data, 0x28)[0], \
+                    struct.unpack_from(f"{order}HH", data, 0x3A)
+                header, entry = f"{order}IIQQQQIIQQ", f"{order}qQ"
+            else:
+                shoff, (entsize, count) = struct.unpack_from(f"{order}I", data, 0x20)[0], \
+                    struct.unpack_from(f"{order}HH", data, 0x2E)
+                header, entry = f"{order}IIIIIIIIII", f"{order}iI"
+            sections = [struct.unpack_from(header, data, shoff + i * entsize) for i in range(count)]
+            dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+            if dynamic is None:
+                return []
+            strings, step, needed = sections[dynamic[6]][4], struct.calcsize(entry), []
+            for at in range(dynamic[4], dynamic[4] + dynamic[5] - step + 1, step):
+                tag, value = struct.unpack_from(entry, data, at)
+                if tag == 0:  # DT_NULL ends the table
+                    break
+                if tag == 1:  # DT_NEEDED: an offset into the dynamic string table
+                    start = strings + value
+                    needed.append(data[start : data.find(b"\0", start)].decode(errors="replace"))
+            return needed
+    except (OSError, ValueError, IndexError, struct.error):
+        return []
+
+
+def _second_runtime(path: Path) -> str | None:
+    """Why a Linux OpenMP build would not run on torch's threads, or None: it links an OpenMP runtime that torch's
+    libtorch_cpu does not (clang's -fopenmp links LLVM's libomp; torch's wheel runs libgomp, whose ABI clang's code
+    does not call). Loaded, it would bring a second thread pool that ignores torch.set_num_threads (the daemon's
+    thread count) and whose threads spin after every call on the cores torch's threads need."""
+    ours = [n for n in elf_needed(path) if _OPENMP_LIB.match(n)]
+    torch_libs = [p for p in loaded_libraries("linux") if p.name.startswith("libtorch_cpu")]
+    theirs = [n for p in torch_libs[:1] for n in elf_needed(p) if _OPENMP_LIB.match(n)]
+    foreign = [n for n in ours if n not in theirs]
+    if not theirs or not foreign:  # one runtime either way (torch without OpenMP: the build's own is the only one)
+        return None
+    return (f"its OpenMP build links {foreign[0]}, not torch's runtime ({theirs[0]}): a second thread pool beside "
+            "torch's (CC=gcc builds kernels on torch's threads)")
+
+
 def open_family(family: Family, why: str, system: str = sys.platform, out_dir: Path | None = None) -> Kernels:
     """The family's build, loaded. On macOS its OpenMP build rests on torch's libomp (the module's docstring): where
     that runtime is missing, or the build does not compile (a compiler without `-Xclang -fopenmp`) or load (a
-    symbol not found), the one-thread build runs instead, and its reason says why."""
+    symbol not found), the one-thread build runs instead, and its reason says why. On Linux the OpenMP build must
+    run on torch's runtime: where the compiler links another (clang: LLVM's libomp) or cannot link its own (clang
+    without libomp installed), the one-thread build runs too."""
     if system != "darwin":
-        return _open(out_dir, family, why)
+        try:
+            return _open(out_dir, family, why, system=system)
+        except SecondRuntime as e:
+            note = str(e)
+        except BuildError as e:
+            if not _OPENMP_ERROR.search(e.output):  # not about OpenMP: the one-thread build would fail the same way
+                raise
+            note = f"its OpenMP build failed ({str(e).strip().splitlines()[0][:300]})"
+        log.info("native kernels on one thread: %s", note)
+        return _open(out_dir, family, f"{why}; one thread: {note}", False, system)
     runtime = openmp_runtime(system)
     if runtime is None:
         note = "torch's OpenMP runtime (libomp) is not loaded"
@@ -870,6 +953,8 @@ def _open(out_dir: Path | None, family: Family, why: str, openmp: bool = True, s
     compiled once more, replacing it atomically, so the kernels do not stay off until someone deletes it; what
     that rebuild's load raises is the reason they are off."""
     path, cached = _build(out_dir, family.name, openmp, system)
+    if openmp and system != "darwin" and (second := _second_runtime(path)):
+        raise SecondRuntime(second)  # checked before the load: a loaded runtime cannot be unloaded
     try:
         _whole(path)
         return Kernels(path, family, why)
@@ -878,6 +963,8 @@ def _open(out_dir: Path | None, family: Family, why: str, openmp: bool = True, s
             raise
         log.debug("cached native kernels %s did not load (%s): building them again", path, e)
     path = _build(out_dir, family.name, openmp, system, fresh=True)[0]
+    if openmp and system != "darwin" and (second := _second_runtime(path)):  # (a cut file's links were unreadable)
+        raise SecondRuntime(second)
     _whole(path)
     return Kernels(path, family, why)
 
