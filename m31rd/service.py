@@ -13,6 +13,7 @@ This module imports only the standard library: the CLI must not pay for torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import plistlib
 import shlex
@@ -97,9 +98,15 @@ def client_socket(socket: str | Path | None = None) -> Path:
 
 def systemd_runtime_dir() -> Path:
     """What %t means in a user unit: the user manager's runtime dir, $XDG_RUNTIME_DIR of a login session (an assumption
-    where this shell has none: /run/user/UID, what pam_systemd makes)."""
+    where this shell has none of its own: /run/user/UID, what pam_systemd makes). One that is another user's (`su`
+    keeps the first user's) is not ours: %t was read as that user's folder."""
     base = os.environ.get("XDG_RUNTIME_DIR", "")
-    return Path(base) if os.path.isabs(base) else Path(f"/run/user/{os.getuid()}")
+    if os.path.isabs(base):
+        with contextlib.suppress(OSError):
+            st = os.stat(base)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                return Path(base)
+    return Path(f"/run/user/{os.getuid()}")
 
 
 def systemd_listen(socket: Path) -> str:
@@ -205,9 +212,11 @@ def template(name: str) -> str:
 DEFAULT_LISTEN_COMMENT = "# %t is $XDG_RUNTIME_DIR (/run/user/UID): the path every m31r client uses by default.\n"
 
 
-def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_LISTEN) -> dict[str, str]:
+def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_LISTEN, *,
+                   from_default: bool = False) -> dict[str, str]:
     """{file name: content} of the two user units; `listen` is m31rd.socket's ListenStream= (systemd_listen). On
-    another path than the default, the comment says so: clients do not find that socket unless told."""
+    another path than the default, the comment says so: clients do not find that socket unless told. `from_default`:
+    that path is the default of a shell with no runtime dir of its own (/tmp/m31r-UID), not one a user named."""
     exec_start = " ".join([systemd_executable(command[0]), *(systemd_quote(a) for a in command[1:])])
     service = template("m31rd.service").replace("@M31R@", exec_start).replace("@BUNDLE@", systemd_quote(str(bundle)))
     socket = template("m31rd.socket")
@@ -218,6 +227,9 @@ def render_systemd(command: Sequence[str], bundle: Path, listen: str = DEFAULT_L
         # A comment is not read for specifiers: the path as it is, not as ListenStream= escapes it.
         path = listen.replace("%%", "%")
         socket = socket.replace(DEFAULT_LISTEN_COMMENT, (
+            f"# ListenStream= is {path}: the default socket of the shell that installed it, which had\n"
+            "# no XDG_RUNTIME_DIR of its own, not %t/m31r/m31rd.sock ($XDG_RUNTIME_DIR/m31r/m31rd.sock): m31r clients\n"
+            "# of a login session find it only with M31R_SOCKET (or --socket) set to it.\n" if from_default else
             f"# ListenStream= is {path}: the socket M31R_SOCKET or `m31r service install --socket` "
             "named,\n# not the default %t/m31r/m31rd.sock ($XDG_RUNTIME_DIR/m31r/m31rd.sock), so m31r clients find it\n"
             "# only with M31R_SOCKET (or --socket) set to it.\n"))
@@ -318,13 +330,15 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
     bundle_path = resolve_bundle(bundle)
     command = m31r_command()
     sock = client_socket(socket)
+    source = "--socket" if socket else "$M31R_SOCKET" if os.environ.get("M31R_SOCKET") else "the default"
+    # The default here, yet not %t's path: this shell has no runtime dir of its own (unset; another user's after su).
+    off_default = k == "systemd" and source == "the default" and systemd_listen(sock) != DEFAULT_LISTEN
     files: dict[Path, bytes]
     if k == "systemd":
-        units = render_systemd(command, bundle_path, systemd_listen(sock))
+        units = render_systemd(command, bundle_path, systemd_listen(sock), from_default=off_default)
         files = {unit_dir(k) / n: text.encode() for n, text in units.items()}
     else:
         files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, launchd_log_path())}
-    source = "--socket" if socket else "$M31R_SOCKET" if os.environ.get("M31R_SOCKET") else "the default"
     differing = [path for path, data in files.items() if _differs(path, data)]
     if dry_run:
         for path, data in files.items():
@@ -352,6 +366,12 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
             echo(f"kept the previous {path} as {backup}")
         echo(f"wrote {path}")
     echo(f"the service listens on {sock} (from {source})")
+    if off_default:
+        login = systemd_runtime_dir() / "m31r" / "m31rd.sock"
+        echo(f"note: this shell has no XDG_RUNTIME_DIR of its own (unset, or another user's after su), so its default "
+             f"socket is {sock}; clients in a login session (your editor's) look at {login} and would not find the "
+             f"service, and start a daemon of their own: run `m31r service install --force` in such a session, or "
+             f"pass --socket {shlex.quote(str(login))}")
     stop = f"m31r stop --socket {shlex.quote(str(sock))}" if socket else "m31r stop"  # what reaches `sock` here
     if (pid := _daemon_beside(k, sock)) is not None:
         echo(f"note: a daemon (pid {pid}) already serves {sock} outside the service: `{stop}` before starting the "

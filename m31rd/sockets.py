@@ -11,6 +11,7 @@ import socket
 import stat
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from m31r_protocol.paths import default_socket_path, socket_path_problem
 
@@ -228,17 +229,62 @@ def _bind(path: Path) -> socket.socket:
 
 
 def activated_socket() -> socket.socket | None:
-    """The socket systemd passed us (LISTEN_FDS/LISTEN_PID), if this process was socket-activated."""
+    """The socket systemd passed us (LISTEN_FDS/LISTEN_PID), if this process was socket-activated.
+
+    Passed sockets that m31rd cannot serve end the process (SystemExit, the reason on stderr and in the log) instead
+    of being served wrongly: a second ListenStream= (LISTEN_FDS=2) left its clients waiting for ever in a backlog no
+    one accepts from, Accept=yes (a connection, not a listener) left the first client waiting for ever, and a TCP
+    ListenStream= ended the daemon in a traceback about asyncio. Nothing has been made yet to clean up."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
         return None
-    n = int(os.environ.get("LISTEN_FDS", "0"))
-    if n < 1:
-        return None
+    fds = os.environ.get("LISTEN_FDS", "0")
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(var, None)  # children must not think the socket is theirs
-    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    try:
+        n = int(fds)
+    except ValueError:
+        _refuse_activation(f"LISTEN_FDS={fds!r} is not a number of sockets")
+    if n < 1:
+        return None
+    if n > 1:
+        names = "; ".join(_describe(fd) for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + n))
+        _refuse_activation(f"systemd passed {n} sockets ({names}) and m31rd serves one: clients of the others would "
+                           "wait for ever; leave one ListenStream= in m31rd.socket")
+    try:
+        sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    except OSError as e:
+        _refuse_activation(f"LISTEN_FDS=1 but fd {SD_LISTEN_FDS_START} is no open socket ({e.strerror or e})")
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) if hasattr(socket, "SO_ACCEPTCONN") else 1
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or not listening:
+        what = _describe(SD_LISTEN_FDS_START)
+        sock.detach()  # (the fd stays open: it is systemd's socket, and closing ours changes nothing for it)
+        _refuse_activation(f"systemd passed {what}; m31rd serves only a listening Unix stream socket: "
+                           "m31rd.socket needs ListenStream= set to a path, and no Accept=yes")
     sock.setblocking(False)
     return sock
+
+
+def _describe(fd: int) -> str:
+    """A passed fd in a few words, for the refusal: its kind and address."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            kind = {socket.AF_UNIX: "Unix", socket.AF_INET: "TCP/IP", socket.AF_INET6: "TCP/IPv6"}.get(
+                s.family, str(s.family))
+            typ = {socket.SOCK_STREAM: "stream", socket.SOCK_DGRAM: "datagram",
+                   socket.SOCK_SEQPACKET: "seqpacket"}.get(s.type, str(s.type))
+            if s.type != socket.SOCK_DGRAM and hasattr(socket, "SO_ACCEPTCONN"):
+                accepts = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                typ = f"{typ}, {'listening' if accepts else 'a connection (Accept=yes?)'}"
+            addr = s.getsockname()
+            where = os.fsdecode(addr) if isinstance(addr, str | bytes) else ":".join(map(str, addr[:2]))
+            return f"fd {fd}: {kind} {typ}, on {where or 'no address'}"
+    except OSError as e:
+        return f"fd {fd}: no socket ({e.strerror or e})"
+
+
+def _refuse_activation(why: str) -> NoReturn:
+    log.error("cannot serve the socket systemd passed: %s", why)
+    raise SystemExit(f"m31rd: cannot serve the socket systemd passed: {why}")
 
 
 def sd_notify(message: str) -> None:
