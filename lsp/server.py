@@ -377,12 +377,19 @@ def create_server(defaults: EditorSettings | None = None) -> M31rLanguageServer:
                                                                  "workspace.configuration", False):
             # A "something changed" notification without values (the pull model): ask for our section, after saying
             # what was wrong with a section that was there.
-            ls.log_problems(settings_mod.misshapen(raw))
+            misshapen = settings_mod.misshapen(raw)
+            ls.log_problems(misshapen)
             try:
                 async with asyncio.timeout(5):
                     values = await ls.workspace_configuration_async(
                         types.ConfigurationParams(items=[types.ConfigurationItem(section="m31r")]))
-                raw = {"m31r": values[0]} if values and isinstance(values[0], dict) else None
+                # null: the client holds no m31r section now (the user removed it), which as a whole configuration
+                # means every key back to its initializationOptions value or default, as a pushed {} does (unless
+                # the notification carried a section of the wrong shape: a bad value keeps the current settings).
+                if values and values[0] is None and not misshapen:
+                    raw = {"m31r": {}}
+                else:
+                    raw = {"m31r": values[0]} if values and isinstance(values[0], dict) else None
             except Exception as e:  # a client that cannot answer keeps the current settings
                 log.warning("workspace/configuration failed: %s", e)
                 raw = None
