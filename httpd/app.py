@@ -333,6 +333,11 @@ class NativeRenderer(Renderer):
         return msgspec.json.encode(_result(g, self.logprobs))
 
 
+def _line_count(text: str) -> int:
+    """Lines of a completion: a break at its end ends its last line, it opens none."""
+    return text.count("\n") + 1 - text.endswith("\n")
+
+
 class CompletionRenderer(Renderer):
     """The editor policy's post-processing needs the whole completion: one chunk at the end."""
 
@@ -345,7 +350,8 @@ class CompletionRenderer(Renderer):
         r = _result(g)
         unsure = not policy.confident(policy.first_line_logprob(g.text, r.line_logprob, r.logprob_by_line),
                                       self.min_probability)
-        sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability)
+        sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability,
+                                      whole_lines=not self.plan.cursor.before.strip())
         sug = None if unsure else policy.postprocess(self.plan, sure)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
         others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)
@@ -353,7 +359,7 @@ class CompletionRenderer(Renderer):
                                     start=start, end=end, multiline=self.plan.multiline,
                                     alternatives=[s.Alternative(o.text, o.start, o.end) for o in others],
                                     line_logprob=r.line_logprob, unsure=unsure,
-                                    lines_cut=0 if unsure else g.text.count("\n") - sure.count("\n"))
+                                    lines_cut=0 if unsure else _line_count(g.text) - _line_count(sure))
 
     def final(self, g: Generation) -> bytes:
         r = self.response(g)

@@ -21,7 +21,8 @@ Rules (what editor users expect from ghost text):
   so are completion lines that duplicate the lines following the cursor.
 - Auto-closed brackets: when only closers follow the cursor and the completion closes them itself, the
   range extends over them so the editor replaces them instead of leaving a second copy; a multi-line one that ends its
-  last line before them leaves them on a line of their own. Mid-line, its last closers that the document's closers
+  last line before them (or any one, before a line's code: only indentation before the cursor) leaves them on a line
+  of their own. Mid-line, its last closers that the document's closers
   right after the cursor close too are cut.
 - A completion is cut before a closer of no bracket open before the cursor (or of another one than is open, or
   than it opened itself): brackets in comments (nested ones too), strings and char literals are none.
@@ -707,6 +708,9 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
                     kept = kept[:j]
                     break
         ends_line = kept == lines and not lines[-1].strip()  # all of it (its last line too), a line break last
+        # Before a line's code (only its indentation before the cursor) the lines it inserts are whole lines: one
+        # cut above before a line of the model's ends there too.
+        ends_line = ends_line or (kept != lines and not cur.before.strip())
         while len(kept) > 1 and not kept[-1].strip():
             kept.pop()
         lines = kept
@@ -726,7 +730,9 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
     elif cur.after:
         if all(c in TRAILING_OK for c in cur.after):
             closed, end = _match_closers(comp, cur)
-            if ends_line and len(lines) > 1 and closed == comp and end == cur.offset:
+            # A one-line answer's break is a layout only where the line is all its own (`    █}` answered
+            # "body();\n"): joined, it left `body();}`, or `body();    }` with the cursor at column 0.
+            if ends_line and (len(lines) > 1 or not cur.before.strip()) and closed == comp and end == cur.offset:
                 closed, end = _closers_on_their_line(comp, cur)
             comp = closed
         else:
@@ -785,12 +791,14 @@ def first_line_logprob(raw: str, line_logprob: float | None, logprob_by_line: li
     return sum(logprob_by_line[:n])
 
 
-def confident_lines(raw: str, logprob_by_line: list[float], min_probability: float) -> str:
+def confident_lines(raw: str, logprob_by_line: list[float], min_probability: float, whole_lines: bool = False) -> str:
     """`raw` cut before the line at which the model's probability of its lines so far (Done.logprob_by_line summed)
     falls under `min_probability`; the first line shown is kept (`confident` of first_line_logprob is its gate), with
     the blank lines before it. The floor that decides whether a suggestion shows thus also decides how much of it: on
     the held-out crates, cut at the editors' 0.05 the shown multi-line suggestions kept every right line and lost two
-    thirds of the wrong ones (README "Confidence"). Lines without a figure (an older daemon) are kept."""
+    thirds of the wrong ones (README "Confidence"). Lines without a figure (an older daemon) are kept. `whole_lines`
+    (the cursor before a line's code, only indentation before it: `    █}`): what is kept of a cut answer ends with the
+    break of its last line, so the closers after the cursor keep their own line (`postprocess`), not `body();    }`."""
     if min_probability <= 0 or len(logprob_by_line) < 2:
         return raw
     floor, lines, keep = math.log(min_probability), raw.split("\n"), _first_shown_lines(raw)
@@ -798,7 +806,7 @@ def confident_lines(raw: str, logprob_by_line: list[float], min_probability: flo
     for i in range(keep, min(len(lines), len(logprob_by_line))):
         total += logprob_by_line[i]
         if total < floor:
-            return "\n".join(lines[:i])
+            return "\n".join(lines[:i]) + ("\n" if whole_lines else "")
     return raw
 
 

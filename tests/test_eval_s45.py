@@ -103,7 +103,8 @@ def test_as_shown_is_what_a_real_language_server_shows(tmp_path: Path, monkeypat
     # At a line's end the editor asks for several lines where the task asked for one: decoded again; a block body's
     # request is the task's but for its budget, and these ended before it.
     assert [r.shown_decoded for r in results] == [True, True, False, False]
-    assert results[2].shown == "    x + y" and results[2].prediction == "    x + y\n"
+    # (at the start of the `}` line: the kept line keeps its break, so the `}` keeps its own line once accepted)
+    assert results[2].shown == "    x + y\n" and results[2].prediction == "    x + y\n"
 
 
 def test_as_shown_scores_what_the_policy_keeps(tiny_engine, monkeypatch):

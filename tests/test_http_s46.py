@@ -49,3 +49,24 @@ def test_the_hosts_and_origins_given_are_the_ones_admitted(shared_daemon, tmp_pa
             assert other.status_code == 403 and other.json()["error"]["code"] == "forbidden_origin", other.text
     finally:
         srv.stop()
+
+
+def test_a_block_cut_at_the_floor_before_a_closer_leaves_it_on_its_own_line() -> None:
+    """`/completion`'s editor policy, as the language server's (lsp.completion.shown_suggestion): a block body cut at
+    the confidence floor, asked at the start of the `}` line, kept its last line's break off, so accepting it left
+    `        a();    }`. The daemon's answer is given (a model's line probabilities cannot be chosen)."""
+    from types import SimpleNamespace
+
+    from m31r_http.app import CompletionRenderer
+    from m31r_protocol import policy
+    from m31r_protocol.messages import Done, Timings, Usage
+
+    text = "fn f() {\n    if x {\n    }\n}\n"
+    cursor = text.index("    }\n}")
+    plan = policy.plan(text, cursor, policy.Options())
+    raw = "        a();\n        b();\n"
+    done = Done(id=1, finish_reason="stop", usage=Usage(), timings=Timings(), logprob=-9.5, line_logprob=-0.5,
+                logprob_by_line=[-0.5, -9.0])
+    r = CompletionRenderer(plan, cursor, 0.05).response(SimpleNamespace(text=raw, done=done, frames=[]))
+    assert not r.unsure and r.lines_cut == 1
+    assert text[: r.start] + r.text + text[r.end :] == "fn f() {\n    if x {\n        a();\n    }\n}\n"
