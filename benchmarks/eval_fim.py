@@ -40,9 +40,11 @@ blank lines dropped):
                    daemon answers it (m31rd/server.py: build_prompt and its stops; greedy, as --beams says for a line
                    request), then hidden under the floor, cut to its confident lines and post-processed
                    (lsp/completion.py: shown_suggestion, the server's own). The shown text is compared with the
-                   document's text over the range it replaces, with the middle in place; nothing shown scores as an
-                   empty suggestion. At a single-line task's cursor the line's end is the document's, so the editor
-                   asks for (and may show) several lines.
+                   document's text over the range it replaces, with the middle in place, trailing whitespace of each
+                   line dropped but its line breaks kept: accepting it must give the file's lines (a block body
+                   that joins the `}` after it to its last line, `total    }`, is wrong); nothing shown scores as
+                   an empty suggestion. At a single-line task's cursor the line's end is the document's, so the
+                   editor asks for (and may show) several lines.
                    The raw figures above are the model's alone and stay comparable across sessions; this one says what
                    a user gets of them. Its request is answered from the task's own completion where the daemon would
                    run the same generation, else decoded again (not counted in ms/task).
@@ -272,6 +274,12 @@ def normalize(s: str) -> str:
     return "\n".join(line.rstrip() for line in s.split("\n")).rstrip()
 
 
+def normalize_lines(s: str) -> str:
+    """`normalize` keeping the line breaks: what the editor shows is text accepted into the document, where a break
+    left out joins the line after it to the suggestion's last line."""
+    return "\n".join(line.rstrip() for line in s.split("\n"))
+
+
 def levenshtein(a: str, b: str) -> int:
     if len(a) < len(b):
         a, b = b, a
@@ -353,7 +361,7 @@ def score_shown(r: Result, t: Task, req: EditorRequest, raw: str, line_logprob: 
 
     suggestion, why = shown_suggestion(req.plan, raw, line_logprob, by_line, req.min_probability or 0.0)
     shown, wanted = shown_regions(t, suggestion)
-    p, g = normalize(shown), normalize(wanted)
+    p, g = normalize_lines(shown), normalize_lines(wanted)
     cursor = len(t.prefix)
     r.shown, r.shown_why, r.shown_decoded = shown, why, decoded
     r.shown_range = [suggestion.start - cursor, suggestion.end - cursor] if suggestion is not None else [0, 0]
