@@ -490,7 +490,8 @@ def unfinished_build(corpus_dir: Path) -> str | None:
     """One line saying the corpus folder holds a build that stopped part-way, or None."""
     if (Path(corpus_dir) / UNFINISHED).exists():
         return (f"{corpus_dir} holds a corpus build that stopped part-way (its files may be of two builds, the "
-                "held-out crates of one in the training files of the other): build it again with `m31r train corpus`")
+                "held-out crates of one in the training files of the other): build it again with `m31r train corpus` "
+                "(`m31r train textbook` for a textbook folder)")
     return None
 
 

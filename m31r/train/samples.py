@@ -189,9 +189,11 @@ class Neighbours:
 
     def __init__(self, paths: list[str], crates: list[str], files: int = 16, shown: list[str | None] | None = None
                  ) -> None:
-        """`shown`: each file's path as the language server shows it (the corpus's `crate_path`); where None,
-        crate_path guesses it from the corpus path (a corpus built before it was recorded)."""
+        """`paths`: each text's corpus path (a textbook piece's is its source file's); `shown`: each file's path as the
+        language server shows it (the corpus's `crate_path`); where None, crate_path guesses it from the corpus path
+        (a corpus built before it was recorded)."""
         shown = shown or [None] * len(paths)
+        self.sources = paths
         self.paths, self.files = [s or crate_path(p) for p, s in zip(paths, shown, strict=True)], files
         self.by_crate: dict[str, list[int]] = {}
         for i, c in enumerate(crates):
@@ -200,7 +202,9 @@ class Neighbours:
         self._windows: dict[int, list[Window]] = {}
 
     def of(self, i: int, texts: list[str], rng: random.Random) -> list[tuple[str, list[Window]]]:
-        others = [j for j in self.by_crate.get(self.crates[i], ()) if j != i]
+        # Not the text's own file: an editor's snippets never come from the file being edited, and a textbook piece's
+        # source file (or a sibling piece of it) holds the piece, its middle included, verbatim.
+        others = [j for j in self.by_crate.get(self.crates[i], ()) if self.sources[j] != self.sources[i]]
         if len(others) > self.files:
             others = rng.sample(others, self.files)
         out = []

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from m31r.config import ModelConfig
 from m31r.train.trainer import hold_run, load_checkpoint, write_checkpoint
 
 MAX_SHARD_BYTES = 15 * 2**20
@@ -86,8 +88,43 @@ def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
         if sorted(pieces) != list(range(len(pieces))):
             raise ValueError(f"{folder}: parts {sorted(pieces)} of {name} do not run 0..{len(pieces) - 1}")
         model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
-    state = json.loads((Path(folder) / "state.json").read_text())
+    state = read_state(Path(folder) / "state.json")
+    require_whole_model(model, state, folder)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     with hold_run(ckpt.parent):  # not while a trainer writes its own ckpt.tmp there
         write_checkpoint(ckpt, {"model": model, "optimizer": None, "state": state})
     return state
+
+
+def read_state(path: Path) -> dict:
+    """The run's state that travelled beside the shards, or a ValueError naming the file (json's own error names
+    neither the file nor what it is)."""
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not the JSON `m31r train shards` writes ({e}): copy it again") from None
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "model_config" in state):
+        raise ValueError(f"{path} is not a run's state (no step or model_config): copy the one written with the shards")
+    return state
+
+
+def require_whole_model(model: dict[str, torch.Tensor], state: dict, folder: Path) -> None:
+    """The imported tensors must be exactly the run's model's (names and shapes): shards of two writes mixed in one
+    folder, or one cut short, were imported and failed only at `train` or `export` with torch's list of mismatches
+    (a missing last part of a split tensor made it short by its rows)."""
+    from m31r.model import Transformer
+
+    try:
+        mc = msgspec.convert(state["model_config"], ModelConfig)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ValueError(f"{folder / 'state.json'}: its model_config is not a model config ({e})") from None
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        want = {k: tuple(v.shape) for k, v in Transformer(mc).state_dict().items()}
+    problems = [f"{k} missing" for k in want if k not in model]
+    problems += [f"{k} has shape {list(model[k].shape)}, not {list(s)}" for k, s in want.items()
+                 if k in model and tuple(model[k].shape) != s]
+    problems += [f"{k} is not a tensor of this model" for k in model if k not in want]
+    if problems:
+        more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ValueError(f"{folder}: the shards do not hold the run's model ({'; '.join(problems[:5])}{more}): they "
+                         "are of another write, or cut short; copy all the shards of one `m31r train shards` again")

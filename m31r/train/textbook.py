@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from m31r.train.corpus import UNFINISHED
 from m31r.train.samples import block_bodies
 from m31r.train.trainer import read_docs
 
@@ -129,19 +132,40 @@ def build_textbook(data_dir: Path, out_dir: Path, *, plain_share: float = 1.0, s
     mixed = pieces + plain
     rng.shuffle(mixed)
 
+    manifest = json.loads((data_dir / "corpus" / "manifest.json").read_text())
     corpus = out_dir / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
+    # As build_corpus does: every file is written beside its name and renamed over it, under a marker that training
+    # refuses (unfinished_build), so a build stopped part-way (a full disk, Ctrl-C) never leaves the pieces of one
+    # build beside the manifest, validation split or tokenizer of another.
+    (corpus / UNFINISHED).write_text("m31r train textbook is replacing this folder's files\n")
     digest = hashlib.sha256()
-    with open(corpus / "train.jsonl", "w") as f:
-        for d in mixed:
-            line = json.dumps(d) + "\n"
-            digest.update(line.encode())
-            f.write(line)
-    shutil.copyfile(data_dir / "corpus" / "val.jsonl", corpus / "val.jsonl")
-    shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
-    manifest = json.loads((data_dir / "corpus" / "manifest.json").read_text())
+
+    def write_train(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            for d in mixed:
+                line = json.dumps(d) + "\n"
+                digest.update(line.encode())
+                f.write(line)
+
+    _replace(corpus / "train.jsonl", write_train)
+    _replace(corpus / "val.jsonl", lambda tmp: shutil.copyfile(data_dir / "corpus" / "val.jsonl", tmp))
+    _replace(out_dir / "tokenizer.json", lambda tmp: shutil.copyfile(data_dir / "tokenizer.json", tmp))
     manifest["dataset_version"] = f"{manifest['dataset_version']}+textbook-{digest.hexdigest()[:12]}"
     manifest["textbook"] = {**counts, "piece_chars": piece_chars, "plain_files": len(plain),
                             "plain_chars": plain_chars, "seed": seed}
-    (corpus / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    _replace(corpus / "manifest.json", lambda tmp: tmp.write_text(json.dumps(manifest, indent=1) + "\n"))
+    (corpus / UNFINISHED).unlink()
     return manifest
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` makes the file beside `path`, which is then renamed over it; a failed write leaves no partial file
+    taking the disk's space."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

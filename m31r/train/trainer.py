@@ -797,7 +797,12 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
     model.to(dev)
     opt = make_optimizer(model, tc)
     if saved is not None and saved["optimizer"] is not None:
+        # load_state_dict takes the saved groups' settings too: a weight_decay changed in the config (which the state
+        # records as followed from this step, record_config_change) was silently left at the run's first value.
+        decays = [g["weight_decay"] for g in opt.param_groups]
         opt.load_state_dict(saved["optimizer"])
+        for g, wd in zip(opt.param_groups, decays, strict=True):
+            g["weight_decay"] = wd
     elif saved is not None:  # weights that came back from a GPU machine without their optimizer state
         at = state["step"]
         if at > 0 and tc.warmup_steps > 0:  # (at step 0 the schedule's own warm-up does it)
@@ -830,7 +835,9 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
     bar = tqdm(total=stop_at, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
     stop = StopRequests()  # after the row builders' fork: they keep the default actions
     last = out_of_time = False
-    skipped = 0  # steps in a row whose gradient was not finite
+    # Steps in a row whose gradient was not finite, kept in the state: a run resumed mid-way through such steps (a
+    # checkpoint, a stop) stops where an uninterrupted one would, with the same message, not SKIP_LIMIT steps later.
+    skipped = state.get("skipped_in_a_row", 0)
     try:
         while state["step"] < stop_at:
             step = state["step"]
@@ -847,7 +854,7 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
             waited = time.perf_counter() - t0  # blocked on the row builders: what tells which side limits a GPU run
             parts = accumulate_step(fwd, step_rows, tc, cast)
             gnorm = optimizer_step(model, opt, tc.grad_clip)
-            skipped = 0 if math.isfinite(gnorm) else skipped + 1
+            skipped = state["skipped_in_a_row"] = 0 if math.isfinite(gnorm) else skipped + 1
             if skipped >= SKIP_LIMIT:
                 kept = f"{ckpt} of step {saved_at} is kept" if saved_at is not None else "it has no checkpoint yet"
                 raise TrainingDiverged(f"steps {step + 2 - skipped} to {step + 1} all had a gradient that is not "
