@@ -2,8 +2,13 @@
 
 Each slot is a KV cache (sized to its context in 64-position blocks) plus the ids it holds. A request takes the
 free slot with the longest reusable prefix (its document's slot on a tie), else a fresh slot while the budget
-allows, else the least recently used one. A running request holds its slot exclusively; only this class's owner,
-the inference thread, touches it.
+allows, else the least recently used one. Where that longest prefix is in another document's slot, which holds
+chunks past it, the request does not write over that slot: the other document's next request would be a cold
+prefill (two files sharing a long head, edited in turns, wrote over each other's slot on every switch). The shared
+prefix is copied instead, into the request's document's own slot, else a fresh one, else the least recently used
+one. Requests without a document count as one document: they cannot be told from one client's successive edits,
+whose old tails are worth nothing, and copies for them would fill the budget with those. A running
+request holds its slot exclusively; only this class's owner, the inference thread, touches it.
 
 It also keeps beam searches' spare caches between searches (m31r.beams), inside the same bound: the slots' full
 size (`max_slots * slot_bytes`, what the budget allows), busy slots counted at that full size since they may grow to
@@ -67,7 +72,7 @@ class PrefixCache:
                       for s in free]
             best = max(scored, key=lambda t: t[:3])
             if best[0] > 0:
-                slot = best[3]
+                slot = self._reusing(best[3], best[0], document, free)
         if slot is None and len(self.slots) < self.max_slots:
             slot = Slot(self.engine.new_cache())
             self.slots.append(slot)
@@ -81,6 +86,30 @@ class PrefixCache:
         slot.document = document
         self._trim_spares()
         return slot
+
+    @staticmethod
+    def _yours(slot: Slot, reuse: int, document: str) -> bool:
+        """Whether a request of `document` that reuses `reuse` positions of `slot` may write over it: the slot is that
+        document's (requests without one share theirs), or holds no chunk past those."""
+        return slot.document == document or not slot.cache.chunks or slot.cache.chunks[-1] <= reuse
+
+    def _reusing(self, best: Slot, reuse: int, document: str, free: list[Slot]) -> Slot:
+        """The slot for a request that reuses `reuse` positions of `best`: `best` itself where it may (_yours), else a
+        copy of `best` (the same keys and values, so the same output bits) in the request's document's own free slot,
+        a fresh slot, or the least recently used other one."""
+        if self._yours(best, reuse, document):
+            return best
+        others = [s for s in free if s is not best]
+        dest = min((s for s in others if s.document == document), key=lambda s: s.last_used, default=None)
+        if dest is None and len(self.slots) < self.max_slots:
+            dest = Slot(self.engine.new_cache())
+            self.slots.append(dest)
+        if dest is None and others:
+            dest = min(others, key=lambda s: s.last_used)
+        if dest is None:
+            return best  # the only free slot: its other chunks go
+        dest.cache.take(best.cache, 0)
+        return dest
 
     def release(self, slot: Slot, prompt_tokens: int, cached_tokens: int, ok: bool = True) -> None:
         slot.busy = False
