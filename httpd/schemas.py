@@ -36,7 +36,10 @@ Temperature = Annotated[float, Meta(ge=0, le=2, description=(
 TopK = Annotated[int, Meta(ge=0, le=INT32, description="Keep only the k most likely tokens; 0 = off.")]
 TopP = Annotated[float, Meta(gt=0, le=1, description="Nucleus sampling mass; 1 = off.")]
 Seed = Annotated[int, Meta(ge=0, le=INT63, description="Makes sampling (temperature > 0) reproducible.")]
-Stop = Annotated[list[str], Meta(max_length=MAX_STOPS, description="Stop sequences; not included in the output.")]
+# An empty one would match before anything is written: the daemon refuses it (bad_request), the schema says so first.
+StopText = Annotated[str, Meta(min_length=1, description="A stop sequence: at least one character.")]
+Stop = Annotated[list[StopText], Meta(max_length=MAX_STOPS,
+                                      description="Stop sequences; not included in the output.")]
 Stream = Annotated[bool, Meta(description="Server-Sent Events: one `chunk` event per text chunk, then `done`.")]
 DeadlineMs = Annotated[int, Meta(ge=0, le=600_000, description=(
     "A hard limit on the request's time in the daemon (queued, prefilling, generating): once spent, the answer ends "
@@ -290,7 +293,7 @@ class OpenAICompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: Annotated[dict[str, float], Meta(max_length=0, description="Not supported: only {}.")] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | Stop | None = None
+    stop: StopText | Stop | None = None
     seed: OpenAISeed | None = None
     user: Annotated[str, Meta(description="An end-user id; accepted and not used.")] | None = None
 
@@ -1042,7 +1045,7 @@ class CodestralRequest(Struct, kw_only=True):
     stream: Annotated[bool, Meta(description=(
         "Server-Sent Events: `data: {...}` chat-completion chunks (`choices[0].delta.content`), then "
         "`data: [DONE]`."))] | None = None
-    stop: str | Stop | None = None
+    stop: StopText | Stop | None = None
     random_seed: Seed | None = None
 
 

@@ -63,8 +63,10 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
         return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs, tops)
     written = engine.tokenizer.token_bytes[tok] or b""
     owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
+    # An added token that is text has no token_bytes: its text, as TextStream gives it (a stop in it ends h).
+    shown = written if written or tok in engine.tokenizer.special_ids else engine.tokenizer.decode([tok]).encode()
     decoder = codecs.getincrementaldecoder("utf-8")("ignore")  # as the text path's stream (m31r.tokenizer.TextStream)
-    text = decoder.decode(h.pending + written)
+    text = decoder.decode(h.pending + shown)
     pending = decoder.getstate()[0]
     n = min(h.skip, len(text))
     text, skip = text[n:], h.skip - n

@@ -282,6 +282,10 @@ def wire_refusal(req: m.Generate | m.Fim, max_context: int, budget: FimBudget | 
         return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}"
     if isinstance(req, m.Fim) and req.min_probability is not None and not 0 <= req.min_probability <= 1:
         return f"min_probability must be between 0 and 1, got {req.min_probability}"
+    if (empty := next((i for i, x in enumerate(req.stop) if not x), None)) is not None:
+        # Once left out unsaid: a client that meant something by it (a line end lost in quoting) never learned.
+        return (f"stop[{empty}] is an empty string: a stop sequence needs at least one character; leave it out to "
+                f"stop only at the model's end or max_tokens")
     if (len(req.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in req.stop)
             or sum(map(len, req.stop)) > MAX_STOPS_CHARS):
         return (f"stop has {len(req.stop)} sequences of up to {max(map(len, req.stop))} characters, "

@@ -396,7 +396,7 @@ def test_integers_past_64_bits_are_refused_before_sending(daemon):
 
 @pytest.mark.parametrize("flag,value,expected", [
     ("--max-queue", "0", "0 is not in the range x>=1"), ("--max-active", "0", "0 is not in the range x>=1"),
-    ("--threads", "-1", "-1 is not in the range x>=1"), ("--decode-width", "0", "0 is not in the range x>=1"),
+    ("--threads", "-1", "-1 is not in the range x>=1"), ("--decode-width", "0", "0 is not in the range 1<=x<=64"),
     ("--chunk-size", "0", "0 is not in the range x>=1"), ("--cache-mb", "-5", "-5.0 is not in the range x>=0"),
     ("--cache-mb", "nan", "nan is not a finite number"), ("--cache-mb", "inf", "inf is not a finite number"),
     ("--read-timeout", "nan", "nan is not a number"),
