@@ -351,7 +351,7 @@ class CompletionRenderer(Renderer):
         unsure = not policy.confident(policy.first_line_logprob(g.text, r.line_logprob, r.logprob_by_line),
                                       self.min_probability)
         sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability,
-                                      whole_lines=not self.plan.cursor.before.strip())
+                                      whole_lines=self.plan.cursor.at_line_head)
         sug = None if unsure else policy.postprocess(self.plan, sure)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
         others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)

@@ -477,7 +477,7 @@ def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, lo
     if gate and not policy.confident(policy.first_line_logprob(raw, line_logprob, logprob_by_line), min_probability):
         stats["unsure"] += 1
         return None, "unsure"
-    sure = policy.confident_lines(raw, logprob_by_line, min_probability, whole_lines=not plan.cursor.before.strip())
+    sure = policy.confident_lines(raw, logprob_by_line, min_probability, whole_lines=plan.cursor.at_line_head)
     if sure != raw:
         stats["lines_cut"] += 1
     suggestion = policy.postprocess(plan, sure)

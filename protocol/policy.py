@@ -86,6 +86,12 @@ class Cursor:
     previous_line: str | None  # the nearest non-blank line above the cursor line
     newline: str  # the document's line break ("\n", "\r\n" or "\r"): in a mixed file, the one above the cursor line
 
+    @property
+    def at_line_head(self) -> bool:
+        """Only indentation before the cursor: what a suggestion inserts there are whole lines, each ended by its break
+        (the text after the cursor keeps a line of its own)."""
+        return not self.before.strip()
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -710,7 +716,7 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
         ends_line = kept == lines and not lines[-1].strip()  # all of it (its last line too), a line break last
         # Before a line's code (only its indentation before the cursor) the lines it inserts are whole lines: one
         # cut above before a line of the model's ends there too.
-        ends_line = ends_line or (kept != lines and not cur.before.strip())
+        ends_line = ends_line or (kept != lines and cur.at_line_head)
         while len(kept) > 1 and not kept[-1].strip():
             kept.pop()
         lines = kept
@@ -732,7 +738,7 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
             closed, end = _match_closers(comp, cur)
             # A one-line answer's break is a layout only where the line is all its own (`    █}` answered
             # "body();\n"): joined, it left `body();}`, or `body();    }` with the cursor at column 0.
-            if ends_line and (len(lines) > 1 or not cur.before.strip()) and closed == comp and end == cur.offset:
+            if ends_line and (len(lines) > 1 or cur.at_line_head) and closed == comp and end == cur.offset:
                 closed, end = _closers_on_their_line(comp, cur)
             comp = closed
         else:
