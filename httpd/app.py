@@ -772,11 +772,12 @@ class Service:
 
     @staticmethod
     def check_model(client: Client, model: str | None) -> None:
-        """InvalidRequest unless `model` (None: not given) names the daemon's model or an alias of it."""
+        """InvalidRequest unless `model` (None: not given) names the daemon's model or an alias of it: a 404
+        `model_not_found`, as OpenAI answers it (its client raises NotFoundError) and GET /v1/models/{model} does."""
         names = model_names(client.welcome.model)
         if model is not None and model not in names:
             raise s.InvalidRequest(f"model: {model!r} is not served here; use one of {', '.join(map(repr, names))} "
-                                   "(GET /v1/models)", "model", "model_not_found")
+                                   "(GET /v1/models)", "model", "model_not_found", status=404)
 
     def check_cap(self, max_tokens: int) -> None:
         cap = self.settings.max_tokens_cap
@@ -865,7 +866,12 @@ class Service:
 
         def start(c: Client) -> Awaitable[Stream]:
             self.check_model(c, r.model)
-            kw = dict(max_tokens=max_tokens, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
+            n = max_tokens
+            if suffix is not None and r.max_tokens is not None and r.max_tokens > n:
+                # Capped here, so to what the daemon serves a fill-in-the-middle too (half the context, the FIM
+                # endpoints' cap): a cap above that turned the plugin's 4096 into a 400 naming a figure never sent.
+                n = min(n, c.welcome.max_context // 2)
+            kw = dict(max_tokens=n, sampling=sampling, stop=stop, seed=r.seed, logprobs=r.logprobs)
             return c.fim(text, suffix, **kw) if suffix is not None else c.generate(text, **kw)
 
         capped = (f"this server's cap (m31r serve --max-tokens-cap), as {r.max_tokens} was more"

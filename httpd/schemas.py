@@ -882,8 +882,12 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
     components["TabbyCompletionRequest"]["not"] = {"required": ["prompt"]}
 
     def tabby_completions(op: dict) -> dict:
-        """/v1/completions taking Tabby's request too, answered with Tabby's response."""
+        """/v1/completions taking Tabby's request too, answered with Tabby's response; a `model` not served is
+        OpenAI's 404."""
         body, ok = op["post"]["requestBody"]["content"], op["post"]["responses"]["200"]["content"]
+        op["post"]["responses"]["404"] = {"description": "`model` names no model served here (code "
+                                                         "`model_not_found`, as OpenAI answers it)",
+                                          "content": _json("ErrorResponse")}
         body["application/json"]["schema"] = {"anyOf": [_ref("OpenAICompletionRequest"),
                                                         _ref("TabbyCompletionRequest")]}
         ok["application/json"]["schema"] = {"anyOf": [_ref("OpenAICompletion"), _ref("TabbyCompletionResponse")]}
