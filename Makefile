@@ -45,7 +45,7 @@ lint: install
 	$(BIN)/python -m m31r_protocol.schema --check
 
 test-python: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 # The extension's node_modules: `npm ci` (which deletes and reinstalls them all) only when package.json or
 # package-lock.json changed since the last install, preferring npm's cache to the network.

@@ -9,9 +9,12 @@ import os
 import plistlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty HOME (with a space in its path, as on a laptop's "/Users/Jo Doe"), config and runtime dir, and no
-    session bus: the real systemctl, where a test runs it, finds no user manager to change."""
+    session bus: the real systemctl, where a test runs it, finds no user manager to change. In a short temporary
+    folder, not tmp_path: systemd-analyze also reads the system's user units (gpg-agent's sockets under
+    $XDG_RUNTIME_DIR), and refuses them when the runtime dir is too deep for a socket's 108-byte path, as under
+    pytest-xdist's per-worker tmp_path."""
     monkeypatch.delenv("DBUS_SESSION_BUS_ADDRESS", raising=False)
-    return fresh_home(tmp_path / "Jo Doe", monkeypatch)
+    top = Path(tempfile.mkdtemp(prefix="m31r-"))
+    try:
+        yield fresh_home(top / "Jo Doe", monkeypatch)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def fake_bundle(where: Path) -> Path:
