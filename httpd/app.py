@@ -352,7 +352,8 @@ class CompletionRenderer(Renderer):
                                       self.min_probability)
         sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability,
                                       whole_lines=self.plan.cursor.at_line_head)
-        sug = None if unsure else policy.postprocess(self.plan, sure)
+        ended = sure == g.text and g.done is not None and policy.ended_by_line_break(g.done.stop_sequence)
+        sug = None if unsure else policy.postprocess(self.plan, sure, ended)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
         others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,

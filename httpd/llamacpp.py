@@ -191,10 +191,13 @@ class InfillRenderer(Renderer):
                                   prompt_per_token_ms=p_tok, prompt_per_second=p_sec,
                                   predicted_n=u.completion_tokens, predicted_ms=predicted_ms,
                                   predicted_per_token_ms=g_tok, predicted_per_second=g_sec)
+        # A stop the request gave is llama.cpp's "word", named; the daemon's own (the code after the cursor written
+        # again, a repeated line) end the infill as the model's end would.
+        word = d.stop_sequence if d.stopped_by == "sequence" and d.stop_sequence in self.settings.stop else None
+        stop_type = "limit" if ruled or d.finish_reason != "stop" else "word" if word is not None else "eos"
         answer = s.InfillResponse(content=content, model=self.settings.model, tokens_predicted=u.completion_tokens,
                                   tokens_evaluated=u.prompt_tokens, generation_settings=self.settings,
-                                  has_new_line="\n" in g.text,
-                                  stop_type="limit" if ruled or d.finish_reason != "stop" else "eos",
+                                  has_new_line="\n" in g.text, stop_type=stop_type, stopping_word=word or "",
                                   tokens_cached=u.cached_tokens, timings=timings)
         if not self.fields:
             return msgspec.json.encode(answer)

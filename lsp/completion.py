@@ -283,7 +283,7 @@ class Completer:
             return None
         raw, done = got
         suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
-                                           stats=self.stats)
+                                           stats=self.stats, stop_sequence=done.stop_sequence)
         if why == "unsure":
             if not invoked:
                 return None
@@ -295,7 +295,7 @@ class Completer:
                 return None
             raw, done = got
             suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
-                                               gate=False, stats=self.stats)
+                                               gate=False, stats=self.stats, stop_sequence=done.stop_sequence)
         if suggestion is None:
             return None
         self.stats["suggestions"] += 1
@@ -465,10 +465,11 @@ def fim_request(plan: policy.Plan, s: EditorSettings, max_context: int,
 
 
 def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, logprob_by_line: list[float],
-                     min_probability: float, *, gate: bool = True,
-                     stats: Counter[str] | None = None) -> tuple[policy.Suggestion | None, str]:
-    """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob and logprob_by_line) to
-    `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line is under the floor `min_probability`
+                     min_probability: float, *, gate: bool = True, stats: Counter[str] | None = None,
+                     stop_sequence: str | None = None) -> tuple[policy.Suggestion | None, str]:
+    """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob, logprob_by_line and
+    stop_sequence) to `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line is under the floor
+    `min_probability`
     (hidden, with `gate`: a request nobody invoked; the server asks an invoked one again and shows it ungated), "empty"
     where nothing is left once the lines after the first are cut at the floor and the policy has post-processed it.
     Shared with the evaluations' "as shown" (benchmarks/eval_fim.py), so that they score what the server shows.
@@ -480,7 +481,8 @@ def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, lo
     sure = policy.confident_lines(raw, logprob_by_line, min_probability, whole_lines=plan.cursor.at_line_head)
     if sure != raw:
         stats["lines_cut"] += 1
-    suggestion = policy.postprocess(plan, sure)
+    # Where the floor cut lines, the text no longer ends where the model ended it.
+    suggestion = policy.postprocess(plan, sure, sure == raw and policy.ended_by_line_break(stop_sequence))
     if suggestion is None:
         stats["empty"] += 1
         return None, "empty"

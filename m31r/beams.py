@@ -166,7 +166,7 @@ def beam_generate(
         del spares[MAX_SPARES:]
     ranked = sorted(done, key=lambda h: -h.score)  # stable: ties keep the order they finished in
     win = _answer(engine, ids, ranked[0], stop, heal, repeat_context, start_stops)  # its pieces carry its figures
-    res.finish_reason, res.stopped_by = win.finish_reason, win.stopped_by
+    res.finish_reason, res.stopped_by, res.stop_sequence = win.finish_reason, win.stopped_by, win.stop_sequence
     res.logprobs = list(ranked[0].logprobs[: len(win.tokens) + (win.stopped_by == "end")])
     for piece in win.pieces:
         if piece.id is not None:
@@ -222,6 +222,7 @@ class Answer:
     pieces: list[Piece]
     finish_reason: str
     stopped_by: str | None
+    stop_sequence: str | None = None  # Outcome.stop_sequence
 
     @property
     def text(self) -> str:
@@ -245,7 +246,7 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
         piece, hit = text.step(tok)
         out.pieces.append(Piece(tok, piece, h.logprobs[i], h.tops[i]))
         if hit:
-            out.finish_reason, out.stopped_by = "stop", text.stopped_by
+            out.finish_reason, out.stopped_by, out.stop_sequence = "stop", text.stopped_by, text.stops.matched
             break
     if not hit and (tail := text.flush()):
         out.pieces.append(Piece(None, tail))

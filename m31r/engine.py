@@ -113,6 +113,7 @@ class Outcome:
     finish_reason: str | None = None  # stop | length | cancelled | deadline
     # what a "stop" was: end (the model's end token) | sequence | repeat (m31r.stops) | unsure (min_probability)
     stopped_by: str | None = None
+    stop_sequence: str | None = None  # a "sequence" stop's: the stop (or start stop) that matched, as given
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
@@ -782,7 +783,7 @@ class Engine:
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"
-                        res.stopped_by = text.stopped_by
+                        res.stopped_by, res.stop_sequence = text.stopped_by, text.stops.matched
                     break
                 if floor is not None:
                     spent += res.logprobs[-1]

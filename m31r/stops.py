@@ -8,13 +8,22 @@ from __future__ import annotations
 import copy
 
 
-def first_stop(text: str, stops: list[str]) -> int | None:
+def first_stop(text: str, stops: list[str] | tuple[str, ...]) -> int | None:
     """Where the stop that ends first in `text` starts (of two ending at once, the longer, earlier one), or None: the
     stop a stream of single characters meets first. Cut at the earliest start instead, a stop that only began before
     another ended (["\n", "}\n\n"] on "}\n\n") cut the text earlier when both came in one token than when they
     came in two: the same text read differently with the tokens' boundaries."""
-    hits = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
-    return min(hits)[1] if hits else None
+    hit = first_hit(text, stops)
+    return None if hit is None else hit[0]
+
+
+def first_hit(text: str, stops: list[str] | tuple[str, ...]) -> tuple[int, str] | None:
+    """first_stop's place, and the stop sequence found there."""
+    hits = [(i + len(s), i, s) for s in stops if s and (i := text.find(s)) >= 0]
+    if not hits:
+        return None
+    _, i, s = min(hits)
+    return i, s
 
 
 class StopMatcher:
@@ -32,6 +41,9 @@ class StopMatcher:
         self._start: str | None = "" if self.start_stops else None  # the text so far, while it could begin one
         self.repeats = RepeatedLine(repeat_context) if repeat_context is not None else None
         self.repeated = False  # the repeated-line stop ended the text
+        # The stop sequence (or start stop) that ended the text, as given: a front end reads from a "\n" there that the
+        # text's last line is whole (m31r_protocol.policy.postprocess's ended_line).
+        self.matched: str | None = None
 
     def clone(self) -> StopMatcher:
         """An independent copy of the matching state (a beam search's hypotheses fork it)."""
@@ -43,8 +55,8 @@ class StopMatcher:
         """Returns (text safe to emit, whether a stop was hit)."""
         if self._start is not None:
             seen = self._start + piece
-            if any(seen.startswith(s) for s in self.start_stops):
-                self._start = None
+            if (hit := next((s for s in self.start_stops if seen.startswith(s)), None)) is not None:
+                self._start, self.matched = None, hit
                 return "", True
             if any(s.startswith(seen) for s in self.start_stops):
                 self._start = seen
@@ -55,6 +67,8 @@ class StopMatcher:
             return text, hit
         text, repeated = self.repeats.feed(text)
         self.repeated = repeated
+        if repeated:  # the repeated line came first: the text ends before it, not at the sequence
+            self.matched = None
         if hit and not repeated:  # generation ends here: a line held for comparison was no repeat
             text += self.repeats.flush()
         return text, hit or repeated
@@ -63,8 +77,9 @@ class StopMatcher:
         if not self.stops:
             return piece, False
         text = self._held + piece
-        if (cut := first_stop(text, self.stops)) is not None:
+        if (hit := first_hit(text, self.stops)) is not None:
             self._held = ""
+            cut, self.matched = hit
             return text[:cut], True
         keep = self._longest_partial(text)
         self._held = text[len(text) - keep :] if keep else ""

@@ -79,6 +79,7 @@ class Finished:
     line_logprob: float | None = None  # its first line's (the first of m31r.engine.line_logprobs)
     logprob_by_line: tuple[float, ...] = ()  # each of its text's lines' (m31r.engine.line_logprobs)
     stopped_by: str | None = None  # what a "stop" was (Outcome.stopped_by)
+    stop_sequence: str | None = None  # the stop sequence that ended it (Outcome.stop_sequence)
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,8 @@ class Scheduler:
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
             accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,
-            line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line), stopped_by=o.stopped_by)
+            line_logprob=by_line[0] if by_line else None, logprob_by_line=tuple(by_line), stopped_by=o.stopped_by,
+            stop_sequence=o.stop_sequence)
 
     def _settle(self, run: _Run) -> bool:
         """End a running request whose pass failed (`internal`) or that was cancelled; True if it runs on."""

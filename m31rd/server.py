@@ -23,7 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import psutil
@@ -32,7 +32,7 @@ from m31r.checksums import BundleError, fingerprint
 from m31r.config import load_config
 from m31r.context import context_ids, context_room
 from m31r.fim import FimBudget, build_fim_prompt, heal_prompt, line_context, start_stop, suffix_stop
-from m31r.stops import first_stop
+from m31r.stops import first_hit, first_stop
 from m31r_protocol import messages as m
 from m31r_protocol.framing import FrameNotBegun, FrameTimeout, FrameTooLarge, pack, read_frame
 from m31r_protocol.limits import MAX_FRAME_BYTES, MAX_LOGPROBS, MAX_SNIPPETS, MAX_STOP_CHARS, MAX_STOPS, MAX_STOPS_CHARS
@@ -97,6 +97,7 @@ class Typed:
     logprob: float | None = None  # the suggestion's (Done.logprob): a lower bound for any rest of it
     by_line: tuple[float, ...] = ()  # Done.logprob_by_line: the line the user is on gives a lower bound for its rest
     stopped_by: str | None = None  # what a "stop" was (Outcome.stopped_by): end | sequence | repeat | unsure
+    stop_sequence: str | None = None  # for "sequence": which (Done.stop_sequence)
     stops: tuple[str, ...] = ()  # the stop sequences it ran with (request_stops)
     shape: tuple = ()  # what else decided its text (answer_shape)
     max_tokens: int = 0  # the request's limits, which may have ended it
@@ -140,21 +141,33 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> tuple[str, str] | None:
-    """The typed-through answer to a request with these limits, and its finish reason: `rest` cut after
+class Clipped(NamedTuple):
+    """A typed-through answer: its text and how it ended (Done's fields)."""
+
+    text: str
+    finish_reason: str
+    stopped_by: str | None = None
+    stop_sequence: str | None = None
+
+
+def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float = 0.0) -> Clipped | None:
+    """The typed-through answer to a request with these limits, and how it ends: `rest` cut after
     `max_tokens` tokens (a partly typed token counts as one), then before the first stop sequence, as the model
     would have stopped. None where only the model can answer: the rest ends where the earlier request's limits ended
     it, and this request allows more (a larger max_tokens, a lower confidence floor, fewer stop sequences), or where
     a deadline ended it; and this request's own limits end nothing sooner. (With the same limits, as an editor sends
     while the user types, the rest is answered: the model's would start the same and may run a little further, the
     typed tokens no longer counting towards max_tokens or the floor.)"""
-    text, reason, cut = rest.text, rest.finish_reason, False
+    text, cut = rest.text, False
+    ended = Clipped(text, rest.finish_reason, rest.stopped_by, rest.stop_sequence)
     if max_tokens <= len(rest.ends):
         cut = True
         if max_tokens < len(rest.ends):
-            text, reason = (text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""), "length"
-    if (at := first_stop(text, stop)) is not None:
-        text, reason, cut = text[:at], "stop", True
+            text = text[: rest.ends[max_tokens - 1]] if max_tokens > 0 else ""
+            ended = Clipped(text, "length")
+    if (hit := first_hit(text, stop)) is not None:
+        text, cut = text[: hit[0]], True
+        ended = Clipped(text, "stop", "sequence", hit[1])
     if rest.finish_reason == "length":
         own_end = max_tokens <= rest.max_tokens
     elif rest.finish_reason == "stop":
@@ -162,7 +175,7 @@ def clip(rest: Typed, max_tokens: int, stop: list[str], min_probability: float =
                    "sequence": set(rest.stops) <= set(stop)}.get(rest.stopped_by or "", False)
     else:  # a deadline's cut
         own_end = False
-    return (text, reason) if cut or own_end else None
+    return ended if cut or own_end else None
 
 
 def clip_alternatives(rest: Typed, answer: str, max_tokens: int, stop: list[str]) -> list[str]:
@@ -338,6 +351,7 @@ class InFlight:
     ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
     beams: int = 1  # the beam width it runs with (request_beams)
     stopped_by: str | None = None  # Finished.stopped_by, for the typed-through answers that may follow
+    stop_sequence: str | None = None  # Finished.stop_sequence, likewise
 
     @property
     def rid(self) -> int:
@@ -782,7 +796,7 @@ class Daemon:
 
         if isinstance(event, Finished):
             e = event
-            job.stopped_by = e.stopped_by
+            job.stopped_by, job.stop_sequence = e.stopped_by, e.stop_sequence
             first = None if e.first_token_ms is None else round(e.first_token_ms, 2)
             self._answer(job, m.Done(
                 id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
@@ -792,7 +806,9 @@ class Daemon:
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
                                   first_token_ms=first, total_ms=round(e.total_ms, 2)),
                 alternatives=list(e.alternatives), logprob=_round(e.logprob),
-                line_logprob=_round(e.line_logprob), logprob_by_line=[round(x, 4) for x in e.logprob_by_line]), True)
+                line_logprob=_round(e.line_logprob), logprob_by_line=[round(x, 4) for x in e.logprob_by_line],
+                stopped_by=e.stopped_by if e.finish_reason == "stop" else None,  # type: ignore[arg-type]
+                stop_sequence=e.stop_sequence if e.finish_reason == "stop" else None), True)
         elif isinstance(event, Failed) and event.overflow is not None:
             self._answer(job, overflow_error(job.rid, event.overflow), True)
         elif isinstance(event, Failed):
@@ -831,7 +847,7 @@ class Daemon:
         # The whole rest is kept, not the part this request's limits allow: a later request may allow more.
         self._remember(req.document, rest)
         del self.by_document[req.document]
-        text, finish_reason = answer
+        text, finish_reason, stopped_by, stop_sequence = answer
         alternatives = clip_alternatives(rest, text, req.max_tokens, stops)
         ms = round((time.perf_counter() - job.received) * 1000, 3)
         if text:
@@ -840,7 +856,9 @@ class Daemon:
                          timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through",
                          alternatives=alternatives, logprob=rest.logprob,
                          line_logprob=rest.by_line[0] if rest.by_line else rest.logprob,
-                         logprob_by_line=list(rest.by_line)))
+                         logprob_by_line=list(rest.by_line),
+                         stopped_by=stopped_by if finish_reason == "stop" else None,  # type: ignore[arg-type]
+                         stop_sequence=stop_sequence if finish_reason == "stop" else None))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
@@ -875,7 +893,7 @@ class Daemon:
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
                 self._remember(req.document, Typed(
                     req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
-                    tuple(msg.logprob_by_line), job.stopped_by, tuple(request_stops(req)),
+                    tuple(msg.logprob_by_line), job.stopped_by, job.stop_sequence, tuple(request_stops(req)),
                     answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
                     tuple(msg.alternatives)))
             fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),

@@ -30,6 +30,9 @@ ErrorCode = Literal[
 ]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
 FinishReason = Literal["stop", "length", "deadline"]
+# What a finish_reason "stop" was: the model's end of completion, a stop sequence, a line repeating the lines before
+# the completion, or the Fim's confidence floor (min_probability).
+StoppedBy = Literal["end", "sequence", "repeat", "unsure"]
 
 
 class Sampling(Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
@@ -204,6 +207,13 @@ class Done(Struct, tag="done"):
     # that keep the editors' floor. A typed_through answer leaves out the lines typed. Empty when nothing was
     # generated (or from an older daemon).
     logprob_by_line: list[float] = []
+    # What ended a finish_reason "stop" (None for the others), and for "sequence" the stop sequence that matched, as
+    # the request gave it, or a Fim's own stop where the completion writes the code after the cursor again (the
+    # suffix's next line, led by its line break unless the completion began with it). A line break there says that
+    # the model ended the text's last line, which the streamed text leaves out: an editor inserting a line task's
+    # answer before code keeps that code on a line of its own (m31r_protocol.policy.postprocess's ended_line).
+    stopped_by: StoppedBy | None = None
+    stop_sequence: str | None = None
 
 
 BusyScope = Literal[

@@ -642,14 +642,19 @@ def _reindent(lines: list[str], base_from: str, base_to: str) -> list[str]:
     return out
 
 
-def postprocess(p: Plan, raw: str) -> Suggestion | None:
-    """Turn the daemon's raw completion for plan `p` into what the editor shows, or None to show nothing."""
+def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | None:
+    """Turn the daemon's raw completion for plan `p` into what the editor shows, or None to show nothing.
+    `ended_line`: the model ended raw's last line, with a line break that the stop sequence ending the completion held
+    back (the daemon's Done.stop_sequence begins with one: ended_by_line_break)."""
     cur = p.cursor
     if cur.before.endswith("\r"):
         return None  # the cursor splits a "\r\n" (no editor puts it there): any text inserted would split it too
-    comp = raw.replace("\r\n", "\n").replace("\r", "\n")
+    comp = raw.replace("\r\n", "\n").replace("\r", "\n") + ("\n" if ended_line else "")
+    ends_line = False
     if not p.multiline:
-        comp = comp.split("\n", 1)[0]
+        comp, ended, _ = comp.partition("\n")
+        # A line asked for before a line's code, that the model ended: a whole line of its own above that code.
+        ends_line = bool(ended) and cur.at_line_head
     start = cur.offset
 
     # Indentation in the document's style (the first line of a completion mid-line continues the cursor's line).
@@ -678,7 +683,6 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
     nxt = next((ln.rstrip() for ln in cur.next_lines if ln.strip()), None)
     if cur.blank_line and nxt is not None and lines[0].rstrip() == nxt:
         return None  # it would write the line that follows again
-    ends_line = False
     if p.multiline and len(lines) > 1:
         # Stop before a line indented less than the cursor's block; after the line that closes a block the
         # cursor line opened; cap the length; cut repetition loops.
@@ -742,7 +746,13 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
                 closed, end = _closers_on_their_line(comp, cur)
             comp = closed
         else:
-            comp = _trim_after_overlap(comp, cur.after)
+            trimmed = _trim_after_overlap(comp, cur.after)
+            if ends_line and cur.at_line_head and trimmed == comp:
+                # Whole lines before the line's code (`█    } else {` answered "        x += 1;\n"): that code
+                # starts a line again, after the indentation that was before the cursor. Joined, it read
+                # `        x += 1;    } else {`.
+                trimmed = comp + "\n" + cur.before
+            comp = trimmed
 
     typed = cur.before if cur.blank_line else ""
     body = comp[len(typed) :] if comp.startswith(typed) else comp
@@ -768,6 +778,12 @@ def postprocess(p: Plan, raw: str) -> Suggestion | None:
 # The front ends' default floor: on held-out crates it hid about half of the wrong single-line suggestions of
 # m31r-mini 0.7.0 and 1-5% of the right ones (README "Confidence").
 MIN_PROBABILITY = 0.05
+
+
+def ended_by_line_break(stop_sequence: str | None) -> bool:
+    """Whether the stop sequence that ended a completion (Done.stop_sequence) began with a line break: the model
+    ended the text's last line (postprocess's ended_line). An older daemon says nothing: False."""
+    return stop_sequence is not None and stop_sequence[:1] in ("\n", "\r")
 
 
 def confident(line_logprob: float | None, min_probability: float) -> bool:

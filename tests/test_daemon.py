@@ -1169,25 +1169,29 @@ def test_typed_through_counts_a_partly_typed_token_as_one():
     """(The tiny model's tokens are single bytes, so the daemon test above never types into a token.)"""
     from m31rd.server import Typed, clip, typed_through
 
+    def cut(*args) -> tuple[str, str] | None:  # the answer's text and finish reason
+        answer = clip(*args)
+        return None if answer is None else answer[:2]
+
     last = Typed("let x = ", "", "foo.bar()", "length", (3, 4, 7, 9))  # tokens "foo" "." "bar" "()"
     rest = typed_through(last, m.Fim(id=1, prefix="let x = fo", suffix=""))
     assert rest is not None and rest.text == "o.bar()" and rest.ends == (1, 2, 5, 7)
-    assert clip(rest, 2, []) == ("o.", "length")
-    assert clip(rest, 4, []) == ("o.bar()", "length") and clip(rest, 9, ["("]) == ("o.bar", "stop")
-    assert clip(rest, 3, ["r()"]) == ("o.bar", "length")  # a stop beyond the limit is never reached
-    assert clip(rest, 5, []) is None  # the rest ended at the earlier request's limit: this one allows more
-    assert clip(dataclasses.replace(rest, finish_reason="deadline"), 5, []) is None  # or at its deadline
-    assert clip(dataclasses.replace(rest, max_tokens=6), 5, []) == ("o.bar()", "length")  # not more than it was
+    assert cut(rest, 2, []) == ("o.", "length")
+    assert cut(rest, 4, []) == ("o.bar()", "length") and cut(rest, 9, ["("]) == ("o.bar", "stop")
+    assert cut(rest, 3, ["r()"]) == ("o.bar", "length")  # a stop beyond the limit is never reached
+    assert cut(rest, 5, []) is None  # the rest ended at the earlier request's limit: this one allows more
+    assert cut(dataclasses.replace(rest, finish_reason="deadline"), 5, []) is None  # or at its deadline
+    assert cut(dataclasses.replace(rest, max_tokens=6), 5, []) == ("o.bar()", "length")  # not more than it was
     for stopped_by, stops, answered in [("end", (), True), ("repeat", (), True), ("unsure", (), False),
                                         ("sequence", ("\n",), False)]:
         ended = dataclasses.replace(rest, finish_reason="stop", stopped_by=stopped_by, stops=stops,
                                     min_probability=0.05)
-        assert (clip(ended, 5, []) == ("o.bar()", "stop")) is answered, stopped_by
-    assert clip(ended, 5, [], 0.05) is None and clip(ended, 5, ["\n"], 0.05) == ("o.bar()", "stop")
+        assert (cut(ended, 5, []) == ("o.bar()", "stop")) is answered, stopped_by
+    assert cut(ended, 5, [], 0.05) is None and cut(ended, 5, ["\n"], 0.05) == ("o.bar()", "stop")
     ended = dataclasses.replace(ended, stopped_by="unsure")
-    assert clip(ended, 5, [], 0.05) == ("o.bar()", "stop")  # the same floor: the answer the editor had
+    assert cut(ended, 5, [], 0.05) == ("o.bar()", "stop")  # the same floor: the answer the editor had
     ended = dataclasses.replace(rest, finish_reason="stop", stopped_by="sequence", stops=("\n",))
-    assert clip(ended, 5, ["\n", ";"]) == ("o.bar()", "stop")  # this request stops there too
+    assert cut(ended, 5, ["\n", ";"]) == ("o.bar()", "stop")  # this request stops there too
 
 
 def test_typed_through_keeps_the_runners_up_still_open():

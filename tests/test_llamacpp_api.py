@@ -326,3 +326,17 @@ def _eventually(check, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_a_stop_word_is_named(http):
+    """A stop the request gave that ended the infill is llama.cpp's stop_type "word", named in stopping_word (the
+    daemon's Done.stop_sequence); one that never came leaves llama.cpp's "eos" or "limit" and no word."""
+    whole = fim(http, PREFIX + MIDDLE, SUFFIX, [])["text"]
+    assert len(whole) >= 3, whole
+    stop = whole[1:3]
+    body = {"input_prefix": PREFIX, "prompt": MIDDLE, "input_suffix": SUFFIX, "n_predict": CAP,
+            "stop": ["\u2603", stop]}
+    a = http.post("/infill", json=body).json()
+    assert (a["content"], a["stop_type"], a["stopping_word"]) == (whole[: whole.index(stop)], "word", stop), a
+    a = http.post("/infill", json={**body, "stop": ["\u2603"]}).json()
+    assert a["content"] == whole and a["stop_type"] in ("eos", "limit") and a["stopping_word"] == "", a
