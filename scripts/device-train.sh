@@ -94,10 +94,38 @@ for name, value in (("BUDGET", "$BUDGET"), ("MINUTES", "$MINUTES")):
         sys.exit(f"{name}={value!r} is not a number of {'seconds' if name == 'BUDGET' else 'minutes'}: nothing was "
                  "unpacked or trained")
 try:
-    load_train_config("$CONFIG")
+    model_config = load_train_config("$CONFIG")[1]
 except Exception as e:
     sys.exit(f"CONFIG=$CONFIG does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
              "nothing was unpacked or trained")
+# The weights this call continues, checked here too: shards of two writes, one cut short on the way or a state.json
+# of another run, and weights of another shape than CONFIG's model, failed only after the corpus was unpacked and
+# tokenised (the latter in the retry without compile too, and then sent the same weights back).
+from pathlib import Path
+
+from m31r.train.shards import import_shards, read_state
+from m31r.train.trainer import load_checkpoint, require_same_model
+
+run_ckpt, shards = Path("$R/ckpt.pt"), Path("$P/shards")
+
+
+def same_model(state: dict, where: Path, instead: str) -> None:
+    try:
+        require_same_model(state, model_config, where, "$CONFIG")
+    except ValueError as e:  # (its advice, a new --run folder, is the trainer's)
+        sys.exit(f"{str(e).split(': resume it')[0]}: nothing was unpacked or trained; {instead}")
+
+
+try:
+    if run_ckpt.is_file():  # a warm machine's run
+        same_model(load_checkpoint(run_ckpt)["state"], run_ckpt, "train this config as another RUN=")
+    elif shards.is_dir():  # a fresh machine: continue the weights sent back
+        if (shards / "state.json").is_file():
+            same_model(read_state(shards / "state.json"), shards, "train them with their own config, or pack "
+                       "without them to start from the init")
+        import_shards(shards, run_ckpt.parent)
+except (ValueError, OSError) as e:
+    sys.exit(f"{str(e).splitlines()[0]}: nothing was unpacked or trained")
 PY
 
 if [ ! -f "$W/data/corpus/train.jsonl" ]; then
@@ -115,11 +143,8 @@ if [ ! -f "$W/data/corpus/train.jsonl" ]; then
   xz -dc -T0 "${parts[@]}" > "$W/data/corpus/train.jsonl.part"
   mv "$W/data/corpus/train.jsonl.part" "$W/data/corpus/train.jsonl"
 fi
-INIT=
-if [ ! -f "$R/ckpt.pt" ] && [ -d "$P/shards" ]; then  # a fresh machine: continue the weights sent back
-  "$PY" -c "from pathlib import Path; from m31r.train.shards import import_shards; \
-import_shards(Path('$P/shards'), Path('$R'))"
-elif [ ! -f "$R/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
+INIT=  # (shards sent back earlier were imported into $R above)
+if [ ! -f "$R/ckpt.pt" ] && [ -f "$P/init/model.safetensors" ]; then
   INIT=$P/init
 fi
 if [ "$DEVICE" != cpu ]; then  # || true: a field this driver does not know must not end the call

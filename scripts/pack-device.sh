@@ -22,6 +22,20 @@ RELEASE=${RELEASE:-release}
 M31R=${M31R:-.venv/bin/m31r}
 PY=${PY:-.venv/bin/python}
 D=$DEST/.device MORE=$DEST/.device-more WHL=$DEST/.whl
+if [ -d "$D/shards" ]; then  # weights of an earlier call: checked here (two writes mixed, one cut short), not on a lease
+  "$PY" - "$D/shards" <<'PY'
+import sys
+from pathlib import Path
+
+from m31r.train.shards import read_shards
+
+try:
+    state = read_shards(Path(sys.argv[1]))[1]
+except (ValueError, OSError) as e:
+    sys.exit(f"{str(e).splitlines()[0]}: nothing was packed")
+print(f"{sys.argv[1]}: the run's start, step {state['step']} of {state['model_config'].get('name')}")
+PY
+fi
 mkdir -p "$D" "$WHL"
 cp "$DATA/tokenizer.json" "$DATA/corpus/manifest.json" "$D/"
 # Each .xz is written under a temporary name and renamed when whole (an interrupted pack leaves no truncated one),

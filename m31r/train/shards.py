@@ -8,7 +8,10 @@ a fresh optimizer, its learning rate warmed up again from the checkpoint's step 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import msgspec
@@ -19,12 +22,18 @@ from m31r.config import ModelConfig
 from m31r.train.trainer import hold_run, load_checkpoint, write_checkpoint
 
 MAX_SHARD_BYTES = 15 * 2**20
+SHARD_NAME = re.compile(r"weights-(\d+)-of-(\d+)\.safetensors")
+SHARD_FILES = "shard_files"  # state.json's record of its shards' sha256, taken out again on import
 
 
 def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
     """Pack a checkpoint's weights (as bf16) into as few shards of at most max_bytes as they fit, plus its state as
     JSON. A tensor that does not fit the room left is split by rows (parts named NAME@0, NAME@1, ...): mini's
-    embedding alone is 16 MiB, and filling every shard keeps its 59 MB to four files."""
+    embedding alone is 16 MiB, and filling every shard keeps its 59 MB to four files.
+
+    OUT ends up holding this write's shards and no other: those of an earlier write (more of them, or as many) were
+    left beside the new ones. Each file is written under a temporary name first, so a write that fails leaves the
+    earlier one whole; state.json records each shard's sha256 (SHARD_FILES), which import_shards checks."""
     saved = load_checkpoint(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     room_per_shard = max_bytes - min(64 * 1024, max_bytes // 4)  # room for the header
@@ -52,13 +61,109 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
             shards[-1][f"{name}@{part}"] = t[:rows].clone()
             t, room, part = t[rows:], room - t[:rows].nbytes, part + 1
     shards = [s for s in shards if s]
-    paths = []
-    for i, part in enumerate(shards):
-        paths.append(out / f"weights-{i:02d}-of-{len(shards):02d}.safetensors")
-        save_file(part, str(paths[-1]))
-    state = {k: v for k, v in saved["state"].items()}
-    (out / "state.json").write_text(json.dumps(state))
-    return [*paths, out / "state.json"]
+    names = [f"weights-{i:02d}-of-{len(shards):02d}.safetensors" for i in range(len(shards))]
+    for leftover in out.glob(".*.tmp"):  # of a write that was killed while staging
+        if leftover.name.startswith(".weights-") or leftover.name == ".state.json.tmp":
+            leftover.unlink()
+    staged: list[Path] = []
+    try:
+        hashes = {}
+        for name, part in zip(names, shards, strict=True):
+            staged.append(out / f".{name}.tmp")
+            save_file(part, str(staged[-1]))
+            hashes[name] = file_sha256(staged[-1])
+        state = {**saved["state"], SHARD_FILES: hashes}
+        staged.append(out / ".state.json.tmp")
+        staged[-1].write_text(json.dumps(state))
+    except BaseException:
+        for p in staged:
+            p.unlink(missing_ok=True)
+        raise
+    # The earlier write goes only now, state.json first: a kill among the renames below leaves shards without their
+    # state.json, which import refuses, never a set that mixes two writes.
+    (out / "state.json").unlink(missing_ok=True)
+    for old in shard_files(out):
+        if old.name not in hashes:
+            old.unlink()
+    for name, tmp in zip([*names, "state.json"], staged, strict=True):
+        os.replace(tmp, out / name)
+    return [*(out / n for n in names), out / "state.json"]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The files in folder named as write_shards names shards."""
+    return sorted(p for p in Path(folder).iterdir() if SHARD_NAME.fullmatch(p.name))
+
+
+def read_shards(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The float32 weights and the run's state that one write_shards left in folder, checked to be that: all of its
+    shards, whole, no other write's beside them, and exactly the tensors of the model its state.json names.
+    A ValueError (FileNotFoundError for what is missing) names the files and what to do otherwise."""
+    folder = Path(folder)
+    files = shard_files(folder)
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weights-*-of-*.safetensors shards")
+    if not (folder / "state.json").is_file():
+        raise FileNotFoundError(f"{folder / 'state.json'} is missing: it travels with the shards (the run's step and "
+                                "model); copy it from the same `m31r train shards` or device call")
+    state = read_state(folder / "state.json")
+    recorded = state.pop(SHARD_FILES, None)
+    again = "copy all the shards and the state.json of one write again, into an empty folder"
+    names = {f.name for f in files}
+    if isinstance(recorded, dict):  # written since the shards' sha256 were recorded
+        want = set(recorded)
+        if others := sorted(names - want):
+            raise ValueError(f"{folder} holds shards of more than one write: {', '.join(others)} "
+                             f"{'is' if len(others) == 1 else 'are'} not of the write its state.json records "
+                             f"({', '.join(sorted(want))}); delete {'it' if len(others) == 1 else 'them'}, or {again}")
+    else:  # shards from before: their names alone must make one whole set
+        totals = {int(SHARD_NAME.fullmatch(n)[2]) for n in names}
+        if len(totals) > 1:
+            raise ValueError(f"{folder} holds shards of more than one write ({', '.join(sorted(names))}): {again}")
+        (total,) = totals
+        want = {f"weights-{i:02d}-of-{total:02d}.safetensors" for i in range(total)}
+        if others := sorted(names - want):
+            raise ValueError(f"{folder}: {', '.join(others)} {'is' if len(others) == 1 else 'are'} not one of "
+                             f"{total} shards of one write: {again}")
+    if missing := sorted(want - names):
+        raise ValueError(f"{folder}: {len(want) - len(missing)} of {len(want)} shards present ({', '.join(missing)} "
+                         f"missing): copy {'it' if len(missing) == 1 else 'them'} again from the same write")
+    model: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for s in files:
+        try:
+            tensors = load_file(str(s))
+        except OSError:
+            raise
+        except Exception as e:  # safetensors' own error (a file cut short) names neither the file nor what to do
+            raise ValueError(f"{s} cannot be read as a shard ({e}): it was cut short or replaced; {again}") from None
+        for k, v in tensors.items():
+            name, _, i = k.rpartition("@") if "@" in k else (k, "", "")
+            if (i and int(i) in parts.get(name, {})) or (not i and name in model):
+                raise ValueError(f"{folder}: {k} is in two shards: {again}")
+            if i:
+                parts.setdefault(name, {})[int(i)] = v
+            else:
+                model[k] = v.float()
+    for name, pieces in parts.items():
+        if sorted(pieces) != list(range(len(pieces))):
+            raise ValueError(f"{folder}: parts {sorted(pieces)} of {name} do not run 0..{len(pieces) - 1}")
+        model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
+    require_whole_model(model, state, folder)
+    # Last, as the one check left for shards of another write of the same model (a copy over an earlier lease's that
+    # failed part-way), or a state.json of another write: both imported as a silent mix of two runs.
+    if isinstance(recorded, dict) and (bad := [f.name for f in files if file_sha256(f) != recorded[f.name]]):
+        raise ValueError(f"{folder}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not the file its state.json "
+                         f"records (of another write, or changed since): {again}")
+    return model, state
 
 
 def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
@@ -69,27 +174,7 @@ def import_shards(folder: Path, run_dir: Path, *, force: bool = False) -> dict:
     ckpt = Path(run_dir) / "ckpt.pt"
     if ckpt.exists() and not force:
         raise FileExistsError(f"{ckpt} exists: import into a new run folder, or pass --force to replace it")
-    shards = sorted(Path(folder).glob("weights-*-of-*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{folder}: no weights-*-of-*.safetensors shards")
-    expected = int(shards[0].stem.rsplit("-", 1)[1])
-    if len(shards) != expected:
-        raise ValueError(f"{folder}: {len(shards)} of {expected} shards present")
-    model: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    for s in shards:
-        for k, v in load_file(str(s)).items():
-            if "@" in k:
-                name, i = k.rsplit("@", 1)
-                parts.setdefault(name, {})[int(i)] = v
-            else:
-                model[k] = v.float()
-    for name, pieces in parts.items():
-        if sorted(pieces) != list(range(len(pieces))):
-            raise ValueError(f"{folder}: parts {sorted(pieces)} of {name} do not run 0..{len(pieces) - 1}")
-        model[name] = torch.cat([pieces[i] for i in range(len(pieces))]).float()
-    state = read_state(Path(folder) / "state.json")
-    require_whole_model(model, state, folder)
+    model, state = read_shards(folder)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     with hold_run(ckpt.parent):  # not while a trainer writes its own ckpt.tmp there
         write_checkpoint(ckpt, {"model": model, "optimizer": None, "state": state})
