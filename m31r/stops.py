@@ -65,12 +65,17 @@ class StopMatcher:
         text, hit = self._feed_stops(piece)
         if self.repeats is None:
             return text, hit
-        text, repeated = self.repeats.feed(text)
+        # A stop that begins with a line break ends the text's last line: the repeated-line stop sees that line whole,
+        # as it would have without the stop (a single-line request's "\n" hid every repeat of the line above).
+        ended = hit and self.matched is not None and self.matched[:1] in ("\n", "\r")
+        text, repeated = self.repeats.feed(text + "\n" if ended else text)
         self.repeated = repeated
         if repeated:  # the repeated line came first: the text ends before it, not at the sequence
             self.matched = None
-        if hit and not repeated:  # generation ends here: a line held for comparison was no repeat
+        elif hit:  # generation ends here: a line held for comparison was no repeat
             text += self.repeats.flush()
+            if ended:  # the break fed above is the stop's, which the text leaves out
+                text = text[:-1]
         return text, hit or repeated
 
     def _feed_stops(self, piece: str) -> tuple[str, bool]:

@@ -35,6 +35,23 @@ def test_the_matcher_names_the_stop_that_ended_the_text() -> None:
     assert (text, hit) == ("", True) and rep.repeated and rep.matched is None, rep.matched
 
 
+def test_a_line_ended_by_a_stop_is_checked_for_repeats() -> None:
+    """A stop beginning with a line break ends the completion's line: the repeated-line stop sees that line whole.
+    A single-line request (stop "\n") wrote the line above again (`Color::Green => "green",` under itself), since its
+    line end never reached the repeat check."""
+    above = '        Color::Green => "green",\n        '
+    sm = StopMatcher(["\n"], repeat_context=above)
+    assert sm.feed('Color::Green => "green",\nx') == ("", True) and sm.repeated and sm.matched is None
+    sm = StopMatcher(["\n"], repeat_context=above)
+    assert sm.feed('Color::Blue => "blue",\nx') == ('Color::Blue => "blue",', True)
+    assert not sm.repeated and sm.matched == "\n"
+    # The daemon's own stop at the suffix's next line, as a multi-line Fim's.
+    sm = StopMatcher(["\n    }\n"], repeat_context="    a();\n")
+    assert sm.feed("    a();\n    }\n") == ("", True) and sm.repeated
+    sm = StopMatcher(["\n    }\n"], repeat_context="    a();\n")
+    assert sm.feed("    b();\n    }\n") == ("    b();", True) and sm.matched == "\n    }\n"
+
+
 def at(doc: str) -> tuple[str, int]:
     return doc.replace("█", ""), doc.index("█")
 
