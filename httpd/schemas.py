@@ -179,6 +179,9 @@ class GenerateResponse(Struct):
     line_logprob: float | None = None  # Done.line_logprob: its first line's
     logprob_by_line: list[float] = []  # Done.logprob_by_line: each of its lines'
     tokens: list[TokenLogprob] | None = None  # with `logprobs`: each token's figures
+    # Done.stopped_by and Done.stop_sequence: what a finish_reason "stop" was, and the stop sequence that matched
+    stopped_by: Literal["end", "sequence", "repeat", "unsure"] | None = None
+    stop_sequence: str | None = None
 
 
 class Alternative(Struct):

@@ -295,11 +295,12 @@ def sampling_options(fn: F) -> F:
                           "step (\"token_logprobs\": [{text, token, logprob, top: [[token, text, logprob], ...]}])."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object {text, tokens, finish_reason, usage, timings, source, alternatives, "
-                          "logprob, line_logprob, logprob_by_line} at the end (source: \"model\", or "
-                          "\"typed_through\" for a fim answered from the previous suggestion for the same --file; "
-                          "alternatives: a beam search's runners-up; "
+                          "logprob, line_logprob, logprob_by_line, stopped_by, stop_sequence} at the end (source: "
+                          "\"model\", or \"typed_through\" for a fim answered from the previous suggestion for the "
+                          "same --file; alternatives: a beam search's runners-up; "
                           "logprob, line_logprob, logprob_by_line: how likely the model found the completion, its "
-                          "first line and each line, natural logs)."),
+                          "first line and each line, natural logs; stopped_by: end, sequence, repeat or unsure for a "
+                          "finish_reason stop, stop_sequence the stop that matched)."),
         socket_option,
         click.option("--no-autostart", is_flag=True, help="Fail instead of starting a daemon when none runs."),
     ]):
@@ -430,6 +431,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "timings": msgspec.to_builtins(done.timings), "source": done.source,
                                "alternatives": done.alternatives, "logprob": done.logprob,
                                "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line,
+                               "stopped_by": done.stopped_by, "stop_sequence": done.stop_sequence,
                                **({"token_logprobs": [
                                    {"text": f.text, "token": f.token, "logprob": f.logprob,
                                     "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}

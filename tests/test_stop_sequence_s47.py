@@ -150,3 +150,32 @@ async def test_the_daemon_says_which_stop_ended_a_completion(shared_daemon) -> N
         assert typed.done is not None and typed.done.source == "typed_through", typed.done
         assert rest == whole[1 : 1 + whole[1:].index(stop)]
         assert (typed.done.finish_reason, typed.done.stopped_by, typed.done.stop_sequence) == ("stop", "sequence", stop)
+
+
+def test_the_cli_and_http_answers_carry_them(shared_daemon, tmp_path) -> None:
+    """`m31r generate --json` and the HTTP adapter's /generate pass Done's stopped_by and stop_sequence on."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+    from test_http import Server
+
+    sock = shared_daemon[1]
+    r = subprocess.run([sys.executable, "-m", "m31r.cli", "generate", "fn main() {\n", "--json", "--max-tokens", "24",
+                        "--socket", str(sock)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr
+    free = json.loads(r.stdout)
+    assert (free["finish_reason"], free["stopped_by"], free["stop_sequence"]) == ("length", None, None)
+    stop = free["text"][len(free["text"]) // 2 :][:2]
+    server = Server(tmp_path, sock)
+    try:
+        server.wait_healthy()
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            got = http.post("/generate", json={"prompt": "fn main() {\n", "max_tokens": 24, "stop": [stop]}).json()
+    finally:
+        server.stop()
+    assert got["text"] == free["text"][: free["text"].index(stop)]
+    assert (got["finish_reason"], got["stopped_by"], got["stop_sequence"]) == ("stop", "sequence", stop), got
