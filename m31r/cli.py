@@ -180,7 +180,8 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
               help=f"torch intra-op threads (default: all cores; at most {MAX_THREADS}).")
 @click.option("--cache-mb", type=click.FloatRange(min=0), default=1536, show_default=True, callback=finite,
               help="Budget for prefix-cache KV slots (each a full context; pages fill as the context grows): it also "
-                   "bounds concurrent requests. 0 disables reuse across requests.")
+                   "bounds concurrent requests. 0 disables reuse across requests, and with it concurrency: one "
+                   "working buffer, one request at a time.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
               help="Requests in flight before new ones are answered `busy`.")
 @click.option("--max-per-connection", type=click.IntRange(min=1), default=16, show_default=True,
