@@ -282,6 +282,16 @@ def _warm_up(daemon, threads: int | None) -> None:
                                        **engine.kernel_report}})
 
 
+def thread_check_ids(engine) -> list[int]:
+    """The prompt _govern_threads checks: the widest prefill chunk and a short one (chunk_layout: max_chunk, then
+    chunk_size), and chunks of other sizes for its half. Prompts are prefilled in chunks of up to max_chunk, whose
+    GEMMs may split their work across threads otherwise than a short chunk's: a 96-token check saw only chunks of 64
+    and 32."""
+    want = min(engine.max_chunk + engine.chunk_size, engine.config.max_context - engine.decode_width - 2)
+    line = engine.tokenizer.encode("fn main() {\n    let v: Vec<u32> = (0..10).map(|x| x * 2).collect();\n")
+    return (line * (want // max(1, len(line)) + 1))[:want]
+
+
 def _govern_threads(engine, ceiling: int) -> str:
     """Let the thread count follow the CPUs other processes leave free (m31rd.torch_thread.ThreadGovernor): under a
     `cargo build` an OpenMP team as wide as the machine stalls every decode step at its barriers. Only where the
@@ -298,9 +308,7 @@ def _govern_threads(engine, ceiling: int) -> str:
     governor = ThreadGovernor.where_supported(ceiling)
     if governor is None:
         return "no: one thread" if ceiling < 2 else "no: no /proc/stat to read the load from"
-    # 96 tokens of the release tokenizer: a long chunk and a short one (chunk_layout), and short ones for the half
-    ids = engine.tokenizer.encode("fn main() {\n    let v: Vec<u32> = (0..10).map(|x| x * 2).collect();\n" * 3)
-    ids = ids[: engine.config.max_context - engine.decode_width - 2]
+    ids = thread_check_ids(engine)
 
     def logits(threads: int) -> list[torch.Tensor]:
         torch.set_num_threads(threads)
