@@ -4,8 +4,9 @@ Both layouts are ours up to naming and fusion: q/k/v become one `wqkv` (Qwen2's 
 gate/up one `w13`, a separate `lm_head` the `output` matrix. GQA, rope_theta and RoPE scaling of the `linear`
 and `llama3` types carry over as config fields. An embedding padded beyond the tokenizer is kept as it is; the
 engine never emits the padding ids. Anything the M31R block cannot express (other architectures, an o_proj or
-MLP bias, other activations, sliding-window attention, other RoPE scalings, quantized weights) is refused by name
-rather than converted into a model that silently computes something else; so are weights that are not finite, or not
+MLP bias, other activations, sliding-window attention, other RoPE scalings, quantized weights, RoPE fields whose two
+transformers spellings disagree, a tokenizer that adds a BOS to every prompt) is refused by name rather than
+converted into a model that silently computes something else; so are weights that are not finite, or not
 in the bundle dtype's range, and sharded weights whose files disagree with their index or with each other.
 """
 
@@ -38,6 +39,11 @@ INDEX = "model.safetensors.index.json"
 # model_type -> the architecture class it must name, and whether its q/k/v projections carry biases.
 FAMILIES = {"llama": ("LlamaForCausalLM", False), "qwen2": ("Qwen2ForCausalLM", True)}
 ROPE_SCALINGS = ("linear", "llama3")
+# What transformers' LlamaConfig and Qwen2Config (4.x and 5.x alike) take for a field config.json leaves out, so that
+# a config written by hand or trimmed is read as transformers reads it. (Qwen2's num_key_value_heads default, 32, makes
+# transformers itself refuse most such checkpoints: it is left as num_attention_heads.)
+HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+               "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}}
 
 
 def _refuse(hf_dir: Path, what: str) -> BundleError:
@@ -50,6 +56,7 @@ def _rope(hf_dir: Path, hf: dict) -> tuple[float, dict | None]:
     for key in ("rope_scaling", "rope_parameters"):
         if not isinstance(hf.get(key) or {}, dict):
             raise BundleError(f"{hf_dir / 'config.json'}: {key} must be an object or null, got {hf[key]!r}")
+    _rope_agree(hf_dir, hf)
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     if any(isinstance(v, dict) for v in params.values()):
         raise _refuse(hf_dir, "per-layer RoPE parameters are not supported")
@@ -72,6 +79,32 @@ def _rope(hf_dir: Path, hf: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def _kind(params: dict) -> object:
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def _rope_agree(hf_dir: Path, hf: dict) -> None:
+    """Refuse a config.json whose transformers 4 RoPE fields (`rope_scaling`, `rope_theta`) and transformers 5 ones
+    (`rope_parameters`) say different things: transformers reads a `rope_scaling` that is set with the top-level
+    `rope_theta` (10000 when absent), ignoring `rope_parameters`, which 5 reads otherwise. A transformers 5 config with
+    the model card's `rope_scaling` added was imported unscaled at rope_parameters' theta, which transformers scales at
+    theta 10000: which RoPE the checkpoint was trained with cannot be told."""
+    scaling, params = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
+    if not params or not (scaling or "rope_theta" in hf) or any(isinstance(v, dict) for v in params.values()):
+        return  # (per-layer parameters are refused by _rope)
+    old = {**scaling, "rope_type": _kind(scaling), "rope_theta": hf.get("rope_theta", 10000.0)}
+    new = {**params, "rope_type": _kind(params)}
+    for key in ["rope_type", *sorted(old.keys() & new.keys() - {"type", "rope_type"})]:
+        a, b = old[key], new[key]
+        same = a == b or (isinstance(a, int | float) and isinstance(b, int | float) and float(a) == float(b))
+        if not same:
+            unset = " (unset: the default)" if key == "rope_theta" and "rope_theta" not in hf else ""
+            raise BundleError(f"{hf_dir / 'config.json'}: rope_scaling and rope_theta (transformers 4's fields) give "
+                              f"{key} {a!r}{unset}, rope_parameters (transformers 5's) {b!r}: transformers reads the "
+                              "first where rope_scaling is set, the second otherwise; make them agree (or remove the "
+                              "stale one) so that it is the RoPE the checkpoint was trained with")
+
+
 def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
     arch = hf.get("architectures") or []
     family = FAMILIES.get(hf.get("model_type"))
@@ -90,6 +123,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         raise _refuse(hf_dir, "sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(hf_dir, f"activation {hf['hidden_act']!r} is not SwiGLU (silu)")
+    hf = {**hf, **{k: v for k, v in HF_DEFAULTS[hf["model_type"]].items() if hf.get(k) is None}}
     _check_sizes(hf_dir, hf)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // heads):
@@ -106,6 +140,7 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
             raise BundleError(f"{hf_dir / 'tokenizer.json'}: no {role.removesuffix('_token')} token "
                               f"(looked for {', '.join(names)}); M31R needs FIM tokens")
         special[role] = found
+    _check_no_added_tokens(hf_dir, tok)
     tok_cfg = hf_dir / "tokenizer_config.json"
     eos = _json_object(tok_cfg).get("eos_token") if tok_cfg.exists() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos  # older files spell an AddedToken out
@@ -117,8 +152,8 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
             "name": Path(os.path.abspath(hf_dir)).name,
             "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads", heads), "ffn_hidden": hf["intermediate_size"],
-            "vocab_size": hf["vocab_size"], "max_context": hf.get("max_position_embeddings", 2048),
-            "rope_theta": theta, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), **special,
+            "vocab_size": hf["vocab_size"], "max_context": hf["max_position_embeddings"],
+            "rope_theta": theta, "norm_eps": float(hf["rms_norm_eps"]), **special,
             # Both families' transformers configs default to an untied head.
             "qkv_bias": qkv_bias, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling": scaling,
@@ -127,6 +162,22 @@ def _hf_config(hf_dir: Path, hf: dict, tok: HFTokenizer) -> ModelConfig:
         raise BundleError(str(e)) from None
     except KeyError as e:
         raise BundleError(f"{hf_dir / 'config.json'}: {e}") from None
+
+
+def _check_no_added_tokens(hf_dir: Path, tok: HFTokenizer) -> None:
+    """Refuse a tokenizer whose post_processor adds tokens to every text (a BOS such as Llama's `<s>`): transformers'
+    tokenizer puts them in every prompt, as in training, while M31R's prompts are the text's tokens alone, so the
+    bundle's completions differed from transformers' from the first token on."""
+    if tok.num_special_tokens_to_add(False) == 0:
+        return
+    bare = HFTokenizer.from_str(tok.to_str())  # (without the file's padding and truncation, to name what is added)
+    bare.no_padding()
+    bare.no_truncation()
+    enc = bare.encode("x")
+    added = [t for t, special in zip(enc.tokens, enc.special_tokens_mask, strict=True) if special]
+    raise BundleError(f"{hf_dir / 'tokenizer.json'}: its post_processor adds {', '.join(added)} to every text, as "
+                      "transformers' tokenizer does to every prompt of this model; M31R's prompts are the text's "
+                      "tokens alone, so the bundle would not compute what the checkpoint does")
 
 
 def _config_eos(hf_dir: Path, hf: dict, tok: HFTokenizer) -> str:
