@@ -73,10 +73,20 @@ def settings_of(result: dict) -> dict:
 
 def compare(base: dict, cand: dict) -> dict:
     a, b = base["tasks"], cand["tasks"]
-    if len(a) != len(b) or any(tuple(x[k] for k in _IDENTITY) != tuple(y[k] for k in _IDENTITY)
-                               for x, y in zip(a, b, strict=True)):
-        raise ValueError("the two results hold different tasks: run both with the same --seed, --n-single, "
-                         "--n-multi and data")
+    ident = lambda t: tuple(t[k] for k in _IDENTITY)  # noqa: E731
+    if len(a) != len(b) or any(ident(x) != ident(y) for x, y in zip(a, b, strict=True)):
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if ident(x) != ident(y)), min(len(a), len(b)))
+        where = (f"{len(a)} and {len(b)} tasks" if len(a) != len(b) else f"{len(a)} tasks each")
+        if at < min(len(a), len(b)):
+            where += (f", the first different at task {at}: {a[at]['kind']} {a[at]['path']}:{a[at]['line'] + 1} / "
+                      f"{b[at]['kind']} {b[at]['path']}:{b[at]['line'] + 1}")
+        hint = ""
+        ta, tb = ((r.get("metadata") or {}).get("tokenizer_hash") for r in (base, cand))
+        if ta and tb and ta != tb:
+            hint = ("; the models' tokenizers differ, and a data folder without tokenizer.json has each model's "
+                    "tokenizer size its tasks (eval_fim.task_tokenizer): run both on one that has it")
+        raise ValueError(f"the two results hold different tasks ({where}): run both with the same --seed, --n-single, "
+                         f"--n-multi, token budgets and data{hint}")
     out: dict = {"base": base["model"], "candidate": cand["model"]}
     sb, sc = settings_of(base), settings_of(cand)
     out["settings"] = {"base": sb, "candidate": sc}
@@ -111,7 +121,8 @@ def ppl_window(result: dict) -> int | None:
 def perplexities(base: dict, cand: dict) -> dict | None:
     """Both results' perplexity and bits per byte, with the windows they are over; `not_comparable` says why where
     those differ (eval_fim cuts its windows to a shorter model's context, and a shorter window has less to condition
-    on, so its perplexity is higher whatever the model). Not part of the release rule."""
+    on, so its perplexity is higher whatever the model), or where the models' tokenizers differ (a perplexity is per
+    token, of each model's own tokens: bits per byte are what compare then). Not part of the release rule."""
     wa, wb = ppl_window(base), ppl_window(cand)
     if wa is None or wb is None:
         return None
@@ -119,9 +130,16 @@ def perplexities(base: dict, cand: dict) -> dict | None:
     out = {"base": pa["perplexity"], "candidate": pb["perplexity"], "bits_per_byte": [pa.get("bits_per_byte"),
                                                                                        pb.get("bits_per_byte")],
            "windows": [wa, wb]}
+    why = []
     if wa != wb:
-        out["not_comparable"] = (f"the perplexities are over windows of {wa} and {wb} tokens (a model's context "
-                                 "shorter than --ppl-context cuts them): they are not comparable")
+        why.append(f"the perplexities are over windows of {wa} and {wb} tokens (a model's context shorter than "
+                   "--ppl-context cuts them)")
+    ta, tb = ((r.get("metadata") or {}).get("tokenizer_hash") for r in (base, cand))
+    if ta and tb and ta != tb:
+        why.append("the models' tokenizers differ, so each perplexity is per token of its own tokenizer (compare bits "
+                   "per byte)")
+    if why:
+        out["not_comparable"] = "; ".join(why) + ": they are not comparable"
     return out
 
 
@@ -244,8 +262,10 @@ def table(r: dict) -> str:
         lines.append(f"the as-shown figures are under different editor settings ({a} / {b})")
     if ppl := r.get("perplexity"):
         wa, wb = ppl["windows"]
+        ba, bb = ppl.get("bits_per_byte") or [None, None]
         lines.append(f"validation perplexity: base {ppl['base']:.3f} ({wa}-token windows), candidate "
                      f"{ppl['candidate']:.3f} ({wb}-token windows)"
+                     + (f"; bits per byte: base {ba:.4f}, candidate {bb:.4f}" if None not in (ba, bb) else "")
                      + (f"; {ppl['not_comparable']}" if "not_comparable" in ppl else ""))
     if "clean" in r:
         lines.append(f"(clean: the tasks of files without a look-alike in training; {r['clean']['leaky_files']} "
@@ -253,6 +273,33 @@ def table(r: dict) -> str:
     v = r["release"]
     lines += ["", f"release rule: {'the candidate wins both' if v['wins'] else 'not a release'}: {v['why']}"]
     return "\n".join(lines)
+
+
+def load_result(path: Path) -> dict:
+    """An eval_fim.py --out result, or ValueError naming the file and what it is not: a summary line, another
+    benchmark's report or a truncated file otherwise fails later as a bare key ('tasks') or a traceback."""
+    try:
+        r = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    what = f"{path}: not an eval_fim.py --out result"
+    if not isinstance(r, dict) or not isinstance(r.get("tasks"), list) or "model" not in r:
+        raise ValueError(f"{what} (it needs 'model' and the per-task list 'tasks', which eval_fim.py writes with "
+                         "--out; its printed summary line has no tasks)")
+    need = (*_IDENTITY, "exact", "edit_similarity")
+    bad = next((i for i, t in enumerate(r["tasks"]) if not isinstance(t, dict) or any(k not in t for k in need)), None)
+    if bad is not None:
+        raise ValueError(f"{what}: task {bad} lacks one of {', '.join(need)}")
+    return r
+
+
+def load_leaky(path: Path) -> set[str]:
+    """The paths of an eval_leakage.py report's leaky_files, or ValueError naming the file."""
+    try:
+        report = json.loads(path.read_text())
+        return {f["path"] for f in report["leaky_files"]}
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an eval_leakage.py report with leaky_files ({type(e).__name__}: {e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,14 +312,15 @@ def main(argv: list[str] | None = None) -> int:
                          "'none' compares all tasks only")
     args = ap.parse_args(argv)
     try:
-        r = compare(json.loads(args.base.read_text()), json.loads(args.candidate.read_text()))
+        base, cand = load_result(args.base), load_result(args.candidate)
+        r = compare(base, cand)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.leaky is not None and str(args.leaky) != "none":
         try:
-            leaky = {f["path"] for f in json.loads(args.leaky.read_text())["leaky_files"]}
-            clean = compare(*(without(json.loads(p.read_text()), leaky) for p in (args.base, args.candidate)))
+            leaky = load_leaky(args.leaky)
+            clean = compare(without(base, leaky), without(cand, leaky))
         except (OSError, ValueError, KeyError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

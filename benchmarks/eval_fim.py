@@ -166,7 +166,7 @@ def make_tasks(texts: list[tuple[str, str, str]], n_single: int, n_multi: int, s
 
     def draw(kind: str, want: int) -> None:
         got, tries = 0, 0
-        while got < want and tries < want * 50:
+        while crates and got < want and tries < want * 50:  # no files: no tasks (callers say so), not a crash
             tries += 1
             files = by_crate[crates[rng.randrange(len(crates))]]
             path, text, lines = files[rng.randrange(len(files))]
@@ -602,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the 'as shown' scores (what the editor shows: the language server's request for each "
                         "cursor, post-processed), which decode again the tasks whose request differs")
     args = p.parse_args(argv)
+    # Said before the model loads: a perplexity of no window or of windows of one token divided by zero after every
+    # task had run, and the report, written last, was lost.
+    if min(args.n_single, args.n_multi, args.ppl_windows) < 0 or args.ppl_context < 1 or args.beams < 1:
+        p.error("--n-single, --n-multi and --ppl-windows must be at least 0, --ppl-context and --beams at least 1")
+    if min(args.single_tokens, args.multi_tokens) < 2:
+        p.error("--single-tokens and --multi-tokens must be at least 2 (a middle of one token, and the end)")
 
     from m31r.engine import Engine
     from m31r.fim import FimBudget

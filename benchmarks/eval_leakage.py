@@ -356,8 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     if results is None:
         results = [f for f in (REPO / "bench-results" / "eval.json", REPO / "bench-results" / "eval-large.json")
                    if f.is_file()]
+    texts = eval_fim.val_texts(args.data)  # says so where val.jsonl is missing
+    train = args.data / "corpus" / "train.jsonl"
+    if not texts:
+        raise SystemExit(f"error: no validation files in {args.data / 'corpus' / 'val.jsonl'}: nothing to measure")
+    if not train.is_file():  # said now, not after the task draw as a traceback
+        raise SystemExit(f"error: {train} does not exist: build the corpus first, `make train-data` (`make "
+                         f"train-data DATA={args.data}` for this folder)")
     t0 = time.perf_counter()
-    draws = {} if args.no_tasks else draw_tasks(eval_fim.val_texts(args.data), args.bundle, args.data)
+    draws = {} if args.no_tasks else draw_tasks(texts, args.bundle, args.data)
     report = measure(args.data, draws, context_lines=args.context_lines,
                      jaccard=args.jaccard, containment=args.containment, common_files=args.common_files,
                      min_shingles=args.min_shingles, common_crates=args.common_crates, results=results, log=log)
