@@ -355,7 +355,8 @@ class CompletionRenderer(Renderer):
         ended = sure == g.text and g.done is not None and policy.ended_by_line_break(g.done.stop_sequence)
         sug = None if unsure else policy.postprocess(self.plan, sure, ended)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
-        others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives)
+        others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives,
+                                                       policy.ended_by_line_break(r.stop_sequence))
         return s.CompletionResponse(text=text, finish_reason=r.finish_reason, usage=r.usage, timings=r.timings,
                                     start=start, end=end, multiline=self.plan.multiline,
                                     alternatives=[s.Alternative(o.text, o.start, o.end) for o in others],

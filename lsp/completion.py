@@ -299,7 +299,8 @@ class Completer:
         if suggestion is None:
             return None
         self.stats["suggestions"] += 1
-        alternatives = policy.alternatives(plan, suggestion, done.alternatives)
+        alternatives = policy.alternatives(plan, suggestion, done.alternatives,
+                                           policy.ended_by_line_break(done.stop_sequence))
         self.stats["alternatives"] += len(alternatives)
         st.shown = policy.Shown(text, offset, suggestion, extra={"shape": s.shape()}, alternatives=tuple(alternatives))
         if s.accept_ahead:

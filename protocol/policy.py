@@ -894,12 +894,14 @@ def word_before(text: str, offset: int) -> int:
     return m.start() if m else offset
 
 
-def alternatives(p: Plan, shown: Suggestion | None, raws: list[str]) -> list[Suggestion]:
+def alternatives(p: Plan, shown: Suggestion | None, raws: list[str], ended_line: bool = False) -> list[Suggestion]:
     """A beam search's runners-up (`Done.alternatives`) as further suggestions: each post-processed like the first,
-    leaving out any that show nothing or the same as `shown` or one before it."""
+    leaving out any that show nothing or the same as `shown` or one before it. `ended_line`: the answer's (the daemon
+    searches only completions a line end stops, and says how only the answer ended: the runners-up are taken to have
+    ended as it did, so that cycling to one at a line's head does not join it to the code after the cursor)."""
     out: list[Suggestion] = []
     for raw in raws:
-        s = postprocess(p, raw)
+        s = postprocess(p, raw, ended_line)
         if s is not None and s != shown and s not in out:
             out.append(s)
     return out

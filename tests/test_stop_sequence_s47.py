@@ -73,6 +73,16 @@ def test_a_line_the_model_ended_goes_above_the_code_after_the_cursor() -> None:
     assert policy.postprocess(p, "        let y = x?;\n") == sug
 
 
+def test_the_runners_up_end_their_lines_as_the_answer_did() -> None:
+    """A beam search's runners-up at the same cursor (the daemon searches only completions a line end stops) go
+    above the code as the answer does, so cycling to one does not join it to `    } else {`."""
+    text, offset = at(ELSE)
+    p = policy.plan(text, offset)
+    first = policy.postprocess(p, "        let y = x?;", ended_line=True)
+    others = policy.alternatives(p, first, ["        let y = x.unwrap();"], ended_line=True)
+    assert [o.text for o in others] == ["        let y = x.unwrap();\n"]
+
+
 def test_inside_the_indentation_the_code_keeps_its_own() -> None:
     doc = "fn f() {\n  █  let b = 2;\n}\n"
     text, offset = at(doc)
