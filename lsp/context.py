@@ -32,7 +32,7 @@ MAX_LISTED = 2000  # files a crate's listing takes before it stops walking
 MAX_VISITED = 5000  # folder entries (any name) a listing looks at before it stops walking
 MAX_WALK_S = 0.3  # seconds a listing walks before it stops: the lock every completion takes is held meanwhile
 LISTING_TTL_S = 10.0  # a crate's file list is walked again after this long
-SKIP_DIRS = {"target", ".git", "node_modules"}
+SKIP_DIRS = {".git", "node_modules"}  # and hidden folders, and `target` beside a Cargo.toml (_skipped)
 LANGUAGE_SUFFIXES = {"rust": ".rs"}  # the suffix of a languageId's files, for a document whose URI has none
 
 log = logging.getLogger("m31r_lsp.context")
@@ -64,7 +64,9 @@ class ProjectContext:
         self.open_documents = open_documents
         self._lock = threading.Lock()
         self._windows: dict[object, list[Window]] = {}  # (path, mtime_ns, size) or (uri, text hash) -> windows
-        self._listings: dict[tuple[Path, str], tuple[float, list[Path]]] = {}  # (crate, suffix) -> (when, files)
+        self._not_utf8: dict[Path, tuple[int, int]] = {}  # path -> (mtime_ns, size) of a version that is not UTF-8
+        # (crate, suffix, None) -> (when, files) of a whole listing; (crate, suffix, document's folder) of a cut one
+        self._listings: dict[tuple[Path, str, Path | None], tuple[float, list[Path]]] = {}
         self._cut: set[tuple[Path, str]] = set()  # (crate, suffix) whose listing was cut, as the log said once
 
     async def find(self, uri: str, prefix: str) -> list[Snippet]:
@@ -95,6 +97,8 @@ class ProjectContext:
         the list, from other crates as often as not, and the crate's own files on disk were never read."""
         if len(self._windows) > 4 * MAX_FILES:  # bounded: past that, all are dropped and rebuilt as needed
             self._windows.clear()
+        if len(self._not_utf8) > 4 * MAX_LISTED:  # (more than one request looks at: no request reads them again)
+            self._not_utf8.clear()
         here = uri_path(uri)
         root = crate_root(here) if here is not None else None
         near = () if here is None else here.parent.parts
@@ -132,33 +136,45 @@ class ProjectContext:
         """A file's windows; None for one that is no regular file (a named pipe called `x.rs` blocked the read, and
         every request after it, with the lock held, until something wrote to it; a link to /dev/zero never ended),
         is too large, or is not UTF-8 (training's corpus leaves those out, and rustc refuses them: quoted, they
-        put U+FFFD in the prompt). Line ends read as LF, as before."""
+        put U+FFFD in the prompt). Line ends read as LF, as before. A file found not UTF-8 is not read again until it
+        changes: it was read and decoded anew at every keystroke (a crate's fixtures in Latin-1, a binary named .rs)."""
         try:
             st = path.stat()
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return None
             key = (path, st.st_mtime_ns, st.st_size)
+            if self._not_utf8.get(path) == key[1:]:
+                return None
             if key not in self._windows:
                 with path.open(encoding="utf-8-sig") as f:  # no byte order mark, as training's corpus has none
                     text = f.read(MAX_FILE_BYTES + 1)  # grown since the stat: not read on without end
                 if len(text) > MAX_FILE_BYTES:
                     return None
                 self._windows[key] = windows(text)
-        except (OSError, UnicodeDecodeError):
+        except UnicodeDecodeError:
+            self._not_utf8[path] = key[1:]
+            return None
+        except OSError:  # (not remembered: a file made readable keeps its mtime)
             return None
         return _shown(path, root), self._windows[key]
 
     def _nearest(self, root: Path, here: Path, suffix: str) -> list[Path]:
-        """The crate's files ending in `suffix`, those sharing the most folders with `here` first."""
+        """The crate's files ending in `suffix`, those sharing the most folders with `here` first. A listing that was
+        cut holds the files nearest the document it was walked for, so it serves documents of that folder only: shared
+        by the crate, a document in another folder got the first one's neighbours, not its own (the file beside it never
+        quoted), and other snippets than it would get alone, until the listing expired."""
         now = time.monotonic()
-        got = self._listings.get((root, suffix))
-        if got is None or now - got[0] > LISTING_TTL_S:
+        keys = ((root, suffix, None), (root, suffix, here.parent))
+        got = next((g for k in keys if (g := self._listings.get(k)) is not None and now - g[0] <= LISTING_TTL_S), None)
+        if got is None:
             found, visited, cut = walk(root, here, suffix)
             if cut and (root, suffix) not in self._cut:  # said once per crate, not at every refresh
                 self._cut.add((root, suffix))
                 log.info("project context: stopped listing %s's %s files after %d entries (%d files found); the "
                          "files nearest the document were listed first", root, suffix, visited, len(found))
-            got = self._listings[(root, suffix)] = (now, found)
+            # Expired listings go (each would be walked again): kept, a long session held one per crate and folder.
+            self._listings = {k: v for k, v in self._listings.items() if now - v[0] <= LISTING_TTL_S}
+            got = self._listings[keys[1] if cut else keys[0]] = (now, found)
         parts = here.parent.parts
         return sorted(got[1], key=lambda p: -_common(p.parent.parts, parts))
 
@@ -169,13 +185,16 @@ def walk(root: Path, here: Path, suffix: str) -> tuple[list[Path], int, bool]:
     on up to `root`), so that a cut at MAX_VISITED entries, MAX_LISTED files or MAX_WALK_S keeps the nearest files:
     walked from `root` in name order, a large crate's limit was reached before the document's folder, and a document
     in no crate (`~/x.rs`: `root` is its folder) walked the whole tree under it, home folder and all, every refresh.
-    With no Cargo.toml in `root`, only its own files are listed. Never entered: symlinked folders, `target`, `.git`,
-    `node_modules` and hidden folders; never listed: a symlink that leads out of the crate."""
+    With no Cargo.toml in `root`, only its own files are listed. Never entered: symlinked folders, `.git`,
+    `node_modules`, hidden folders and a crate's `target` (_skipped); never listed: a symlink that leads out of the
+    crate."""
     deadline = time.monotonic() + MAX_WALK_S
     descend = (root / "Cargo.toml").is_file()
     real_root = root.resolve()
     rel = here.parent.relative_to(root).parts
-    kept = next((i for i, part in enumerate(rel) if _skipped(part)), len(rel))
+    kept = next((i for i, part in enumerate(rel)
+                 if _skipped(part, part == "target" and os.path.isfile(root.joinpath(*rel[:i], "Cargo.toml")))),
+                len(rel))
     level = root.joinpath(*rel[:kept])  # the walk starts at the document's folder, unless it is one never entered
     found: list[Path] = []
     visited = 0
@@ -194,10 +213,12 @@ def walk(root: Path, here: Path, suffix: str) -> tuple[list[Path], int, bool]:
                             break
             except OSError:
                 pass
+            manifest = any(e.name == "Cargo.toml" for e in entries)
             for entry in sorted(entries, key=lambda e: e.name):
                 try:
                     if entry.is_dir(follow_symlinks=False):
-                        if descend and not _skipped(entry.name) and not (folder == level and entry.name == done):
+                        if (descend and not _skipped(entry.name, manifest)
+                                and not (folder == level and entry.name == done)):
                             queue.append(Path(entry.path))
                     elif entry.name.endswith(suffix) and entry.name != suffix and (
                             not entry.is_symlink() or Path(entry.path).resolve().is_relative_to(real_root)):
@@ -217,8 +238,10 @@ def _walk_order(path: Path) -> tuple[tuple[int, str], ...]:
     return (*((1, d) for d in path.parent.parts), (0, path.name))
 
 
-def _skipped(name: str) -> bool:
-    return name in SKIP_DIRS or name.startswith(".")
+def _skipped(name: str, beside_manifest: bool) -> bool:
+    """A folder never entered. `target` only beside a Cargo.toml, where cargo builds: skipped by name anywhere, a
+    module's folder (cc-rs's `src/target/`) was never listed, and a document in it got no snippets at all."""
+    return name in SKIP_DIRS or name.startswith(".") or (name == "target" and beside_manifest)
 
 
 def _common(a: tuple[str, ...], b: tuple[str, ...]) -> int:
