@@ -1,10 +1,15 @@
 """From a completion request to a suggestion: debounce, typed-through, the daemon Fim, post-processing.
 
-One Job per document at a time computes a suggestion for one (version, cursor) pair. Requests for the same
+One Job per document and kind at a time computes a suggestion for one (version, cursor) pair. Requests for the same
 pair share it (an editor may ask for an inline and a menu completion on the same keystroke); a request for
 anything else supersedes it: the job is cancelled, its daemon request gets a Cancel, and the requests that
-waited on it answer empty. Past MAX_LIVE_DOCUMENTS documents with a job running, a new job supersedes those of the
-documents asked about longest ago likewise. A client's `$/cancelRequest` cancels the request's handler task; the job is
+waited on it answer empty. The kinds: the plain cursor's requests, and those made while the editor's completion menu
+has an item selected (selectedCompletionInfo: for the text with that item accepted). An editor sends one of each on a
+keystroke (VS Code with `m31r.completionMenu`: the menu's request and the ghost text beside its selected item), and
+with one job they superseded each other, keystroke after keystroke; each kind has its own job, shown suggestion and
+daemon `document` (selected_document) too, as the daemon supersedes an older Fim of the same one. Past
+MAX_LIVE_DOCUMENTS documents with a job running, a new job supersedes those of the documents asked about longest ago
+likewise. A client's `$/cancelRequest` cancels the request's handler task; the job is
 cancelled with it once nothing else waits on it, and the handler ends with RequestCancelled.
 
 A result is for the text and version captured when the request arrived: if the document changed before
@@ -48,10 +53,11 @@ log = logging.getLogger("m31r_lsp.completion")
 # contexts, three sides' worth (lines above, the cursor's line, the text after it) staying well under 2 Mi.
 CHARS_PER_TOKEN = 64
 MAX_SIDE_CHARS = 1 << 18
-# Documents with a job (or warm-up) running at once. The daemon takes 16 requests at a time from a connection (its
-# --max-per-connection) and refuses the rest `busy`: an editor asking in 24 documents at once had the 8 newest
-# requests, those the user most likely waits on, refused while the oldest were served. Past this many, the jobs of
-# the documents asked about longest ago are cancelled (superseded by the newer ones; their requests answer empty).
+# Documents with a job (or warm-up) running at once (one per kind: at most 16 daemon requests). The daemon takes 16
+# requests at a time from a connection (its --max-per-connection) and refuses the rest `busy`: an editor asking in 24
+# documents at once had the 8 newest requests, those the user most likely waits on, refused while the oldest were
+# served. Past this many, the jobs of the documents asked about longest ago are cancelled (superseded by the newer
+# ones; their requests answer empty).
 MAX_LIVE_DOCUMENTS = 8
 BUSY_NOTICE_S = 600.0  # the daemon's `busy` refusals are said once, then at most once per this long
 LINE_STEP = 16  # the daemon's FimBudget.line_step: the lines above the cursor it keeps start at a multiple of a
@@ -85,16 +91,37 @@ class Job:
 
 
 @dataclass
-class DocState:
+class Slot:
+    """One kind of a document's requests (plain, or with a menu item selected): its job, the suggestion it showed (what
+    typed-through answers from) and the warm-up after it."""
     job: Job | None = None
     shown: policy.Shown | None = None
     warm: asyncio.Task[None] | None = None
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self.job.task if self.job else None, self.warm) if t is not None]
+
+
+@dataclass
+class DocState:
+    plain: Slot = field(default_factory=Slot)
+    selected: Slot = field(default_factory=Slot)  # requests with a menu item selected
     keystrokes: list[float] = field(default_factory=list)
     asked: int = 0  # when its last job started, in the order of all documents' jobs (Completer._make_room)
 
+    @property
+    def slots(self) -> tuple[Slot, Slot]:
+        return self.plain, self.selected
+
     def running(self) -> bool:
-        """Whether its job or warm-up is running (it may have a request at the daemon)."""
-        return any(t is not None and not t.done() for t in (self.job.task if self.job else None, self.warm))
+        """Whether a job or warm-up of it is running (it may have requests at the daemon)."""
+        return any(not t.done() for slot in self.slots for t in slot.tasks())
+
+
+def selected_document(uri: str) -> str:
+    """The daemon `document` of a document's requests with a menu item selected: the daemon supersedes an older Fim of
+    the same `document`, and keeps a typed-through answer and a cache slot per `document`. (No URI has a space.)"""
+    return uri + " #selected"
 
 
 class Completer:
@@ -127,16 +154,15 @@ class Completer:
     def changed(self, uri: str, version: int | None) -> None:
         """A didChange: a job for an older version can only produce a stale result; stop it now."""
         st = self.docs.get(uri)
-        if st is not None and st.job is not None and not st.job.task.done() and st.job.key[0] != version:
-            st.job.task.cancel()
-            self.stats["stale"] += 1
+        for slot in st.slots if st is not None else ():
+            if slot.job is not None and not slot.job.task.done() and slot.job.key[0] != version:
+                slot.job.task.cancel()
+                self.stats["stale"] += 1
 
     def closed(self, uri: str) -> None:
         st = self.docs.pop(uri, None)
-        if st is not None:
-            for task in (st.job.task if st.job else None, st.warm):
-                if task is not None and not task.done():
-                    task.cancel()
+        for task in [t for slot in st.slots for t in slot.tasks()] if st is not None else ():
+            task.cancel()
 
     def reconfigured(self, old: EditorSettings, new: EditorSettings) -> None:
         """Settings changed under the running jobs. Completions turned off (`enable`: false): a job still debouncing or
@@ -146,16 +172,17 @@ class Completer:
         cancelled, as the finished ones no longer answer."""
         if old.enable and not new.enable:
             for uri in list(self.docs):
-                self._stop(self.docs[uri], "disabled")
+                for slot in self.docs[uri].slots:
+                    self._stop(slot, "disabled")
                 self.closed(uri)
         elif old.shape() != new.shape():
-            for st in self.docs.values():
-                if st.job is not None and st.job.shape != new.shape():
-                    self._stop(st, "reshaped")
+            for slot in (slot for st in self.docs.values() for slot in st.slots):
+                if slot.job is not None and slot.job.shape != new.shape():
+                    self._stop(slot, "reshaped")
 
-    def _stop(self, st: DocState, why: str) -> None:
-        if st.job is not None and not st.job.task.done():
-            st.job.task.cancel()
+    def _stop(self, slot: Slot, why: str) -> None:
+        if slot.job is not None and not slot.job.task.done():
+            slot.job.task.cancel()
             self.stats[why] += 1
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -178,22 +205,26 @@ class Completer:
         else:
             offset = offset_of(text)
         st = self.docs.setdefault(uri, DocState())
+        slot = st.selected if selected is not None else st.plain
         self.stats["requests"] += 1
 
-        if st.shown is not None and st.shown.extra.get("shape") != s.shape():
-            st.shown = None  # shown under other settings: it is not what these would show
-        if s.typed_through and st.shown is not None:
-            hit = policy.typed_through(st.shown, text, offset)
+        beside = st.selected.shown
+        if slot is st.plain and beside is not None and (beside.text, beside.offset) == (text, offset):
+            slot.shown = beside  # the menu's item was accepted: the ghost text shown beside it is this cursor's
+        if slot.shown is not None and slot.shown.extra.get("shape") != s.shape():
+            slot.shown = None  # shown under other settings: it is not what these would show
+        if s.typed_through and slot.shown is not None:
+            hit = policy.typed_through(slot.shown, text, offset)
             if hit is not None:
-                self._supersede(st)
+                self._supersede(slot)
                 self.stats["typed_through"] += 1
                 return Result(text, version, offset, hit, "typed_through",
-                              policy.typed_through_alternatives(st.shown, text, offset))
-            if not (st.shown.text == text and st.shown.offset == offset):
-                st.shown = None
+                              policy.typed_through_alternatives(slot.shown, text, offset))
+            if not (slot.shown.text == text and slot.shown.offset == offset):
+                slot.shown = None
 
         key = (version, offset, item, 0.0 if invoked else s.min_probability, s.shape())
-        job = st.job
+        job = slot.job
         if job is not None and job.key == key and not job.task.cancelled() and not (
                 job.task.done() and (job.task.exception() is not None or job.task.result() is None)):
             # The same version and cursor: share the job (or its suggestion, if it has finished with one).
@@ -201,10 +232,11 @@ class Completer:
             if job.task.done():
                 return job.task.result()
         else:
-            self._supersede(st)
+            self._supersede(slot)
             self._make_room(uri)
-            job = Job(key, asyncio.create_task(self._run(uri, st, text, version, offset, invoked, s)))
-            st.job = job
+            document = uri if slot is st.plain else selected_document(uri)
+            job = Job(key, asyncio.create_task(self._run(uri, document, slot, text, version, offset, invoked, s)))
+            slot.job = job
             st.asked = next(self._jobs_started)
         job.waiters += 1
         try:
@@ -226,18 +258,19 @@ class Completer:
         finally:
             job.waiters -= 1
 
-    def _supersede(self, st: DocState, why: str = "superseded") -> None:
-        """Cancel the document's job (counted as `why`) and its warm-up."""
-        self._stop(st, why)
-        if st.warm is not None and not st.warm.done():
-            st.warm.cancel()
+    def _supersede(self, slot: Slot, why: str = "superseded") -> None:
+        """Cancel the slot's job (counted as `why`) and its warm-up."""
+        self._stop(slot, why)
+        if slot.warm is not None and not slot.warm.done():
+            slot.warm.cancel()
 
     def _make_room(self, uri: str) -> None:
         """Before a job starts for `uri`: cancel the jobs and warm-ups of the other documents asked about longest ago,
         so that at most MAX_LIVE_DOCUMENTS documents have one running."""
         live = sorted((st.asked, other) for other, st in self.docs.items() if other != uri and st.running())
         for _, other in live[: max(0, len(live) - MAX_LIVE_DOCUMENTS + 1)]:
-            self._supersede(self.docs[other], "evicted")
+            for slot in self.docs[other].slots:
+                self._supersede(slot, "evicted")
 
     def debounce_s(self, s: EditorSettings) -> float:
         base = s.debounce_ms / 1000
@@ -251,10 +284,10 @@ class Completer:
         doc = self.document(uri)
         return False if doc is None else doc[1]
 
-    async def _run(self, uri: str, st: DocState, text: str, version: int | None, offset: int,
+    async def _run(self, uri: str, document: str, slot: Slot, text: str, version: int | None, offset: int,
                    invoked: bool, s: EditorSettings) -> Result | None:
         """The job's suggestion, under settings `s`: those of its key (a change arriving before it starts is not
-        its)."""
+        its). `document`: the daemon's name for the slot's requests."""
         if not invoked:
             delay = self.debounce_s(s)
             if delay > 0:
@@ -278,7 +311,7 @@ class Completer:
         # The width applies to a single-line suggestion of greedy decoding (the daemon searches only those; a
         # multi-line one stays greedy); None leaves it to the daemon's --beams.
         beams = s.beams if not plan.multiline and s.temperature == 0 else None
-        got = await self._fim(uri, client, kwargs, context, beams, s)
+        got = await self._fim(document, client, kwargs, context, beams, s)
         if got is None or not self._fresh(uri, version):
             return None
         raw, done = got
@@ -290,7 +323,7 @@ class Completer:
             # The user asked: the model's best suggestion all the same (its first line: confident_lines cuts the rest).
             # The daemon ended this answer at the token that took it under the floor, so it is asked again without.
             self.stats["unsure_invoked"] += 1
-            got = await self._fim(uri, client, {**kwargs, "min_probability": None}, context, beams, s)
+            got = await self._fim(document, client, {**kwargs, "min_probability": None}, context, beams, s)
             if got is None or not self._fresh(uri, version):
                 return None
             raw, done = got
@@ -302,9 +335,10 @@ class Completer:
         alternatives = policy.alternatives(plan, suggestion, done.alternatives,
                                            policy.ended_by_line_break(done.stop_sequence))
         self.stats["alternatives"] += len(alternatives)
-        st.shown = policy.Shown(text, offset, suggestion, extra={"shape": s.shape()}, alternatives=tuple(alternatives))
+        slot.shown = policy.Shown(text, offset, suggestion, extra={"shape": s.shape()},
+                                  alternatives=tuple(alternatives))
         if s.accept_ahead:
-            st.warm = self._spawn(self._warm(uri, st.shown, s))
+            slot.warm = self._spawn(self._warm(uri, document, slot.shown, s))
         return Result(text, version, offset, suggestion, "model", alternatives)
 
     def _fresh(self, uri: str, version: int | None) -> bool:
@@ -314,19 +348,19 @@ class Completer:
         self.stats["stale"] += 1
         return False
 
-    async def _fim(self, uri: str, client: Client, kwargs: dict, context: list, beams: int | None,
+    async def _fim(self, document: str, client: Client, kwargs: dict, context: list, beams: int | None,
                    s: EditorSettings) -> tuple[str, Done] | None:
         """The daemon's answer to a Fim (`kwargs`: fim_kwargs with the text as sent), or None when there is none (the
         daemon failed, timed out, or went away: counted and logged here)."""
-        self.last_fim = {**kwargs, "document": uri, "context": [c.path for c in context]}
+        self.last_fim = {**kwargs, "document": document, "context": [c.path for c in context]}
         t0 = time.perf_counter()
         stream = None
         try:
             # A daemon that accepted the request but never finishes it must not hold the editor's request.
             async with asyncio.timeout(max(5.0, 5 * s.deadline_ms / 1000)):
                 try:
-                    stream = await client.fim(**kwargs, document=scrub(uri), seed=s.seed, beams=beams, context=context,
-                                              sampling=Sampling(temperature=s.temperature))
+                    stream = await client.fim(**kwargs, document=scrub(document), seed=s.seed, beams=beams,
+                                              context=context, sampling=Sampling(temperature=s.temperature))
                     self.stats["daemon_requests"] += 1
                     raw, done = await stream.collect()
                 except asyncio.CancelledError:
@@ -394,8 +428,9 @@ class Completer:
             self._told_clamp = (max_tokens, limit)
             self.tell(f"m31r: maxTokens {max_tokens} is above the model's limit of {limit} tokens; using {limit}.")
 
-    async def _warm(self, uri: str, shown: policy.Shown, s: EditorSettings) -> None:
-        """Prefill the daemon's cache for the document as it will be once the suggestion is accepted."""
+    async def _warm(self, uri: str, document: str, shown: policy.Shown, s: EditorSettings) -> None:
+        """Prefill the daemon's cache for the document as it will be once the suggestion is accepted (under its
+        daemon `document`, which a warm-up of the other kind would supersede)."""
         text, offset = policy.accepted_state(shown)
         plan = policy.plan(text, offset, s.options())
         try:
@@ -406,7 +441,7 @@ class Completer:
         context = await self._context(uri, query_prefix(plan.prefix, prefix), s)  # the same head as the request's
         stream = None
         try:
-            stream = await client.fim(scrub(prefix), scrub(suffix), document=scrub(uri), max_tokens=1,
+            stream = await client.fim(scrub(prefix), scrub(suffix), document=scrub(document), max_tokens=1,
                                       stop=plan.stop, context=context)
             self.stats["warm_requests"] += 1
             await stream.collect()
@@ -426,7 +461,7 @@ class Completer:
     async def close(self) -> None:
         """Cancel every document's job and warm-up and wait for them and the Cancels they send: a TCP session's
         server is dropped when its editor leaves, and its tasks must not outlive it."""
-        tasks = [t for st in self.docs.values() for t in (st.job.task if st.job else None, st.warm) if t is not None]
+        tasks = [t for st in self.docs.values() for slot in st.slots for t in slot.tasks()]
         for uri in list(self.docs):
             self.closed(uri)
         await asyncio.gather(*tasks, return_exceptions=True)
