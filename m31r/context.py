@@ -37,18 +37,24 @@ def context_room(budget: FimBudget, prompt: FimPrompt) -> int:
 
 
 def context_ids(tok: Tokenizer, snippets: Sequence[Snippet], budget: int) -> list[int]:
-    """The snippets that fit `budget` tokens, taken best first and laid out best last (nearest the prompt)."""
+    """The snippets that fit `budget` tokens, taken best first and laid out best last (nearest the prompt). A snippet
+    laid out already (the same path and text: Tabby's changed and recently opened files can name one twice) is not
+    laid out again: it took the room of the next ones."""
     chosen: list[list[int]] = []
     used = 0
     longest = tok.longest_token
+    seen: set[str] = set()
     for s in snippets:
         text = s.text if s.text.endswith("\n") else s.text + "\n"
         # The path is one comment line: a line break in it would put lines no file has before the snippet.
         text = f"// {' '.join(s.path.splitlines())}\n{text}" if s.path else text
+        if text in seen:
+            continue
         if longest and len(text.encode()) > (budget - used) * longest:  # more tokens than the room: skip the work
             continue
         ids = tok.encode(text) + [tok.eos_id]
         if used + len(ids) <= budget:
             chosen.append(ids)
             used += len(ids)
+            seen.add(text)
     return [i for ids in reversed(chosen) for i in ids]

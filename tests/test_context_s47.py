@@ -95,3 +95,18 @@ def test_a_module_folder_named_target_is_walked(tmp_path) -> None:
     # A document in the crate's own build output still gets the crate's sources (the walk starts at the root).
     assert paths(ProjectContext(lambda: []), root / "target/debug/gen.rs") == ["src/target/parser.rs"]
 
+
+
+def test_a_snippet_given_twice_is_laid_out_once(tiny_engine) -> None:
+    """Tabby's changed and recently opened files can name one snippet twice: laid out twice, it took the room of the
+    next one."""
+    from m31r.context import context_ids
+    from m31r_protocol.messages import Snippet
+
+    tok = tiny_engine.tokenizer
+    a, b = Snippet("fn a() {}\n", "src/a.rs"), Snippet("fn b() {}\n", "src/b.rs")
+    once = context_ids(tok, [a, b], 1000)
+    assert context_ids(tok, [a, a, b], 1000) == once
+    room = len(once)  # room for both, not for a twice and b
+    assert context_ids(tok, [a, a, b], room) == once
+    assert context_ids(tok, [a, Snippet(a.text, "src/c.rs")], 1000) != context_ids(tok, [a], 1000)  # another file

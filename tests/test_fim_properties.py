@@ -289,12 +289,13 @@ def test_context_ids_are_whole_snippets_within_their_room(bpe, chosen, budget) -
     given_snippets = [Snippet(text, path) for text, path in chosen]
     ids = context_ids(bpe, given_snippets, budget)
     assert len(ids) <= max(budget, 0)
-    # Best first, laid out best last; each one whole: its path's comment line, its text, a line end, the end token.
+    # Best first, laid out best last; each one whole: its path's comment line, its text, a line end, the end token;
+    # one laid out already is not laid out again.
     expect, used = [], 0
     for s in given_snippets:
         text = s.text if s.text.endswith("\n") else s.text + "\n"
         one = bpe.encode(f"// {' '.join(s.path.splitlines())}\n{text}" if s.path else text) + [bpe.eos_id]
-        if used + len(one) <= budget:
+        if used + len(one) <= budget and one not in expect:
             expect.append(one)
             used += len(one)
     assert ids == [i for one in reversed(expect) for i in one]
