@@ -151,13 +151,14 @@ def model_names(model: str) -> list[str]:
 
 
 def error_at(path: str, status: int, code: str, message: str, param: str | None = None,
-             retry_after: int | None = None, headers: dict[str, str] | None = None) -> Response:
-    """An error in the shape the clients of `path` read (security.error_body_for)."""
+             retry_after: int | None = None, headers: dict[str, str] | None = None,
+             body: bytes | None = None) -> Response:
+    """An error in the shape the clients of `path` read (security.error_body_for), or as `body` has it."""
     h = dict(headers or {})
     if retry_after is not None:
         h["Retry-After"] = str(retry_after)
-    return Response(error_body_for(path, status, code, message, param), status, headers=h,
-                    media_type="application/json")
+    return Response(body if body is not None else error_body_for(path, status, code, message, param), status,
+                    headers=h, media_type="application/json")
 
 
 def _error_for(request: Request, status: int, code: str, message: str, param: str | None = None,
@@ -292,6 +293,11 @@ class Renderer:
 
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"event: error\ndata: " + error_body(status, code, message) + b"\n\n"
+
+    def error_json(self, path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+        """An error answered before streaming began: in the shape of the path's clients, unless the request's shape
+        says otherwise (llama.cpp's /completion request on this server's /completion path)."""
+        return error_body_for(path, status, code, message, param)
 
 
 def _sse(event: str, data: msgspec.Struct) -> bytes:
@@ -682,7 +688,8 @@ class Generation:
 
     async def _fail(self, send: Send, f: Failed) -> None:
         if not self.started:
-            resp = error_at(self.endpoint, f.status, f.code, f.message, f.param, f.retry_after)
+            body = self.renderer.error_json(self.endpoint, f.status, f.code, f.message, f.param)
+            resp = error_at(self.endpoint, f.status, f.code, f.message, f.param, f.retry_after, body=body)
             await self._respond(send, resp.status_code, resp.raw_headers)
             await send({"type": "http.response.body", "body": resp.body})
             return
@@ -965,7 +972,7 @@ def create_app(settings: ServeSettings | None = None, *, upstream: DaemonLink | 
     limit = settings.max_body  # per route, so that a 413 goes through the JSON error handler
     routes = [
         Route("/generate", svc.generate, methods=["POST"], max_body_size=limit),
-        Route("/completion", svc.completion, methods=["POST"], max_body_size=limit),
+        Route("/completion", llamacpp.completion_endpoint(svc), methods=["POST"], max_body_size=limit),  # (+llama's)
         Route("/fim", svc.fim, methods=["POST"], max_body_size=limit),
         Route("/v1/completions", tabby.completions_endpoint(svc), methods=["POST"], max_body_size=limit),  # (+Tabby's)
         Route("/v1/models", svc.models, methods=["GET"], max_body_size=limit),

@@ -1,5 +1,7 @@
 """llama.cpp server's `POST /infill` on `m31r serve`, so that llama.cpp's own editor plugins (llama.vim, llama.vscode)
-work against it unchanged: their users switch by pointing the plugin's endpoint here.
+work against it unchanged: their users switch by pointing the plugin's endpoint here. And llama.cpp server's own
+`POST /completion` request, for clients written for that server (Continue's llama.cpp provider), on the path of this
+server's editor-policy endpoint (last section).
 
 What the plugins send (llama.vim `autoload/llama.vim` llama#fim and s:ring_update; llama.vscode
 `src/llama-server.ts` createRequestPayload): `input_prefix` (the lines above the cursor line), `prompt` (the cursor
@@ -32,12 +34,27 @@ How it maps onto the daemon's Fim (as ollama.py does for Ollama's API):
   X-M31R-Ignored-Options header (except `model`, `id_slot` and `cache_prompt`, whose effect is had anyway: one model,
   no slots, and the daemon always reuses its prefix cache).
 - Errors have llama.cpp's shape, `{"error": {"code": <status>, "message", "type"}}`; mid-stream, a `data:` line of it.
+
+llama.cpp's `POST /completion` (`{prompt, n_predict, stream, stop, temperature, cache_prompt, ...}`; Continue's
+llama.cpp provider lays out a fill-in-the-middle prompt in the model's FIM template itself and streams the answer):
+- Told from this server's own /completion request by the body: an object with `prompt` and neither `prefix` nor
+  `suffix` is llama.cpp's (this server's refuses `prompt` as an unknown field); one with `prompt` and either is a
+  400 (whose request it is is unclear); any other body, one that is no JSON object included, is this server's.
+- A prompt that is exactly another model's FIM layout (fim_templates.split_fim, as /v1/completions reads one) is the
+  daemon's Fim; other text a Generate (an empty prompt: a Fim with nothing around the cursor, the start of a file). A
+  list of one string is that string; token ids, several prompts and multimodal objects are refused (400).
+- The options, caps (n_predict at --max-tokens-cap, for a Fim at half the context; negative or absent: that cap; 0
+  only prefills), stop rules, answer and stream are /infill's, the answer with llama.cpp's `prompt` (as sent). A
+  Generate's n_predict is also capped to keep the prompt in the context: all of one that surely fits in half of it,
+  else its end (the daemon cuts its start), as ollama.fit_num_predict does.
+- Errors have llama.cpp's shape once the body is known to be llama.cpp's; before (no JSON, nesting too deep, a body
+  over --max-body, the token and Host checks), this server's, as for its own /completion.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -47,6 +64,8 @@ from starlette.routing import Route
 
 from m31r_http import schemas as s
 from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header
+from m31r_http.fim_templates import split_fim
+from m31r_http.ollama import fit_num_predict
 from m31r_http.security import llamacpp_error_body
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_SNIPPETS
@@ -167,12 +186,19 @@ def _rate(n: int, ms: float) -> tuple[float, float]:
     return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
 
+def llamacpp_error(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """An error in llama.cpp's shape, which has no `param`: the field is named in the message."""
+    return llamacpp_error_body(status, code, f"{param}: {message}" if param and not message.startswith(param)
+                               else message)
+
+
 class InfillRenderer(Renderer):
     """llama.cpp's answer: one JSON object, or `data: {...}` lines, a chunk each, the last the whole object's fields
-    (`content` empty), as llama.cpp's /infill streams (no `[DONE]`)."""
+    (`content` empty), as llama.cpp's /infill and /completion stream (no `[DONE]`). `prompt`: /completion's, which
+    its answer repeats (None: /infill's answer, which has none)."""
 
-    def __init__(self, settings: s.InfillSettings, fields: list[str], ignored: list[str]):
-        self.settings, self.fields = settings, fields
+    def __init__(self, settings: s.InfillSettings, fields: list[str], ignored: list[str], prompt: str | None = None):
+        self.settings, self.fields, self.prompt = settings, fields, prompt
         self.predicted = 0
         self.headers = ignored_header(ignored)
 
@@ -195,10 +221,12 @@ class InfillRenderer(Renderer):
         # again, a repeated line) end the infill as the model's end would.
         word = d.stop_sequence if d.stopped_by == "sequence" and d.stop_sequence in self.settings.stop else None
         stop_type = "limit" if ruled or d.finish_reason != "stop" else "word" if word is not None else "eos"
-        answer = s.InfillResponse(content=content, model=self.settings.model, tokens_predicted=u.completion_tokens,
-                                  tokens_evaluated=u.prompt_tokens, generation_settings=self.settings,
-                                  has_new_line="\n" in g.text, stop_type=stop_type, stopping_word=word or "",
-                                  tokens_cached=u.cached_tokens, timings=timings)
+        kw: dict[str, Any] = dict(
+            content=content, model=self.settings.model, tokens_predicted=u.completion_tokens,
+            tokens_evaluated=u.prompt_tokens, generation_settings=self.settings, has_new_line="\n" in g.text,
+            stop_type=stop_type, stopping_word=word or "", tokens_cached=u.cached_tokens, timings=timings)
+        answer = (s.InfillResponse(**kw) if self.prompt is None
+                  else s.LlamaCppCompletionResponse(**kw, prompt=self.prompt))
         if not self.fields:
             return msgspec.json.encode(answer)
         return msgspec.json.encode(pick(msgspec.to_builtins(answer), self.fields))
@@ -218,6 +246,9 @@ class InfillRenderer(Renderer):
     def error_event(self, status: int, code: str, message: str) -> bytes:
         return b"data: " + llamacpp_error_body(status, code, message) + b"\n\n"
 
+    def error_json(self, path: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+        return llamacpp_error(status, code, message, param)  # (on /completion too, whose path's shape is OpenAI's)
+
 
 def context(extra: list[s.InfillExtra]) -> list[Snippet]:
     """input_extra (oldest first, the last nearest the code in llama.cpp's prompt) as a Fim's context (best first,
@@ -234,39 +265,136 @@ def stop_as_list(raw: Any) -> Any:
     return raw
 
 
+class Options:
+    """What llama.cpp's options shared by /infill and /completion ask of the daemon."""
+
+    def __init__(self, svc: Service, r: s.LlamaCppOptions):
+        self.asked = r.n_predict if r.n_predict is not None else r.max_tokens if r.max_tokens is not None else -1
+        greedy = r.temperature <= 0
+        self.sampling = msgspec.structs.replace(
+            svc.sampling(0.0 if greedy else r.temperature, max(0, r.top_k), r.top_p),
+            repetition_penalty=r.repeat_penalty)
+        self.seed = r.seed if r.seed is not None and r.seed >= 0 else None
+        self.settings = s.InfillSettings(
+            n_ctx=0, n_predict=0, model="", temperature=max(0.0, r.temperature), top_k=max(0, r.top_k), top_p=r.top_p,
+            repeat_penalty=r.repeat_penalty, seed=-1 if self.seed is None else self.seed, stop=r.stop,
+            stream=r.stream, n_indent=max(0, r.n_indent), t_max_predict_ms=max(0, r.t_max_predict_ms))
+
+    def n_predict(self, ctx: int, limit: int) -> int:
+        """The tokens to ask for, under `limit` (the server's and the context's), noted in the settings as sent."""
+        self.settings.n_ctx, self.settings.n_predict = ctx, limit if self.asked < 0 else min(self.asked, limit)
+        return self.settings.n_predict
+
+    def ruled(self, inner: Stream) -> Stream:
+        """The daemon's stream under n_indent and t_max_predict_ms, where the request has them."""
+        if self.settings.n_indent or self.settings.t_max_predict_ms:
+            return Ruled(inner, self.settings.n_indent, self.settings.t_max_predict_ms)  # (a Stream in all uses)
+        return inner
+
+
 async def infill(svc: Service, request: Request) -> Generation:
     """POST /infill: the request as the daemon's Fim (module docstring), answered as llama.cpp answers."""
     body = await request.body()
     raw = stop_as_list(s.parse(body))
     r: s.InfillRequest = s.convert(raw, s.InfillRequest)  # (so `raw` is an object)
     ignored = sorted(k for k in raw if k not in HONOURED)
-    asked = r.n_predict if r.n_predict is not None else r.max_tokens if r.max_tokens is not None else -1
-    greedy = r.temperature <= 0
-    sampling = msgspec.structs.replace(
-        svc.sampling(0.0 if greedy else r.temperature, max(0, r.top_k), r.top_p),
-        repetition_penalty=r.repeat_penalty)
-    seed = r.seed if r.seed is not None and r.seed >= 0 else None
-    settings = s.InfillSettings(n_ctx=0, n_predict=0, model="", temperature=max(0.0, r.temperature),
-                                top_k=max(0, r.top_k), top_p=r.top_p, repeat_penalty=r.repeat_penalty,
-                                seed=-1 if seed is None else seed, stop=r.stop, stream=r.stream,
-                                n_indent=max(0, r.n_indent), t_max_predict_ms=max(0, r.t_max_predict_ms))
-    renderer = InfillRenderer(settings, r.response_fields, ignored)
+    opts = Options(svc, r)
+    renderer = InfillRenderer(opts.settings, r.response_fields, ignored)
     snippets = context(r.input_extra)
 
-    async def submit(c: Client, max_tokens: int) -> Stream:
-        inner = await c.fim(r.input_prefix + r.prompt, r.input_suffix, max_tokens=max_tokens, sampling=sampling,
-                            stop=r.stop, seed=seed, context=snippets)
-        if settings.n_indent or settings.t_max_predict_ms:
-            return Ruled(inner, settings.n_indent, settings.t_max_predict_ms)  # (a Stream in all Generation uses)
-        return inner
-
-    def start(c: Client) -> Awaitable[Stream]:
+    async def start(c: Client) -> Stream:
         ctx = c.welcome.max_context
-        limit = min(svc.settings.max_tokens_cap, ctx // 2)
-        settings.n_ctx, settings.n_predict = ctx, limit if asked < 0 else min(asked, limit)
-        return submit(c, settings.n_predict)
+        n = opts.n_predict(ctx, min(svc.settings.max_tokens_cap, ctx // 2))
+        return opts.ruled(await c.fim(r.input_prefix + r.prompt, r.input_suffix, max_tokens=n, sampling=opts.sampling,
+                                      stop=r.stop, seed=opts.seed, context=snippets))
 
     return Generation(svc, "/infill", start, renderer, r.stream, Fields("input_prefix", "n_predict", truncate=None))
+
+
+# -- /completion ----------------------------------------------------------------------------------------------
+
+COMPLETION_HONOURED = frozenset(s.LlamaCppCompletionRequest.__struct_fields__) | {"id_slot", "cache_prompt"}
+
+
+def llamacpp_fields(body: bytes) -> dict | None:
+    """A /completion body's fields when it is llama.cpp's request (an object with `prompt`, which this server's own
+    refuses as unknown), else None (this server's editor-policy request, or a body that is no JSON object, which that
+    endpoint refuses). InvalidRequest where it also has this server's `prefix` or `suffix`: whose it is is unclear."""
+    if b"prompt" not in body:  # this server's request is not parsed twice (an escaped key, `\u0070rompt`, is not seen)
+        return None
+    try:
+        raw = s.parse(body)
+    except s.InvalidRequest:
+        return None  # (the editor-policy endpoint says what is wrong with it)
+    if not isinstance(raw, dict) or "prompt" not in raw:
+        return None
+    if mixed := [k for k in ("prefix", "suffix") if k in raw]:
+        raise s.InvalidRequest(
+            f"the body has both llama.cpp's `prompt` and this server's `{'` and `'.join(mixed)}`: POST /completion "
+            "takes llama.cpp server's request ({\"prompt\": ...}) or this server's editor-policy one ({\"prefix\": "
+            "..., \"suffix\": ...}), not one mixing both; send one of them", "prompt")
+    return raw
+
+
+def refuse_prompt(prompt: Any) -> None:
+    """InvalidRequest for the `prompt` shapes llama.cpp takes that this server does not: token ids (the daemon
+    tokenizes text itself), several prompts (llama.cpp answers them with a list), multimodal objects."""
+    items = prompt if isinstance(prompt, list) else [prompt]
+    if any(isinstance(x, int) and not isinstance(x, bool) or isinstance(x, list) for x in items):
+        raise s.InvalidRequest("prompt: token ids are not supported: this server takes the prompt as text (the "
+                               "daemon tokenizes it); send it as a string", "prompt")
+    if any(isinstance(x, dict) for x in items):
+        raise s.InvalidRequest("prompt: an object prompt (`prompt_string`, `multimodal_data`) is not supported: send "
+                               "the prompt as a string", "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise s.InvalidRequest(f"prompt: one prompt a request: a list of {len(prompt)} prompts is not supported; send "
+                               "each in a request of its own (or one string)", "prompt")
+
+
+async def completion(svc: Service, raw: dict) -> Generation:
+    """POST /completion with llama.cpp's request (its body parsed by llamacpp_fields): a prompt in another model's
+    FIM layout as the daemon's Fim, other text as a Generate, answered as llama.cpp answers (module docstring)."""
+    refuse_prompt(raw["prompt"])
+    raw = stop_as_list(raw)
+    r: s.LlamaCppCompletionRequest = s.convert(raw, s.LlamaCppCompletionRequest)
+    prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
+    ignored = sorted(k for k in raw if k not in COMPLETION_HONOURED)
+    opts = Options(svc, r)
+    renderer = InfillRenderer(opts.settings, r.response_fields, ignored, prompt)
+    layout = split_fim(prompt)
+    prefix, suffix = (layout[1], layout[2]) if layout is not None else (prompt, None if prompt else "")
+    # (an empty prompt has nothing to continue: the start of a file is written, as /v1/completions writes it)
+
+    async def start(c: Client) -> Stream:
+        ctx, cap = c.welcome.max_context, svc.settings.max_tokens_cap
+        kw = dict(sampling=opts.sampling, stop=r.stop, seed=opts.seed)
+        if suffix is not None:  # the daemon's FIM limit: half the context (it fits the prompt in the rest)
+            return opts.ruled(await c.fim(prefix, suffix, max_tokens=opts.n_predict(ctx, min(cap, ctx // 2)), **kw))
+        # A prompt and its completion share the context: n_predict is capped to keep the prompt, all of one that
+        # surely fits in half the context, else its end (the daemon cuts its start), as Ollama's API here does;
+        # llama.cpp stops where its context is full, and answers `limit` as this does.
+        n = opts.n_predict(ctx, fit_num_predict(cap, ctx, prefix, True))
+        return opts.ruled(await c.generate(prefix, max_tokens=n, truncate=True, **kw))
+
+    return Generation(svc, "/completion", start, renderer, r.stream,
+                      Fields("prompt", "n_predict", truncate=None))
+
+
+def completion_endpoint(svc: Service) -> Callable[[Request], Awaitable[Response | Generation]]:
+    """/completion: llama.cpp's request to `completion` (its refusals in llama.cpp's shape), all others to this
+    server's editor-policy endpoint, unchanged."""
+
+    async def endpoint(request: Request) -> Response | Generation:
+        body = await request.body()  # (kept by the request: the editor-policy endpoint reads it again)
+        if (raw := llamacpp_fields(body)) is None:
+            return await svc.completion(request)
+        try:
+            return await completion(svc, raw)
+        except s.InvalidRequest as e:
+            return Response(llamacpp_error(e.status, e.code, e.message, e.param), e.status,
+                            media_type="application/json")
+
+    return endpoint
 
 
 def routes(svc: Service, max_body: int) -> list[Route]:

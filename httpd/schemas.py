@@ -374,22 +374,13 @@ class InfillExtra(Struct, kw_only=True):
     filename: Annotated[str, Meta(max_length=4096, description="Its file; the model sees it in a comment line.")] = ""
 
 
-class InfillRequest(Struct, kw_only=True):
-    """llama.cpp server's `POST /infill`, as llama.vim and llama.vscode send it: the text before the cursor is
-    `input_prefix` + `prompt` (the cursor line's text before the cursor), after it `input_suffix`. The fields listed
-    are honoured; llama.cpp's other options are accepted and ignored (named in X-M31R-Ignored-Options), as llama.cpp
-    ignores options it does not know. Greedy unless `temperature` is above 0 (llama.cpp samples by default)."""
+class LlamaCppOptions(Struct, kw_only=True):
+    """The options llama.cpp server's /infill and /completion share, as this server honours them."""
 
-    input_prefix: Annotated[str, Meta(description="The lines above the cursor line.")] = ""
-    input_suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
-    input_extra: Annotated[list[InfillExtra], Meta(description=(
-        "Chunks of other files, oldest first (llama.cpp lays the last nearest the code): the last "
-        f"{MAX_SNIPPETS} are the request's project context, the newest nearest the prompt."))] = []
-    prompt: Annotated[str, Meta(description="The cursor line's text before the cursor.")] = ""
     n_predict: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
         "Most tokens to generate; negative (llama.cpp's -1): no limit of the request's own. Capped, as llama.cpp's "
-        "server caps it, at the server's --max-tokens-cap and half the model's context; 0 only prefills (the "
-        "plugins' requests that warm the cache with `input_extra`)."))] | None = None
+        "server caps it, at the server's --max-tokens-cap and what the model's context holds (for a "
+        "fill-in-the-middle, half of it); 0 only prefills (the plugins' requests that warm the cache)."))] | None = None
     max_tokens: Annotated[int, Meta(ge=-(2**31), le=INT32, description=(
         "`n_predict`'s other name (used when n_predict is absent)."))] | None = None
     temperature: Annotated[float, Meta(le=2, description="0 or less: greedy, the default.")] = 0.0
@@ -410,6 +401,33 @@ class InfillRequest(Struct, kw_only=True):
     response_fields: Annotated[list[str], Meta(description=(
         "Answer only these fields; `a/b` is field b of a, named `a/b` at the top level (llama.cpp's rule)."))] = []
     model: Annotated[str, Meta(description="Accepted and not used: there is one model.")] | None = None
+
+
+class InfillRequest(LlamaCppOptions, kw_only=True):
+    """llama.cpp server's `POST /infill`, as llama.vim and llama.vscode send it: the text before the cursor is
+    `input_prefix` + `prompt` (the cursor line's text before the cursor), after it `input_suffix`. The fields listed
+    are honoured; llama.cpp's other options are accepted and ignored (named in X-M31R-Ignored-Options), as llama.cpp
+    ignores options it does not know. Greedy unless `temperature` is above 0 (llama.cpp samples by default)."""
+
+    input_prefix: Annotated[str, Meta(description="The lines above the cursor line.")] = ""
+    input_suffix: Annotated[str, Meta(description="The text after the cursor.")] = ""
+    input_extra: Annotated[list[InfillExtra], Meta(description=(
+        "Chunks of other files, oldest first (llama.cpp lays the last nearest the code): the last "
+        f"{MAX_SNIPPETS} are the request's project context, the newest nearest the prompt."))] = []
+    prompt: Annotated[str, Meta(description="The cursor line's text before the cursor.")] = ""
+
+
+class LlamaCppCompletionRequest(LlamaCppOptions, kw_only=True):
+    """llama.cpp server's own `POST /completion` (not this server's editor-policy request of that path, told apart
+    by its `prompt` and no `prefix` or `suffix`), as clients written for llama.cpp send it (Continue's llama.cpp
+    provider). A prompt that is exactly another model's fill-in-the-middle layout (StarCoder's `<fim_prefix>…`,
+    Qwen's `<|fim_prefix|>…`, CodeLlama's `<PRE> …`, Codestral's `[SUFFIX]…`, DeepSeek's, GLM-4's) is served as the
+    fill-in-the-middle it was built from; other text is continued. Unknown fields are ignored (named in
+    X-M31R-Ignored-Options), as llama.cpp ignores them. Greedy unless `temperature` is above 0."""
+
+    prompt: Annotated[str | Annotated[list[str], Meta(min_length=1, max_length=1)], Meta(description=(
+        "The text: a string, or a list of one string (token ids, several prompts and multimodal objects are not "
+        "supported)."))]
 
 
 class InfillTimings(Struct):
@@ -467,6 +485,12 @@ class InfillResponse(Struct, kw_only=True):
     timings: InfillTimings
 
 
+class LlamaCppCompletionResponse(InfillResponse, kw_only=True):
+    """llama.cpp's answer to /completion: /infill's fields, and the prompt as it was sent."""
+
+    prompt: str
+
+
 class InfillChunk(Struct, kw_only=True):
     """A stream's event: a piece of the completion."""
 
@@ -486,7 +510,7 @@ class LlamaCppErrorDetail(Struct):
 
 
 class LlamaCppError(Struct):
-    """llama.cpp server's error shape (under /infill)."""
+    """llama.cpp server's error shape (under /infill, and /completion for llama.cpp's request)."""
 
     error: LlamaCppErrorDetail
 
@@ -795,10 +819,10 @@ def convert(raw: Any, type_: type[Any], refusals: dict[str, str] | None = None) 
 # -- OpenAPI ------------------------------------------------------------------------------------------------
 
 REQUESTS = (GenerateRequest, CompletionRequest, FimRequest, OpenAICompletionRequest, InfillRequest,
-            TabbyCompletionRequest, TabbyEvent)
+            LlamaCppCompletionRequest, TabbyCompletionRequest, TabbyEvent)
 RESPONSES = (GenerateResponse, CompletionResponse, StreamChunk, ErrorResponse, HealthResponse, HealthUnavailable,
-             OpenAICompletion, OpenAIModelList, InfillResponse, InfillChunk, LlamaCppError, TabbyCompletionResponse,
-             TabbyHealth, TabbyServerSetting)
+             OpenAICompletion, OpenAIModelList, InfillResponse, LlamaCppCompletionResponse, InfillChunk, LlamaCppError,
+             TabbyCompletionResponse, TabbyHealth, TabbyServerSetting)
 # Their max_tokens maximum is the server's cap (/v1/completions caps a larger one instead: openai_completions).
 CAPPED = ("GenerateRequest", "CompletionRequest", "FimRequest")
 
@@ -883,6 +907,9 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
 
     # A Tabby request is told from an OpenAI one by `segments` without `prompt` (OpenAI's refuses unknown fields).
     components["TabbyCompletionRequest"]["not"] = {"required": ["prompt"]}
+    # llama.cpp's /completion request is told from this server's by `prompt` without `prefix` or `suffix` (this
+    # server's refuses unknown fields, `prompt` among them; a body with both is a 400).
+    components["LlamaCppCompletionRequest"]["not"] = {"anyOf": [{"required": ["prefix"]}, {"required": ["suffix"]}]}
 
     def tabby_completions(op: dict) -> dict:
         """/v1/completions taking Tabby's request too, answered with Tabby's response; a `model` not served is
@@ -897,13 +924,37 @@ def openapi(*, max_tokens_cap: int, version: str, token: bool = False) -> dict:
         return op
 
     picked = {"type": "object", "description": "The fields `response_fields` named (`a/b`: field b of a)."}
+
+    def llamacpp_completion(op: dict) -> dict:
+        """/completion taking llama.cpp's request too, answered in llama.cpp's shapes (its errors included)."""
+        post_ = op["post"]
+        post_["requestBody"]["content"]["application/json"]["schema"] = {
+            "anyOf": [_ref("CompletionRequest"), _ref("LlamaCppCompletionRequest")]}
+        ok = post_["responses"]["200"]
+        ok["description"] += (" With llama.cpp's request (`prompt`), llama.cpp's answer: a LlamaCppCompletionResponse "
+                              "(with `response_fields`, an object of those fields only); streamed, `data: {...}` "
+                              "lines of InfillChunk, then the response (`content` empty), or an LlamaCppError.")
+        ok["content"]["application/json"]["schema"] = {
+            "anyOf": [_ref("CompletionResponse"), _ref("LlamaCppCompletionResponse"), picked]}
+        llama_events = {"type": "object", "required": ["data"], "properties": {"data": {
+            "type": "string", "contentMediaType": "application/json", "contentSchema": {
+                "anyOf": [_ref("InfillChunk"), _ref("LlamaCppCompletionResponse"), _ref("LlamaCppError"), picked]}}}}
+        events = ok["content"]["text/event-stream"]["schema"]
+        ok["content"]["text/event-stream"]["schema"] = {"anyOf": [*events["anyOf"], llama_events]}
+        for code, r in post_["responses"].items():
+            if code != "200":
+                r["content"]["application/json"]["schema"] = {"anyOf": [_ref("ErrorResponse"), _ref("LlamaCppError")]}
+        return op
+
     native_stream = ("Server-Sent Events: `event: chunk` with a StreamChunk per text chunk, then `event: done` "
                      "with the full response (usage included), or `event: error` with an ErrorResponse.")
     paths = {
         "/generate": post("Continue a prompt", "GenerateRequest", "GenerateResponse", native_stream,
                           native_events("GenerateResponse")),
-        "/completion": post("Code completion at a cursor (the editor policy)", "CompletionRequest",
-                            "CompletionResponse", native_stream, native_events("CompletionResponse")),
+        "/completion": llamacpp_completion(post(
+            "Code completion at a cursor (the editor policy); with `prompt` (and no `prefix` or `suffix`), llama.cpp "
+            "server's /completion", "CompletionRequest", "CompletionResponse", native_stream,
+            native_events("CompletionResponse"))),
         "/fim": post("Raw fill-in-the-middle", "FimRequest", "GenerateResponse", native_stream,
                      native_events("GenerateResponse")),
         "/v1/completions": tabby_completions(post(
