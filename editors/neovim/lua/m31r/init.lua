@@ -151,6 +151,9 @@ function M.server_settings(user)
   local out = vim.deepcopy(M.server_defaults)
   for key, value in pairs(user or {}) do
     local want = valid[key]
+    -- Once per setting and bad value: every set() checks the whole table again (a bad value kept there is not news),
+    -- but another bad value of the same setting is, or the default taking its place goes unsaid.
+    local bad = "bad:" .. key .. "=" .. vim.inspect(value)
     if want == nil then
       notify_once("key:" .. key, ("unknown setting %q ignored"):format(key))
     elseif value == vim.NIL and nullable[key] then
@@ -159,22 +162,22 @@ function M.server_settings(user)
       if type(value) == "string" and want[value] then
         out[key] = value
       else
-        notify_once("bad:" .. key, ("invalid value for %s: %s"):format(key, vim.inspect(value)))
+        notify_once(bad, ("invalid value for %s: %s"):format(key, vim.inspect(value)))
       end
     elseif want == "fraction" then
       local lo, hi = fractions[key][1], fractions[key][2]
       if type(value) ~= "number" or value ~= value or value < lo or value > hi then
-        notify_once("bad:" .. key, ("%s must be a number in %g..%g, got %s"):format(key, lo, hi, vim.inspect(value)))
+        notify_once(bad, ("%s must be a number in %g..%g, got %s"):format(key, lo, hi, vim.inspect(value)))
       else
         out[key] = value
       end
     elseif type(value) ~= want then
-      notify_once("bad:" .. key, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
+      notify_once(bad, ("%s must be a %s, got %s"):format(key, want, vim.inspect(value)))
     elseif want == "number" then
       local lo, hi = ranges[key][1], ranges[key][2]
       local n = value % 1 == 0 and value or math.floor(value + 0.5) -- (2^53 - 1 + 0.5 rounds up to 2^53)
       if value ~= value or n < lo or n > hi then
-        notify_once("bad:" .. key, ("%s must be in %d..%d, got %s"):format(key, lo, hi, vim.inspect(value)))
+        notify_once(bad, ("%s must be in %d..%d, got %s"):format(key, lo, hi, vim.inspect(value)))
       else
         out[key] = n
       end
@@ -191,6 +194,11 @@ local function server_cmd(cfg, settings)
   local cmd = vim.deepcopy(cfg.cmd)
   if type(cmd) == "string" then
     cmd = { cmd }
+  end
+  if type(cmd[1]) == "string" then
+    -- `cmd = { "~/.local/bin/m31r", "lsp" }`: Neovim runs the program without a shell, and neither it nor the
+    -- executable() check expands ~ (the check said an executable file "is not executable").
+    cmd[1] = expand_home(cmd[1])
   end
   if settings.socket ~= "" and not vim.tbl_contains(cmd, "--socket") then
     vim.list_extend(cmd, { "--socket", settings.socket })
