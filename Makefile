@@ -29,7 +29,7 @@ install: $(STAMP)
 # After upgrading a dependency in .venv (and a green `make test`), record the versions for the next fresh install.
 constraints: install
 	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > constraints.txt.new
-	mv constraints.txt.new constraints.txt
+	cmp -s constraints.txt.new constraints.txt && rm constraints.txt.new || mv constraints.txt.new constraints.txt
 
 run: install
 	@echo "--- m31r fim: complete the body of a Rust function (the daemon starts in the background if needed)" >&2

@@ -232,7 +232,7 @@ def typing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--data", type=Path, required=True, help="data dir holding corpus/val.jsonl")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: int8 where bf16 is native)")
+    p.add_argument("--quant", default="auto", help="as the daemon's --quant (auto: what the daemon takes here)")
     p.add_argument("--prefill-gemm", default="auto", help="as the daemon's --prefill-gemm")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

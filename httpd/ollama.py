@@ -225,8 +225,9 @@ def _options(raw: dict[str, Any] | None) -> tuple[Options, list[str]]:
         param = f"options.{field}" if field else "options"
         raise s.InvalidRequest(f"{param}: {text}", param) from None
     if opts.num_predict is not None and opts.num_predict < -2:
-        raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 1 or more, or -1 or 0 "
-                               "for no limit", "options.num_predict")
+        raise s.InvalidRequest(f"options.num_predict: {opts.num_predict} is not a length: use 1 or more, or 0, -1 or "
+                               "-2 for this server's cap (min(--max-tokens-cap, half the context))",
+                               "options.num_predict")
     return opts, sorted(k for k in raw if k not in HONOURED)
 
 

@@ -168,8 +168,9 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
 @socket_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Activation precision. auto: bfloat16 where the CPU (AVX512-BF16, "
-              "AMX) or GPU runs it natively, else float32.")
+              show_default=True, help="Activation precision. auto: float32 where a native fp32 kernel family runs "
+              "(AVX2, NEON: closer to fp32's output and faster to decode), else bfloat16 on a GPU or where the CPU "
+              "runs it natively (AVX512-BF16, AMX), else float32 (`m31r doctor` says which).")
 @click.option("--kv-dtype", type=click.Choice(["auto", "float16", "float32", "bfloat16"]), default="auto",
               show_default=True, help="KV-cache precision. auto: float16 where the fp32 kernels read it (half the "
               "bytes per decoded token), else the activation dtype, which may also be named.")
@@ -214,7 +215,8 @@ def _daemon_settings(ctx: click.Context, param: click.Parameter, path: Path | No
               help="Prefill chunk; cache reuse happens at multiples of it (smaller: less recomputed per keystroke).")
 @click.option("--quant", type=click.Choice(["auto", "int8", "int4", "none"]), default="auto", show_default=True,
               help="Weight quantization, applied to a float bundle at load (a quantized bundle is served as "
-                   "stored). auto: int8 on a CPU with native bf16, else none.")
+                   "stored). auto: on a CPU, int8 where the native int8 kernel for float32 activations passes its "
+                   "self-check or activations are bfloat16, else none; none on a GPU.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -109,13 +109,16 @@ def check_cpu(ctx: Context) -> Check:
 
 
 def check_compiler(ctx: Context) -> Check:
-    from m31r.native import compiler
+    from m31r.native import cc_problem, compiler
 
     cc = compiler()
     if cc is None:
         return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built; "
                                          "install one (`apt-get install gcc`, `xcode-select --install` on macOS) or "
                                          "set CC")
+    if (why := cc_problem()) is not None:  # a typo in CC: the kernels build all the same, with another compiler
+        return Check("compiler", "warn", f"CC={os.environ.get('CC', '').strip()} is not used: {why}; the native "
+                                         f"kernels build with {cc} (fix or unset CC)")
     return Check("compiler", "ok", f"{cc} (builds the native kernels, m31r/kernels*.c, on the first engine load)")
 
 

@@ -277,19 +277,36 @@ def compiler_command() -> list[str] | None:
     if cc:
         if whole := shutil.which(cc):
             return [whole]
-        try:
-            words = shlex.split(cc)
-        except ValueError as e:
-            words, why = [], f"cannot be split into words ({e})"
-        else:
-            why = f"{words[0]} not found" if words else "no program named"
+        words = _cc_words(cc)
         if words and (program := shutil.which(words[0])):
             return [program, *words[1:]]
     found = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
     if cc and cc not in _cc_told:
         _cc_told.add(cc)
-        log.info("CC=%s is not used: %s; native kernels build with %s", cc, why, found or "no compiler")
+        log.info("CC=%s is not used: %s; native kernels build with %s", cc, cc_problem(), found or "no compiler")
     return [found] if found else None
+
+
+def _cc_words(cc: str) -> list[str]:
+    try:
+        return shlex.split(cc)
+    except ValueError:
+        return []
+
+
+def cc_problem() -> str | None:
+    """Why $CC cannot be used (compiler_command then builds with cc, gcc or clang), or None where it can or is unset:
+    `m31r doctor` says it, as a typo in CC otherwise went unnoticed."""
+    cc = os.environ.get("CC", "").strip()
+    if not cc or shutil.which(cc):
+        return None
+    try:
+        words = shlex.split(cc)
+    except ValueError as e:
+        return f"cannot be split into words ({e})"
+    if not words:
+        return "no program named"
+    return None if shutil.which(words[0]) else f"{words[0]} not found"
 
 
 _cc_told: set[str] = set()  # the $CC values `compiler_command` has said it cannot use

@@ -314,6 +314,27 @@ def _daemon_beside(kind: Kind, sock: Path) -> int | None:
     return pid if isinstance(pid, int) else None
 
 
+def _install_notes(k: str, sock: Path, given: bool, off_default: bool) -> list[str]:
+    """What install says after its files: a default socket that login sessions' clients would not look at, and a
+    daemon already serving the path outside the service (a dry run says them too)."""
+    notes = []
+    if off_default:
+        login = systemd_runtime_dir() / "m31r" / "m31rd.sock"
+        notes.append(f"note: this shell has no XDG_RUNTIME_DIR of its own (unset, or another user's after su), so its "
+                     f"default socket is {sock}; clients in a login session (your editor's) look at {login} and would "
+                     f"not find the service, and start a daemon of their own: run `m31r service install --force` in "
+                     f"such a session, or pass --socket {shlex.quote(str(login))}")
+    stop = f"m31r stop --socket {shlex.quote(str(sock))}" if given else "m31r stop"  # what reaches `sock` here
+    if (pid := _daemon_beside(k, sock)) is not None:
+        notes.append(f"note: a daemon (pid {pid}) already serves {sock} outside the service: `{stop}` before starting "
+                     "the service, or " + ("m31rd.socket takes the path from it and it runs on, serving no one"
+                                           if k == "systemd" else "(unless it is the agent's own) the agent's daemon "
+                                           "finds the path taken and exits, and launchd does not retry it: once the "
+                                           f"path is free, `launchctl kickstart gui/{os.getuid()}/{LAUNCHD_LABEL}` "
+                                           "starts it"))
+    return notes
+
+
 def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: bool = False, *, force: bool = False,
             socket: str | Path | None = None, echo: Echo = print) -> list[Path]:
     """Write the unit files for `kind` (default: this platform's) and print the command that enables them.
@@ -340,6 +361,7 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
     else:
         files = {unit_dir(k) / LAUNCHD_PLIST: render_launchd(command, bundle_path, sock, launchd_log_path())}
     differing = [path for path, data in files.items() if _differs(path, data)]
+    notes = _install_notes(k, sock, socket is not None, off_default)
     if dry_run:
         for path, data in files.items():
             echo(f"# {path}\n{data.decode()}")
@@ -347,6 +369,8 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
             fate = f"moves it to {_backup_name(path)}" if force else "refuses to replace it without --force"
             echo(f"({path} differs from this: install {fate})")
         echo(f"(dry run: nothing written; the service would listen on {sock}, from {source})")
+        for note in notes:  # what install would say too: a daemon already on the path, a socket clients miss
+            echo(note)
         return list(files)
     if differing and not force:
         one = len(differing) == 1
@@ -366,19 +390,9 @@ def install(kind: str | None = None, bundle: str | Path | None = None, dry_run: 
             echo(f"kept the previous {path} as {backup}")
         echo(f"wrote {path}")
     echo(f"the service listens on {sock} (from {source})")
-    if off_default:
-        login = systemd_runtime_dir() / "m31r" / "m31rd.sock"
-        echo(f"note: this shell has no XDG_RUNTIME_DIR of its own (unset, or another user's after su), so its default "
-             f"socket is {sock}; clients in a login session (your editor's) look at {login} and would not find the "
-             f"service, and start a daemon of their own: run `m31r service install --force` in such a session, or "
-             f"pass --socket {shlex.quote(str(login))}")
+    for note in notes:
+        echo(note)
     stop = f"m31r stop --socket {shlex.quote(str(sock))}" if socket else "m31r stop"  # what reaches `sock` here
-    if (pid := _daemon_beside(k, sock)) is not None:
-        echo(f"note: a daemon (pid {pid}) already serves {sock} outside the service: `{stop}` before starting the "
-             "service, or " + ("m31rd.socket takes the path from it and it runs on, serving no one" if k == "systemd"
-                               else "(unless it is the agent's own) the agent's daemon finds the path taken and "
-                               "exits, and launchd does not retry it: once the path is free, `launchctl kickstart "
-                               f"gui/{os.getuid()}/{LAUNCHD_LABEL}` starts it"))
     if k == "systemd":
         echo("next: systemctl --user daemon-reload && systemctl --user enable --now m31rd.socket")
         if any(p.name == "m31rd.socket" for p in differing):  # enable --now leaves an active socket where it was

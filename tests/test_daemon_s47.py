@@ -22,3 +22,22 @@ def test_the_thread_check_prefills_the_widest_chunk(tiny_engine) -> None:
     finally:
         tiny_engine.before_pass = None
         torch.set_num_threads(before)
+
+
+def test_doctor_says_when_cc_is_not_used(monkeypatch) -> None:
+    """A CC naming no program (a typo) was only logged at info level: doctor said `ok compiler /usr/bin/cc` and the
+    user never learnt that CC was ignored."""
+    import shutil
+
+    from m31r import doctor
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None and shutil.which("clang") is None:
+        raise AssertionError("this test needs a C compiler on PATH (cc, gcc or clang), as CI's .ci/run installs")
+    monkeypatch.setenv("CC", "/nonexistent/m31r-cc --flag")
+    check = doctor.check_compiler(None)  # type: ignore[arg-type]  # it reads no context
+    assert check.level == "warn" and "CC=/nonexistent/m31r-cc --flag is not used" in check.detail, check.detail
+    assert "/nonexistent/m31r-cc not found" in check.detail
+    monkeypatch.delenv("CC")
+    assert doctor.check_compiler(None).level == "ok"  # type: ignore[arg-type]
+    monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or "")
+    assert doctor.check_compiler(None).level == "ok"  # type: ignore[arg-type]

@@ -170,6 +170,17 @@ def test_install_where_a_daemon_already_serves_says_to_stop_it(home: Path, tmp_p
     assert not any(line.startswith("note:") for line in out), out
 
 
+@pytest.mark.parametrize("kind", ["systemd", "launchd"])
+def test_a_dry_run_says_it_too(home: Path, tmp_path: Path, shared_daemon, kind: str) -> None:
+    """`install --dry-run` showed the files and said nothing of a daemon already on the path (session 47)."""
+    proc, sock = shared_daemon
+    out: list[str] = []
+    paths = service.install(kind, fake_bundle(tmp_path / "bundle"), dry_run=True, socket=sock, echo=out.append)
+    notes = [line for line in out if line.startswith("note:")]
+    assert len(notes) == 1 and f"a daemon (pid {proc.pid}) already serves {sock} outside the service" in notes[0]
+    assert not any(p.exists() for p in paths)
+
+
 def test_uninstall_that_cannot_reach_systemd_says_so(home: Path, tmp_path: Path) -> None:
     """uninstall removes the files whether or not `systemctl --user disable --now` worked; where no user manager
     answered (a shell under su, ssh without a session) it said nothing, and a listening m31rd.socket stayed loaded
