@@ -414,7 +414,8 @@ def fmt(x: float | None, nd: int = 1) -> str:
 
 def print_tables(res: dict) -> None:
     m = res["meta"]
-    print(f"\nm31rd daemon benchmark: shape {m['shape']} ({m['model']}), dtype {m['dtype']}, "
+    what = "bundle" if m["shape"] == "bundle" else f"shape {m['shape']}"
+    print(f"\nm31rd daemon benchmark: {what} ({m['model']}), dtype {m['dtype']}, "
           f"threads {m['threads'] or 'default'}, tokenizer {Path(m['tokenizer']).name}")
     print(f"CPU: {m.get('cpu') or str(m['cpus']) + ' CPUs'}")
     print_typing(res)
@@ -542,7 +543,9 @@ def main(argv: list[str] | None = None) -> None:
 
     _, target, _ = session_document()
     res: dict = {"meta": {
-        "shape": args.shape, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        # A given bundle has its own shape: --shape names only the random-init one's.
+        "shape": "bundle" if args.bundle else args.shape, "dtype": args.dtype, "device": args.device,
+        "threads": args.threads,
         "quant": args.quant, "stored_quant": args.stored_quant, "chunk_size": args.chunk_size,
         "daemon_lookahead": args.daemon_lookahead,
         "cpus": os.cpu_count(), "cpu": describe(), "platform": platform.platform(),
