@@ -71,6 +71,12 @@ def settings_of(result: dict) -> dict:
     return got
 
 
+def tokenizers_differ(base: dict, cand: dict) -> bool:
+    """Whether both results name their model's tokenizer (metadata's tokenizer_hash) and the two differ."""
+    ta, tb = ((r.get("metadata") or {}).get("tokenizer_hash") for r in (base, cand))
+    return bool(ta and tb and ta != tb)
+
+
 def compare(base: dict, cand: dict) -> dict:
     a, b = base["tasks"], cand["tasks"]
     ident = lambda t: tuple(t[k] for k in _IDENTITY)  # noqa: E731
@@ -81,8 +87,7 @@ def compare(base: dict, cand: dict) -> dict:
             where += (f", the first different at task {at}: {a[at]['kind']} {a[at]['path']}:{a[at]['line'] + 1} / "
                       f"{b[at]['kind']} {b[at]['path']}:{b[at]['line'] + 1}")
         hint = ""
-        ta, tb = ((r.get("metadata") or {}).get("tokenizer_hash") for r in (base, cand))
-        if ta and tb and ta != tb:
+        if tokenizers_differ(base, cand):
             hint = ("; the models' tokenizers differ, and a data folder without tokenizer.json has each model's "
                     "tokenizer size its tasks (eval_fim.task_tokenizer): run both on one that has it")
         raise ValueError(f"the two results hold different tasks ({where}): run both with the same --seed, --n-single, "
@@ -134,8 +139,7 @@ def perplexities(base: dict, cand: dict) -> dict | None:
     if wa != wb:
         why.append(f"the perplexities are over windows of {wa} and {wb} tokens (a model's context shorter than "
                    "--ppl-context cuts them)")
-    ta, tb = ((r.get("metadata") or {}).get("tokenizer_hash") for r in (base, cand))
-    if ta and tb and ta != tb:
+    if tokenizers_differ(base, cand):
         why.append("the models' tokenizers differ, so each perplexity is per token of its own tokenizer (compare bits "
                    "per byte)")
     if why:

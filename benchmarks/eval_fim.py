@@ -270,14 +270,14 @@ def add_context(tasks: list[Task], texts: list[tuple[str, str, str]]) -> None:
 # -- metrics ----------------------------------------------------------------------------------------------
 
 
-def normalize(s: str) -> str:
-    return "\n".join(line.rstrip() for line in s.split("\n")).rstrip()
-
-
 def normalize_lines(s: str) -> str:
-    """`normalize` keeping the line breaks: what the editor shows is text accepted into the document, where a break
-    left out joins the line after it to the suggestion's last line."""
+    """Each line's trailing whitespace dropped, the line breaks kept: what the editor shows is text accepted into the
+    document, where a break left out joins the line after it to the suggestion's last line."""
     return "\n".join(line.rstrip() for line in s.split("\n"))
+
+
+def normalize(s: str) -> str:
+    return normalize_lines(s).rstrip()
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -444,7 +444,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
             lines = line_logprobs(engine.tokenizer.token_bytes, got.tokens, got.logprobs, got.text.count("\n") + 1,
                                   req.heal.count("\n"))
             score_shown(results[-1], t, req, got.text, lines[0] if lines else None, lines, not same,
-                        got.stop_sequence if got.finish_reason == "stop" else None)
+                        got.stop_sequence)
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results

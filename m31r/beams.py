@@ -246,7 +246,7 @@ def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tup
         piece, hit = text.step(tok)
         out.pieces.append(Piece(tok, piece, h.logprobs[i], h.tops[i]))
         if hit:
-            out.finish_reason, out.stopped_by, out.stop_sequence = "stop", text.stopped_by, text.stops.matched
+            out.finish_reason, out.stopped_by, out.stop_sequence = "stop", text.stopped_by, text.stop_sequence
             break
     if not hit and (tail := text.flush()):
         out.pieces.append(Piece(None, tail))

@@ -199,6 +199,10 @@ class TextPath:
     def stopped_by(self) -> str:
         return "repeat" if self.stops.repeated else "sequence"
 
+    @property
+    def stop_sequence(self) -> str | None:
+        return self.stops.matched
+
 
 def chunk_layout(n: int, chunk_size: int, max_chunk: int) -> list[int]:
     """The ends of the prefill chunks of an n-token prompt (see the module docstring)."""
@@ -783,7 +787,7 @@ class Engine:
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"
-                        res.stopped_by, res.stop_sequence = text.stopped_by, text.stops.matched
+                        res.stopped_by, res.stop_sequence = text.stopped_by, text.stop_sequence
                     break
                 if floor is not None:
                     spent += res.logprobs[-1]

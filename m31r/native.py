@@ -274,39 +274,34 @@ def compiler_command() -> list[str] | None:
     are common; a path with spaces that names a program is one word), else cc, gcc or clang. A $CC that cannot be
     used is said once in the log, not silently replaced."""
     cc = os.environ.get("CC", "").strip()
-    if cc:
-        if whole := shutil.which(cc):
-            return [whole]
-        words = _cc_words(cc)
-        if words and (program := shutil.which(words[0])):
-            return [program, *words[1:]]
+    if cc and (cmd := _cc_command(cc))[0] is not None:
+        return cmd[0]
     found = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
     if cc and cc not in _cc_told:
         _cc_told.add(cc)
-        log.info("CC=%s is not used: %s; native kernels build with %s", cc, cc_problem(), found or "no compiler")
+        log.info("CC=%s is not used: %s; native kernels build with %s", cc, cmd[1], found or "no compiler")
     return [found] if found else None
 
 
-def _cc_words(cc: str) -> list[str]:
+def _cc_command(cc: str) -> tuple[list[str] | None, str]:
+    """$CC as a command (its program's path first), or None and why it cannot be used."""
+    if whole := shutil.which(cc):
+        return [whole], ""
     try:
-        return shlex.split(cc)
-    except ValueError:
-        return []
+        words = shlex.split(cc)
+    except ValueError as e:
+        return None, f"cannot be split into words ({e})"
+    if not words:
+        return None, "no program named"
+    program = shutil.which(words[0])
+    return ([program, *words[1:]], "") if program else (None, f"{words[0]} not found")
 
 
 def cc_problem() -> str | None:
     """Why $CC cannot be used (compiler_command then builds with cc, gcc or clang), or None where it can or is unset:
     `m31r doctor` says it, as a typo in CC otherwise went unnoticed."""
     cc = os.environ.get("CC", "").strip()
-    if not cc or shutil.which(cc):
-        return None
-    try:
-        words = shlex.split(cc)
-    except ValueError as e:
-        return f"cannot be split into words ({e})"
-    if not words:
-        return "no program named"
-    return None if shutil.which(words[0]) else f"{words[0]} not found"
+    return None if not cc else _cc_command(cc)[1] or None
 
 
 _cc_told: set[str] = set()  # the $CC values `compiler_command` has said it cannot use

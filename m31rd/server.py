@@ -350,8 +350,6 @@ class InFlight:
     text: str = ""  # what was sent so far (typed-through reuses it)
     ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
     beams: int = 1  # the beam width it runs with (request_beams)
-    stopped_by: str | None = None  # Finished.stopped_by, for the typed-through answers that may follow
-    stop_sequence: str | None = None  # Finished.stop_sequence, likewise
 
     @property
     def rid(self) -> int:
@@ -796,7 +794,6 @@ class Daemon:
 
         if isinstance(event, Finished):
             e = event
-            job.stopped_by, job.stop_sequence = e.stopped_by, e.stop_sequence
             first = None if e.first_token_ms is None else round(e.first_token_ms, 2)
             self._answer(job, m.Done(
                 id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
@@ -856,9 +853,8 @@ class Daemon:
                          timings=m.Timings(first_token_ms=ms if text else None, total_ms=ms), source="typed_through",
                          alternatives=alternatives, logprob=rest.logprob,
                          line_logprob=rest.by_line[0] if rest.by_line else rest.logprob,
-                         logprob_by_line=list(rest.by_line),
-                         stopped_by=stopped_by if finish_reason == "stop" else None,  # type: ignore[arg-type]
-                         stop_sequence=stop_sequence if finish_reason == "stop" else None))
+                         logprob_by_line=list(rest.by_line), stopped_by=stopped_by,  # type: ignore[arg-type]
+                         stop_sequence=stop_sequence))
         log.info("request", extra={"fields": {"id": req.id, "kind": "fim", "client": conn.client,
                                               "source": "typed_through", "total_ms": ms}})
         return True
@@ -893,7 +889,7 @@ class Daemon:
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
                 self._remember(req.document, Typed(
                     req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
-                    tuple(msg.logprob_by_line), job.stopped_by, job.stop_sequence, tuple(request_stops(req)),
+                    tuple(msg.logprob_by_line), msg.stopped_by, msg.stop_sequence, tuple(request_stops(req)),
                     answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
                     tuple(msg.alternatives)))
             fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),

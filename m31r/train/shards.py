@@ -8,7 +8,6 @@ a fresh optimizer, its learning rate warmed up again from the checkpoint's step 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from m31r.checksums import sha256_file
 from m31r.config import ModelConfig
 from m31r.train.trainer import hold_run, load_checkpoint, write_checkpoint
 
@@ -71,7 +71,7 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
         for name, part in zip(names, shards, strict=True):
             staged.append(out / f".{name}.tmp")
             save_file(part, str(staged[-1]))
-            hashes[name] = file_sha256(staged[-1])
+            hashes[name] = sha256_file(staged[-1])
         state = {**saved["state"], SHARD_FILES: hashes}
         staged.append(out / ".state.json.tmp")
         staged[-1].write_text(json.dumps(state))
@@ -88,14 +88,6 @@ def write_shards(ckpt: Path, out: Path, max_bytes: int = MAX_SHARD_BYTES) -> lis
     for name, tmp in zip([*names, "state.json"], staged, strict=True):
         os.replace(tmp, out / name)
     return [*(out / n for n in names), out / "state.json"]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -160,7 +152,7 @@ def read_shards(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     require_whole_model(model, state, folder)
     # Last, as the one check left for shards of another write of the same model (a copy over an earlier lease's that
     # failed part-way), or a state.json of another write: both imported as a silent mix of two runs.
-    if isinstance(recorded, dict) and (bad := [f.name for f in files if file_sha256(f) != recorded[f.name]]):
+    if isinstance(recorded, dict) and (bad := [f.name for f in files if sha256_file(f) != recorded[f.name]]):
         raise ValueError(f"{folder}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not the file its state.json "
                          f"records (of another write, or changed since): {again}")
     return model, state
