@@ -402,10 +402,12 @@ def openai_logprobs(frames: list[Token], offset: int) -> s.OpenAILogprobs:
 
 
 def usage_of(g: Generation) -> s.OpenAIUsage:
-    """A finished generation's token counts, as OpenAI's API (and Mistral's, which copies it) reports them."""
+    """A finished generation's token counts, as OpenAI's API (and Mistral's, which copies it) reports them. The
+    tokens that wrote a healed prompt end again are the prompt's: completion_tokens is what max_tokens bounded."""
     assert g.done is not None
     u = g.done.usage
-    return s.OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
+    prompt = u.prompt_tokens + u.healed_tokens
+    return s.OpenAIUsage(prompt, u.completion_tokens, prompt + u.completion_tokens)
 
 
 def finish_reason(g: Generation) -> s.OpenAIFinishReason:

@@ -53,6 +53,7 @@ class Hypothesis:
     end: str = ""  # why it finished: end | sequence | repeat | length ("" while live)
     logprobs: tuple[float, ...] = ()  # of each token: Outcome.logprobs
     tops: tuple[tuple[tuple[int, float], ...], ...] = ()  # the likeliest tokens at each of its steps (top_logprobs)
+    counted: int = 0  # tokens that wrote completion text, what max_tokens bounds (not healed text only: Outcome)
 
 
 def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
@@ -60,8 +61,10 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
     """h followed by tok: its healing, text and stop state moved on, `end` set if tok finishes it."""
     logprobs, tops = (*h.logprobs, score - h.score), (*h.tops, top)
     if tok in engine.stop_ids:
-        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs, tops)
+        return Hypothesis(score, h.tokens + [tok], h.cache, b"", False, 0, b"", h.stops, "end", logprobs, tops,
+                          h.counted)
     written = engine.tokenizer.token_bytes[tok] or b""
+    counted = h.counted + (not (h.owed and h.owed.startswith(written)))
     owed, after_space = heal_step(h.owed, written) if h.owed else (b"", False)
     # An added token that is text has no token_bytes: its text, as TextStream gives it (a stop in it ends h).
     shown = written if written or tok in engine.tokenizer.special_ids else engine.tokenizer.decode([tok]).encode()
@@ -73,7 +76,8 @@ def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
     stops = h.stops.clone()
     _, hit = stops.feed(text)
     end = ("repeat" if stops.repeated else "sequence") if hit else ""
-    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end, logprobs, tops)
+    return Hypothesis(score, h.tokens + [tok], h.cache, owed, after_space, skip, pending, stops, end, logprobs, tops,
+                      counted)
 
 
 def beam_generate(
@@ -118,8 +122,9 @@ def beam_generate(
     done: list[Hypothesis] = []
     spares = spares if spares is not None else []
     share = object()  # the key of this search's rows: their caches hold the prompt's keys/values, bit for bit
+    room = engine.config.max_context - len(ids)  # as Engine.generate: healing tokens are not counted, room bounds them
     try:
-        for i in range(max_tokens):
+        for i in range(room):
             lg = torch.stack(list(rows)).float()
             if engine.unused_ids is not None:
                 lg = lg.index_fill(1, engine.unused_ids, float("-inf"))
@@ -145,10 +150,12 @@ def beam_generate(
             best = max(done, key=lambda h: h.score, default=None)
             if not grown or (best is not None and best.score >= grown[0].score):
                 break
-            if i + 1 == max_tokens:
-                for h in grown:
+            for h in grown:
+                if h.counted == max_tokens or i + 1 == room:
                     h.end = "length"
-                done += grown
+            done += [h for h in grown if h.end]
+            grown = [h for h in grown if not h.end]
+            if not grown:
                 break
             if late():
                 for h in grown:
@@ -168,10 +175,10 @@ def beam_generate(
     win = _answer(engine, ids, ranked[0], stop, heal, repeat_context, start_stops)  # its pieces carry its figures
     res.finish_reason, res.stopped_by, res.stop_sequence = win.finish_reason, win.stopped_by, win.stop_sequence
     res.logprobs = list(ranked[0].logprobs[: len(win.tokens) + (win.stopped_by == "end")])
-    for piece in win.pieces:
-        if piece.id is not None:
-            res.tokens.append(piece.id)
-            res.completion_tokens += 1
+    res.healing_tokens = len(win.tokens) - min(ranked[0].counted, len(win.tokens))
+    res.completion_tokens = len(win.tokens) - res.healing_tokens
+    res.tokens = list(win.tokens)
+    for piece in win.pieces[res.healing_tokens:]:  # not the healing tokens' (empty) pieces: generate's stream
         res.text += piece.text
         if res.first_token_ms is None:
             res.first_token_ms = (time.perf_counter() - t0) * 1000

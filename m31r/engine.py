@@ -107,7 +107,11 @@ class Outcome:
 
     prompt_tokens: int
     cached_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the tokens written after healing_tokens: what max_tokens bounds
+    # The first tokens written, where they wrote only healed text again (m31r.fim's token healing): they finish the
+    # prompt, so max_tokens does not count them (the context's room after the prompt bounds them) and no Piece
+    # streams them. `tokens` and `logprobs` hold both kinds.
+    healing_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | deadline
@@ -696,7 +700,10 @@ class Engine:
         (ContextOverflowError, a ValueError), never cut here; `fit_prompt` is how a caller keeps a long prompt's end.
 
         `heal` is text the prompt left out of its end (m31r.fim's token healing): the first tokens are held to
-        writing it again, and it is not part of the text streamed back.
+        writing it again, and it is not part of the text streamed back. A token that writes only healed text finishes
+        the prompt (Outcome.healing_tokens): no Piece streams it, and `max_tokens` counts the tokens after it, so
+        `--max-tokens 2` after `fn ma` is two tokens of text, not one spent on `main` again. The context's room
+        after the prompt bounds both.
 
         `deadline` (a time.perf_counter() value) is a hard limit: past it no further model call is made, so
         generation ends (finish_reason "deadline") with what was produced so far, before any token if it passes
@@ -751,8 +758,9 @@ class Engine:
         spent = 0.0  # the completion's log-probability so far: it only falls
         ahead: list[tuple[int, torch.Tensor]] = []  # drafts fed after the last token, each with the logits after it
         valid = len(ids)  # cache positions that hold this sequence; drafts past them were not accepted
+        room = self.config.max_context - len(ids)  # tokens the context holds after the prompt: healing's included
         try:
-            for i in range(max_tokens):
+            for i in range(room):
                 hist = torch.tensor(history, device=self.device) if need_history else None
                 if self.unused_ids is not None:  # reserved and padding ids are never text: never pick them
                     logits = logits.index_fill(0, self.unused_ids, float("-inf"))
@@ -770,10 +778,13 @@ class Engine:
                     res.finish_reason, res.stopped_by = "stop", "end"
                     break
                 after_space = False
+                written = self.tokenizer.token_bytes[tok] or b""
+                healing = bool(owed) and owed.startswith(written)  # healed text only: the prompt's, never streamed
+                res.healing_tokens += healing
+                res.completion_tokens += not healing
                 if owed:
-                    owed, after_space = heal_step(owed, self.tokenizer.token_bytes[tok] or b"")
+                    owed, after_space = heal_step(owed, written)
                 res.tokens.append(tok)
-                res.completion_tokens += 1
                 if need_history:
                     history.append(tok)
                 piece, hit = text.step(tok)
@@ -781,9 +792,10 @@ class Engine:
                     piece, hit = piece[: piece.index("\n")], True
                     res.finish_reason = "deadline"
                 res.text += piece
-                if res.first_token_ms is None:
-                    res.first_token_ms = (time.perf_counter() - t0) * 1000
-                yield Piece(tok, piece, res.logprobs[-1], top)
+                if not healing:
+                    if res.first_token_ms is None:
+                        res.first_token_ms = (time.perf_counter() - t0) * 1000
+                    yield Piece(tok, piece, res.logprobs[-1], top)
                 if hit:
                     if res.finish_reason != "deadline":
                         res.finish_reason = "stop"
@@ -794,29 +806,31 @@ class Engine:
                     if spent < floor:  # the line being written is one the editor cuts, or hides the whole for
                         res.finish_reason, res.stopped_by = "stop", "unsure"
                         break
-                if i + 1 < max_tokens:
-                    if late():
-                        res.finish_reason = "deadline"
-                        break
-                    if lookup is not None:
-                        lookup.append(tok)
-                    if ahead and ahead[0][0] == tok:  # a confirmed draft: its successor's logits are computed
-                        logits = ahead.pop(0)[1]
-                        valid += 1
-                        res.accepted += 1
-                        continue
-                    ahead = []
-                    del cache.tokens[valid:]  # rejected drafts: their positions are written again from here
-                    drafts: list[int] = []
-                    if lookup is not None and not (owed or after_space):  # no drafts while healing masks apply
-                        drafts = self._drafts(lookup, lookahead, valid, max_tokens - i - 2)
-                    call = Decode(cache, tok, drafts)
-                    out = (yield call) if batched else self.run([call], [])[0][0]
-                    drafts = call.drafts  # run drops them where other streams share the round
+                left = min(max_tokens - res.completion_tokens, room - i - 1)  # tokens still to pick
+                if left <= 0:
+                    break
+                if late():
+                    res.finish_reason = "deadline"
+                    break
+                if lookup is not None:
+                    lookup.append(tok)
+                if ahead and ahead[0][0] == tok:  # a confirmed draft: its successor's logits are computed
+                    logits = ahead.pop(0)[1]
                     valid += 1
-                    res.decode_steps += 1
-                    res.drafted += len(drafts)
-                    logits, ahead = (out[0], list(zip(drafts, out[1:], strict=True))) if drafts else (out, [])
+                    res.accepted += 1
+                    continue
+                ahead = []
+                del cache.tokens[valid:]  # rejected drafts: their positions are written again from here
+                drafts: list[int] = []
+                if lookup is not None and not (owed or after_space):  # no drafts while healing masks apply
+                    drafts = self._drafts(lookup, lookahead, valid, left - 1)
+                call = Decode(cache, tok, drafts)
+                out = (yield call) if batched else self.run([call], [])[0][0]
+                drafts = call.drafts  # run drops them where other streams share the round
+                valid += 1
+                res.decode_steps += 1
+                res.drafted += len(drafts)
+                logits, ahead = (out[0], list(zip(drafts, out[1:], strict=True))) if drafts else (out, [])
         finally:
             del cache.tokens[valid:]
         if not hit and (tail := text.flush()):

@@ -67,6 +67,7 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    healed_tokens: int = 0  # tokens that wrote the prompt's healed end again (Outcome.healing_tokens)
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
@@ -294,7 +295,8 @@ class Scheduler:
         by_line = line_logprobs(self.engine.tokenizer.token_bytes, o.tokens, o.logprobs, o.text.count("\n") + 1,
                                 run.request.heal.count("\n"))
         return Finished(
-            o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, queue_ms=queue_ms,
+            o.finish_reason or "length", o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.healing_tokens,
+            queue_ms=queue_ms,
             prefill_ms=o.prefill_ms, first_token_ms=None if o.first_token_ms is None else queue_ms + o.first_token_ms,
             total_ms=(time.perf_counter() - received) * 1000, decode_steps=o.decode_steps, drafted=o.drafted,
             accepted=o.accepted, alternatives=tuple(o.alternatives), logprob=sum(o.logprobs) if o.logprobs else None,

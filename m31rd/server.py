@@ -798,8 +798,8 @@ class Daemon:
             self._answer(job, m.Done(
                 id=job.rid, finish_reason=e.finish_reason,  # type: ignore[arg-type]
                 usage=m.Usage(prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
-                              completion_tokens=e.completion_tokens, decode_steps=e.decode_steps,
-                              draft_tokens=e.drafted, accepted_tokens=e.accepted),
+                              completion_tokens=e.completion_tokens, healed_tokens=e.healed_tokens,
+                              decode_steps=e.decode_steps, draft_tokens=e.drafted, accepted_tokens=e.accepted),
                 timings=m.Timings(queue_ms=round(e.queue_ms, 2), prefill_ms=round(e.prefill_ms, 2),
                                   first_token_ms=first, total_ms=round(e.total_ms, 2)),
                 alternatives=list(e.alternatives), logprob=_round(e.logprob),

@@ -53,7 +53,8 @@ def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: s
     live = [(Hypothesis(0.0, [], 0, heal.encode(), False, len(heal), b"", StopMatcher(stop, repeat_context)), cache,
              logits)]
     done = []
-    for i in range(max_tokens):
+    room = engine.config.max_context - len(ids)  # healing tokens are not counted in max_tokens (Outcome)
+    for i in range(room):
         picks = []
         for k, (h, _, lg) in enumerate(live):
             lg = lg.index_fill(0, engine.unused_ids, float("-inf")) if engine.unused_ids is not None else lg
@@ -73,8 +74,9 @@ def reference(engine, ids: list[int], width: int, max_tokens: int, stop, heal: s
                 grown.append((h, live[k][1].clone()))
         if not grown or (done and max(d.score for d in done) >= grown[0][0].score):
             break
-        if i + 1 == max_tokens:
-            done += [h for h, _ in grown]
+        done += [h for h, _ in grown if h.counted == max_tokens or i + 1 == room]
+        grown = [(h, c) for h, c in grown if h.counted < max_tokens and i + 1 < room]
+        if not grown:
             break
         rows = engine.decode_rows([c for _, c in grown], [h.tokens[-1] for h, _ in grown])
         live = [(h, c, row) for (h, c), row in zip(grown, rows, strict=True)]
@@ -127,7 +129,7 @@ def test_completions_report_each_tokens_log_probability(request, which):
         _, got = search(engine, ids, 3, max_tokens=24, heal=heal, repeat_context=context)
         best = reference(engine, ids, 3, 24, [], heal, context)[0]
         assert sum(got.logprobs) == pytest.approx(best.score, abs=1e-4)
-        assert len(got.logprobs) == got.completion_tokens + (got.stopped_by == "end")
+        assert len(got.logprobs) == got.healing_tokens + got.completion_tokens + (got.stopped_by == "end")
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +313,8 @@ def test_a_deadline_mid_search_answers_the_best_so_far(tiny_engine, monkeypatch)
     except StopIteration:
         pass
     assert steps == 4 and res.finish_reason == "deadline"
-    assert len(res.tokens) == 5 and [p.id for p in pieces] == res.tokens  # a token per step, and the first one
+    # A token per step, and the first one; the healing token is not streamed.
+    assert len(res.tokens) == 5 and [p.id for p in pieces] == res.tokens[res.healing_tokens:]
 
 
 @pytest.mark.parametrize("which", ["tiny", "release"])

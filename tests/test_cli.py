@@ -42,10 +42,12 @@ def test_generate_json(daemon, tiny_engine):
     ref = Outcome(prompt_tokens=0)
     for _ in tiny_engine.generate(ids, max_tokens=8, result=ref, heal=heal):
         pass
-    assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens, ref.finish_reason)
+    assert (out["text"], out["tokens"], out["finish_reason"]) == (ref.text, ref.tokens[4:], ref.finish_reason)
     assert out["logprob"] == pytest.approx(sum(ref.logprobs), abs=1e-3)  # how sure the model was, as the engine says
     assert out["usage"]["prompt_tokens"] == len(ids) == len(tiny_engine.tokenizer.encode("fn ")) == 3
-    assert out["usage"]["completion_tokens"] == len(ref.tokens)
+    assert (out["usage"]["completion_tokens"], out["usage"]["healed_tokens"]) == (8, 4) == (ref.completion_tokens,
+                                                                                          ref.healing_tokens)
+    assert len(ref.tokens) == 12  # `main` again, byte by byte (not streamed), and the eight max_tokens asked for
     assert set(out["timings"]) == {"queue_ms", "prefill_ms", "first_token_ms", "total_ms"}
     # Plain mode streams the same text; `-` reads the prompt from stdin.
     plain = cli("generate", "-", "--max-tokens", "8", "--socket", str(sock), input="fn main")
@@ -70,8 +72,9 @@ def test_generate_json(daemon, tiny_engine):
     r = cli("generate", "fn main", "--json", "--max-tokens", "8", "--logprobs", "2", "--socket", str(sock))
     assert r.returncode == 0, r.stderr
     per = json.loads(r.stdout)["token_logprobs"]
-    assert [t["token"] for t in per] == ref.tokens and "".join(t["text"] for t in per) == ref.text
-    assert [t["logprob"] for t in per] == pytest.approx(ref.logprobs[: len(per)], abs=1e-3)
+    h = ref.healing_tokens  # the healing tokens are not streamed
+    assert [t["token"] for t in per] == ref.tokens[h:] and "".join(t["text"] for t in per) == ref.text
+    assert [t["logprob"] for t in per] == pytest.approx(ref.logprobs[h: h + len(per)], abs=1e-3)
     assert all(1 <= len(t["top"]) <= 2 and t["top"][0][0] == t["token"] for t in per)  # greedy: the likeliest
     # A stop sequence the last character might begin holds it back to the end, where it comes without a token of
     # its own: the list joins it to the token before it, so the tokens' texts still make up the answer.
@@ -80,7 +83,7 @@ def test_generate_json(daemon, tiny_engine):
             "--socket", str(sock))
     held = json.loads(r.stdout)
     assert held["text"] == ref.text and "".join(t["text"] for t in held["token_logprobs"]) == ref.text
-    assert [t["token"] for t in held["token_logprobs"]] == ref.tokens
+    assert [t["token"] for t in held["token_logprobs"]] == ref.tokens[h:]
     r = cli("generate", "fn main", "--logprobs", "2", "--socket", str(sock))
     assert r.returncode != 0 and "add --json" in r.stderr and r.stdout == ""
 
@@ -121,11 +124,12 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
     ref = Outcome(prompt_tokens=0)
     for _ in tiny_engine.generate(p.ids, max_tokens=6, result=ref, heal=p.heal):
         pass
-    assert (out["text"], out["tokens"], out["source"]) == (ref.text, ref.tokens, "model")
+    assert (out["text"], out["tokens"], out["source"]) == (ref.text, ref.tokens[ref.healing_tokens:], "model")
+    assert ref.healing_tokens == 1  # `x` again: not streamed, not counted in max_tokens
     # The same cursor given as --prefix/--suffix.
     r2 = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "6",
              "--socket", str(sock))
-    assert r2.returncode == 0 and json.loads(r2.stdout)["tokens"] == ref.tokens, r2.stderr
+    assert r2.returncode == 0 and json.loads(r2.stdout)["tokens"] == ref.tokens[1:], r2.stderr
     assert out["alternatives"] == []  # greedy decoding has no runners-up
     # --beams: the engine's search of that width, and its runners-up.
     r3 = cli("fim", "--prefix", src[:cursor], "--suffix", src[cursor:], "--json", "--max-tokens", "6", "--beams", "3",
@@ -137,8 +141,8 @@ def test_fim_file_line_column(daemon, tiny_engine, tmp_path):
                            repeat_context=line_context(src[:cursor])):
         pass
     out3 = json.loads(r3.stdout)
-    assert (out3["text"], out3["tokens"], out3["alternatives"]) == (searched.text, searched.tokens,
-                                                                     searched.alternatives)
+    assert (out3["text"], out3["tokens"], out3["alternatives"]) == (
+        searched.text, searched.tokens[searched.healing_tokens:], searched.alternatives)
     bad = cli("fim", "--file", str(f), "--line", "3", "--column", "99", "--socket", str(sock))
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
     latin1 = tmp_path / "latin1.rs"
@@ -248,7 +252,8 @@ def test_autostart(tiny_bundle, tmp_path):
     try:
         r = cli("generate", "fn main", "--json", "--max-tokens", "4", "--socket", str(sock), env=env)
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["usage"]["completion_tokens"] == 4  # stdout holds the JSON and nothing else
+        usage = json.loads(r.stdout)["usage"]  # stdout holds the JSON and nothing else
+        assert (usage["completion_tokens"], usage["healed_tokens"]) == (4, 4)  # `main` again, byte by byte: then 4
         # One line on stderr says why it waits; the daemon answers once warm, and its log says it warmed up first.
         [notice] = r.stderr.splitlines()
         assert notice.startswith("starting the m31r daemon") and str(sock) in notice, r.stderr

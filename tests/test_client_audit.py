@@ -347,7 +347,8 @@ async def test_a_slow_reader_does_not_hold_up_other_streams_and_its_queue_is_bou
         async for _ in slow:
             n += 1
             await asyncio.sleep(0)
-        assert slow.done is not None and slow.done.usage.completion_tokens == 300 and len(slow.tokens) == 300
+        u = slow.done.usage if slow.done is not None else None
+        assert u is not None and (u.completion_tokens, u.healed_tokens) == (300, 1) and len(slow.tokens) == 300
 
 
 async def test_cancelling_the_task_awaiting_the_first_token_cancels_the_request(shared_daemon) -> None:

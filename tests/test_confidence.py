@@ -156,12 +156,14 @@ async def test_a_healed_generate_prompt_scores_the_line_the_model_writes(tmp_pat
     finally:
         stop_daemon(proc)
     done = stream.done
-    assert done is not None and frames and frames[0].text == ""  # the healing token: its text is the prompt's
+    # The healing token (its text is the prompt's) has no frame; Done's figures count it, with the first line.
+    assert done is not None and frames and done.usage.healed_tokens == 1 and done.finish_reason == "length"
+    healed = done.logprob - sum(f.logprob for f in frames)  # (no end token: "length")
     first_line = []
     for f in frames:
         first_line.append(f.logprob)
         if "\n" in f.text:
             break
-    assert done.line_logprob == pytest.approx(sum(first_line), abs=1e-3)
+    assert done.line_logprob == pytest.approx(healed + sum(first_line), abs=1e-3)
     assert len(done.logprob_by_line) == "".join(f.text for f in frames).count("\n") + 1
     assert sum(done.logprob_by_line) == pytest.approx(done.logprob, abs=1e-3)

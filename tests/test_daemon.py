@@ -249,8 +249,9 @@ async def test_generate_streams_what_the_engine_streams(warm, tiny_engine):
             assert out.pieces == ref.pieces and out.text == ref.text and out.finish_reason == ref.finish_reason
             healed, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode(prompt))
             assert out.done.usage.prompt_tokens == len(healed) < len(tiny_engine.tokenizer.encode(prompt))
-            assert prompt.endswith(heal) and out.pieces[0][1] == ""  # the healed text is written again, not sent
-            assert out.done.usage.completion_tokens == len(ref.tokens)
+            # The healed text is written again, neither streamed nor counted in max_tokens: usage says how many.
+            assert prompt.endswith(heal) and all(text for _, text in out.pieces[:1])
+            assert len(out.pieces) == out.done.usage.completion_tokens == 12 and out.done.usage.healed_tokens > 0
             assert out.done.source == "model"
         # Seeded sampling is reproducible too, and a stop sequence ends the stream the same way.
         sampling = SamplingParams(temperature=1.0, seed=11)
@@ -328,10 +329,11 @@ async def test_a_confidence_floor_ends_the_fim_at_the_token_that_crosses_it(warm
     floor = math.exp((sums[k - 1] + sums[k]) / 2)
     async with await Client.connect(warm.socket) as c:
         out = await run(await c.fim(prefix, suffix, max_tokens=24, min_probability=floor, document="floor"))
-        assert [t for t, _ in out.pieces if t is not None] == free.tokens[: k + 1] and out.finish_reason == "stop"
-        assert out.done.usage.completion_tokens == k + 1 < free.completion_tokens
+        h = free.healing_tokens  # (not streamed)
+        assert [t for t, _ in out.pieces if t is not None] == free.tokens[h: k + 1] and out.finish_reason == "stop"
+        assert out.done.usage.completion_tokens == k + 1 - h < free.completion_tokens
         full = await run(await c.fim(prefix, suffix, max_tokens=24, min_probability=0.0))
-        assert [t for t, _ in full.pieces if t is not None] == free.tokens
+        assert [t for t, _ in full.pieces if t is not None] == free.tokens[h:]
 
 
 async def test_fim_context_snippets_lead_the_prompt(warm, tiny_engine):
@@ -421,7 +423,7 @@ async def test_lookahead_streams_the_same_text(warm, cold, tiny_engine):
                 on = await run(await c.fim(prefix, suffix, max_tokens=40, lookahead=k))
                 assert on.pieces == ref.pieces and on.finish_reason == ref.finish_reason, (prefix, k)
                 u = on.done.usage
-                assert u.decode_steps + u.accepted_tokens == max(0, u.completion_tokens - 1)
+                assert u.decode_steps + u.accepted_tokens == max(0, u.completion_tokens + u.healed_tokens - 1)
                 assert u.accepted_tokens <= u.draft_tokens
                 accepted += u.accepted_tokens
         for prompt in GEN_PROMPTS:
@@ -1060,9 +1062,12 @@ async def test_logprobs_come_with_each_token(warm, tiny_engine):
     async with await Client.connect(warm.socket) as c:
         stream = await c.fim(prefix, suffix, max_tokens=8, logprobs=3)
         frames = [t async for t in stream]
-        assert [t.token for t in frames] == want.tokens and len(frames) == 8
-        assert [t.logprob for t in frames] == pytest.approx(want.logprobs[:8], abs=1e-3)
-        assert sum(t.logprob for t in frames) == pytest.approx(stream.done.logprob, abs=1e-3)
+        # The tokens writing the healed `sum` again are not streamed; Done's logprob counts them (each the only one
+        # possible: 0).
+        h = want.healing_tokens
+        assert [t.token for t in frames] == want.tokens[h:] and len(frames) == 8 and h > 0
+        assert [t.logprob for t in frames] == pytest.approx(want.logprobs[h: h + 8], abs=1e-3)
+        assert sum(t.logprob for t in frames) + sum(want.logprobs[:h]) == pytest.approx(stream.done.logprob, abs=1e-3)
         for t in frames:
             # greedy: the likeliest first; at most 3 (fewer where the healing masks leave fewer tokens possible)
             assert 1 <= len(t.top_logprobs) <= 3 and t.top_logprobs[0].token == t.token
@@ -1072,10 +1077,9 @@ async def test_logprobs_come_with_each_token(warm, tiny_engine):
                 b = tiny_engine.tokenizer.token_bytes[x.token]
                 assert x.text == (b.decode("utf-8", "replace") if b is not None else "<|endoftext|>"), x
                 assert math.isfinite(x.logprob)
-            # (the first tokens write the healed `sum` again: each the only one possible)
-            assert len(t.top_logprobs) == 3 or (len(t.top_logprobs) == 1 and t.logprob == 0.0 and t.text == "")
+            assert len(t.top_logprobs) == 3  # (not the healing tokens': each the only one possible, not streamed)
         plain = [t async for t in await c.fim(prefix, suffix, max_tokens=8)]
-        assert [t.token for t in plain] == want.tokens[:8]
+        assert [t.token for t in plain] == want.tokens[h: h + 8]
         assert all(t.logprob is None and t.top_logprobs == [] for t in plain)
         chosen = [t async for t in await c.fim(prefix, suffix, max_tokens=8, logprobs=0)]
         assert [t.logprob for t in chosen] == [t.logprob for t in frames] and all(not t.top_logprobs for t in chosen)
@@ -1102,9 +1106,9 @@ async def test_typed_through_honours_max_tokens_and_stop(warm, tiny_engine):
     prefix, suffix, doc = "fn scale(x: f32) -> f32 {\n    let y = x", ";\n    y\n}\n", "doc-typed-limits"
     async with await Client.connect(warm.socket) as c:
         first = await run(await c.fim(prefix, suffix, document=doc, max_tokens=13))
-        # The first token writes the healed `x` again (m31r.fim's token healing): it sends no text.
-        assert first.pieces[0][1] == ""
-        texts = [p for _, p in first.pieces[1:]]
+        # The first token writes the healed `x` again (m31r.fim's token healing): it is not streamed.
+        assert first.done.usage.healed_tokens == 1
+        texts = [p for _, p in first.pieces]
         assert first.done.source == "model" and len(texts) >= 5 and all(texts), first.pieces
 
         async def typed(k: int, **limits) -> Out:

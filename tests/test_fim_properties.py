@@ -321,13 +321,13 @@ def test_a_daemon_completion_after_a_genuine_u_fffd_is_the_completion(shared_dae
     _, sock = shared_daemon
     tok = Tokenizer.from_file(Path(tiny_bundle.path) / "tokenizer.json", DEFAULT_SPECIAL)
 
-    async def ask() -> tuple[str, list[int]]:
+    async def ask() -> tuple[str, list[int], int]:
         async with await Client.connect(sock) as client:
             stream = await client.fim("fn f() {\n    let s = \"\ufffdab", "\";\n}\n", max_tokens=8, lookahead=0)
-            text, _ = await stream.collect()
-            return text, stream.tokens
+            text, done = await stream.collect()
+            return text, stream.tokens, done.usage.healed_tokens
 
-    text, tokens = asyncio.run(ask())
+    text, tokens, healed = asyncio.run(ask())
     written = token_bytes(tok, tokens).decode("utf-8", "ignore")
-    assert written.startswith("ab")  # the healed word, written again first and not returned
-    assert written[2:].startswith(text) and "let s" not in text
+    assert healed == 2  # the healed word, written again first (byte by byte), neither streamed nor returned
+    assert written.startswith(text) and "let s" not in text

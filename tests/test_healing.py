@@ -173,6 +173,8 @@ def test_healing_is_the_unhealed_prompt_when_one_token_spells_it(tiny_engine):
     p = build_fim_prompt(tok, "fn f() {\n    let x", "\n}\n", budget)
     assert p.heal == "x"
     whole = build_fim_prompt(tok, "fn f() {\n    let x", "\n}\n", budget, heal=False)
-    healed, plain = run(tiny_engine, p.ids, p.heal, 9), run(tiny_engine, whole.ids, "", 8)
+    # The token writing "x" again is the prompt's: max_tokens counts the eight after it, as the plain run's.
+    healed, plain = run(tiny_engine, p.ids, p.heal, 8), run(tiny_engine, whole.ids, "", 8)
     assert healed.tokens[0] == whole.ids[-1] and healed.tokens[1:] == plain.tokens
     assert healed.text == plain.text
+    assert (healed.healing_tokens, healed.completion_tokens, plain.completion_tokens) == (1, 8, 8)

@@ -437,11 +437,14 @@ async def test_events_become_frames(daemon, tiny_engine) -> None:
     done = await c.final(1)
     tokens = [x for x in c.of(1) if isinstance(x, m.Token)]
     # The daemon heals a Generate's prompt (m31r.fim.heal_prompt): here its last byte, `{`, which only `{` continues
-    # in a byte vocabulary, so the tokens are the unhealed prompt's and one fewer was prefilled.
-    ids, heal = heal_prompt(tiny_engine.tokenizer, tiny_engine.tokenizer.encode(PROMPTS[0]))
-    assert heal == "{" and [t.token for t in tokens] == alone(tiny_engine, PROMPTS[0], 5)
-    assert done.usage.prompt_tokens == len(ids) == len(tiny_engine.tokenizer.encode(PROMPTS[0])) - 1
-    assert done.usage.completion_tokens == len([t for t in tokens if t.token is not None])
+    # in a byte vocabulary. That token finishes the prompt (not streamed, not counted in max_tokens; usage says it
+    # was healed), so the five streamed are the unhealed prompt's, and one fewer token was prefilled.
+    whole = tiny_engine.tokenizer.encode(PROMPTS[0])
+    ids, heal = heal_prompt(tiny_engine.tokenizer, whole)
+    assert heal == "{" and len(ids) == len(whole) - 1
+    assert [t.token for t in tokens] == alone(tiny_engine, PROMPTS[0], 5)
+    u = done.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.healed_tokens) == (len(ids), 5, 1)
     assert done.timings.total_ms >= done.timings.prefill_ms > 0
 
 
