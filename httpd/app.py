@@ -39,7 +39,7 @@ from m31r_http.fim_templates import split_fim
 from m31r_http.metrics import Metrics, MetricsMiddleware
 from m31r_http.security import EXPOSED_HEADERS, GuardMiddleware, HostPolicy, error_body, error_body_for, served_path
 from m31r_protocol import Client, DaemonError, DaemonUnavailable, Sampling, Stream, policy
-from m31r_protocol.messages import Done, Snippet, Token, scored_tokens
+from m31r_protocol.messages import Done, Snippet, Token, Usage, scored_tokens
 from m31r_protocol.reconnect import DaemonLink, Unavailable, link_config
 from m31r_protocol.version import VERSION
 
@@ -401,12 +401,18 @@ def openai_logprobs(frames: list[Token], offset: int) -> s.OpenAILogprobs:
     return out
 
 
+def prompt_read(u: Usage) -> int:
+    """The prompt's tokens as every adapter's usage counts them: those prefilled and those that wrote its healed end
+    again (a prompt or cursor inside a word), which finish the prompt. The completion's count, what max_tokens
+    bounds, is the rest; together they are the context the answer took."""
+    return u.prompt_tokens + u.healed_tokens
+
+
 def usage_of(g: Generation) -> s.OpenAIUsage:
-    """A finished generation's token counts, as OpenAI's API (and Mistral's, which copies it) reports them. The
-    tokens that wrote a healed prompt end again are the prompt's: completion_tokens is what max_tokens bounded."""
+    """A finished generation's token counts, as OpenAI's API (and Mistral's, which copies it) reports them."""
     assert g.done is not None
     u = g.done.usage
-    prompt = u.prompt_tokens + u.healed_tokens
+    prompt = prompt_read(u)
     return s.OpenAIUsage(prompt, u.completion_tokens, prompt + u.completion_tokens)
 
 
@@ -663,7 +669,7 @@ class Generation:
             self.done = d = self.daemon.done
             assert d is not None
             m, ep = self.svc.metrics, self.endpoint
-            m.prompt_tokens.labels(ep).inc(d.usage.prompt_tokens)
+            m.prompt_tokens.labels(ep).inc(prompt_read(d.usage))
             m.cached_tokens.labels(ep).inc(d.usage.cached_tokens)
             m.completion_tokens.labels(ep).inc(d.usage.completion_tokens)
             if not self.frames:

@@ -63,7 +63,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header
+from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header, prompt_read
 from m31r_http.fim_templates import split_fim
 from m31r_http.ollama import fit_num_predict
 from m31r_http.security import llamacpp_error_body
@@ -210,7 +210,11 @@ class InfillRenderer(Renderer):
         assert d is not None
         u, t = d.usage, d.timings
         ruled = isinstance(g.daemon, Ruled) and g.daemon.rule is not None
-        prompt_n = max(0, u.prompt_tokens - u.cached_tokens)
+        # A healed word's tokens are the prompt's (app.prompt_read), as in the other adapters' usage: so
+        # tokens_evaluated + tokens_predicted is the context the answer took, and prompt_n is still tokens_evaluated
+        # less the cached ones. (Their time is the generation's: they were decoded one by one.)
+        evaluated = prompt_read(u)
+        prompt_n = max(0, evaluated - u.cached_tokens)
         predicted_ms = max(0.0, t.total_ms - t.queue_ms - t.prefill_ms)
         (p_tok, p_sec), (g_tok, g_sec) = _rate(prompt_n, t.prefill_ms), _rate(u.completion_tokens, predicted_ms)
         timings = s.InfillTimings(cache_n=u.cached_tokens, prompt_n=prompt_n, prompt_ms=t.prefill_ms,
@@ -223,7 +227,7 @@ class InfillRenderer(Renderer):
         stop_type = "limit" if ruled or d.finish_reason != "stop" else "word" if word is not None else "eos"
         kw: dict[str, Any] = dict(
             content=content, model=self.settings.model, tokens_predicted=u.completion_tokens,
-            tokens_evaluated=u.prompt_tokens, generation_settings=self.settings, has_new_line="\n" in g.text,
+            tokens_evaluated=evaluated, generation_settings=self.settings, has_new_line="\n" in g.text,
             stop_type=stop_type, stopping_word=word or "", tokens_cached=u.cached_tokens, timings=timings)
         answer = (s.InfillResponse(**kw) if self.prompt is None
                   else s.LlamaCppCompletionResponse(**kw, prompt=self.prompt))

@@ -46,7 +46,8 @@ class Metrics:
         self.first_token = Histogram("m31r_http_first_token_seconds",
                                      "Time from the request's arrival to the daemon's first token.",
                                      ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("m31r_prompt_tokens", "Prompt tokens of finished requests.",
+        self.prompt_tokens = Counter("m31r_prompt_tokens", "Prompt tokens of finished requests (a healed word's "
+                                     "included, as the answers' usage counts them).",
                                      ["endpoint"], registry=r)
         self.cached_tokens = Counter("m31r_cached_tokens", "Prompt tokens served from the daemon's prefix cache.",
                                      ["endpoint"], registry=r)

@@ -47,7 +47,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from m31r_http import schemas as s
-from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header, model_names, token_figures
+from m31r_http.app import Fields, Generation, Renderer, Service, ignored_header, model_names, prompt_read, token_figures
 from m31r_http.fim_templates import split_fim
 from m31r_protocol import Client, Stream
 from m31r_protocol.limits import MAX_LOGPROBS
@@ -311,7 +311,7 @@ class OllamaRenderer(Renderer):
         return {"model": self.model, "created_at": _now(), "response": response, "done": True,
                 "done_reason": "length" if d.finish_reason == "length" else "stop",
                 "total_duration": _ns(time.perf_counter() - g.t0), "load_duration": _ns(g.loaded - g.t0),
-                "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": _ns(t.prefill_ms / 1000),
+                "prompt_eval_count": prompt_read(u), "prompt_eval_duration": _ns(t.prefill_ms / 1000),
                 "eval_count": u.completion_tokens,
                 "eval_duration": _ns(max(0.0, t.total_ms - t.queue_ms - t.prefill_ms) / 1000)}
 

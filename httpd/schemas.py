@@ -433,7 +433,8 @@ class LlamaCppCompletionRequest(LlamaCppOptions, kw_only=True):
 class InfillTimings(Struct):
     """llama.cpp's timings, in milliseconds: `prompt_*` the prefill of the tokens the prefix cache lacked (with the
     wait for the daemon, where an n_indent or t_max_predict_ms cut ended the request before the daemon reported),
-    `predicted_*` the generation."""
+    `predicted_*` the generation. A healed word's tokens count in prompt_n, as in tokens_evaluated; their time, spent
+    decoding them, is in predicted_ms."""
 
     cache_n: int
     prompt_n: int

@@ -173,7 +173,7 @@ class Usage(Struct):
     cached_tokens: int = 0
     completion_tokens: int = 0  # what max_tokens bounds: the tokens written after the healed ones
     # The first tokens written where they only wrote the prompt's healed end again (a prompt or cursor inside a
-    # word, README "Token healing"): they finish the prompt. Their Token frames come first, with empty text.
+    # word, docs/serving.md "Token healing"): they finish the prompt, and no Token frame carries them.
     healed_tokens: int = 0
     decode_steps: int = 0  # decode forward passes the request took part in
     draft_tokens: int = 0  # prompt-lookup drafts fed to them

@@ -132,7 +132,7 @@ def test_llama_vscode(http):
     whole = fim(http, PREFIX + MIDDLE, SUFFIX, context(EXTRA, "/projects/demo/"))
     cut_of(a["content"], whole["text"])
     # input_extra reached the daemon as the Fim's context, the newest 8 newest first: the same prompt as /fim's
-    assert a["tokens_evaluated"] == whole["usage"]["prompt_tokens"]
+    assert a["tokens_evaluated"] == whole["usage"]["prompt_tokens"] + whole["usage"]["healed_tokens"]
     assert r.headers["x-m31r-ignored-options"] == "n_cmpl, samplers, t_max_prompt_ms"
     # ...and without it the prompt is shorter
     r = http.post("/infill", json={**body, "input_extra": []})

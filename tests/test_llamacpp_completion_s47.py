@@ -55,7 +55,8 @@ def test_continues_fim_prompt_is_a_fim(http):
     whole = http.post("/fim", json={"prefix": PREFIX, "suffix": SUFFIX, "max_tokens": HALF_CONTEXT,
                                     "stop": CONTINUE_STOPS}).json()
     assert "".join(e["content"] for e in chunks) == whole["text"]
-    assert last["tokens_evaluated"] == whole["usage"]["prompt_tokens"] and last["prompt"] == CONTINUE_PROMPT
+    assert last["tokens_evaluated"] == whole["usage"]["prompt_tokens"] + whole["usage"]["healed_tokens"]
+    assert last["prompt"] == CONTINUE_PROMPT
     assert last["generation_settings"]["n_predict"] == HALF_CONTEXT and last["generation_settings"]["n_ctx"] == 512
     assert last["stop_type"] == ("limit" if whole["finish_reason"] == "length" else "eos")
     a = http.post("/completion", json={**body, "stream": False}).json()  # the whole answer: the same
@@ -68,7 +69,8 @@ def test_plain_text_is_continued(http):
     prompt = "fn add(a: u32, b: u32) -> u32 {\n"
     gen = http.post("/generate", json={"prompt": prompt, "max_tokens": 8}).json()
     a = http.post("/completion", json={"prompt": prompt, "n_predict": 8}).json()
-    assert a["content"] == gen["text"] and a["tokens_evaluated"] == gen["usage"]["prompt_tokens"], (a, gen)
+    assert a["content"] == gen["text"], (a, gen)
+    assert a["tokens_evaluated"] == gen["usage"]["prompt_tokens"] + gen["usage"]["healed_tokens"], (a, gen)
     assert a["prompt"] == prompt and a["model"] and a["generation_settings"]["n_predict"] == 8
     assert a["stop_type"] == ("limit" if gen["finish_reason"] == "length" else "eos")
     assert http.post("/completion", json={"prompt": [prompt], "n_predict": 8}).json()["content"] == gen["text"]

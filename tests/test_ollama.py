@@ -81,7 +81,7 @@ def test_generate(client, http, fim):
     assert one.model == "m31r" and one.response == expected["text"]
     check_final(one, 8)
     assert one.eval_count == expected["usage"]["completion_tokens"]
-    assert one.prompt_eval_count == expected["usage"]["prompt_tokens"]
+    assert one.prompt_eval_count == expected["usage"]["prompt_tokens"] + expected["usage"]["healed_tokens"]
     assert one.done_reason == ("length" if expected["finish_reason"] == "length" else "stop")
 
     parts = list(client.generate(model="m31r:latest", prompt=PREFIX, options={"num_predict": 8}, stream=True, **kw))
@@ -356,7 +356,8 @@ def test_num_predict_past_the_context_is_capped(wide, prompt, suffix, num_predic
     kw = {"suffix": suffix} if suffix is not None else {}
     r = client.generate(model="m31r", prompt=prompt, options={"num_predict": num_predict}, **kw)
     assert r.response == expected["text"] and r.eval_count == expected["usage"]["completion_tokens"]
-    assert r.prompt_eval_count == expected["usage"]["prompt_tokens"] and r.prompt_eval_count + r.eval_count <= 512
+    assert r.prompt_eval_count == expected["usage"]["prompt_tokens"] + expected["usage"]["healed_tokens"]
+    assert r.prompt_eval_count + r.eval_count <= 512
     assert r.done_reason == ("length" if expected["finish_reason"] == "length" else "stop")
     parts = list(client.generate(model="m31r", prompt=prompt, options={"num_predict": num_predict}, stream=True, **kw))
     assert "".join(p.response for p in parts) == r.response and parts[-1].eval_count == r.eval_count
