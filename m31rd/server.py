@@ -9,9 +9,11 @@ the daemon: a bad frame costs that client its connection, a bad request gets an 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # torch comes in with these: the server serves Hello and Stat
 
     from m31r.engine import ContextOverflowError, Engine, Piece
     from m31r.sampling import SamplingParams
+    from m31r.tokenizer import Tokenizer
     from m31rd.scheduler import Event
 
 log = logging.getLogger("m31rd")
@@ -124,6 +127,40 @@ def typed_through(last: Typed | None, req: m.Fim, shape: tuple = ()) -> Typed | 
         return dataclasses.replace(last, prefix=req.prefix, text=last.text[k:], ends=ends,
                                    by_line=last.by_line[typed.count("\n") :], alternatives=alternatives)
     return None
+
+
+def token_ends(tokenizer: Tokenizer, tokens: list[int], heal: str, text: str, healed: int,
+               cut: bool) -> tuple[int, ...] | None:
+    """Where each of a completion's `tokens` (those after its `healed` healing tokens: the ones streamed) ends in its
+    `text`, from the tokens' own bytes; None where that is not certain. The frames' texts are no measure: text that
+    may begin a stop sequence or repeat a line is held back and sent with a later token, so a typed-through answer
+    cut at a token count by them wrote more tokens than max_tokens allowed (five for one) or fewer. `heal`: the
+    prompt's healed end, whose last bytes the first token may write again; `cut`: the text ends before the tokens' end
+    (a stop sequence or a deadline), not with them."""
+    table = tokenizer.token_bytes
+
+    def written(t: int) -> bytes:  # as TextStream takes a token's text
+        b = table[t] if 0 <= t < len(table) else None
+        return (b or b"") if b is not None or t in tokenizer.special_ids else tokenizer.decode([t]).encode()
+
+    if not tokens:
+        return ()
+    parts = [written(t) for t in tokens]
+    whole, hb, tb = b"".join(parts), heal.encode(), text.encode()
+    # r: the healed bytes the first token writes again, the rest of the heal after the healing tokens' (all of it
+    # where there were none). The text must be those bytes after r: all of them, or where cut, their start.
+    rs = [len(hb)] if healed == 0 else range(min(len(hb), len(parts[0]) - 1) + 1)
+    fits = [r for r in rs if r < len(parts[0]) and hb.endswith(parts[0][:r])
+            and (whole[r:].startswith(tb) if cut else whole[r:] == tb)]
+    if len(fits) != 1:
+        return None
+    byte_ends, at = [], -fits[0]
+    for b in parts:
+        at += len(b)
+        byte_ends.append(min(at, len(tb)))
+    # Byte offsets as character offsets (one inside a character: before it, where a cut leaves it out).
+    char_ends = list(itertools.accumulate(len(c.encode()) for c in text))
+    return tuple(bisect.bisect_right(char_ends, b) for b in byte_ends)
 
 
 def overflow_error(rid: int, e: ContextOverflowError) -> m.Error:
@@ -348,7 +385,8 @@ class InFlight:
     deadline: float | None = None
     cancellation: Cancellation = field(default_factory=Cancellation)
     text: str = ""  # what was sent so far (typed-through reuses it)
-    ends: list[int] = field(default_factory=list)  # where each token sent ends in `text`
+    tokens: list[int] = field(default_factory=list)  # the tokens sent (token_ends places them in `text`)
+    heal: str = ""  # the prompt's healed end (build_prompt's)
     beams: int = 1  # the beam width it runs with (request_beams)
 
     @property
@@ -776,6 +814,7 @@ class Daemon:
             why = job.cancellation
             return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason or ""), True)  # type: ignore[arg-type]
         ids, max_tokens, heal = built
+        job.heal = heal
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         fim = isinstance(job.wire, m.Fim)
         job.beams = request_beams(job.wire, job.sampling, self.beams)
@@ -812,10 +851,8 @@ class Daemon:
             self._answer(job, m.Error(id=job.rid, code=event.code, message=event.message), True)  # type: ignore[arg-type]
         else:
             job.text += event.text
-            if event.id is None and job.ends:  # text held back, released at the end: its token's, not one more
-                job.ends[-1] = len(job.text)
-            else:
-                job.ends.append(len(job.text))
+            if event.id is not None:  # (None: text held back, released at the end, not a token)
+                job.tokens.append(event.id)
             self._answer(job, self._token(job, event), False)
 
     def _token(self, job: InFlight, piece: Piece) -> m.Token:
@@ -887,11 +924,17 @@ class Daemon:
         fields: dict = {"id": job.rid, "kind": type(req).__name__.lower(), "client": conn.client}
         if isinstance(msg, m.Done):
             if isinstance(req, m.Fim) and req.document and job.sampling.greedy:
-                self._remember(req.document, Typed(
-                    req.prefix, req.suffix, job.text, msg.finish_reason, tuple(job.ends), msg.logprob,
-                    tuple(msg.logprob_by_line), msg.stopped_by, msg.stop_sequence, tuple(request_stops(req)),
-                    answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
-                    tuple(msg.alternatives)))
+                assert self.engine is not None  # (a Done comes from the model)
+                cut = msg.finish_reason == "deadline" or msg.stopped_by in ("sequence", "repeat")
+                ends = token_ends(self.engine.tokenizer, job.tokens, job.heal, job.text, msg.usage.healed_tokens, cut)
+                if ends is None:  # not answered typed through, nor from the document's suggestion before it
+                    self.typed.pop(req.document, None)
+                else:
+                    self._remember(req.document, Typed(
+                        req.prefix, req.suffix, job.text, msg.finish_reason, ends, msg.logprob,
+                        tuple(msg.logprob_by_line), msg.stopped_by, msg.stop_sequence, tuple(request_stops(req)),
+                        answer_shape(req, job.sampling, job.beams), req.max_tokens, req.min_probability or 0.0,
+                        tuple(msg.alternatives)))
             fields.update(msgspec.to_builtins(msg.usage), **msgspec.to_builtins(msg.timings),
                           finish_reason=msg.finish_reason, beams=job.beams)
         elif isinstance(msg, m.Error):
