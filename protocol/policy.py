@@ -30,6 +30,8 @@ Rules (what editor users expect from ghost text):
 - A multi-line completion stops before a line indented less than the cursor's block, and before the line at which
   the model's probability of the lines so far falls under the editor's floor (the first line alone must reach it).
 - Empty, whitespace-only and self-repeating suggestions are dropped.
+- Inside a word (`tot█al`): only an answer that writes the word's rest again is shown, as what follows the word
+  (its range over the rest), and not where it then rewrites the code after the word.
 """
 
 from __future__ import annotations
@@ -649,6 +651,8 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
     cur = p.cursor
     if cur.before.endswith("\r"):
         return None  # the cursor splits a "\r\n" (no editor puts it there): any text inserted would split it too
+    if rest := word_rest(cur):
+        return _from_word_end(p, raw, ended_line, rest)
     comp = raw.replace("\r\n", "\n").replace("\r", "\n") + ("\n" if ended_line else "")
     ends_line = False
     if not p.multiline:
@@ -770,6 +774,39 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
     if cur.newline != "\n":
         comp = comp.replace("\n", cur.newline)
     return Suggestion(comp, start, end)
+
+
+def _is_word_char(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
+def word_rest(cur: Cursor) -> str:
+    """The rest of the word the cursor is inside (`tot█al = 1;`: "al"), or "" where it is not inside one."""
+    if not (cur.before[-1:] and _is_word_char(cur.before[-1]) and cur.after[:1] and _is_word_char(cur.after[0])):
+        return ""
+    n = next((i for i, c in enumerate(cur.after) if not _is_word_char(c)), len(cur.after))
+    return cur.after[:n]
+
+
+def _from_word_end(p: Plan, raw: str, ended_line: bool, rest: str) -> Suggestion | None:
+    """postprocess at a cursor inside a word, whose `rest` follows the cursor. Healed, the model writes the word again
+    from its start, and nearly always its rest too (`tot█al = 1;` answered "al = 10;"): inserted at the cursor, that
+    doubled the rest (`total = 10;al = 1;`). Such an answer is what the model writes after the word: post-processed
+    there, shown from the cursor over the rest (the editor shows it after the word), and nothing where it then writes
+    other code than the line has after the word (a rewrite of the line, which an insertion cannot show without leaving
+    the old code behind it). An answer that does not write the rest first splits the word (`co█unts` answered
+    "mment", `*commentunts`): nothing either."""
+    cur = p.cursor
+    comp = raw.replace("\r\n", "\n").replace("\r", "\n")
+    if not comp.startswith(rest):
+        return None
+    tail, after = comp[len(rest) :], cur.after[len(rest) :]
+    line = tail.partition("\n")[0]
+    if any(c not in TRAILING_OK for c in after) and line.strip() and _trim_after_overlap(line, after) == line:
+        return None
+    at = replace(cur, offset=cur.offset + len(rest), before=cur.before + rest, after=after)
+    s = postprocess(replace(p, prefix=p.prefix + rest, suffix=p.suffix[len(rest) :], cursor=at), tail, ended_line)
+    return None if s is None else Suggestion(rest + s.text, cur.offset, s.end)
 
 
 # -- typed-through and accept-ahead ---------------------------------------------------------------------------
