@@ -147,7 +147,7 @@ def test_neovim_drives_the_server(daemon, tmp_path):
     out = tmp_path / "out.json"
     cfg = {"cmd": [sys.executable, "-m", "m31r_lsp", "--no-autostart", "--socket", str(daemon)],
            "settings": settings, "file": str(file), "dir": str(tmp_path / "proj"), "row": row, "out": str(out),
-           "typed": " // ąę"}
+           "typed": " // ąę "}  # (Neovim's normal-mode cursor stops on the last character: not inside the word)
     env = {**os.environ, "M31R_TEST_CONFIG": json.dumps(cfg)}
     script = tmp_path / "session.lua"
     script.write_text(SCRIPT)
@@ -187,7 +187,7 @@ def test_neovim_drives_the_server(daemon, tmp_path):
     assert "// ąę" in steps["completion"]["text"]
     assert steps["inline_new_line"]["text"].count("\n") == RUST.count("\n") + 1
     # on the whitespace-only line the prompt ends at the line start: the model writes the indentation
-    assert steps["inline_new_line"]["stats"]["lastFim"]["prefix"].endswith("// ąę\n")
+    assert steps["inline_new_line"]["stats"]["lastFim"]["prefix"].endswith("// ąę \n")
 
 
 def test_plugin_smoke_suite_against_the_server(daemon, tmp_path):
