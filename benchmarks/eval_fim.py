@@ -354,13 +354,13 @@ def shown_regions(t: Task, suggestion) -> tuple[str, str]:
 
 
 def score_shown(r: Result, t: Task, req: EditorRequest, raw: str, line_logprob: float | None, by_line: list[float],
-                decoded: bool, stop_sequence: str | None = None) -> None:
+                decoded: bool, stop_sequence: str | None = None, finish_reason: str | None = None) -> None:
     """Fill in r's `shown` fields from the editor's answer `raw` to `req`: what the language server shows of it at a
     request nobody invoked (lsp/completion.py: shown_suggestion, Completer._run's)."""
     from m31r_lsp.completion import shown_suggestion
 
     suggestion, why = shown_suggestion(req.plan, raw, line_logprob, by_line, req.min_probability or 0.0,
-                                       stop_sequence=stop_sequence)
+                                       stop_sequence=stop_sequence, finish_reason=finish_reason)
     shown, wanted = shown_regions(t, suggestion)
     p, g = normalize_lines(shown), normalize_lines(wanted)
     cursor = len(t.prefix)
@@ -444,7 +444,7 @@ def run_tasks(engine, tasks: list[Task], single_max: int, multi_max: int, log, h
             lines = line_logprobs(engine.tokenizer.token_bytes, got.tokens, got.logprobs, got.text.count("\n") + 1,
                                   req.heal.count("\n"))
             score_shown(results[-1], t, req, got.text, lines[0] if lines else None, lines, not same,
-                        got.stop_sequence)
+                        got.stop_sequence, got.finish_reason)
         if (k + 1) % 10 == 0:
             log(f"  {k + 1}/{len(tasks)} tasks")
     return results

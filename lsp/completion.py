@@ -316,7 +316,8 @@ class Completer:
             return None
         raw, done = got
         suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
-                                           stats=self.stats, stop_sequence=done.stop_sequence)
+                                           stats=self.stats, stop_sequence=done.stop_sequence,
+                                           finish_reason=done.finish_reason)
         if why == "unsure":
             if not invoked:
                 return None
@@ -328,7 +329,8 @@ class Completer:
                 return None
             raw, done = got
             suggestion, why = shown_suggestion(plan, raw, done.line_logprob, done.logprob_by_line, s.min_probability,
-                                               gate=False, stats=self.stats, stop_sequence=done.stop_sequence)
+                                               gate=False, stats=self.stats, stop_sequence=done.stop_sequence,
+                                               finish_reason=done.finish_reason)
         if suggestion is None:
             return None
         self.stats["suggestions"] += 1
@@ -502,9 +504,11 @@ def fim_request(plan: policy.Plan, s: EditorSettings, max_context: int,
 
 def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, logprob_by_line: list[float],
                      min_probability: float, *, gate: bool = True, stats: Counter[str] | None = None,
-                     stop_sequence: str | None = None) -> tuple[policy.Suggestion | None, str]:
-    """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob, logprob_by_line and
-    stop_sequence) to `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line is under the floor
+                     stop_sequence: str | None = None,
+                     finish_reason: str | None = None) -> tuple[policy.Suggestion | None, str]:
+    """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob, logprob_by_line,
+    stop_sequence and finish_reason) to `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line
+    is under the floor
     `min_probability`
     (hidden, with `gate`: a request nobody invoked; the server asks an invoked one again and shows it ungated), "empty"
     where nothing is left once the lines after the first are cut at the floor and the policy has post-processed it.
@@ -517,8 +521,15 @@ def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, lo
     sure = policy.confident_lines(raw, logprob_by_line, min_probability, whole_lines=plan.cursor.at_line_head)
     if sure != raw:
         stats["lines_cut"] += 1
-    # Where the floor cut lines, the text no longer ends where the model ended it.
-    suggestion = policy.postprocess(plan, sure, sure == raw and policy.ended_by_line_break(stop_sequence))
+    # Where the floor cut lines, the text no longer ends where the model ended it; where max_tokens cut a line, the
+    # lines before it are shown.
+    ended = sure == raw and policy.ended_by_line_break(stop_sequence)
+    if sure == raw:
+        sure, cut = policy.finished_lines(sure, finish_reason)
+        ended = ended or cut
+        if cut:
+            stats["unfinished_line_cut"] += 1
+    suggestion = policy.postprocess(plan, sure, ended)
     if suggestion is None:
         stats["empty"] += 1
         return None, "empty"

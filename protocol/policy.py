@@ -32,6 +32,7 @@ Rules (what editor users expect from ghost text):
 - Empty, whitespace-only and self-repeating suggestions are dropped.
 - Inside a word (`tot█al`): only an answer that writes the word's rest again is shown, as what follows the word
   (its range over the rest), and not where it then rewrites the code after the word.
+- A multi-line answer that `max_tokens` ended mid-line is shown without that unfinished line (finished_lines).
 """
 
 from __future__ import annotations
@@ -821,6 +822,16 @@ def ended_by_line_break(stop_sequence: str | None) -> bool:
     """Whether the stop sequence that ended a completion (Done.stop_sequence) began with a line break: the model
     ended the text's last line (postprocess's ended_line). An older daemon says nothing: False."""
     return stop_sequence is not None and stop_sequence[:1] in ("\n", "\r")
+
+
+def finished_lines(text: str, finish_reason: str | None) -> tuple[str, bool]:
+    """A multi-line answer that ran out of tokens (`length`) mid-line, without that unfinished line, and whether the
+    text now ends at a line the model ended (postprocess's ended_line). `max_tokens` cuts at a token, so such a last
+    line is almost never whole (`.action(ArgA`), and accepted it leaves the user a broken statement to finish by hand.
+    Other answers, and one that is a single line, as they are."""
+    if finish_reason != "length" or "\n" not in text or text.endswith("\n"):
+        return text, False
+    return text[: text.rindex("\n")], True
 
 
 def confident(line_logprob: float | None, min_probability: float) -> bool:
