@@ -358,11 +358,8 @@ class CompletionRenderer(Renderer):
                                       self.min_probability)
         sure = policy.confident_lines(g.text, r.logprob_by_line, self.min_probability,
                                       whole_lines=self.plan.cursor.at_line_head)
-        ended = sure == g.text and g.done is not None and policy.ended_by_line_break(g.done.stop_sequence)
-        if sure == g.text and g.done is not None:  # an unfinished last line that max_tokens cut: the lines before it
-            sure, cut = policy.finished_lines(sure, g.done.finish_reason)
-            ended = ended or cut
-        sug = None if unsure else policy.postprocess(self.plan, sure, ended)
+        shown, ended = policy.to_postprocess(g.text, sure, r.stop_sequence, r.finish_reason)
+        sug = None if unsure else policy.postprocess(self.plan, shown, ended)
         text, start, end = (sug.text, sug.start, sug.end) if sug is not None else ("", self.cursor, self.cursor)
         others = [] if unsure else policy.alternatives(self.plan, sug, r.alternatives,
                                                        policy.ended_by_line_break(r.stop_sequence))

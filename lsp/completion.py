@@ -508,12 +508,11 @@ def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, lo
                      finish_reason: str | None = None) -> tuple[policy.Suggestion | None, str]:
     """What the editor shows of the daemon's answer `raw` (with its Done's line_logprob, logprob_by_line,
     stop_sequence and finish_reason) to `plan`'s Fim: (suggestion, "") or (None, why): "unsure" where its first line
-    is under the floor
-    `min_probability`
-    (hidden, with `gate`: a request nobody invoked; the server asks an invoked one again and shows it ungated), "empty"
-    where nothing is left once the lines after the first are cut at the floor and the policy has post-processed it.
-    Shared with the evaluations' "as shown" (benchmarks/eval_fim.py), so that they score what the server shows.
-    `stats` counts unsure, lines_cut and empty (Completer.stats)."""
+    is under the floor `min_probability` (hidden, with `gate`: a request nobody invoked; the server asks an invoked
+    one again and shows it ungated), "empty" where nothing is left once the lines after the first are cut at the
+    floor (or max_tokens' unfinished line is dropped) and the policy has post-processed it. Shared with the
+    evaluations' "as shown" (benchmarks/eval_fim.py), so that they score what the server shows. `stats` counts
+    unsure, lines_cut, unfinished_line_cut and empty (Completer.stats)."""
     stats = stats if stats is not None else Counter()
     if gate and not policy.confident(policy.first_line_logprob(raw, line_logprob, logprob_by_line), min_probability):
         stats["unsure"] += 1
@@ -521,15 +520,10 @@ def shown_suggestion(plan: policy.Plan, raw: str, line_logprob: float | None, lo
     sure = policy.confident_lines(raw, logprob_by_line, min_probability, whole_lines=plan.cursor.at_line_head)
     if sure != raw:
         stats["lines_cut"] += 1
-    # Where the floor cut lines, the text no longer ends where the model ended it; where max_tokens cut a line, the
-    # lines before it are shown.
-    ended = sure == raw and policy.ended_by_line_break(stop_sequence)
-    if sure == raw:
-        sure, cut = policy.finished_lines(sure, finish_reason)
-        ended = ended or cut
-        if cut:
-            stats["unfinished_line_cut"] += 1
-    suggestion = policy.postprocess(plan, sure, ended)
+    text, ended = policy.to_postprocess(raw, sure, stop_sequence, finish_reason)
+    if text != sure:
+        stats["unfinished_line_cut"] += 1
+    suggestion = policy.postprocess(plan, text, ended)
     if suggestion is None:
         stats["empty"] += 1
         return None, "empty"

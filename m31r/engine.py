@@ -778,12 +778,13 @@ class Engine:
                     res.finish_reason, res.stopped_by = "stop", "end"
                     break
                 after_space = False
-                written = self.tokenizer.token_bytes[tok] or b""
-                healing = bool(owed) and owed.startswith(written)  # healed text only: the prompt's, never streamed
+                healing = False
+                if owed:
+                    written = self.tokenizer.token_bytes[tok] or b""
+                    healing = owed.startswith(written)  # healed text only: the prompt's, never streamed
+                    owed, after_space = heal_step(owed, written)
                 res.healing_tokens += healing
                 res.completion_tokens += not healing
-                if owed:
-                    owed, after_space = heal_step(owed, written)
                 res.tokens.append(tok)
                 if need_history:
                     history.append(tok)

@@ -85,6 +85,15 @@ class Tokenizer:
                 table[i] = bytes(inverse[c] for c in text)
         return table
 
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to a stream's text (TextStream): its own, none for a special token (decode skips
+        them), and an added token that is text (or an id that is no token) as decode gives it."""
+        table = self.token_bytes
+        b = table[token_id] if 0 <= token_id < len(table) else None
+        if b is not None or token_id in self.special_ids:
+            return b or b""
+        return self.decode([token_id]).encode()
+
     @functools.cached_property
     def longest_token(self) -> int | None:
         """The most bytes one token spells (None where the tokens' bytes are not known): a text of n bytes is at
@@ -157,7 +166,7 @@ class TextStream:
             # Byte-level BPE: every token is bytes, the text their UTF-8. The context's last bytes go in first, so
             # a character it began (a prompt cut inside one) comes out whole when the completion ends it.
             self._utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
-            self._utf8.decode(b"".join(self._bytes(i) for i in context))
+            self._utf8.decode(b"".join(self._tok.text_bytes(i) for i in context))
         else:
             self._utf8 = None
             # Started inside a character, a window's text changes as ids join it (a byte-fallback decoder decodes a
@@ -168,7 +177,7 @@ class TextStream:
 
     def step(self, token_id: int) -> str:
         if self._utf8 is not None:
-            return self._utf8.decode(self._bytes(token_id))
+            return self._utf8.decode(self._tok.text_bytes(token_id))
         self._ids.append(token_id)
         self._pending += 1
         if self._tok.decode(self._ids).endswith("\ufffd"):  # perhaps half a character: wait for the next id
@@ -181,13 +190,6 @@ class TextStream:
         if self._utf8 is not None:
             return self._utf8.decode(b"", final=True)
         return self._take() if self._pending else ""
-
-    def _bytes(self, token_id: int) -> bytes:
-        table = self._tok.token_bytes
-        b = table[token_id] if 0 <= token_id < len(table) else None
-        if b is not None or token_id in self._tok.special_ids:  # decode skips special tokens
-            return b or b""
-        return self._tok.decode([token_id]).encode()  # an added token that is text, or no token at all
 
     def _take(self) -> str:
         """The pending ids' text. The next window starts at their first id, where the text before was whole: a

@@ -137,15 +137,9 @@ def token_ends(tokenizer: Tokenizer, tokens: list[int], heal: str, text: str, he
     cut at a token count by them wrote more tokens than max_tokens allowed (five for one) or fewer. `heal`: the
     prompt's healed end, whose last bytes the first token may write again; `cut`: the text ends before the tokens' end
     (a stop sequence or a deadline), not with them."""
-    table = tokenizer.token_bytes
-
-    def written(t: int) -> bytes:  # as TextStream takes a token's text
-        b = table[t] if 0 <= t < len(table) else None
-        return (b or b"") if b is not None or t in tokenizer.special_ids else tokenizer.decode([t]).encode()
-
     if not tokens:
         return ()
-    parts = [written(t) for t in tokens]
+    parts = [tokenizer.text_bytes(t) for t in tokens]  # as the text stream takes them
     whole, hb, tb = b"".join(parts), heal.encode(), text.encode()
     # r: the healed bytes the first token writes again, the rest of the heal after the healing tokens' (all of it
     # where there were none). The text must be those bytes after r: all of them, or where cut, their start.

@@ -834,6 +834,16 @@ def finished_lines(text: str, finish_reason: str | None) -> tuple[str, bool]:
     return text[: text.rindex("\n")], True
 
 
+def to_postprocess(raw: str, sure: str, stop_sequence: str | None, finish_reason: str | None) -> tuple[str, bool]:
+    """What postprocess takes of an answer `raw` whose confident lines are `sure` (confident_lines), and its
+    ended_line: where the floor cut lines, the text no longer ends where the model ended it; otherwise the model's
+    end (a stop beginning with a line break) or max_tokens' unfinished line (finished_lines) decides."""
+    if sure != raw:
+        return sure, False
+    text, cut = finished_lines(raw, finish_reason)
+    return text, cut or ended_by_line_break(stop_sequence)
+
+
 def confident(line_logprob: float | None, min_probability: float) -> bool:
     """Whether the model gave the suggestion's first line (Done.line_logprob) at least `min_probability`. On the
     held-out crates that probability sorts right lines from wrong ones well (README "Confidence"), so a floor hides

@@ -84,3 +84,15 @@ def shared_daemon(tiny_bundle, tmp_path_factory: pytest.TempPathFactory):
     proc = start_daemon(tiny_bundle.path, sock)
     yield proc, sock
     stop_daemon(proc)
+
+
+@pytest.fixture(scope="session")
+def release_daemon(tmp_path_factory: pytest.TempPathFactory):
+    """One real m31rd on the bundled model (release/), shared as shared_daemon is, for tests of what its answers
+    look like to a user. Yields its socket path."""
+    from daemon_util import start_daemon, stop_daemon
+
+    sock = tmp_path_factory.mktemp("release") / "run" / "m31rd.sock"
+    proc = start_daemon(REPO / "release", sock)
+    yield sock
+    stop_daemon(proc)

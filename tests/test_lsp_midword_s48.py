@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 
 import pytest
-from daemon_util import start_daemon, stop_daemon
 from lsp_stdio import URI, Stdio
 
 from m31r_lsp.documents import offset_at, position_at
@@ -25,7 +24,6 @@ from m31r_protocol import policy
 
 pytestmark = pytest.mark.timeout(120)
 
-RELEASE = Path(__file__).resolve().parent.parent / "release"
 TEXT = """use std::collections::HashMap;
 
 fn count_words(text: &str) -> HashMap<String, usize> {
@@ -57,14 +55,6 @@ def accepted(text: str, item: dict) -> str:
     r = item["range"]
     a, b = (offset_at(text, p["line"], p["character"], "utf-16") for p in (r["start"], r["end"]))
     return text[:a] + item["insertText"] + text[b:]
-
-
-@pytest.fixture(scope="module")
-def release_daemon(tmp_path_factory: pytest.TempPathFactory):
-    sock = tmp_path_factory.mktemp("midword") / "run" / "m31rd.sock"
-    proc = start_daemon(RELEASE, sock)
-    yield sock
-    stop_daemon(proc)
 
 
 async def session(sock: Path, texts: dict[str, str]) -> Stdio:

@@ -8,11 +8,9 @@ language server and `POST /completion` now show the lines before it; the eval's 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
 import pytest
-from daemon_util import start_daemon, stop_daemon
 from lsp_stdio import URI, Stdio
 from test_http import healthy_server
 
@@ -22,7 +20,6 @@ from m31r_protocol import policy
 
 pytestmark = pytest.mark.timeout(120)
 
-RELEASE = Path(__file__).resolve().parent.parent / "release"
 TEXT = "struct Point {\n    x: f64,\n}\n\nimpl Point {\n    \n}\n"
 CURSOR = TEXT.index("impl Point {\n    ") + len("impl Point {\n    ")
 SETTINGS = {"multiline": "always", "maxTokens": 16, "minProbability": 0, "debounceMode": "fixed", "debounceMs": 0}
@@ -53,14 +50,6 @@ def test_shown_suggestion_drops_the_line_max_tokens_cut():
     sure, _ = shown_suggestion(plan, raw, floor[0], floor, 0.05, finish_reason="length")
     kept = policy.postprocess(plan, "fn new() -> Point {\n        Point { x: 0.0 }")
     assert sure is not None and kept is not None and sure.text == kept.text
-
-
-@pytest.fixture(scope="module")
-def release_daemon(tmp_path_factory: pytest.TempPathFactory):
-    sock = tmp_path_factory.mktemp("unfinished") / "run" / "m31rd.sock"
-    proc = start_daemon(RELEASE, sock)
-    yield sock
-    stop_daemon(proc)
 
 
 def test_the_editor_and_post_completion_show_whole_lines(release_daemon, tmp_path_factory):
@@ -95,5 +84,6 @@ def test_the_editor_and_post_completion_show_whole_lines(release_daemon, tmp_pat
                                                       "min_probability": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert (r.json()["text"], r.json()["finish_reason"]) == (want.text, "length")
+        assert r.json()["lines_cut"] == 0  # the lines the floor cut (none: it is 0), not the unfinished one
     finally:
         server.close()
