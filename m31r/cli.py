@@ -11,6 +11,7 @@ a section; keep its heavy imports inside the function body.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import math
 import os
@@ -380,6 +381,7 @@ def refuse_unusable(opts: dict) -> None:
 
 
 async def _stream(kind: str, payload: dict, opts: dict) -> None:
+    from m31r_protocol import DaemonError
     from m31r_protocol.reconnect import DaemonLink, link_config
 
     config = link_config(opts["socket_path"], autostart=not opts["no_autostart"])
@@ -391,8 +393,34 @@ async def _stream(kind: str, payload: dict, opts: dict) -> None:
         click.echo(f"note: {restart_hint(missing)}", err=True)
     try:
         await _complete(kind, payload, opts, client)
+    except DaemonError as e:
+        if e.code == "context_overflow" and e.overflow is not None:
+            truncate = payload.get("truncate", False) if kind == "generate" else None
+            raise DaemonError(e.code, overflow_advice(e.overflow, truncate) or e.message, overflow=e.overflow) from e
+        raise
     finally:
         await link.close()
+
+
+def overflow_advice(o: Any, truncate: bool | None) -> str | None:
+    """A context_overflow in this command's options, from the Error's figures: the daemon's own wording says "ask for
+    truncation", which names no option, and said it even to `generate --truncate`, whose --max-tokens alone left no
+    room for any prompt. `truncate`: whether --truncate was given (None: the command has no such option). None where
+    the figures do not add up to an overflow (the daemon's message is then shown as it is)."""
+    n, k, ctx = o.prompt_tokens, o.max_tokens, o.max_context
+    what = f"prompt ({n} tokens) + --max-tokens ({k}) = {n + k} exceeds the model's context of {ctx} tokens"
+    if k >= ctx:  # no prompt fits beside it, cut or not
+        if truncate:
+            return f"{what}: --max-tokens alone fills it; lower it below {ctx} (--truncate then keeps the prompt's end)"
+        shorten = "shorten the prompt" + (" (or pass --truncate)" if truncate is not None else "")
+        return f"{what}: --max-tokens alone fills it; lower it " + (
+            f"to at most {ctx - n}" if n < ctx else f"below {ctx} and {shorten}")
+    if truncate or n + k <= ctx:
+        return None
+    cut = ", or ask for truncation with --truncate (it keeps the prompt's end)" if truncate is not None else ""
+    if n >= ctx:
+        return f"{what}: the prompt alone fills it; shorten the prompt{cut}"
+    return f"{what}: lower --max-tokens to at most {ctx - n}, or shorten the prompt{cut}"
 
 
 async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
@@ -535,13 +563,20 @@ def fim(prefix: str | None, suffix: str | None, file_path: Path | None, line: in
     if file_path is not None:
         if prefix is not None or suffix is not None or line is None or column is None:
             fail("use either --prefix/--suffix or --file with --line and --column")
-        try:  # (a byte-order mark is no character of the file's for an editor: its columns start after it)
-            text = file_path.read_text(encoding="utf-8-sig")
-        except UnicodeDecodeError as e:
-            fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); the model "
-                 "completes UTF-8 source")
+        try:
+            raw = file_path.read_bytes()
         except OSError as e:  # a read that fails names no file: _Main would call it output that cannot be written
             fail(f"cannot read {file_path}: {e.strerror or e}")
+        # A byte-order mark is no character of the file's for an editor: its columns start after it. The offset of a
+        # bad byte counts from the file's start (as `cmp` and `xxd` do), the mark's 3 bytes included: utf-8-sig
+        # counted from after it.
+        bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+        try:
+            text = raw[bom:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"{file_path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {bom + e.start}); the model "
+                 "completes UTF-8 source")
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # as a text-mode read has always given it
         lines = editor_lines(text)
         # A line end opens one more (empty) line for the cursor; without one at the end (or with no text), the last
         # line is the last: past it, the cursor fell silently at that line's end.

@@ -112,6 +112,11 @@ def check_compiler(ctx: Context) -> Check:
     from m31r.native import cc_problem, compiler
 
     cc = compiler()
+    if cc is None and (why := cc_problem()) is not None:  # "or set CC" to a user who did, naming nothing wrong with it
+        return Check("compiler", "warn", f"no C compiler: CC={os.environ.get('CC', '').strip()} cannot be used ({why}) "
+                                         "and there is no cc, gcc or clang on PATH, so the native kernels cannot be "
+                                         "built; fix CC, or install a compiler (`apt-get install gcc`, "
+                                         "`xcode-select --install` on macOS)")
     if cc is None:
         return Check("compiler", "warn", "no C compiler (cc, gcc, clang or $CC): the native kernels cannot be built; "
                                          "install one (`apt-get install gcc`, `xcode-select --install` on macOS) or "
