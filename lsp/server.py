@@ -463,17 +463,24 @@ def after_selected(ls: M31rLanguageServer, result: Result, selected: types.Selec
     return items
 
 
-def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
-    """One item carrying the suggestion. Its edit starts at the identifier before the cursor (menus filter
-    on that word), so the item's text is that word followed by the suggestion."""
-    from m31r_protocol.policy import word_before
+def word_start(text: str, offset: int) -> int:
+    """Where the word ending at `offset` starts: letters of any script, digits and `_`, as Helix, Emacs and VS Code
+    read the word they filter a completion menu by (policy.word_before stops at a non-ASCII letter)."""
+    i = offset
+    while i > 0 and (text[i - 1].isalnum() or text[i - 1] == "_"):
+        i -= 1
+    return i
 
+
+def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
+    """One item carrying the suggestion. Its edit starts at the word the suggestion starts in (menus filter on the
+    word before the cursor), so the item's text is that word's start followed by the suggestion. A suggestion typed
+    through starts before the cursor, inside the word typed (`couY█` of "cou█" answered "YF"): an item of the
+    suggestion alone ("YF" over "Y") did not match the word "couY" that Helix and Emacs filter by, and left the menu
+    on the first keystroke that agreed with it."""
     s, text = result.suggestion, result.text
-    start = s.start
-    new_text = s.text
-    if start == result.offset:
-        start = word_before(text, result.offset)
-        new_text = text[start : result.offset] + s.text
+    start = word_start(text, s.start)  # s.start <= the cursor, text[s.start : cursor] a prefix of s.text
+    new_text = text[start : s.start] + s.text
     first = first_line(new_text.strip())
     label = first if len(first) <= 80 else first[:79] + "…"
     doc = ls.workspace.text_documents.get(unquote(params.text_document.uri))
