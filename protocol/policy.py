@@ -19,6 +19,8 @@ Rules (what editor users expect from ghost text):
   prompt) and the result is re-indented to the line's own indentation; the range covers the whole line.
 - Never repeat what is already there: text after the cursor that the model wrote again is trimmed, and
   so are completion lines that duplicate the lines following the cursor.
+- Mid-line before other code, a line the model ended without writing that code is a rewrite of the line, which an
+  insertion cannot show: nothing (`total█ = 1;` answered " = 10;\n").
 - Auto-closed brackets: when only closers follow the cursor and the completion closes them itself, the
   range extends over them so the editor replaces them instead of leaving a second copy; a multi-line one that ends its
   last line before them (or any one, before a line's code: only indentation before the cursor) leaves them on a line
@@ -501,6 +503,12 @@ def _trim_after_overlap(comp: str, after: str) -> str:
     tail = after.strip()
     if not tail:
         return comp
+    # It ends with the whole rest of the line (`fn main(█{` answered ") {"): the line it wrote is the document's
+    # with its own text at the cursor, whatever brackets that text opens (`{` was no cut point, so `{{` was left).
+    line = comp.rstrip(" \t")
+    if line.endswith(tail) and len(line) > len(tail):
+        cut = line[: len(line) - len(tail)]
+        return cut.rstrip(" \t") if after[:1].isspace() else cut
     depth0 = {i for i, _, _ in _scan_depth0(comp).items}
     # The completion contains the rest of the line, starting at bracket depth 0: cut there.
     pos = comp.find(tail)
@@ -655,11 +663,12 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
     if rest := word_rest(cur):
         return _from_word_end(p, raw, ended_line, rest)
     comp = raw.replace("\r\n", "\n").replace("\r", "\n") + ("\n" if ended_line else "")
-    ends_line = False
+    ends_line = ended = False
     if not p.multiline:
-        comp, ended, _ = comp.partition("\n")
+        comp, brk, _ = comp.partition("\n")
+        ended = bool(brk)
         # A line asked for before a line's code, that the model ended: a whole line of its own above that code.
-        ends_line = bool(ended) and cur.at_line_head
+        ends_line = ended and cur.at_line_head
     start = cur.offset
 
     # Indentation in the document's style (the first line of a completion mid-line continues the cursor's line).
@@ -752,6 +761,11 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
             comp = closed
         else:
             trimmed = _trim_after_overlap(comp, cur.after)
+            if ended and trimmed == comp and not cur.at_line_head:
+                # The model ended its line where the document's goes on with other code (`name█{` answered
+                # ": input.call(x)?,\n"): it rewrote the line, and inserted, its text left the old code behind it
+                # (`name: input.call(x)?,{`). Of such answers on held-out crates none was right.
+                return None
             if ends_line and cur.at_line_head and trimmed == comp:
                 # Whole lines before the line's code (`█    } else {` answered "        x += 1;\n"): that code
                 # starts a line again, after the indentation that was before the cursor. Joined, it read

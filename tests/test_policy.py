@@ -116,7 +116,7 @@ def test_trailing_whitespace_and_newlines_trimmed():
 
 def test_single_line_cut_at_newline_even_if_daemon_ran_on():
     # mid-line → single-line: whatever follows the first line break is not shown
-    assert apply("let █ = 5;", "x: u32\nlet y = 2;") == "let x: u32 = 5;"
+    assert apply("let █ = 5;", "x: u32 = 5;\nlet y = 2;") == "let x: u32 = 5;"
 
 
 def test_multiline_at_end_of_line():
