@@ -118,7 +118,7 @@ class Outcome:
     # what a "stop" was: end (the model's end token) | sequence | repeat (m31r.stops) | unsure (min_probability)
     stopped_by: str | None = None
     stop_sequence: str | None = None  # a "sequence" stop's: the stop (or start stop) that matched, as given
-    prefill_ms: float = 0.0
+    prefill_ms: float = 0.0  # a healed prompt's: until the first token after the healing tokens (they read it)
     first_token_ms: float | None = None
     total_ms: float = 0.0
     decode_steps: int = 0  # decode model calls (each one forward pass row group: a token and its drafts)
@@ -796,6 +796,8 @@ class Engine:
                 if not healing:
                     if res.first_token_ms is None:
                         res.first_token_ms = (time.perf_counter() - t0) * 1000
+                        if res.healing_tokens:  # they finished reading the prompt: its time, not the answer's
+                            res.prefill_ms = res.first_token_ms
                     yield Piece(tok, piece, res.logprobs[-1], top)
                 if hit:
                     if res.finish_reason != "deadline":
