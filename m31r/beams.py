@@ -9,9 +9,10 @@ line completions").
 
 A hypothesis finishes where `Engine.generate` would stop it: the model's end token, a stop sequence, the
 repeated-line stop, or `max_tokens`; token healing holds every hypothesis to the owed text first. The search ends
-once no unfinished hypothesis can beat the best finished one (scores only fall). Then the winner's tokens go
-through the same text path as `generate`'s, so its pieces, stops and usage read as a greedy run that chose those
-tokens would report. Nothing streams before then: a hypothesis is final only when the search ends.
+once no unfinished hypothesis can beat the best finished one (scores only fall), or past the deadline, where the
+likeliest answers, finished or not (a line end in its last token, picked late, ends its text as in generate). Then
+the winner's tokens go through the same text path as `generate`'s, so its pieces, stops and usage read as a greedy
+run that chose those tokens would report. Nothing streams before then: a hypothesis is final only when the search ends.
 
 Each hypothesis decodes on a cache of its own, and they all share the prompt. A hypothesis extended twice gives its
 second child a copy of the tail it wrote, not of the prompt (KVCache.take). The other caches come from the caller's
@@ -50,10 +51,11 @@ class Hypothesis:
     skip: int  # healed characters still to leave out of the text
     pending: bytes  # bytes of a character not yet complete
     stops: StopMatcher
-    end: str = ""  # why it finished: end | sequence | repeat | length ("" while live)
+    end: str = ""  # why it finished: end | sequence | repeat | length | deadline ("" while live)
     logprobs: tuple[float, ...] = ()  # of each token: Outcome.logprobs
     tops: tuple[tuple[tuple[int, float], ...], ...] = ()  # the likeliest tokens at each of its steps (top_logprobs)
     counted: int = 0  # tokens that wrote completion text, what max_tokens bounds (not healed text only: Outcome)
+    late: bool = False  # its last token was picked past the deadline: a line end in it ends the text (_answer)
 
 
 def _extend(engine: Engine, h: Hypothesis, tok: int, score: float,
@@ -150,17 +152,16 @@ def beam_generate(
             best = max(done, key=lambda h: h.score, default=None)
             if not grown or (best is not None and best.score >= grown[0].score):
                 break
+            past = late()  # the tokens just picked arrived past the deadline: no further model call
             for h in grown:
+                h.late = past
                 if h.counted == max_tokens or i + 1 == room:
                     h.end = "length"
+                elif past:
+                    h.end = "deadline"
             done += [h for h in grown if h.end]
             grown = [h for h in grown if not h.end]
             if not grown:
-                break
-            if late():
-                for h in grown:
-                    h.end = "deadline"
-                done += grown
                 break
             caches = _place(engine, grown, caches, ids, spares)
             calls = [Decode(caches[h.cache], h.tokens[-1], share=(share, len(ids))) for h in grown]
@@ -183,9 +184,7 @@ def beam_generate(
         if res.first_token_ms is None:
             res.first_token_ms = (time.perf_counter() - t0) * 1000
         yield piece
-    if ranked[0].end == "deadline":
-        res.finish_reason = "deadline"
-    else:
+    if win.finish_reason != "deadline":
         res.alternatives = _alternatives(engine, ids, ranked[1:], win.text, width - 1, stop, heal, repeat_context,
                                          start_stops)
     res.total_ms = (time.perf_counter() - t0) * 1000
@@ -243,20 +242,28 @@ class Answer:
 def _answer(engine: Engine, ids: list[int], h: Hypothesis, stop: list[str] | tuple[str, ...], heal: str,
             repeat_context: str | None, start_stops: list[str] | tuple[str, ...]) -> Answer:
     """h's tokens through generate's text path: the tokenizer's stream, the healed text left out, stop sequences cut
-    and held back."""
+    and held back, and as generate past its deadline: a line end in the last token, or in the text held back after
+    it, ends the text there (finish_reason deadline)."""
     text, hit = TextPath(engine.tokenizer, ids, heal, stop, repeat_context, start_stops), False
-    out = Answer([], "length", None)
+    out = Answer([], "deadline" if h.end == "deadline" else "length", None)
     for i, tok in enumerate(h.tokens):
         if tok in engine.stop_ids:
             out.finish_reason, out.stopped_by = "stop", "end"
             break
         piece, hit = text.step(tok)
+        cut = not hit and h.late and i == len(h.tokens) - 1 and "\n" in piece
+        if cut:
+            piece, hit, out.finish_reason = piece[: piece.index("\n")], True, "deadline"
         out.pieces.append(Piece(tok, piece, h.logprobs[i], h.tops[i]))
         if hit:
-            out.finish_reason, out.stopped_by, out.stop_sequence = "stop", text.stopped_by, text.stop_sequence
+            if not cut:
+                out.finish_reason, out.stopped_by, out.stop_sequence = "stop", text.stopped_by, text.stop_sequence
             break
     if not hit and (tail := text.flush()):
-        out.pieces.append(Piece(None, tail))
+        if h.end == "deadline" and "\n" in tail:  # a line end held back (for a stop "\n...") ends it
+            tail = tail[: tail.index("\n")]
+        if tail:
+            out.pieces.append(Piece(None, tail))
     return out
 
 
