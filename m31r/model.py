@@ -71,14 +71,30 @@ class KVCache:
         self._resize(span_of(capacity))
 
     def _resize(self, capacity: int, keep: int | None = None) -> None:
-        """`keep`: the positions worth copying into the new buffers (default: all that fit)."""
+        """`keep`: the positions worth copying into the new buffers (default: all that fit).
+
+        An allocation that fails midway leaves some layers at the new size and the rest at the old, which no one
+        capacity describes, while the kernels index every layer with one (a stale one read and wrote past a shrunk
+        layer's end). Capacity 0 then makes the next reserve or fit resize all of them before any pass reads them,
+        copying positions [0, keep), which every layer still holds; the tokens claimed past those go. Holding the old
+        layers to put back instead would hold two whole caches at once, the peak this layer-by-layer copy avoids."""
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        keep = min(capacity, self.capacity, self.capacity if keep is None else keep)
-        for store in (self.k, self.v):
-            for layer, old in enumerate(store):
-                new = zeros(shape, self.dtype, self.device)
-                new[:, :, :keep] = old[:, :, :keep]
-                store[layer] = new
+        held = min(t.shape[2] for t in (*self.k, *self.v))  # self.capacity, unless a resize failed midway
+        keep = min(capacity, held, held if keep is None else keep)
+        replaced = 0
+        try:
+            for store in (self.k, self.v):
+                for layer, old in enumerate(store):
+                    new = zeros(shape, self.dtype, self.device)
+                    new[:, :, :keep] = old[:, :, :keep]
+                    store[layer] = new
+                    replaced += 1
+        except BaseException:
+            if replaced:
+                self.capacity = 0
+                del self.tokens[keep:]
+                self.chunks = [e for e in self.chunks if e <= keep]
+            raise
         self.capacity = capacity
 
     def reserve(self, n: int, keep: int | None = None) -> None:
@@ -106,12 +122,18 @@ class KVCache:
         values (beam search moves a hypothesis between caches that share the prompt by copying only its tail, and
         fills a spare cache from the prompt's first position that it does not hold already)."""
         end = len(other.tokens)
-        if self.capacity != other.capacity:  # as other's, so that decoding resizes both alike (fit)
-            self._resize(other.capacity, keep=start)
-        with torch.inference_mode():
-            for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-                for layer, t in enumerate(theirs):
-                    mine[layer][:, :, start:end] = t[:, :, start:end]
+        capacity = max(other.capacity, span_of(end))  # other's (0 after its failed resize: _resize)
+        if self.capacity != capacity:  # as other's, so that decoding resizes both alike (fit)
+            self._resize(capacity, keep=start)
+        try:
+            with torch.inference_mode():
+                for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+                    for layer, t in enumerate(theirs):
+                        mine[layer][:, :, start:end] = t[:, :, start:end]
+        except BaseException:  # positions from `start` on may hold other's in some layers: they are no one's now
+            del self.tokens[start:]
+            self.chunks = [e for e in self.chunks if e <= start]
+            raise
         self.tokens, self.chunks = list(other.tokens), list(other.chunks)
 
     @property
