@@ -25,7 +25,8 @@ Rules (what editor users expect from ghost text):
   range extends over them so the editor replaces them instead of leaving a second copy; a multi-line one that ends its
   last line before them (or any one, before a line's code: only indentation before the cursor) leaves them on a line
   of their own. Mid-line, its last closers that the document's closers
-  right after the cursor close too are cut.
+  right after the cursor close too are cut. One that ends with the line's whole rest replaces it where its own line
+  pairs its brackets no worse; the document's closers are never put after a `;` of the completion's.
 - A completion is cut before a closer of no bracket open before the cursor (or of another one than is open, or
   than it opened itself): brackets in comments (nested ones too), strings and char literals are none.
 - max_lines=1 right after a `{`: a one-line body the model wrote under it shows as `{ body }` (no line break).
@@ -226,6 +227,8 @@ class _Scan:
     """Characters of a completion at bracket depth 0 relative to the cursor (outside strings it opened)."""
 
     items: list[tuple[int, str, bool]]  # (index, char, is_excess_closer)
+    open: int = 0  # brackets (a generic's `<` too) left open at its end, `seed`'s included
+    mismatched: int = 0  # closers of another bracket than the one open
 
 
 # A char literal's character ('(', '\'', '\u{1F600}') and a raw string (r#"a "(" b"#), shared by both readings below.
@@ -236,11 +239,13 @@ _RAW_STRING = r"""[bc]?r(?P<hashes>#*)".*?"(?P=hashes)"""
 _LITERAL = re.compile(r"(?<!\w)(?:b?'" + _CHAR_BODY + "'|" + _RAW_STRING + ")", re.S)
 
 
-def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
+def _scan_depth0(s: str, in_string: str | None = None, seed: tuple[str, ...] = ()) -> _Scan:
     """Walk `s` tracking brackets (generics' angle brackets too) and strings the completion itself opens. A closing
-    bracket with no opener inside `s` is an "excess closer": it closes something opened before the cursor."""
+    bracket with no opener inside `s` is an "excess closer": it closes something opened before the cursor. `seed`:
+    brackets open before `s` (innermost last), which its closers close first."""
     items: list[tuple[int, str, bool]] = []
-    stack: list[str] = []
+    stack: list[str] = list(seed)
+    mismatched = 0
     quote: str | None = None
     i = 0
     while i < len(s):
@@ -277,10 +282,11 @@ def _scan_depth0(s: str, in_string: str | None = None) -> _Scan:
                 items.append((i, c, True))
             else:
                 stack.pop()  # mismatched: keep going, the model's brackets are its own business
+                mismatched += 1
         elif not stack:
             items.append((i, c, False))
         i += 1
-    return _Scan(items)
+    return _Scan(items, len(stack), mismatched)
 
 
 def _inside_string(before: str) -> str | None:
@@ -304,9 +310,40 @@ def _inside_string(before: str) -> str | None:
     return quote
 
 
-def _match_closers(comp: str, cur: Cursor) -> tuple[str, int]:
+def _match_closers(comp: str, cur: Cursor, prefix: str) -> tuple[str, int]:
     """`after` is closers/punctuation only. Returns (text, end): the completion (possibly extended with the
     closers it did not write) and where its range ends."""
+    text, end = _pair_closers(comp, cur)
+    if "\n" in comp or (text, end) == (comp, cur.line_end) or not cur.after.strip():
+        return text, end
+    outer = (_open_brackets(prefix[: max(0, len(prefix) - len(cur.before))]) or ((), ""))[0]
+    paired = cur.before + text + cur.after[end - cur.offset :]  # the line the pairing makes
+    if (comp.rstrip(" \t").endswith(cur.after.rstrip(" \t")) and _is_subsequence(cur.after, comp)
+            and _unpaired(outer, cur.before + comp) <= _unpaired(outer, paired)):
+        # It ends with the line's whole rest: the line it makes is its own, shown where that pairs its brackets no worse
+        # (`in_iter(█));` answered "into_iter(x));"). Paired closer by closer, its first `)`, which closes a bracket it
+        # opened itself, stood for the document's first, and its `;` came before the second: `into_iter(x)););`; a
+        # line's `}█;` answered "};" was shown as nothing. (At `Vec<█>` answered "Option<u8>", its own line leaves
+        # `Vec<` open: the document's `>` stays.) The editor shows a replacement that keeps what it replaces.
+        return comp, cur.line_end
+    if len(text) > len(comp) and text.startswith(comp) and comp.rstrip(" \t").endswith(";"):
+        # The document's closers it did not write went after its `;` (`get_mut(█)));` answered "x));": `x)););`).
+        # Before it they make the document's line (`bar(x█));` answered "x);", `foo(` open above: `bar(x));`), shown
+        # where its brackets then pair; else its own line contradicts the document's closers: nothing.
+        cut = comp.rstrip(" \t")[:-1] + text[len(comp) :]
+        return (cut, end) if _unpaired(outer, cur.before + cut) == 0 else ("", cur.offset)
+    return text, end
+
+
+def _unpaired(outer: tuple[str, ...], line: str) -> int:
+    """The brackets of `line` that pair with none: closers of nothing open, in it or in `outer` (those open before
+    it), or of another bracket than the one open, and the openers it leaves open beyond the outer ones."""
+    scan = _scan_depth0(line, seed=outer)
+    return sum(e for _, _, e in scan.items) + scan.mismatched + max(0, scan.open - len(outer))
+
+
+def _pair_closers(comp: str, cur: Cursor) -> tuple[str, int]:
+    """_match_closers' pairing of the completion's closers with the document's, in order."""
     after = cur.after
     wanted = [(i, c) for i, c in enumerate(after) if not c.isspace()]
     if not wanted:
@@ -753,7 +790,7 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
         end = cur.line_end
     elif cur.after:
         if all(c in TRAILING_OK for c in cur.after):
-            closed, end = _match_closers(comp, cur)
+            closed, end = _match_closers(comp, cur, p.prefix)
             # A one-line answer's break is a layout only where the line is all its own (`    █}` answered
             # "body();\n"): joined, it left `body();}`, or `body();    }` with the cursor at column 0.
             if ends_line and (len(lines) > 1 or cur.at_line_head) and closed == comp and end == cur.offset:

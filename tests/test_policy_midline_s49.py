@@ -42,6 +42,34 @@ def test_answer_that_ends_its_line_before_other_code_is_a_rewrite(doc: str, raw:
     assert accept(doc, raw.rstrip("\n"), ended_line=True) is None  # the line break held back by the stop sequence
 
 
+@pytest.mark.parametrize(("doc", "raw", "want"), [
+    # Only closers after the cursor, and the answer closes a bracket of its own before the document's: matched closer
+    # by closer, the document's first `)` stood for the answer's second, and its `;` went before the rest: `)););`.
+    ("    let p = in_iter(IntoIterator::█));\n", "into_iter(expected));\n",
+     "    let p = in_iter(IntoIterator::into_iter(expected));\n"),
+    ("    $name(:█))\n", ":std::num::One::one())", "    $name(::std::num::One::one())\n"),
+    ("    assert!(result█));\n", ".is_err());\n", "    assert!(result.is_err());\n"),
+    ("fn f() {\n    if x {\n        y();\n    █;\n}\n", "};", "fn f() {\n    if x {\n        y();\n    };\n}\n"),
+    ('    if !line.contains("Downloading█)\n', '")', '    if !line.contains("Downloading")\n'),  # in a string
+    ('    assert_eq!(parse("1m"█,\n        Err(e));\n', "),", '    assert_eq!(parse("1m"),\n        Err(e));\n'),
+    ("    let v: Vec<█>;\n", "Option<u8>", "    let v: Vec<Option<u8>>;\n"),  # its line would leave `Vec<` open
+    # Its own closers only, the document's after them: as before.
+    ("    foo(bar(█));\n", "x", "    foo(bar(x));\n"),
+    ("    foo(bar(█));\n", "x));\n", "    foo(bar(x));\n"),
+])
+def test_answer_ending_with_the_lines_closers_is_the_line(doc: str, raw: str, want: str) -> None:
+    assert accept(doc, raw) == want
+
+
+def test_closers_of_the_document_never_go_after_the_answers_semicolon() -> None:
+    # The model closed fewer brackets than the document does after the cursor, then ended the statement: the closers
+    # it did not write were appended after its `;` (`to_write)););`).
+    assert accept("fn f() {\n    t!(socket.get_mut(█)));\n}\n", "to_write));\n") is None
+    # Before its `;` they make a line whose brackets pair (`foo(` open on the line above): that line.
+    doc = "fn f() {\n    foo(\n        bar(█));\n}\n"
+    assert accept(doc, "x);\n") == "fn f() {\n    foo(\n        bar(x));\n}\n"
+
+
 def test_insertion_the_model_ended_itself_is_still_shown() -> None:
     # No line break: the model's end token says its text is followed by the document's (`foo(a, b, c)`).
     assert accept("    foo(a, █c);\n", "b, ") == "    foo(a, b, c);\n"
@@ -84,3 +112,10 @@ def test_eval_midline_scores_what_the_editor_shows(tiny_bundle, tmp_path, monkey
     assert s["right"] + s["wrong"] + s["unsure"] + s["empty"] == 8
     assert all((r["shown"] is None) == (r["verdict"] in ("unsure", "empty")) for r in got["tasks"])
     assert f"8 mid-line cursors with code after them: shown {s['right'] + s['wrong']}" in capsys.readouterr().out
+    # --rescore shows the same answers again without a model: by the same policy, the same verdicts.
+    again = tmp_path / "again.json"
+    assert em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "3", "--rescore", str(out),
+                    "--out", str(again)]) == 0
+    assert [r["verdict"] for r in json.loads(again.read_text())["tasks"]] == [r["verdict"] for r in got["tasks"]]
+    with pytest.raises(SystemExit, match="holds other tasks"):
+        em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "4", "--rescore", str(out)])
