@@ -70,6 +70,19 @@ def test_closers_of_the_document_never_go_after_the_answers_semicolon() -> None:
     assert accept(doc, "x);\n") == "fn f() {\n    foo(\n        bar(x));\n}\n"
 
 
+def test_mid_line_among_existing_lines_only_the_line_is_finished() -> None:
+    # Before closers, with code of the block on the next line: the answer's further lines would go between lines
+    # that exist. Only its first line shows.
+    doc = "#[█]\nfn foo() {}\n"
+    assert accept(doc, "test]\n#[should_panic]\nfn bar() {}") == "#[test]\nfn foo() {}\n"
+    doc = "fn f() {\n    let v = vec![█];\n    v.len()\n}\n"
+    assert accept(doc, "1, 2];\n    let w = v.clone();") == "fn f() {\n    let v = vec![1, 2];\n    v.len()\n}\n"
+    # With only the block's end below (a line being typed in new code), the lines it adds still show.
+    doc = "fn f() {\n    let v = vec![█];\n}\n"
+    got = accept(doc, "1, 2];\n    v.len()")
+    assert got == "fn f() {\n    let v = vec![1, 2];\n    v.len()\n}\n"
+
+
 def test_insertion_the_model_ended_itself_is_still_shown() -> None:
     # No line break: the model's end token says its text is followed by the document's (`foo(a, b, c)`).
     assert accept("    foo(a, █c);\n", "b, ") == "    foo(a, b, c);\n"
