@@ -14,8 +14,8 @@ Pure functions and dataclasses over a document string and a cursor offset; no ed
 
 Rules (what editor users expect from ghost text):
 - Multi-line only at the end of a line or when only closing brackets/punctuation follow the cursor;
-  single-line (stop at "\\n") mid-line. `multiline` = "auto" | "always" | "never". Before closers, a multi-line
-  answer shows only its first line where the next line is code of the cursor's block (the line is being finished).
+  single-line (stop at "\\n") mid-line. `multiline` = "auto" | "always" | "never". After code and before closers,
+  a multi-line answer shows only its first line where the next line is code of the cursor's block.
 - On a whitespace-only line the model writes from column 0 (the line's whitespace is left out of the
   prompt) and the result is re-indented to the line's own indentation; the range covers the whole line.
 - Never repeat what is already there: text after the cursor that the model wrote again is trimmed, and
@@ -735,11 +735,12 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
     nxt = next((ln.rstrip() for ln in cur.next_lines if ln.strip()), None)
     if cur.blank_line and nxt is not None and lines[0].rstrip() == nxt:
         return None  # it would write the line that follows again
-    if (p.multiline and len(lines) > 1 and cur.after.strip() and nxt is not None and nxt.strip()[0] not in CLOSERS
-            and len(leading_ws(nxt)) >= len(cur.indent)):
-        # Mid-line (closers after the cursor) with code of the block on the next line: the user is finishing this line
-        # among lines that exist (`#[█]` answered "test]\n#[should_panic]"), where the lines after its first were
-        # wrong in 17 of 25 held-out cases whose first line was right (benchmarks/eval_midline.py --after closers).
+    if (p.multiline and len(lines) > 1 and cur.after.strip() and not cur.at_line_head and nxt is not None
+            and nxt.strip()[0] not in CLOSERS and len(leading_ws(nxt)) >= len(cur.indent)):
+        # Mid-line (code before the cursor, closers after it) with code of the block on the next line: the user is
+        # finishing this line among lines that exist (`#[█]` answered "test]\n#[should_panic]"), where the lines after
+        # its first were wrong in held-out cases whose first line was right (benchmarks/eval_midline.py --after
+        # closers). At a line's head (a block's body before its `}`) its lines are whole lines above that code.
         lines = lines[:1]
     if p.multiline and len(lines) > 1:
         # Stop before a line indented less than the cursor's block; after the line that closes a block the

@@ -77,6 +77,9 @@ def test_mid_line_among_existing_lines_only_the_line_is_finished() -> None:
     assert accept(doc, "test]\n#[should_panic]\nfn bar() {}") == "#[test]\nfn foo() {}\n"
     doc = "fn f() {\n    let v = vec![█];\n    v.len()\n}\n"
     assert accept(doc, "1, 2];\n    let w = v.clone();") == "fn f() {\n    let v = vec![1, 2];\n    v.len()\n}\n"
+    # A block's body before its `}` (only indentation before the cursor): whole lines, all of them, as before.
+    doc = "fn f() {\n█}\nfn g() {}\n"
+    assert accept(doc, "    a();\n    b();\n") == "fn f() {\n    a();\n    b();\n}\nfn g() {}\n"
     # With only the block's end below (a line being typed in new code), the lines it adds still show.
     doc = "fn f() {\n    let v = vec![█];\n}\n"
     got = accept(doc, "1, 2];\n    v.len()")
