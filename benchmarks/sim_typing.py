@@ -26,6 +26,7 @@ time, one daemon started fresh for the run.
     python benchmarks/sim_typing.py                      # all 56 problems (about 8 minutes on 2 cores)
     python benchmarks/sim_typing.py --subset 12          # every 5th problem: a quick run
     python benchmarks/sim_typing.py --bundle B --out r.json --worst 20
+    python benchmarks/sim_typing.py --data ~/.cache/m31r/data   # 40 block bodies of the held-out crates instead
 """
 
 from __future__ import annotations
@@ -130,6 +131,42 @@ def targets(subset: int | None) -> list[Target]:
     for p in probs:
         body = p.middle[:-1] if p.middle.endswith("\n") else p.middle
         out.append(Target(p.name, p.prefix, body, p.middle[len(body) :] + p.suffix, autoclose_map(body)))
+    return out
+
+
+HELD_OUT_CHARS = 400  # the longest block body typed from the held-out crates
+
+
+def held_out_targets(data: Path, n: int, seed: int) -> list[Target]:
+    """Block bodies from the held-out crates (DATA/corpus/val.jsonl), a crate drawn first, then one of its files and
+    one of its `{` blocks of at most HELD_OUT_CHARS: real code typed between lines that exist, with the file's own
+    rest below, where the exec problems are small functions typed to their end."""
+    import random
+
+    from eval_fim import block_bodies, val_texts
+
+    rng = random.Random(seed)
+    by_crate: dict[str, list[tuple[str, str]]] = {}
+    for path, text, crate in val_texts(data):
+        by_crate.setdefault(crate, []).append((path, text))
+    crates, out, seen = sorted(by_crate), [], set()
+    for _ in range(n * 50):
+        if len(out) == n or not crates:
+            break
+        path, text = rng.choice(by_crate[rng.choice(crates)])
+        lines = text.splitlines(keepends=True)
+        blocks = [(i, j) for i, j in block_bodies(lines) if len("".join(lines[i:j])) <= HELD_OUT_CHARS
+                  and "\r" not in "".join(lines[i:j]) and "\t" not in "".join(lines[i:j])]
+        if not blocks:
+            continue
+        i, j = rng.choice(blocks)
+        if (path, i) in seen:
+            continue
+        seen.add((path, i))
+        head, middle = "".join(lines[:i]), "".join(lines[i:j])
+        body = middle.removesuffix("\n")
+        out.append(Target(f"{path}:{i + 1}", head, body, middle[len(body) :] + "".join(lines[j:]),
+                          autoclose_map(body)))
     return out
 
 
@@ -431,13 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worst", type=int, default=10, help="Print the N worst events.")
     ap.add_argument("--out", type=Path, help="Write the results (with every event) as JSON.")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="Type block bodies of the held-out crates in DATA/corpus/val.jsonl instead of the exec "
+                         "problems (--held-out of them, drawn by --seed).")
+    ap.add_argument("--held-out", type=int, default=40, help="With --data: how many block bodies.")
+    ap.add_argument("--seed", type=int, default=0, help="With --data: which block bodies.")
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
         if not args.quiet:
             print(msg, file=sys.stderr)
 
-    tgts = targets(args.subset)
+    tgts = held_out_targets(args.data, args.held_out, args.seed) if args.data else targets(args.subset)
     settings = {"maxTokens": args.max_tokens, "multiline": args.multiline, "debounceMode": "fixed", "debounceMs": 0,
                 "deadlineMs": 60000, "autostart": False, "temperature": 0}
     if args.min_probability is not None:

@@ -135,3 +135,23 @@ def test_eval_midline_scores_what_the_editor_shows(tiny_bundle, tmp_path, monkey
     assert [r["verdict"] for r in json.loads(again.read_text())["tasks"]] == [r["verdict"] for r in got["tasks"]]
     with pytest.raises(SystemExit, match="holds other tasks"):
         em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "4", "--rescore", str(out)])
+
+
+def test_sim_typing_types_held_out_block_bodies(tmp_path, monkeypatch) -> None:
+    """benchmarks/sim_typing.py --data: the targets are block bodies of the held-out files, each file whole again
+    once its body is typed, the same for the same seed."""
+    import json
+
+    from benchmark_util import load
+
+    sim = load(monkeypatch, "sim_typing")
+    src = "".join(f"fn f{k}(x: u32) -> u32 {{\n    let v = g(x, [{k}, 2]);\n    v + 1\n}}\n\n" for k in range(5))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "val.jsonl").write_text(
+        "".join(json.dumps({"path": f"c{i}/src/lib.rs", "text": src, "crate": f"c{i}"}) + "\n" for i in range(2)))
+    tgts = sim.held_out_targets(tmp_path, 4, 1)
+    assert len(tgts) == 4 and [t.name for t in tgts] == [t.name for t in sim.held_out_targets(tmp_path, 4, 1)]
+    for t in tgts:
+        assert t.head + t.body + t.tail == src and t.head.endswith("{\n") and t.tail.startswith("\n}")
+        assert t.body.startswith("    let v = g(") and t.start == 4
+        assert sorted(t.autoclose.values()) == [")", "]"]  # `(` and `[` close on their line: auto-closed
