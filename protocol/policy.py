@@ -333,6 +333,11 @@ def _match_closers(comp: str, cur: Cursor, prefix: str) -> tuple[str, int]:
         # where its brackets then pair; else its own line contradicts the document's closers: nothing.
         cut = comp.rstrip(" \t")[:-1] + text[len(comp) :]
         return (cut, end) if _unpaired(outer, cur.before + cut) == 0 else ("", cur.offset)
+    if (text, end) == (comp, cur.offset) and comp.rstrip(" \t").endswith(";") and cur.after.lstrip()[:1] in (")", "]"):
+        # None of its closers stood for the document's, which stay after its `;` (`g(█);` answered "h(x);" showed
+        # `g(h(x););`): the same, before it.
+        cut = comp.rstrip(" \t")[:-1]
+        return (cut, end) if _unpaired(outer, cur.before + cut + cur.after) == 0 else ("", cur.offset)
     return text, end
 
 
@@ -536,17 +541,48 @@ def _is_subsequence(a: str, b: str) -> bool:
     return all(c in it for c in a)
 
 
-def _trim_after_overlap(comp: str, after: str) -> str:
-    """Mid-line: drop the part of the completion that writes the rest of the line again."""
+def _code_before_comment(after: str, before: str) -> str:
+    """The rest of the line `after` without the comment that ends it (`); // done`: ");"), stripped; all of it where
+    it has none or the cursor is in a string (`"http:█//x"`), whose `//` is text."""
+    if _inside_string(before) is None:
+        for m in _RUST_TOKENS.finditer(after):
+            if m.group().startswith("//") or m.group("comment") and after.rstrip().endswith("*/"):
+                return after[: m.start()].strip()
+            if m.group("comment"):
+                break
+    return after.strip()
+
+
+def _trim_after_overlap(comp: str, after: str, before: str | None = None, prefix: str = "") -> str:
+    """Mid-line: drop the part of the completion that writes the rest of the line again. `before` (the line's text
+    before the cursor) and `prefix` (the document's), where given, let the rest's code before a comment count as the
+    rest, and make nothing of an answer whose text at the cursor takes the rest's closers for brackets of its own."""
     tail = after.strip()
     if not tail:
         return comp
-    # It ends with the whole rest of the line (`fn main(█{` answered ") {"): the line it wrote is the document's
-    # with its own text at the cursor, whatever brackets that text opens (`{` was no cut point, so `{{` was left).
+    # It ends with the whole rest of the line (`fn main(█{` answered ") {"), or with its code before a comment ending
+    # it (`foo(█); // done` answered "a);"): the line it wrote is the document's with its own text at the cursor,
+    # whatever brackets that text opens (`{` was no cut point, so `{{` was left)...
     line = comp.rstrip(" \t")
-    if line.endswith(tail) and len(line) > len(tail):
-        cut = line[: len(line) - len(tail)]
-        return cut.rstrip(" \t") if after[:1].isspace() else cut
+    code = tail if before is None else _code_before_comment(after, before)
+    opened = (_open_brackets(prefix) or ((), ""))[0] if before is not None else ()
+
+    def closes(s: str) -> int:
+        """How many of the brackets open before the cursor, innermost first, `s` closes."""
+        excess = [c for _, c, e in _scan_depth0(s).items if e]
+        k = 0
+        while k < min(len(excess), len(opened)) and opened[-1 - k] == CLOSERS[excess[k]]:
+            k += 1
+        return k
+
+    for rest in dict.fromkeys((tail, code)):
+        if rest and line.endswith(rest) and len(line) > len(rest):
+            cut = line[: len(line) - len(rest)]
+            if closes(cut + code) < closes(code):
+                # ...but not where a closer of the rest closes a bracket of that text's (`f(█x)` answered "g(x)"): the
+                # document's, which closed one before the cursor, is gone (`f(g(x)`; inserted whole, `f(g(x)x)`).
+                return ""
+            return cut.rstrip(" \t") if after[:1].isspace() else cut
     depth0 = {i for i, _, _ in _scan_depth0(comp).items}
     # The completion contains the rest of the line, starting at bracket depth 0: cut there.
     pos = comp.find(tail)
@@ -741,7 +777,13 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
         # finishing this line among lines that exist (`#[█]` answered "test]\n#[should_panic]"), where the lines after
         # its first were wrong in held-out cases whose first line was right (benchmarks/eval_midline.py --after
         # closers). At a line's head (a block's body before its `}`) its lines are whole lines above that code.
-        lines = lines[:1]
+        # Not where its first line leaves open a bracket that its next lines fill: the body of one the line ends
+        # with (`if x {█}` answered "\n        foo();\n    }", shown as nothing), or of the one the cursor is in,
+        # the line ending with an argument's `,` (`foo(█);` answered "a,\n        b,\n    );": `foo(a,);`).
+        head = (cur.before + lines[0]).rstrip()
+        if not (head[-1:] in OPENERS or head.endswith(",") and any(c in CLOSERS for c in cur.after)
+                and not any(e for _, _, e in _scan_depth0(lines[0]).items)):
+            lines = lines[:1]
     if p.multiline and len(lines) > 1:
         # Stop before a line indented less than the cursor's block; after the line that closes a block the
         # cursor line opened; cap the length; cut repetition loops.
@@ -805,11 +847,13 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
                 closed, end = _closers_on_their_line(comp, cur)
             comp = closed
         else:
-            trimmed = _trim_after_overlap(comp, cur.after)
-            if ended and trimmed == comp and not cur.at_line_head:
+            trimmed = _trim_after_overlap(comp, cur.after, cur.before, p.prefix)
+            if (ended and trimmed == comp and not cur.at_line_head
+                    and not all(c in TRAILING_OK for c in _code_before_comment(cur.after, cur.before))):
                 # The model ended its line where the document's goes on with other code (`name█{` answered
                 # ": input.call(x)?,\n"): it rewrote the line, and inserted, its text left the old code behind it
-                # (`name: input.call(x)?,{`). Of such answers on held-out crates none was right.
+                # (`name: input.call(x)?,{`). Of such answers on held-out crates none was right. A comment is no
+                # code: before `; // why` the line ends where the model ended it (`let x = █; // why` answered "5").
                 return None
             if ends_line and cur.at_line_head and trimmed == comp:
                 # Whole lines before the line's code (`█    } else {` answered "        x += 1;\n"): that code
@@ -976,6 +1020,11 @@ def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
         if (not text.endswith(tail) or end < offset or not set(text[offset:end]) <= _AUTO_CLOSED
                 or not set(shown.text[c0 : s.end]) <= _AUTO_CLOSED):
             return None
+        if s.end == c0:
+            # The shown one replaced nothing after its cursor: every closer there now the editor wrote for a bracket
+            # typed from it. Those the rest does not write again stay after it (`ffi_dispatch!(|)` with the rest of a
+            # line cut before its `)`: inserted before the `)`, as typing it out would leave it), not dropped.
+            end = offset + _closers_rewritten(text[offset:end], pred[n:])
     replaced = text[offset:end]  # what it replaces after the cursor: closers it writes again, blank indent
     if pred[n:] == replaced or not _is_subsequence(replaced, pred[n:]):
         # All it has left are the closers already there (`foo(a|)`): nothing to show, the model is asked. Or what
@@ -986,6 +1035,14 @@ def typed_through(shown: Shown, text: str, offset: int) -> Suggestion | None:
 
 # What an editor inserts after the cursor when the user types an opening bracket or quote, and lets the user overtype.
 _AUTO_CLOSED = frozenset(")]}\"'`")
+
+
+def _closers_rewritten(closers: str, rest: str) -> int:
+    """How many of the closers after the cursor, from the first, `rest` writes again (in order)."""
+    k = 0
+    while k < len(closers) and _is_subsequence(closers[: k + 1], rest):
+        k += 1
+    return k
 
 
 def typed_through_alternatives(shown: Shown, text: str, offset: int) -> list[Suggestion]:
