@@ -315,8 +315,10 @@ def _match_closers(comp: str, cur: Cursor, prefix: str) -> tuple[str, int]:
     """`after` is closers/punctuation only. Returns (text, end): the completion (possibly extended with the
     closers it did not write) and where its range ends."""
     text, end = _pair_closers(comp, cur)
-    if "\n" in comp or (text, end) == (comp, cur.line_end) or not cur.after.strip():
+    if ("\n" in comp or (text, end) == (comp, cur.line_end) or not cur.after.strip()
+            or not comp.rstrip(" \t").endswith((cur.after.rstrip(" \t"), ";"))):
         return text, end
+    # The brackets open before the cursor's line (a scan of up to SCAN_CHARS of the prefix: only here).
     outer = (_open_brackets(prefix[: max(0, len(prefix) - len(cur.before))]) or ((), ""))[0]
     paired = cur.before + text + cur.after[end - cur.offset :]  # the line the pairing makes
     if (comp.rstrip(" \t").endswith(cur.after.rstrip(" \t")) and _is_subsequence(cur.after, comp)
@@ -327,11 +329,14 @@ def _match_closers(comp: str, cur: Cursor, prefix: str) -> tuple[str, int]:
         # line's `}█;` answered "};" was shown as nothing. (At `Vec<█>` answered "Option<u8>", its own line leaves
         # `Vec<` open: the document's `>` stays.) The editor shows a replacement that keeps what it replaces.
         return comp, cur.line_end
-    if len(text) > len(comp) and text.startswith(comp) and comp.rstrip(" \t").endswith(";"):
+    if (len(text) > len(comp) and text.startswith(comp) and comp.rstrip(" \t").endswith(";")
+            and any(c in CLOSERS for c in text[len(comp) :])):
         # The document's closers it did not write went after its `;` (`get_mut(█)));` answered "x));": `x)););`).
         # Before it they make the document's line (`bar(x█));` answered "x);", `foo(` open above: `bar(x));`), shown
         # where its brackets then pair; else its own line contradicts the document's closers: nothing.
         cut = comp.rstrip(" \t")[:-1] + text[len(comp) :]
+        if not _is_subsequence(cur.after[: end - cur.offset], cut):
+            return text, end  # its `;` stood for the document's (`█;>` answered ";"): no `;` of the line goes
         return (cut, end) if _unpaired(outer, cur.before + cut) == 0 else ("", cur.offset)
     if (text, end) == (comp, cur.offset) and comp.rstrip(" \t").endswith(";") and cur.after.lstrip()[:1] in (")", "]"):
         # None of its closers stood for the document's, which stay after its `;` (`g(█);` answered "h(x);" showed

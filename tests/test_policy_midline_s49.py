@@ -68,6 +68,9 @@ def test_closers_of_the_document_never_go_after_the_answers_semicolon() -> None:
     # Before its `;` they make a line whose brackets pair (`foo(` open on the line above): that line.
     doc = "fn f() {\n    foo(\n        bar(█));\n}\n"
     assert accept(doc, "x);\n") == "fn f() {\n    foo(\n        bar(x));\n}\n"
+    # Its `;` stood for the document's own, with no closer after it: nothing of the line goes (a hypothesis case
+    # of test_policy_audit's invariants replaced `;>` with `>`).
+    assert accept("    y = █;>\n", "x;") == "    y = x;>\n"
 
 
 def test_mid_line_among_existing_lines_only_the_line_is_finished() -> None:
