@@ -26,15 +26,12 @@ MAX_SPAN = 40  # characters taken out of the line
 MAX_LINE = 160
 
 
-def _word(c: str) -> bool:
-    return c.isalnum() or c == "_"
-
-
 def make_tasks(texts: list[tuple[str, str, str]], n: int, seed: int, after: str = "code") -> list[Task]:
     """Mid-line spans, a crate drawn first and then one of its files (as eval_fim.make_tasks). `after`: "code", spans
     with code after them; "closers", spans followed by closers and punctuation only (`f(a, █);`, as an editor that
     auto-closes brackets leaves a line being typed)."""
     from m31r_protocol.policy import TRAILING_OK
+    from m31r_protocol.policy import is_word_char as word
 
     rng = random.Random(seed)
     by_crate: dict[str, list[tuple[str, str]]] = {}
@@ -60,7 +57,7 @@ def make_tasks(texts: list[tuple[str, str, str]], n: int, seed: int, after: str 
                 continue
         if not body[b:].strip() or all(c in TRAILING_OK for c in body[b:]) != (after == "closers"):
             continue  # nothing after it (eval_fim.py's case), or not the kind asked for
-        if a and _word(body[a - 1]) and _word(body[a]) or _word(body[b - 1]) and _word(body[b]):
+        if a and word(body[a - 1]) and word(body[a]) or word(body[b - 1]) and word(body[b]):
             continue  # a cursor or an end inside a word
         off = sum(map(len, lines[:i]))
         tasks.append(Task("midline", path, i, text[: off + a], text[off + b :], body[a:b]))

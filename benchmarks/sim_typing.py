@@ -155,8 +155,8 @@ def held_out_targets(data: Path, n: int, seed: int) -> list[Target]:
             break
         path, text = rng.choice(by_crate[rng.choice(crates)])
         lines = text.splitlines(keepends=True)
-        blocks = [(i, j) for i, j in block_bodies(lines) if len("".join(lines[i:j])) <= HELD_OUT_CHARS
-                  and "\r" not in "".join(lines[i:j]) and "\t" not in "".join(lines[i:j])]
+        blocks = [(i, j) for i, j in block_bodies(lines)
+                  if len(body := "".join(lines[i:j])) <= HELD_OUT_CHARS and not {"\r", "\t"} & set(body)]
         if not blocks:
             continue
         i, j = rng.choice(blocks)

@@ -38,7 +38,7 @@ from m31r_lsp.documents import UNITS, Lines, first_line
 from m31r_lsp.rpc import M31rProtocol, moved_on
 from m31r_lsp.settings import EditorSettings
 from m31r_protocol import reconnect
-from m31r_protocol.policy import Suggestion
+from m31r_protocol.policy import Suggestion, word_before
 from m31r_protocol.reconnect import LinkConfig
 from m31r_protocol.version import VERSION
 
@@ -463,15 +463,6 @@ def after_selected(ls: M31rLanguageServer, result: Result, selected: types.Selec
     return items
 
 
-def word_start(text: str, offset: int) -> int:
-    """Where the word ending at `offset` starts: letters of any script, digits and `_`, as Helix, Emacs and VS Code
-    read the word they filter a completion menu by (policy.word_before stops at a non-ASCII letter)."""
-    i = offset
-    while i > 0 and (text[i - 1].isalnum() or text[i - 1] == "_"):
-        i -= 1
-    return i
-
-
 def completion_item(ls: M31rLanguageServer, result: Result, params: types.CompletionParams) -> types.CompletionItem:
     """One item carrying the suggestion. Its edit starts at the word the suggestion starts in (menus filter on the
     word before the cursor), so the item's text is that word's start followed by the suggestion. A suggestion typed
@@ -479,7 +470,7 @@ def completion_item(ls: M31rLanguageServer, result: Result, params: types.Comple
     suggestion alone ("YF" over "Y") did not match the word "couY" that Helix and Emacs filter by, and left the menu
     on the first keystroke that agreed with it."""
     s, text = result.suggestion, result.text
-    start = word_start(text, s.start)  # s.start <= the cursor, text[s.start : cursor] a prefix of s.text
+    start = word_before(text, s.start)  # s.start <= the cursor, text[s.start : cursor] a prefix of s.text
     new_text = text[start : s.start] + s.text
     first = first_line(new_text.strip())
     label = first if len(first) <= 80 else first[:79] + "…"

@@ -329,20 +329,17 @@ def _match_closers(comp: str, cur: Cursor, prefix: str) -> tuple[str, int]:
         # line's `}█;` answered "};" was shown as nothing. (At `Vec<█>` answered "Option<u8>", its own line leaves
         # `Vec<` open: the document's `>` stays.) The editor shows a replacement that keeps what it replaces.
         return comp, cur.line_end
-    if (len(text) > len(comp) and text.startswith(comp) and comp.rstrip(" \t").endswith(";")
-            and any(c in CLOSERS for c in text[len(comp) :])):
-        # The document's closers it did not write went after its `;` (`get_mut(█)));` answered "x));": `x)););`).
-        # Before it they make the document's line (`bar(x█));` answered "x);", `foo(` open above: `bar(x));`), shown
-        # where its brackets then pair; else its own line contradicts the document's closers: nothing.
+    rest = cur.after[end - cur.offset :]  # the document's, after the range
+    if text.startswith(comp) and comp.rstrip(" \t").endswith(";") and (
+            any(c in CLOSERS for c in text[len(comp) :]) or end == cur.offset and rest.lstrip()[:1] in (")", "]")):
+        # The document's closers, those it did not write (`get_mut(█)));` answered "x));": `x)););`) or all of them
+        # (`g(█);` answered "h(x);": `g(h(x););`), went after its `;`. Before it they make the document's line
+        # (`bar(x█));` answered "x);", `foo(` open above: `bar(x));`), shown where its brackets then pair; else its own
+        # line contradicts the document's closers: nothing.
         cut = comp.rstrip(" \t")[:-1] + text[len(comp) :]
         if not _is_subsequence(cur.after[: end - cur.offset], cut):
             return text, end  # its `;` stood for the document's (`█;>` answered ";"): no `;` of the line goes
-        return (cut, end) if _unpaired(outer, cur.before + cut) == 0 else ("", cur.offset)
-    if (text, end) == (comp, cur.offset) and comp.rstrip(" \t").endswith(";") and cur.after.lstrip()[:1] in (")", "]"):
-        # None of its closers stood for the document's, which stay after its `;` (`g(█);` answered "h(x);" showed
-        # `g(h(x););`): the same, before it.
-        cut = comp.rstrip(" \t")[:-1]
-        return (cut, end) if _unpaired(outer, cur.before + cut + cur.after) == 0 else ("", cur.offset)
+        return (cut, end) if _unpaired(outer, cur.before + cut + rest) == 0 else ("", cur.offset)
     return text, end
 
 
@@ -558,6 +555,15 @@ def _code_before_comment(after: str, before: str) -> str:
     return after.strip()
 
 
+def _closes(s: str, opened: tuple[str, ...]) -> int:
+    """How many of the brackets `opened` before the cursor (innermost last), innermost first, `s` closes."""
+    excess = [c for _, c, e in _scan_depth0(s).items if e]
+    k = 0
+    while k < min(len(excess), len(opened)) and opened[-1 - k] == CLOSERS[excess[k]]:
+        k += 1
+    return k
+
+
 def _trim_after_overlap(comp: str, after: str, before: str | None = None, prefix: str = "") -> str:
     """Mid-line: drop the part of the completion that writes the rest of the line again. `before` (the line's text
     before the cursor) and `prefix` (the document's), where given, let the rest's code before a comment count as the
@@ -570,23 +576,16 @@ def _trim_after_overlap(comp: str, after: str, before: str | None = None, prefix
     # whatever brackets that text opens (`{` was no cut point, so `{{` was left)...
     line = comp.rstrip(" \t")
     code = tail if before is None else _code_before_comment(after, before)
-    opened = (_open_brackets(prefix) or ((), ""))[0] if before is not None else ()
-
-    def closes(s: str) -> int:
-        """How many of the brackets open before the cursor, innermost first, `s` closes."""
-        excess = [c for _, c, e in _scan_depth0(s).items if e]
-        k = 0
-        while k < min(len(excess), len(opened)) and opened[-1 - k] == CLOSERS[excess[k]]:
-            k += 1
-        return k
-
     for rest in dict.fromkeys((tail, code)):
         if rest and line.endswith(rest) and len(line) > len(rest):
             cut = line[: len(line) - len(rest)]
-            if closes(cut + code) < closes(code):
-                # ...but not where a closer of the rest closes a bracket of that text's (`f(█x)` answered "g(x)"): the
-                # document's, which closed one before the cursor, is gone (`f(g(x)`; inserted whole, `f(g(x)x)`).
-                return ""
+            if before is not None:
+                opened = (_open_brackets(prefix) or ((), ""))[0]
+                if _closes(cut + code, opened) < _closes(code, opened):
+                    # ...but not where a closer of the rest closes a bracket of that text's (`f(█x)` answered
+                    # "g(x)"): the document's, which closed one before the cursor, is gone (`f(g(x)`; inserted whole,
+                    # `f(g(x)x)`).
+                    return ""
             return cut.rstrip(" \t") if after[:1].isspace() else cut
     depth0 = {i for i, _, _ in _scan_depth0(comp).items}
     # The completion contains the rest of the line, starting at bracket depth 0: cut there.
@@ -885,15 +884,16 @@ def postprocess(p: Plan, raw: str, ended_line: bool = False) -> Suggestion | Non
     return Suggestion(comp, start, end)
 
 
-def _is_word_char(c: str) -> bool:
+def is_word_char(c: str) -> bool:
+    """A character of an identifier or word, of any script (what editors filter completion menus by)."""
     return c.isalnum() or c == "_"
 
 
 def word_rest(cur: Cursor) -> str:
     """The rest of the word the cursor is inside (`tot█al = 1;`: "al"), or "" where it is not inside one."""
-    if not (cur.before[-1:] and _is_word_char(cur.before[-1]) and cur.after[:1] and _is_word_char(cur.after[0])):
+    if not (cur.before[-1:] and is_word_char(cur.before[-1]) and cur.after[:1] and is_word_char(cur.after[0])):
         return ""
-    n = next((i for i, c in enumerate(cur.after) if not _is_word_char(c)), len(cur.after))
+    n = next((i for i, c in enumerate(cur.after) if not is_word_char(c)), len(cur.after))
     return cur.after[:n]
 
 
@@ -1064,13 +1064,12 @@ def accepted_state(shown: Shown) -> tuple[str, int]:
     return text, s.start + len(s.text)
 
 
-_IDENT = re.compile(r"[A-Za-z0-9_]*$")
-
-
 def word_before(text: str, offset: int) -> int:
-    """Offset where the identifier ending at `offset` starts (completion menus filter on it)."""
-    m = _IDENT.search(text, _line_start(text, offset), offset)
-    return m.start() if m else offset
+    """Offset where the word ending at `offset` starts (completion menus filter on it; `grö█`: at `g`)."""
+    i = offset
+    while i > 0 and is_word_char(text[i - 1]):
+        i -= 1
+    return i
 
 
 def alternatives(p: Plan, shown: Suggestion | None, raws: list[str], ended_line: bool = False) -> list[Suggestion]:

@@ -15,12 +15,12 @@ document with an emoji before the cursors (two UTF-16 units), at a blank line an
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from lsp_stdio import Stdio
 
 from m31r_lsp.documents import offset_at, position_at
-from m31r_lsp.server import word_start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +72,7 @@ def check(text: str, cursor: int, ghost: list[dict], menu: list[dict]) -> str | 
     assert r["start"]["line"] == r["end"]["line"] == line  # LSP: one line, the request's position in it
     assert r["start"]["character"] <= ch <= r["end"]["character"]
     start = offset_at(text, line, r["start"]["character"], "utf-16")
-    word = text[word_start(text, cursor) : cursor]
+    word = re.search(r"\w*\Z", text[:cursor]).group()  # the word before the cursor, letters of any script
     # Filtered by the text from the edit's start (VS Code, Neovim), by the word (Helix), by the label (Emacs).
     assert item["filterText"] == edit["newText"] and edit["newText"].startswith(text[start:cursor]), (word, item)
     assert start <= cursor - len(word) and item["label"].startswith(word), (word, item)

@@ -6,17 +6,7 @@ rewrites the line. The eval's single-line tasks never have code after the cursor
 from __future__ import annotations
 
 import pytest
-
-from m31r_protocol import policy
-from m31r_protocol.policy import Options
-
-
-def accept(doc: str, raw: str, ended_line: bool = False) -> str | None:
-    """The document once the suggestion for `raw` at █ is accepted, or None where nothing is shown."""
-    offset = doc.index("█")
-    text = doc.replace("█", "")
-    s = policy.postprocess(policy.plan(text, offset, Options()), raw, ended_line)
-    return None if s is None else text[: s.start] + s.text + text[s.end :]
+from policy_util import accept
 
 
 @pytest.mark.parametrize(("doc", "raw", "want"), [
@@ -87,6 +77,13 @@ def test_mid_line_among_existing_lines_only_the_line_is_finished() -> None:
     doc = "fn f() {\n    let v = vec![█];\n}\n"
     got = accept(doc, "1, 2];\n    v.len()")
     assert got == "fn f() {\n    let v = vec![1, 2];\n    v.len()\n}\n"
+
+
+def test_the_word_before_the_cursor_is_of_any_script() -> None:
+    # What completion menus filter by (the language server's items start there); the ASCII-only reading stopped at `ö`.
+    from m31r_protocol.policy import word_before
+
+    assert word_before("let g = grö", 11) == 8 and word_before("x = (", 5) == 5 and word_before("a\nbc_1", 6) == 2
 
 
 def test_insertion_the_model_ended_itself_is_still_shown() -> None:
