@@ -19,6 +19,8 @@
 #   RUN      the run's folder under WORK (default run): a second name on a warm machine trains a second candidate
 #            from the same start, on the corpus the first call unpacked and tokenised
 #   GPU_SAMPLE_S  seconds between samples of the GPU's utilisation and clocks while it trains (default 10)
+#   PROFILE  steps A-B (as logged) profiled into profile.txt, sent back with the log (default 20-24; empty: none):
+#            what the process feeding the GPU spends a step on (m31r/train/profile.py)
 #
 # The run starts from .device/shards (weights sent back by an earlier call) when present, else from the bundle in
 # .device/init (an int8 copy of the release: half the bytes of the bf16 one), else from scratch.
@@ -93,6 +95,12 @@ for name, value in (("BUDGET", "$BUDGET"), ("MINUTES", "$MINUTES")):
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", value):
         sys.exit(f"{name}={value!r} is not a number of {'seconds' if name == 'BUDGET' else 'minutes'}: nothing was "
                  "unpacked or trained")
+try:
+    from m31r.train.profile import parse_steps
+
+    parse_steps("${PROFILE-20-24}")
+except ValueError as e:
+    sys.exit(f"PROFILE: {e}: nothing was unpacked or trained")
 try:
     model_config = load_train_config("$CONFIG")[1]
 except Exception as e:
@@ -172,9 +180,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from m31r.train.profile import parse_steps
 from m31r.train.trainer import train
 
 config, run = Path("$CONFIG"), Path("$R")
+profile = parse_steps("${PROFILE-20-24}")
 deadline = $START + $BUDGET
 init = "$INIT" or None
 if init:  # the init bundle is mini's: a config of another shape starts from scratch instead
@@ -204,7 +214,7 @@ def attempt(compile_: bool) -> dict:
     spec["compile"] = compile_ and spec.get("compile", False)
     derived = config.with_name("device-run.yaml")
     derived.write_text(yaml.safe_dump(spec))
-    return train(derived, "$W/data", run, max_minutes=stop, device="$DEVICE", init_from=init)
+    return train(derived, "$W/data", run, max_minutes=stop, device="$DEVICE", init_from=init, profile=profile)
 
 
 try:
@@ -248,6 +258,7 @@ rm -rf "$W/shards"
 write_shards(Path('$R/ckpt.pt'), Path('$W/shards'))"
 send_shards 0
 if [ -f "$R/log.jsonl" ]; then cp "$R/log.jsonl" "$OUT/"; fi
+if [ -f "$R/profile.txt" ]; then cp "$R/profile.txt" "$OUT/"; fi
 echo "call: $(( $(date +%s) - START )) s"
 if [ "$trained" -ne 0 ]; then
   echo "training failed (status $trained): sent the checkpoint of step $("$PY" -c "import json; \

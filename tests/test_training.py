@@ -814,6 +814,7 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     (fake / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "CONFIG": str(cfg), "BUDGET": "30", "DEVICE": "cpu", "PYTHON": str(python),
            "WORK": str(tmp_path / "work"), "OUT": str(out), "PACKED": str(packed), "GPU_SAMPLE_S": "0.2",
+           "PROFILE": "1-2",
            "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run(["bash", "scripts/device-train.sh"], cwd=repo, env=env, capture_output=True, text=True,
@@ -839,7 +840,8 @@ def test_the_device_script_trains_and_sends_the_weights_back(full_run, data_dir:
     # What the GPU did meanwhile: its samples come back, summed up in one line, and the sampler is gone.
     assert proc.stdout.count("gpu sample: 2026/11/27 20:00:00.000, 97, 1500, 1980, 512.5, 61\n") >= 2
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
-        ["log.jsonl", "state.json", *(p.name for p in (out / "shards").glob("weights-*"))])  # a call sends back 8
+        ["log.jsonl", "profile.txt", "state.json", *(p.name for p in (out / "shards").glob("weights-*"))])  # 8 at most
+    assert "steps 1 to 2 (2):" in (out / "profile.txt").read_text()  # what feeding the device cost, profiled
     assert "GPU while training: utilisation median 97% (" in proc.stdout
     assert "SM clock median 1500 of 1980 MHz, power median 512 W" in proc.stdout
     assert subprocess.run(["pgrep", "-f", str(fake / "nvidia-smi")], capture_output=True).returncode == 1

@@ -47,6 +47,7 @@ from m31r.model import Transformer, init_weights
 from m31r.quant import dequantize_int8
 from m31r.tokenizer import DEFAULT_SPECIAL, Tokenizer
 from m31r.train.corpus import unfinished_build
+from m31r.train.profile import StepProfile
 from m31r.train.samples import COT, FIM, NEXT, Neighbours, lm_row, pack_fim_row, tokenize_documents
 
 
@@ -409,19 +410,25 @@ def step_batches(data: Data, tc: TrainConfig, max_context: int, step: int) -> li
 _WORKER_ARGS: tuple | None = None  # (data, tc, max_context), inherited by forked workers
 
 
-def _worker_batches(step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _worker_batches(step: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:
+    """A step's rows and the seconds this process took to build them."""
     data, tc, max_context = _WORKER_ARGS
+    t0 = time.perf_counter()
     # Narrow dtypes across the process boundary: a step of 262k tokens is 0.8 MB instead of 4 MB.
-    return [(r.numpy().astype(np.uint16), c.numpy().astype(np.int8))
+    rows = [(r.numpy().astype(np.uint16), c.numpy().astype(np.int8))
             for r, c in step_batches(data, tc, max_context, step)]
+    return rows, time.perf_counter() - t0
 
 
 class StepBatches:
-    """Each step's micro-batches, built here or, with `tc.data_workers`, by forked processes a few steps ahead."""
+    """Each step's micro-batches, built here or, with `tc.data_workers`, by forked processes a few steps ahead.
+    `build_s`: the seconds the last step's rows took to build, in whichever process built them (with the step's
+    tokens, what one row builder makes a second)."""
 
     def __init__(self, data: Data, tc: TrainConfig, max_context: int, first: int, stop: int):
         global _WORKER_ARGS
         self.args, self.pool, self.ahead = (data, tc, max_context), None, {}
+        self.build_s = 0.0
         self.next, self.stop = first, stop
         if tc.data_workers > 0:
             _WORKER_ARGS = self.args  # the corpus is shared with the workers by fork, not copied through pipes
@@ -435,8 +442,11 @@ class StepBatches:
 
     def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.pool is None:
-            return step_batches(*self.args, step)
-        out = self.ahead.pop(step).get()
+            t0 = time.perf_counter()
+            out = step_batches(*self.args, step)
+            self.build_s = time.perf_counter() - t0
+            return out
+        out, self.build_s = self.ahead.pop(step).get()
         self._fill()
         return [(torch.from_numpy(r.astype(np.int64)), torch.from_numpy(c.astype(np.int64))) for r, c in out]
 
@@ -735,11 +745,13 @@ def wait_while_paused(run_dir: Path, log: Callable[[str], None], poll: float = 0
 
 
 def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *, max_minutes: float | None = None,
-          max_steps: int | None = None, device: str = "cpu", init_from: str | Path | None = None, log=print) -> dict:
+          max_steps: int | None = None, device: str = "cpu", init_from: str | Path | None = None, log=print,
+          profile: tuple[int, int] | None = None) -> dict:
     """Train (or resume) a run; returns its state. Checkpoints land in run_dir/ckpt.pt.
 
     `max_steps` stops early at that step (the schedule still follows the config's max_steps); `init_from`
-    (or the config's) starts a new run from a bundle's weights and is ignored when resuming.
+    (or the config's) starts a new run from a bundle's weights and is ignored when resuming. `profile` (first, last
+    step, as logged) writes a profile of those steps to run_dir/profile.txt (m31r.train.profile).
     """
     tc, mc = load_train_config(config_path)
     data_dir, run_dir = Path(data_dir), Path(run_dir)
@@ -747,12 +759,12 @@ def train(config_path: str | Path, data_dir: str | Path, run_dir: str | Path, *,
     run_dir.mkdir(parents=True, exist_ok=True)
     with hold_run(run_dir):
         return _train(tc, mc, config_path, data_dir, run_dir, max_minutes=max_minutes, max_steps=max_steps,
-                      dev=torch.device(device), init_from=init_from, log=log)
+                      dev=torch.device(device), init_from=init_from, log=log, profile=profile)
 
 
 def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: Path, run_dir: Path, *,
            max_minutes: float | None, max_steps: int | None, dev: torch.device, init_from: str | Path | None,
-           log: Callable[[str], None]) -> dict:
+           log: Callable[[str], None], profile: tuple[int, int] | None = None) -> dict:
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -838,12 +850,15 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
     # Steps in a row whose gradient was not finite, kept in the state: a run resumed mid-way through such steps (a
     # checkpoint, a stop) stops where an uninterrupted one would, with the same message, not SKIP_LIMIT steps later.
     skipped = state.get("skipped_in_a_row", 0)
+    profiler = StepProfile(profile, run_dir / "profile.txt", dev) if profile is not None else None
     try:
         while state["step"] < stop_at:
             step = state["step"]
             t_start += wait_while_paused(run_dir, log, stop=stop)  # a pause counts against no budget
             if stop.signum is not None:
                 break
+            if profiler is not None:
+                profiler.before(step + 1)
             seq = seq_len_at(step, tc, mc.max_context)
             n_rows = rows_per_micro_batch(tc, seq, mc.max_context)
             t0 = time.perf_counter()
@@ -871,6 +886,7 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
                             tok_s=f"{tokens / dt:.0f}")
             record = {"step": step + 1, "lr": lr, "gnorm": gnorm, "seq": seq, "tokens": state["tokens"],
                       "tok_s": round(tokens / dt, 1), "rows_wait_s": round(waited, 4),
+                      "rows_build_s": round(batches.build_s, 4),
                       "tflops": round(tokens * flops_per_token(mc, seq) / dt / 1e12, 4),
                       **{f"train_{k}": v for k, v in parts.items()}}
             last = state["step"] == stop_at or (tc.minutes > 0 and state["seconds"] >= 60 * tc.minutes)
@@ -881,6 +897,8 @@ def _train(tc: TrainConfig, mc: ModelConfig, config_path: str | Path, data_dir: 
                 log(f"step {state['step']}: val next {val['next']:.3f} (ppl {math.exp(val['next']):.1f}) "
                     f"fim {val['fim']:.3f} cot {val['cot']:.3f}")
             state["history"].append(record)
+            if profiler is not None:
+                profiler.after(state["step"])
             try:
                 with open(run_dir / "log.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
