@@ -339,7 +339,7 @@ def editor_request(engine, budget, t: Task, settings, beams: int = 1) -> EditorR
     plan = policy.plan(t.prefix + t.suffix, len(t.prefix), settings.options())
     fields, _, _ = fim_request(plan, settings, engine.config.max_context)
     req = as_trained(m.Fim(id=0, context=list(t.context), **fields))
-    ids, max_tokens, heal = build_prompt(engine, budget, req)
+    ids, max_tokens, heal, _ = build_prompt(engine, budget, req)
     return EditorRequest(plan, ids, heal, max_tokens, request_stops(req), request_start_stops(req),
                          line_context(req.prefix), request_beams(req, SamplingParams(), beams), req.min_probability)
 

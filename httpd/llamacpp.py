@@ -33,6 +33,9 @@ How it maps onto the daemon's Fim (as ollama.py does for Ollama's API):
 - Unknown fields are ignored, as llama.cpp's server ignores them; those not honoured are named in the
   X-M31R-Ignored-Options header (except `model`, `id_slot` and `cache_prompt`, whose effect is had anyway: one model,
   no slots, and the daemon always reuses its prefix cache).
+- `truncated` is the daemon's: true where the prompt lost text to fit the context (the prefix's lines far above the
+  cursor, the suffix's far below, a long cursor line's start; a plain /completion prompt's start), as llama.cpp's
+  was where it cut a prompt. Unknown (false) where an n_indent or t_max_predict_ms cut ended the daemon's request.
 - Errors have llama.cpp's shape, `{"error": {"code": <status>, "message", "type"}}`; mid-stream, a `data:` line of it.
 
 llama.cpp's `POST /completion` (`{prompt, n_predict, stream, stop, temperature, cache_prompt, ...}`; Continue's
@@ -228,7 +231,8 @@ class InfillRenderer(Renderer):
         kw: dict[str, Any] = dict(
             content=content, model=self.settings.model, tokens_predicted=u.completion_tokens,
             tokens_evaluated=evaluated, generation_settings=self.settings, has_new_line="\n" in g.text,
-            stop_type=stop_type, stopping_word=word or "", tokens_cached=u.cached_tokens, timings=timings)
+            stop_type=stop_type, stopping_word=word or "", tokens_cached=u.cached_tokens, timings=timings,
+            truncated=d.truncated)
         answer = (s.InfillResponse(**kw) if self.prompt is None
                   else s.LlamaCppCompletionResponse(**kw, prompt=self.prompt))
         if not self.fields:

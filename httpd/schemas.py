@@ -466,8 +466,8 @@ class InfillSettings(Struct):
 
 class InfillResponse(Struct, kw_only=True):
     """llama.cpp's answer to /infill (and a stream's last event, `content` empty there), its fields in its order.
-    `tokens_evaluated`, `tokens_cached` and the prompt's timings are 0 where an n_indent or t_max_predict_ms cut ended
-    the daemon's request before it reported them."""
+    `tokens_evaluated`, `tokens_cached` and the prompt's timings are 0 (and `truncated` false) where an n_indent or
+    t_max_predict_ms cut ended the daemon's request before it reported them."""
 
     index: int = 0
     content: str
@@ -479,7 +479,7 @@ class InfillResponse(Struct, kw_only=True):
     tokens_evaluated: int
     generation_settings: InfillSettings
     has_new_line: bool
-    truncated: bool = False  # the daemon fits every FIM prompt to the context, as llama.cpp fits /infill's
+    truncated: bool = False  # the daemon's Done.truncated: the prompt lost text to fit the context
     stop_type: Literal["eos", "limit", "word"]
     stopping_word: str = ""
     tokens_cached: int

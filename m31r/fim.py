@@ -63,6 +63,7 @@ class FimPrompt:
     line_tokens: int
     above_start_line: int  # index of the first line of P_above kept
     heal: str = ""  # text of P_line's last token, left out of ids: the completion starts by writing it again
+    truncated: bool = False  # the prefix or suffix lost text to its budget (lines far from the cursor, a line's end)
 
 
 def split_prefix(prefix: str) -> tuple[str, str]:
@@ -254,7 +255,9 @@ def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget
     # The cuts count tokens line by line; encoded whole, a text can come out a few tokens longer (a first suffix line
     # cut by tokens, then decoded and encoded again): the ids are held to their budgets all the same, so a prompt
     # never takes the completion's room. Every cut by tokens keeps whole characters (keep_head, keep_tail).
-    s_ids = keep_head(tok, tok.encode(cut_suffix(tok, suffix, budget.suffix)), budget.suffix)
+    s_text = cut_suffix(tok, suffix, budget.suffix)
+    s_all = tok.encode(s_text)
+    s_ids = keep_head(tok, s_all, budget.suffix)
     above_text, start_line = cut_above(tok, above, budget.above, budget.line_step)
     a_ids = tok.encode(above_text)
     # Lines that str.splitlines breaks but the tokenizer does not (a form feed, U+2028) can encode longer whole: start
@@ -266,12 +269,16 @@ def build_fim_prompt(tok: Tokenizer, prefix: str, suffix: str, budget: FimBudget
         room = min(counted - (len(a_ids) - budget.above), counted * budget.above // len(a_ids))
         above_text, start_line = cut_above(tok, above, room, budget.line_step)
         a_ids = tok.encode(above_text)
-    a_ids = keep_tail(tok, a_ids, budget.above)
+    a_kept = keep_tail(tok, a_ids, budget.above)
     # A very long cursor line keeps its end, nearest the cursor.
-    l_ids = keep_tail(tok, tok.encode(line), budget.line)
+    l_all = tok.encode(line)
+    l_ids = keep_tail(tok, l_all, budget.line)
+    # (before healing, which only moves the cursor line's last token into the completion: no text is lost)
+    truncated = (len(s_text) < len(suffix) or len(s_ids) < len(s_all) or start_line > 0 or len(a_kept) < len(a_ids)
+                 or len(l_ids) < len(l_all))
     l_ids, healed = heal_split(tok, l_ids) if heal else (l_ids, "")
-    ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_ids, tok.fim_middle_id, *l_ids]
-    return FimPrompt(ids, len(s_ids), len(a_ids), len(l_ids), start_line, healed)
+    ids = [tok.fim_suffix_id, *s_ids, tok.fim_prefix_id, *a_kept, tok.fim_middle_id, *l_ids]
+    return FimPrompt(ids, len(s_ids), len(a_kept), len(l_ids), start_line, healed, truncated)
 
 
 def suffix_stop(prefix: str, suffix: str) -> str | None:

@@ -343,7 +343,16 @@ def wire_refusal(req: m.Generate | m.Fim, max_context: int, budget: FimBudget | 
     return None
 
 
-def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> tuple[list[int], int, str]:
+class Built(NamedTuple):
+    """A request's prompt as build_prompt makes it."""
+
+    ids: list[int]
+    max_tokens: int
+    heal: str  # the healed text: the completion starts by writing it again (m31r.fim)
+    truncated: bool = False  # the prompt lost text of the request's to fit (Done's)
+
+
+def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> Built:
     """A request's prompt ids, max_tokens and healed text (m31r.fim). Runs on a worker thread: the tokenizer lets
     go of the GIL on long texts, so a huge prompt costs its own request time, not everyone's (on the inference
     thread it stalled every stream). Raises ContextOverflowError (too many tokens) or ValueError (an empty
@@ -353,15 +362,18 @@ def build_prompt(engine: Engine, budget: FimBudget, req: m.Generate | m.Fim) -> 
         prompt = build_fim_prompt(engine.tokenizer, req.prefix, req.suffix, budget)
         room = context_room(budget, prompt)  # P_line at its budget: typing on a line keeps the snippets
         head = context_ids(engine.tokenizer, req.context, room) if req.context else []
-        return head + prompt.ids, req.max_tokens, prompt.heal
+        # (snippets that do not fit are no cut: the context is extra code the daemon lays before the prompt as room
+        # allows, never all of it)
+        return Built(head + prompt.ids, req.max_tokens, prompt.heal, prompt.truncated)
     ids = engine.tokenizer.encode(req.prompt)
     if not ids:
         raise ValueError("empty prompt: nothing to continue from")
-    ids, heal = heal_prompt(engine.tokenizer, engine.fit_prompt(ids, req.max_tokens, req.truncate))
-    return ids, req.max_tokens, heal
+    fitted = engine.fit_prompt(ids, req.max_tokens, req.truncate)
+    kept, heal = heal_prompt(engine.tokenizer, fitted)
+    return Built(kept, req.max_tokens, heal, len(fitted) < len(ids))
 
 
-def build_unless_cancelled(engine: Engine, budget: FimBudget, job: InFlight) -> tuple[list[int], int, str] | None:
+def build_unless_cancelled(engine: Engine, budget: FimBudget, job: InFlight) -> Built | None:
     """build_prompt, unless the job was cancelled while it waited for the worker: a client that cancels what it sends
     must not keep the workers tokenising megabytes for nothing (the limits count only live requests)."""
     return None if job.cancelled else build_prompt(engine, budget, job.wire)
@@ -381,6 +393,7 @@ class InFlight:
     text: str = ""  # what was sent so far (typed-through reuses it)
     tokens: list[int] = field(default_factory=list)  # the tokens sent (token_ends places them in `text`)
     heal: str = ""  # the prompt's healed end (build_prompt's)
+    truncated: bool = False  # the prompt lost text of the request's to fit (build_prompt's; Done's)
     beams: int = 1  # the beam width it runs with (request_beams)
 
     @property
@@ -807,7 +820,7 @@ class Daemon:
         if built is None or job.cancellation.reason is not None:
             why = job.cancellation
             return self._answer(job, m.Error(id=job.rid, code=why.code, message=why.reason or ""), True)  # type: ignore[arg-type]
-        ids, max_tokens, heal = built
+        ids, max_tokens, heal, job.truncated = built
         job.heal = heal
         lookahead = self.lookahead if job.wire.lookahead is None else job.wire.lookahead
         fim = isinstance(job.wire, m.Fim)
@@ -838,7 +851,7 @@ class Daemon:
                 alternatives=list(e.alternatives), logprob=_round(e.logprob),
                 line_logprob=_round(e.line_logprob), logprob_by_line=[round(x, 4) for x in e.logprob_by_line],
                 stopped_by=e.stopped_by if e.finish_reason == "stop" else None,  # type: ignore[arg-type]
-                stop_sequence=e.stop_sequence if e.finish_reason == "stop" else None), True)
+                stop_sequence=e.stop_sequence if e.finish_reason == "stop" else None, truncated=job.truncated), True)
         elif isinstance(event, Failed) and event.overflow is not None:
             self._answer(job, overflow_error(job.rid, event.overflow), True)
         elif isinstance(event, Failed):

@@ -217,6 +217,11 @@ class Done(Struct, tag="done"):
     # answer before code keeps that code on a line of its own (m31r_protocol.policy.postprocess's ended_line).
     stopped_by: StoppedBy | None = None
     stop_sequence: str | None = None
+    # Whether the prompt lost text of the request's to fit the model's context: a Fim's prefix or suffix beyond its
+    # budget (lines far from the cursor, a long cursor line's start; m31r.fim), a Generate's start with `truncate`.
+    # Context snippets left out for room are not counted (they are laid as room allows). False for a typed_through
+    # answer (no prompt was built) and from an older daemon.
+    truncated: bool = False
 
 
 BusyScope = Literal[

@@ -72,8 +72,8 @@ def test_daemon_and_training_lay_out_the_same_stable_head(tiny_engine) -> None:
     for n in (13, 14, 17, 20):
         seen = set()
         for prefix in typed(file_above(n), line):
-            ids, _, _ = build_prompt(tiny_engine, budget, m.Fim(id=1, prefix=prefix, suffix=SUFFIX, max_tokens=8,
-                                                                context=snippets))
+            ids = build_prompt(tiny_engine, budget, m.Fim(id=1, prefix=prefix, suffix=SUFFIX, max_tokens=8,
+                                                          context=snippets)).ids
             assert ids.count(tok.fim_middle_id) == 1 and len(ids) + budget.reserve <= tiny_engine.config.max_context
             seen.add(tuple(ids[: ids.index(tok.fim_middle_id) + 1]))
         assert len(seen) == 1, f"{n} lines above: the daemon's prompt head changed while typing one line"
@@ -85,8 +85,8 @@ def test_daemon_and_training_lay_out_the_same_stable_head(tiny_engine) -> None:
     for seed in range(12):
         sample = fim_sample(tok, text, random.Random(seed), budget, neighbours=near)
         a, b = choose_middle(text, random.Random(seed))
-        served, _, _ = build_prompt(tiny_engine, budget, m.Fim(id=1, prefix=text[:a], suffix=text[b:],
-                                                               context=rank(query_words(text[:a]), near)))
+        served = build_prompt(tiny_engine, budget, m.Fim(id=1, prefix=text[:a], suffix=text[b:],
+                                                         context=rank(query_words(text[:a]), near))).ids
         assert sample.ids[: len(served)] == served, f"seed {seed}"
         heads.add(served.index(tok.fim_suffix_id))
     assert len(heads) > 2  # snippets laid out in rooms of several sizes

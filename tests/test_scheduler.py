@@ -365,8 +365,8 @@ async def test_an_overflow_the_scheduler_finds_carries_its_figures(daemon, monke
     import m31rd.server as server
 
     ctx = tiny_engine.config.max_context
-    monkeypatch.setattr(server, "build_prompt", lambda engine, budget, req: ([10 + i % 200 for i in range(ctx)],
-                                                                              req.max_tokens, ""))
+    monkeypatch.setattr(server, "build_prompt", lambda engine, budget, req: server.Built(
+        [10 + i % 200 for i in range(ctx)], req.max_tokens, ""))
     a = Conn()
     daemon.submit(a, gen(1, max_tokens=4))
     err = await a.final(1)
