@@ -320,7 +320,8 @@ def _result(g: Generation, logprobs: bool = False) -> s.GenerateResponse:
     return s.GenerateResponse(tokens=token_figures(g.frames) if logprobs else None,
         text=g.text, finish_reason=d.finish_reason,
         usage=d.usage, timings=d.timings, alternatives=d.alternatives, logprob=d.logprob, line_logprob=d.line_logprob,
-        logprob_by_line=d.logprob_by_line, stopped_by=d.stopped_by, stop_sequence=d.stop_sequence)
+        logprob_by_line=d.logprob_by_line, stopped_by=d.stopped_by, stop_sequence=d.stop_sequence,
+        truncated=d.truncated)
 
 
 class NativeRenderer(Renderer):

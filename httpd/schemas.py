@@ -182,6 +182,7 @@ class GenerateResponse(Struct):
     # Done.stopped_by and Done.stop_sequence: what a finish_reason "stop" was, and the stop sequence that matched
     stopped_by: Literal["end", "sequence", "repeat", "unsure"] | None = None
     stop_sequence: str | None = None
+    truncated: bool = False  # Done.truncated: the prompt lost text to fit the context
 
 
 class Alternative(Struct):

@@ -463,6 +463,7 @@ async def _complete(kind: str, payload: dict, opts: dict, client: Any) -> None:
                                "alternatives": done.alternatives, "logprob": done.logprob,
                                "line_logprob": done.line_logprob, "logprob_by_line": done.logprob_by_line,
                                "stopped_by": done.stopped_by, "stop_sequence": done.stop_sequence,
+                               "truncated": done.truncated,
                                **({"token_logprobs": [
                                    {"text": f.text, "token": f.token, "logprob": f.logprob,
                                     "top": msgspec.to_builtins(f.top_logprobs)} for f in scored_tokens(frames)]}

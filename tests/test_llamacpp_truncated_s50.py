@@ -113,3 +113,19 @@ def test_llamacpp_completion_truncated(http, prompt, cut) -> None:
     assert a.status_code == 200 and a.json()["truncated"] is cut, a.text
     r = http.post("/completion", json={**body, "stream": True})
     assert r.status_code == 200 and last_event(r.text)["truncated"] is cut, r.text
+
+
+def test_the_native_answer_and_the_cli_carry_it(shared_daemon, http) -> None:
+    """This server's own /generate and `m31r generate --json` pass Done.truncated on too."""
+    import os
+    import subprocess
+    import sys
+
+    for prompt, cut in ((PREFIX, False), (LONG_ABOVE, True)):
+        got = http.post("/generate", json={"prompt": prompt, "max_tokens": 4, "truncate": True}).json()
+        assert got["truncated"] is cut, got
+        r = subprocess.run([sys.executable, "-m", "m31r.cli", "generate", prompt, "--truncate", "--json",
+                            "--max-tokens", "4", "--socket", str(shared_daemon[1])], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["truncated"] is cut, r.stdout
