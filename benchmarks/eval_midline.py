@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="what follows the span: code, or closers and punctuation only (the line's last ones)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=None, help="write the summary and every task's row as JSON")
+    p.add_argument("--min-probability", type=float, default=None, metavar="P",
+                   help="the editors' confidence floor (default: theirs); with --rescore, answers decoded under a "
+                        "lower floor are shown as this one would (a higher one only stops them sooner)")
     p.add_argument("--rescore", type=Path, default=None, metavar="OUT_JSON",
                    help="no model: show the answers an earlier --out holds (same data, --n, --seed and --after) by "
                         "this tree's policy, beside that run's figures (for policy changes)")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = make_tasks(val_texts(args.data), args.n, args.seed, args.after)
     if not tasks:
         raise SystemExit(f"no mid-line spans with {args.after} after them in {args.data / 'corpus' / 'val.jsonl'}")
-    settings = editor_settings()
+    settings = editor_settings() if args.min_probability is None else editor_settings(args.min_probability)
     t0 = time.perf_counter()
     if args.rescore is not None:
         before = json.loads(args.rescore.read_text())

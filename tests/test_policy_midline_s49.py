@@ -133,6 +133,14 @@ def test_eval_midline_scores_what_the_editor_shows(tiny_bundle, tmp_path, monkey
     assert em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "3", "--rescore", str(out),
                     "--out", str(again)]) == 0
     assert [r["verdict"] for r in json.loads(again.read_text())["tasks"]] == [r["verdict"] for r in got["tasks"]]
+    # A floor no answer reaches (--min-probability 1: every first line is less likely than certain) shows nothing;
+    # the answers the floor hid are the same tasks, shown or not.
+    floor = tmp_path / "floor.json"
+    assert em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "3", "--min-probability", "1",
+                    "--rescore", str(out), "--out", str(floor)]) == 0
+    hidden = json.loads(floor.read_text())["tasks"]
+    assert all(r["verdict"] in ("unsure", "empty") for r in hidden)
+    assert sum(r["verdict"] == "unsure" for r in hidden) >= s["right"] + s["wrong"]
     with pytest.raises(SystemExit, match="holds other tasks"):
         em.main(["--data", str(tmp_path / "data"), "--n", "8", "--seed", "4", "--rescore", str(out)])
 
