@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval_fim import Task, editor_request, editor_settings, engine_summary, val_texts
+from eval_fim import MIN_PROBABILITY, Task, editor_request, editor_settings, engine_summary, val_texts
 
 MAX_SPAN = 40  # characters taken out of the line
 MAX_LINE = 160
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="what follows the span: code, or closers and punctuation only (the line's last ones)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=None, help="write the summary and every task's row as JSON")
-    p.add_argument("--min-probability", type=float, default=None, metavar="P",
+    p.add_argument("--min-probability", type=float, default=MIN_PROBABILITY, metavar="P",
                    help="the editors' confidence floor (default: theirs); with --rescore, answers decoded under a "
                         "lower floor are shown as this one would (a higher one only stops them sooner)")
     p.add_argument("--rescore", type=Path, default=None, metavar="OUT_JSON",
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = make_tasks(val_texts(args.data), args.n, args.seed, args.after)
     if not tasks:
         raise SystemExit(f"no mid-line spans with {args.after} after them in {args.data / 'corpus' / 'val.jsonl'}")
-    settings = editor_settings() if args.min_probability is None else editor_settings(args.min_probability)
+    settings = editor_settings(args.min_probability)
     t0 = time.perf_counter()
     if args.rescore is not None:
         before = json.loads(args.rescore.read_text())

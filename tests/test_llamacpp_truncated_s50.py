@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from test_http import healthy_server
+from test_llamacpp_api import http, server  # noqa: F401 (fixtures: a real `m31r serve` on the shared daemon)
 
 from m31r_protocol import Client
 from m31r_protocol.messages import Snippet
 
 pytestmark = pytest.mark.timeout(120)
 
-CAP = 8  # --max-tokens-cap: short answers, the tests are about the prompt
+CAP = 8  # n_predict: short answers, the tests are about the prompt
 PREFIX = "fn main() {\n    let total = add(1, 2);\n"
 MIDDLE = "    println!("
 SUFFIX = ");\n}\n"
@@ -68,17 +67,6 @@ async def test_generate_done_says_whether_truncate_cut_the_start(shared_daemon) 
 # -- over HTTP ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(shared_daemon, tmp_path_factory):
-    yield from healthy_server(tmp_path_factory, "llamacpp_truncated", shared_daemon[1], "--max-tokens-cap", str(CAP))
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def last_event(text: str) -> dict:
     return json.loads([e for e in text.split("\n\n") if e][-1].removeprefix("data: "))
 
@@ -89,7 +77,7 @@ def last_event(text: str) -> dict:
     (PREFIX, MIDDLE, SUFFIX + LONG_BELOW, True),
     (PREFIX, LONG_LINE, SUFFIX, True),
 ], ids=["short", "lines_above", "lines_below", "cursor_line"])
-def test_infill_truncated(http, above, middle, below, cut) -> None:
+def test_infill_truncated(http, above, middle, below, cut) -> None:  # noqa: F811
     """/infill as the plugins send it: the whole answer, the stream's last event, and llama.vim's response_fields."""
     body = {"input_prefix": above, "prompt": middle, "input_suffix": below, "n_predict": CAP}
     a = http.post("/infill", json=body)
@@ -107,7 +95,7 @@ def test_infill_truncated(http, above, middle, below, cut) -> None:
     (PREFIX, False),  # plain text: a Generate, whose start the daemon cuts where it does not fit
     (LONG_ABOVE, True),
 ], ids=["fim_short", "fim_lines_above", "fim_lines_below", "plain_short", "plain_long"])
-def test_llamacpp_completion_truncated(http, prompt, cut) -> None:
+def test_llamacpp_completion_truncated(http, prompt, cut) -> None:  # noqa: F811
     body = {"prompt": prompt, "n_predict": CAP}
     a = http.post("/completion", json=body)
     assert a.status_code == 200 and a.json()["truncated"] is cut, a.text
@@ -115,7 +103,7 @@ def test_llamacpp_completion_truncated(http, prompt, cut) -> None:
     assert r.status_code == 200 and last_event(r.text)["truncated"] is cut, r.text
 
 
-def test_the_native_answer_and_the_cli_carry_it(shared_daemon, http) -> None:
+def test_the_native_answer_and_the_cli_carry_it(shared_daemon, http) -> None:  # noqa: F811
     """This server's own /generate and `m31r generate --json` pass Done.truncated on too."""
     import os
     import subprocess
